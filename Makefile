@@ -1,0 +1,37 @@
+# Tessel Planner: `make run` sets everything up and runs the main job; `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TESSEL := $(VENV)/bin/tessel
+STAMP := $(VENV)/.tessel-installed
+
+.PHONY: setup browser run test bench clean
+
+setup: $(STAMP)
+
+# torch is installed first from the pinned constraint so no other package can pull a CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+# Debian's Chromium for the browser tests (playwright cannot download a browser here).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian chromium for browser tests"; \
+	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
+	  echo "warning: could not install chromium; browser tests will be skipped"; }
+
+run: setup browser
+	$(TESSEL) plan --model gpt2 --devices 4 --micro-batches 8 --schedule 1f1b -o out/
+
+test: setup browser
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/engine_bench.py
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,1 @@
+"""Entry points: the ``tessel`` CLI and the served planner app."""

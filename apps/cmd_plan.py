@@ -1,0 +1,78 @@
+"""Plan a model: capture it, split it into pipeline segments, build a schedule, simulate it,
+and write ``plan.json``, ``trace.json`` (Perfetto) and ``schedule.csv`` (torch pipelining)."""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+from apps.output import fmt_gib, fmt_ms, table
+
+HELP = "plan a model on N devices with a predefined schedule and write plan/trace/csv"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from engine.baselines import SCHEDULES
+
+    p.add_argument("--model", default="gpt2", help="built-in name (see `tessel models`) or module:callable (default gpt2)")
+    p.add_argument("--devices", type=int, default=4, help="total devices = dp * tp * pp (default 4)")
+    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (default 8)")
+    p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
+    p.add_argument("--device-type", default="h100", help="cost table: h100, a100, cpu (default h100)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--virtual-stages", type=int, default=None, help="segments per device for interleaved (default 2)")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (model default)")
+    p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's capacity)")
+    p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from engine.io import save_plan, write_torch_csv, write_trace
+    from engine.planner import make_plan
+
+    t0 = time.perf_counter()
+    quiet = args.json
+
+    def progress(phase: str) -> None:
+        if not quiet:
+            print(f"[tessel] {phase} ...", file=sys.stderr, flush=True)
+
+    limit = args.memory_limit * 2**30 if args.memory_limit is not None else None
+    res = make_plan(
+        args.model, devices=args.devices, micro_batches=args.micro_batches, schedule=args.schedule,
+        device_type=args.device_type, dp=args.dp, tp=args.tp, virtual_stages=args.virtual_stages,
+        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, memory_limit=limit, progress=progress,
+    )
+    out = Path(args.output)
+    plan_path = save_plan(res.plan, out / "plan.json")
+    trace_path = write_trace(res.timeline, out / "trace.json", metadata={"schedule": res.plan.schedule.name, **{k: v for k, v in res.plan.metrics.items() if k != "bubble_ratios"}})
+    csv_path = write_torch_csv(res.plan.schedule, out / "schedule.csv")
+    elapsed = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    m = res.plan.metrics
+    par = res.plan.parallel
+    g = res.graph
+    print(f"{res.plan.model['name']}: {g.graph.get('num_params', 0) / 1e6:,.1f}M parameters, {g.number_of_nodes()} ops, "
+          f"{len(res.plan.segments)} segments; dp={par['dp']} tp={par['tp']} pp={par['pp']}, "
+          f"{par['micro_batches']} micro-batches, schedule {res.plan.schedule.name} on {args.device_type}")
+    rows = [[f"device {d}", fmt_ms(m['makespan'] * (1 - b)), f"{b:.1%}", fmt_gib(p)]
+            for d, (b, p) in enumerate(zip(m["bubble_ratios"], m["peak_memory"]))]
+    print(table(["device", "busy", "bubble", "peak memory"], rows))
+    print(f"makespan {fmt_ms(m['makespan'])}, bubble ratio {m['bubble_ratio']:.1%}, "
+          f"{m['tokens_per_second']:,.0f} tokens/s predicted")
+    for w in res.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(f"wrote {plan_path}, {trace_path} (open in ui.perfetto.dev), {csv_path}")
+    print(f"planned in {elapsed:.2f} s, peak RSS {rss / 2**20:,.0f} MiB")
+    return {
+        "plan": str(plan_path), "trace": str(trace_path), "csv": str(csv_path),
+        "makespan": m["makespan"], "bubble_ratio": m["bubble_ratio"], "bubble_ratios": m["bubble_ratios"],
+        "peak_memory": m["peak_memory"], "tokens_per_second": m["tokens_per_second"],
+        "segments": len(res.plan.segments), "ops": g.number_of_nodes(), "parallel": par,
+        "timings": res.timings, "elapsed": elapsed, "peak_rss": rss, "warnings": res.warnings,
+    }

@@ -1,0 +1,48 @@
+"""Exceptions shared by the engine.
+
+Every error a user can cause derives from :class:`TesselError`, so the CLI can print
+its one-sentence message and exit non-zero without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class TesselError(Exception):
+    """Base class of user-facing errors: ``str(err)`` is a complete sentence."""
+
+
+class PlacementError(TesselError, ValueError):
+    """A placement is malformed: a device out of range, a cycle, a backward without forward."""
+
+
+class ScheduleError(TesselError):
+    """A schedule violates a rule.
+
+    Attributes:
+        rule: one of ``"completeness"``, ``"device"``, ``"dependency"``, ``"deadlock"``,
+            ``"memory"``, ``"micro-batches"``.
+        device: the device (rank) where the first violation was found, or ``None``.
+        block: the offending block as an action string like ``"1B3"``, or ``None``.
+    """
+
+    def __init__(self, rule: str, message: str, device: int | None = None, block: str | None = None):
+        super().__init__(message)
+        self.rule = rule
+        self.device = device
+        self.block = block
+
+
+class DeadlockError(TesselError):
+    """The simulator found ranks that wait on each other forever.
+
+    Attributes:
+        waiting: ``{rank: "instruction it waits at"}`` for every rank that is stuck.
+    """
+
+    def __init__(self, message: str, waiting: dict[int, str]):
+        super().__init__(message)
+        self.waiting = waiting
+
+
+class PlanFormatError(TesselError, ValueError):
+    """A plan/CSV file is malformed or has an unknown version; the message names the field path."""

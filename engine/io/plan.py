@@ -1,0 +1,148 @@
+"""Versioned plan JSON: ``{"format": "tessel-plan", "version": 1, ...}``.
+
+A plan holds everything needed to view, re-simulate or launch it without the original
+Python session: the model reference, the parallel configuration, the segments (module paths,
+costs, boundary tensors), the placement, the schedule (per-device action strings), the cost
+model inputs and the predicted metrics. JSON only, never pickle. Loading an unknown version
+or a malformed file raises :class:`~engine.errors.PlanFormatError` naming the field path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine import __version__
+from engine.errors import PlacementError, PlanFormatError
+from engine.io.atomic import atomic_write_text
+from engine.placement import Placement
+from engine.schedule import Schedule, parse_action
+
+PLAN_FORMAT = "tessel-plan"
+PLAN_VERSION = 1
+
+
+@dataclass
+class Plan:
+    """A complete parallelization plan.
+
+    Attributes:
+        model: model reference: ``name`` (registry name or ``module:callable``), ``source``,
+            ``config`` (JSON-able), ``batch_size`` (global), ``micro_batch_size``, ``seq_len``, ``dtype``.
+        parallel: ``dp``, ``tp``, ``pp``, ``virtual_stages``, ``micro_batches``, ``devices`` (= dp*tp*pp),
+            ``optimizer`` (``"adam"``).
+        segments: one dict per segment: ``index``, ``layers`` (module paths), ``devices``,
+            ``flops`` (forward FLOPs per micro-batch), ``param_bytes``, ``activation_bytes``,
+            ``forward_time``/``backward_time`` (s), ``output`` (boundary tensor shape/dtype).
+        schedule: the :class:`Schedule` (its placement included).
+        cost: ``CostModel.to_dict()`` (device table entry, links, dtype, profile).
+        metrics: predicted ``makespan`` (s), ``bubble_ratio``, ``bubble_ratios``, ``peak_memory`` (bytes).
+        meta: free-form facts (tool version, creation command).
+    """
+
+    model: dict
+    parallel: dict
+    segments: list[dict]
+    schedule: Schedule
+    cost: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def placement(self) -> Placement:
+        return self.schedule.placement
+
+    def to_dict(self) -> dict:
+        """The JSON document (``format``, ``version`` first)."""
+        s = self.schedule
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "meta": {"tessel_version": __version__, **self.meta},
+            "model": self.model,
+            "parallel": self.parallel,
+            "segments": self.segments,
+            "placement": s.placement.to_dict(),
+            "schedule": {"name": s.name, "num_micro_batches": s.num_micro_batches, "orders": s.to_actions(), "meta": s.meta},
+            "cost": self.cost,
+            "metrics": self.metrics,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "plan") -> "Plan":
+        """Rebuild a plan from its JSON document.
+
+        Raises:
+            PlanFormatError: wrong format/version or a malformed field; the message names the
+                field path, e.g. ``schedule.orders[1][4]``.
+        """
+        def need(obj, key, typ, path):
+            if not isinstance(obj, dict) or key not in obj:
+                raise PlanFormatError(f"{source}: missing field '{path}'")
+            v = obj[key]
+            if not isinstance(v, typ):
+                tn = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+                raise PlanFormatError(f"{source}: field '{path}' should be {tn}, got {type(v).__name__}")
+            return v
+
+        if not isinstance(d, dict):
+            raise PlanFormatError(f"{source}: a plan is a JSON object, got {type(d).__name__}")
+        fmt = d.get("format")
+        if fmt != PLAN_FORMAT:
+            raise PlanFormatError(f"{source}: field 'format' is {fmt!r}, expected {PLAN_FORMAT!r}; is this a Tessel plan file?")
+        ver = d.get("version")
+        if ver != PLAN_VERSION:
+            raise PlanFormatError(
+                f"{source}: field 'version' is {ver!r}, but this Tessel reads version {PLAN_VERSION}; "
+                "re-create the plan with this version of `tessel plan`"
+            )
+        model = need(d, "model", dict, "model")
+        parallel = need(d, "parallel", dict, "parallel")
+        segments = need(d, "segments", list, "segments")
+        pl_d = need(d, "placement", dict, "placement")
+        try:
+            placement = Placement.from_dict(pl_d)
+        except PlacementError as e:
+            raise PlanFormatError(f"{source}: field 'placement': {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanFormatError(f"{source}: field 'placement' is malformed ({type(e).__name__}: {e})") from None
+        sd = need(d, "schedule", dict, "schedule")
+        orders_raw = need(sd, "orders", list, "schedule.orders")
+        m = need(sd, "num_micro_batches", int, "schedule.num_micro_batches")
+        orders = []
+        for r, row in enumerate(orders_raw):
+            if not isinstance(row, list):
+                raise PlanFormatError(f"{source}: field 'schedule.orders[{r}]' should be a list of actions")
+            order = []
+            for i, a in enumerate(row):
+                try:
+                    order.append(parse_action(str(a)))
+                except PlanFormatError as e:
+                    raise PlanFormatError(f"{source}: field 'schedule.orders[{r}][{i}]': {e}") from None
+            orders.append(order)
+        schedule = Schedule(placement, m, orders, str(sd.get("name", "custom")), dict(sd.get("meta") or {}))
+        return cls(model, parallel, segments, schedule, dict(d.get("cost") or {}), dict(d.get("metrics") or {}), dict(d.get("meta") or {}))
+
+
+def save_plan(plan: Plan, path: str | Path) -> Path:
+    """Write the plan JSON atomically to ``path``; returns the path."""
+    return atomic_write_text(path, json.dumps(plan.to_dict(), indent=1))
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan JSON file.
+
+    Raises:
+        PlanFormatError: the file is missing, not JSON (with line/column), of another format or
+            version, or has a malformed field (named by its path).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PlanFormatError(f"{path}: no such plan file")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise PlanFormatError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    return Plan.from_dict(d, source=str(path))

@@ -1,0 +1,323 @@
+"""Placement: the chain of blocks of ONE micro-batch and the devices each block runs on.
+
+A placement says, for a single micro-batch, which blocks exist (the forward ``F``, backward
+``B`` or split backward ``I``/``W`` of every segment), which device set runs each block,
+how long it takes (seconds) and how much memory it allocates or frees on each of its devices
+(bytes). A :class:`~engine.schedule.Schedule` then orders the blocks of all micro-batches on
+every device. This is the input of Tessel's search (Tessel, HPCA 2024, section III: "the
+placement of one micro-batch") and of the predefined schedules.
+
+The plain pipeline (Tessel's V shape) and the interleaved pipeline (virtual stages) are built
+here by :func:`pipeline_placement`; other shapes (X, M, NN, K) build on :class:`Placement`
+directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from math import prod
+from typing import Iterable, Sequence
+
+import networkx as nx
+
+from engine.errors import PlacementError
+
+#: Block kinds: forward, full backward, backward for inputs, backward for weights.
+BLOCK_KINDS = ("F", "B", "I", "W")
+
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name like ``"float32"``.
+
+    Raises:
+        ValueError: the dtype name is unknown.
+    """
+    name = dtype.replace("torch.", "")
+    try:
+        return _DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(_DTYPE_BYTES))}") from None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Static shape and dtype of a tensor that crosses devices.
+
+    Attributes:
+        shape: tensor shape, e.g. ``(micro_batch, seq, hidden)``.
+        dtype: dtype name, e.g. ``"float32"``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return prod(self.shape) * dtype_bytes(self.dtype)
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorSpec":
+        return cls(tuple(int(x) for x in d["shape"]), str(d.get("dtype", "float32")))
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One block of a micro-batch's chain.
+
+    Attributes:
+        kind: ``"F"``, ``"B"``, ``"I"`` (input-gradient) or ``"W"`` (weight-gradient).
+        segment: segment (stage) index; ``(kind, segment)`` is unique in a placement.
+        devices: the device set that runs the block; a multi-device block occupies all of
+            them at once (e.g. a tensor-parallel embedding on every device).
+        duration: seconds.
+        memory: bytes allocated (positive) or freed (negative) on EACH of its devices.
+        deps: indices (into :attr:`Placement.blocks`) of blocks of the same micro-batch that
+            must finish before this one starts.
+        output: the tensor handed to dependents on other devices (the activation for ``F``,
+            the input gradient for ``B``/``I``); ``None`` if nothing crosses devices.
+    """
+
+    kind: str
+    segment: int
+    devices: tuple[int, ...]
+    duration: float = 1.0
+    memory: int = 0
+    deps: tuple[int, ...] = ()
+    output: TensorSpec | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.kind, self.segment)
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind, "segment": self.segment, "devices": list(self.devices),
+            "duration": self.duration, "memory": self.memory, "deps": list(self.deps),
+            "output": self.output.to_dict() if self.output else None,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockSpec":
+        return cls(
+            kind=str(d["kind"]), segment=int(d["segment"]),
+            devices=tuple(int(x) for x in d["devices"]), duration=float(d.get("duration", 1.0)),
+            memory=int(d.get("memory", 0)), deps=tuple(int(x) for x in d.get("deps", ())),
+            output=TensorSpec.from_dict(d["output"]) if d.get("output") else None,
+        )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The blocks of one micro-batch, their device sets, durations, memory and dependencies.
+
+    Attributes:
+        num_devices: devices (pipeline ranks) ``0..num_devices-1``.
+        blocks: the block specs; ``deps`` refer to positions in this tuple.
+        name: shape name (``"V"``, ``"interleaved"``, ``"X"``, ``"M"``, ...).
+        static_memory: bytes resident on each device regardless of the schedule (parameters,
+            gradients, optimizer states, receive buffers); empty means zeros.
+
+    Raises:
+        PlacementError: a device out of range, a dependency index out of range, a cycle,
+            a duplicate ``(kind, segment)``, an unknown kind, or a backward without its forward.
+    """
+
+    num_devices: int
+    blocks: tuple[BlockSpec, ...]
+    name: str = "custom"
+    static_memory: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        object.__setattr__(self, "static_memory", tuple(int(x) for x in self.static_memory))
+        if self.num_devices < 1:
+            raise PlacementError(f"a placement needs at least one device, got num_devices={self.num_devices}")
+        if self.static_memory and len(self.static_memory) != self.num_devices:
+            raise PlacementError(
+                f"static_memory has {len(self.static_memory)} entries but the placement has "
+                f"{self.num_devices} devices; give one value per device"
+            )
+        seen: dict[tuple[str, int], int] = {}
+        for i, b in enumerate(self.blocks):
+            if b.kind not in BLOCK_KINDS:
+                raise PlacementError(f"block {i} has kind {b.kind!r}; use one of {', '.join(BLOCK_KINDS)}")
+            if not b.devices:
+                raise PlacementError(f"block {b.segment}{b.kind} has no device; give it at least one")
+            for d in b.devices:
+                if not 0 <= d < self.num_devices:
+                    raise PlacementError(
+                        f"block {b.segment}{b.kind} is placed on device {d}, outside 0..{self.num_devices - 1}"
+                    )
+            if len(set(b.devices)) != len(b.devices):
+                raise PlacementError(f"block {b.segment}{b.kind} lists a device twice: {list(b.devices)}")
+            if b.duration < 0:
+                raise PlacementError(f"block {b.segment}{b.kind} has negative duration {b.duration}")
+            for dep in b.deps:
+                if not 0 <= dep < len(self.blocks) or dep == i:
+                    raise PlacementError(f"block {b.segment}{b.kind} depends on block index {dep}, which does not exist")
+            if b.key in seen:
+                raise PlacementError(f"block {b.segment}{b.kind} appears twice in the placement")
+            seen[b.key] = i
+        for b in self.blocks:
+            if b.kind != "F" and ("F", b.segment) not in seen:
+                raise PlacementError(f"block {b.segment}{b.kind} is a backward without its forward {b.segment}F")
+            if b.kind == "W" and ("I", b.segment) not in seen:
+                raise PlacementError(f"block {b.segment}W needs {b.segment}I: a weight-gradient block follows its input-gradient block")
+        g = self.dependency_graph()
+        if not nx.is_directed_acyclic_graph(g):
+            cycle = nx.find_cycle(g)
+            names = " -> ".join(f"{self.blocks[u].segment}{self.blocks[u].kind}" for u, _ in cycle)
+            raise PlacementError(f"the placement's dependencies form a cycle: {names}")
+        object.__setattr__(self, "_index", seen)
+
+    # ----------------------------------------------------------------- queries
+    def index(self, kind: str, segment: int) -> int:
+        """Position of block ``(kind, segment)``; raises ``KeyError`` if absent."""
+        return self._index[(kind, segment)]  # type: ignore[attr-defined]
+
+    def spec(self, kind: str, segment: int) -> BlockSpec:
+        """The :class:`BlockSpec` of ``(kind, segment)``."""
+        return self.blocks[self.index(kind, segment)]
+
+    def has(self, kind: str, segment: int) -> bool:
+        return (kind, segment) in self._index  # type: ignore[attr-defined]
+
+    @property
+    def num_segments(self) -> int:
+        return 1 + max(b.segment for b in self.blocks) if self.blocks else 0
+
+    @property
+    def split_backward(self) -> bool:
+        """True when backward is split into I and W blocks."""
+        return any(b.kind == "I" for b in self.blocks)
+
+    @property
+    def forward_only(self) -> bool:
+        """True for inference placements (no backward blocks)."""
+        return all(b.kind == "F" for b in self.blocks)
+
+    def dependency_graph(self) -> nx.DiGraph:
+        """DiGraph over block indices with an edge ``dep -> block`` per dependency."""
+        g = nx.DiGraph()
+        g.add_nodes_from(range(len(self.blocks)))
+        for i, b in enumerate(self.blocks):
+            g.add_edges_from((d, i) for d in b.deps)
+        return g
+
+    def blocks_on(self, device: int) -> list[int]:
+        """Indices of blocks that run on ``device``."""
+        return [i for i, b in enumerate(self.blocks) if device in b.devices]
+
+    def static_bytes(self, device: int) -> int:
+        return self.static_memory[device] if self.static_memory else 0
+
+    def busy_time(self, device: int) -> float:
+        """Seconds of compute one micro-batch puts on ``device``."""
+        return sum(self.blocks[i].duration for i in self.blocks_on(device))
+
+    def with_durations(self, durations: Sequence[float]) -> "Placement":
+        """A copy with new per-block durations (same order as :attr:`blocks`)."""
+        return replace(self, blocks=tuple(replace(b, duration=float(t)) for b, t in zip(self.blocks, durations, strict=True)))
+
+    # ----------------------------------------------------------------- JSON
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "num_devices": self.num_devices,
+            "static_memory": list(self.static_memory),
+            "blocks": [b.to_dict() for b in self.blocks],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Placement":
+        """Inverse of :meth:`to_dict`. Raises ``PlacementError``/``KeyError`` on bad input."""
+        return cls(
+            num_devices=int(d["num_devices"]),
+            blocks=tuple(BlockSpec.from_dict(b) for b in d["blocks"]),
+            name=str(d.get("name", "custom")),
+            static_memory=tuple(int(x) for x in d.get("static_memory", ())),
+        )
+
+
+def pipeline_placement(
+    num_devices: int,
+    *,
+    virtual_stages: int = 1,
+    forward: Sequence[float] | float = 1.0,
+    backward: Sequence[float] | float = 2.0,
+    activation_bytes: Sequence[int] | int = 0,
+    split_backward: bool = False,
+    weight_grad_fraction: float = 0.5,
+    forward_only: bool = False,
+    outputs: Sequence[TensorSpec | None] | None = None,
+    input_grads: Sequence[TensorSpec | None] | None = None,
+    static_memory: Iterable[int] = (),
+) -> Placement:
+    """A plain (V) or interleaved pipeline placement.
+
+    Segment ``s`` of ``S = num_devices * virtual_stages`` runs on device ``s % num_devices``
+    (PyTorch's ``ScheduleInterleaved1F1B`` stage-to-rank mapping). The chain is
+    ``F0 -> F1 -> ... -> F(S-1) -> B(S-1) -> ... -> B0``; with ``split_backward`` each ``B``
+    becomes ``I`` (on the chain) plus ``W`` (depends only on its ``I``), as in zero-bubble
+    pipelines (Qi et al., 2023).
+
+    Args:
+        num_devices: pipeline ranks.
+        virtual_stages: segments per device (1 = plain pipeline).
+        forward: forward seconds per segment (a scalar applies to all).
+        backward: full-backward seconds per segment; with ``split_backward`` I and W get
+            ``(1 - weight_grad_fraction)`` and ``weight_grad_fraction`` of it.
+        activation_bytes: bytes saved by a segment's forward for its backward, per micro-batch.
+            F allocates them; B frees them (I frees the non-weight share, W the rest).
+        forward_only: inference placement (F blocks only).
+        outputs: per segment, the activation tensor its forward sends to the next segment.
+        input_grads: per segment, the gradient tensor its backward sends to the previous one.
+        static_memory: per device resident bytes (parameters, gradients, optimizer states).
+
+    Raises:
+        PlacementError: non-positive devices or virtual stages, or lists of the wrong length.
+    """
+    if num_devices < 1 or virtual_stages < 1:
+        raise PlacementError(f"need num_devices >= 1 and virtual_stages >= 1, got {num_devices} and {virtual_stages}")
+    n_seg = num_devices * virtual_stages
+
+    def per_segment(x, what):
+        if isinstance(x, (int, float)):
+            return [x] * n_seg
+        x = list(x)
+        if len(x) != n_seg:
+            raise PlacementError(f"{what} has {len(x)} values but there are {n_seg} segments")
+        return x
+
+    fwd = per_segment(forward, "forward")
+    bwd = per_segment(backward, "backward")
+    act = per_segment(activation_bytes, "activation_bytes")
+    outs = per_segment(outputs, "outputs") if outputs is not None else [None] * n_seg
+    grads = per_segment(input_grads, "input_grads") if input_grads is not None else [None] * n_seg
+    wf = float(weight_grad_fraction)
+    blocks: list[BlockSpec] = []
+    for s in range(n_seg):
+        deps = (len(blocks) - 1,) if s > 0 else ()
+        blocks.append(BlockSpec("F", s, (s % num_devices,), float(fwd[s]), int(act[s]), deps, outs[s]))
+    if not forward_only:
+        for s in reversed(range(n_seg)):
+            dev = (s % num_devices,)
+            prev = len(blocks) - 1 if s == n_seg - 1 else last_chain
+            if split_backward:
+                free_i = int(round(act[s] * (1 - wf)))
+                blocks.append(BlockSpec("I", s, dev, float(bwd[s]) * (1 - wf), -free_i, (prev,), grads[s] if s > 0 else None))
+                last_chain = len(blocks) - 1
+                blocks.append(BlockSpec("W", s, dev, float(bwd[s]) * wf, -(int(act[s]) - free_i), (last_chain,), None))
+            else:
+                blocks.append(BlockSpec("B", s, dev, float(bwd[s]), -int(act[s]), (prev,), grads[s] if s > 0 else None))
+                last_chain = len(blocks) - 1
+    name = "V" if virtual_stages == 1 else "interleaved"
+    return Placement(num_devices, tuple(blocks), name=name, static_memory=tuple(static_memory))

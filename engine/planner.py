@@ -1,0 +1,179 @@
+"""The whole planning pipeline in one call: capture -> transform -> schedule -> lower -> simulate.
+
+``make_plan("gpt2", devices=4, micro_batches=8, schedule="1f1b")`` returns a
+:class:`PlanResult` with the :class:`~engine.io.Plan` (ready for ``save_plan``), the predicted
+:class:`~engine.timeline.Timeline` and the captured :class:`~engine.graph.OpGraph`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.baselines import build_schedule, placement_requirements
+from engine.cost import CostModel
+from engine.dependency import ExecutionPlan, lower
+from engine.errors import TesselError
+from engine.graph import OpGraph, capture
+from engine.io.plan import Plan
+from engine.models import ModelBundle, build_model
+from engine.placement import Placement, pipeline_placement
+from engine.schedule import Schedule
+from engine.simulate import simulate
+from engine.timeline import Timeline
+from engine.transform import ADAM_STATE_FACTOR, ParallelConfig, Segment, TransformError, split_segments
+
+
+@dataclass
+class PlanResult:
+    """What :func:`make_plan` produces.
+
+    Attributes:
+        plan: the versioned plan (save with :func:`engine.io.save_plan`).
+        timeline: the predicted timeline of one step.
+        graph: the captured operator graph of one micro-batch.
+        execution: the per-rank instruction streams.
+        warnings: things the user should know (memory above capacity, ...).
+        timings: seconds spent in each phase (``capture``, ``transform``, ``schedule``, ``simulate``).
+    """
+
+    plan: Plan
+    timeline: Timeline
+    graph: OpGraph
+    execution: ExecutionPlan
+    warnings: list[str] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+
+def placement_from_segments(segments: list[Segment], config: ParallelConfig, *, split_backward: bool = False,
+                            forward_only: bool = False) -> Placement:
+    """A V or interleaved placement whose durations, memory and tensors come from the segments.
+
+    Static memory per device: parameters of its segments with gradients and Adam states
+    (``ADAM_STATE_FACTOR`` x parameter bytes; parameters only when ``forward_only``).
+    """
+    pp = config.pp
+    static = [0] * pp
+    for s in segments:
+        static[s.index % pp] += s.param_bytes * (1 if forward_only else ADAM_STATE_FACTOR)
+    outs = [s.output for s in segments]
+    grads = [segments[i - 1].output if i > 0 else None for i in range(len(segments))]
+    return pipeline_placement(
+        pp, virtual_stages=config.virtual_stages,
+        forward=[s.forward_time for s in segments], backward=[s.backward_time for s in segments],
+        activation_bytes=[s.activation_bytes for s in segments], split_backward=split_backward,
+        forward_only=forward_only, outputs=outs, input_grads=grads, static_memory=static,
+    )
+
+
+def make_plan(
+    model: str | ModelBundle,
+    *,
+    devices: int = 4,
+    micro_batches: int = 8,
+    schedule: str = "1f1b",
+    device_type: str = "h100",
+    dp: int = 1,
+    tp: int = 1,
+    virtual_stages: int | None = None,
+    micro_batch_size: int = 1,
+    seq_len: int | None = None,
+    memory_limit: float | None = None,
+    cost: CostModel | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """Plan a model end to end.
+
+    Args:
+        model: a registry name (``gpt2``, ``gpt3-175b``, ``module:callable``...) or a built bundle.
+        devices: total devices; the pipeline degree is ``devices / (dp * tp)``.
+        micro_batches: ``m`` per step.
+        schedule: ``gpipe``, ``1f1b``, ``interleaved`` or ``zb-h1``.
+        device_type: cost table entry (``h100``, ``a100``, ``cpu``).
+        dp, tp: data- and tensor-parallel degrees.
+        virtual_stages: segments per rank (default 2 for ``interleaved``, else 1).
+        micro_batch_size: samples per micro-batch.
+        seq_len: tokens per sample (model default if ``None``).
+        memory_limit: bytes per device for the split and the memory check (device capacity if ``None``).
+        cost: a prepared cost model (e.g. with profiled op times); overrides ``device_type``.
+        progress: called with the name of each phase as it starts.
+
+    Raises:
+        TesselError: bad names or degrees, a model that cannot be captured, a schedule that needs
+            more micro-batches (each a one-sentence message).
+    """
+    say = progress or (lambda _msg: None)
+    timings: dict[str, float] = {}
+    if devices < 1 or dp < 1 or tp < 1:
+        raise TransformError(f"devices, dp and tp must be positive, got devices={devices}, dp={dp}, tp={tp}")
+    if devices % (dp * tp):
+        raise TransformError(f"--devices {devices} is not divisible by dp*tp = {dp * tp}; pick devices = dp * tp * pp")
+    pp = devices // (dp * tp)
+    req = placement_requirements(schedule)
+    vs = virtual_stages or req.get("virtual_stages", 1)
+    config = ParallelConfig(dp=dp, tp=tp, pp=pp, virtual_stages=vs, micro_batches=micro_batches, micro_batch_size=micro_batch_size)
+    config.check()
+
+    t0 = time.perf_counter()
+    say("capture")
+    bundle = model if isinstance(model, ModelBundle) else build_model(model, batch_size=micro_batch_size, seq_len=seq_len)
+    graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
+    timings["capture"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    say("transform")
+    cost = cost or CostModel.for_device(device_type)
+    segments, warnings = split_segments(graph, cost, config, memory_limit=memory_limit)
+    placement = placement_from_segments(segments, config, split_backward=req.get("split_backward", False))
+    timings["transform"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    say("schedule")
+    sched: Schedule = build_schedule(schedule, placement, micro_batches)
+    limit = memory_limit
+    sched.validate(limit)
+    timings["schedule"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    say("simulate")
+    execution = lower(sched, dp=dp, segment_param_bytes={s.index: s.param_bytes for s in segments})
+    timeline = simulate(execution, cost)
+    timings["simulate"] = time.perf_counter() - t0
+
+    metrics = timeline.metrics()
+    cap = memory_limit if memory_limit is not None else cost.device.mem_capacity
+    over = [d for d, p in enumerate(metrics["peak_memory"]) if p > cap]
+    if over:
+        warnings.append(
+            f"predicted peak memory on device(s) {over} is above {cap / 2**30:.1f} GiB; "
+            "add devices, tensor parallelism (--tp) or fewer micro-batches in flight (1f1b)"
+        )
+    tokens = micro_batch_size * (bundle.seq_len or 1) * micro_batches * dp
+    metrics["tokens_per_step"] = tokens
+    metrics["tokens_per_second"] = tokens / metrics["makespan"] if metrics["makespan"] > 0 else 0.0
+    metrics["memory_capacity"] = cap
+    plan = Plan(
+        model={"name": bundle.name, "source": bundle.source, "config": bundle.config,
+               "micro_batch_size": micro_batch_size, "batch_size": micro_batch_size * micro_batches * dp,
+               "seq_len": bundle.seq_len, "dtype": graph.graph.get("dtype", "float32"),
+               "num_params": graph.graph.get("num_params")},
+        parallel={**config.to_dict(), "optimizer": "adam"},
+        segments=[s.to_dict() for s in segments],
+        schedule=sched,
+        cost=cost.to_dict(),
+        metrics=metrics,
+        meta={"warnings": warnings},
+    )
+    return PlanResult(plan, timeline, graph, execution, warnings, timings)
+
+
+def resimulate(plan: Plan) -> Timeline:
+    """Re-lower and re-simulate a (loaded or edited) plan with its stored cost model."""
+    cost = CostModel.from_dict(plan.cost) if plan.cost else None
+    segs = {int(s["index"]): int(s.get("param_bytes", 0)) for s in plan.segments}
+    ex = lower(plan.schedule, dp=int(plan.parallel.get("dp", 1)), segment_param_bytes=segs)
+    return simulate(ex, cost)
+
+
+__all__ = ["PlanResult", "make_plan", "resimulate", "placement_from_segments", "TesselError"]

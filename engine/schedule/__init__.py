@@ -1,0 +1,10 @@
+"""Blocks and schedules: a schedule is a per-device ORDER of blocks for all micro-batches.
+
+See ``../shared/DESIGN.md``: start times are derived by the simulator, never stored here.
+"""
+
+from engine.schedule.block import Block, parse_action
+from engine.schedule.schedule import Schedule
+from engine.schedule.validate import validate, peak_memory, memory_profile
+
+__all__ = ["Block", "parse_action", "Schedule", "validate", "peak_memory", "memory_profile"]

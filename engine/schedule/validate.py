@@ -1,0 +1,149 @@
+"""Schedule validation and order-based memory accounting.
+
+Rules, checked in this order, the first violation raised as :class:`ScheduleError`:
+
+1. ``micro-batches``/``device``: every block names a placement block and a micro-batch in
+   range, and appears only on devices of its placement device set;
+2. ``completeness``: every block of every micro-batch appears exactly once on each of its devices;
+3. ``dependency``: a block never precedes, on the same device, a block it depends on;
+4. ``deadlock``: the device orders plus the dependencies have no cycle across devices (the
+   send/recv of such a cycle would wait forever); found with Kahn's algorithm;
+5. ``memory``: the peak memory of each device stays within the limit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from engine.errors import ScheduleError
+from engine.schedule.block import Block
+from engine.schedule.schedule import Schedule
+
+
+def _fmt_gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def _check_membership(s: Schedule) -> None:
+    pl, m = s.placement, s.num_micro_batches
+    if m < 1:
+        raise ScheduleError("micro-batches", f"a schedule needs at least one micro-batch, got {m}")
+    if len(s.orders) != pl.num_devices:
+        raise ScheduleError("device", f"the schedule has {len(s.orders)} device orders but the placement has {pl.num_devices} devices")
+    seen: dict[tuple[int, Block], int] = {}
+    for d, order in enumerate(s.orders):
+        for pos, b in enumerate(order):
+            if not pl.has(b.kind, b.segment):
+                raise ScheduleError("device", f"block {b} on device {d} is not in the placement (no {b.segment}{b.kind} block)", d, str(b))
+            if not 0 <= b.micro_batch < m:
+                raise ScheduleError("micro-batches", f"block {b} on device {d} names micro-batch {b.micro_batch}, outside 0..{m - 1}", d, str(b))
+            devs = pl.spec(b.kind, b.segment).devices
+            if d not in devs:
+                raise ScheduleError("device", f"block {b} is on device {d} but its placement runs it on device(s) {list(devs)}", d, str(b))
+            if (d, b) in seen:
+                raise ScheduleError("completeness", f"block {b} appears twice on device {d} (positions {seen[(d, b)]} and {pos})", d, str(b))
+            seen[(d, b)] = pos
+    for i, spec in enumerate(pl.blocks):
+        for mb in range(m):
+            b = Block(spec.segment, spec.kind, mb)
+            for d in spec.devices:
+                if (d, b) not in seen:
+                    raise ScheduleError("completeness", f"block {b} is missing from device {d}'s order", d, str(b))
+
+
+def _check_same_device_deps(s: Schedule) -> None:
+    pl = s.placement
+    for d, order in enumerate(s.orders):
+        pos = {b: i for i, b in enumerate(order)}
+        for i, b in enumerate(order):
+            for dep_i in pl.spec(b.kind, b.segment).deps:
+                dep = pl.blocks[dep_i]
+                db = Block(dep.segment, dep.kind, b.micro_batch)
+                j = pos.get(db)
+                if j is not None and j > i:
+                    raise ScheduleError("dependency", f"block {b} on device {d} runs before {db}, which it depends on (position {i} < {j})", d, str(b))
+
+
+def _check_deadlock(s: Schedule) -> None:
+    """Kahn's algorithm over blocks: an order edge per device, a dependency edge per dep."""
+    pl = s.placement
+    ptr = [0] * pl.num_devices
+    done: set[Block] = set()
+    # a multi-device block starts only when it is at the head of all its devices' orders
+    total = sum(len(o) for o in s.orders)
+    progressed = True
+    executed = 0
+    while progressed:
+        progressed = False
+        for d in range(pl.num_devices):
+            while ptr[d] < len(s.orders[d]):
+                b = s.orders[d][ptr[d]]
+                spec = pl.spec(b.kind, b.segment)
+                if any(Block(pl.blocks[k].segment, pl.blocks[k].kind, b.micro_batch) not in done for k in spec.deps):
+                    break
+                if any(ptr[e] >= len(s.orders[e]) or s.orders[e][ptr[e]] != b for e in spec.devices):
+                    break
+                for e in spec.devices:
+                    ptr[e] += 1
+                    executed += 1
+                done.add(b)
+                progressed = True
+    if executed < total:
+        waits = []
+        for d in range(pl.num_devices):
+            if ptr[d] < len(s.orders[d]):
+                b = s.orders[d][ptr[d]]
+                spec = pl.spec(b.kind, b.segment)
+                missing = [str(Block(pl.blocks[k].segment, pl.blocks[k].kind, b.micro_batch)) for k in spec.deps
+                           if Block(pl.blocks[k].segment, pl.blocks[k].kind, b.micro_batch) not in done]
+                why = f"waits for {', '.join(missing)}" if missing else "waits for the other devices of this multi-device block"
+                waits.append((d, b, why))
+        d0, b0, _ = waits[0]
+        detail = "; ".join(f"device {d} at {b} {why}" for d, b, why in waits)
+        raise ScheduleError("deadlock", f"the device orders deadlock: {detail}", d0, str(b0))
+
+
+def memory_profile(s: Schedule) -> list[list[int]]:
+    """Per device, the memory in bytes after each block of its order (static memory included).
+
+    Memory changes at block granularity: a block's ``memory`` delta (activation allocated by F,
+    freed by B/I/W) applies when it runs. Order-based, so independent of timing.
+    """
+    pl = s.placement
+    out = []
+    for d, order in enumerate(s.orders):
+        cur = pl.static_bytes(d)
+        row = []
+        for b in order:
+            cur += pl.spec(b.kind, b.segment).memory
+            row.append(cur)
+        out.append(row)
+    return out
+
+
+def peak_memory(s: Schedule) -> list[int]:
+    """Peak bytes per device: static memory plus the maximum in-flight activation memory."""
+    prof = memory_profile(s)
+    return [max([s.placement.static_bytes(d)] + row) for d, row in enumerate(prof)]
+
+
+def validate(s: Schedule, memory_limit: float | Sequence[float] | None = None) -> None:
+    """Check a schedule; raise :class:`ScheduleError` naming the first violated rule.
+
+    Args:
+        s: the schedule.
+        memory_limit: bytes per device (a scalar applies to every device), or ``None`` for no limit.
+
+    Raises:
+        ScheduleError: with ``rule`` in ``micro-batches``, ``device``, ``completeness``,
+            ``dependency``, ``deadlock``, ``memory``.
+    """
+    _check_membership(s)
+    _check_same_device_deps(s)
+    _check_deadlock(s)
+    if memory_limit is not None:
+        limits = [memory_limit] * s.num_devices if isinstance(memory_limit, (int, float)) else list(memory_limit)
+        for d, (peak, lim) in enumerate(zip(peak_memory(s), limits)):
+            if peak > lim:
+                raise ScheduleError("memory", f"device {d} peaks at {_fmt_gib(peak)}, above its memory limit of {_fmt_gib(lim)}", d)

@@ -1,0 +1,179 @@
+"""Discrete-event simulation of instruction streams with a cost model.
+
+Each rank has a compute stream that runs its instructions in order, a send stream that
+serialises its outgoing transfers, and a collective stream for data-parallel all-reduces:
+
+- ``F``/``B``/``I``/``W``: run for their duration on the compute stream; a block on several
+  devices starts when all of them reach it. Memory: a positive delta is allocated at the
+  block's start, a negative one freed at its end.
+- ``SEND``: posts an asynchronous transfer; it starts when the send stream is free and
+  lasts ``cost.p2p_time(nbytes, src, dst)``. The compute stream does not wait.
+- ``RECV``: the compute stream waits until the matching transfer has arrived (receive
+  buffers are pre-allocated, so no memory changes).
+- ``ALLREDUCE``: asynchronous on the collective stream (data-parallel replicas are symmetric,
+  so one replica is simulated); ``OPTIM`` waits for all of the rank's all-reduces and then
+  runs for ``cost.optimizer_time(nbytes)``.
+
+The result is a :class:`~engine.timeline.Timeline`, the same structure the runtime measures.
+A rank that can never proceed raises :class:`~engine.errors.DeadlockError` naming every
+waiting rank and instruction.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.dependency import ExecutionPlan
+from engine.errors import DeadlockError
+from engine.timeline import Event, Timeline
+
+
+class CommCost(Protocol):
+    """What the simulator needs from a cost model (``engine.cost.CostModel`` provides it)."""
+
+    def p2p_time(self, nbytes: int, src: int, dst: int) -> float: ...
+
+    def collective_time(self, kind: str, nbytes: int, ranks: list[int]) -> float: ...
+
+    def optimizer_time(self, param_bytes: int) -> float: ...
+
+
+class FreeComm:
+    """A cost model in which communication and the optimizer take no time (abstract units)."""
+
+    def p2p_time(self, nbytes: int, src: int, dst: int) -> float:
+        return 0.0
+
+    def collective_time(self, kind: str, nbytes: int, ranks: list[int]) -> float:
+        return 0.0
+
+    def optimizer_time(self, param_bytes: int) -> float:
+        return 0.0
+
+
+def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
+    """Simulate one step of an execution plan.
+
+    Args:
+        plan: per-rank instruction streams from :func:`engine.dependency.lower`.
+        cost: communication/optimizer costs (seconds); ``None`` means all free.
+
+    Returns:
+        The predicted :class:`Timeline` (events in seconds, memory in bytes).
+
+    Raises:
+        DeadlockError: some ranks wait forever; ``err.waiting`` maps rank -> instruction.
+    """
+    cost = cost or FreeComm()
+    n = plan.num_ranks
+    streams = plan.streams
+    pc = [0] * n
+    clock = [0.0] * n
+    send_free = [0.0] * n
+    coll_free = [0.0] * n
+    coll_pending = [0.0] * n
+    mem = list(plan.static_memory) if plan.static_memory else [0] * n
+    mem_curve: list[list[tuple[float, int]]] = [[(0.0, mem[r])] for r in range(n)]
+    arrivals: dict[tuple, tuple[float, float]] = {}  # (block, src, dst) -> (start, end)
+    barrier: dict[tuple, list[int]] = {}  # multi-device block -> ranks arrived
+    events: list[Event] = []
+    p2p = cost.p2p_time
+    dp_ranks_cache: dict[int, list[int]] = {}
+
+    def dp_group(r: int) -> list[int]:
+        g = dp_ranks_cache.get(r)
+        if g is None:
+            g = dp_ranks_cache[r] = [r + k * n for k in range(plan.dp)]
+        return g
+
+    def run_compute(ranks: list[int], ins) -> None:
+        start = max(clock[r] for r in ranks)
+        end = start + ins.duration
+        name = str(ins.block)
+        for r in ranks:
+            events.append(Event(r, "compute", ins.op, name, start, end, 0, ins.block.micro_batch, ins.block.segment))
+            clock[r] = end
+            if ins.memory > 0:
+                mem[r] += ins.memory
+                mem_curve[r].append((start, mem[r]))
+            elif ins.memory < 0:
+                mem[r] += ins.memory
+                mem_curve[r].append((end, mem[r]))
+            pc[r] += 1
+
+    # span of each compute block instance = number of ranks whose stream holds it
+    span: dict = {}
+    for r in range(n):
+        for ins in streams[r]:
+            if ins.op in ("F", "B", "I", "W"):
+                span[ins.block] = span.get(ins.block, 0) + 1
+
+    remaining = n
+    done = [len(streams[r]) == 0 for r in range(n)]
+    remaining -= sum(done)
+    while remaining:
+        progressed = False
+        for r in range(n):
+            if done[r]:
+                continue
+            stream = streams[r]
+            while pc[r] < len(stream):
+                ins = stream[pc[r]]
+                op = ins.op
+                if op == "SEND":
+                    start = max(clock[r], send_free[r])
+                    end = start + p2p(ins.nbytes, r, ins.peer)
+                    send_free[r] = end
+                    arrivals[(ins.block, r, ins.peer)] = (start, end)
+                    events.append(Event(r, "send", "SEND", f"{ins.block}>{ins.peer}", start, end, ins.nbytes, ins.block.micro_batch, ins.block.segment))
+                    pc[r] += 1
+                elif op == "RECV":
+                    a = arrivals.get((ins.block, ins.peer, r))
+                    if a is None:
+                        break
+                    events.append(Event(r, "recv", "RECV", f"{ins.block}<{ins.peer}", a[0], a[1], ins.nbytes, ins.block.micro_batch, ins.block.segment))
+                    if a[1] > clock[r]:
+                        clock[r] = a[1]
+                    pc[r] += 1
+                elif op == "ALLREDUCE":
+                    start = max(clock[r], coll_free[r])
+                    end = start + cost.collective_time("allreduce", ins.nbytes, dp_group(r))
+                    coll_free[r] = end
+                    coll_pending[r] = max(coll_pending[r], end)
+                    events.append(Event(r, "collective", "ALLREDUCE", f"allreduce s{ins.segment}", start, end, ins.nbytes, -1, ins.segment if ins.segment is not None else -1))
+                    pc[r] += 1
+                elif op == "OPTIM":
+                    start = max(clock[r], coll_pending[r])
+                    end = start + cost.optimizer_time(ins.nbytes)
+                    events.append(Event(r, "compute", "OPTIM", "optimizer", start, end, ins.nbytes, -1, -1))
+                    clock[r] = end
+                    pc[r] += 1
+                else:  # compute
+                    k = span.get(ins.block, 1)
+                    if k == 1:
+                        run_compute([r], ins)
+                    else:
+                        arrived = barrier.setdefault(ins.block, [])
+                        if r not in arrived:
+                            arrived.append(r)
+                        if len(arrived) < k:
+                            break
+                        del barrier[ins.block]
+                        run_compute(arrived, ins)
+                progressed = True
+            if pc[r] >= len(stream) and not done[r]:
+                done[r] = True
+                remaining -= 1
+                progressed = True
+        if not progressed and remaining:
+            # ranks finished by another rank's multi-device block are not deadlocked
+            for r in range(n):
+                if not done[r] and pc[r] >= len(streams[r]):
+                    done[r] = True
+                    remaining -= 1
+            if not remaining:
+                break
+            waiting = {r: str(streams[r][pc[r]]) for r in range(n) if not done[r]}
+            detail = "; ".join(f"rank {r} waits at {w}" for r, w in waiting.items())
+            raise DeadlockError(f"the instruction streams deadlock: {detail}", waiting)
+    return Timeline(events, mem_curve, n, list(plan.static_memory))

@@ -1,0 +1,282 @@
+"""SuperScaler phase 1: model transformation into pipeline segments with DP/TP degrees.
+
+The captured :class:`~engine.graph.OpGraph` is cut along layer boundaries (``layer`` node
+attribute: a transformer block, the embedding, the head) into ``pp * virtual_stages``
+contiguous segments whose forward times are balanced (minimise the slowest segment, a
+linear-partition dynamic program) under a per-device memory bound. Tensor parallelism splits
+each transformer block Megatron-style: the first linear of attention and MLP by columns, the
+second by rows, so each block costs two all-reduces of its ``[micro_batch, seq, hidden]``
+output in forward and two in backward (Shoeybi et al., "Megatron-LM", 2019, section 3);
+layer norms and residual adds are replicated; the embedding and head are vocabulary-parallel
+(one all-reduce each). Data parallelism replicates the pipeline ``dp`` times and all-reduces
+gradients once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from engine.errors import TesselError
+from engine.placement import TensorSpec
+
+#: Bytes resident per parameter byte with Adam in the parameter dtype: parameter, gradient,
+#: and Adam's two moments (m, v): 4x the parameter bytes.
+ADAM_STATE_FACTOR = 4
+
+_REPLICATED_MODULES = ("LayerNorm", "RMSNorm", "LlamaRMSNorm", "GPT2LayerNorm", "Dropout")
+
+
+class TransformError(TesselError, ValueError):
+    """A parallel configuration cannot be applied to the model (the message says what to change)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of parallelism and the micro-batch count.
+
+    Attributes:
+        dp: data-parallel degree: replicas of the whole pipeline; gradients all-reduced per step.
+        tp: tensor-parallel degree: devices that split each transformer block (Megatron).
+        pp: pipeline-parallel degree: pipeline ranks.
+        virtual_stages: segments per pipeline rank (interleaved schedules); 1 for a plain pipeline.
+        micro_batches: ``m``, micro-batches per step and pipeline.
+        micro_batch_size: samples per micro-batch (the captured graph's batch size).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    virtual_stages: int = 1
+    micro_batches: int = 1
+    micro_batch_size: int = 1
+
+    @property
+    def devices(self) -> int:
+        """Total devices: ``dp * tp * pp``."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_segments(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def check(self) -> None:
+        """Raise :class:`TransformError` if a degree is not a positive integer."""
+        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batches", "micro_batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise TransformError(f"{name} must be a positive integer, got {v!r}")
+
+    def to_dict(self) -> dict:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "virtual_stages": self.virtual_stages,
+                "micro_batches": self.micro_batches, "micro_batch_size": self.micro_batch_size,
+                "devices": self.devices}
+
+
+@dataclass
+class Segment:
+    """A pipeline segment (stage): contiguous layers run as one unit, per micro-batch.
+
+    Attributes:
+        index: segment index.
+        layers: module paths of its layers, in order.
+        flops: forward FLOPs per micro-batch on one TP rank.
+        param_bytes: parameter bytes on one TP rank.
+        activation_bytes: bytes saved for backward per micro-batch on one TP rank.
+        forward_time: seconds of forward per micro-batch, TP all-reduces included.
+        backward_time: seconds of full backward per micro-batch, TP all-reduces included.
+        tp_comm_time: seconds of the forward TP all-reduces (included in ``forward_time``).
+        output: the boundary tensor sent to the next segment (``None`` for the last).
+    """
+
+    index: int
+    layers: list[str]
+    flops: float
+    param_bytes: int
+    activation_bytes: int
+    forward_time: float
+    backward_time: float
+    tp_comm_time: float = 0.0
+    output: TensorSpec | None = None
+    meta: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index, "layers": self.layers, "flops": self.flops, "param_bytes": self.param_bytes,
+            "activation_bytes": self.activation_bytes, "forward_time": self.forward_time,
+            "backward_time": self.backward_time, "tp_comm_time": self.tp_comm_time,
+            "output": self.output.to_dict() if self.output else None,
+        }
+
+
+def _is_block(layer: str) -> bool:
+    """A ModuleList element (``...h.3``, ``...layers.3``) is a transformer block."""
+    return layer.rsplit(".", 1)[-1].isdigit()
+
+
+def _tp_divisor(node: dict, tp: int) -> int:
+    """How many ways an op's work splits under TP: replicated norms/residuals get 1."""
+    if tp == 1:
+        return 1
+    if node.get("module_type", "") in _REPLICATED_MODULES:
+        return 1
+    if node.get("module_path", "") == node.get("layer", None):  # residual adds in the block body
+        return 1
+    return tp
+
+
+@dataclass
+class LayerCost:
+    """Per-layer costs after TP split (internal to the partitioner, exposed for tests/UI)."""
+
+    name: str
+    forward_time: float
+    flops: float
+    param_bytes: int
+    activation_bytes: int
+    tp_comm_time: float
+    output: TensorSpec | None
+
+
+def layer_costs(graph, cost, tp: int = 1) -> list[LayerCost]:
+    """Forward time, FLOPs, parameter and activation bytes of every layer on one TP rank.
+
+    Args:
+        graph: an :class:`~engine.graph.OpGraph`.
+        cost: an :class:`~engine.cost.CostModel` (``op_time(node)``, ``collective_time(kind, nbytes, ranks)``).
+        tp: tensor-parallel degree.
+    """
+    out = []
+    summaries = graph.layer_summaries()
+    for ls in summaries:
+        t = 0.0
+        flops = 0.0
+        pbytes = 0
+        act = 0
+        for op in ls.ops:
+            node = graph.nodes[op]
+            k = _tp_divisor(node, tp)
+            if k == 1:
+                t += cost.op_time(node)
+            else:
+                scaled = dict(node)
+                for key in ("flops", "input_bytes", "output_bytes", "param_bytes"):
+                    scaled[key] = node.get(key, 0) / k
+                t += cost.op_time(scaled)
+            flops += node.get("flops", 0.0) / k
+            pbytes += node.get("param_bytes", 0) // k
+            act += node.get("saved_bytes", 0) // k
+        bt = ls.boundary_tensors[0] if ls.boundary_tensors else None
+        output = TensorSpec(tuple(bt["shape"]), bt["dtype"]) if bt else None
+        comm = 0.0
+        if tp > 1:
+            n_ar = 2 if _is_block(ls.name) else (1 if pbytes else 0)
+            nbytes = output.nbytes if output else ls.output_bytes
+            comm = n_ar * cost.collective_time("allreduce", nbytes, list(range(tp)))
+        out.append(LayerCost(ls.name, t + comm, flops, pbytes, act, comm, output))
+    return out
+
+
+def balanced_partition(weights: Sequence[float], k: int, *, fits=None) -> list[tuple[int, int]]:
+    """Split ``weights`` into ``k`` contiguous non-empty ranges minimising the largest sum.
+
+    Linear-partition dynamic program, O(k * n^2). ``fits(i, j)`` (optional) says whether the
+    range ``[i, j)`` may form one segment (e.g. it fits in device memory).
+
+    Returns:
+        ``k`` half-open ranges ``(start, end)`` covering ``0..n``.
+
+    Raises:
+        TransformError: fewer items than segments, or no partition satisfies ``fits``.
+    """
+    n = len(weights)
+    if k > n:
+        raise TransformError(f"cannot cut {n} layers into {k} segments; use at most {n} pipeline segments")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    INF = float("inf")
+    # best[j][i]: minimal max-sum splitting the first i items into j segments
+    best = [[INF] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n - (k - j) + 1):
+            for s in range(j - 1, i):
+                if best[j - 1][s] == INF or (fits is not None and not fits(s, i)):
+                    continue
+                v = max(best[j - 1][s], prefix[i] - prefix[s])
+                if v < best[j][i]:
+                    best[j][i], cut[j][i] = v, s
+    if best[k][n] == INF:
+        raise TransformError("no split of the layers into segments fits the memory bound")
+    ranges = []
+    i = n
+    for j in range(k, 0, -1):
+        s = cut[j][i]
+        ranges.append((s, i))
+        i = s
+    return ranges[::-1]
+
+
+def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float | None = None) -> tuple[list[Segment], list[str]]:
+    """Cut the graph into ``config.num_segments`` balanced segments.
+
+    Args:
+        graph: the captured :class:`~engine.graph.OpGraph` of ONE micro-batch.
+        cost: the cost model.
+        config: parallel degrees.
+        memory_limit: bytes per device; segments are bounded so that parameters with Adam states
+            plus ``min(m, pp)`` micro-batches of activations fit (1F1B's in-flight bound).
+            ``None`` uses the cost model's device capacity.
+
+    Returns:
+        ``(segments, warnings)``; a warning says when no memory-feasible split exists and the
+        time-balanced split is used anyway (the plan then reports memory above capacity).
+
+    Raises:
+        TransformError: bad degrees or more segments than layers.
+    """
+    config.check()
+    layers = layer_costs(graph, cost, config.tp)
+    k = config.num_segments
+    if k > len(layers):
+        raise TransformError(
+            f"the model has {len(layers)} layers, too few for {k} pipeline segments "
+            f"(pp={config.pp} x virtual_stages={config.virtual_stages}); use fewer devices or more layers"
+        )
+    cap = memory_limit if memory_limit is not None else cost.device.mem_capacity
+    inflight = min(config.micro_batches, config.pp)
+    pre_p = [0]
+    pre_a = [0]
+    for lc in layers:
+        pre_p.append(pre_p[-1] + lc.param_bytes)
+        pre_a.append(pre_a[-1] + lc.activation_bytes)
+
+    def fits(i: int, j: int) -> bool:
+        return ADAM_STATE_FACTOR * (pre_p[j] - pre_p[i]) + inflight * (pre_a[j] - pre_a[i]) <= cap
+
+    warnings: list[str] = []
+    weights = [lc.forward_time for lc in layers]
+    try:
+        ranges = balanced_partition(weights, k, fits=fits)
+    except TransformError:
+        ranges = balanced_partition(weights, k)
+        need = max(ADAM_STATE_FACTOR * (pre_p[j] - pre_p[i]) + inflight * (pre_a[j] - pre_a[i]) for i, j in ranges)
+        warnings.append(
+            f"no split into {k} segments fits {cap / 2**30:.1f} GiB per device (the best needs {need / 2**30:.1f} GiB); "
+            "add pipeline stages, tensor parallelism (--tp) or a larger device"
+        )
+    segments = []
+    for idx, (i, j) in enumerate(ranges):
+        part = layers[i:j]
+        fwd = sum(lc.forward_time for lc in part)
+        comm = sum(lc.tp_comm_time for lc in part)
+        bwd = cost.backward_factor * (fwd - comm) + comm
+        segments.append(Segment(
+            index=idx, layers=[lc.name for lc in part], flops=sum(lc.flops for lc in part),
+            param_bytes=sum(lc.param_bytes for lc in part), activation_bytes=sum(lc.activation_bytes for lc in part),
+            forward_time=fwd, backward_time=bwd, tp_comm_time=comm,
+            output=part[-1].output if idx < k - 1 else None,
+        ))
+    return segments, warnings
