@@ -1,0 +1,93 @@
+"""The `tessel` CLI end to end: plan, show, errors, --json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tessel(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "apps.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"tessel {' '.join(args)} failed ({p.returncode}):\n{p.stderr}")
+    return p
+
+
+def last_json(p: subprocess.CompletedProcess) -> dict:
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def gpt2_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan")
+    p = tessel("plan", "--model", "gpt2", "--devices", "4", "--micro-batches", "8", "--schedule", "1f1b", "-o", str(out), "--json")
+    return out, last_json(p)
+
+
+def test_plan_writes_plan_trace_csv(gpt2_plan):
+    out, res = gpt2_plan
+    assert res["ok"] and res["segments"] == 4
+    assert len(res["peak_memory"]) == 4 and res["makespan"] > 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["format"] == "tessel-plan" and plan["parallel"]["pp"] == 4
+    rows = (out / "schedule.csv").read_text().splitlines()
+    assert len(rows) == 4 and rows[0].startswith("0F0")
+    # every layer of GPT-2 in exactly one segment, in order
+    layers = [layer for s in plan["segments"] for layer in s["layers"]]
+    assert len(layers) == len(set(layers)) and sum(1 for x in layers if ".h." in x) == 12
+
+
+def test_plan_trace_is_a_valid_perfetto_trace(gpt2_plan):
+    out, res = gpt2_plan
+    tr = json.loads((out / "trace.json").read_text())
+    ev = tr["traceEvents"]
+    names = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {f"device {d}" for d in range(4)}
+    compute = [e for e in ev if e["ph"] == "X" and e["cat"] in ("F", "B")]
+    assert len(compute) == 4 * 8 * 2
+    for e in ev:
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and e["ts"] >= 0
+    # a flow arrow per transfer: 3 boundaries x 8 micro-batches x (activation + gradient)
+    assert sum(e["ph"] == "s" for e in ev) == sum(e["ph"] == "f" for e in ev) == 3 * 8 * 2
+    # the trace ends where the predicted makespan does
+    end = max(e["ts"] + e["dur"] for e in ev if e["ph"] == "X")
+    assert end == pytest.approx(res["makespan"] * 1e6, rel=1e-6)
+
+
+def test_show_revalidates_and_imports_csv(gpt2_plan):
+    out, res = gpt2_plan
+    p = tessel("show", str(out / "plan.json"), "--csv", str(out / "schedule.csv"), "--json")
+    again = last_json(p)
+    assert again["valid"] and again["makespan"] == pytest.approx(res["makespan"])
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["plan", "--model", "no-such-model"], "no-such-model"),
+        (["plan", "--model", "gpt2-tiny", "--schedule", "nope"], "nope"),
+        (["plan", "--model", "gpt2-tiny", "--devices", "3", "--tp", "2"], "not divisible"),
+        (["plan", "--model", "gpt2", "--devices", "4", "--micro-batches", "2", "--schedule", "interleaved"], "micro-batch"),
+    ],
+)
+def test_user_errors_are_one_sentence(tmp_path, args, needle):
+    p = tessel(*args, "-o", str(tmp_path), "--json", check=False)
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    assert needle in p.stderr
+    err = last_json(p)
+    assert err["ok"] is False and needle in err["error"]
+
+
+def test_malformed_plan_file(tmp_path):
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"format": "tessel-plan", "version": 1}')
+    p = tessel("show", str(bad), check=False)
+    assert p.returncode == 2 and "missing field 'model'" in p.stderr and "Traceback" not in p.stderr
