@@ -1,0 +1,19 @@
+"""Cost model: device/link tables, roofline op times, alpha-beta communication, a
+:class:`CostModel` for whole clusters, and an op profiler with a per-hardware JSON cache.
+
+Units: seconds, bytes, FLOP/s (see ``../shared/DESIGN.md``).
+"""
+
+from engine.cost.comm import COLLECTIVES, collective_time, p2p_time
+from engine.cost.devices import (
+    DEVICES, LINKS, CostModelError, DeviceSpec, LinkSpec, canonical_dtype, get_device, get_link,
+)
+from engine.cost.model import CostModel
+from engine.cost.profiler import ProfileTable, device_key, profile_ops, signature
+from engine.cost.roofline import op_time, ridge_intensity
+
+__all__ = [
+    "COLLECTIVES", "DEVICES", "LINKS", "CostModel", "CostModelError", "DeviceSpec", "LinkSpec",
+    "ProfileTable", "canonical_dtype", "collective_time", "device_key", "get_device", "get_link",
+    "op_time", "p2p_time", "profile_ops", "ridge_intensity", "signature",
+]
