@@ -156,13 +156,7 @@ def layer_costs(graph, cost, tp: int = 1) -> list[LayerCost]:
         for op in ls.ops:
             node = graph.nodes[op]
             k = _tp_divisor(node, tp)
-            if k == 1:
-                t += cost.op_time(node)
-            else:
-                scaled = dict(node)
-                for key in ("flops", "input_bytes", "output_bytes", "param_bytes"):
-                    scaled[key] = node.get(key, 0) / k
-                t += cost.op_time(scaled)
+            t += cost.op_time(node, shard=k)
             flops += node.get("flops", 0.0) / k
             pbytes += node.get("param_bytes", 0) // k
             act += node.get("saved_bytes", 0) // k
