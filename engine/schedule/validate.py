@@ -5,7 +5,8 @@ Rules, checked in this order, the first violation raised as :class:`ScheduleErro
 1. ``micro-batches``/``device``: every block names a placement block and a micro-batch in
    range, and appears only on devices of its placement device set;
 2. ``completeness``: every block of every micro-batch appears exactly once on each of its devices;
-3. ``dependency``: a block never precedes, on the same device, a block it depends on;
+3. ``dependency``: a block never precedes, on the same device, a block it depends on
+   (directly or through blocks on other devices);
 4. ``deadlock``: the device orders plus the dependencies have no cycle across devices (the
    send/recv of such a cycle would wait forever); found with Kahn's algorithm;
 5. ``memory``: the peak memory of each device stays within the limit.
@@ -53,11 +54,20 @@ def _check_membership(s: Schedule) -> None:
 
 
 def _check_same_device_deps(s: Schedule) -> None:
+    """Rule 3, over transitive dependencies: ``0B0`` before ``0F0`` on one device is a
+    dependency violation even though ``0B0`` depends on ``0F0`` only through other devices."""
+    import networkx as nx
+
     pl = s.placement
+    g = pl.dependency_graph()
+    local_anc = {
+        i: [a for a in nx.ancestors(g, i) if set(pl.blocks[a].devices) & set(b.devices)]
+        for i, b in enumerate(pl.blocks)
+    }
     for d, order in enumerate(s.orders):
         pos = {b: i for i, b in enumerate(order)}
         for i, b in enumerate(order):
-            for dep_i in pl.spec(b.kind, b.segment).deps:
+            for dep_i in local_anc[pl.index(b.kind, b.segment)]:
                 dep = pl.blocks[dep_i]
                 db = Block(dep.segment, dep.kind, b.micro_batch)
                 j = pos.get(db)
