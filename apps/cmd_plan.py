@@ -28,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (model default)")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's capacity)")
+    p.add_argument("--profile", action="store_true", help="time the model's ops on this machine (cached) and plan with measured costs")
     p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
 
 
@@ -46,7 +47,8 @@ def run(args: argparse.Namespace) -> dict:
     res = make_plan(
         args.model, devices=args.devices, micro_batches=args.micro_batches, schedule=args.schedule,
         device_type=args.device_type, dp=args.dp, tp=args.tp, virtual_stages=args.virtual_stages,
-        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, memory_limit=limit, progress=progress,
+        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, memory_limit=limit, profile=args.profile,
+        progress=progress,
     )
     out = Path(args.output)
     plan_path = save_plan(res.plan, out / "plan.json")

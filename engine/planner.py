@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from engine.baselines import build_schedule, placement_requirements
@@ -18,7 +18,7 @@ from engine.errors import TesselError
 from engine.graph import OpGraph, capture
 from engine.io.plan import Plan
 from engine.models import ModelBundle, build_model
-from engine.placement import Placement, pipeline_placement
+from engine.placement import Placement
 from engine.schedule import Schedule
 from engine.simulate import simulate
 from engine.timeline import Timeline
@@ -46,25 +46,26 @@ class PlanResult:
     timings: dict = field(default_factory=dict)
 
 
-def placement_from_segments(segments: list[Segment], config: ParallelConfig, *, split_backward: bool = False,
+def placement_from_segments(segments: list[Segment], config: ParallelConfig, schedule: str = "1f1b", *,
                             forward_only: bool = False) -> Placement:
-    """A V or interleaved placement whose durations, memory and tensors come from the segments.
+    """The placement a predefined schedule needs (looped V/interleaved, or ZB-V's V shape), with
+    durations, activation memory and boundary tensors from the segments.
 
     Static memory per device: parameters of its segments with gradients and Adam states
     (``ADAM_STATE_FACTOR`` x parameter bytes; parameters only when ``forward_only``).
     """
-    pp = config.pp
-    static = [0] * pp
-    for s in segments:
-        static[s.index % pp] += s.param_bytes * (1 if forward_only else ADAM_STATE_FACTOR)
-    outs = [s.output for s in segments]
-    grads = [segments[i - 1].output if i > 0 else None for i in range(len(segments))]
-    return pipeline_placement(
-        pp, virtual_stages=config.virtual_stages,
+    req = placement_requirements(schedule)
+    base = req.make_placement(
+        config.pp, virtual_stages=config.virtual_stages,
         forward=[s.forward_time for s in segments], backward=[s.backward_time for s in segments],
-        activation_bytes=[s.activation_bytes for s in segments], split_backward=split_backward,
-        forward_only=forward_only, outputs=outs, input_grads=grads, static_memory=static,
+        activation_bytes=[s.activation_bytes for s in segments], forward_only=forward_only,
+        outputs=[s.output for s in segments],
+        input_grads=[segments[i - 1].output if i > 0 else None for i in range(len(segments))],
     )
+    static = [0] * config.pp
+    for s in segments:
+        static[base.spec("F", s.index).devices[0]] += s.param_bytes * (1 if forward_only else ADAM_STATE_FACTOR)
+    return replace(base, static_memory=tuple(static))
 
 
 def make_plan(
@@ -81,6 +82,7 @@ def make_plan(
     seq_len: int | None = None,
     memory_limit: float | None = None,
     cost: CostModel | None = None,
+    profile: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """Plan a model end to end.
@@ -97,6 +99,9 @@ def make_plan(
         seq_len: tokens per sample (model default if ``None``).
         memory_limit: bytes per device for the split and the memory check (device capacity if ``None``).
         cost: a prepared cost model (e.g. with profiled op times); overrides ``device_type``.
+        profile: time every distinct op of the captured graph on this machine (cached, see
+            :func:`engine.cost.profile_ops`) and use the measured times; ``device_type`` should then
+            describe this machine (``cpu`` here).
         progress: called with the name of each phase as it starts.
 
     Raises:
@@ -111,7 +116,7 @@ def make_plan(
         raise TransformError(f"--devices {devices} is not divisible by dp*tp = {dp * tp}; pick devices = dp * tp * pp")
     pp = devices // (dp * tp)
     req = placement_requirements(schedule)
-    vs = virtual_stages or req.get("virtual_stages", 1)
+    vs = virtual_stages or req.virtual_stages
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, virtual_stages=vs, micro_batches=micro_batches, micro_batch_size=micro_batch_size)
     config.check()
 
@@ -123,9 +128,17 @@ def make_plan(
 
     t0 = time.perf_counter()
     say("transform")
-    cost = cost or CostModel.for_device(device_type)
+    if cost is None:
+        table = None
+        if profile:
+            say("profile")
+            from engine.cost import profile_ops
+
+            ops = [graph.nodes[n] for n in graph.nodes if graph.nodes[n].get("op") == "call_function"]
+            table = profile_ops(ops, device="cuda" if device_type in ("h100", "a100") else "cpu")
+        cost = CostModel.for_device(device_type, profile=table)
     segments, warnings = split_segments(graph, cost, config, memory_limit=memory_limit)
-    placement = placement_from_segments(segments, config, split_backward=req.get("split_backward", False))
+    placement = placement_from_segments(segments, config, schedule)
     timings["transform"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
