@@ -109,6 +109,7 @@ def make_plan(
             more micro-batches (each a one-sentence message).
     """
     say = progress or (lambda _msg: None)
+    warnings_pre: list[str] = []
     timings: dict[str, float] = {}
     if devices < 1 or dp < 1 or tp < 1:
         raise TransformError(f"devices, dp and tp must be positive, got devices={devices}, dp={dp}, tp={tp}")
@@ -135,9 +136,15 @@ def make_plan(
             from engine.cost import profile_ops
 
             ops = [graph.nodes[n] for n in graph.nodes if graph.nodes[n].get("op") == "call_function"]
-            table = profile_ops(ops, device="cuda" if device_type in ("h100", "a100") else "cpu")
+            import torch
+
+            local = "cuda" if torch.cuda.is_available() else "cpu"
+            if (local == "cpu") != (device_type == "cpu"):
+                warnings_pre.append(f"op times were measured on this machine ({local}) but --device-type is {device_type}")
+            table = profile_ops(ops, device=local)
         cost = CostModel.for_device(device_type, profile=table)
     segments, warnings = split_segments(graph, cost, config, memory_limit=memory_limit)
+    warnings = warnings_pre + warnings
     placement = placement_from_segments(segments, config, schedule)
     timings["transform"] = time.perf_counter() - t0
 
