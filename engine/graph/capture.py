@@ -1,0 +1,612 @@
+"""Capture an ``nn.Module`` forward pass as an :class:`~engine.graph.opgraph.OpGraph`.
+
+Uses ``torch.export.export(model, example_inputs, strict=False)`` (PyTorch docs: "torch.export",
+non-strict mode traces the Python code directly with fake tensors). The exported program is the
+*training IR* (no decompositions: ``aten.linear``, ``aten.layer_norm``,
+``aten.scaled_dot_product_attention`` stay single ops). Build the model on the ``meta`` device
+(``with torch.device("meta"):``) and pass meta example inputs: nothing is allocated, so a
+175B-parameter model captures in seconds on a laptop. Real (CPU) weights work too; they are
+never copied.
+
+How node attributes are derived (see :mod:`engine.graph.opgraph` for the list):
+
+* ``module_path`` / ``module_type``: innermost entry of the FX node's ``nn_module_stack``.
+* ``layer``: the outermost module on ``module_path`` that is an element of an
+  ``nn.ModuleList`` or ``nn.Sequential`` (``"transformer.h.3"``, ``"model.layers.3"``);
+  otherwise the shortest prefix of ``module_path`` that is not a container or an ancestor of
+  one (``"transformer.wte"``, ``"lm_head"``, ``"model.rotary_emb"``). Ops that run directly in a
+  backbone module (the root, ``transformer``, ``model``: position ids, attention masks,
+  ``wte + wpe``) have no module layer and are attached to a neighbour: first to the latest
+  layer among their producers, else (ops computed from graph inputs only) to the earliest
+  layer among their consumers. A model with no sub-modules has the single layer ``"<root>"``.
+  Dead ops (no path to a layered op) take the layer of the preceding op in program order.
+  Placeholders take the layer of their first consumer, the output node the last layer.
+  ``layers`` are ordered topologically on the layer quotient graph (ties: first appearance).
+* ``flops``: :func:`engine.graph.flops.count_flops`; ``saved_bytes``: the rule table in
+  :mod:`engine.graph.flops` (activations only, never parameters or buffers; views are 0).
+  ``saved`` lists the node ids owning the storage of each saved tensor (views resolved), so
+  per-layer sums count a tensor once.
+* ``param_bytes`` / ``param_names``: parameters the op consumes; tied parameters are named by
+  their first name in ``model.named_parameters()`` and their bytes counted at the first op
+  that uses them.
+* ``input_only``: True when the op depends only on graph inputs, buffers and constants (no
+  parameter, no parameter-derived activation) — e.g. attention masks and rotary tables; such
+  tensors can be recomputed on any pipeline stage instead of being sent.
+* ``args`` / ``kwargs``: JSON-able descriptors so a profiler can replay the op on real
+  tensors: activation tensor ``{"shape", "dtype", "node"}``, parameter
+  ``{"param": name, "shape", "dtype"}``, buffer ``{"buffer": name, ...}``, lifted constant
+  ``{"constant": name, ...}``, HOP subgraph ``{"subgraph": name}``; ``torch.dtype`` as
+  ``"torch.float32"``, devices as ``"meta"`` (replace it when replaying), other non-JSON values as
+  their ``repr``. Shapes are lists of ints (-1 marks a data-dependent size).
+* Assertion ops (``aten._assert_tensor_metadata``, ``_assert_scalar``, ``sym_constrain_range*``)
+  compute nothing and are dropped. Higher-order ops (``wrap_with_set_grad_enabled`` around
+  HF rotary embeddings, ``wrap_with_autocast``) stay one node whose FLOPs sum its subgraph.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+import traceback
+from collections import Counter
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx
+from torch import nn
+
+from .flops import (count_flops, dropout_saved_bytes, op_kind, op_name, saves_inputs,
+                    saves_output, target_str)
+from .opgraph import OpGraph
+
+__all__ = ["capture", "CaptureError"]
+
+ROOT_LAYER = "<root>"
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+class CaptureError(RuntimeError):
+    """``torch.export`` could not trace the model.
+
+    The message names the module (path and class) and source line where tracing failed,
+    quotes PyTorch's own error, and says what to try. ``module_path`` and ``cause`` are also
+    available as attributes."""
+
+    def __init__(self, message: str, *, module_path: str | None = None,
+                 cause: BaseException | None = None):
+        super().__init__(message)
+        self.module_path = module_path
+        self.cause = cause
+
+
+# ---------------------------------------------------------------------------------------------
+# small value helpers
+# ---------------------------------------------------------------------------------------------
+def _dtype_str(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _int(s: Any) -> int:
+    try:
+        return int(s)
+    except Exception:  # unbacked SymInt (data-dependent size)
+        return -1
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    n = math.prod(_int(s) for s in t.shape)
+    return max(n, 0) * t.element_size()
+
+
+def _flat_tensors(v: Any) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _flat_tensors(x)]
+    return []
+
+
+def _val_bytes(v: Any) -> int:
+    return sum(_tensor_bytes(t) for t in _flat_tensors(v))
+
+
+def _tdesc(t: torch.Tensor) -> dict[str, Any]:
+    return {"shape": [_int(s) for s in t.shape], "dtype": _dtype_str(t.dtype)}
+
+
+def _literal(a: Any) -> Any:
+    if a is None or isinstance(a, (bool, int, str)):
+        return a
+    if isinstance(a, float):
+        return a if math.isfinite(a) else repr(a)
+    if isinstance(a, torch.SymInt):
+        return _int(a)
+    if isinstance(a, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(a)
+    if isinstance(a, torch.device):
+        return str(a)
+    if isinstance(a, (list, tuple)):
+        return [_literal(x) for x in a]
+    if isinstance(a, dict):
+        return {str(k): _literal(v) for k, v in a.items()}
+    if isinstance(a, torch.Tensor):
+        return _tdesc(a)
+    return repr(a)
+
+
+# ---------------------------------------------------------------------------------------------
+# error reporting
+# ---------------------------------------------------------------------------------------------
+def _module_names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), n)
+    return names
+
+
+def _capture_error(e: BaseException, model: nn.Module, name: str) -> CaptureError:
+    names = _module_names(model)
+    mod_path, mod_type, user = None, None, None
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+        self_ = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(self_, nn.Module) and id(self_) in names:
+            mod_path, mod_type = names[id(self_)], type(self_).__name__
+        fn = frame.f_code.co_filename
+        if not fn.startswith(torch_dir) and "/engine/graph/" not in fn:
+            user = (fn, lineno, frame.f_code.co_name)
+    msg = str(e)
+    m = re.search(r"The following call raised this error:\s*\n\s*File \"([^\"]+)\", line (\d+), "
+                  r"in (\w+)\n\s*(.+)", msg)
+    where = ""
+    if m:
+        where = f' at {m.group(1)}:{m.group(2)} in {m.group(3)}(): `{m.group(4).strip()}`'
+    elif user:
+        where = f" at {user[0]}:{user[1]} in {user[2]}()"
+    first = next((ln.strip() for ln in msg.splitlines() if ln.strip()), type(e).__name__)
+    low = (type(e).__name__ + msg).lower()
+    if "data-dependent" in low or "datadependent" in low or "guardondatadependent" in low:
+        hint = ("remove data-dependent Python control flow (if/while on tensor values, .item(), "
+                ".tolist(), bool(tensor)) or express it with torch.where / torch.cond; the "
+                "capture already uses strict=False and meta/fake tensors, so values are unknown")
+    elif re.search(r"shape|size|dim|mismatch|expected", low):
+        hint = ("pass example inputs with the right shapes and dtypes (e.g. int64 token ids "
+                "[batch, seq] for language models) and check the model runs eagerly on them")
+    else:
+        hint = ("check that model(*example_inputs) runs eagerly on meta tensors; export uses "
+                "strict=False already; avoid Python side effects, data-dependent control flow "
+                "and non-tensor outputs")
+    module_txt = (f"module '{mod_path or '<root>'}' ({mod_type})" if mod_type
+                  else "the model's top-level code")
+    text = (f"cannot capture {name!r}: {type(e).__name__} in {module_txt}{where}.\n"
+            f"  torch.export says: {first}\n  try: {hint}.")
+    return CaptureError(text, module_path=mod_path, cause=e)
+
+
+# ---------------------------------------------------------------------------------------------
+# layer assignment
+# ---------------------------------------------------------------------------------------------
+class _Layering:
+    """Maps module paths to layer names (see module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        self.mods = dict(model.named_modules(remove_duplicate=False))
+        self.backbone: set[str] = set()
+        for path, m in self.mods.items():
+            if isinstance(m, _CONTAINERS):
+                parts = path.split(".") if path else []
+                self.backbone.add(path)
+                self.backbone.update(".".join(parts[:i]) for i in range(len(parts)))
+        self._cache: dict[str, str | None] = {}
+
+    def norm(self, p: str) -> str:
+        if p in self.mods:
+            return p
+        q = re.sub(r"@\d+$", "", p)
+        q = re.sub(r"^L\['self'\]\.?|^L__self__\.?", "", q)
+        q = re.sub(r"\[(\d+)\]", r".\1", q)
+        q = re.sub(r"\['([^']+)'\]", r".\1", q)
+        return q.replace("._modules.", ".").strip(".")
+
+    def layer_of(self, path: str) -> str | None:
+        if path in self._cache:
+            return self._cache[path]
+        res = None
+        if path:
+            parts = path.split(".")
+            prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+            for pre in prefixes:
+                parent = pre.rsplit(".", 1)[0] if "." in pre else ""
+                if isinstance(self.mods.get(parent), _CONTAINERS):
+                    res = pre
+                    break
+            else:
+                res = next((pre for pre in prefixes if pre not in self.backbone), None)
+        self._cache[path] = res
+        return res
+
+
+def _module_of(node: torch.fx.Node, lay: _Layering, model: nn.Module) -> tuple[str, str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", type(model).__name__
+    path, typ = list(stack.values())[-1]
+    path = lay.norm(str(path))
+    mod = lay.mods.get(path)
+    if mod is not None:
+        return path, type(mod).__name__
+    tname = typ.__name__ if isinstance(typ, type) else str(typ).rsplit(".", 1)[-1]
+    return path, tname
+
+
+# ---------------------------------------------------------------------------------------------
+# capture
+# ---------------------------------------------------------------------------------------------
+def capture(model: Any, example_inputs: tuple | Any = None, *, name: str | None = None,
+            example_kwargs: dict | None = None, batch_size: int | None = None,
+            seq_len: int | None = None) -> OpGraph:
+    """Trace ``model(*example_inputs, **example_kwargs)`` with ``torch.export`` into an OpGraph.
+
+    Args:
+        model: an ``nn.Module`` (ideally on the ``meta`` device), or a
+            :class:`engine.models.registry.ModelBundle` (its module, example inputs, name,
+            batch size and sequence length are used).
+        example_inputs: tuple of example tensors (a single tensor is wrapped), e.g. int64 token
+            ids ``[batch, seq]`` on ``meta``. Their shapes are baked into the graph (no dynamic
+            shapes).
+        name: model name stored as ``g.graph["model_name"]`` (default: class name).
+        example_kwargs: keyword inputs passed to forward.
+        batch_size, seq_len: recorded in ``g.graph``; default: inferred from the first tensor
+            input (``shape[0]``, and ``shape[1]`` when it is an integer token-id tensor).
+
+    The module is traced in its current train/eval mode (built-in models are in training
+    mode, so dropout ops appear and keep masks for backward when p > 0).
+
+    Returns:
+        :class:`OpGraph` (see :mod:`engine.graph.opgraph`); the ``torch.export.ExportedProgram``
+        is kept as the Python attribute ``g.exported_program`` (not serialised).
+
+    Raises:
+        CaptureError: export failed; the message names the failing module/source line and
+            what to try (remove data-dependent control flow, fix example input shapes).
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if hasattr(model, "module") and hasattr(model, "example_inputs") and not isinstance(
+            model, nn.Module):
+        bundle = model
+        model = bundle.module
+        example_inputs = bundle.example_inputs if example_inputs is None else example_inputs
+        name = name or bundle.name
+        batch_size = batch_size if batch_size is not None else getattr(bundle, "batch_size", None)
+        seq_len = seq_len if seq_len is not None else getattr(bundle, "seq_len", None)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"capture() needs an nn.Module or ModelBundle, got {type(model).__name__}")
+    if example_inputs is None:
+        example_inputs = ()
+    if not isinstance(example_inputs, tuple):
+        example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (
+            example_inputs,)
+    name = name or type(model).__name__
+    try:
+        ep = torch.export.export(model, example_inputs, kwargs=example_kwargs or None,
+                                 strict=False)
+    except Exception as e:  # noqa: BLE001 - every export failure becomes a CaptureError
+        raise _capture_error(e, model, name) from e
+    g = _build(ep, model, name)
+    tensors = [t for t in list(example_inputs) + list((example_kwargs or {}).values())
+               if isinstance(t, torch.Tensor)]
+    if batch_size is None and tensors and tensors[0].dim() >= 1:
+        batch_size = int(tensors[0].shape[0])
+    if seq_len is None and tensors and tensors[0].dim() >= 2 and not tensors[0].is_floating_point():
+        seq_len = int(tensors[0].shape[1])
+    g.graph["batch_size"] = batch_size
+    g.graph["seq_len"] = seq_len
+    g.exported_program = ep
+    return g
+
+
+def _build(ep: "torch.export.ExportedProgram", model: nn.Module, name: str) -> OpGraph:
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    p2param = dict(sig.inputs_to_parameters)
+    p2buf = dict(sig.inputs_to_buffers)
+    p2const = dict(sig.inputs_to_lifted_tensor_constants)
+
+    canon: dict[str, str] = {}
+    first_by_id: dict[int, str] = {}
+    params: dict[str, torch.Tensor] = {}
+    for pn, p in model.named_parameters(remove_duplicate=False):
+        canon[pn] = first_by_id.setdefault(id(p), pn)
+        params.setdefault(canon[pn], p)
+    tied = {a: c for a, c in canon.items() if a != c}
+    num_params = sum(p.numel() for p in params.values())
+    param_bytes_total = sum(p.numel() * p.element_size() for p in params.values())
+    buffer_bytes = sum(b.numel() * b.element_size() for _, b in model.named_buffers())
+    dt_bytes: Counter = Counter()
+    for p in params.values():
+        dt_bytes[_dtype_str(p.dtype)] += p.numel() * p.element_size()
+
+    lay = _Layering(model)
+    g = OpGraph()
+    folded: dict[str, dict[str, Any]] = {}   # param/buffer/constant placeholder -> descriptor
+    subgraphs: dict[str, str] = {}            # get_attr node -> submodule name
+    kept: dict[str, torch.fx.Node] = {}
+    param_like: set[str] = set()               # views of parameters (not activations)
+    input_only: dict[str, bool] = {}
+    view_base: dict[str, str] = {}             # view node -> storage root node
+    seen_params: set[str] = set()
+    module_layer: dict[str, str | None] = {}
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if node.name in p2param:
+                fqn = canon.get(p2param[node.name], p2param[node.name])
+                folded[node.name] = {"param": fqn, **_tdesc(val)}
+            elif node.name in p2buf:
+                folded[node.name] = {"buffer": p2buf[node.name], **_tdesc(val)}
+            elif node.name in p2const:
+                folded[node.name] = {"constant": p2const[node.name], **_tdesc(val)}
+            elif isinstance(val, torch.Tensor):
+                g.add_node(node.name, **_base_attrs(node.name, "placeholder", node.name,
+                                                    "input", "", "", val))
+                kept[node.name] = node
+                input_only[node.name] = True
+            continue
+        if node.op == "get_attr":
+            subgraphs[node.name] = str(node.target)
+            continue
+        if node.op == "output":
+            _add_output(g, node, kept)
+            continue
+        if node.op != "call_function":
+            continue
+        oname = op_name(node.target)
+        if oname.startswith(("_assert", "sym_constrain")):
+            continue
+
+        val = node.meta.get("val")
+        kind = op_kind(node.target)
+        tstr = target_str(node.target)
+        mpath, mtype = _module_of(node, lay, model)
+        module_layer[node.name] = lay.layer_of(mpath)
+
+        act_inputs: list[str] = []
+        pnames: list[str] = []
+        n_tensor_operands = 0
+        only_inputs = True
+
+        def describe(a: Any) -> Any:
+            nonlocal n_tensor_operands, only_inputs
+            if isinstance(a, torch.fx.Node):
+                if a.name in folded:
+                    d = folded[a.name]
+                    n_tensor_operands += 1
+                    if "param" in d:
+                        only_inputs = False
+                        if d["param"] not in pnames:
+                            pnames.append(d["param"])
+                    return dict(d)
+                if a.name in subgraphs:
+                    return {"subgraph": subgraphs[a.name]}
+                if a.name not in kept:
+                    return None
+                v = a.meta.get("val")
+                n_tensor_operands += 1
+                if a.name not in act_inputs:
+                    act_inputs.append(a.name)
+                only_inputs = only_inputs and input_only.get(a.name, False)
+                if isinstance(v, torch.Tensor):
+                    return {**_tdesc(v), "node": a.name}
+                if isinstance(v, (list, tuple)):
+                    return [{**_tdesc(t), "node": a.name} if isinstance(t, torch.Tensor)
+                            else _literal(t) for t in v]
+                return _literal(v)
+            if isinstance(a, (list, tuple)):
+                return [describe(x) for x in a]
+            if isinstance(a, dict):
+                return {str(k): describe(v) for k, v in a.items()}
+            return _literal(a)
+
+        args_desc = [describe(a) for a in node.args]
+        kwargs_desc = {k: describe(v) for k, v in node.kwargs.items()}
+
+        arg_vals = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
+        kwarg_vals = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
+        if kind == "hop":
+            flops = _hop_flops(node, gm)
+        else:
+            flops = count_flops(node.target, tuple(arg_vals), dict(kwarg_vals), val)
+
+        # parameters: bytes at first use
+        pbytes = 0
+        for pn in pnames:
+            if pn not in seen_params:
+                seen_params.add(pn)
+                p = params.get(pn)
+                if p is not None:
+                    pbytes += p.numel() * p.element_size()
+
+        # views of parameters (e.g. weight.t()) are not activations
+        if kind == "view" and (pnames or act_inputs) and all(a in param_like for a in act_inputs):
+            param_like.add(node.name)
+        activations = [a for a in act_inputs if a not in param_like]
+        input_only[node.name] = only_inputs
+
+        # storage roots for views
+        if kind == "view" and activations:
+            view_base[node.name] = view_base.get(activations[0], activations[0])
+
+        # saved tensors
+        saved: list[str] = []
+        saved_bytes = 0
+        saved_self = 0
+        if saves_inputs(node.target, n_tensor_operands):
+            for a in activations:
+                root = view_base.get(a, a)
+                if root not in saved:
+                    saved.append(root)
+                saved_bytes += _val_bytes(kept[a].meta.get("val")) if a in kept else 0
+        if saves_output(node.target):
+            saved_self += _val_bytes(val if not isinstance(val, (list, tuple)) else val[0])
+        if kind == "dropout":
+            saved_self += dropout_saved_bytes(node.target, tuple(arg_vals), dict(kwarg_vals),
+                                              val)
+        if saved_self:
+            saved.append(node.name)
+            saved_bytes += saved_self
+
+        attrs = _base_attrs(node.name, "call_function", tstr, kind, mpath, mtype, val)
+        attrs.update(
+            input_bytes=sum(_val_bytes(kept[a].meta.get("val")) for a in activations),
+            flops=float(flops), param_bytes=int(pbytes), param_names=pnames,
+            saved_bytes=int(saved_bytes), saved=saved, saved_self_bytes=int(saved_self),
+            input_only=bool(only_inputs), args=args_desc, kwargs=kwargs_desc,
+        )
+        if node.target is operator.getitem and len(node.args) > 1:
+            src = node.args[0]
+            sval = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+            idx = node.args[1]
+            if isinstance(sval, (list, tuple)) and isinstance(idx, int):
+                attrs["getitem_index"] = sum(isinstance(t, torch.Tensor) for t in sval[:idx])
+        g.add_node(node.name, **attrs)
+        kept[node.name] = node
+        for a in act_inputs:
+            g.add_edge(a, node.name, bytes=_edge_bytes(kept[a], node))
+
+    for n in g.nodes:
+        if g.nodes[n]["op"] == "placeholder":
+            g.nodes[n]["input_only"] = True
+    _assign_layers(g, module_layer)
+    g.graph.update(
+        model_name=name, dtype=(dt_bytes.most_common(1)[0][0] if dt_bytes else _first_dtype(g)),
+        num_params=int(num_params), param_bytes=int(param_bytes_total),
+        buffer_bytes=int(buffer_bytes), tied_params=tied,
+    )
+    return g
+
+
+def _first_dtype(g: OpGraph) -> str | None:
+    for _, d in g.nodes(data=True):
+        for dt in d.get("dtypes", []):
+            if "float" in dt:
+                return dt
+    return None
+
+
+def _base_attrs(name: str, op: str, target: str, kind: str, mpath: str, mtype: str,
+                val: Any) -> dict[str, Any]:
+    tens = _flat_tensors(val)
+    sizes = [_tensor_bytes(t) for t in tens]
+    return dict(
+        name=name, op=op, target=target, kind=kind, module_path=mpath, module_type=mtype,
+        layer=None, layer_index=-1, shapes=[[_int(s) for s in t.shape] for t in tens],
+        dtypes=[_dtype_str(t.dtype) for t in tens], output_sizes=sizes,
+        output_bytes=int(sum(sizes)), input_bytes=0, flops=0.0, param_bytes=0, param_names=[],
+        saved_bytes=0, saved=[], saved_self_bytes=0, input_only=False, args=[], kwargs={},
+    )
+
+
+def _edge_bytes(src: torch.fx.Node, dst: torch.fx.Node) -> int:
+    sval = src.meta.get("val")
+    if (dst.target is operator.getitem and isinstance(sval, (list, tuple))
+            and len(dst.args) > 1 and isinstance(dst.args[1], int)):
+        return _val_bytes(sval[dst.args[1]])
+    return _val_bytes(sval)
+
+
+def _add_output(g: OpGraph, node: torch.fx.Node, kept: dict[str, torch.fx.Node]) -> None:
+    srcs: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(node.args, lambda n: srcs.append(n) if n.name in kept else None)
+    vals = [s.meta.get("val") for s in srcs]
+    attrs = _base_attrs(node.name, "output", "output", "output", "", "", vals)
+    attrs["input_bytes"] = attrs["output_bytes"]
+    attrs["args"] = [{**_tdesc(t), "node": s.name} for s, v in zip(srcs, vals)
+                     for t in _flat_tensors(v)]
+    g.add_node(node.name, **attrs)
+    for s in srcs:
+        g.add_edge(s.name, node.name, bytes=_val_bytes(s.meta.get("val")))
+
+
+def _hop_flops(node: torch.fx.Node, gm: torch.fx.GraphModule) -> float:
+    total = 0.0
+    for a in node.args:
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr":
+            sub = getattr(gm, str(a.target), None)
+            if isinstance(sub, torch.fx.GraphModule):
+                for n in sub.graph.nodes:
+                    if n.op != "call_function":
+                        continue
+                    if op_kind(n.target) == "hop":
+                        total += _hop_flops(n, sub)
+                        continue
+                    av = torch.fx.node.map_arg(n.args, lambda x: x.meta.get("val"))
+                    kv = torch.fx.node.map_arg(n.kwargs, lambda x: x.meta.get("val"))
+                    total += count_flops(n.target, tuple(av), dict(kv), n.meta.get("val"))
+    return total
+
+
+def _assign_layers(g: OpGraph, module_layer: dict[str, str | None]) -> None:
+    """Set ``layer``/``layer_index`` on every node and ``g.graph["layers"]`` (see module doc)."""
+    order = list(g.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    ops = [n for n in order if g.nodes[n]["op"] == "call_function"]
+    layer: dict[str, str | None] = {n: module_layer.get(n) for n in ops}
+    first: dict[str, int] = {}
+    for n in ops:
+        if layer[n] is not None:
+            first.setdefault(layer[n], pos[n])
+    # forward: latest producer layer
+    for n in ops:
+        if layer[n] is None:
+            cands = [layer[p] for p in g.predecessors(n) if layer.get(p) is not None]
+            if cands:
+                layer[n] = max(cands, key=lambda l: first.get(l, 1 << 60))
+    # backward: earliest consumer layer
+    for n in reversed(ops):
+        if layer[n] is None:
+            cands = [layer[c] for c in g.successors(n) if layer.get(c) is not None]
+            if cands:
+                layer[n] = min(cands, key=lambda l: first.get(l, 1 << 60))
+    # dead code (no path to any layered op): the layer of the neighbour in program order
+    prev = None
+    for n in ops:
+        if layer[n] is None:
+            layer[n] = prev
+        prev = layer[n] or prev
+    nxt = None
+    for n in reversed(ops):
+        if layer[n] is None:
+            layer[n] = nxt or ROOT_LAYER
+        nxt = layer[n]
+    first = {}
+    for n in ops:
+        first.setdefault(layer[n], pos[n])
+    q = nx.DiGraph()
+    q.add_nodes_from(first)
+    for u, v in g.edges:
+        lu, lv = layer.get(u), layer.get(v)
+        if lu is not None and lv is not None and lu != lv:
+            q.add_edge(lu, lv)
+    try:
+        layers = list(nx.lexicographical_topological_sort(q, key=lambda l: first[l]))
+        g.graph["layer_order"] = "topological"
+    except nx.NetworkXUnfeasible:  # a module called in two places: keep first appearance
+        layers = sorted(first, key=first.get)
+        g.graph["layer_order"] = "first_appearance"
+    if not layers:
+        layers = [ROOT_LAYER]
+    index = {l: i for i, l in enumerate(layers)}
+    for n in ops:
+        g.nodes[n]["layer"] = layer[n]
+        g.nodes[n]["layer_index"] = index[layer[n]]
+    for n in order:
+        d = g.nodes[n]
+        if d["op"] == "placeholder":
+            cons = [layer[c] for c in g.successors(n) if c in layer]
+            li = min((index[c] for c in cons), default=0)
+            d["layer"], d["layer_index"] = layers[li], li
+        elif d["op"] == "output":
+            d["layer"], d["layer_index"] = layers[-1], len(layers) - 1
+    g.graph["layers"] = layers

@@ -1,0 +1,12 @@
+"""Model zoo: HF transformers configs, the in-project Tessel GPT, and user ``module:callable``.
+
+Public API::
+
+    from engine.models import build_model, list_models, ModelBundle, ModelNotFoundError
+    bundle = build_model("gpt2", batch_size=1, seq_len=1024)   # meta device: no weights
+"""
+from .gpt import GPT, GPTConfig, lm_loss
+from .registry import ModelBundle, ModelNotFoundError, build_model, list_models, register_model
+
+__all__ = ["build_model", "list_models", "register_model", "ModelBundle", "ModelNotFoundError",
+           "GPT", "GPTConfig", "lm_loss"]

@@ -1,0 +1,158 @@
+"""Tessel GPT: a small nanoGPT-style decoder-only transformer in pure torch.
+
+Module paths mirror HF GPT-2 so graph layers look alike: ``transformer.wte``,
+``transformer.wpe``, ``transformer.drop``, ``transformer.h.{i}`` (an ``nn.ModuleList`` of
+:class:`Block`), ``transformer.ln_f``, ``lm_head`` (weight tied to ``transformer.wte`` by
+default). Attention is ``F.scaled_dot_product_attention(..., is_causal=True)``, so no mask
+tensor exists and the tensor between two blocks is exactly the hidden state
+``[batch, seq, n_embd]``.
+
+Based on Karpathy's nanoGPT (MIT licence) model.py, simplified (no flash/slow-path switch,
+no ``generate``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss"]
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a :class:`GPT`.
+
+    Attributes:
+        vocab_size: number of token ids (256 = raw bytes).
+        block_size: maximum sequence length (size of the position table).
+        n_layer, n_head, n_embd: depth, attention heads, hidden size (``n_embd % n_head == 0``).
+        dropout: dropout probability on embeddings, attention weights and residual branches.
+        bias: whether Linear and LayerNorm layers have biases.
+        tie_weights: share ``lm_head.weight`` with ``transformer.wte.weight``.
+    """
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+
+    def to_dict(self) -> dict:
+        """JSON-able dict of the fields."""
+        return asdict(self)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: ``[B, T, C] -> [B, T, C]``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.n_head, self.n_embd, self.dropout = cfg.n_head, cfg.n_embd, cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        hd = c // self.n_head
+        q = q.view(b, t, self.n_head, hd).transpose(1, 2)
+        k = k.view(b, t, self.n_head, hd).transpose(1, 2)
+        v = v.view(b, t, self.n_head, hd).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward ``[B, T, C] -> [B, T, C]`` with a 4·C GELU hidden layer."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block ``[B, T, C] -> [B, T, C]``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: token ids ``[B, T]`` (int64) -> logits ``[B, T, vocab]``.
+
+    Raises:
+        ValueError (in forward): ``T > block_size``.
+    """
+
+    def __init__(self, cfg: GPTConfig | None = None):
+        super().__init__()
+        cfg = cfg or GPTConfig()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():  # GPT-2 scaled init of residual projections
+            if pn.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Number of parameters (tied weights counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
+        pos = torch.arange(t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits ``[B, T, V]``, targets ``[B, T]`` int64 -> scalar."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,132 @@
+"""Hugging Face ``transformers`` models built from configs (no downloads, no weights).
+
+``transformers`` is imported lazily inside functions, so ``import engine.models`` stays cheap.
+
+Wrapping choice (transparent): an HF causal-LM class ``C`` is subclassed as ``CLogitsOnly``
+whose ``forward(input_ids)`` calls ``C.forward(input_ids=..., use_cache=False)`` and returns
+only ``.logits`` (``[batch, seq, vocab]``). Nothing is added to the module tree, so module paths
+and ``state_dict`` keys are exactly HF's (``transformer.h.3.attn.c_attn``,
+``model.layers.3.self_attn.q_proj``) and HF checkpoints load with ``load_state_dict``. The
+subclasses are reachable as attributes of this module (``engine.models.hf.GPT2LMHeadModelLogitsOnly``)
+so they pickle by reference.
+
+Models use ``attn_implementation="sdpa"`` and ``use_cache=False``. Note that ``torch.export``
+makes HF materialise the causal mask (``transformers.masking_utils._ignore_causal_mask_sdpa``
+returns False while exporting), so captured HF graphs carry a bool mask ``[batch, 1, seq, seq]``
+from the first block to the others; in eager mode HF uses ``is_causal=True`` instead.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["HF_SPECS", "hf_config", "build_hf", "logits_only_class"]
+
+# name -> (transformers class, config class, config kwargs, default seq_len, description)
+HF_SPECS: dict[str, tuple[str, str, dict[str, Any], int, str]] = {
+    "gpt2-tiny": ("GPT2LMHeadModel", "GPT2Config", dict(
+        vocab_size=256, n_positions=128, n_embd=64, n_layer=4, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None), 128,
+        "HF GPT-2, 4 layers, hidden 64, 4 heads, byte vocab 256, 128 positions (~0.2M params; "
+        "trains on a CPU in seconds)"),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", {}, 1024,
+             "HF GPT-2 small, 12 layers, hidden 768, 12 heads, vocab 50257 (124M params)"),
+    "gpt2-xl": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=1600, n_layer=48, n_head=25), 1024,
+                "HF GPT-2 XL, 48 layers, hidden 1600, 25 heads (1.56B params)"),
+    "gpt3-175b": ("GPT2LMHeadModel", "GPT2Config", dict(
+        vocab_size=50257, n_positions=2048, n_embd=12288, n_layer=96, n_head=96), 2048,
+        "GPT-3 175B shape on the HF GPT-2 architecture: 96 layers, hidden 12288, 96 heads, "
+        "seq 2048 (meta device only)"),
+    "llama-tiny": ("LlamaForCausalLM", "LlamaConfig", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None), 128,
+        "HF Llama, 4 layers, hidden 64, 4 heads / 2 KV heads (GQA), byte vocab 256"),
+    "llama-7b": ("LlamaForCausalLM", "LlamaConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
+        rms_norm_eps=1e-6, tie_word_embeddings=False), 2048,
+        "HF Llama 7B shape: 32 layers, hidden 4096, 32 heads, SwiGLU 11008, vocab 32000 (6.7B)"),
+}
+
+_CLASSES: dict[str, type] = {}
+
+
+class _LogitsOnly:
+    """Mixin: ``forward(input_ids [B, T] int64) -> logits [B, T, vocab]``."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # noqa: D401
+        return super().forward(input_ids=input_ids, use_cache=False).logits
+
+
+def logits_only_class(hf_cls: type) -> type:
+    """The transparent logits-only subclass of an HF causal-LM class (cached)."""
+    name = f"{hf_cls.__name__}LogitsOnly"
+    if name not in _CLASSES:
+        _CLASSES[name] = type(name, (_LogitsOnly, hf_cls), {"__module__": __name__,
+                                                             "__qualname__": name})
+    return _CLASSES[name]
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: lets pickle find the generated classes
+    if name.endswith("LogitsOnly"):
+        import transformers
+        base = getattr(transformers, name[: -len("LogitsOnly")], None)
+        if isinstance(base, type):
+            return logits_only_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def hf_config(name: str, **overrides: Any) -> Any:
+    """The ``transformers`` config object of built-in HF model ``name`` (``use_cache=False``,
+    ``attn_implementation="sdpa"``), with ``overrides`` applied.
+
+    Raises:
+        KeyError: ``name`` is not in :data:`HF_SPECS`.
+    """
+    import transformers
+    _, cfg_cls, kwargs, _, _ = HF_SPECS[name]
+    kw = {**kwargs, **overrides, "use_cache": False}
+    kw.setdefault("attn_implementation", "sdpa")
+    return getattr(transformers, cfg_cls)(**kw)
+
+
+def config_dict(config: Any, arch: str) -> dict[str, Any]:
+    """JSON-able dict of an HF config (non-JSON values as strings) plus ``architecture``."""
+    d = json.loads(json.dumps(config.to_dict(), default=str))
+    return {"architecture": arch, **d}
+
+
+def build_hf(name: str, *, device: str | torch.device = "meta",
+             dtype: torch.dtype = torch.float32, **overrides: Any) -> tuple[nn.Module, dict]:
+    """Build built-in HF model ``name`` from its config on ``device`` (``meta``: no weights).
+
+    Returns:
+        (module, config dict). The module's ``forward(input_ids [B, T] int64)`` returns logits
+        ``[B, T, vocab]``; it is in training mode (dropout active), like a fresh HF model.
+    """
+    import transformers
+    arch = HF_SPECS[name][0]
+    cfg = hf_config(name, **overrides)
+    cls = logits_only_class(getattr(transformers, arch))
+    with torch.device(device):
+        module = cls(cfg)
+    module.to(dtype=dtype)
+    module.train()
+    return module, config_dict(cfg, arch)
+
+
+def vocab_size(config: dict) -> int:
+    """Vocabulary size from an HF config dict."""
+    return int(config.get("vocab_size"))
+
+
+def max_positions(config: dict) -> int | None:
+    """Context length limit from an HF config dict (``n_positions`` / ``max_position_embeddings``)."""
+    for k in ("n_positions", "max_position_embeddings"):
+        if config.get(k):
+            return int(config[k])
+    return None

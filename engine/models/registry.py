@@ -1,0 +1,227 @@
+"""Model registry: build a model and its example inputs by name.
+
+Names (see :func:`list_models`): HF configs (``gpt2-tiny``, ``gpt2``, ``gpt2-xl``,
+``gpt3-175b``, ``llama-tiny``, ``llama-7b``; :mod:`engine.models.hf`), the in-project
+``tessel-gpt`` (:mod:`engine.models.gpt`), anything added with :func:`register_model`, and user
+code as ``"package.module:callable"``.
+
+User callables: ``build_model("mypkg.models:make_net")`` imports ``mypkg.models`` and calls
+``make_net(**kw)`` where ``kw`` holds those of ``batch_size``, ``seq_len``, ``device``, ``dtype``
+that the callable's signature accepts, inside ``with torch.device(device):``. It returns either
+an ``nn.Module`` — then the example input is int64 token ids ``[batch_size, seq_len or 128]``
+(language-model convention) — or a ``(module, example_inputs)`` tuple.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import hf as _hf
+from .gpt import GPT, GPTConfig
+
+__all__ = ["ModelBundle", "ModelNotFoundError", "build_model", "list_models", "register_model"]
+
+
+class ModelNotFoundError(ValueError):
+    """Unknown model name; the message lists the valid names and the ``module:callable`` form."""
+
+
+@dataclass
+class ModelBundle:
+    """A model ready to capture.
+
+    Attributes:
+        module: the ``nn.Module`` (on the requested device; ``meta`` allocates no weights).
+        example_inputs: positional forward inputs, e.g. ``(input_ids,)`` int64 ``[batch, seq]``.
+        name: registry name (or the ``module:callable`` string).
+        source: ``"hf"`` (transformers config), ``"zoo"`` (in-project) or ``"user"``.
+        config: JSON-able model configuration.
+        batch_size, seq_len: shape of the example inputs (``seq_len`` None when not a sequence
+            model).
+    """
+
+    module: nn.Module
+    example_inputs: tuple
+    name: str
+    source: str
+    config: dict = field(default_factory=dict)
+    batch_size: int = 1
+    seq_len: int | None = None
+
+    def capture(self, **kwargs: Any):
+        """Shortcut for ``engine.graph.capture(self, **kwargs)`` -> OpGraph."""
+        from engine.graph import capture
+        return capture(self, **kwargs)
+
+
+@dataclass
+class _Spec:
+    name: str
+    description: str
+    source: str
+    builder: Callable[..., tuple[nn.Module, dict]]   # (device, dtype) -> (module, config)
+    default_seq_len: int
+    vocab_size: Callable[[dict], int]
+    max_seq_len: Callable[[dict], int | None]
+
+
+_REGISTRY: dict[str, _Spec] = {}
+
+
+def register_model(name: str, builder: Callable[..., tuple[nn.Module, dict]], *,
+                   description: str, default_seq_len: int, source: str = "zoo",
+                   vocab_size: Callable[[dict], int] = lambda c: int(c["vocab_size"]),
+                   max_seq_len: Callable[[dict], int | None] = lambda c: None) -> None:
+    """Add a named language model to the registry.
+
+    Args:
+        builder: ``builder(device=..., dtype=...) -> (module, config_dict)``; called inside
+            ``with torch.device(device):``. The module takes int64 token ids ``[B, T]``.
+        description: one line for :func:`list_models`.
+        default_seq_len: sequence length when ``build_model(seq_len=None)``.
+        vocab_size / max_seq_len: read them from the config dict (for example inputs and the
+            ``seq_len`` check).
+    """
+    _REGISTRY[name] = _Spec(name, description, source, builder, default_seq_len, vocab_size,
+                            max_seq_len)
+
+
+for _name, (_arch, _cfgcls, _kw, _seq, _desc) in _hf.HF_SPECS.items():
+    register_model(_name, (lambda n: lambda device, dtype: _hf.build_hf(n, device=device,
+                                                                       dtype=dtype))(_name),
+                   description=_desc, default_seq_len=_seq, source="hf",
+                   vocab_size=_hf.vocab_size, max_seq_len=_hf.max_positions)
+
+
+def _build_tessel_gpt(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+    cfg = GPTConfig()
+    with torch.device(device):
+        m = GPT(cfg)
+    return m.to(dtype=dtype), cfg.to_dict()
+
+
+register_model("tessel-gpt", _build_tessel_gpt,
+               description="in-project nanoGPT-style GPT (engine.models.gpt): 4 layers, hidden 128, "
+                           "4 heads, byte vocab 256, 128 positions (~0.8M params)",
+               default_seq_len=128, source="zoo", max_seq_len=lambda c: c["block_size"])
+
+
+def list_models() -> dict[str, str]:
+    """Built-in model names -> one-line descriptions (plus the ``module:callable`` form)."""
+    out = {n: s.description for n, s in _REGISTRY.items()}
+    out["<module>:<callable>"] = ("user code: a callable returning an nn.Module or "
+                                  "(module, example_inputs)")
+    return out
+
+
+def _not_found(name: str, why: str = "") -> ModelNotFoundError:
+    names = ", ".join(_REGISTRY)
+    return ModelNotFoundError(
+        f"unknown model {name!r}{': ' + why if why else ''}. Valid names: {names}; or user code "
+        f"as 'package.module:callable' (the callable returns an nn.Module or a "
+        f"(module, example_inputs) tuple).")
+
+
+def _token_ids(batch: int, seq: int, vocab: int, device: Any) -> torch.Tensor:
+    if torch.device(device).type == "meta":
+        return torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+
+
+def build_model(name: str, *, batch_size: int = 1, seq_len: int | None = None,
+                device: str | torch.device = "meta",
+                dtype: torch.dtype = torch.float32) -> ModelBundle:
+    """Build model ``name`` and example inputs.
+
+    Args:
+        name: a name from :func:`list_models` or ``"package.module:callable"``.
+        batch_size: batch dimension of the example inputs.
+        seq_len: sequence length (default: the model's usual context, e.g. 1024 for gpt2,
+            2048 for gpt3-175b / llama-7b, 128 for the tiny models).
+        device: ``"meta"`` (default: shapes only, no memory) or a real device.
+        dtype: floating-point dtype of parameters.
+
+    Returns:
+        :class:`ModelBundle`; built-in models take ``(input_ids,)`` int64 ``[batch, seq]``
+        (zeros on meta, seeded random ids elsewhere) and return logits ``[batch, seq, vocab]``.
+
+    Raises:
+        ModelNotFoundError: unknown name, or a ``module:callable`` that cannot be imported.
+        ValueError: ``seq_len`` exceeds the model's position table, or ``batch_size < 1``.
+        TypeError: a user callable returned something other than a module or
+            ``(module, example_inputs)``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if ":" in name and name not in _REGISTRY:
+        return _build_user(name, batch_size=batch_size, seq_len=seq_len, device=device,
+                           dtype=dtype)
+    spec = _REGISTRY.get(name)
+    if spec is None:
+        raise _not_found(name)
+    module, config = spec.builder(device=device, dtype=dtype)
+    seq = seq_len or spec.default_seq_len
+    limit = spec.max_seq_len(config)
+    if limit is not None and seq > limit:
+        raise ValueError(f"seq_len={seq} exceeds {name}'s maximum of {limit} positions")
+    inputs = (_token_ids(batch_size, seq, spec.vocab_size(config), device),)
+    return ModelBundle(module=module, example_inputs=inputs, name=name, source=spec.source,
+                       config=config, batch_size=batch_size, seq_len=seq)
+
+
+def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
+                dtype: torch.dtype) -> ModelBundle:
+    mod_name, _, attr = name.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise _not_found(name, f"cannot import module {mod_name!r} ({e})") from e
+    fn = mod
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise _not_found(name, f"module {mod_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise _not_found(name, f"{attr!r} is not callable")
+    offered = {"batch_size": batch_size, "seq_len": seq_len, "device": device, "dtype": dtype}
+    try:
+        params = inspect.signature(fn).parameters
+        var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        kw = {k: v for k, v in offered.items() if var_kw or k in params}
+    except (TypeError, ValueError):
+        kw = {}
+    with torch.device(device):
+        result = fn(**kw)
+    if isinstance(result, nn.Module):
+        module, inputs = result, None
+    elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
+        module, inputs = result
+    else:
+        raise TypeError(f"{name} returned {type(result).__name__}; expected an nn.Module or "
+                        f"(module, example_inputs)")
+    module = module.to(device=device, dtype=dtype)
+    seq = seq_len
+    if inputs is None:
+        seq = seq_len or 128
+        vocab = getattr(getattr(module, "config", None), "vocab_size", None) or 2
+        inputs = (_token_ids(batch_size, seq, int(vocab), device),)
+    elif not isinstance(inputs, tuple):
+        inputs = tuple(inputs) if isinstance(inputs, list) else (inputs,)
+    first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+    if first is not None and first.dim() >= 1:
+        batch_size = int(first.shape[0])
+        if seq is None and first.dim() >= 2 and not first.is_floating_point():
+            seq = int(first.shape[1])
+    cfg = getattr(module, "config", None)
+    config: dict = {"callable": name, "class": type(module).__name__}
+    if hasattr(cfg, "to_dict"):
+        import json
+        config["config"] = json.loads(json.dumps(cfg.to_dict(), default=str))
+    return ModelBundle(module=module, example_inputs=inputs, name=name, source="user",
+                       config=config, batch_size=batch_size, seq_len=seq)
