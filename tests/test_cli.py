@@ -74,7 +74,7 @@ def test_show_revalidates_and_imports_csv(gpt2_plan):
         (["plan", "--model", "no-such-model"], "no-such-model"),
         (["plan", "--model", "gpt2-tiny", "--schedule", "nope"], "nope"),
         (["plan", "--model", "gpt2-tiny", "--devices", "3", "--tp", "2"], "not divisible"),
-        (["plan", "--model", "gpt2", "--devices", "4", "--micro-batches", "2", "--schedule", "interleaved"], "micro-batch"),
+        (["plan", "--model", "gpt2-tiny", "--devices", "4", "--micro-batches", "2", "--schedule", "1f1b"], "micro-batches"),
     ],
 )
 def test_user_errors_are_one_sentence(tmp_path, args, needle):
