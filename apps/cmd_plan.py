@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual-stages", type=int, default=None, help="segments per device for interleaved (default 2)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (model default)")
+    p.add_argument("--dtype", default="float32", help="parameter/activation dtype: float32, bfloat16, float16 (default float32)")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's capacity)")
     p.add_argument("--profile", action="store_true", help="time the model's ops on this machine (cached) and plan with measured costs")
     p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> dict:
     res = make_plan(
         args.model, devices=args.devices, micro_batches=args.micro_batches, schedule=args.schedule,
         device_type=args.device_type, dp=args.dp, tp=args.tp, virtual_stages=args.virtual_stages,
-        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, memory_limit=limit, profile=args.profile,
+        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, memory_limit=limit, profile=args.profile,
         progress=progress,
     )
     out = Path(args.output)
@@ -62,9 +63,11 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{res.plan.model['name']}: {g.graph.get('num_params', 0) / 1e6:,.1f}M parameters, {g.number_of_nodes()} ops, "
           f"{len(res.plan.segments)} segments; dp={par['dp']} tp={par['tp']} pp={par['pp']}, "
           f"{par['micro_batches']} micro-batches, schedule {res.plan.schedule.name} on {args.device_type}")
-    rows = [[f"device {d}", fmt_ms(m['makespan'] * (1 - b)), f"{b:.1%}", fmt_gib(p)]
+    if par["tp"] > 1 or par["dp"] > 1:
+        print(f"one row per pipeline rank: each is a group of tp={par['tp']} devices, replicated dp={par['dp']} times")
+    rows = [[f"rank {d}", fmt_ms(m['makespan'] * (1 - b)), f"{b:.1%}", fmt_gib(p)]
             for d, (b, p) in enumerate(zip(m["bubble_ratios"], m["peak_memory"]))]
-    print(table(["device", "busy", "bubble", "peak memory"], rows))
+    print(table(["pipeline rank", "busy", "bubble", "peak memory"], rows))
     print(f"makespan {fmt_ms(m['makespan'])}, bubble ratio {m['bubble_ratio']:.1%}, "
           f"{m['tokens_per_second']:,.0f} tokens/s predicted")
     for w in res.warnings:

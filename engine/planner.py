@@ -80,6 +80,7 @@ def make_plan(
     virtual_stages: int | None = None,
     micro_batch_size: int = 1,
     seq_len: int | None = None,
+    dtype: str = "float32",
     memory_limit: float | None = None,
     cost: CostModel | None = None,
     profile: bool = False,
@@ -97,6 +98,8 @@ def make_plan(
         virtual_stages: segments per rank (default 2 for ``interleaved``, else 1).
         micro_batch_size: samples per micro-batch.
         seq_len: tokens per sample (model default if ``None``).
+        dtype: parameter/activation dtype of the captured model and the cost table's peak
+            (``float32``, ``bfloat16``, ``float16``).
         memory_limit: bytes per device for the split and the memory check (device capacity if ``None``).
         cost: a prepared cost model (e.g. with profiled op times); overrides ``device_type``.
         profile: time every distinct op of the captured graph on this machine (cached, see
@@ -123,7 +126,12 @@ def make_plan(
 
     t0 = time.perf_counter()
     say("capture")
-    bundle = model if isinstance(model, ModelBundle) else build_model(model, batch_size=micro_batch_size, seq_len=seq_len)
+    import torch
+
+    tdtype = getattr(torch, dtype, None)
+    if not isinstance(tdtype, torch.dtype):
+        raise TransformError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    bundle = model if isinstance(model, ModelBundle) else build_model(model, batch_size=micro_batch_size, seq_len=seq_len, dtype=tdtype)
     graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
     timings["capture"] = time.perf_counter() - t0
 
@@ -136,13 +144,11 @@ def make_plan(
             from engine.cost import profile_ops
 
             ops = [graph.nodes[n] for n in graph.nodes if graph.nodes[n].get("op") == "call_function"]
-            import torch
-
             local = "cuda" if torch.cuda.is_available() else "cpu"
             if (local == "cpu") != (device_type == "cpu"):
                 warnings_pre.append(f"op times were measured on this machine ({local}) but --device-type is {device_type}")
             table = profile_ops(ops, device=local)
-        cost = CostModel.for_device(device_type, profile=table)
+        cost = CostModel.for_device(device_type, profile=table, dtype=dtype)
     segments, warnings = split_segments(graph, cost, config, memory_limit=memory_limit)
     warnings = warnings_pre + warnings
     placement = placement_from_segments(segments, config, schedule)
