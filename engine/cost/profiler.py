@@ -19,13 +19,13 @@ import logging
 import os
 import platform
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from engine.cost.devices import CostModelError
+from engine.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -105,22 +105,7 @@ class ProfileTable:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the table as JSON to ``path`` atomically (temp file in the same folder, then
         ``os.replace``), creating parent folders. Returns the path."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        return p
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProfileTable:
