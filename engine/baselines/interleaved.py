@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from engine.baselines.gpipe import check_micro_batches, check_pipeline_placement, finish_schedule
+from engine.baselines.common import check_micro_batches, check_pipeline_placement, finish_schedule
 from engine.errors import ScheduleError
 from engine.placement import Placement
 from engine.schedule import Block, Schedule

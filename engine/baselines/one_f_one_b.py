@@ -14,7 +14,7 @@ is what executes, is the one mirrored here; ``tests/engine/test_baselines.py`` c
 
 from __future__ import annotations
 
-from engine.baselines.gpipe import check_micro_batches, check_pipeline_placement, finish_schedule
+from engine.baselines.common import check_micro_batches, check_pipeline_placement, finish_schedule
 from engine.errors import ScheduleError
 from engine.placement import Placement
 from engine.schedule import Block, Schedule

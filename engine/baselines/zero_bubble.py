@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.baselines.gpipe import check_micro_batches, check_pipeline_placement, finish_schedule
+from engine.baselines.common import check_micro_batches, check_pipeline_placement, finish_schedule
 from engine.baselines.interleaved import interleaved_rank_order, micro_batches_per_round
 from engine.placement import Placement, pipeline_placement
 from engine.schedule import Block, Schedule
