@@ -1,0 +1,16 @@
+"""Tessel: automatic repetend-based schedule search for any placement (HPCA 2024).
+
+``tessel_search(placement, m, memory_limit=...)`` -> :class:`SearchResult` with an ordinary
+:class:`~engine.schedule.Schedule`.
+"""
+
+from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
+from engine.tessel.repetend import Repetend
+from engine.tessel.search import (
+    InfeasibleMemoryError, SearchCancelled, SearchControl, SearchProgress, SearchResult, tessel_search,
+)
+
+__all__ = [
+    "tessel_search", "SearchResult", "SearchProgress", "SearchControl", "SearchCancelled", "InfeasibleMemoryError",
+    "Repetend", "period_lower_bound", "critical_path", "makespan_lower_bound", "memory_floor",
+]

@@ -1,0 +1,58 @@
+"""Lower bounds and memory floors for a placement (Tessel, HPCA 2024, section IV).
+
+- Period lower bound: in steady state every device runs each of its blocks once per
+  micro-batch, so the period is at least the busiest device's compute time per micro-batch.
+- Critical path: the longest dependency chain of one micro-batch.
+- Makespan lower bound for ``m`` micro-batches: ``max(critical_path + (m - 1) * period_lb,
+  m * period_lb)`` (the last micro-batch cannot start before ``(m - 1) * period_lb`` of work has
+  been issued on the busiest device, and then needs its whole chain).
+- Memory floor: the least memory any schedule needs per device, reached by running one
+  micro-batch at a time: static memory plus the highest prefix of that device's deltas along
+  a topological order of the chain.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from engine.placement import Placement
+
+
+def period_lower_bound(placement: Placement) -> float:
+    """Seconds: the busiest device's compute time for one micro-batch."""
+    return max(placement.busy_time(d) for d in range(placement.num_devices))
+
+
+def critical_path(placement: Placement) -> float:
+    """Seconds: the longest dependency path of one micro-batch (sum of durations)."""
+    g = placement.dependency_graph()
+    longest: dict[int, float] = {}
+    for i in nx.topological_sort(g):
+        longest[i] = placement.blocks[i].duration + max((longest[p] for p in g.predecessors(i)), default=0.0)
+    return max(longest.values(), default=0.0)
+
+
+def makespan_lower_bound(placement: Placement, m: int) -> float:
+    """Seconds: no schedule of ``m`` micro-batches finishes sooner (communication ignored)."""
+    p = period_lower_bound(placement)
+    return max(critical_path(placement) + (m - 1) * p, m * p)
+
+
+def memory_floor(placement: Placement) -> list[int]:
+    """Per device, the least peak memory of any schedule (bytes or the placement's units).
+
+    One micro-batch in flight, blocks in chain (topological) order: static memory plus the
+    maximum prefix sum of the device's memory deltas.
+    """
+    g = placement.dependency_graph()
+    order = list(nx.lexicographical_topological_sort(g))
+    out = []
+    for d in range(placement.num_devices):
+        level = peak = placement.static_bytes(d)
+        for i in order:
+            b = placement.blocks[i]
+            if d in b.devices:
+                level += b.memory
+                peak = max(peak, level)
+        out.append(peak)
+    return out

@@ -1,0 +1,275 @@
+"""Tessel phase 1: the repetend, found with OR-Tools CP-SAT.
+
+A repetend is a window of length ``P`` (the period) in which every block of the placement
+runs exactly once, block ``b`` serving the micro-batch ``o_b`` windows older than the newest
+one (its *offset*; later blocks serve older micro-batches). Repeating the window runs one
+micro-batch per period in steady state.
+
+Model for a fixed period ``P`` (integer ticks; durations are scaled by a stated resolution and
+rounded up, so the model never underestimates):
+
+- ``s_b in [0, P)``: start of block ``b`` in the window; a block may wrap around the window edge
+  (an interval plus a copy shifted by ``P``);
+- per device, ``NoOverlap`` of the intervals of its blocks and their shifted copies (circular
+  disjointness; a multi-device block's intervals are in the NoOverlap of every device of its set,
+  so it occupies them all at once);
+- ``o_b`` integer, roots 0, and for a dependency ``a -> b`` (same micro-batch):
+  ``0 <= o_b - o_a <= 2`` and ``s_b + (o_b - o_a) * P >= s_a + t_a + lag_ab`` — the dependency
+  across consecutive repetend copies;
+- memory: the steady-state level of device ``d`` at window time ``tau`` is
+  ``static_d - sum_b delta_b * o_b + sum_b delta_b * [b's event <= tau]`` (allocation at a block's
+  start, release at its end; a release that wraps counts one window later). It peaks right after
+  an allocation, so it is bounded at each allocating block's start using literals
+  ``[event_b <= s_c]`` between the device's blocks.
+
+The period is minimised by a search over ``P`` from the lower bound (max per-device busy time)
+up; at the best period a second solve minimises the summed per-device peak memory.
+
+Source: Lin et al., "Tessel: Boosting Distributed Execution of Large DNN Models via Flexible
+Schedule Search", HPCA 2024, section IV-A (repetend construction; the reference solver is Z3 with
+a binary search on the objective — this is the CP-SAT formulation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+from engine.placement import Placement
+
+#: Largest offset difference along one dependency; 1 always satisfies a dependency with no lag,
+#: 2 leaves room for communication lags.
+MAX_STAGGER = 2
+
+
+@dataclass
+class Scaled:
+    """Integer view of a placement for the solver.
+
+    Attributes:
+        resolution: seconds per tick.
+        durations: ticks per block (rounded up).
+        memory: per block delta in memory quanta (allocations rounded up, releases rounded down).
+        quantum: bytes (or units) per memory quantum.
+        static: per device static memory in quanta (rounded up).
+        lags: ``(a, b) -> ticks`` of communication on a cross-device dependency.
+    """
+
+    resolution: float
+    durations: list[int]
+    memory: list[int]
+    quantum: float
+    static: list[int]
+    lags: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def ticks(self, seconds: float) -> int:
+        return int(math.ceil(seconds / self.resolution - 1e-9))
+
+
+def auto_resolution(placement: Placement, ticks_per_block: int = 100) -> float:
+    """Default resolution: the longest block is ``ticks_per_block`` ticks; exact for durations that
+    are multiples of a common unit (e.g. abstract F=1, B=2) when the unit divides evenly."""
+    longest = max((b.duration for b in placement.blocks), default=1.0) or 1.0
+    return longest / ticks_per_block
+
+
+def scale(placement: Placement, resolution: float, lags: dict[tuple[int, int], float] | None = None,
+          memory_quanta: int = 10_000) -> Scaled:
+    """Scale durations to ticks and memory to quanta (conservative roundings)."""
+    durs = [int(math.ceil(b.duration / resolution - 1e-9)) for b in placement.blocks]
+    peak_abs = max([abs(b.memory) for b in placement.blocks] + [1])
+    quantum = max(1.0, peak_abs / memory_quanta) if peak_abs > memory_quanta else 1.0
+    mem = [int(math.ceil(b.memory / quantum)) if b.memory > 0 else -int(math.floor(-b.memory / quantum)) for b in placement.blocks]
+    static = [int(math.ceil(placement.static_bytes(d) / quantum)) for d in range(placement.num_devices)]
+    lg = {k: int(math.ceil(v / resolution - 1e-9)) for k, v in (lags or {}).items()}
+    return Scaled(resolution, durs, mem, quantum, static, lg)
+
+
+@dataclass
+class Repetend:
+    """A steady-state window.
+
+    Attributes:
+        period: ticks per window (= per micro-batch in steady state).
+        starts: per block, start tick in the window.
+        offsets: per block, how many windows older its micro-batch is than the newest one's.
+        resolution: seconds per tick.
+        peak: per device steady-state peak memory (quanta x quantum = bytes/units), static included.
+    """
+
+    period: int
+    starts: list[int]
+    offsets: list[int]
+    resolution: float
+    peak: list[float] = field(default_factory=list)
+
+    @property
+    def period_seconds(self) -> float:
+        return self.period * self.resolution
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches alive at once in steady state (max offset + 1)."""
+        return max(self.offsets, default=0) + 1
+
+    def to_dict(self) -> dict:
+        return {"period": self.period_seconds, "period_ticks": self.period, "resolution": self.resolution,
+                "starts": self.starts, "offsets": self.offsets, "peak_memory": self.peak}
+
+
+class _Stopper(cp_model.CpSolverSolutionCallback):
+    def __init__(self, should_stop):
+        super().__init__()
+        self._should_stop = should_stop
+
+    def on_solution_callback(self) -> None:
+        if self._should_stop():
+            self.stop_search()
+
+
+def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[float] | None,
+                objective: str | None = None):
+    """The CP-SAT model for a fixed period; returns ``(model, starts, offsets, peaks)``.
+
+    Blocks may wrap around the window edge (a block starting at ``s`` occupies
+    ``[s, s + t) mod P``): each block has an interval and a copy shifted by ``P``, and every
+    device's NoOverlap covers both, which is exactly circular disjointness for ``t <= P``.
+
+    ``objective``: ``None`` (feasibility), ``"memory"`` (least summed per-device peak) or
+    ``"latency"`` (least time from a micro-batch's first block start to its last block end).
+    """
+    pl = placement
+    n = pl.num_devices
+    P = period
+    model = cp_model.CpModel()
+    K = len(pl.blocks)
+    starts, offsets, ends = [], [], []
+    ivs: list[tuple] = []
+    max_off = MAX_STAGGER * K
+    for i, b in enumerate(pl.blocks):
+        t = sc.durations[i]
+        if t > P:
+            return None
+        s = model.NewIntVar(0, P - 1, f"s{i}")
+        iv = model.NewFixedSizeIntervalVar(s, t, f"iv{i}")
+        iv2 = model.NewFixedSizeIntervalVar(s + P, t, f"iv{i}+P")
+        o = model.NewIntVar(0, 0 if not b.deps else max_off, f"o{i}")
+        starts.append(s)
+        ends.append(s + t)
+        ivs.append((iv, iv2))
+        offsets.append(o)
+    for i, b in enumerate(pl.blocks):
+        for a in b.deps:
+            diff = offsets[i] - offsets[a]
+            model.Add(diff >= 0)
+            model.Add(diff <= MAX_STAGGER)
+            lag = sc.lags.get((a, i), 0)
+            model.Add(starts[i] + diff * P >= starts[a] + sc.durations[a] + lag)
+    on_dev = [[i for i, b in enumerate(pl.blocks) if d in b.devices] for d in range(n)]
+    for d in range(n):
+        if len(on_dev[d]) > 1:
+            model.AddNoOverlap([x for i in on_dev[d] for x in ivs[i]])
+    peaks = []
+    if memory_cap is not None or objective == "memory":
+        # wrap[b]: a releasing block ends in the next window (its release counts one window later)
+        wrap = {}
+        for i in range(K):
+            if sc.memory[i] < 0:
+                w = model.NewBoolVar(f"w{i}")
+                model.Add(ends[i] >= P).OnlyEnforceIf(w)
+                model.Add(ends[i] <= P).OnlyEnforceIf(w.Not())
+                wrap[i] = w
+
+        def event(i):  # position of block i's memory event in the window
+            return starts[i] if sc.memory[i] > 0 else ends[i] - P * wrap[i]
+
+        hi_all = sum(sc.static) + sum(abs(x) for x in sc.memory) * (max_off + 2) + 1
+        for d in range(n):
+            blocks = [i for i in on_dev[d] if sc.memory[i]]
+            base = sc.static[d] - sum(sc.memory[b] * (offsets[b] + (wrap[b] if b in wrap else 0)) for b in blocks)
+            peak = model.NewIntVar(-hi_all, hi_all, f"peak{d}")
+            model.Add(peak >= base)
+            for c in blocks:
+                if sc.memory[c] <= 0:
+                    continue
+                terms = []
+                for b in blocks:
+                    if b == c:
+                        continue
+                    x = model.NewBoolVar(f"x{d}_{b}_{c}")
+                    model.Add(event(b) <= starts[c]).OnlyEnforceIf(x)
+                    model.Add(event(b) >= starts[c] + 1).OnlyEnforceIf(x.Not())
+                    terms.append(sc.memory[b] * x)
+                model.Add(peak >= base + sc.memory[c] + sum(terms))
+            if memory_cap is not None:
+                model.Add(peak <= int(math.floor(memory_cap[d] / sc.quantum + 1e-9)))
+            peaks.append(peak)
+    if objective == "memory" and peaks:
+        model.Minimize(sum(peaks))
+    elif objective == "latency":
+        horizon = P * (max_off + 2)
+        first = model.NewIntVar(0, P, "first")
+        last = model.NewIntVar(0, horizon, "last")
+        g = pl.dependency_graph()
+        for i in g.nodes:
+            if g.in_degree(i) == 0:
+                model.Add(first <= starts[i])
+            if g.out_degree(i) == 0:
+                model.Add(last >= offsets[i] * P + ends[i])
+        model.Minimize(last - first)
+    return model, starts, offsets, peaks
+
+
+def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list[float] | None, *,
+                 time_limit: float, seed: int, workers: int = 1, objective: str | None = None,
+                 should_stop=None, on_solver=None) -> tuple[str, Repetend | None]:
+    """Solve the repetend model at a fixed period.
+
+    Returns:
+        ``(status, repetend)``: status is ``"feasible"``, ``"infeasible"`` or ``"unknown"``
+        (time limit or cancelled); the repetend when feasible.
+    """
+    built = build_model(placement, sc, period, memory_cap, objective)
+    if built is None:
+        return "infeasible", None
+    model, starts, offsets, peaks = built
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.01, time_limit)
+    solver.parameters.random_seed = seed
+    solver.parameters.num_workers = workers
+    if on_solver is not None:
+        on_solver(solver)
+    cb = _Stopper(should_stop) if should_stop is not None else None
+    status = solver.Solve(model, cb) if cb is not None else solver.Solve(model)
+    if status == cp_model.FEASIBLE and objective is None:
+        status = cp_model.OPTIMAL
+    if on_solver is not None:
+        on_solver(None)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        rep = Repetend(period, [solver.Value(s) for s in starts], [solver.Value(o) for o in offsets], sc.resolution,
+                       [solver.Value(p) * sc.quantum for p in peaks])
+        return "feasible", rep
+    if status == cp_model.INFEASIBLE:
+        return "infeasible", None
+    return "unknown", None
+
+
+def sequential_repetend(placement: Placement, sc: Scaled) -> Repetend:
+    """The trivial repetend: one micro-batch at a time, blocks back to back in chain order.
+
+    Always valid; its memory is the memory floor. The period is the sum of all block
+    durations and lags (multi-device blocks counted once).
+    """
+    import networkx as nx
+
+    g = placement.dependency_graph()
+    t = 0
+    starts = [0] * len(placement.blocks)
+    for i in nx.lexicographical_topological_sort(g):
+        lag = max((sc.lags.get((a, i), 0) for a in placement.blocks[i].deps), default=0)
+        t += lag
+        starts[i] = t
+        t += sc.durations[i]
+    return Repetend(max(t, 1), starts, [0] * len(placement.blocks), sc.resolution)

@@ -1,0 +1,304 @@
+"""Tessel search: the shortest repetend under a memory limit, completed into a schedule.
+
+``tessel_search(placement, m, memory_limit=...)`` returns a :class:`SearchResult` whose
+``schedule`` is an ordinary :class:`~engine.schedule.Schedule` (the simulator, plan I/O, UI and
+runtime treat it like a baseline), with the repetend, the bounds and the gap to them.
+
+Search control: a wall-clock ``time_limit`` (the best solution found so far is returned when it
+hits), a ``progress`` callback receiving :class:`SearchProgress` after every solver call, a tqdm
+bar (``progress_bar=True``), cancellation through :class:`SearchControl` (from another thread,
+e.g. a UI), and deterministic results for a fixed ``seed`` (one CP-SAT worker by default).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.errors import TesselError
+from engine.placement import Placement
+from engine.schedule import Schedule
+from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
+from engine.tessel.completion import complete, to_schedule
+from engine.tessel.repetend import Repetend, auto_resolution, scale, sequential_repetend, solve_period
+
+
+class InfeasibleMemoryError(TesselError):
+    """The memory limit is below what one micro-batch at a time needs.
+
+    Attributes:
+        smallest: the smallest feasible limit (bytes or the placement's memory units).
+        device: the device that needs it.
+    """
+
+    def __init__(self, message: str, smallest: float, device: int):
+        super().__init__(message)
+        self.smallest = smallest
+        self.device = device
+
+
+class SearchCancelled(TesselError):
+    """The search was cancelled before any solution was found."""
+
+
+class SearchControl:
+    """Cancel a running search from another thread: ``control.cancel()``.
+
+    The running CP-SAT solve is stopped at once (``CpSolver.stop_search``); the search then
+    returns the best schedule found so far.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._solver = None
+        self._lock = threading.Lock()
+
+    def cancel(self) -> None:
+        self._event.set()
+        with self._lock:
+            if self._solver is not None:
+                self._solver.stop_search()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def _attach(self, solver) -> None:
+        with self._lock:
+            self._solver = solver
+            if solver is not None and self._event.is_set():
+                solver.stop_search()
+
+
+@dataclass
+class SearchProgress:
+    """What the progress callback receives.
+
+    Attributes:
+        step: solver calls so far.
+        period_tried: the period (seconds) just tried; ``status`` its outcome.
+        best_period: the shortest feasible period found so far (seconds).
+        lower_bound: the period lower bound (seconds).
+        elapsed: seconds since the search started.
+    """
+
+    step: int
+    period_tried: float
+    status: str
+    best_period: float
+    lower_bound: float
+    elapsed: float
+
+
+@dataclass
+class SearchResult:
+    """Outcome of :func:`tessel_search`.
+
+    Attributes:
+        schedule: the complete schedule for ``m`` micro-batches.
+        repetend: the steady-state window.
+        period: seconds per micro-batch in steady state.
+        period_lower_bound: max per-device busy time per micro-batch (seconds).
+        makespan_lower_bound: bound for ``m`` micro-batches (seconds).
+        critical_path: one micro-batch's longest dependency chain (seconds).
+        optimal: the period equals the lower bound, or every shorter period was proven infeasible.
+        search_time: seconds.
+        steps: solver calls.
+        timed_out: the time limit or a cancellation cut the search short.
+        resolution: seconds per solver tick.
+        memory_floor: per device, the least memory any schedule needs.
+    """
+
+    schedule: Schedule
+    repetend: Repetend
+    period: float
+    period_lower_bound: float
+    makespan_lower_bound: float
+    critical_path: float
+    optimal: bool
+    search_time: float
+    steps: int
+    timed_out: bool
+    resolution: float
+    memory_floor: list[float] = field(default_factory=list)
+
+    @property
+    def period_gap(self) -> float:
+        """``period / period_lower_bound - 1`` (0 when the bound is reached)."""
+        return self.period / self.period_lower_bound - 1 if self.period_lower_bound > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "period": self.period, "period_lower_bound": self.period_lower_bound, "period_gap": self.period_gap,
+            "makespan_lower_bound": self.makespan_lower_bound, "critical_path": self.critical_path,
+            "in_flight": self.repetend.in_flight, "optimal": self.optimal, "search_time": self.search_time,
+            "steps": self.steps, "timed_out": self.timed_out, "resolution": self.resolution,
+        }
+
+
+def _limits(placement: Placement, memory_limit) -> list[float] | None:
+    if memory_limit is None:
+        return None
+    if isinstance(memory_limit, (int, float)):
+        return [float(memory_limit)] * placement.num_devices
+    lim = [float(x) for x in memory_limit]
+    if len(lim) != placement.num_devices:
+        raise TesselError(f"memory_limit has {len(lim)} values for {placement.num_devices} devices")
+    return lim
+
+
+def tessel_search(
+    placement: Placement,
+    m: int,
+    *,
+    memory_limit: float | list[float] | None = None,
+    time_limit: float = 30.0,
+    seed: int = 0,
+    resolution: float | None = None,
+    lags: dict[tuple[int, int], float] | None = None,
+    objective: str = "throughput",
+    workers: int = 1,
+    progress: Callable[[SearchProgress], None] | None = None,
+    progress_bar: bool = False,
+    control: SearchControl | None = None,
+) -> SearchResult:
+    """Find a repetend of minimal period and complete it into a schedule of ``m`` micro-batches.
+
+    Args:
+        placement: the blocks of one micro-batch (training or forward-only).
+        m: micro-batches per step.
+        memory_limit: per-device limit in the placement's memory units (bytes for a captured
+            model, abstract units for unit placements), static memory included; ``None`` = no limit.
+        time_limit: wall-clock seconds for the whole search (repetend + completion).
+        seed: CP-SAT random seed; with ``workers=1`` the result is deterministic.
+        resolution: seconds per solver tick (default: the longest block is 100 ticks). Durations
+            are rounded up to ticks.
+        lags: seconds of communication on cross-device dependencies, ``(a, b) -> s`` by block index.
+        objective: ``"throughput"`` (shortest period, then least memory) or, for inference,
+            ``"latency"`` (at the shortest period, the least time from a micro-batch's first block
+            start to its last block end).
+        workers: CP-SAT workers.
+        progress: called after every solver call with a :class:`SearchProgress`.
+        progress_bar: show a tqdm bar with the best period so far.
+        control: a :class:`SearchControl` to cancel from another thread.
+
+    Returns:
+        :class:`SearchResult`.
+
+    Raises:
+        InfeasibleMemoryError: the limit is below the memory floor (the message gives the
+            smallest feasible limit).
+        TesselError: ``m < 1`` or a bad objective.
+    """
+    if m < 1:
+        raise TesselError(f"need at least one micro-batch, got m={m}")
+    if objective not in ("throughput", "latency"):
+        raise TesselError(f"objective must be 'throughput' or 'latency', got {objective!r}")
+    t_start = time.perf_counter()
+    deadline = t_start + time_limit
+    caps = _limits(placement, memory_limit)
+    floor = memory_floor(placement)
+    if caps is not None:
+        worst = max(range(placement.num_devices), key=lambda d: floor[d] - caps[d])
+        if floor[worst] > caps[worst] + 1e-9:
+            need = max(floor)
+            raise InfeasibleMemoryError(
+                f"memory limit {caps[worst]:g} is infeasible: device {worst} needs at least {floor[worst]:g} even with one "
+                f"micro-batch at a time; the smallest feasible limit is {need:g}", need, worst)
+    res = resolution or auto_resolution(placement)
+    sc = scale(placement, res, lags)
+    if placement.forward_only:
+        # inference: a forward block's activation is released once the next block has consumed it,
+        # so only static memory persists; the limit then bounds static memory alone.
+        sc.memory = [0] * len(sc.memory)
+    placement_has_memory = any(sc.memory)
+    lb_s = period_lower_bound(placement)
+    lb = max(1, max(sum(sc.durations[i] for i in placement.blocks_on(d)) for d in range(placement.num_devices)))
+    best = sequential_repetend(placement, sc)
+    steps = 0
+    timed_out = False
+    proven_lo = lb  # every period below this is infeasible
+    should_stop = (lambda: control.cancelled) if control is not None else None
+    bar = None
+    if progress_bar:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=max(1, math.ceil(math.log2(max(2, best.period - lb + 1)))) + 1, desc="tessel search", unit="solve", leave=False)
+
+    def report(period: int, status: str) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(best=f"{best.period * res:.4g}", lb=f"{lb * res:.4g}")
+        if progress is not None:
+            progress(SearchProgress(steps, period * res, status, best.period * res, lb_s, time.perf_counter() - t_start))
+
+    def attempt(period: int, objective_: str | None) -> tuple[str, Repetend | None]:
+        nonlocal steps, timed_out
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0.02 or (control is not None and control.cancelled):
+            timed_out = True
+            return "unknown", None
+        # leave time for the completion
+        budget = remaining * 0.6
+        status, rep = solve_period(placement, sc, period, caps, time_limit=budget, seed=seed, workers=workers,
+                                   objective=objective_, should_stop=should_stop,
+                                   on_solver=control._attach if control is not None else None)
+        steps += 1
+        if status == "unknown":
+            timed_out = True
+        return status, rep
+
+    # binary search on the period in [lb, best.period]
+    lo, hi = lb, best.period
+    status, rep = attempt(lo, None)
+    if rep is not None:
+        best, hi = rep, lo
+    elif status == "infeasible":
+        lo += 1
+        proven_lo = lo
+    report(lb, status)
+    while lo < hi and not timed_out:
+        mid = (lo + hi) // 2
+        status, rep = attempt(mid, None)
+        if rep is not None:
+            best, hi = rep, mid
+        elif status == "infeasible":
+            lo = mid + 1
+            proven_lo = lo
+        else:
+            break
+        report(mid, status)
+    optimal = best.period <= proven_lo
+    # at the best period, prefer the least memory (and, for latency, the shortest micro-batch span)
+    if not timed_out:
+        final = "latency" if objective == "latency" else ("memory" if placement_has_memory else None)
+        if final is not None:
+            status, rep = attempt(best.period, final)
+            if rep is not None:
+                best = rep
+            report(best.period, final)
+    if bar is not None:
+        bar.close()
+    if control is not None and control.cancelled and steps == 0:
+        raise SearchCancelled("the search was cancelled before it started")
+    comp_budget = max(0.5, deadline - time.perf_counter())
+    # warmup and cooldown never exceed the steady state's peak (the plainly unrolled repetend
+    # meets that bound, so it is always feasible), nor the limit
+    comp_caps = caps
+    if placement_has_memory and best.peak:
+        comp_caps = [min(c, p) for c, p in zip(caps, best.peak)] if caps is not None else list(best.peak)
+    comp = complete(placement, sc, best, m, memory_cap=comp_caps, time_limit=comp_budget, seed=seed)
+    elapsed = time.perf_counter() - t_start
+    meta = {"tessel": {"period": best.period * res, "period_lower_bound": lb_s, "optimal": optimal,
+                       "in_flight": best.in_flight, "warmup_ticks": comp.warmup, "cooldown_ticks": comp.cooldown,
+                       "resolution": res, "search_time": elapsed, "repetend": best.to_dict()}}
+    schedule = to_schedule(placement, comp, m, name="tessel", meta=meta)
+    schedule.validate(caps)
+    return SearchResult(
+        schedule=schedule, repetend=best, period=best.period * res, period_lower_bound=lb_s,
+        makespan_lower_bound=makespan_lower_bound(placement, m), critical_path=critical_path(placement),
+        optimal=optimal, search_time=elapsed, steps=steps, timed_out=timed_out, resolution=res, memory_floor=floor,
+    )
