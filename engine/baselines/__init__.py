@@ -16,6 +16,7 @@ Every builder takes ``(placement, m)`` and returns a validated :class:`engine.sc
 :func:`build_schedule` and :func:`placement_requirements` look them up by name.
 """
 
+from engine.baselines.generic import gpipe_any, in_flight_caps, one_f_one_b_any  # noqa: F401  (policies for any placement)
 from engine.baselines.gpipe import gpipe
 from engine.baselines.interleaved import interleaved_1f1b
 from engine.baselines.one_f_one_b import one_f_one_b

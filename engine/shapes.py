@@ -1,0 +1,596 @@
+"""Tessel placement shapes (V, X, M, NN, K, interleaved) and custom placements.
+
+A *shape* is the placement of ONE micro-batch: the chain (a DAG) of its forward and backward
+blocks and the device set of every block. Tessel (Lin et al., "Tessel: Boosting Distributed
+Execution of Large DNN Models via Flexible Schedule Search", HPCA 2024, Fig. 2 and section III)
+searches schedules for these shapes; the constructors here build them on ``n`` devices:
+
+======================  ===============================================  ================
+constructor             chain of one micro-batch                          segments
+======================  ===============================================  ================
+:func:`v_shape`         ``F0..F(n-1) -> B(n-1)..B0`` (1F1B pipeline)       ``n``
+:func:`x_shape`         two opposite V chains (Chimera-like)             ``2n``
+:func:`m_shape`         all-device block, a V, mirrored                    ``n + 1``
+:func:`nn_shape`        all-device blocks at the start and middle of a V   ``n + 2``
+:func:`k_shape`         two V branches on halves joined by a loss block    ``n + 1``
+:func:`interleaved_shape`  ``pipeline_placement(n, virtual_stages=v)``     ``n * v``
+======================  ===============================================  ================
+
+Units and conventions (shared by every constructor):
+
+* durations are in the caller's unit: abstract "spans" by default (``forward=1.0``,
+  ``backward=2.0``, Tessel's F=1/B=2), seconds when built from a cost model;
+* memory is in the caller's unit: ``activation=1`` "micro-batch activation" by default,
+  bytes when built from a captured model. A block's ``memory`` is allocated (``F``) or freed
+  (``B``/``I``/``W``) on EACH device of its set, so every device's deltas sum to zero;
+* a multi-device block (``devices`` lists several devices) occupies all of them at once;
+* the segment numbering documented in each constructor is part of the API: the per-segment
+  lists ``forward_times``, ``backward_times``, ``activation_bytes``, ``outputs`` and
+  ``input_grads`` are indexed by it;
+* ``split_backward=True`` replaces every ``B`` by ``I`` (input gradient, on the chain) and
+  ``W`` (weight gradient, depends only on its ``I``), with ``I = (1 - weight_grad_fraction)``
+  and ``W = weight_grad_fraction`` of the backward time; ``I`` frees
+  ``round(activation * (1 - weight_grad_fraction))`` and ``W`` the rest, exactly as
+  :func:`engine.placement.pipeline_placement` does (zero-bubble pipelines, Qi et al. 2023);
+* ``forward_only=True`` gives the inference placement: ``F`` blocks only, with memory delta 0
+  (no activation is kept for a backward).
+
+Block order in :attr:`Placement.blocks` is a topological order of the chain (its index is the
+"chain position" the generic schedulers break ties with).
+
+Custom placements come from :func:`custom_placement` (a list of dicts) or a JSON file
+(:func:`load_placement` / :func:`save_placement`)::
+
+    {"format": "tessel-placement", "version": 1, "name": "my-shape", "num_devices": 2,
+     "static_memory": [0, 0],
+     "blocks": [{"kind": "F", "segment": 0, "devices": [0, 1], "duration": 1.0, "memory": 1,
+                 "deps": []},
+                {"kind": "B", "segment": 0, "devices": [0, 1], "duration": 2.0, "memory": -1,
+                 "deps": ["0F"]}]}
+
+Errors: every malformed input raises :class:`engine.errors.PlacementError` with a sentence
+that names the offending argument or JSON field (e.g. ``blocks[3].devices``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from engine.errors import PlacementError
+from engine.io.atomic import atomic_write_text
+from engine.placement import BLOCK_KINDS, BlockSpec, Placement, TensorSpec, pipeline_placement
+
+__all__ = [
+    "v_shape", "x_shape", "m_shape", "nn_shape", "k_shape", "interleaved_shape",
+    "make_shape", "SHAPES", "shape_names",
+    "custom_placement", "placement_to_dict", "placement_from_dict", "load_placement", "save_placement",
+    "PLACEMENT_FORMAT", "PLACEMENT_VERSION",
+]
+
+#: ``format`` field of a placement JSON file.
+PLACEMENT_FORMAT = "tessel-placement"
+#: Version of the placement JSON written by :func:`save_placement` (the only one read).
+PLACEMENT_VERSION = 1
+
+
+# --------------------------------------------------------------------------- helpers
+def _check_devices(shape: str, n: Any, *, even: bool = False) -> int:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise PlacementError(f"the {shape} shape needs an integer number of devices, got {n!r}")
+    if n < 2:
+        raise PlacementError(f"the {shape} shape needs at least 2 devices, got {n}")
+    if even and n % 2:
+        raise PlacementError(
+            f"the {shape} shape splits the devices into two halves, so it needs an even number of "
+            f"devices, got {n}"
+        )
+    return n
+
+
+def _per_segment(values, default, n_seg: int, what: str, shape: str, n: int) -> list:
+    if values is None:
+        return [default] * n_seg
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise PlacementError(f"{what} must be a list with one value per segment, got {values!r}")
+    values = list(values)
+    if len(values) != n_seg:
+        raise PlacementError(
+            f"{what} has {len(values)} values but the {shape} shape on {n} devices has {n_seg} "
+            f"segments (0..{n_seg - 1}); give one value per segment"
+        )
+    return values
+
+
+def _build(
+    shape: str,
+    n: int,
+    seg_devices: Sequence[Sequence[int]],
+    fwd_preds: Sequence[Sequence[int]],
+    *,
+    order: Sequence[Sequence[int]] | None = None,
+    forward: float = 1.0,
+    backward: float = 2.0,
+    activation: int = 1,
+    split_backward: bool = False,
+    weight_grad_fraction: float = 0.5,
+    forward_only: bool = False,
+    forward_times: Sequence[float] | None = None,
+    backward_times: Sequence[float] | None = None,
+    activation_bytes: Sequence[int] | None = None,
+    outputs: Sequence[TensorSpec | None] | None = None,
+    input_grads: Sequence[TensorSpec | None] | None = None,
+    static_memory: Iterable[int] = (),
+) -> Placement:
+    """Build a placement from per-segment device sets and the forward DAG between segments.
+
+    The backward mirrors the forward: ``B(s)`` (or ``I(s)``) depends on the backward of every
+    segment whose forward depends on ``F(s)``; a segment no forward depends on (the end of a
+    chain, e.g. the loss) has its backward depend on its own forward.
+
+    ``order`` groups segments into chains listed one after the other in ``Placement.blocks``
+    (forwards in segment order, then backwards in reverse); default: one group of all segments.
+    """
+    n_seg = len(seg_devices)
+    fwd = _per_segment(forward_times, forward, n_seg, "forward_times", shape, n)
+    bwd = _per_segment(backward_times, backward, n_seg, "backward_times", shape, n)
+    act = _per_segment(activation_bytes, activation, n_seg, "activation_bytes", shape, n)
+    outs = _per_segment(outputs, None, n_seg, "outputs", shape, n)
+    grads = _per_segment(input_grads, None, n_seg, "input_grads", shape, n)
+    wf = float(weight_grad_fraction)
+    if not 0.0 <= wf <= 1.0:
+        raise PlacementError(f"weight_grad_fraction must be between 0 and 1, got {weight_grad_fraction}")
+    succ: list[list[int]] = [[] for _ in range(n_seg)]
+    for s, preds in enumerate(fwd_preds):
+        for p in preds:
+            succ[p].append(s)
+    groups = [list(g) for g in order] if order is not None else [list(range(n_seg))]
+    blocks: list[BlockSpec] = []
+    f_idx: dict[int, int] = {}
+    chain_idx: dict[int, int] = {}  # segment -> index of its B (or I)
+
+    def add(b: BlockSpec) -> int:
+        blocks.append(b)
+        return len(blocks) - 1
+
+    for group in groups:
+        for s in sorted(group):
+            deps = tuple(f_idx[p] for p in fwd_preds[s])
+            mem = 0 if forward_only else int(act[s])
+            f_idx[s] = add(BlockSpec("F", s, tuple(seg_devices[s]), float(fwd[s]), mem, deps, outs[s]))
+        if forward_only:
+            continue
+        for s in sorted(group, reverse=True):
+            deps = tuple(chain_idx[t] for t in succ[s]) if succ[s] else (f_idx[s],)
+            dev = tuple(seg_devices[s])
+            grad = grads[s] if fwd_preds[s] else None
+            if split_backward:
+                free_i = int(round(int(act[s]) * (1 - wf)))
+                chain_idx[s] = add(BlockSpec("I", s, dev, float(bwd[s]) * (1 - wf), -free_i, deps, grad))
+                add(BlockSpec("W", s, dev, float(bwd[s]) * wf, -(int(act[s]) - free_i), (chain_idx[s],), None))
+            else:
+                chain_idx[s] = add(BlockSpec("B", s, dev, float(bwd[s]), -int(act[s]), deps, grad))
+    return Placement(n, tuple(blocks), name=shape, static_memory=tuple(static_memory))
+
+
+def _pipeline_kwargs(kw: dict) -> dict:
+    """Translate the shape keyword arguments into :func:`pipeline_placement`'s."""
+    kw = dict(kw)
+    forward = kw.pop("forward", 1.0)
+    backward = kw.pop("backward", 2.0)
+    activation = kw.pop("activation", 1)
+    ft = kw.pop("forward_times", None)
+    bt = kw.pop("backward_times", None)
+    ab = kw.pop("activation_bytes", None)
+    allowed = {"split_backward", "weight_grad_fraction", "forward_only", "outputs", "input_grads", "static_memory"}
+    unknown = set(kw) - allowed
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    out = dict(kw)
+    out["forward"] = forward if ft is None else list(ft)
+    out["backward"] = backward if bt is None else list(bt)
+    out["activation_bytes"] = activation if ab is None else list(ab)
+    if out.get("forward_only"):
+        # inference keeps no activation for a backward; pipeline_placement would allocate
+        # activation_bytes on every F and never free it
+        n_act = out["activation_bytes"]
+        out["activation_bytes"] = 0 if isinstance(n_act, (int, float)) else [0] * len(n_act)
+    return out
+
+
+# --------------------------------------------------------------------------- shapes
+_COMMON_ARGS = """    Keyword Args:
+        forward, backward: duration of every forward / full backward block (default 1 and 2
+            abstract units; seconds from a cost model).
+        activation: memory each forward allocates on each of its devices and its backward frees
+            (default 1 unit; bytes from a captured model).
+        split_backward: split each ``B`` into ``I`` + ``W`` (``weight_grad_fraction`` of the time,
+            default 0.5, goes to ``W``).
+        forward_only: inference placement, ``F`` blocks only; they allocate no memory
+            (inference keeps no activation for a backward).
+        forward_times, backward_times, activation_bytes: per-segment lists (indexed by the segment
+            numbering above) overriding ``forward``/``backward``/``activation``.
+        outputs, input_grads: per segment, the :class:`~engine.placement.TensorSpec` its forward
+            sends on / its backward sends back (``None`` where nothing crosses devices).
+        static_memory: resident memory per device (parameters, optimizer states).
+"""
+
+
+def _common_doc(f):
+    """Put the keyword arguments every shape shares into ``f``'s docstring."""
+    f.__doc__ = f.__doc__.replace("    {common_args}\n", "\n" + _COMMON_ARGS + "\n")
+    return f
+
+
+@_common_doc
+def v_shape(n: int, **kw) -> Placement:
+    """Tessel's V shape: the plain pipeline (1F1B's placement). Name ``"V"``.
+
+    Segments: ``0..n-1``; segment ``i`` (forward and backward) on device ``i``. Chain:
+    ``F0 -> F1 -> ... -> F(n-1) -> B(n-1) -> ... -> B0``. Identical to
+    :func:`engine.placement.pipeline_placement` ``(n, activation_bytes=activation, ...)``, so the
+    predefined schedules (``engine.baselines``) accept it.
+
+    Source: Tessel (HPCA 2024), Fig. 2 (V); Narayanan et al. SC'21 (1F1B).
+    {common_args}
+    Raises:
+        PlacementError: ``n < 2`` or a per-segment list of the wrong length.
+    """
+    _check_devices("V", n)
+    return pipeline_placement(n, **_pipeline_kwargs(kw))
+
+
+@_common_doc
+def interleaved_shape(n: int, virtual_stages: int = 2, **kw) -> Placement:
+    """The interleaved (looped) pipeline: ``pipeline_placement(n, virtual_stages=...)``.
+
+    Segments: ``0..n*v-1``; segment ``s`` on device ``s % n``. Chain: ``F0 -> ... -> F(nv-1) ->
+    B(nv-1) -> ... -> B0``. Name ``"interleaved"`` (``"V"`` when ``virtual_stages == 1``).
+
+    Source: Narayanan et al., SC'21, section 2.2.2 (interleaved 1F1B).
+    {common_args}
+    Raises:
+        PlacementError: ``n < 2``, ``virtual_stages < 1``, or a per-segment list of the wrong length.
+    """
+    _check_devices("interleaved", n)
+    return pipeline_placement(n, virtual_stages=virtual_stages, **_pipeline_kwargs(kw))
+
+
+@_common_doc
+def x_shape(n: int, **kw) -> Placement:
+    """Tessel's X shape: two V chains in opposite directions (Chimera-like). Name ``"X"``.
+
+    Segments: chain A = ``0..n-1``, segment ``i`` on device ``i``; chain B = ``n..2n-1``, segment
+    ``n + i`` on device ``n - 1 - i``. Chains: ``F0 -> ... -> F(n-1) -> B(n-1) -> ... -> B0`` and
+    ``Fn -> ... -> F(2n-1) -> B(2n-1) -> ... -> Bn``, with NO dependency between them.
+
+    One placement instance (one "micro-batch" of a schedule) carries TWO micro-batches of data,
+    one per chain, as in Chimera's bidirectional pipelines where every device holds stage ``i`` of
+    the down pipeline and stage ``n-1-i`` of the up pipeline (two model replicas): a schedule with
+    ``m`` micro-batches over this placement processes ``2m`` data micro-batches. Blocks are listed
+    chain A first (forwards then backwards), then chain B.
+
+    Source: Tessel (HPCA 2024), Fig. 2 (X); Li & Hoefler, "Chimera: Efficiently Training
+    Large-Scale Neural Networks with Bidirectional Pipelines", SC'21.
+    {common_args}
+    Raises:
+        PlacementError: ``n < 2`` or a per-segment list of the wrong length (``2n`` segments).
+    """
+    _check_devices("X", n)
+    devs = [(i,) for i in range(n)] + [(n - 1 - i,) for i in range(n)]
+    preds = [[s - 1] if s % n else [] for s in range(2 * n)]
+    return _build("X", n, devs, preds, order=[range(n), range(n, 2 * n)], **kw)
+
+
+@_common_doc
+def m_shape(n: int, **kw) -> Placement:
+    """Tessel's M shape: one block on all devices, then a V, mirrored in backward. Name ``"M"``.
+
+    Segments: ``0`` on ALL devices (e.g. a tensor-parallel shared embedding), then ``1..n``,
+    segment ``i`` on device ``i - 1``. Chain: ``F0(all) -> F1 -> ... -> Fn -> Bn -> ... -> B1 ->
+    B0(all)``.
+
+    Source: Tessel (HPCA 2024), Fig. 2 (M).
+    {common_args}
+    Raises:
+        PlacementError: ``n < 2`` or a per-segment list of the wrong length (``n + 1`` segments).
+    """
+    _check_devices("M", n)
+    devs = [tuple(range(n))] + [(i,) for i in range(n)]
+    preds = [[]] + [[s - 1] for s in range(1, n + 1)]
+    return _build("M", n, devs, preds, **kw)
+
+
+@_common_doc
+def nn_shape(n: int, **kw) -> Placement:
+    """Tessel's NN shape: all-device blocks at the start and the middle of a V. Name ``"NN"``.
+
+    Segments (``h = n / 2``): ``0`` on ALL devices; ``1..h``, segment ``i`` on device ``i - 1``;
+    ``h + 1`` on ALL devices; ``h + 2..n + 1``, segment ``j`` on device ``j - 2``. Chain:
+    ``F0(all) -> F1 -> ... -> Fh -> F(h+1)(all) -> F(h+2) -> ... -> F(n+1)``, then the backward in
+    exact reverse order ``B(n+1) -> ... -> B0(all)``.
+
+    Source: Tessel (HPCA 2024), Fig. 2 (NN).
+    {common_args}
+    Raises:
+        PlacementError: ``n < 2``, odd ``n``, or a per-segment list of the wrong length
+            (``n + 2`` segments).
+    """
+    _check_devices("NN", n, even=True)
+    h = n // 2
+    every = tuple(range(n))
+    devs = [every] + [(i - 1,) for i in range(1, h + 1)] + [every] + [(j - 2,) for j in range(h + 2, n + 2)]
+    preds = [[]] + [[s - 1] for s in range(1, n + 2)]
+    return _build("NN", n, devs, preds, **kw)
+
+
+@_common_doc
+def k_shape(n: int, **kw) -> Placement:
+    """Tessel's K shape: two V branches on disjoint halves joined by a loss block. Name ``"K"``.
+
+    Segments (``h = n / 2``): branch A = ``0..h-1``, segment ``i`` on device ``i``; branch B =
+    ``h..n-1``, segment ``i`` on device ``i``; loss = segment ``n`` on ALL devices. Forward:
+    ``F0 -> ... -> F(h-1)`` and ``Fh -> ... -> F(n-1)`` run independently; ``Fn`` depends on
+    ``F(h-1)`` and ``F(n-1)``. Backward: ``Bn`` depends on ``Fn``; then each branch runs in
+    reverse from ``Bn``: ``Bn -> B(h-1) -> ... -> B0`` and ``Bn -> B(n-1) -> ... -> Bh``.
+    (E.g. a two-tower / encoder-pair model whose towers meet at the loss.)
+
+    Source: Tessel (HPCA 2024), Fig. 2 (K).
+    {common_args}
+    Raises:
+        PlacementError: ``n < 2``, odd ``n``, or a per-segment list of the wrong length
+            (``n + 1`` segments).
+    """
+    _check_devices("K", n, even=True)
+    h = n // 2
+    devs = [(i,) for i in range(n)] + [tuple(range(n))]
+    preds = [[s - 1] if s % h else [] for s in range(n)] + [[h - 1, n - 1]]
+    return _build("K", n, devs, preds, **kw)
+
+
+#: Canonical shape name -> constructor ``(n, **kw) -> Placement``.
+SHAPES: dict[str, Callable[..., Placement]] = {
+    "v": v_shape, "x": x_shape, "m": m_shape, "nn": nn_shape, "k": k_shape, "interleaved": interleaved_shape,
+}
+
+
+def shape_names() -> list[str]:
+    """The canonical shape names accepted by :func:`make_shape`."""
+    return list(SHAPES)
+
+
+def _canonical(name: str) -> str | None:
+    if not isinstance(name, str):
+        return None
+    key = re.sub(r"[\s_\-]", "", name.strip().lower())
+    if key in SHAPES:
+        return key
+    if key.endswith("shape") and key[: -len("shape")] in SHAPES:
+        return key[: -len("shape")]
+    return None
+
+
+def make_shape(name: str, n: int, **kw) -> Placement:
+    """Build the shape called ``name`` on ``n`` devices.
+
+    Names are case-insensitive and may carry a ``shape`` suffix and ``-``/``_``: ``"v"``,
+    ``"vshape"``, ``"V-shape"``, ``"x"``, ``"m"``/``"mshape"``, ``"nn"``/``"nnshape"``,
+    ``"k"``/``"kshape"``, ``"interleaved"`` (takes ``virtual_stages=``).
+
+    Raises:
+        ValueError: unknown name; the message lists the valid ones.
+        PlacementError: invalid ``n`` (``n < 2``; odd ``n`` for NN and K) or bad keyword values.
+    """
+    key = _canonical(name)
+    if key is None:
+        raise ValueError(f"unknown placement shape {name!r}; valid shapes are: {', '.join(SHAPES)}")
+    return SHAPES[key](n, **kw)
+
+
+# --------------------------------------------------------------------------- custom / JSON
+_DEP = re.compile(r"^\s*(\d+)\s*([FBIWfbiw])\s*$")
+_BLOCK_FIELDS = {"kind", "segment", "devices", "duration", "memory", "deps", "output"}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _parse_blocks(num_devices: int, blocks: Any, where: str = "blocks") -> tuple[BlockSpec, ...]:
+    if not isinstance(blocks, (list, tuple)):
+        raise PlacementError(f"{where} must be a list of block objects, got {type(blocks).__name__}")
+    raw: list[dict] = []
+    keys: dict[tuple[str, int], int] = {}
+    for i, b in enumerate(blocks):
+        at = f"{where}[{i}]"
+        if not isinstance(b, dict):
+            raise PlacementError(f"{at} must be an object with kind, segment and devices, got {type(b).__name__}")
+        unknown = sorted(set(b) - _BLOCK_FIELDS)
+        if unknown:
+            raise PlacementError(f"{at}.{unknown[0]} is not a block field; use {', '.join(sorted(_BLOCK_FIELDS))}")
+        for f in ("kind", "segment", "devices"):
+            if f not in b:
+                raise PlacementError(f"{at}.{f} is missing")
+        kind = b["kind"]
+        if not isinstance(kind, str) or kind.upper() not in BLOCK_KINDS:
+            raise PlacementError(f"{at}.kind is {kind!r}; use one of {', '.join(BLOCK_KINDS)}")
+        kind = kind.upper()
+        seg = b["segment"]
+        if not _is_int(seg) or seg < 0:
+            raise PlacementError(f"{at}.segment must be a non-negative integer, got {seg!r}")
+        devs = b["devices"]
+        if _is_int(devs):
+            devs = [devs]
+        if not isinstance(devs, (list, tuple)) or not devs:
+            raise PlacementError(f"{at}.devices must be a non-empty list of device indices, got {b['devices']!r}")
+        for d in devs:
+            if not _is_int(d):
+                raise PlacementError(f"{at}.devices must hold integers, got {d!r}")
+            if not 0 <= d < num_devices:
+                raise PlacementError(f"{at}.devices names device {d}, outside 0..{num_devices - 1}")
+        dur = b.get("duration", 1.0)
+        if not _is_num(dur) or dur < 0:
+            raise PlacementError(f"{at}.duration must be a non-negative number, got {dur!r}")
+        mem = b.get("memory", 0)
+        if _is_num(mem) and float(mem).is_integer():
+            mem = int(mem)
+        if not _is_int(mem):
+            raise PlacementError(f"{at}.memory must be an integer (bytes or units), got {mem!r}")
+        deps = b.get("deps", [])
+        if not isinstance(deps, (list, tuple)):
+            raise PlacementError(f"{at}.deps must be a list of block indices or names like '0F', got {deps!r}")
+        out = b.get("output")
+        if out is not None and not isinstance(out, TensorSpec):
+            if not isinstance(out, dict) or not isinstance(out.get("shape"), (list, tuple)) \
+                    or not all(_is_int(x) and x >= 0 for x in out["shape"]):
+                raise PlacementError(f"{at}.output must be null or {{\"shape\": [ints], \"dtype\": str}}, got {out!r}")
+            dtype = out.get("dtype", "float32")
+            if not isinstance(dtype, str):
+                raise PlacementError(f"{at}.output.dtype must be a dtype name, got {dtype!r}")
+            try:
+                out = TensorSpec.from_dict(out)
+                out.nbytes  # noqa: B018 - checks the dtype name
+            except ValueError as e:
+                raise PlacementError(f"{at}.output.dtype: {e}") from None
+        if (kind, seg) in keys:
+            raise PlacementError(f"{at} repeats block {seg}{kind} (already {where}[{keys[(kind, seg)]}])")
+        keys[(kind, seg)] = i
+        raw.append({"kind": kind, "segment": seg, "devices": tuple(devs), "duration": float(dur),
+                    "memory": mem, "deps": deps, "output": out})
+    specs = []
+    for i, r in enumerate(raw):
+        deps = []
+        for j, dep in enumerate(r["deps"]):
+            at = f"{where}[{i}].deps[{j}]"
+            if _is_int(dep):
+                if not 0 <= dep < len(raw) or dep == i:
+                    raise PlacementError(f"{at} is block index {dep}, which does not exist (0..{len(raw) - 1}, not itself)")
+                deps.append(dep)
+            elif isinstance(dep, str) and (mt := _DEP.match(dep)):
+                key = (mt.group(2).upper(), int(mt.group(1)))
+                if key not in keys:
+                    raise PlacementError(f"{at} names block {dep.strip()!r}, which is not in the placement")
+                deps.append(keys[key])
+            else:
+                raise PlacementError(f"{at} must be a block index or a name like '0F' (segment then kind), got {dep!r}")
+        specs.append(BlockSpec(r["kind"], r["segment"], r["devices"], r["duration"], r["memory"], tuple(deps), r["output"]))
+    return tuple(specs)
+
+
+def custom_placement(
+    num_devices: int,
+    blocks: Sequence[dict],
+    *,
+    name: str = "custom",
+    static_memory: Iterable[int] = (),
+) -> Placement:
+    """A placement from a list of block dicts (the public API for shapes not built in).
+
+    Each dict: ``kind`` (``"F"``/``"B"``/``"I"``/``"W"``), ``segment`` (int), ``devices`` (list of
+    device indices, or one int), optional ``duration`` (default 1.0, caller's time unit),
+    ``memory`` (default 0, allocated (+) / freed (-) on each of its devices), ``deps`` (indices
+    into ``blocks`` or names like ``"0F"`` = segment 0's forward) and ``output`` (a
+    :class:`~engine.placement.TensorSpec` or ``{"shape": [...], "dtype": "float32"}``).
+
+    Example::
+
+        custom_placement(2, [
+            {"kind": "F", "segment": 0, "devices": [0, 1], "memory": 1},
+            {"kind": "F", "segment": 1, "devices": [1], "deps": ["0F"], "memory": 1},
+            {"kind": "B", "segment": 1, "devices": [1], "duration": 2, "deps": ["1F"], "memory": -1},
+            {"kind": "B", "segment": 0, "devices": [0, 1], "duration": 2, "deps": [2], "memory": -1},
+        ])
+
+    Raises:
+        PlacementError: a malformed field (the message names it, e.g. ``blocks[3].devices``), or
+            what :class:`~engine.placement.Placement` rejects (cycle, backward without forward...).
+    """
+    if not _is_int(num_devices) or num_devices < 1:
+        raise PlacementError(f"num_devices must be a positive integer, got {num_devices!r}")
+    specs = _parse_blocks(num_devices, blocks)
+    static = list(static_memory)
+    for j, x in enumerate(static):
+        if not _is_int(x):
+            raise PlacementError(f"static_memory[{j}] must be an integer, got {x!r}")
+    return Placement(num_devices, specs, name=str(name), static_memory=tuple(static))
+
+
+def placement_to_dict(placement: Placement) -> dict:
+    """The versioned JSON form ``{"format": "tessel-placement", "version": 1, ...}``."""
+    return {
+        "format": PLACEMENT_FORMAT, "version": PLACEMENT_VERSION, "name": placement.name,
+        "num_devices": placement.num_devices, "static_memory": list(placement.static_memory),
+        "blocks": [b.to_dict() for b in placement.blocks],
+    }
+
+
+def placement_from_dict(d: Any) -> Placement:
+    """Inverse of :func:`placement_to_dict`; ``deps`` may be indices or names like ``"0F"``.
+
+    Raises:
+        PlacementError: wrong ``format``, unknown ``version`` or a malformed field (named).
+    """
+    if not isinstance(d, dict):
+        raise PlacementError(f"a placement file must hold a JSON object, got {type(d).__name__}")
+    fmt = d.get("format")
+    if fmt != PLACEMENT_FORMAT:
+        raise PlacementError(f"format is {fmt!r}; a placement file has \"format\": \"{PLACEMENT_FORMAT}\"")
+    ver = d.get("version")
+    if ver != PLACEMENT_VERSION:
+        raise PlacementError(f"version is {ver!r}; this planner reads placement version {PLACEMENT_VERSION}")
+    unknown = sorted(set(d) - {"format", "version", "name", "num_devices", "static_memory", "blocks"})
+    if unknown:
+        raise PlacementError(f"{unknown[0]} is not a placement field")
+    nd = d.get("num_devices")
+    if not _is_int(nd) or nd < 1:
+        raise PlacementError(f"num_devices must be a positive integer, got {nd!r}")
+    name = d.get("name", "custom")
+    if not isinstance(name, str):
+        raise PlacementError(f"name must be a string, got {name!r}")
+    static = d.get("static_memory", [])
+    if not isinstance(static, list):
+        raise PlacementError(f"static_memory must be a list of integers, got {static!r}")
+    for j, x in enumerate(static):
+        if not _is_int(x):
+            raise PlacementError(f"static_memory[{j}] must be an integer, got {x!r}")
+    if static and len(static) != nd:
+        raise PlacementError(f"static_memory has {len(static)} values but num_devices is {nd}")
+    if "blocks" not in d:
+        raise PlacementError("blocks is missing")
+    specs = _parse_blocks(nd, d["blocks"])
+    return Placement(nd, specs, name=name, static_memory=tuple(static))
+
+
+def save_placement(placement: Placement, path: str | os.PathLike) -> Path:
+    """Write ``placement`` as versioned JSON (atomically); returns the path.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    return atomic_write_text(path, json.dumps(placement_to_dict(placement), indent=2) + "\n")
+
+
+def load_placement(path: str | os.PathLike) -> Placement:
+    """Read a placement JSON file written by :func:`save_placement` (or by hand).
+
+    Raises:
+        OSError: the file cannot be read.
+        PlacementError: not JSON, wrong ``format``/``version``, or a malformed field; the message
+            names the file and the field path (e.g. ``blocks[3].devices``).
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlacementError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    try:
+        return placement_from_dict(d)
+    except PlacementError as e:
+        raise PlacementError(f"{path}: {e}") from None
