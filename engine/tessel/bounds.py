@@ -3,9 +3,8 @@
 - Period lower bound: in steady state every device runs each of its blocks once per
   micro-batch, so the period is at least the busiest device's compute time per micro-batch.
 - Critical path: the longest dependency chain of one micro-batch.
-- Makespan lower bound for ``m`` micro-batches: ``max(critical_path + (m - 1) * period_lb,
-  m * period_lb)`` (the last micro-batch cannot start before ``(m - 1) * period_lb`` of work has
-  been issued on the busiest device, and then needs its whole chain).
+- Makespan lower bound for ``m`` micro-batches: per device, the shortest path to its first
+  block + ``m`` times its work + the shortest path from its last block to the end.
 - Memory floor: the least memory any schedule needs per device, reached by running one
   micro-batch at a time: static memory plus the highest prefix of that device's deltas along
   a topological order of the chain.
@@ -33,9 +32,28 @@ def critical_path(placement: Placement) -> float:
 
 
 def makespan_lower_bound(placement: Placement, m: int) -> float:
-    """Seconds: no schedule of ``m`` micro-batches finishes sooner (communication ignored)."""
-    p = period_lower_bound(placement)
-    return max(critical_path(placement) + (m - 1) * p, m * p)
+    """Seconds: no schedule of ``m`` micro-batches finishes sooner (communication ignored).
+
+    Per device ``d``: it cannot start before the shortest path to any of its blocks (``head``),
+    must run ``m`` times its per-micro-batch work, and after its last block some chain of at
+    least the shortest remaining path to a sink (``tail``) is still to run; the bound is the
+    largest ``head + m * busy + tail``, and at least the critical path.
+    """
+    g = placement.dependency_graph()
+    order = list(nx.topological_sort(g))
+    blocks = placement.blocks
+    head: dict[int, float] = {}
+    for i in order:
+        head[i] = max((head[p] + blocks[p].duration for p in g.predecessors(i)), default=0.0)
+    tail: dict[int, float] = {}
+    for i in reversed(order):
+        tail[i] = max((tail[s] + blocks[s].duration for s in g.successors(i)), default=0.0)
+    best = critical_path(placement)
+    for d in range(placement.num_devices):
+        on = placement.blocks_on(d)
+        if on:
+            best = max(best, min(head[i] for i in on) + m * placement.busy_time(d) + min(tail[i] for i in on))
+    return best
 
 
 def memory_floor(placement: Placement) -> list[int]:

@@ -5,10 +5,10 @@ Unrolled, the repetend's copy ``j`` runs block ``b`` of micro-batch ``j - o_b``.
 **warmup** and those of copies ``m..m-1+O`` the **cooldown**. Both are scheduled with CP-SAT to
 minimal length under the same memory limit:
 
-- warmup: minimise the start ``T0`` of the first complete copy; a warmup block ends before its
-  device's first block of that copy, and before any later block that depends on it;
-- cooldown: minimise the makespan; a cooldown block starts after its device's last block of the
-  last complete copy and after every block it depends on.
+- warmup: minimise the start ``T0`` of the first complete copy; warmup blocks may fill idle
+  slots of the first ``O`` complete copies and end before any later block that depends on them;
+- cooldown: minimise the makespan; cooldown blocks may fill idle slots of the last complete
+  copies and start after every block they depend on.
 
 Memory is a CP-SAT reservoir per device (allocation at a block's start, release at its end),
 starting from the static memory (warmup) or the steady-state level (cooldown). With too few
@@ -41,138 +41,165 @@ class Completion:
     status: str
 
 
-def _solve(pl: Placement, sc: Scaled, insts: list[Inst], *, release: dict[Inst, int], device_ready: list[int],
-           initial: list[int], cap: list[float] | None, anchor: dict[Inst, list[int]] | None, horizon: int,
-           time_limit: float, seed: int) -> tuple[str, dict[Inst, int], int]:
-    """Schedule instances; with ``anchor`` minimise the anchor ``T0`` such that instance ``i`` ends
-    by ``T0 + c`` for each ``c`` in ``anchor[i]``, else minimise the makespan."""
+def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], *, anchored: bool,
+           release: dict[Inst, int], deadline: dict[Inst, list[int]], initial: list[int], cap: list[float] | None,
+           horizon: int, time_limit: float, seed: int, hint: tuple[dict[Inst, int], int]) -> tuple[str, dict[Inst, int], int]:
+    """Place the ``free`` instances around ``fixed`` ones (repetend copies) with CP-SAT.
+
+    ``fixed[i]`` is the start of a repetend instance: relative to the anchor ``T0`` (a variable,
+    minimised) when ``anchored`` (warmup), else an absolute tick (cooldown; minimise the makespan).
+    ``deadline[i]``: the free instance must end by ``T0 + c`` for each ``c`` (warmup).
+    Memory: a reservoir per device over free and fixed events from ``initial``.
+    ``hint``: a known feasible solution ``(starts, objective)`` (the plainly unrolled repetend); it
+    seeds the solver and is returned (status ``"hint"``) if nothing better is found in time.
+    """
     model = cp_model.CpModel()
-    iset = set(insts)
+    fset = set(free)
+    hi = max(horizon, hint[1] + 1, max((t + sc.durations[i[1]] for i, t in hint[0].items()), default=0) + 1)
+    t0 = model.NewIntVar(0, hi, "T0") if anchored else 0
     start, end, iv = {}, {}, {}
-    for inst in insts:
+    for inst in free:
         b = inst[1]
         t = sc.durations[b]
-        lo = max([release.get(inst, 0)] + [device_ready[d] for d in pl.blocks[b].devices])
-        s = model.NewIntVar(lo, horizon, f"s{inst}")
-        start[inst] = s
-        end[inst] = s + t
-        iv[inst] = model.NewFixedSizeIntervalVar(s, t, f"iv{inst}")
-    for inst in insts:
+        lo = min(release.get(inst, 0), hint[0][inst])
+        v = model.NewIntVar(lo, hi, f"s{inst}")
+        start[inst], end[inst] = v, v + t
+        iv[inst] = model.NewFixedSizeIntervalVar(v, t, f"iv{inst}")
+        model.Add(v >= release.get(inst, 0))
+        for c in deadline.get(inst, ()):
+            model.Add(v + t <= t0 + c)
+        model.AddHint(v, hint[0][inst])
+    for inst, c in fixed.items():
+        t = sc.durations[inst[1]]
+        st = t0 + c if anchored else c
+        start[inst], end[inst] = st, st + t
+        iv[inst] = model.NewFixedSizeIntervalVar(st, t, f"fx{inst}")
+    for inst in free:
         mb, b = inst
         for a in pl.blocks[b].deps:
-            if (mb, a) in iset:
+            if (mb, a) in fset:
                 model.Add(start[inst] >= end[(mb, a)] + sc.lags.get((a, b), 0))
-    n = pl.num_devices
-    for d in range(n):
-        on = [i for i in insts if d in pl.blocks[i[1]].devices]
-        if len(on) > 1:
+    everything = list(free) + list(fixed)
+    for d in range(pl.num_devices):
+        on = [i for i in everything if d in pl.blocks[i[1]].devices]
+        if len(on) > 1 and any(i in fset for i in on):
             model.AddNoOverlap([iv[i] for i in on])
         if cap is not None and on:
             times, changes = [], []
             for i in on:
                 delta = sc.memory[i[1]]
-                if delta > 0:
-                    times.append(start[i])
-                    changes.append(delta)
-                elif delta < 0:
-                    times.append(end[i])
+                if delta:
+                    times.append(start[i] if delta > 0 else end[i])
                     changes.append(delta)
             if times:
                 top = int(cap[d] // sc.quantum) - initial[d]
                 model.AddReservoirConstraint(times, changes, -(10**15), max(top, 0))
-    if anchor is not None:
-        t0 = model.NewIntVar(0, horizon, "T0")
-        for inst, cs in anchor.items():
-            for c in cs:
-                model.Add(end[inst] <= t0 + c)
-        model.Minimize(t0)
+    if anchored:
+        obj = t0
     else:
-        mk = model.NewIntVar(0, horizon + max(sc.durations, default=0), "makespan")
-        model.AddMaxEquality(mk, [end[i] for i in insts])
-        model.Minimize(mk)
+        obj = model.NewIntVar(0, hi + max(sc.durations, default=0), "makespan")
+        model.AddMaxEquality(obj, [end[i] for i in everything])
+    model.Add(obj <= hint[1])
+    model.Minimize(obj)
+    if anchored:
+        model.AddHint(t0, hint[1])
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit)
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = 1
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return ("infeasible" if status == cp_model.INFEASIBLE else "unknown"), {}, 0
-    found = {i: solver.Value(start[i]) for i in insts}
-    obj = solver.Value(t0) if anchor is not None else solver.Value(mk)
-    return ("optimal" if status == cp_model.OPTIMAL else "feasible"), found, obj
+        return "hint", dict(hint[0]), hint[1]
+    found = {i: solver.Value(start[i]) for i in free}
+    return ("optimal" if status == cp_model.OPTIMAL else "feasible"), found, solver.Value(obj)
 
 
 def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: list[float] | None,
              time_limit: float = 5.0, seed: int = 0) -> Completion:
     """Warmup + unrolled repetend + cooldown for ``m`` micro-batches (start ticks per instance).
 
-    Raises:
-        RuntimeError: CP-SAT found no warmup/cooldown within the time limit (not expected: the
-            unrolled steady state itself is a feasible completion, so this signals a bug).
+    Warmup blocks may fill idle slots of the first ``O`` complete copies and cooldown blocks those
+    of the last ``O + 1``; the plainly unrolled repetend seeds both solves and is kept whenever
+    the solver finds nothing better in time, so completion always succeeds.
     """
     K = len(pl.blocks)
     P = rep.period
     s, o = rep.starts, rep.offsets
     O = max(o, default=0)
     n = pl.num_devices
-    on_dev = [[b for b in range(K) if d in pl.blocks[b].devices] for d in range(n)]
-    total = sum(sc.durations)
-    steady = [sc.static[d] - sum(sc.memory[b] * o[b] for b in on_dev[d]) for d in range(n)]
+    dur = sc.durations
+    copy_start = lambda j: j * P  # noqa: E731  (plain unroll: copy j's window starts at j * P)
+    naive = {(mb, b): copy_start(mb + o[b]) + s[b] for mb in range(m) for b in range(K)}
+    naive_end = max(t + dur[b] for (mb, b), t in naive.items())
 
-    if m <= O:  # no complete copy: schedule everything directly
-        insts = [(mb, b) for mb in range(m) for b in range(K)]
-        status, st, mk = _solve(pl, sc, insts, release={}, device_ready=[0] * n, initial=list(sc.static), cap=memory_cap,
-                                anchor=None, horizon=total * m + 1, time_limit=time_limit, seed=seed)
-        if not st:
-            raise RuntimeError(f"no schedule for {m} micro-batches found within {time_limit:.1f} s ({status})")
+    if m <= O:  # too few micro-batches for a complete copy: schedule everything directly
+        insts = list(naive)
+        status, st, mk = _solve(pl, sc, insts, {}, anchored=False, release={}, deadline={}, initial=list(sc.static),
+                                cap=memory_cap, horizon=naive_end, time_limit=time_limit, seed=seed, hint=(naive, naive_end))
         return Completion(st, mk, 0, status)
 
-    # ---- warmup: copies 0..O-1
+    L = min(O, 2)  # complete copies the warmup / cooldown may interleave with
+    # ---- warmup: copies 0..O-1 free; copies O..O+L-1 fixed relative to T0 = start of copy O
     warm = [(j - o[b], b) for j in range(O) for b in range(K) if j - o[b] >= 0]
     wset = set(warm)
-    first = [min((s[b] for b in on_dev[d]), default=0) for d in range(n)]
-    anchor: dict[Inst, list[int]] = {}
+    last_fixed = min(m - 1, O + L - 1)
+    w_fixed = {(j - o[b], b): (j - O) * P + s[b] for j in range(O, last_fixed + 1) for b in range(K)}
+    deadline: dict[Inst, list[int]] = {}
     for inst in warm:
         mb, b = inst
-        cs = [first[d] for d in pl.blocks[b].devices]
+        cs = [(last_fixed + 1 - O) * P]  # done before the copies that are not modelled
         for c_idx, c in enumerate(pl.blocks):
             if b in c.deps and (mb, c_idx) not in wset:
-                j = mb + o[c_idx]  # copy of the dependent block, >= O
+                j = mb + o[c_idx]
                 cs.append((j - O) * P + s[c_idx] - sc.lags.get((b, c_idx), 0))
-        anchor[inst] = cs
-    status_w, wst, t0 = _solve(pl, sc, warm, release={}, device_ready=[0] * n, initial=list(sc.static), cap=memory_cap,
-                               anchor=anchor, horizon=total * (O + 1) + P * (O + 1), time_limit=time_limit / 2, seed=seed)
-    if warm and not wst:
-        raise RuntimeError(f"no warmup found within {time_limit / 2:.1f} s ({status_w})")
-
+        deadline[inst] = cs
+    w_hint = ({i: naive[i] for i in warm}, O * P)
+    status_w, wst, t0 = _solve(pl, sc, warm, w_fixed, anchored=True, release={}, deadline=deadline,
+                               initial=list(sc.static), cap=memory_cap, horizon=naive_end, time_limit=time_limit / 2,
+                               seed=seed, hint=w_hint)
     starts: dict[Inst, int] = dict(wst)
     for j in range(O, m):
         for b in range(K):
             starts[(j - o[b], b)] = t0 + (j - O) * P + s[b]
 
-    # ---- cooldown: copies m..m-1+O, relative to the start R of the last complete copy (m-1)
-    R = t0 + (m - 1 - O) * P
+    # ---- cooldown: copies m..m-1+O free; copies m-L-1..m-1 (those still running near the end) fixed
+    first_fixed = max(O, m - L - 1)
     cool = [(j - o[b], b) for j in range(m, m + O) for b in range(K) if 0 <= j - o[b] < m]
     cset = set(cool)
-    ready = [max((s[b] + sc.durations[b] for b in on_dev[d]), default=0) for d in range(n)]
+    c_fixed = {(j - o[b], b): starts[(j - o[b], b)] for j in range(first_fixed, m) for b in range(K)}
+    # everything before the fixed copies has finished by then; its memory is the initial level
+    initial = [sc.static[d] + sum(sc.memory[b] for (mb, b) in starts if d in pl.blocks[b].devices
+                                  and (mb + o[b] < first_fixed)) for d in range(n)]
     release: dict[Inst, int] = {}
     for inst in cool:
         mb, b = inst
         r = 0
         for a in pl.blocks[b].deps:
-            if (mb, a) not in cset:  # already placed: in the warmup or a complete copy
-                r = max(r, starts[(mb, a)] + sc.durations[a] + sc.lags.get((a, b), 0) - R)
+            if (mb, a) not in cset:
+                r = max(r, starts[(mb, a)] + dur[a] + sc.lags.get((a, b), 0))
         release[inst] = r
-    status_c, cst, mk = _solve(pl, sc, cool, release=release, device_ready=ready, initial=steady, cap=memory_cap,
-                               anchor=None, horizon=P + total * (O + 1), time_limit=time_limit / 2, seed=seed)
-    if cool and not cst:
-        raise RuntimeError(f"no cooldown found within {time_limit / 2:.1f} s ({status_c})")
-    for inst, t in cst.items():
-        starts[inst] = R + t
-    status = "optimal" if status_w in ("optimal",) and status_c in ("optimal",) else "feasible"
-    if not warm:
-        status = status_c
-    return Completion(starts, t0, mk, status)
+    shift = t0 - O * P  # naive copy j started at j*P; here at t0 + (j - O) * P
+    c_hint_starts = {i: naive[i] + shift for i in cool}
+    c_hint_end = max([t + dur[i[1]] for i, t in c_hint_starts.items()] + [t + dur[i[1]] for i, t in c_fixed.items()])
+    status_c, cst, mk = _solve(pl, sc, cool, c_fixed, anchored=False, release=release, deadline={}, initial=initial,
+                               cap=memory_cap, horizon=c_hint_end, time_limit=time_limit / 2, seed=seed,
+                               hint=(c_hint_starts, c_hint_end))
+    starts.update(cst)
+    cooldown = mk - (t0 + (m - O) * P)
+    status = status_c if not warm else ("optimal" if status_w == status_c == "optimal" else "feasible")
+    return Completion(starts, t0, cooldown, status)
+
+
+def unrolled(rep: Repetend, m: int, num_blocks: int) -> Completion:
+    """The plain completion: copy ``j`` at ``j * P``, blocks of micro-batches outside ``0..m-1`` dropped.
+
+    Its per-device orders, executed as soon as inputs arrive, close most of the warmup and
+    cooldown gaps by themselves, and it never exceeds the steady state's memory.
+    """
+    P, s, o = rep.period, rep.starts, rep.offsets
+    starts = {(mb, b): (mb + o[b]) * P + s[b] for mb in range(m) for b in range(num_blocks)}
+    O = max(o, default=0)
+    return Completion(starts, O * P, O * P, "unrolled")
 
 
 def to_schedule(pl: Placement, comp: Completion, m: int, name: str = "tessel", meta: dict | None = None) -> Schedule:

@@ -130,15 +130,16 @@ class _Stopper(cp_model.CpSolverSolutionCallback):
 
 
 def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[float] | None,
-                objective: str | None = None):
+                objective: str | None = None, max_latency: int | None = None):
     """The CP-SAT model for a fixed period; returns ``(model, starts, offsets, peaks)``.
 
     Blocks may wrap around the window edge (a block starting at ``s`` occupies
     ``[s, s + t) mod P``): each block has an interval and a copy shifted by ``P``, and every
     device's NoOverlap covers both, which is exactly circular disjointness for ``t <= P``.
 
-    ``objective``: ``None`` (feasibility), ``"memory"`` (least summed per-device peak) or
-    ``"latency"`` (least time from a micro-batch's first block start to its last block end).
+    ``objective``: ``None`` (feasibility), ``"memory"`` (least summed per-device peak),
+    ``"latency"`` (least time from a micro-batch's first block start to its last block end) or
+    ``"latency+memory"`` (latency, then memory). ``max_latency`` bounds that latency (ticks).
     """
     pl = placement
     n = pl.num_devices
@@ -172,7 +173,7 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
         if len(on_dev[d]) > 1:
             model.AddNoOverlap([x for i in on_dev[d] for x in ivs[i]])
     peaks = []
-    if memory_cap is not None or objective == "memory":
+    if memory_cap is not None or objective in ("memory", "latency+memory"):
         # wrap[b]: a releasing block ends in the next window (its release counts one window later)
         wrap = {}
         for i in range(K):
@@ -206,9 +207,8 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
             if memory_cap is not None:
                 model.Add(peak <= int(math.floor(memory_cap[d] / sc.quantum + 1e-9)))
             peaks.append(peak)
-    if objective == "memory" and peaks:
-        model.Minimize(sum(peaks))
-    elif objective == "latency":
+    latency = None
+    if objective in ("latency", "latency+memory") or max_latency is not None:
         horizon = P * (max_off + 2)
         first = model.NewIntVar(0, P, "first")
         last = model.NewIntVar(0, horizon, "last")
@@ -218,12 +218,24 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
                 model.Add(first <= starts[i])
             if g.out_degree(i) == 0:
                 model.Add(last >= offsets[i] * P + ends[i])
-        model.Minimize(last - first)
+        latency = last - first
+        if max_latency is not None:
+            model.Add(latency <= max_latency)
+    if objective == "memory" and peaks:
+        model.Minimize(sum(peaks))
+    elif objective == "latency":
+        model.Minimize(latency)
+    elif objective == "latency+memory":
+        # lexicographic: the micro-batch latency first (it sets the length of warmup + cooldown),
+        # then the summed per-device peak memory
+        weight = 1 + 2 * (sum(sc.static) + sum(abs(x) for x in sc.memory) * (max_off + 2) + 1)
+        model.Minimize(latency * weight + sum(peaks))
     return model, starts, offsets, peaks
 
 
 def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list[float] | None, *,
                  time_limit: float, seed: int, workers: int = 1, objective: str | None = None,
+                 max_latency: int | None = None, hint: Repetend | None = None,
                  should_stop=None, on_solver=None) -> tuple[str, Repetend | None]:
     """Solve the repetend model at a fixed period.
 
@@ -231,10 +243,15 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
         ``(status, repetend)``: status is ``"feasible"``, ``"infeasible"`` or ``"unknown"``
         (time limit or cancelled); the repetend when feasible.
     """
-    built = build_model(placement, sc, period, memory_cap, objective)
+    built = build_model(placement, sc, period, memory_cap, objective, max_latency)
     if built is None:
         return "infeasible", None
     model, starts, offsets, peaks = built
+    if hint is not None and hint.period == period:
+        for v, x in zip(starts, hint.starts):
+            model.AddHint(v, x)
+        for v, x in zip(offsets, hint.offsets):
+            model.AddHint(v, x)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit)
     solver.parameters.random_seed = seed

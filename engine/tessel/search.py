@@ -22,7 +22,7 @@ from engine.errors import TesselError
 from engine.placement import Placement
 from engine.schedule import Schedule
 from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
-from engine.tessel.completion import complete, to_schedule
+from engine.tessel.completion import complete, to_schedule, unrolled
 from engine.tessel.repetend import Repetend, auto_resolution, scale, sequential_repetend, solve_period
 
 
@@ -155,7 +155,7 @@ def tessel_search(
     m: int,
     *,
     memory_limit: float | list[float] | None = None,
-    time_limit: float = 30.0,
+    time_limit: float = 10.0,
     seed: int = 0,
     resolution: float | None = None,
     lags: dict[tuple[int, int], float] | None = None,
@@ -167,20 +167,26 @@ def tessel_search(
 ) -> SearchResult:
     """Find a repetend of minimal period and complete it into a schedule of ``m`` micro-batches.
 
+    Phases: (1) binary search on the period from the lower bound, a CP-SAT feasibility solve per
+    step; (2) at the best period, a CP-SAT solve for the least micro-batch latency (which sets the
+    warmup + cooldown length) and then the least memory; (3) completion: the unrolled repetend
+    and a CP-SAT-compacted warmup/cooldown, keeping the one with the shorter simulated makespan.
+
     Args:
         placement: the blocks of one micro-batch (training or forward-only).
-        m: micro-batches per step.
+        m: micro-batches per step (placement instances).
         memory_limit: per-device limit in the placement's memory units (bytes for a captured
             model, abstract units for unit placements), static memory included; ``None`` = no limit.
-        time_limit: wall-clock seconds for the whole search (repetend + completion).
+        time_limit: wall-clock seconds for the whole search; when it hits, the best solution so
+            far is completed and returned (``timed_out`` set).
         seed: CP-SAT random seed; with ``workers=1`` the result is deterministic.
         resolution: seconds per solver tick (default: the longest block is 100 ticks). Durations
             are rounded up to ticks.
         lags: seconds of communication on cross-device dependencies, ``(a, b) -> s`` by block index.
-        objective: ``"throughput"`` (shortest period, then least memory) or, for inference,
-            ``"latency"`` (at the shortest period, the least time from a micro-batch's first block
-            start to its last block end).
-        workers: CP-SAT workers.
+        objective: ``"throughput"`` (shortest period) or, for inference, ``"latency"`` (every
+            micro-batch finishes within its critical path, i.e. never queues; shortest period that
+            allows it).
+        workers: CP-SAT workers (1 keeps results deterministic).
         progress: called after every solver call with a :class:`SearchProgress`.
         progress_bar: show a tqdm bar with the best period so far.
         control: a :class:`SearchControl` to cancel from another thread.
@@ -191,12 +197,18 @@ def tessel_search(
     Raises:
         InfeasibleMemoryError: the limit is below the memory floor (the message gives the
             smallest feasible limit).
+        SearchCancelled: cancelled before the search started.
         TesselError: ``m < 1`` or a bad objective.
     """
+    from engine.dependency import lower
+    from engine.simulate import simulate
+
     if m < 1:
         raise TesselError(f"need at least one micro-batch, got m={m}")
     if objective not in ("throughput", "latency"):
         raise TesselError(f"objective must be 'throughput' or 'latency', got {objective!r}")
+    if control is not None and control.cancelled:
+        raise SearchCancelled("the search was cancelled before it started")
     t_start = time.perf_counter()
     deadline = t_start + time_limit
     caps = _limits(placement, memory_limit)
@@ -214,9 +226,12 @@ def tessel_search(
         # inference: a forward block's activation is released once the next block has consumed it,
         # so only static memory persists; the limit then bounds static memory alone.
         sc.memory = [0] * len(sc.memory)
-    placement_has_memory = any(sc.memory)
+    has_memory = any(sc.memory)
     lb_s = period_lower_bound(placement)
     lb = max(1, max(sum(sc.durations[i] for i in placement.blocks_on(d)) for d in range(placement.num_devices)))
+    max_latency = None
+    if objective == "latency":
+        max_latency = _critical_ticks(placement, sc)
     best = sequential_repetend(placement, sc)
     steps = 0
     timed_out = False
@@ -226,7 +241,8 @@ def tessel_search(
     if progress_bar:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=max(1, math.ceil(math.log2(max(2, best.period - lb + 1)))) + 1, desc="tessel search", unit="solve", leave=False)
+        bar = tqdm(total=max(1, math.ceil(math.log2(max(2, best.period - lb + 1)))) + 2, desc="tessel search",
+                   unit="solve", leave=False)
 
     def report(period: int, status: str) -> None:
         if bar is not None:
@@ -235,70 +251,78 @@ def tessel_search(
         if progress is not None:
             progress(SearchProgress(steps, period * res, status, best.period * res, lb_s, time.perf_counter() - t_start))
 
-    def attempt(period: int, objective_: str | None) -> tuple[str, Repetend | None]:
+    def attempt(period: int, objective_: str | None, budget_share: float, cap_s: float | None = None) -> tuple[str, Repetend | None]:
         nonlocal steps, timed_out
         remaining = deadline - time.perf_counter()
         if remaining <= 0.02 or (control is not None and control.cancelled):
             timed_out = True
             return "unknown", None
-        # leave time for the completion
-        budget = remaining * 0.6
+        budget = remaining * budget_share if cap_s is None else min(remaining * budget_share, cap_s)
         status, rep = solve_period(placement, sc, period, caps, time_limit=budget, seed=seed, workers=workers,
-                                   objective=objective_, should_stop=should_stop,
-                                   on_solver=control._attach if control is not None else None)
+                                   objective=objective_, max_latency=max_latency, hint=best,
+                                   should_stop=should_stop, on_solver=control._attach if control is not None else None)
         steps += 1
-        if status == "unknown":
+        if status == "unknown" and objective_ is None:
             timed_out = True
         return status, rep
 
-    # binary search on the period in [lb, best.period]
+    # (1) binary search on the period in [lb, best.period]
     lo, hi = lb, best.period
-    status, rep = attempt(lo, None)
-    if rep is not None:
-        best, hi = rep, lo
-    elif status == "infeasible":
-        lo += 1
-        proven_lo = lo
-    report(lb, status)
     while lo < hi and not timed_out:
-        mid = (lo + hi) // 2
-        status, rep = attempt(mid, None)
+        mid = lo if steps == 0 else (lo + hi) // 2  # try the bound first: often feasible
+        status, rep = attempt(mid, None, 0.5)
         if rep is not None:
             best, hi = rep, mid
         elif status == "infeasible":
             lo = mid + 1
             proven_lo = lo
-        else:
-            break
         report(mid, status)
     optimal = best.period <= proven_lo
-    # at the best period, prefer the least memory (and, for latency, the shortest micro-batch span)
+    # (2) at the best period: least latency, then least memory (bounded effort: a polish)
     if not timed_out:
-        final = "latency" if objective == "latency" else ("memory" if placement_has_memory else None)
-        if final is not None:
-            status, rep = attempt(best.period, final)
-            if rep is not None:
-                best = rep
-            report(best.period, final)
+        polish_cap = 0.25 * max(1, placement.num_devices / 4) * max(1, len(placement.blocks) / 16)
+        status, rep = attempt(best.period, "latency+memory" if has_memory else "latency", 0.5, polish_cap)
+        if rep is not None:
+            best = rep
+        report(best.period, "polish")
     if bar is not None:
         bar.close()
-    if control is not None and control.cancelled and steps == 0:
-        raise SearchCancelled("the search was cancelled before it started")
-    comp_budget = max(0.5, deadline - time.perf_counter())
-    # warmup and cooldown never exceed the steady state's peak (the plainly unrolled repetend
-    # meets that bound, so it is always feasible), nor the limit
+
+    # (3) completion; warmup and cooldown never exceed the steady state's peak nor the limit
     comp_caps = caps
-    if placement_has_memory and best.peak:
+    if has_memory and best.peak:
         comp_caps = [min(c, p) for c, p in zip(caps, best.peak)] if caps is not None else list(best.peak)
-    comp = complete(placement, sc, best, m, memory_cap=comp_caps, time_limit=comp_budget, seed=seed)
-    elapsed = time.perf_counter() - t_start
-    meta = {"tessel": {"period": best.period * res, "period_lower_bound": lb_s, "optimal": optimal,
-                       "in_flight": best.in_flight, "warmup_ticks": comp.warmup, "cooldown_ticks": comp.cooldown,
-                       "resolution": res, "search_time": elapsed, "repetend": best.to_dict()}}
-    schedule = to_schedule(placement, comp, m, name="tessel", meta=meta)
+    meta = {"period": best.period * res, "period_lower_bound": lb_s, "optimal": optimal, "in_flight": best.in_flight,
+            "resolution": res, "repetend": best.to_dict()}
+    candidates = [("unrolled", unrolled(best, m, len(placement.blocks)))]
+    remaining = deadline - time.perf_counter()
+    if remaining > 0.05 and max(best.offsets, default=0) > 0 and not (control is not None and control.cancelled):
+        comp_cap = 0.5 * max(1, placement.num_devices / 4)
+        candidates.append(("compacted", complete(placement, sc, best, m, memory_cap=comp_caps,
+                                                 time_limit=min(remaining, comp_cap), seed=seed)))
+    chosen = None
+    for label, comp in candidates:
+        sched = to_schedule(placement, comp, m, name="tessel", meta={"tessel": {**meta, "completion": label}})
+        span = simulate(lower(sched)).makespan
+        if chosen is None or span < chosen[0] - 1e-12:
+            chosen = (span, sched)
+    schedule = chosen[1]
     schedule.validate(caps)
+    elapsed = time.perf_counter() - t_start
+    schedule.meta["tessel"]["search_time"] = elapsed
     return SearchResult(
         schedule=schedule, repetend=best, period=best.period * res, period_lower_bound=lb_s,
         makespan_lower_bound=makespan_lower_bound(placement, m), critical_path=critical_path(placement),
         optimal=optimal, search_time=elapsed, steps=steps, timed_out=timed_out, resolution=res, memory_floor=floor,
     )
+
+
+def _critical_ticks(placement: Placement, sc) -> int:
+    """The critical path of one micro-batch in solver ticks (durations and lags)."""
+    import networkx as nx
+
+    g = placement.dependency_graph()
+    longest: dict[int, int] = {}
+    for i in nx.topological_sort(g):
+        longest[i] = sc.durations[i] + max((longest[a] + sc.lags.get((a, i), 0) for a in g.predecessors(i)), default=0)
+    return max(longest.values(), default=0)
