@@ -13,7 +13,8 @@ rounded up, so the model never underestimates):
 - per device, ``NoOverlap`` of the intervals of its blocks and their shifted copies (circular
   disjointness; a multi-device block's intervals are in the NoOverlap of every device of its set,
   so it occupies them all at once);
-- ``o_b`` integer, roots 0, and for a dependency ``a -> b`` (same micro-batch):
+- ``o_b`` integer (the first root starts the window at 0 and some root has offset 0, which
+  removes the rotation symmetry), and for a dependency ``a -> b`` (same micro-batch):
   ``0 <= o_b - o_a <= 2`` and ``s_b + (o_b - o_a) * P >= s_a + t_a + lag_ab`` — the dependency
   across consecutive repetend copies;
 - memory: the steady-state level of device ``d`` at window time ``tau`` is
@@ -156,11 +157,16 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
         s = model.NewIntVar(0, P - 1, f"s{i}")
         iv = model.NewFixedSizeIntervalVar(s, t, f"iv{i}")
         iv2 = model.NewFixedSizeIntervalVar(s + P, t, f"iv{i}+P")
-        o = model.NewIntVar(0, 0 if not b.deps else max_off, f"o{i}")
+        o = model.NewIntVar(0, max_off, f"o{i}")
         starts.append(s)
         ends.append(s + t)
         ivs.append((iv, iv2))
         offsets.append(o)
+    # symmetry breaking: rotating the window (and shifting every offset by one) gives an
+    # equivalent repetend, so the first root starts the window and some root has offset 0
+    roots = [i for i, b in enumerate(pl.blocks) if not b.deps]
+    model.Add(starts[roots[0]] == 0)
+    model.AddMinEquality(model.NewConstant(0), [offsets[r] for r in roots])
     for i, b in enumerate(pl.blocks):
         for a in b.deps:
             diff = offsets[i] - offsets[a]

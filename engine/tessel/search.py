@@ -262,21 +262,23 @@ def tessel_search(
                                    objective=objective_, max_latency=max_latency, hint=best,
                                    should_stop=should_stop, on_solver=control._attach if control is not None else None)
         steps += 1
-        if status == "unknown" and objective_ is None:
-            timed_out = True
         return status, rep
 
-    # (1) binary search on the period in [lb, best.period]
+    # (1) binary search on the period in [lb, best.period]; a solve that runs out of its share of
+    # time counts as "not found" (the period is raised, but not proven infeasible)
+    step_cap = 0.15 * time_limit
     lo, hi = lb, best.period
     while lo < hi and not timed_out:
         mid = lo if steps == 0 else (lo + hi) // 2  # try the bound first: often feasible
-        status, rep = attempt(mid, None, 0.5)
+        status, rep = attempt(mid, None, 0.5, step_cap)
         if rep is not None:
             best, hi = rep, mid
-        elif status == "infeasible":
+        else:
             lo = mid + 1
-            proven_lo = lo
+            if status == "infeasible":  # feasibility is monotone in the period (idle time can be added)
+                proven_lo = max(proven_lo, lo)
         report(mid, status)
+    timed_out = timed_out or time.perf_counter() >= deadline
     optimal = best.period <= proven_lo
     # (2) at the best period: least latency, then least memory (bounded effort: a polish)
     if not timed_out:
