@@ -202,10 +202,22 @@ def unrolled(rep: Repetend, m: int, num_blocks: int) -> Completion:
     return Completion(starts, O * P, O * P, "unrolled")
 
 
-def to_schedule(pl: Placement, comp: Completion, m: int, name: str = "tessel", meta: dict | None = None) -> Schedule:
-    """Per-device orders sorted by start tick (ties: micro-batch, then chain position)."""
+def to_schedule(pl: Placement, comp: Completion, m: int, name: str = "tessel", meta: dict | None = None,
+                micro_batches_per_window: int = 1) -> Schedule:
+    """Per-device orders sorted by start tick (ties: micro-batch, then chain position).
+
+    ``comp`` may be over the placement expanded ``r = micro_batches_per_window`` times
+    (:func:`engine.tessel.repetend.expand`); its instances are mapped back to the original
+    blocks and micro-batches, and those of micro-batches ``>= m`` are dropped.
+    """
+    r = micro_batches_per_window
+    K = len(pl.blocks)
     orders: list[list[tuple[int, int, int, Block]]] = [[] for _ in range(pl.num_devices)]
-    for (mb, b), t in comp.starts.items():
+    for (mb_x, b_x), t in comp.starts.items():
+        k, b = divmod(b_x, K)
+        mb = mb_x * r + k
+        if mb >= m:
+            continue
         spec = pl.blocks[b]
         blk = Block(spec.segment, spec.kind, mb)
         for d in spec.devices:

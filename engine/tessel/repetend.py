@@ -93,11 +93,13 @@ class Repetend:
     """A steady-state window.
 
     Attributes:
-        period: ticks per window (= per micro-batch in steady state).
-        starts: per block, start tick in the window.
+        period: ticks per window.
+        starts: per block of the (expanded) placement, start tick in the window.
         offsets: per block, how many windows older its micro-batch is than the newest one's.
         resolution: seconds per tick.
         peak: per device steady-state peak memory (quanta x quantum = bytes/units), static included.
+        micro_batches: micro-batches per window ``r`` (the placement expanded ``r`` times, see
+            :func:`expand`); the period per micro-batch is ``period / r``.
     """
 
     period: int
@@ -105,10 +107,12 @@ class Repetend:
     offsets: list[int]
     resolution: float
     peak: list[float] = field(default_factory=list)
+    micro_batches: int = 1
 
     @property
     def period_seconds(self) -> float:
-        return self.period * self.resolution
+        """Seconds per micro-batch in steady state."""
+        return self.period * self.resolution / self.micro_batches
 
     @property
     def in_flight(self) -> int:
@@ -116,8 +120,26 @@ class Repetend:
         return max(self.offsets, default=0) + 1
 
     def to_dict(self) -> dict:
-        return {"period": self.period_seconds, "period_ticks": self.period, "resolution": self.resolution,
-                "starts": self.starts, "offsets": self.offsets, "peak_memory": self.peak}
+        return {"period": self.period_seconds, "window_ticks": self.period, "micro_batches": self.micro_batches,
+                "resolution": self.resolution, "starts": self.starts, "offsets": self.offsets, "peak_memory": self.peak}
+
+
+def expand(placement: Placement, r: int) -> Placement:
+    """The placement repeated ``r`` times as independent chains: a window holding ``r`` micro-batches.
+
+    Copy ``k`` of block ``b`` is block ``k * K + b`` with segment ``k * S + segment`` (``K`` blocks,
+    ``S`` segments); micro-batch ``mb'`` of the expanded placement's copy ``k`` is micro-batch
+    ``r * mb' + k`` of the original. A repetend over it can reach periods like 8.5 per micro-batch
+    that a one-micro-batch window cannot (Tessel allows several micro-batches per repetend).
+    """
+    if r == 1:
+        return placement
+    from dataclasses import replace
+
+    K, S = len(placement.blocks), placement.num_segments
+    blocks = [replace(b, segment=k * S + b.segment, deps=tuple(k * K + d for d in b.deps))
+              for k in range(r) for b in placement.blocks]
+    return Placement(placement.num_devices, tuple(blocks), name=f"{placement.name}x{r}", static_memory=placement.static_memory)
 
 
 class _Stopper(cp_model.CpSolverSolutionCallback):

@@ -23,7 +23,7 @@ from engine.placement import Placement
 from engine.schedule import Schedule
 from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
 from engine.tessel.completion import complete, to_schedule, unrolled
-from engine.tessel.repetend import Repetend, auto_resolution, scale, sequential_repetend, solve_period
+from engine.tessel.repetend import Repetend, auto_resolution, expand, scale, sequential_repetend, solve_period
 
 
 class InfeasibleMemoryError(TesselError):
@@ -164,11 +164,12 @@ def tessel_search(
     progress: Callable[[SearchProgress], None] | None = None,
     progress_bar: bool = False,
     control: SearchControl | None = None,
+    max_window_micro_batches: int = 2,
 ) -> SearchResult:
     """Find a repetend of minimal period and complete it into a schedule of ``m`` micro-batches.
 
-    Phases: (1) binary search on the period from the lower bound, a CP-SAT feasibility solve per
-    step; (2) at the best period, a CP-SAT solve for the least micro-batch latency (which sets the
+    Phases: (1) for windows of ``r = 1, 2, ...`` micro-batches, binary search on the window length
+    from the lower bound, a CP-SAT feasibility solve per step; (2) at the best period, a CP-SAT solve for the least micro-batch latency (which sets the
     warmup + cooldown length) and then the least memory; (3) completion: the unrolled repetend
     and a CP-SAT-compacted warmup/cooldown, keeping the one with the shorter simulated makespan.
 
@@ -190,6 +191,8 @@ def tessel_search(
         progress: called after every solver call with a :class:`SearchProgress`.
         progress_bar: show a tqdm bar with the best period so far.
         control: a :class:`SearchControl` to cancel from another thread.
+        max_window_micro_batches: largest number ``r`` of micro-batches in one repetend window;
+            ``r > 1`` reaches fractional periods per micro-batch (e.g. 17 units per 2 micro-batches).
 
     Returns:
         :class:`SearchResult`.
@@ -221,90 +224,120 @@ def tessel_search(
                 f"memory limit {caps[worst]:g} is infeasible: device {worst} needs at least {floor[worst]:g} even with one "
                 f"micro-batch at a time; the smallest feasible limit is {need:g}", need, worst)
     res = resolution or auto_resolution(placement)
-    sc = scale(placement, res, lags)
-    if placement.forward_only:
-        # inference: a forward block's activation is released once the next block has consumed it,
-        # so only static memory persists; the limit then bounds static memory alone.
-        sc.memory = [0] * len(sc.memory)
-    has_memory = any(sc.memory)
     lb_s = period_lower_bound(placement)
-    lb = max(1, max(sum(sc.durations[i] for i in placement.blocks_on(d)) for d in range(placement.num_devices)))
-    max_latency = None
-    if objective == "latency":
-        max_latency = _critical_ticks(placement, sc)
-    best = sequential_repetend(placement, sc)
+    should_stop = (lambda: control.cancelled) if control is not None else None
     steps = 0
     timed_out = False
-    proven_lo = lb  # every period below this is infeasible
-    should_stop = (lambda: control.cancelled) if control is not None else None
+
+    class Candidate:  # the search state for one window size r (micro-batches per window)
+        def __init__(self, r: int):
+            self.r = r
+            self.pl = expand(placement, r)
+            self.sc = scale(self.pl, res, _expand_lags(lags, len(placement.blocks), r))
+            if placement.forward_only:
+                # inference: a forward block's activation is released once the next block has
+                # consumed it, so only static memory persists; the limit bounds static memory alone
+                self.sc.memory = [0] * len(self.sc.memory)
+            self.lb = max(1, max(sum(self.sc.durations[i] for i in self.pl.blocks_on(d)) for d in range(self.pl.num_devices)))
+            self.best = sequential_repetend(self.pl, self.sc)
+            self.best.micro_batches = r
+            self.proven_lo = self.lb
+            self.max_latency = _critical_ticks(self.pl, self.sc) if objective == "latency" else None
+
+        @property
+        def per_mb(self) -> float:
+            return self.best.period / self.r
+
+    has_memory = any(x.memory for x in placement.blocks) and not placement.forward_only
+    one = Candidate(1)
+    lb = one.lb
     bar = None
     if progress_bar:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=max(1, math.ceil(math.log2(max(2, best.period - lb + 1)))) + 2, desc="tessel search",
+        bar = tqdm(total=2 * max(1, math.ceil(math.log2(max(2, one.best.period - lb + 1)))) + 2, desc="tessel search",
                    unit="solve", leave=False)
+    best_c = one
 
-    def report(period: int, status: str) -> None:
+    def report(c: Candidate, window: int, status: str) -> None:
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(best=f"{best.period * res:.4g}", lb=f"{lb * res:.4g}")
+            bar.set_postfix(best=f"{best_c.per_mb * res:.4g}", lb=f"{lb * res:.4g}")
         if progress is not None:
-            progress(SearchProgress(steps, period * res, status, best.period * res, lb_s, time.perf_counter() - t_start))
+            progress(SearchProgress(steps, window * res / c.r, status, best_c.per_mb * res, lb_s, time.perf_counter() - t_start))
 
-    def attempt(period: int, objective_: str | None, budget_share: float, cap_s: float | None = None) -> tuple[str, Repetend | None]:
+    def attempt(c: Candidate, window: int, objective_: str | None, budget_share: float, cap_s: float | None = None):
         nonlocal steps, timed_out
         remaining = deadline - time.perf_counter()
         if remaining <= 0.02 or (control is not None and control.cancelled):
             timed_out = True
             return "unknown", None
         budget = remaining * budget_share if cap_s is None else min(remaining * budget_share, cap_s)
-        status, rep = solve_period(placement, sc, period, caps, time_limit=budget, seed=seed, workers=workers,
-                                   objective=objective_, max_latency=max_latency, hint=best,
+        status, rep = solve_period(c.pl, c.sc, window, caps, time_limit=budget, seed=seed, workers=workers,
+                                   objective=objective_, max_latency=c.max_latency, hint=c.best,
                                    should_stop=should_stop, on_solver=control._attach if control is not None else None)
+        if rep is not None:
+            rep.micro_batches = c.r
         steps += 1
         return status, rep
 
-    # (1) binary search on the period in [lb, best.period]; a solve that runs out of its share of
-    # time counts as "not found" (the period is raised, but not proven infeasible)
+    # (1) for r = 1, 2, ...: binary search on the window length; a solve that runs out of its share
+    # of time counts as "not found" (the window grows, but is not proven infeasible). Feasibility
+    # is monotone in the window (idle time can be added), so an infeasible window proves all shorter.
     step_cap = 0.15 * time_limit
-    lo, hi = lb, best.period
-    while lo < hi and not timed_out:
-        mid = lo if steps == 0 else (lo + hi) // 2  # try the bound first: often feasible
-        status, rep = attempt(mid, None, 0.5, step_cap)
-        if rep is not None:
-            best, hi = rep, mid
-        else:
-            lo = mid + 1
-            if status == "infeasible":  # feasibility is monotone in the period (idle time can be added)
-                proven_lo = max(proven_lo, lo)
-        report(mid, status)
+    for r in range(1, max_window_micro_batches + 1):
+        if r > 1 and deadline - time.perf_counter() < 0.3 * time_limit:
+            break  # a larger window is a refinement; keep time for the polish and the completion
+        c = one if r == 1 else Candidate(r)
+        lo = c.lb
+        hi = c.best.period if r == 1 else min(c.best.period, math.ceil(best_c.per_mb * r) - 1)
+        if lo > hi:  # cannot beat the best period per micro-batch found so far
+            continue
+        while lo < hi and not timed_out:
+            mid = lo if lo == c.lb else (lo + hi) // 2  # try the bound first: often feasible
+            status, rep = attempt(c, mid, None, 0.5, step_cap)
+            if rep is not None:
+                c.best, hi = rep, mid
+            else:
+                lo = mid + 1
+                if status == "infeasible":
+                    c.proven_lo = max(c.proven_lo, lo)
+            if c.per_mb < best_c.per_mb:
+                best_c = c
+            report(c, mid, status)
+        if best_c.per_mb <= lb or timed_out:
+            break
     timed_out = timed_out or time.perf_counter() >= deadline
-    optimal = best.period <= proven_lo
-    # (2) at the best period: least latency, then least memory (bounded effort: a polish)
+    c = best_c
+    optimal = c.best.period <= c.proven_lo and c.per_mb <= lb
+    # (2) at the best window: least latency, then least memory (bounded effort: a polish)
     if not timed_out:
-        polish_cap = 0.25 * max(1, placement.num_devices / 4) * max(1, len(placement.blocks) / 16)
-        status, rep = attempt(best.period, "latency+memory" if has_memory else "latency", 0.5, polish_cap)
+        polish_cap = 0.25 * max(1, placement.num_devices / 4) * max(1, len(c.pl.blocks) / 16)
+        status, rep = attempt(c, c.best.period, "latency+memory" if has_memory else "latency", 0.5, polish_cap)
         if rep is not None:
-            best = rep
-        report(best.period, "polish")
+            c.best = rep
+        report(c, c.best.period, "polish")
     if bar is not None:
         bar.close()
+    best = c.best
 
     # (3) completion; warmup and cooldown never exceed the steady state's peak nor the limit
     comp_caps = caps
     if has_memory and best.peak:
-        comp_caps = [min(c, p) for c, p in zip(caps, best.peak)] if caps is not None else list(best.peak)
-    meta = {"period": best.period * res, "period_lower_bound": lb_s, "optimal": optimal, "in_flight": best.in_flight,
-            "resolution": res, "repetend": best.to_dict()}
-    candidates = [("unrolled", unrolled(best, m, len(placement.blocks)))]
+        comp_caps = [min(x, p) for x, p in zip(caps, best.peak)] if caps is not None else list(best.peak)
+    meta = {"period": best.period_seconds, "period_lower_bound": lb_s, "optimal": optimal, "in_flight": best.in_flight,
+            "micro_batches_per_window": c.r, "resolution": res, "repetend": best.to_dict()}
+    m_windows = -(-m // c.r)
+    candidates = [("unrolled", unrolled(best, m_windows, len(c.pl.blocks)))]
     remaining = deadline - time.perf_counter()
     if remaining > 0.05 and max(best.offsets, default=0) > 0 and not (control is not None and control.cancelled):
         comp_cap = 0.5 * max(1, placement.num_devices / 4)
-        candidates.append(("compacted", complete(placement, sc, best, m, memory_cap=comp_caps,
+        candidates.append(("compacted", complete(c.pl, c.sc, best, m_windows, memory_cap=comp_caps,
                                                  time_limit=min(remaining, comp_cap), seed=seed)))
     chosen = None
     for label, comp in candidates:
-        sched = to_schedule(placement, comp, m, name="tessel", meta={"tessel": {**meta, "completion": label}})
+        sched = to_schedule(placement, comp, m, name="tessel", meta={"tessel": {**meta, "completion": label}},
+                            micro_batches_per_window=c.r)
         span = simulate(lower(sched)).makespan
         if chosen is None or span < chosen[0] - 1e-12:
             chosen = (span, sched)
@@ -313,10 +346,16 @@ def tessel_search(
     elapsed = time.perf_counter() - t_start
     schedule.meta["tessel"]["search_time"] = elapsed
     return SearchResult(
-        schedule=schedule, repetend=best, period=best.period * res, period_lower_bound=lb_s,
+        schedule=schedule, repetend=best, period=best.period_seconds, period_lower_bound=lb_s,
         makespan_lower_bound=makespan_lower_bound(placement, m), critical_path=critical_path(placement),
         optimal=optimal, search_time=elapsed, steps=steps, timed_out=timed_out, resolution=res, memory_floor=floor,
     )
+
+
+def _expand_lags(lags, K: int, r: int):
+    if not lags:
+        return None
+    return {(k * K + a, k * K + b): v for k in range(r) for (a, b), v in lags.items()}
 
 
 def _critical_ticks(placement: Placement, sc) -> int:
