@@ -153,7 +153,7 @@ class _Stopper(cp_model.CpSolverSolutionCallback):
 
 
 def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[float] | None,
-                objective: str | None = None, max_latency: int | None = None):
+                objective: str | None = None, max_latency: int | None = None, replicas: int = 1):
     """The CP-SAT model for a fixed period; returns ``(model, starts, offsets, peaks)``.
 
     Blocks may wrap around the window edge (a block starting at ``s`` occupies
@@ -171,7 +171,14 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
     K = len(pl.blocks)
     starts, offsets, ends = [], [], []
     ivs: list[tuple] = []
-    max_off = MAX_STAGGER * K
+    # an offset grows by at most MAX_STAGGER per dependency: bound it by the block's depth
+    import networkx as nx
+
+    depth: dict[int, int] = {}
+    for i in nx.topological_sort(pl.dependency_graph()):
+        depth[i] = 1 + max((depth[a] for a in pl.blocks[i].deps), default=-1)
+    max_depth = max(depth.values(), default=0)
+    max_off = MAX_STAGGER * (2 * max_depth + 1)
     for i, b in enumerate(pl.blocks):
         t = sc.durations[i]
         if t > P:
@@ -179,7 +186,7 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
         s = model.NewIntVar(0, P - 1, f"s{i}")
         iv = model.NewFixedSizeIntervalVar(s, t, f"iv{i}")
         iv2 = model.NewFixedSizeIntervalVar(s + P, t, f"iv{i}+P")
-        o = model.NewIntVar(0, max_off, f"o{i}")
+        o = model.NewIntVar(0, MAX_STAGGER * (max_depth + depth[i]), f"o{i}")
         starts.append(s)
         ends.append(s + t)
         ivs.append((iv, iv2))
@@ -189,6 +196,13 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
     roots = [i for i, b in enumerate(pl.blocks) if not b.deps]
     model.Add(starts[roots[0]] == 0)
     model.AddMinEquality(model.NewConstant(0), [offsets[r] for r in roots])
+    # an expanded placement (several micro-batches per window, see expand) has interchangeable
+    # replicas: order them by the unrolled start time of their first root
+    if replicas > 1:
+        per = K // replicas
+        for k in range(replicas - 1):
+            a, b2 = roots[0] + k * per, roots[0] + (k + 1) * per
+            model.Add(starts[a] + offsets[a] * P < starts[b2] + offsets[b2] * P)
     for i, b in enumerate(pl.blocks):
         for a in b.deps:
             diff = offsets[i] - offsets[a]
@@ -263,7 +277,7 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
 
 def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list[float] | None, *,
                  time_limit: float, seed: int, workers: int = 1, objective: str | None = None,
-                 max_latency: int | None = None, hint: Repetend | None = None,
+                 max_latency: int | None = None, hint: Repetend | None = None, replicas: int = 1,
                  should_stop=None, on_solver=None) -> tuple[str, Repetend | None]:
     """Solve the repetend model at a fixed period.
 
@@ -271,7 +285,7 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
         ``(status, repetend)``: status is ``"feasible"``, ``"infeasible"`` or ``"unknown"``
         (time limit or cancelled); the repetend when feasible.
     """
-    built = build_model(placement, sc, period, memory_cap, objective, max_latency)
+    built = build_model(placement, sc, period, memory_cap, objective, max_latency, replicas)
     if built is None:
         return "infeasible", None
     model, starts, offsets, peaks = built

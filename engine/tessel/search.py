@@ -274,7 +274,7 @@ def tessel_search(
             return "unknown", None
         budget = remaining * budget_share if cap_s is None else min(remaining * budget_share, cap_s)
         status, rep = solve_period(c.pl, c.sc, window, caps, time_limit=budget, seed=seed, workers=workers,
-                                   objective=objective_, max_latency=c.max_latency, hint=c.best,
+                                   objective=objective_, max_latency=c.max_latency, hint=c.best, replicas=c.r,
                                    should_stop=should_stop, on_solver=control._attach if control is not None else None)
         if rep is not None:
             rep.micro_batches = c.r

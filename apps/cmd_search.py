@@ -1,0 +1,139 @@
+"""Search a schedule for a placement with Tessel and compare it with the predefined schedules.
+
+Without ``--model`` the placement is in abstract units: F=1, B=2 time units per block, and
+memory in units of one segment's activations (an F adds 1 on its devices, its B frees it), so
+``--memory-limit 6`` allows six segments' activations in flight per device. With ``--model`` the
+costs come from the captured model and the cost table (seconds, bytes; the limit is in GiB).
+Writes ``plan.json``, ``trace.json`` and (where every block runs on one device) ``schedule.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from apps.output import table
+
+HELP = "search a schedule for a placement (V, X, M, NN, K, interleaved or a JSON file) with Tessel"
+
+#: Abstract memory is counted in half-units internally so interleaved segments (half a V segment) stay integral.
+_HALF = 2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--placement", default="v", help="shape: v, x, m (mshape), nn, k, interleaved; or a placement JSON file")
+    p.add_argument("--devices", type=int, default=4, help="devices of the shape (default 4)")
+    p.add_argument("--micro-batches", type=int, default=16, help="micro-batches per step (default 16)")
+    p.add_argument("--memory-limit", type=float, default=None,
+                   help="per-device limit: activation units (abstract) or GiB (with --model); default none")
+    p.add_argument("--model", default=None, help="use this model's real costs (e.g. gpt2); default abstract units")
+    p.add_argument("--device-type", default="h100", help="cost table with --model (default h100)")
+    p.add_argument("--split-backward", action="store_true", help="split B into I (input grad) and W (weight grad)")
+    p.add_argument("--inference", action="store_true", help="forward-only placement")
+    p.add_argument("--objective", default="throughput", choices=["throughput", "latency"],
+                   help="throughput (shortest period) or latency (inference: no queuing)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="search time limit in seconds (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="solver seed (default 0)")
+    p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
+
+
+def _placements(args):
+    """(placement, variant(name) for the V baselines, memory scale, model dict, cost, parts)."""
+    from engine.shapes import load_placement, make_shape
+
+    kw = {"split_backward": args.split_backward, "forward_only": args.inference}
+    if Path(args.placement).suffix == ".json" or Path(args.placement).is_file():
+        pl = load_placement(args.placement)
+        return pl, None, 1, {"name": str(args.placement), "source": "placement-json"}, None, []
+    if args.model is None:
+        pl = make_shape(args.placement, args.devices, activation=_HALF, **kw)
+
+        def variant(name: str):
+            if name == "interleaved":
+                return make_shape("interleaved", args.devices, forward=0.5, backward=1.0, activation=_HALF // 2,
+                                  forward_only=args.inference)
+            return make_shape("v", args.devices, activation=_HALF, split_backward=True)
+
+        return pl, variant, _HALF, {"name": "abstract", "source": "units", "forward": 1.0, "backward": 2.0}, None, []
+    from engine.cost import CostModel
+    from engine.graph import capture
+    from engine.models import build_model
+    from engine.shape_costs import model_shape_placement
+
+    bundle = build_model(args.model)
+    graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
+    cost = CostModel.for_device(args.device_type)
+    pl, parts = model_shape_placement(graph, cost, args.placement, args.devices, **kw)
+
+    def variant(name: str):
+        if name == "interleaved":
+            return model_shape_placement(graph, cost, "interleaved", args.devices, forward_only=args.inference)[0]
+        return model_shape_placement(graph, cost, "v", args.devices, split_backward=True)[0]
+
+    model = {"name": bundle.name, "source": bundle.source, "config": bundle.config, "seq_len": bundle.seq_len,
+             "micro_batch_size": 1}
+    return pl, variant, 1, model, cost, parts
+
+
+def run(args: argparse.Namespace) -> dict:
+    from engine.compare import compare_baselines, measure
+    from engine.errors import PlanFormatError
+    from engine.io import Plan, save_plan, write_torch_csv, write_trace
+    from engine.simulate import simulate
+    from engine.dependency import lower
+    from engine.tessel import tessel_search
+
+    pl, variant, mem_scale, model, cost, parts = _placements(args)
+    gib = 2**30 if args.model else 1
+    limit = args.memory_limit * gib * mem_scale if args.memory_limit is not None else None
+    res = tessel_search(pl, args.micro_batches, memory_limit=limit, time_limit=args.time_limit, seed=args.seed,
+                        objective=args.objective, progress_bar=not args.json and sys.stderr.isatty())
+    tess = measure(res.schedule, limit, cost)
+    tessel_tl = simulate(lower(res.schedule), cost)
+    rows = [tess] + compare_baselines(pl, args.micro_batches, memory_limit=limit, cost=cost, variant=variant)
+
+    def unit_mem(x):
+        return None if x is None else x / mem_scale / gib
+
+    out = Path(args.output)
+    metrics = {**tessel_tl.metrics(), **res.summary()}
+    plan = Plan(model=model, parallel={"dp": 1, "tp": 1, "pp": pl.num_devices, "micro_batches": args.micro_batches,
+                                       "devices": pl.num_devices, "optimizer": "adam"},
+                segments=[{"index": i, **p} for i, p in enumerate(parts)], schedule=res.schedule,
+                cost=cost.to_dict() if cost else {}, metrics=metrics,
+                meta={"memory_unit": "bytes" if args.model else f"1/{mem_scale} activation unit"})
+    plan_path = save_plan(plan, out / "plan.json")
+    trace_path = write_trace(tessel_tl, out / "trace.json", metadata={"schedule": "tessel", "placement": pl.name})
+    try:
+        csv_path = str(write_torch_csv(res.schedule, out / "schedule.csv"))
+    except PlanFormatError as e:
+        csv_path = None
+        csv_note = str(e)
+    unit = "GiB" if args.model else "units"
+    tscale = 1e3 if args.model else 1
+    tunit = "ms" if args.model else "units"
+    print(f"placement {pl.name} on {pl.num_devices} devices, {args.micro_batches} micro-batches"
+          + (f", memory limit {args.memory_limit:g} {unit}" if args.memory_limit is not None else ""))
+    print(f"repetend period {res.period * tscale:.4g} {tunit}/micro-batch (lower bound {res.period_lower_bound * tscale:.4g}, "
+          f"gap {res.period_gap:.1%}{', optimal' if res.optimal else ''}), {res.repetend.in_flight} windows in flight, "
+          f"{res.repetend.micro_batches} micro-batch(es) per window")
+    print(f"makespan lower bound {res.makespan_lower_bound * tscale:.4g} {tunit}; search took {res.search_time:.2f} s "
+          f"({res.steps} solver calls{', time limit hit' if res.timed_out else ''})")
+    trows = []
+    for r in rows:
+        if r.makespan is None:
+            trows.append([r.name, "-", "-", "-", r.note])
+        else:
+            note = "over memory limit" if r.over_limit else ""
+            trows.append([r.name, f"{r.makespan * tscale:,.4g}", f"{r.bubble_ratio:.1%}", f"{unit_mem(max(r.peak_memory)):,.4g}", note])
+    print(table(["schedule", f"makespan ({tunit})", "bubble", f"peak memory ({unit})", "note"], trows))
+    print(f"wrote {plan_path}, {trace_path}" + (f", {csv_path}" if csv_path else f" (no CSV: {csv_note})"))
+    return {
+        "plan": str(plan_path), "trace": str(trace_path), "csv": csv_path,
+        "period": res.period, "period_lower_bound": res.period_lower_bound, "bubble_ratio": tess.bubble_ratio,
+        "makespan": tess.makespan, "makespan_lower_bound": res.makespan_lower_bound,
+        "peak_memory": [unit_mem(x) for x in tess.peak_memory], "search_time": res.search_time, "optimal": res.optimal,
+        "timed_out": res.timed_out,
+        "baselines": {r.name: {**r.to_dict(), "peak_memory": [unit_mem(x) for x in (r.peak_memory or [])]} for r in rows[1:]},
+    }

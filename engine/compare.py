@@ -1,0 +1,90 @@
+"""Compare schedules of one placement: predefined baselines next to a searched schedule.
+
+Which baselines apply: GPipe and 1F1B to any placement (the list-scheduling policies of
+:mod:`engine.baselines.generic`, identical to the predefined ones on a V placement; 1F1B honours
+the memory limit); interleaved 1F1B and ZB-H1 only to a plain pipeline (V), run on the same
+model cut into twice as many segments (interleaved) or with the backward split into I and W
+(ZB-H1). A baseline whose peak memory exceeds the limit is reported, marked ``over_limit``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.baselines import build_schedule
+from engine.baselines.generic import gpipe_any, one_f_one_b_any
+from engine.dependency import lower
+from engine.errors import TesselError
+from engine.placement import Placement
+from engine.schedule import Schedule
+from engine.simulate import simulate
+
+
+@dataclass
+class ScheduleMetrics:
+    """Simulated metrics of one schedule.
+
+    Attributes:
+        name: schedule name.
+        makespan: seconds (or abstract units) for one step.
+        bubble_ratio: idle / (devices x makespan).
+        peak_memory: per device, bytes or units.
+        over_limit: the peak exceeds the memory limit.
+        schedule: the schedule itself (``None`` when it does not apply).
+        note: why it does not apply, if so.
+    """
+
+    name: str
+    makespan: float | None
+    bubble_ratio: float | None
+    peak_memory: list[int] | None
+    over_limit: bool = False
+    schedule: Schedule | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "makespan": self.makespan, "bubble_ratio": self.bubble_ratio,
+                "peak_memory": self.peak_memory, "over_limit": self.over_limit, "note": self.note}
+
+
+def measure(schedule: Schedule, memory_limit=None, cost=None) -> ScheduleMetrics:
+    """Simulate a schedule (``cost``: a cost model for communication, or ``None``)."""
+    tl = simulate(lower(schedule), cost)
+    peak = tl.peak_memory()
+    over = memory_limit is not None and any(p > memory_limit for p in peak)
+    return ScheduleMetrics(schedule.name, tl.makespan, tl.bubble_ratio(), peak, over, schedule)
+
+
+def compare_baselines(
+    placement: Placement,
+    m: int,
+    *,
+    memory_limit: float | None = None,
+    cost=None,
+    variant: Callable[[str], Placement] | None = None,
+) -> list[ScheduleMetrics]:
+    """GPipe, 1F1B, interleaved and ZB-H1 on ``placement`` where they apply.
+
+    Args:
+        placement: the placement searched.
+        m: micro-batches.
+        memory_limit: per-device limit (same units as the placement's memory).
+        cost: cost model for communication in the simulation (``None``: free).
+        variant: for a V placement, ``variant("interleaved")`` / ``variant("zb-h1")`` returns the
+            same model's placement that schedule needs; ``None`` skips them.
+    """
+    rows = [measure(gpipe_any(placement, m), memory_limit, cost)]
+    try:
+        rows.append(measure(one_f_one_b_any(placement, m, memory_limit=memory_limit), memory_limit, cost))
+    except TesselError as e:
+        rows.append(ScheduleMetrics("1f1b", None, None, None, note=str(e)))
+    for name in ("interleaved", "zb-h1"):
+        if placement.name != "V" or variant is None:
+            rows.append(ScheduleMetrics(name, None, None, None, note=f"needs a plain pipeline (V); this is {placement.name}"))
+            continue
+        try:
+            rows.append(measure(build_schedule(name, variant(name), m), memory_limit, cost))
+        except (TesselError, ValueError) as e:
+            rows.append(ScheduleMetrics(name, None, None, None, note=str(e)))
+    return rows

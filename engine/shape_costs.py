@@ -1,0 +1,93 @@
+"""Tessel placement shapes with a captured model's real costs.
+
+A shape fixes how many segments one micro-batch has and which run on all devices; this module
+cuts the model's layers into that many balanced parts (:func:`engine.transform.balanced_partition`)
+and fills the shape's durations, activation memory, boundary tensors and static memory from the
+cost model. A segment that runs on all ``n`` devices is tensor-parallel across them: its work
+and activations are divided by ``n`` and it pays an all-reduce of its output.
+
+Segment-to-part mapping: V, M, NN and interleaved number their segments in model order (segment
+``s`` is part ``s``); X holds two replicas of the model (segment ``s`` is part ``s mod n``).
+K needs a model with two independent branches, which a sequential transformer is not.
+"""
+
+from __future__ import annotations
+
+from engine.errors import TesselError
+from engine.placement import Placement, TensorSpec
+from engine.shapes import make_shape
+from engine.transform import ADAM_STATE_FACTOR, balanced_partition, layer_costs
+
+#: Number of model parts per shape on ``n`` devices.
+_PARTS = {"v": lambda n: n, "x": lambda n: n, "m": lambda n: n + 1, "nn": lambda n: n + 2, "interleaved": lambda n: 2 * n}
+
+
+def _key(shape: str) -> str:
+    k = shape.lower().replace("-", "").replace("_", "")
+    return k[:-5] if k.endswith("shape") and k != "shape" else k
+
+
+def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bool = False,
+                          forward_only: bool = False) -> tuple[Placement, list[dict]]:
+    """The ``shape`` placement on ``n`` devices with the captured model's costs.
+
+    Args:
+        graph: the :class:`~engine.graph.OpGraph` of one micro-batch.
+        cost: the :class:`~engine.cost.CostModel`.
+        shape: ``v``, ``x``, ``m``, ``nn`` or ``interleaved``.
+        n: devices.
+
+    Returns:
+        ``(placement, parts)``: the placement (seconds, bytes) and per model part its ``layers``,
+        ``forward_time``, ``backward_time``, ``activation_bytes``, ``param_bytes``.
+
+    Raises:
+        TesselError: the K shape (needs a two-branch model) or too few layers for the shape.
+    """
+    key = _key(shape)
+    if key == "k":
+        raise TesselError("the K shape needs a model with two independent branches joined by a loss; "
+                          "a sequential transformer has none: search K in abstract units (no --model)")
+    if key not in _PARTS:
+        raise TesselError(f"unknown shape {shape!r} for a model; use one of {', '.join(_PARTS)}")
+    layers = layer_costs(graph, cost, 1)
+    k = _PARTS[key](n)
+    ranges = balanced_partition([lc.forward_time for lc in layers], k)
+    parts = []
+    for i, j in ranges:
+        chunk = layers[i:j]
+        parts.append({
+            "layers": [lc.name for lc in chunk],
+            "forward_time": sum(lc.forward_time for lc in chunk),
+            "activation_bytes": sum(lc.activation_bytes for lc in chunk),
+            "param_bytes": sum(lc.param_bytes for lc in chunk),
+            "output": chunk[-1].output,
+        })
+    probe = make_shape(key, n)
+    n_seg = probe.num_segments
+    part_of = (lambda s: s % n) if key == "x" else (lambda s: s)
+    all_dev = {b.segment for b in probe.blocks if len(b.devices) == n and n > 1}
+    fwd, bwd, act, outs, grads = [], [], [], [], []
+    static = [0] * n
+    for s in range(n_seg):
+        p = parts[part_of(s)]
+        f, a = p["forward_time"], p["activation_bytes"]
+        out: TensorSpec | None = p["output"]
+        if s in all_dev:
+            comm = cost.collective_time("allreduce", out.nbytes if out else 0, list(range(n)))
+            f, a = f / n + comm, a // n
+        fwd.append(f)
+        bwd.append(cost.backward_factor * f)
+        act.append(a)
+        outs.append(out)
+        prev = part_of(s) - 1
+        grads.append(parts[prev]["output"] if prev >= 0 else None)
+        devs = probe.spec("F", s).devices
+        for d in devs:
+            static[d] += p["param_bytes"] * (1 if forward_only else ADAM_STATE_FACTOR) // len(devs)
+    pl = make_shape(key, n, forward_times=fwd, backward_times=bwd, activation_bytes=act, outputs=outs,
+                    input_grads=grads, split_backward=split_backward, forward_only=forward_only, static_memory=static)
+    for p in parts:
+        p["backward_time"] = cost.backward_factor * p["forward_time"]
+        p["output"] = p["output"].to_dict() if p["output"] else None
+    return pl, parts
