@@ -7,6 +7,9 @@ time) and that. For each case: search time, repetend period vs its lower bound, 
 makespan for m=16 and m=64 of Tessel vs GPipe / 1F1B (any placement; 1F1B honours the limit) and
 interleaved / ZB-H1 (V only). Baselines above the limit are shown but do not count as the best.
 
+On V, Tessel searches both the plain placement and the one with the backward split into I and W
+(the placement ZB-H1 runs on) and the better is reported (``split_backward``).
+
 Targets (issue 3): the period reaches the lower bound wherever a repetend that does exists;
 4-device searches under 1 s and 8-device under 10 s; makespan no worse than the best applicable
 predefined schedule; at least 1.3x better than 1F1B on M and K.
@@ -46,6 +49,12 @@ def run_case(shape: str, n: int, limit_name: str, limit: float, time_limit: floa
     for m in (16, 64):
         res = tessel_search(pl, m, memory_limit=limit, time_limit=time_limit)
         t = measure(res.schedule, limit)
+        if shape == "v":  # Tessel may also split the backward (the placement ZB-H1 runs on): keep the better
+            res_iw = tessel_search(variant_for(n)("zb-h1"), m, memory_limit=limit, time_limit=time_limit)
+            t_iw = measure(res_iw.schedule, limit)
+            if t_iw.makespan < t.makespan:
+                res, t = res_iw, t_iw
+                row["split_backward"] = True
         base = compare_baselines(pl, m, memory_limit=limit, variant=variant_for(n) if shape == "v" else None)
         fits = [b for b in base if b.makespan is not None and not b.over_limit]
         best = min(fits, key=lambda b: b.makespan) if fits else None

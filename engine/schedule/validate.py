@@ -23,7 +23,8 @@ from engine.schedule.schedule import Schedule
 
 
 def _fmt_gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
+    """Memory for messages: GiB for large byte counts, the plain number otherwise (bytes or units)."""
+    return f"{x / 2**30:.2f} GiB" if abs(x) >= 2**26 else f"{x:,.0f}"
 
 
 def _check_membership(s: Schedule) -> None:

@@ -76,16 +76,23 @@ def auto_resolution(placement: Placement, ticks_per_block: int = 100) -> float:
     return longest / ticks_per_block
 
 
-def scale(placement: Placement, resolution: float, lags: dict[tuple[int, int], float] | None = None,
-          memory_quanta: int = 10_000) -> Scaled:
-    """Scale durations to ticks and memory to quanta (conservative roundings)."""
+def scale(placement: Placement, resolution: float, lags: dict[tuple[int, int], float] | None = None) -> Scaled:
+    """Scale durations to ticks (rounded up, never underestimated) and memory to exact quanta.
+
+    The memory quantum is the greatest common divisor of every block's delta and every static
+    size, so memory stays exact (CP-SAT's 64-bit integers hold byte counts comfortably); an
+    inexact rounding would let allocations and releases of one micro-batch disagree.
+    """
     durs = [int(math.ceil(b.duration / resolution - 1e-9)) for b in placement.blocks]
-    peak_abs = max([abs(b.memory) for b in placement.blocks] + [1])
-    quantum = max(1.0, peak_abs / memory_quanta) if peak_abs > memory_quanta else 1.0
-    mem = [int(math.ceil(b.memory / quantum)) if b.memory > 0 else -int(math.floor(-b.memory / quantum)) for b in placement.blocks]
-    static = [int(math.ceil(placement.static_bytes(d) / quantum)) for d in range(placement.num_devices)]
+    values = [abs(int(b.memory)) for b in placement.blocks] + [int(placement.static_bytes(d)) for d in range(placement.num_devices)]
+    quantum = 0
+    for v in values:
+        quantum = math.gcd(quantum, v)
+    quantum = quantum or 1
+    mem = [int(b.memory) // quantum for b in placement.blocks]
+    static = [int(placement.static_bytes(d)) // quantum for d in range(placement.num_devices)]
     lg = {k: int(math.ceil(v / resolution - 1e-9)) for k, v in (lags or {}).items()}
-    return Scaled(resolution, durs, mem, quantum, static, lg)
+    return Scaled(resolution, durs, mem, float(quantum), static, lg)
 
 
 @dataclass
@@ -197,12 +204,14 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
     model.Add(starts[roots[0]] == 0)
     model.AddMinEquality(model.NewConstant(0), [offsets[r] for r in roots])
     # an expanded placement (several micro-batches per window, see expand) has interchangeable
-    # replicas: order them by the unrolled start time of their first root
+    # replicas: order them by the unrolled start time of their first root, each starting within
+    # one window of the previous (micro-batch r*j+k+1 starts at most P after micro-batch r*j+k)
     if replicas > 1:
         per = K // replicas
         for k in range(replicas - 1):
             a, b2 = roots[0] + k * per, roots[0] + (k + 1) * per
             model.Add(starts[a] + offsets[a] * P < starts[b2] + offsets[b2] * P)
+            model.Add(starts[b2] + offsets[b2] * P < starts[a] + offsets[a] * P + P)  # within one window
     for i, b in enumerate(pl.blocks):
         for a in b.deps:
             diff = offsets[i] - offsets[a]

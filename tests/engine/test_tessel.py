@@ -16,7 +16,6 @@ import pytest
 from engine.baselines import build_schedule
 from engine.baselines.generic import one_f_one_b_any
 from engine.dependency import lower
-from engine.errors import ScheduleError
 from engine.shapes import custom_placement, load_placement, make_shape, placement_to_dict, save_placement
 from engine.simulate import simulate
 from engine.tessel import (
@@ -178,14 +177,9 @@ def test_memory_limits_never_exceeded(shape):
         assert result.period >= result.period_lower_bound - 1e-9
 
 
-@pytest.mark.xfail(strict=True, raises=ScheduleError, reason=(
-    "memory quanta are rounded asymmetrically (allocations up, releases down) and the repetend model "
-    "counts an in-flight micro-batch by its release, so it under-counts memory when bytes are not a "
-    "multiple of the quantum; the search then accepts a repetend whose real peak is above the limit "
-    "and tessel_search raises ScheduleError('memory') from its final validate instead of a schedule"))
 def test_memory_limit_in_bytes_not_a_multiple_of_the_quantum():
-    # quantum = 20001 / 10000 = 2.0001 bytes: +10000 quanta on F, -9999 on B. Two micro-batches in
-    # flight on device 0 need 40002 bytes; the model thinks 19999 quanta = 39999.99 <= 40001.
+    # memory is exact (gcd quantum): two micro-batches in flight need 40002 bytes > 40001, so the
+    # search must keep one in flight on device 0 (an inexact rounding once accepted two and crashed)
     pl = make_shape("v", 2, activation_bytes=[20001, 20001])
     limit = 40001
     result = tessel_search(pl, 4, memory_limit=limit, time_limit=2.0)
