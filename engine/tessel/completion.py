@@ -5,10 +5,10 @@ Unrolled, the repetend's copy ``j`` runs block ``b`` of micro-batch ``j - o_b``.
 **warmup** and those of copies ``m..m-1+O`` the **cooldown**. Both are scheduled with CP-SAT to
 minimal length under the same memory limit:
 
-- warmup: minimise the start ``T0`` of the first complete copy; warmup blocks may fill idle
-  slots of the first ``O`` complete copies and end before any later block that depends on them;
-- cooldown: minimise the makespan; cooldown blocks may fill idle slots of the last complete
-  copies and start after every block they depend on.
+- warmup: the partial copies and the first two complete copies are rescheduled to minimise the
+  start ``T0`` of the next copy, around two copies held at their repetend times;
+- cooldown: the last two complete copies and the partial ones are rescheduled to minimise the
+  makespan, around two held copies (so e.g. weight-gradient blocks can fill the drain's bubbles).
 
 Memory is a CP-SAT reservoir per device (allocation at a block's start, release at its end),
 starting from the static memory (warmup) or the steady-state level (cooldown). With too few
@@ -115,12 +115,16 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
 
 
 def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: list[float] | None,
-             time_limit: float = 5.0, seed: int = 0) -> Completion:
+             time_limit: float = 5.0, seed: int = 0, free_copies: int = 2, fixed_copies: int = 2,
+             direct_limit: int = 400) -> Completion:
     """Warmup + unrolled repetend + cooldown for ``m`` micro-batches (start ticks per instance).
 
-    Warmup blocks may fill idle slots of the first ``O`` complete copies and cooldown blocks those
-    of the last ``O + 1``; the plainly unrolled repetend seeds both solves and is kept whenever
-    the solver finds nothing better in time, so completion always succeeds.
+    The partial copies and the first/last ``free_copies`` complete copies are rescheduled (so
+    blocks such as deferred weight-gradient ``W`` can move into the cooldown's idle slots), around
+    ``fixed_copies`` complete copies held at their repetend times. The plainly unrolled repetend
+    seeds both solves and is kept whenever the solver finds nothing better in time, so completion
+    always succeeds. With at most ``direct_limit`` block instances, or too few micro-batches for
+    that split, all of them are rescheduled at once (this finds e.g. ZB-H1's deferred W blocks).
     """
     K = len(pl.blocks)
     P = rep.period
@@ -128,66 +132,64 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
     O = max(o, default=0)
     n = pl.num_devices
     dur = sc.durations
-    copy_start = lambda j: j * P  # noqa: E731  (plain unroll: copy j's window starts at j * P)
-    naive = {(mb, b): copy_start(mb + o[b]) + s[b] for mb in range(m) for b in range(K)}
+    naive = {(mb, b): (mb + o[b]) * P + s[b] for mb in range(m) for b in range(K)}
     naive_end = max(t + dur[b] for (mb, b), t in naive.items())
-
-    if m <= O:  # too few micro-batches for a complete copy: schedule everything directly
+    A = O + free_copies          # first fixed copy of the warmup (its window start is the anchor T0)
+    B = m - free_copies          # first rescheduled copy of the cooldown
+    if B - fixed_copies - 1 < A + fixed_copies or m * K <= direct_limit:
+        # few micro-batches (or too few complete copies to split): reschedule everything at once
         insts = list(naive)
         status, st, mk = _solve(pl, sc, insts, {}, anchored=False, release={}, deadline={}, initial=list(sc.static),
                                 cap=memory_cap, horizon=naive_end, time_limit=time_limit, seed=seed, hint=(naive, naive_end))
         return Completion(st, mk, 0, status)
 
-    L = min(O, 2)  # complete copies the warmup / cooldown may interleave with
-    # ---- warmup: copies 0..O-1 free; copies O..O+L-1 fixed relative to T0 = start of copy O
-    warm = [(j - o[b], b) for j in range(O) for b in range(K) if j - o[b] >= 0]
+    def copy_of(inst: Inst) -> int:
+        return inst[0] + o[inst[1]]
+
+    # ---- warmup: copies 0..A-1 free; copies A..A+fixed-1 held relative to T0
+    warm = [i for i in naive if copy_of(i) < A]
     wset = set(warm)
-    last_fixed = min(m - 1, O + L - 1)
-    w_fixed = {(j - o[b], b): (j - O) * P + s[b] for j in range(O, last_fixed + 1) for b in range(K)}
+    w_fixed = {i: (copy_of(i) - A) * P + s[i[1]] for i in naive if A <= copy_of(i) < A + fixed_copies}
     deadline: dict[Inst, list[int]] = {}
     for inst in warm:
         mb, b = inst
-        cs = [(last_fixed + 1 - O) * P]  # done before the copies that are not modelled
+        cs = [fixed_copies * P]  # done before the copies that are not modelled
         for c_idx, c in enumerate(pl.blocks):
             if b in c.deps and (mb, c_idx) not in wset:
-                j = mb + o[c_idx]
-                cs.append((j - O) * P + s[c_idx] - sc.lags.get((b, c_idx), 0))
+                cs.append((mb + o[c_idx] - A) * P + s[c_idx] - sc.lags.get((b, c_idx), 0))
         deadline[inst] = cs
-    w_hint = ({i: naive[i] for i in warm}, O * P)
     status_w, wst, t0 = _solve(pl, sc, warm, w_fixed, anchored=True, release={}, deadline=deadline,
                                initial=list(sc.static), cap=memory_cap, horizon=naive_end, time_limit=time_limit / 2,
-                               seed=seed, hint=w_hint)
+                               seed=seed, hint=({i: naive[i] for i in warm}, A * P))
     starts: dict[Inst, int] = dict(wst)
-    for j in range(O, m):
-        for b in range(K):
-            starts[(j - o[b], b)] = t0 + (j - O) * P + s[b]
+    for inst in naive:
+        if copy_of(inst) >= A:
+            starts[inst] = t0 + (copy_of(inst) - A) * P + s[inst[1]]
 
-    # ---- cooldown: copies m..m-1+O free; copies m-L-1..m-1 (those still running near the end) fixed
-    first_fixed = max(O, m - L - 1)
-    cool = [(j - o[b], b) for j in range(m, m + O) for b in range(K) if 0 <= j - o[b] < m]
+    # ---- cooldown: copies >= B free (the last complete ones and the partial ones); copies
+    # B-fixed-1..B-1 held; earlier copies have finished before copy B-fixed starts, which is
+    # when free blocks may start at the earliest
+    window0 = t0 + (B - fixed_copies - A) * P
+    cool = [i for i in naive if copy_of(i) >= B]
     cset = set(cool)
-    c_fixed = {(j - o[b], b): starts[(j - o[b], b)] for j in range(first_fixed, m) for b in range(K)}
-    # everything before the fixed copies has finished by then; its memory is the initial level
-    initial = [sc.static[d] + sum(sc.memory[b] for (mb, b) in starts if d in pl.blocks[b].devices
-                                  and (mb + o[b] < first_fixed)) for d in range(n)]
+    c_fixed = {i: starts[i] for i in naive if B - fixed_copies - 1 <= copy_of(i) < B}
+    initial = [sc.static[d] + sum(sc.memory[b] for (mb, b) in naive if d in pl.blocks[b].devices
+                                  and copy_of((mb, b)) < B - fixed_copies - 1) for d in range(n)]
     release: dict[Inst, int] = {}
     for inst in cool:
         mb, b = inst
-        r = 0
+        r = window0
         for a in pl.blocks[b].deps:
             if (mb, a) not in cset:
                 r = max(r, starts[(mb, a)] + dur[a] + sc.lags.get((a, b), 0))
         release[inst] = r
-    shift = t0 - O * P  # naive copy j started at j*P; here at t0 + (j - O) * P
-    c_hint_starts = {i: naive[i] + shift for i in cool}
-    c_hint_end = max([t + dur[i[1]] for i, t in c_hint_starts.items()] + [t + dur[i[1]] for i, t in c_fixed.items()])
+    c_hint = {i: starts[i] for i in cool}
+    c_end = max(t + dur[i[1]] for i, t in list(c_hint.items()) + list(c_fixed.items()))
     status_c, cst, mk = _solve(pl, sc, cool, c_fixed, anchored=False, release=release, deadline={}, initial=initial,
-                               cap=memory_cap, horizon=c_hint_end, time_limit=time_limit / 2, seed=seed,
-                               hint=(c_hint_starts, c_hint_end))
+                               cap=memory_cap, horizon=c_end, time_limit=time_limit / 2, seed=seed, hint=(c_hint, c_end))
     starts.update(cst)
-    cooldown = mk - (t0 + (m - O) * P)
-    status = status_c if not warm else ("optimal" if status_w == status_c == "optimal" else "feasible")
-    return Completion(starts, t0, cooldown, status)
+    status = "optimal" if status_w == status_c == "optimal" else "feasible"
+    return Completion(starts, t0 - (A - O) * P, mk - (t0 + (B - A) * P), status)
 
 
 def unrolled(rep: Repetend, m: int, num_blocks: int) -> Completion:

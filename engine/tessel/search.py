@@ -106,7 +106,8 @@ class SearchResult:
         critical_path: one micro-batch's longest dependency chain (seconds).
         optimal: the period equals the lower bound, or every shorter window of the chosen size
             (micro-batches per window) was proven infeasible.
-        search_time: seconds.
+        search_time: seconds spent finding the repetend (phases 1 and 2).
+        total_time: seconds including the completion into a schedule (phase 3).
         steps: solver calls.
         timed_out: the time limit or a cancellation cut the search short.
         resolution: seconds per solver tick.
@@ -125,6 +126,7 @@ class SearchResult:
     timed_out: bool
     resolution: float
     memory_floor: list[float] = field(default_factory=list)
+    total_time: float = 0.0
 
     @property
     def period_gap(self) -> float:
@@ -136,6 +138,7 @@ class SearchResult:
             "period": self.period, "period_lower_bound": self.period_lower_bound, "period_gap": self.period_gap,
             "makespan_lower_bound": self.makespan_lower_bound, "critical_path": self.critical_path,
             "in_flight": self.repetend.in_flight, "optimal": self.optimal, "search_time": self.search_time,
+            "total_time": self.total_time,
             "steps": self.steps, "timed_out": self.timed_out, "resolution": self.resolution,
         }
 
@@ -324,19 +327,24 @@ def tessel_search(
         bar.close()
     best = c.best
 
-    # (3) completion; warmup and cooldown never exceed the steady state's peak nor the limit
+    repetend_time = time.perf_counter() - t_start
+    # (3) completion under the limit; without one, under the steady state's highest per-device
+    # peak (a device may then hold more than its own steady state, e.g. deferred W blocks)
     comp_caps = caps
-    if has_memory and best.peak:
-        comp_caps = [min(x, p) for x, p in zip(caps, best.peak)] if caps is not None else list(best.peak)
+    if has_memory and best.peak and caps is None:
+        comp_caps = [max(best.peak)] * placement.num_devices
     meta = {"period": best.period_seconds, "period_lower_bound": lb_s, "optimal": optimal, "in_flight": best.in_flight,
             "micro_batches_per_window": c.r, "resolution": res, "repetend": best.to_dict()}
     m_windows = -(-m // c.r)
     candidates = [("unrolled", unrolled(best, m_windows, len(c.pl.blocks)))]
     remaining = deadline - time.perf_counter()
     if remaining > 0.05 and max(best.offsets, default=0) > 0 and not (control is not None and control.cancelled):
-        comp_cap = 0.5 * max(1, placement.num_devices / 4)
+        comp_cap = max(1.0, 0.3 * time_limit)
+        # reschedule as many boundary copies as micro-batches in flight: enough to defer blocks
+        # (e.g. W) across the whole drain
         candidates.append(("compacted", complete(c.pl, c.sc, best, m_windows, memory_cap=comp_caps,
-                                                 time_limit=min(remaining, comp_cap), seed=seed)))
+                                                 time_limit=min(remaining, comp_cap), seed=seed,
+                                                 free_copies=2 * max(best.offsets) + 2)))
     chosen = None
     for label, comp in candidates:
         sched = to_schedule(placement, comp, m, name="tessel", meta={"tessel": {**meta, "completion": label}},
@@ -347,11 +355,13 @@ def tessel_search(
     schedule = chosen[1]
     schedule.validate(caps)
     elapsed = time.perf_counter() - t_start
-    schedule.meta["tessel"]["search_time"] = elapsed
+    schedule.meta["tessel"]["search_time"] = repetend_time
+    schedule.meta["tessel"]["total_time"] = elapsed
     return SearchResult(
         schedule=schedule, repetend=best, period=best.period_seconds, period_lower_bound=lb_s,
         makespan_lower_bound=makespan_lower_bound(placement, m), critical_path=critical_path(placement),
-        optimal=optimal, search_time=elapsed, steps=steps, timed_out=timed_out, resolution=res, memory_floor=floor,
+        optimal=optimal, search_time=repetend_time, steps=steps, timed_out=timed_out, resolution=res, memory_floor=floor,
+        total_time=elapsed,
     )
 
 

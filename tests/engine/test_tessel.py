@@ -444,11 +444,6 @@ def test_split_backward_search():
     check_repetend(pl, result)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "on V with split backward (n=4, m=8, no memory limit) Tessel's schedule takes 30 units vs ZB-H1's "
-    "27 (= makespan_lower_bound): the polished repetend runs each W right after its I, and completion "
-    "keeps the last complete repetend copies fixed, so the I chain drains through idle gaps in the "
-    "cooldown instead of deferring W blocks into them as ZB-H1 does"))
 def test_split_backward_matches_zb_h1():
     pl = make_shape("v", 4, split_backward=True)
     result = tessel_search(pl, 8, time_limit=3.0)
