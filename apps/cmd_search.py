@@ -82,13 +82,20 @@ def run(args: argparse.Namespace) -> dict:
     from engine.io import Plan, save_plan, write_torch_csv, write_trace
     from engine.simulate import simulate
     from engine.dependency import lower
-    from engine.tessel import tessel_search
+    from engine.errors import TesselError
+    from engine.tessel import InfeasibleMemoryError, tessel_search
 
     pl, variant, mem_scale, model, cost, parts = _placements(args)
     gib = 2**30 if args.model else 1
     limit = args.memory_limit * gib * mem_scale if args.memory_limit is not None else None
-    res = tessel_search(pl, args.micro_batches, memory_limit=limit, time_limit=args.time_limit, seed=args.seed,
-                        objective=args.objective, progress_bar=not args.json and sys.stderr.isatty())
+    unit = "GiB" if args.model else "units"
+    try:
+        res = tessel_search(pl, args.micro_batches, memory_limit=limit, time_limit=args.time_limit, seed=args.seed,
+                            objective=args.objective, progress_bar=not args.json and sys.stderr.isatty())
+    except InfeasibleMemoryError as e:  # restate in the user's units
+        raise TesselError(
+            f"--memory-limit {args.memory_limit:g} {unit} is infeasible: device {e.device} needs more even with one "
+            f"micro-batch at a time; the smallest feasible limit is {e.smallest / mem_scale / gib:.4g} {unit}") from None
     tess = measure(res.schedule, limit, cost)
     tessel_tl = simulate(lower(res.schedule), cost)
     rows = [tess] + compare_baselines(pl, args.micro_batches, memory_limit=limit, cost=cost, variant=variant)
@@ -110,7 +117,6 @@ def run(args: argparse.Namespace) -> dict:
     except PlanFormatError as e:
         csv_path = None
         csv_note = str(e)
-    unit = "GiB" if args.model else "units"
     tscale = 1e3 if args.model else 1
     tunit = "ms" if args.model else "units"
     print(f"placement {pl.name} on {pl.num_devices} devices, {args.micro_batches} micro-batches"
