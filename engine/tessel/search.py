@@ -24,6 +24,7 @@ from engine.schedule import Schedule
 from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
 from engine.tessel.completion import complete, to_schedule, unrolled
 from engine.tessel.repetend import Repetend, auto_resolution, expand, scale, sequential_repetend, solve_period
+from engine.tessel.seed import policy_repetends
 
 
 class InfeasibleMemoryError(TesselError):
@@ -272,7 +273,8 @@ def tessel_search(
         if progress is not None:
             progress(SearchProgress(steps, window * res / c.r, status, best_c.per_mb * res, lb_s, time.perf_counter() - t_start))
 
-    def attempt(c: Candidate, window: int, objective_: str | None, budget_share: float, cap_s: float | None = None):
+    def attempt(c: Candidate, window: int, objective_: str | None, budget_share: float, cap_s: float | None = None,
+                hint: Repetend | None = None):
         nonlocal steps, timed_out
         remaining = deadline - time.perf_counter()
         if remaining <= 0.02 or (control is not None and control.cancelled):
@@ -280,7 +282,7 @@ def tessel_search(
             return "unknown", None
         budget = remaining * budget_share if cap_s is None else min(remaining * budget_share, cap_s)
         status, rep = solve_period(c.pl, c.sc, window, caps, time_limit=budget, seed=seed, workers=workers,
-                                   objective=objective_, max_latency=c.max_latency, hint=c.best, replicas=c.r,
+                                   objective=objective_, max_latency=c.max_latency, hint=hint or c.best, replicas=c.r,
                                    should_stop=should_stop, on_solver=control._attach if control is not None else None)
         if rep is not None:
             rep.micro_batches = c.r
@@ -291,10 +293,23 @@ def tessel_search(
     # of time counts as "not found" (the window grows, but is not proven infeasible). Feasibility
     # is monotone in the window (idle time can be added), so an infeasible window proves all shorter.
     step_cap = 0.15 * time_limit
-    for r in range(1, max_window_micro_batches + 1):
+    # the memory-aware 1F1B policy's steady state, where periodic, seeds the window of its size
+    seeds = {} if objective == "latency" else policy_repetends(placement, res, caps, max_window=3)
+    cands: dict[int, Candidate] = {1: one}
+    for r, seed_rep in sorted(seeds.items()):  # seeds first: each is a strong upper bound, checked in one solve
+        c = cands.setdefault(r, one if r == 1 else Candidate(r))
+        if seed_rep.period < c.best.period and seed_rep.period / r < best_c.per_mb:
+            status, rep = attempt(c, seed_rep.period, None, 0.5, step_cap, hint=seed_rep)
+            if rep is not None:
+                c.best = rep
+                if c.per_mb < best_c.per_mb:
+                    best_c = c
+            report(c, seed_rep.period, f"seed {status}")
+    windows = sorted(set(range(1, max_window_micro_batches + 1)) | set(seeds))
+    for r in windows:
         if r > 1 and deadline - time.perf_counter() < 0.3 * time_limit:
             break  # a larger window is a refinement; keep time for the polish and the completion
-        c = one if r == 1 else Candidate(r)
+        c = cands.setdefault(r, Candidate(r))
         lo = c.lb
         hi = c.best.period if r == 1 else min(c.best.period, math.ceil(best_c.per_mb * r) - 1)
         if lo > hi:  # cannot beat the best period per micro-batch found so far

@@ -410,7 +410,8 @@ def test_repetend_solution_respects_the_model(shape, limit):
     if shape == "v" and limit is None:
         assert peaks == [4, 3, 2, 1]  # the checker's own count agrees with 1F1B's steady state
     if limit is not None and shape == "v":
-        assert result.repetend.micro_batches in (1, 2)
+        # a window of up to 3 micro-batches (the search's own sizes, or the 1F1B policy's seed)
+        assert result.repetend.micro_batches in (1, 2, 3)
 
 
 def test_repetend_checker_catches_an_overlap():
