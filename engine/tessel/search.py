@@ -311,7 +311,8 @@ def tessel_search(
             break  # a larger window is a refinement; keep time for the polish and the completion
         c = cands.setdefault(r, Candidate(r))
         lo = c.lb
-        hi = c.best.period if r == 1 else min(c.best.period, math.ceil(best_c.per_mb * r) - 1)
+        # only windows that beat the best period per micro-batch so far are worth a solve
+        hi = c.best.period if c is best_c else min(c.best.period, math.ceil(best_c.per_mb * r) - 1)
         if lo > hi:  # cannot beat the best period per micro-batch found so far
             continue
         while lo < hi and not timed_out:
