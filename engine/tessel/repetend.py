@@ -70,10 +70,19 @@ class Scaled:
 
 
 def auto_resolution(placement: Placement, ticks_per_block: int = 100) -> float:
-    """Default resolution: the longest block is ``ticks_per_block`` ticks; exact for durations that
-    are multiples of a common unit (e.g. abstract F=1, B=2) when the unit divides evenly."""
+    """Default resolution: the longest block is ``ticks_per_block`` ticks, coarsened to the
+    durations' common unit when they share one exactly (abstract F=1, B=2 gives 1 tick per unit),
+    which keeps the period search to meaningful values."""
     longest = max((b.duration for b in placement.blocks), default=1.0) or 1.0
-    return longest / ticks_per_block
+    fine = longest / ticks_per_block
+    ticks = [b.duration / fine for b in placement.blocks if b.duration > 0]
+    if ticks and all(abs(t - round(t)) < 1e-6 for t in ticks):
+        g = 0
+        for t in ticks:
+            g = math.gcd(g, int(round(t)))
+        if g > 1:
+            return fine * g
+    return fine
 
 
 def scale(placement: Placement, resolution: float, lags: dict[tuple[int, int], float] | None = None) -> Scaled:
@@ -307,6 +316,12 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
     solver.parameters.max_time_in_seconds = max(0.01, time_limit)
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
+    if objective is None:
+        # feasibility: decide the offsets first, smallest first (they fix the in-flight memory,
+        # and a small offset is the common case); 10-100x faster than the default search on
+        # memory-bound instances of this model (measured on M, NN and X shapes)
+        model.AddDecisionStrategy(offsets, cp_model.CHOOSE_FIRST, cp_model.SELECT_MIN_VALUE)
+        solver.parameters.search_branching = cp_model.FIXED_SEARCH
     if on_solver is not None:
         on_solver(solver)
     cb = _Stopper(should_stop) if should_stop is not None else None

@@ -306,9 +306,14 @@ def tessel_search(
                     best_c = c
             report(c, seed_rep.period, f"seed {status}")
     windows = sorted(set(range(1, max_window_micro_batches + 1)) | set(seeds))
+    refine_until = None
     for r in windows:
-        if r > 1 and deadline - time.perf_counter() < 0.3 * time_limit:
-            break  # a larger window is a refinement; keep time for the polish and the completion
+        if r > 1:
+            # a larger window is a refinement: its solves get a small cap, all of them together
+            # at most 30% of the time limit, so the polish and the completion keep their time
+            refine_until = refine_until or min(deadline, time.perf_counter() + 0.3 * time_limit)
+            if refine_until - time.perf_counter() < 0.05 * time_limit:
+                break
         c = cands.setdefault(r, Candidate(r))
         lo = c.lb
         # only windows that beat the best period per micro-batch so far are worth a solve
@@ -317,7 +322,9 @@ def tessel_search(
             continue
         while lo < hi and not timed_out:
             mid = lo if lo == c.lb else (lo + hi) // 2  # try the bound first: often feasible
-            status, rep = attempt(c, mid, None, 0.5, step_cap)
+            if refine_until is not None and time.perf_counter() >= refine_until:
+                break
+            status, rep = attempt(c, mid, None, 0.5, step_cap if r == 1 else 0.04 * time_limit)
             if rep is not None:
                 c.best, hi = rep, mid
             else:
