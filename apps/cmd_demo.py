@@ -1,0 +1,70 @@
+"""The whole loop on this machine: plan a small GPT-2 on 4 pipeline ranks (1F1B, CPU costs
+measured by profiling its ops here with one thread, as each rank runs), write out/demo/, train it
+on 4 Ray actors with gloo, and compare the measured step with the prediction. The prediction
+assumes one core per rank; on a machine with fewer cores than ranks the measured step is longer
+by about ranks / cores."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+HELP = "plan a small GPT-2 on 4 CPU pipeline ranks, train it on Ray, compare with the prediction"
+
+#: The demo's plan: model (falls back to gpt2-tiny when gpt2-small-cpu is not registered),
+#: 4 pipeline ranks, 1F1B, 8 micro-batches of 2 x 64 tokens, CPU cost table with profiled ops.
+DEMO = {"devices": 4, "schedule": "1f1b", "micro_batches": 8, "micro_batch_size": 2, "seq_len": 64}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--model", default=None, help="model (default gpt2-small-cpu, else gpt2-tiny)")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: start a local cluster)")
+    p.add_argument("--step-timeout", type=float, default=120.0, help="seconds per step before the job counts as hung")
+    p.add_argument("-o", "--output", default="out/demo", help="output folder (default out/demo/)")
+
+
+def demo_model() -> str:
+    """``gpt2-small-cpu`` when registered, else ``gpt2-tiny``."""
+    from engine.models import list_models
+
+    return "gpt2-small-cpu" if "gpt2-small-cpu" in list_models() else "gpt2-tiny"
+
+
+def run(args: argparse.Namespace) -> dict:
+    from apps.cmd_launch import report
+    from engine.io import save_plan, write_torch_csv, write_trace
+    from engine.planner import make_plan
+    from runtime import launch
+
+    model = args.model or demo_model()
+    out = Path(args.output)
+    t0 = time.perf_counter()
+    print(f"[tessel] planning {model} on {DEMO['devices']} CPU pipeline ranks ({DEMO['schedule']}, profiling ops) ...",
+          file=sys.stderr, flush=True)
+    import torch
+
+    # every rank runs with one intra-op thread (runtime.worker), so time the ops the same way; with
+    # the default thread pool on a busy 2-core machine single ops stall for whole scheduler slices
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = make_plan(model, device_type="cpu", profile=True, **DEMO)
+    finally:
+        torch.set_num_threads(threads)
+    plan_path = save_plan(res.plan, out / "plan.json")
+    trace_path = write_trace(res.timeline, out / "trace.json", metadata={"schedule": res.plan.schedule.name})
+    csv_path = write_torch_csv(res.plan.schedule, out / "schedule.csv")
+    plan_time = time.perf_counter() - t0
+    print(f"planned in {plan_time:.1f} s: wrote {plan_path}, {trace_path}, {csv_path}")
+    for w in res.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    lr = launch(res.plan, steps=args.steps, address=args.address, checkpoint_dir=out / "ckpt",
+                checkpoint_every=max(args.steps // 3, 1), eval_every=max(args.steps // 3, 1),
+                progress=not args.json or sys.stderr.isatty(), step_timeout=args.step_timeout,
+                trace_path=out / "trace.measured.json", device="cpu")
+    result = report(res.plan, lr, plan_dir=out)
+    result.update({"model": model, "plan": str(plan_path), "csv": str(csv_path), "plan_time": plan_time})
+    return result

@@ -1,0 +1,275 @@
+"""Ray cluster plumbing for a launch: connect, reserve, create one actor per rank, tear down.
+
+One :class:`ActorPool` holds a placement group with one bundle per planned rank (strategy
+``"PACK"``: all ranks on as few nodes as possible) and one stage-worker actor per bundle.
+
+Resources (chosen once at start-up by :func:`choose_backend`; the code path is otherwise the same):
+
+- **GPU / NCCL**: when the cluster has at least ``world_size`` GPUs, every bundle is
+  ``{"CPU": 0.01, "GPU": 1}`` and every actor ``num_gpus=1``; the process group uses ``nccl``.
+- **CPU / gloo**: otherwise every bundle is ``{"CPU": 0.01}`` and every actor ``num_cpus=0.01``;
+  the process group uses ``gloo``. Ray rejects bundles whose resources are all zero
+  (``ray.util.placement_group``: "Bundles cannot be an empty dictionary or resources with only 0
+  values"), so a tiny fractional CPU stands in for "no CPU": four (or forty) ranks fit on a
+  two-core machine. With ``num_cpus=1`` four actors on two cores would never all start and
+  ``torch.distributed.init_process_group`` would wait forever for the missing ranks.
+
+The process group's rendezvous is a TCP store (``init_method="tcp://ADDR:PORT"``, see
+torch.distributed ``init_process_group``) hosted by rank 0: :func:`rendezvous_address` asks a
+tiny task pinned to rank 0's bundle for its node IP and a free TCP port (bound to port 0, read
+back, released; another process could in principle take it before rank 0 binds it, in which
+case the launch fails at setup with a clear error and can simply be retried).
+
+Sources: Ray placement groups (https://docs.ray.io/en/latest/ray-core/scheduling/placement-group.html),
+Ray actors' resources (https://docs.ray.io/en/latest/ray-core/scheduling/resources.html),
+torch.distributed (https://pytorch.org/docs/stable/distributed.html).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.errors import TesselError
+
+#: CPU share of each rank's bundle and actor on the CPU path (Ray needs a non-zero resource).
+TINY_CPU = 0.01
+
+
+class ClusterError(TesselError):
+    """Ray could not be started or reached, or it cannot host the planned ranks."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How the ranks run.
+
+    Attributes:
+        name: torch.distributed backend, ``"nccl"`` or ``"gloo"``.
+        use_gpu: one GPU per actor (``num_gpus=1``).
+    """
+
+    name: str
+    use_gpu: bool
+
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle of one rank."""
+        return {"CPU": TINY_CPU, "GPU": 1} if self.use_gpu else {"CPU": TINY_CPU}
+
+    def actor_options(self) -> dict[str, Any]:
+        """Resource options of one rank's actor (must fit in :meth:`bundle`)."""
+        return {"num_cpus": TINY_CPU, "num_gpus": 1 if self.use_gpu else 0}
+
+
+def init_ray(address: str | None = None) -> bool:
+    """Start an embedded local Ray cluster, or connect to ``address``; reuse an existing connection.
+
+    Args:
+        address: ``None`` for a local cluster (started with the dashboard off), or a Ray address
+            such as ``"auto"`` or ``"ray://head:10001"`` / ``"head:6379"``.
+
+    Returns:
+        ``True`` when this call started/connected Ray (the caller must ``ray.shutdown()`` it),
+        ``False`` when Ray was already initialised in this process (left running).
+
+    Raises:
+        ClusterError: Ray could not start or the address could not be reached.
+    """
+    if ray.is_initialized():
+        return False
+    kw: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": True}
+    try:
+        if address:
+            ray.init(address=address, logging_level="WARNING")
+        else:
+            ray.init(**kw)
+    except Exception as e:  # ConnectionError, RuntimeError, ValueError from ray.init
+        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+        raise ClusterError(f"could not start or reach {where}: {type(e).__name__}: {e}") from e
+    return True
+
+
+def choose_backend(world_size: int, device: str = "auto") -> Backend:
+    """NCCL with one GPU per rank where the cluster has enough GPUs, else gloo on CPU.
+
+    Args:
+        world_size: ranks to place.
+        device: ``"auto"``, ``"cpu"`` (force gloo) or ``"cuda"`` (require GPUs). The environment
+            variable ``TESSEL_DEVICE`` overrides ``"auto"``.
+
+    Raises:
+        ClusterError: ``device="cuda"`` but the cluster has fewer than ``world_size`` GPUs.
+    """
+    device = os.environ.get("TESSEL_DEVICE", device) if device == "auto" else device
+    gpus = float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
+    if device == "cpu":
+        return Backend("gloo", False)
+    if device == "cuda":
+        if gpus < world_size:
+            raise ClusterError(f"device 'cuda' needs {world_size} GPUs (one per rank) but the Ray cluster has {gpus:g}")
+        return Backend("nccl", True)
+    if device != "auto":
+        raise ClusterError(f"unknown device {device!r}; use auto, cpu or cuda")
+    return Backend("nccl", True) if gpus >= world_size else Backend("gloo", False)
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that was free on this machine a moment ago (bind to port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _node_rendezvous() -> tuple[str, int]:
+    """(IP of this node, a free port on it), run inside rank 0's bundle."""
+    ip = ray.util.get_node_ip_address()
+    return ip, free_port()
+
+
+@dataclass
+class ActorPool:
+    """One actor per rank, in one placement group.
+
+    Attributes:
+        actors: ``actors[rank]`` is the actor handle of that rank.
+        pg: the placement group (one bundle per rank, ``"PACK"``).
+        backend: gloo/CPU or NCCL/GPU.
+        master_addr, master_port: rank 0's TCP store for ``init_process_group``.
+    """
+
+    actors: list
+    pg: Any
+    backend: Backend
+    master_addr: str
+    master_port: int
+    _killed: bool = field(default=False, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def kill(self) -> None:
+        """Kill every actor (no restart) and remove the placement group; safe to call twice."""
+        if self._killed:
+            return
+        self._killed = True
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already dead, or Ray is going down
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass
+
+
+def reserve(world_size: int, backend: Backend, *, timeout: float = 60.0):
+    """Create a ``"PACK"`` placement group with one :meth:`Backend.bundle` per rank and wait for it.
+
+    Raises:
+        ClusterError: not ready within ``timeout`` seconds (the cluster cannot host the bundles);
+            the group is removed again.
+    """
+    pg = placement_group([backend.bundle() for _ in range(world_size)], strategy="PACK", name="")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout)
+    if not ready:
+        remove_placement_group(pg)
+        raise ClusterError(
+            f"the Ray cluster could not reserve {world_size} x {backend.bundle()} within {timeout:.0f} s "
+            f"(it has {ray.cluster_resources()}); use fewer ranks or a bigger cluster"
+        )
+    return pg
+
+
+def rendezvous_address(pg, *, timeout: float = 60.0) -> tuple[str, int]:
+    """Node IP and a free port where rank 0 (bundle 0 of ``pg``) runs: the process group's TCP store."""
+    task = ray.remote(_node_rendezvous).options(
+        num_cpus=TINY_CPU,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+    )
+    ref = task.remote()
+    ready, _ = ray.wait([ref], timeout=timeout)
+    if not ready:
+        ray.cancel(ref, force=True)
+        raise ClusterError(f"could not run a task on rank 0's node within {timeout:.0f} s")
+    return ray.get(ref)
+
+
+def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_rank, *,
+                  timeout: float = 60.0) -> ActorPool:
+    """Reserve the placement group and start one ``worker_cls`` actor per rank.
+
+    Args:
+        worker_cls: a plain class (wrapped with ``ray.remote`` here) or an existing Ray actor class.
+        world_size: ranks (= dp * pp of the plan).
+        backend: from :func:`choose_backend`.
+        args_for_rank: ``f(rank, master_addr, master_port) -> (args, kwargs)`` of the constructor.
+        timeout: seconds for the placement group and the rendezvous task.
+
+    Returns:
+        the pool; actors are created asynchronously (their constructors run when first called).
+
+    Raises:
+        ClusterError: resources cannot be reserved (nothing is left behind).
+    """
+    pg = reserve(world_size, backend, timeout=timeout)
+    try:
+        addr, port = rendezvous_address(pg, timeout=timeout)
+        remote_cls = worker_cls if hasattr(worker_cls, "remote") else ray.remote(worker_cls)
+        actors = []
+        for r in range(world_size):
+            args, kwargs = args_for_rank(r, addr, port)
+            opts = dict(backend.actor_options(), max_restarts=0, max_task_retries=0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
+            actors.append(remote_cls.options(**opts).remote(*args, **kwargs))
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    return ActorPool(actors, pg, backend, addr, port)
+
+
+def shutdown_ray(owned: bool) -> None:
+    """``ray.shutdown()`` if this launch started/connected Ray (``owned``), and wait briefly for
+    the local cluster's processes to exit (up to 10 s)."""
+    if not owned or not ray.is_initialized():
+        return
+    ray.shutdown()
+    _wait_children_gone(10.0)
+
+
+def _wait_children_gone(timeout: float) -> None:
+    """Wait until this process's Ray child processes (raylet, gcs_server, ...) have exited."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return
+    deadline = time.monotonic() + timeout
+    me = psutil.Process()
+    while time.monotonic() < deadline:
+        try:
+            kids = [p for p in me.children(recursive=True) if _is_ray_process(p)]
+        except psutil.Error:
+            return
+        if not kids:
+            return
+        time.sleep(0.2)
+
+
+def _is_ray_process(p) -> bool:
+    try:
+        cmd = " ".join(p.cmdline())
+        return p.status() != "zombie" and ("ray" in cmd)
+    except Exception:
+        return False
+
+
+__all__ = ["Backend", "ActorPool", "ClusterError", "TINY_CPU", "init_ray", "choose_backend", "free_port",
+           "reserve", "rendezvous_address", "create_actors", "shutdown_ray"]

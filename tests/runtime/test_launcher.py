@@ -1,0 +1,360 @@
+"""The Ray launcher: exact losses, resume, faults (raise / die / hang), atomic checkpoints.
+
+Real launches use gpt2-tiny on 2 pipeline ranks (1F1B, 4 micro-batches of 2 x 32 tokens) on the
+CPU/gloo path; the death and hang cases use a tiny stand-in worker (same interface, no model) so
+they cost seconds. One local Ray cluster is shared by the tests that want one and shut down at
+the end of the module; the fault test with the real worker lets the launcher own Ray, to check
+that it shuts it down and leaves no processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from engine.errors import TesselError  # noqa: E402
+from engine.planner import make_plan  # noqa: E402
+from runtime import LaunchError, LaunchResult, launch  # noqa: E402
+from runtime import checkpoint as ck  # noqa: E402
+from runtime.cluster import TINY_CPU, choose_backend  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SEQ, MBS, M = 32, 2, 4
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return make_plan("gpt2-tiny", devices=2, micro_batches=M, schedule="1f1b", device_type="cpu",
+                     seq_len=SEQ, micro_batch_size=MBS).plan
+
+
+@pytest.fixture(scope="module")
+def _ray_module():
+    yield
+    ray.shutdown()
+
+
+def _ensure_ray() -> None:
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, logging_level="WARNING")
+    # pickle the stand-in workers below by value, so Ray's worker processes need not import this file
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture
+def ray_cluster(_ray_module):
+    """A shared local Ray cluster (started on first use, shut down after the module)."""
+    _ensure_ray()
+    yield
+
+
+@pytest.fixture
+def no_ray():
+    """No Ray in this process: the launcher starts (and must shut down) its own."""
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _alive_actors() -> list[dict]:
+    from ray._private import state
+
+    return [a for a in state.actors().values() if a.get("State") != "DEAD"]
+
+
+def _ray_children() -> list[str]:
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            if p.status() != psutil.STATUS_ZOMBIE and "ray" in cmd:
+                out.append(f"{p.pid} {cmd[:80]}")
+        except psutil.Error:
+            pass
+    return out
+
+
+# ----------------------------------------------------------------------------- real launches
+@pytest.fixture(scope="module")
+def straight(plan, _ray_module, tmp_path_factory):
+    """4 steps in one launch, checkpoints every 2 steps."""
+    _ensure_ray()
+    d = tmp_path_factory.mktemp("straight")
+    t0 = time.perf_counter()
+    res = launch(plan, steps=4, checkpoint_dir=d / "ckpt", checkpoint_every=2, eval_every=2, progress=False,
+                 trace_path=d / "trace.measured.json", step_timeout=120)
+    return res, d, time.perf_counter() - t0
+
+
+@pytest.mark.timeout(400)
+def test_losses_equal_single_process_reference(straight, plan):
+    from runtime.data import ByteCorpus
+    from runtime.reference import reference_losses
+
+    res, d, _ = straight
+    assert isinstance(res, LaunchResult) and res.backend == "gloo" and res.world_size == 2
+    corpus = ByteCorpus(seq_len=SEQ)
+    ref = reference_losses(plan, [corpus.train_batch(s, M * MBS) for s in range(4)])
+    expected = [sum(r) / len(r) for r in ref]
+    assert len(res.losses) == 4
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+    assert res.losses[-1] < res.losses[0]
+    # evaluation at steps 2 and 4, measured timeline over both pipeline ranks, trace written
+    assert [s for s, _ in res.val_losses] == [2, 4] and all(v > 0 for _, v in res.val_losses)
+    tl = res.timeline
+    assert tl.source == "measured" and tl.num_devices == 2
+    assert {e.rank for e in tl.events} == {0, 1}
+    assert sum(1 for e in tl.events if e.op == "F") == 2 * M and sum(1 for e in tl.events if e.op == "B") == 2 * M
+    assert all(t > 0 for t in res.measured_step_time) and all(t > 0 for t in res.predicted_step_time)
+    assert res.tokens_per_step == M * MBS * SEQ and res.tokens_per_second > 0
+    assert Path(res.trace_paths["measured"]).is_file()
+    assert Path(res.checkpoint).name == "step_000004"
+    assert [p.name for p in ck.list_checkpoints(d / "ckpt")] == ["step_000002", "step_000004"]
+
+
+@pytest.mark.timeout(400)
+def test_resume_gives_the_same_final_loss(straight, plan, ray_cluster, tmp_path):
+    res4, _, _ = straight
+    first = launch(plan, steps=2, checkpoint_dir=tmp_path, progress=False)
+    assert first.losses == pytest.approx(res4.losses[:2], rel=1e-6)
+    second = launch(plan, steps=4, checkpoint_dir=tmp_path, resume=True, progress=False)
+    assert second.start_step == 2 and len(second.losses) == 2
+    # same model, optimizer state and data position: the same losses as the straight run
+    assert second.losses == pytest.approx(res4.losses[2:], rel=1e-5, abs=1e-6)
+    meta = ck.load_checkpoint(tmp_path).meta
+    assert [s for s, _ in meta["losses"]] == [0, 1, 2, 3]
+
+
+def test_resume_with_another_plan_is_refused_before_starting(straight, tmp_path):
+    _, d, _ = straight
+    other = make_plan("gpt2-tiny", devices=2, micro_batches=M, schedule="gpipe", device_type="cpu",
+                      seq_len=SEQ, micro_batch_size=MBS).plan
+    with pytest.raises(ck.CheckpointError, match="was written for plan .* but this plan is"):
+        launch(other, steps=6, checkpoint_dir=d / "ckpt", resume=True, progress=False)
+
+
+@pytest.mark.timeout(300)
+def test_fault_names_rank_and_instruction_and_cleans_up(plan, no_ray, tmp_path):
+    t0 = time.perf_counter()
+    with pytest.raises(LaunchError) as info:
+        launch(plan, steps=4, checkpoint_dir=tmp_path, checkpoint_every=1, progress=False,
+               fail_at=(1, 1, 3), step_timeout=60)
+    took = time.perf_counter() - t0
+    e = info.value
+    msg = str(e)
+    assert isinstance(e, TesselError)
+    assert e.rank == 1 and e.step == 1 and e.kind == "raised"
+    assert msg.startswith("rank 1 failed during step 1 in instruction 3 (") and "deliberate failure" in msg
+    assert e.instruction.startswith("3 (")
+    # the last checkpoint (after step 1) is kept and named
+    assert e.checkpoint and Path(e.checkpoint).name == "step_000001" and e.checkpoint in msg
+    assert ck.latest_checkpoint(tmp_path).name == "step_000001"
+    assert took < 120, f"the fault took {took:.0f} s to surface"
+    # the launcher owned Ray: it is shut down and its processes are gone
+    assert not ray.is_initialized()
+    deadline = time.monotonic() + 15
+    while _ray_children() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _ray_children() == []
+
+
+# ----------------------------------------------------------------------------- stand-in worker
+class FakeWorker:
+    """The StageWorker interface without a model: losses 5 - 0.1*step; ``fail_at`` = (step, mode)."""
+
+    def __init__(self, plan_dict, rank, world_size, master_addr, master_port, *, backend="gloo", seed=0,
+                 lr=1e-3, optimizer="adam", fail_at=None):
+        self.rank, self.pp = rank, int(plan_dict["parallel"]["pp"])
+        self.fail_at = fail_at
+        self.w = torch.zeros(1)
+
+    def setup(self):
+        return {"rank": self.rank}
+
+    def step(self, step, batch):
+        if self.fail_at is not None and self.fail_at[0] == step:
+            if self.fail_at[1] == 0:
+                os._exit(3)            # the actor's process dies
+            time.sleep(600)            # hangs
+        self.w += 1
+        last = self.rank % self.pp == self.pp - 1
+        ev = {"rank": self.rank, "stream": "compute", "op": "F", "name": f"{self.rank}F0", "start": 0.0, "end": 0.001}
+        return {"losses": [5.0 - 0.1 * step] * M if last else [], "events": [ev], "rank": self.rank,
+                "peak_memory": 1}
+
+    def evaluate(self, batch):
+        return 4.0 if self.rank % self.pp == self.pp - 1 else None
+
+    def state_dict(self):
+        return {"w": self.w.clone()}
+
+    def load_state_dict(self, sd):
+        self.w = sd["w"].clone()
+
+    def shutdown(self):
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_dead_rank_is_named_and_actors_are_gone(plan, ray_cluster, tmp_path):
+    with pytest.raises(LaunchError) as info:
+        launch(plan, steps=3, checkpoint_dir=tmp_path, checkpoint_every=1, progress=False, worker_cls=FakeWorker,
+               fail_at=(1, 2, 0), step_timeout=30)
+    e = info.value
+    assert e.kind == "died" and e.rank == 1 and e.step == 2
+    assert str(e).startswith("rank 1 died during step 2")
+    assert Path(e.checkpoint).name == "step_000002"
+    assert _alive_actors() == []
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+@pytest.mark.timeout(120)
+def test_hung_rank_is_named_within_the_step_timeout(plan, ray_cluster, tmp_path):
+    t0 = time.perf_counter()
+    with pytest.raises(LaunchError) as info:
+        launch(plan, steps=3, checkpoint_dir=tmp_path, progress=False, worker_cls=FakeWorker,
+               fail_at=(1, 1, 1), step_timeout=3)
+    assert time.perf_counter() - t0 < 60
+    e = info.value
+    assert e.kind == "hung" and e.rank == 1 and e.step == 1
+    assert str(e).startswith("rank 1 gave no result for step 1 within 3 s")
+    assert _alive_actors() == []
+
+
+def test_four_ranks_share_two_cores(plan, ray_cluster, tmp_path):
+    """More ranks than cores: zero-ish CPU bundles let every actor start (fake worker, 4 ranks, dp=2)."""
+    p4 = make_plan("gpt2-tiny", devices=4, dp=2, micro_batches=M, schedule="1f1b", device_type="cpu",
+                   seq_len=SEQ, micro_batch_size=MBS).plan
+    res = launch(p4, steps=2, progress=False, worker_cls=FakeWorker, step_timeout=30)
+    assert res.world_size == 4 and res.dp == 2 and res.pp == 2
+    assert res.losses == pytest.approx([5.0, 4.9])  # mean over both replicas' micro-batches
+    assert res.val_losses == [(2, 4.0)]
+    assert _alive_actors() == []
+
+
+def test_backend_choice_and_bundles(ray_cluster):
+    b = choose_backend(4, "cpu")
+    assert b.name == "gloo" and not b.use_gpu and b.bundle() == {"CPU": TINY_CPU}
+    assert b.actor_options()["num_cpus"] == TINY_CPU
+    if ray.cluster_resources().get("GPU", 0) < 1:
+        assert choose_backend(1).name == "gloo"
+        with pytest.raises(TesselError, match="needs 2 GPUs"):
+            choose_backend(2, "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: the NCCL / num_gpus=1 path is not exercised")
+@pytest.mark.timeout(400)
+def test_nccl_launch_on_gpus(plan, ray_cluster, tmp_path):  # pragma: no cover - needs GPUs
+    if ray.cluster_resources().get("GPU", 0) < 2:
+        pytest.skip("the Ray cluster has fewer than 2 GPUs")
+    res = launch(plan, steps=2, progress=False, device="cuda")
+    assert res.backend == "nccl" and len(res.losses) == 2
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_checkpoint_roundtrip_and_plan_hash(plan, tmp_path):
+    states = [{"w": torch.arange(3.0)}, {"w": torch.ones(2)}]
+    rngs = [ck.capture_rng(), None]
+    p = ck.save_checkpoint(tmp_path, 5, states, rngs, plan=plan, extra={"losses": [[0, 1.0]]})
+    assert p.name == "step_000005" and ck.latest_checkpoint(tmp_path) == p
+    c = ck.load_checkpoint(tmp_path, plan=plan, world_size=2)
+    assert c.step == 5 and c.world_size == 2 and c.meta["losses"] == [[0, 1.0]]
+    assert torch.equal(c.rank_state(0)["w"], torch.arange(3.0)) and c.rank_rng(1) is None
+    assert set(c.rank_rng(0)) >= {"python", "torch"}
+    other = make_plan("gpt2-tiny", devices=2, micro_batches=M + 2, schedule="1f1b", device_type="cpu",
+                      seq_len=SEQ, micro_batch_size=MBS).plan
+    assert ck.plan_hash(other) != ck.plan_hash(plan) == ck.plan_hash(plan.to_dict())
+    with pytest.raises(ck.CheckpointError, match=f"written for plan {ck.plan_hash(plan)} but this plan is {ck.plan_hash(other)}"):
+        ck.load_checkpoint(p, plan=other)
+    with pytest.raises(ck.CheckpointError, match="has 2 ranks but this launch has 4"):
+        ck.load_checkpoint(p, world_size=4)
+    # keep=2 prunes the oldest; rewriting an existing step replaces it
+    ck.save_checkpoint(tmp_path, 6, states, plan=plan)
+    ck.save_checkpoint(tmp_path, 7, states, plan=plan)
+    ck.save_checkpoint(tmp_path, 7, [{"w": torch.zeros(1)}, {"w": torch.zeros(1)}], plan=plan)
+    assert [x.name for x in ck.list_checkpoints(tmp_path)] == ["step_000006", "step_000007"]
+    assert torch.equal(ck.load_checkpoint(tmp_path).rank_state(0)["w"], torch.zeros(1))
+    assert [x.name for x in tmp_path.iterdir() if x.name.startswith(".")] == []
+
+
+def test_interrupted_checkpoint_leaves_no_partial_directory(plan, tmp_path):
+    good = ck.save_checkpoint(tmp_path, 2, [{"w": torch.ones(1)}] * 2, plan=plan)
+
+    def failing(r):
+        if r == 1:
+            raise OSError("disk full (simulated)")
+        return {"w": torch.ones(1)}
+
+    with pytest.raises(OSError, match="disk full"):
+        ck.save_checkpoint(tmp_path, 4, failing, plan=plan, world_size=2)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["step_000002"]
+    assert ck.latest_checkpoint(tmp_path) == good
+
+
+@pytest.mark.timeout(120)
+def test_killed_checkpoint_writer_leaves_no_partial_directory(plan, tmp_path):
+    """A process killed between writing the files and the rename (os._exit) leaves only a hidden
+    temporary directory: readers never see it and the next save removes it."""
+    from engine.io import save_plan
+
+    save_plan(plan, tmp_path / "plan.json")
+    ckdir = tmp_path / "ckpt"
+    good = ck.save_checkpoint(ckdir, 2, [{"w": torch.ones(1)}] * 2, plan=plan)
+    script = textwrap.dedent(f"""
+        import os, torch
+        from engine.io import load_plan
+        from runtime import checkpoint as ck
+        plan = load_plan({str(tmp_path / 'plan.json')!r})
+        ck.save_checkpoint({str(ckdir)!r}, 4, [{{"w": torch.ones(1)}}] * 2, plan=plan,
+                           _before_replace=lambda tmp: os._exit(9))
+    """)
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 9, p.stderr
+    names = sorted(x.name for x in ckdir.iterdir())
+    assert "step_000004" not in names and any(n.startswith(".tmp-step_000004") for n in names)
+    assert ck.latest_checkpoint(ckdir) == good
+    ck.save_checkpoint(ckdir, 3, [{"w": torch.ones(1)}] * 2, plan=plan)
+    assert sorted(x.name for x in ckdir.iterdir()) == ["step_000002", "step_000003"]
+
+
+# ----------------------------------------------------------------------------- CLI
+@pytest.mark.timeout(400)
+def test_cli_launch_json_and_resume_errors(tmp_path):
+    import json
+
+    def tessel(*args):
+        return subprocess.run([sys.executable, "-m", "apps.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=350)
+
+    p = tessel("plan", "--model", "gpt2-tiny", "--devices", "2", "--micro-batches", str(M), "--schedule", "1f1b",
+               "--device-type", "cpu", "--seq-len", str(SEQ), "--micro-batch-size", str(MBS), "-o", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    p = tessel("launch", str(tmp_path / "plan.json"), "--steps", "2", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["ok"] and res["steps"] == 2 and len(res["losses"]) == 2 and res["backend"] == "gloo"
+    assert res["loss_end"] == res["losses"][-1] and res["val_loss"] > 0 and res["tokens_per_second"] > 0
+    assert len(res["predicted_step_time"]) == len(res["measured_step_time"]) == 2
+    assert "measured step" in p.stdout and "tokens/s measured" in p.stdout
+    assert Path(res["trace_paths"]["measured"]) == tmp_path / "trace.measured.json"
+    assert Path(res["trace_paths"]["predicted"]) == tmp_path / "trace.json"
+    assert Path(res["checkpoint"]) == tmp_path / "ckpt" / "step_000002"
+    trace = json.loads((tmp_path / "trace.measured.json").read_text())
+    assert trace["metadata"]["source"] == "measured"
+    # resuming a finished run is a user error: one sentence, exit status 2, before Ray starts
+    p = tessel("launch", str(tmp_path / "plan.json"), "--steps", "2", "--resume", "--json")
+    assert p.returncode == 2 and "already reached step 2" in p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1])["ok"] is False
