@@ -24,8 +24,9 @@ browser:
 	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
 	  echo "warning: could not install chromium; browser tests will be skipped"; }
 
+# the main job: plan GPT-2 on 4 CPU ranks, launch it on Ray actors, report predicted vs measured
 run: setup browser
-	$(TESSEL) plan --model gpt2 --devices 4 --micro-batches 8 --schedule 1f1b -o out/
+	$(TESSEL) demo
 
 test: setup browser
 	$(PY) -m pytest -q
