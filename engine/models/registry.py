@@ -111,6 +111,26 @@ register_model("tessel-gpt", _build_tessel_gpt,
                default_seq_len=128, source="zoo", max_seq_len=lambda c: c["block_size"])
 
 
+def _build_gpt2_small_cpu(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+    import transformers
+    cfg = transformers.GPT2Config(
+        vocab_size=256, n_positions=256, n_embd=256, n_layer=6, n_head=8, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, use_cache=False,
+        attn_implementation="sdpa")
+    with torch.device(device):
+        module = _hf.logits_only_class(transformers.GPT2LMHeadModel)(cfg)
+    module.to(dtype=dtype)
+    module.train()
+    return module, _hf.config_dict(cfg, "GPT2LMHeadModel")
+
+
+register_model("gpt2-small-cpu", _build_gpt2_small_cpu,
+               description="HF GPT-2, 6 layers, hidden 256, 8 heads, byte vocab 256, 256 positions, "
+                           "no dropout (~4.8M params; for real CPU training runs)",
+               default_seq_len=256, source="hf", vocab_size=_hf.vocab_size,
+               max_seq_len=_hf.max_positions)
+
+
 def list_models() -> dict[str, str]:
     """Built-in model names -> one-line descriptions (plus the ``module:callable`` form)."""
     out = {n: s.description for n, s in _REGISTRY.items()}

@@ -1,0 +1,417 @@
+"""Pipeline stage modules of a plan: split a real model at the plan's segment boundaries.
+
+:func:`build_stages` builds the plan's model on the CPU with real float32 weights
+(``torch.manual_seed(seed)`` first, so every rank and the single-process reference get identical
+weights), splits it with PyTorch's tracer-based ``torch.distributed.pipelining.pipeline`` at the
+first layer of every segment after the first (``SplitPoint.BEGINNING``) and returns one
+:class:`StageModule` per segment (segment ``i`` = pipe stage ``i``), plus what a worker needs to
+run them across processes:
+
+- **Chain interface.** ``pipeline()`` may route a value from stage ``i`` straight to stage
+  ``j > i + 1`` (GPT-2's boolean attention mask goes from stage 0 to every block). Our instruction
+  streams (``engine.dependency.lower``) only move tensors between consecutive segments, so each
+  :class:`StageModule` takes the values live at its input boundary and returns the values live
+  at its output boundary, passing skip values through. ``forward(*boundary_in) -> tuple``;
+  stage 0 takes the model inputs (``input_ids`` int64 ``[micro_batch, seq]``) and the last
+  stage returns ``(logits [micro_batch, seq, vocab],)``.
+- **Boundary metadata** (:class:`TensorMeta`): shape, dtype and whether a gradient flows back
+  across the boundary, found by running one real micro-batch forward and backward through the
+  chain at build time. Receive buffers are allocated from it once (static shapes; the
+  "pre-allocated receive buffers" insight of the RDMA paper, see ``../shared/TECHNIQUES.md``).
+  The traced graphs are specialised to the plan's ``micro_batch_size`` and ``seq_len``.
+- **Tied weights.** GPT-2 ties ``lm_head.weight`` to ``transformer.wte.weight``; after the
+  split the first and last stage hold separate copies. :attr:`PipelineStages.tied` lists them
+  so the worker can all-reduce (sum) their gradients between the ranks that hold them before the
+  optimizer step, Megatron-LM's embedding group (Narayanan et al., SC'21, section on tied
+  embeddings / "embedding all-reduce"). The copies start equal and get the same summed gradient,
+  so with the same optimizer they stay equal.
+- **Leftover parameters.** ``pipeline()`` can leave an unused copy of a tied parameter in a stage
+  that does not call its module (stage 0 keeps an ``lm_head`` it never runs). Parameters that get
+  no gradient AND lie outside the segment's layers are removed, so they are neither optimised nor
+  checkpointed.
+
+Limits: tensor parallelism (``tp > 1``) is planned but not executed (:class:`RuntimeNotSupported`).
+The exported graphs freeze the train/eval mode they were traced in (dropout stays as traced);
+the built-in byte-level models have dropout 0, so this only matters for user models with dropout.
+
+Sources: torch.distributed.pipelining (``pipeline``, ``SplitPoint``, ``Pipe.get_stage_module``),
+https://pytorch.org/docs/stable/distributed.pipelining.html.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from engine.errors import TesselError
+
+__all__ = ["TensorMeta", "StageModule", "PipelineStages", "RuntimeNotSupported", "build_stages",
+           "build_stage_modules", "tied_groups", "boundary_specs", "check_executable"]
+
+
+class RuntimeNotSupported(TesselError, NotImplementedError):
+    """The plan uses something the runtime does not execute (tensor parallelism, multi-device blocks)."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Static description of one tensor crossing a stage boundary (one micro-batch).
+
+    Attributes:
+        shape: e.g. ``(micro_batch, seq, hidden)``.
+        dtype: torch dtype (``torch.float32``, ``torch.bool`` for GPT-2's mask, ``torch.int64``...).
+        requires_grad: a gradient of this tensor flows back across the boundary (float tensors
+            that the consumer uses differentiably); ``False`` for masks, ids, positions.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def empty(self) -> torch.Tensor:
+        """A fresh uninitialised CPU tensor of this shape and dtype."""
+        return torch.empty(self.shape, dtype=self.dtype)
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "dtype": str(self.dtype).replace("torch.", ""),
+                "requires_grad": self.requires_grad}
+
+
+class StageModule(nn.Module):
+    """One segment of the split model with a chain interface.
+
+    ``forward(*boundary_in) -> tuple(boundary_out)``: the inputs are the values live at the
+    segment's input boundary (stage 0: the model inputs), the outputs those live at its output
+    boundary (last stage: ``(logits,)``). Parameters keep their original fully qualified names
+    (``transformer.h.2.attn.c_attn.weight``), so ``state_dict()`` keys match the unsplit model.
+
+    Attributes:
+        segment: segment index.
+        inner: the ``pipe.get_stage_module(segment)`` graph module (its children are registered
+            on this module too, which is what keeps the names).
+    """
+
+    def __init__(self, inner: nn.Module, segment: int, live_in: list, live_out: list, node: fx.Node,
+                 produced: dict):
+        super().__init__()
+        object.__setattr__(self, "inner", inner)   # not a child: keeps FQNs unprefixed
+        self.segment = segment
+        for name, child in inner.named_children():
+            self.add_module(name, child)
+        for name, p in inner._parameters.items():
+            if p is not None:
+                self.register_parameter(name, p)
+        for name, b in inner._buffers.items():
+            if b is not None:
+                self.register_buffer(name, b)
+        self._live_in = list(live_in)
+        self._live_out = list(live_out)
+        self._node = node
+        self._produced = produced   # value node -> output index (None: the whole result)
+
+    def train(self, mode: bool = True) -> "StageModule":
+        super().train(mode)
+        self.inner.train(mode)
+        return self
+
+    def forward(self, *values):
+        if len(values) != len(self._live_in):
+            raise TypeError(f"segment {self.segment} takes {len(self._live_in)} boundary tensors, "
+                            f"got {len(values)}")
+        env = dict(zip(self._live_in, values))
+        args = fx.node.map_arg(self._node.args, lambda n: env[n])
+        kwargs = fx.node.map_arg(self._node.kwargs, lambda n: env[n])
+        result = self.inner(*args, **kwargs)
+        for v, k in self._produced.items():
+            env[v] = result if k is None else result[k]
+        out = []
+        for v in self._live_out:
+            t = env[v]
+            if v in self._live_in and isinstance(t, torch.Tensor) and t.requires_grad:
+                t = t.clone()   # a pass-through gets its own autograd node (see module doc)
+            out.append(t)
+        return tuple(out)
+
+
+@dataclass
+class PipelineStages:
+    """Everything :func:`build_stages` derives from a plan.
+
+    Attributes:
+        modules: segment index -> :class:`StageModule` (all segments; a worker keeps its own).
+        boundaries: ``boundaries[s]`` describes the outputs of segment ``s`` = inputs of segment
+            ``s + 1`` (``s`` in ``0 .. S-2``), one :class:`TensorMeta` per tensor, for one micro-batch.
+        inputs: metas of the model inputs (segment 0's inputs).
+        output: meta of the logits (the last segment's single output).
+        tied: tied-parameter groups, each a list of ``(segment, parameter name)`` across which
+            gradients must be summed (only groups with 2+ members).
+        removed: ``(segment, parameter name)`` of unused leftover parameters that were removed.
+        micro_batch_size, seq_len: the static micro-batch shape the stages were traced with.
+    """
+
+    modules: dict[int, StageModule]
+    boundaries: list[list[TensorMeta]]
+    inputs: list[TensorMeta]
+    output: TensorMeta
+    tied: list[list[tuple[int, str]]] = field(default_factory=list)
+    removed: list[tuple[int, str]] = field(default_factory=list)
+    micro_batch_size: int = 1
+    seq_len: int = 1
+
+
+def check_executable(plan) -> None:
+    """Raise :class:`RuntimeNotSupported` unless the runtime can execute ``plan``.
+
+    The runtime executes pipeline and data parallelism over a chain of segments where each
+    block (F/B/I/W) runs on one pipeline rank: the plain (V), interleaved and zero-bubble
+    placements and any Tessel schedule over them.
+    """
+    tp = int(plan.parallel.get("tp", 1))
+    if tp > 1:
+        raise RuntimeNotSupported(
+            f"the plan uses tensor parallelism (tp={tp}): the runtime executes pipeline and data "
+            "parallelism; tensor parallelism is planned only")
+    pl = plan.schedule.placement
+    S = pl.num_segments
+    if S != len(plan.segments):
+        raise RuntimeNotSupported(f"the placement has {S} segments but the plan lists {len(plan.segments)}")
+    for b in pl.blocks:
+        if len(b.devices) != 1:
+            raise RuntimeNotSupported(
+                f"block {b.segment}{b.kind} runs on devices {list(b.devices)}: the runtime executes "
+                "blocks on one pipeline rank each (multi-device blocks need tensor parallelism)")
+    for s in range(S):
+        if not pl.has("F", s):
+            raise RuntimeNotSupported(f"segment {s} has no forward block")
+        deps = pl.spec("F", s).deps
+        want = () if s == 0 else (pl.index("F", s - 1),)
+        if tuple(deps) != want:
+            raise RuntimeNotSupported(
+                f"segment {s}'s forward depends on blocks {list(deps)}; the runtime executes a chain "
+                "F0 -> F1 -> ... (each segment's forward follows the previous one)")
+        for k in ("B", "I", "W"):
+            if pl.has(k, s) and pl.spec(k, s).devices != pl.spec("F", s).devices:
+                raise RuntimeNotSupported(
+                    f"block {s}{k} runs on device {pl.spec(k, s).devices[0]} but {s}F on "
+                    f"{pl.spec('F', s).devices[0]}: a segment's backward must run where its forward ran")
+    if pl.forward_only:
+        return
+    grad = "I" if pl.split_backward else "B"
+    for s in range(S):
+        if not pl.has(grad, s) or (grad == "I" and not pl.has("W", s)):
+            raise RuntimeNotSupported(f"segment {s} lacks its backward block(s); the runtime needs "
+                                      f"{'I and W' if grad == 'I' else 'B'} for every segment")
+        deps = tuple(pl.spec(grad, s).deps)
+        want = (pl.index("F", S - 1),) if s == S - 1 else (pl.index(grad, s + 1),)
+        if deps != want:
+            raise RuntimeNotSupported(
+                f"block {s}{grad} depends on blocks {list(deps)}; the runtime executes the backward chain "
+                f"{S - 1}{grad} -> ... -> 0{grad} after {S - 1}F")
+
+
+def _route(pipe, S: int):
+    """Live values at every boundary of the split graph and, per stage, the values it produces."""
+    g = pipe.split_gm.graph
+    from torch.distributed.pipelining._IR import get_submod_name
+    stage_of_target = {get_submod_name(i): i for i in range(S)}
+    producer: dict[fx.Node, int] = {}
+    consumers: dict[fx.Node, set[int]] = {}
+    stage_node: dict[int, fx.Node] = {}
+    produced: dict[int, dict[fx.Node, int | None]] = {i: {} for i in range(S)}
+    order: list[fx.Node] = []
+    output_vals: list[fx.Node] = []
+
+    def uses(args) -> list[fx.Node]:
+        out: list[fx.Node] = []
+        fx.node.map_arg(args, lambda n: out.append(n))
+        return out
+
+    for n in g.nodes:
+        if n.op == "placeholder":
+            producer[n] = -1
+            order.append(n)
+        elif n.op == "call_module" and n.target in stage_of_target:
+            i = stage_of_target[n.target]
+            stage_node[i] = n
+            for a in uses((n.args, n.kwargs)):
+                consumers.setdefault(a, set()).add(i)
+            direct = [u for u in n.users if not (u.op == "call_function" and u.target is operator.getitem)]
+            if direct:
+                producer[n] = i
+                produced[i][n] = None
+                order.append(n)
+        elif n.op == "call_function" and n.target is operator.getitem:
+            src, k = n.args
+            if not (isinstance(src, fx.Node) and src.op == "call_module" and src.target in stage_of_target
+                    and isinstance(k, int)):
+                raise RuntimeNotSupported(f"the split graph has an unsupported value {n.format_node()}")
+            i = stage_of_target[src.target]
+            producer[n] = i
+            produced[i][n] = k
+            order.append(n)
+        elif n.op == "output":
+            output_vals = uses(n.args)
+            for a in output_vals:
+                consumers.setdefault(a, set()).add(S)
+        else:
+            raise RuntimeNotSupported(f"the split graph has an unsupported node {n.format_node()}")
+    if sorted(stage_node) != list(range(S)):
+        raise RuntimeNotSupported(f"pipeline() produced stages {sorted(stage_node)}, expected 0..{S - 1}")
+    live: list[list[fx.Node]] = []
+    for b in range(S + 1):
+        if b == S:
+            live.append(list(output_vals))
+        else:
+            live.append([v for v in order if producer[v] < b and max(consumers.get(v, {-2})) >= b])
+    return live, stage_node, produced
+
+
+def build_stages(plan, *, seed: int = 0) -> PipelineStages:
+    """Build, split and probe the plan's model (see the module docstring).
+
+    Args:
+        plan: an :class:`engine.io.Plan` (``plan.model["name"]``, ``micro_batch_size``, ``seq_len``;
+            ``plan.segments[i]["layers"]``).
+        seed: ``torch.manual_seed(seed)`` right before the model is built.
+
+    Returns:
+        :class:`PipelineStages`. Parameter ``.grad`` fields are ``None`` on return.
+
+    Raises:
+        RuntimeNotSupported: ``tp > 1``, multi-device blocks, a non-chain placement, or a split
+            the chain interface cannot express.
+        TesselError: the model name is unknown (``ModelNotFoundError``) or cannot be traced.
+    """
+    from engine.models import build_model
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    check_executable(plan)
+    S = len(plan.segments)
+    mbs = int(plan.model.get("micro_batch_size") or 1)
+    seq = plan.model.get("seq_len")
+    torch.manual_seed(seed)
+    bundle = build_model(plan.model["name"], batch_size=mbs, seq_len=seq, device="cpu", dtype=torch.float32)
+    model = bundle.module.float().train()
+    seq = int(bundle.seq_len or bundle.example_inputs[0].shape[-1])
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    tie_sets = [set(v) for v in aliases.values() if len(v) > 1]
+
+    segs = sorted(plan.segments, key=lambda s: int(s["index"]))
+    split_spec = {}
+    for s in segs[1:]:
+        if not s.get("layers"):
+            raise RuntimeNotSupported(f"segment {s['index']} lists no layers; cannot find where to split")
+        split_spec[s["layers"][0]] = SplitPoint.BEGINNING
+    example = bundle.example_inputs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            pipe = pipeline(model, mb_args=example, split_spec=split_spec)
+        except Exception as e:  # tracing errors are long; keep the cause
+            raise TesselError(f"could not split {plan.model['name']} at {list(split_spec)} with "
+                              f"torch.distributed.pipelining.pipeline: {type(e).__name__}: {e}") from e
+    if pipe.num_stages != S:
+        raise RuntimeNotSupported(
+            f"splitting at {list(split_spec)} gave {pipe.num_stages} stages, but the plan has {S} segments "
+            "(a split layer may not be called in the model's forward)")
+    live, stage_node, produced = _route(pipe, S)
+    modules = {i: StageModule(pipe.get_stage_module(i), i, live[i], live[i + 1], stage_node[i], produced[i])
+               for i in range(S)}
+    for m in modules.values():
+        m.train()
+
+    # ---- probe: one real micro-batch forward and backward through the chain
+    records = []
+    vals: tuple = tuple(example)
+    for i in range(S):
+        ins = tuple(v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
+                    for v in vals)
+        outs = modules[i](*ins)
+        records.append((ins, outs))
+        vals = outs
+    logits = vals[0]
+    if len(vals) != 1 or not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise RuntimeNotSupported(f"the last stage returns {len(vals)} value(s); the runtime needs logits "
+                                  "[micro_batch, seq, vocab]")
+    torch.autograd.backward(logits.float().square().mean())
+    for i in range(S - 1, 0, -1):
+        ins_next = records[i][0]
+        outs = records[i - 1][1]
+        pairs = [(o, x.grad) for o, x in zip(outs, ins_next)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and x.grad is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    boundaries: list[list[TensorMeta]] = []
+    for i in range(S - 1):
+        outs = records[i][1]
+        ins_next = records[i + 1][0]
+        metas = []
+        for o, x in zip(outs, ins_next):
+            if not isinstance(o, torch.Tensor):
+                raise RuntimeNotSupported(f"segment {i} outputs a {type(o).__name__}; only tensors can be sent")
+            metas.append(TensorMeta(tuple(o.shape), o.dtype,
+                                    bool(o.requires_grad and x.grad is not None)))
+        boundaries.append(metas)
+    inputs = [TensorMeta(tuple(v.shape), v.dtype, False) for v in example]
+    output = TensorMeta(tuple(logits.shape), logits.dtype, True)
+
+    # ---- prune leftovers, find tied copies
+    removed: list[tuple[int, str]] = []
+    for i, m in modules.items():
+        layers = [str(x) for x in segs[i]["layers"]]
+        for name, p in list(m.named_parameters()):
+            inside = any(name == l or name.startswith(l + ".") for l in layers)
+            if p.grad is None and not inside:
+                owner_path, _, leaf = name.rpartition(".")
+                owner = m.get_submodule(owner_path) if owner_path else m
+                delattr(owner, leaf)
+                if not owner_path:
+                    m.inner._parameters.pop(leaf, None)
+                removed.append((i, name))
+    tied: list[list[tuple[int, str]]] = []
+    for names in tie_sets:
+        members = [(i, n) for i, m in modules.items() for n, _ in m.named_parameters() if n in names]
+        if len(members) > 1:
+            ref = dict(modules[members[0][0]].named_parameters())[members[0][1]]
+            for i, n in members[1:]:
+                if not torch.equal(dict(modules[i].named_parameters())[n], ref):
+                    raise TesselError(f"tied parameter copies {members[0]} and {(i, n)} differ after the split")
+            tied.append(sorted(members))
+    for m in modules.values():
+        m.zero_grad(set_to_none=True)
+    return PipelineStages(modules, boundaries, inputs, output, sorted(tied), removed, mbs, seq)
+
+
+def build_stage_modules(plan, *, seed: int = 0) -> dict[int, nn.Module]:
+    """Segment index -> :class:`StageModule` (see :func:`build_stages`, which also gives the
+    boundary shapes and tied groups)."""
+    return build_stages(plan, seed=seed).modules
+
+
+def tied_groups(plan, *, seed: int = 0) -> list[list[tuple[int, str]]]:
+    """Tied parameters across segments, e.g. ``[[(0, "transformer.wte.weight"), (3, "lm_head.weight")]]``.
+
+    Builds the stages; use ``build_stages(plan).tied`` if you already have them.
+    """
+    return build_stages(plan, seed=seed).tied
+
+
+def boundary_specs(plan, *, seed: int = 0) -> list[list[TensorMeta]]:
+    """Per boundary ``s`` (outputs of segment ``s``), the tensors of one micro-batch.
+
+    Builds the stages; use ``build_stages(plan).boundaries`` if you already have them.
+    """
+    return build_stages(plan, seed=seed).boundaries

@@ -1,0 +1,833 @@
+"""StageWorker: one rank of a pipelined (and data-parallel) training run.
+
+A plain Python class, one instance per process; the Ray launcher wraps it with ``ray.remote``
+and the tests drive it from ``torch.multiprocessing`` processes. Lifecycle::
+
+    w = StageWorker(plan.to_dict(), rank, world_size, "127.0.0.1", port)
+    info = w.setup()                 # process group, stage modules, optimizer, buffers
+    out = w.step(step, global_batch) # one optimizer step; same global batch on every rank
+    loss = w.evaluate(global_batch)  # forward only
+    sd = w.state_dict(); w.load_state_dict(sd)
+    w.shutdown()
+
+Ranks. ``world_size = dp * pp`` (``tp`` must be 1). Global rank ``r`` is pipeline rank
+``r % pp`` of data-parallel replica ``r // pp``; it runs the segments whose forward the
+placement puts on its pipeline rank and executes ``engine.dependency.lower(schedule, dp=dp)``'s
+stream of that pipeline rank, with peers mapped to the global ranks of its own replica.
+
+Execution (in stream order, exactly like the simulator):
+
+- ``F``: stage forward. Inputs are the model inputs (segment 0), the pre-allocated receive
+  buffers of the previous segment (another rank) or the detached outputs of the previous segment
+  (same rank); every stage therefore has its own autograd graph. The last segment computes
+  ``cross_entropy(logits, targets) / m`` (mean over tokens; ``m`` = micro-batches per replica).
+- ``B``: ``torch.autograd.backward`` of the stage outputs with the received (or local) output
+  gradients (the scaled loss on the last segment); accumulates parameter gradients and leaves the
+  input gradients to send.
+- ``I`` / ``W`` (zero-bubble split backward, Qi et al. 2023): ``I`` calls
+  ``torch.distributed.pipelining._backward.stage_backward_input`` (input gradients; it keeps the
+  intermediate gradients each weight needs, so ``W`` does not recompute the backward) and ``W``
+  calls ``stage_backward_weight``. These are PyTorch's own (private) helpers, used by its
+  ``ScheduleZBVZeroBubble``. A segment without differentiable inputs (segment 0, whose input is
+  token ids) has nothing for ``I`` to compute: its ``I`` is a no-op and its ``W`` runs the full
+  backward.
+- ``SEND``: ``dist.isend`` of each boundary tensor (activations after F, input gradients after
+  B/I; the boolean mask and other non-float or gradient-free tensors travel forward only). The
+  handles go to a helper thread that waits them in post order (gloo reports a send's completion
+  only through ``wait()``), so the SEND event lasts from the post to its completion; the step
+  ends when all of them have completed.
+- ``RECV``: ``dist.irecv`` into the pre-allocated buffer, then ``wait`` (the compute stream blocks,
+  as in the simulator). Buffers are allocated once in :meth:`StageWorker.setup`, one per
+  (boundary, micro-batch, tensor), from the shapes found by :func:`runtime.stage.build_stages`;
+  the sender writes straight into them, no pickling, no per-step allocation (the RDMA paper's
+  static-shape insight, ``../shared/TECHNIQUES.md``). One buffer per micro-batch, not per
+  boundary: a received activation is an input of the stage's autograd graph and must stay intact
+  until that micro-batch's backward.
+  Messages are matched by tag = (boundary, direction, micro-batch, tensor index), so the order in
+  which two ranks post sends and receives never matters (gloo honours tags; with NCCL, which
+  ignores them, the launcher must keep the order, see ``engine.dependency``).
+- ``ALLREDUCE``: data-parallel gradient average of one segment: its gradients are copied into a
+  flat pre-allocated buffer, ``dist.all_reduce(SUM, async_op=True)`` over the segment's DP group is
+  posted, and ``OPTIM`` waits for it and writes ``sum / dp`` back (the simulator's asynchronous
+  collective stream).
+- Tied weights (``runtime.stage.PipelineStages.tied``, e.g. ``transformer.wte.weight`` on the
+  first segment and ``lm_head.weight`` on the last): before the optimizer step their gradients are
+  summed locally and ``all_reduce``d (SUM) over a group of exactly the ranks of this replica that
+  hold a copy (Megatron-LM's embedding group), so every copy gets the full gradient and the copies
+  stay equal.
+- ``OPTIM``: ``optimizer.step(); optimizer.zero_grad(set_to_none=True)``.
+
+Measurements. Each instruction yields an :class:`engine.timeline.Event` (rank = GLOBAL rank;
+names as the simulator's: ``"1F3"``, ``"1F3>2"``, ``"1B2<3"``, ``"allreduce s1"``, ``"optimizer"``;
+seconds from the step start, ``time.perf_counter``). Memory is measured two ways after every
+instruction: process RSS (``psutil``; includes the interpreter, torch and the receive buffers),
+and tensor accounting of activations (bytes of the distinct non-parameter storages the stage
+graphs save for backward, via ``torch.autograd.graph.saved_tensors_hooks``; added at F, freed at
+B/W), so the measured activation curve can be compared with the predicted one.
+
+Errors. Any exception inside a step is re-raised as :class:`StepError` (a ``RuntimeError``):
+``"rank R (pipeline rank P, replica D) failed at step S, instruction I (INS): ..."``, chained to
+the original. A worker that failed a step must be shut down (its process killed): peers blocked
+in a receive from it fail at once when its process exits and its sockets close ("Connection
+closed/reset by peer"), otherwise after the process-group timeout (``timeout_s``).
+``fail_at=(step, index)`` raises deliberately at that instruction (for fault-handling tests).
+
+Backends. Only ``gloo`` on CPU tensors is executed; ``nccl`` (CUDA tensors, and p2p matched by
+posting order instead of tags) raises :class:`~runtime.stage.RuntimeNotSupported` in ``setup``.
+
+Sources: torch.distributed (``init_process_group``, ``isend``/``irecv``, ``new_group``,
+``all_reduce``), https://pytorch.org/docs/stable/distributed.html; PipeDream-Flush / 1F1B
+(Narayanan et al., 2021) and Megatron-LM's tied-embedding all-reduce.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engine.dependency import Instruction, lower
+from engine.errors import TesselError
+from engine.timeline import Event
+
+__all__ = ["StageWorker", "StepError", "WorkerError"]
+
+
+class WorkerError(TesselError):
+    """A worker was used wrongly (not set up, a batch of the wrong shape, a bad world size)."""
+
+
+class StepError(RuntimeError):
+    """An instruction of :meth:`StageWorker.step` failed.
+
+    ``str(err)`` is ``"rank R (pipeline rank P, replica D) failed at step S, instruction I (INS):
+    <cause type>: <cause>"``; ``__cause__`` is the original exception. Attributes (they survive
+    pickling, e.g. through Ray): ``rank``, ``pp_rank``, ``dp_index``, ``step``, ``index`` (position
+    in the stream, ``None`` when waiting for sends at the end of the step), ``instruction``
+    (``"I (INS)"``, e.g. ``"3 (SEND 1B0 to 0)"``, or ``None``).
+    """
+
+
+def _step_error(message: str, *, rank: int, pp_rank: int, dp_index: int, step: int, index: int | None,
+                instruction: str | None) -> StepError:
+    err = StepError(message)
+    err.rank, err.pp_rank, err.dp_index, err.step = rank, pp_rank, dp_index, step
+    err.index, err.instruction = index, instruction
+    return err
+
+
+_PROC: Any = None
+
+
+def _rss() -> int:
+    """Resident set size of this process in bytes (psutil), 0 if unavailable."""
+    global _PROC
+    try:
+        if _PROC is None or _PROC.pid != os.getpid():
+            import psutil
+            _PROC = psutil.Process(os.getpid())
+        return int(_PROC.memory_info().rss)
+    except Exception:  # pragma: no cover - psutil is a dependency
+        return 0
+
+
+class _ActivationMeter:
+    """Bytes of distinct non-parameter storages saved for backward, per (segment, micro-batch)."""
+
+    def __init__(self, static_ptrs: set[int]):
+        self.static = static_ptrs
+        self.live = 0
+        self.held: dict[tuple[int, int], int] = {}
+        self._seen: dict[int, int] = {}
+
+    def hooks(self):
+        seen = self._seen = {}
+
+        def pack(t: torch.Tensor):
+            try:
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr and ptr not in self.static and ptr not in seen:
+                    seen[ptr] = st.nbytes()
+            except Exception:
+                pass
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+    def add(self, key: tuple[int, int]) -> None:
+        n = sum(self._seen.values())
+        self.held[key] = n
+        self.live += n
+
+    def free(self, key: tuple[int, int]) -> None:
+        self.live -= self.held.pop(key, 0)
+
+
+class StageWorker:
+    """One rank: its stage modules, optimizer, instruction stream and receive buffers.
+
+    Args:
+        plan_dict: ``Plan.to_dict()`` (JSON-able; the worker rebuilds the plan in :meth:`setup`).
+        rank: global rank ``0 .. world_size-1`` (= ``dp_index * pp + pp_rank``).
+        world_size: ``dp * pp``.
+        master_addr, master_port: TCP rendezvous of ``init_process_group``.
+        backend: ``"gloo"`` (CPU tensors). Anything else is refused by :meth:`setup`.
+        seed: model initialisation seed (same on every rank and in the reference).
+        lr: learning rate.
+        optimizer: ``"adam"`` (``torch.optim.Adam``, default betas/eps) or ``"sgd"``.
+        timeout_s: process-group timeout (seconds); a rank blocked on a dead peer fails after it.
+        fail_at: ``(step, instruction_index)`` at which :meth:`step` raises deliberately (tests).
+        track_activations: account saved-activation bytes (see the module docstring).
+
+    Nothing heavy happens here; call :meth:`setup` next (in the worker's own process).
+    """
+
+    def __init__(self, plan_dict: dict, rank: int, world_size: int, master_addr: str, master_port: int, *,
+                 backend: str = "gloo", seed: int = 0, lr: float = 1e-3, optimizer: str = "adam",
+                 timeout_s: float = 300.0, fail_at: tuple[int, int] | None = None,
+                 track_activations: bool = True):
+        self.plan_dict = plan_dict
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.master_addr = str(master_addr)
+        self.master_port = int(master_port)
+        self.backend = backend
+        self.seed = int(seed)
+        self.lr = float(lr)
+        self.optimizer_name = optimizer
+        self.timeout_s = float(timeout_s)
+        self.fail_at = tuple(fail_at) if fail_at is not None else None
+        self.track_activations = track_activations
+        self._ready = False
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> dict:
+        """Join the process group and build everything a step needs.
+
+        Returns:
+            ``rank``, ``pp_rank``, ``dp_index``, ``segments`` (run here), ``params`` (count),
+            ``param_bytes``, ``buffer_bytes`` (pre-allocated receive buffers), ``num_buffers``,
+            ``stream_length``, ``tied`` (tied groups of the whole model, ``[[segment, name], ...]``),
+            ``removed`` (pruned leftover parameters, all segments), ``boundaries`` (per boundary, the
+            tensors' ``shape``/``dtype``/``requires_grad``), ``setup_time`` (s), ``rss`` (bytes).
+
+        Raises:
+            WorkerError: ``world_size != dp * pp``, a rank outside it, or an unknown optimizer.
+            RuntimeNotSupported: ``tp > 1``, a placement the runtime cannot execute, or a backend
+                other than gloo.
+        """
+        t0 = time.perf_counter()
+        torch.set_num_threads(1)
+        from engine.io.plan import Plan
+        from runtime.stage import build_stages, check_executable
+
+        plan = Plan.from_dict(self.plan_dict, source="plan_dict")
+        check_executable(plan)
+        self.plan = plan
+        pl = plan.schedule.placement
+        self.pp = pl.num_devices
+        self.dp = int(plan.parallel.get("dp", 1))
+        if self.world_size != self.dp * self.pp:
+            raise WorkerError(f"world_size {self.world_size} != dp * pp = {self.dp} * {self.pp}; "
+                              "start one worker per (replica, pipeline rank)")
+        if not 0 <= self.rank < self.world_size:
+            raise WorkerError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
+        if self.backend != "gloo":
+            from runtime.stage import RuntimeNotSupported
+            raise RuntimeNotSupported(
+                f"backend {self.backend!r}: the stage worker executes on CPU tensors with gloo; CUDA/NCCL "
+                "execution (device tensors, order-matched p2p) is not implemented yet")
+        if self.optimizer_name not in ("adam", "sgd"):
+            raise WorkerError(f"unknown optimizer {self.optimizer_name!r}; use 'adam' or 'sgd'")
+        self.pp_rank = self.rank % self.pp
+        self.dp_index = self.rank // self.pp
+        self.m = int(plan.schedule.num_micro_batches)
+        self.S = pl.num_segments
+
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, init_method=f"tcp://{self.master_addr}:{self.master_port}",
+                                    rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=self.timeout_s))
+        self._timeout = timedelta(seconds=self.timeout_s)
+
+        stages = build_stages(plan, seed=self.seed)
+        self.mbs = stages.micro_batch_size
+        self.seq_len = stages.seq_len
+        self.boundaries = stages.boundaries
+        self.tied = stages.tied
+        removed = [list(x) for x in stages.removed]
+        self.seg_rank = {s: pl.spec("F", s).devices[0] for s in range(self.S)}
+        self.segments = sorted(s for s in range(self.S) if self.seg_rank[s] == self.pp_rank)
+        self.modules = {s: stages.modules[s] for s in self.segments}
+        del stages
+        self.seg_params = {s: [p for p in self.modules[s].parameters()] for s in self.segments}
+        params = [p for s in self.segments for p in self.seg_params[s]]
+        if not params:
+            self.optimizer = None
+        elif self.optimizer_name == "adam":
+            self.optimizer = torch.optim.Adam(params, lr=self.lr)
+        else:
+            self.optimizer = torch.optim.SGD(params, lr=self.lr)
+        self.last_segment = self.S - 1
+        self.has_loss = self.last_segment in self.modules
+
+        seg_bytes = {s: sum(p.numel() * p.element_size() for p in self.seg_params.get(s, [])) for s in self.segments}
+        ex = lower(plan.schedule, dp=self.dp, segment_param_bytes=seg_bytes)
+        self.stream: list[Instruction] = ex.streams[self.pp_rank]
+        for ins in self.stream:
+            if ins.op in ("F", "B", "I", "W") and ins.block.segment not in self.modules:
+                raise WorkerError(f"pipeline rank {self.pp_rank}'s stream runs {ins} but segment "
+                                  f"{ins.block.segment} is not placed here")
+
+        # ---- pre-allocated receive buffers: (boundary, micro-batch) -> [tensor per boundary tensor]
+        self.act_buf: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.grad_buf: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for ins in self.stream:
+            if ins.op != "RECV":
+                continue
+            pb = ins.block
+            if pb.kind == "F":
+                b = pb.segment
+                self.act_buf[(b, pb.micro_batch)] = [meta.empty() for meta in self.boundaries[b]]
+            else:
+                b = pb.segment - 1
+                self.grad_buf[(b, pb.micro_batch)] = [meta.empty() for meta in self.boundaries[b] if meta.requires_grad]
+        self._max_tensors = max([len(x) for x in self.boundaries] + [1])
+
+        # ---- process groups (created in the same order on every rank)
+        self.dp_group = None
+        if self.dp > 1:
+            for p in range(self.pp):
+                g = dist.new_group([d * self.pp + p for d in range(self.dp)])
+                if p == self.pp_rank:
+                    self.dp_group = g
+        self.flat_grads = {}
+        if self.dp > 1:
+            for s in self.segments:
+                n = sum(p.numel() for p in self.seg_params[s])
+                if n:
+                    self.flat_grads[s] = torch.zeros(n, dtype=torch.float32)
+        self.tied_local: list[tuple[Any, list[torch.nn.Parameter], torch.Tensor, str]] = []
+        for group in self.tied:
+            pranks = sorted({self.seg_rank[s] for s, _ in group})
+            for d in range(self.dp):
+                granks = [d * self.pp + r for r in pranks]
+                g = dist.new_group(granks) if len(granks) > 1 else None
+                if d == self.dp_index and self.pp_rank in pranks:
+                    named = {(s, n): p for s in self.segments for n, p in self.modules[s].named_parameters()}
+                    mine = [named[(s, n)] for s, n in group if (s, n) in named]
+                    label = "+".join(f"s{s}:{n}" for s, n in group)
+                    self.tied_local.append((g, mine, torch.zeros_like(mine[0]), label))
+
+        static_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        for bufs in list(self.act_buf.values()) + list(self.grad_buf.values()):
+            static_ptrs.update(t.untyped_storage().data_ptr() for t in bufs)
+        self._meter = _ActivationMeter(static_ptrs)
+        self.buffer_bytes = sum(t.numel() * t.element_size() for bufs in list(self.act_buf.values())
+                                + list(self.grad_buf.values()) for t in bufs)
+        self._ready = True
+        return {
+            "rank": self.rank, "pp_rank": self.pp_rank, "dp_index": self.dp_index,
+            "segments": list(self.segments), "params": sum(p.numel() for p in params),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "buffer_bytes": self.buffer_bytes,
+            "num_buffers": sum(len(v) for v in self.act_buf.values()) + sum(len(v) for v in self.grad_buf.values()),
+            "stream_length": len(self.stream), "tied": [[list(x) for x in g] for g in self.tied],
+            "removed": removed, "boundaries": [[m.to_dict() for m in b] for b in self.boundaries],
+            "setup_time": time.perf_counter() - t0, "rss": _rss(),
+        }
+
+    # ------------------------------------------------------------------ helpers
+    def _global(self, pp_rank: int) -> int:
+        return self.dp_index * self.pp + pp_rank
+
+    def _tag(self, boundary: int, direction: int, mb: int, k: int) -> int:
+        return ((boundary * 3 + direction) * max(self.m, 1) + mb) * self._max_tensors + k
+
+    def receive_buffers(self) -> dict[str, torch.Tensor]:
+        """The pre-allocated receive buffers by name (``"act b1 mb0 t0"``, ``"grad b1 mb0 t0"``);
+        the same tensor objects every step (tests compare their ``data_ptr``)."""
+        out = {}
+        for (b, j), bufs in sorted(self.act_buf.items()):
+            for k, t in enumerate(bufs):
+                out[f"act b{b} mb{j} t{k}"] = t
+        for (b, j), bufs in sorted(self.grad_buf.items()):
+            for k, t in enumerate(bufs):
+                out[f"grad b{b} mb{j} t{k}"] = t
+        return out
+
+    def _split_batch(self, batch: torch.Tensor, per_replica: int | None = None):
+        if not self._ready:
+            raise WorkerError("call setup() before step()/evaluate()")
+        if not isinstance(batch, torch.Tensor) or batch.dim() != 2 or batch.dtype.is_floating_point:
+            raise WorkerError(f"the batch must be an integer tensor [rows, seq_len + 1], got "
+                              f"{getattr(batch, 'dtype', type(batch).__name__)} {tuple(getattr(batch, 'shape', ()))}")
+        rows_needed = None if per_replica is None else self.dp * per_replica * self.mbs
+        if batch.shape[1] != self.seq_len + 1 or (rows_needed is not None and batch.shape[0] != rows_needed) \
+                or batch.shape[0] % (self.dp * self.mbs):
+            want = f"[{rows_needed if rows_needed else 'dp*k*micro_batch_size'}, {self.seq_len + 1}]"
+            raise WorkerError(f"the global batch has shape {list(batch.shape)}, expected {want} "
+                              f"(dp={self.dp}, micro_batch_size={self.mbs}, seq_len={self.seq_len})")
+        per = batch.shape[0] // self.dp
+        rows = batch[self.dp_index * per:(self.dp_index + 1) * per].long()
+        k = per // self.mbs
+        inputs = [rows[j * self.mbs:(j + 1) * self.mbs, :-1].contiguous() for j in range(k)]
+        targets = [rows[j * self.mbs:(j + 1) * self.mbs, 1:].contiguous() for j in range(k)]
+        return inputs, targets
+
+    # ------------------------------------------------------------------ step
+    def step(self, step: int, batch: torch.Tensor) -> dict:
+        """Run one training step (all ``m`` micro-batches of this replica, then the optimizer).
+
+        Args:
+            step: step number (only used for ``fail_at`` and the result).
+            batch: the GLOBAL batch, int64 ``[dp * m * micro_batch_size, seq_len + 1]``, identical
+                on every rank; replica ``d`` takes rows ``d*m*mbs .. (d+1)*m*mbs - 1`` and its
+                micro-batch ``j`` the ``j``-th ``mbs`` rows of those; inputs ``[:, :-1]``, targets
+                ``[:, 1:]``.
+
+        Returns:
+            ``losses``: per micro-batch mean cross-entropy (nats/token, NOT divided by ``m``) in
+            micro-batch order on the rank holding the last segment, else ``[]``; ``events``:
+            ``Event.to_dict()`` per executed instruction; ``rank``, ``pp_rank``, ``dp_index``,
+            ``step``; ``time`` (s); ``peak_memory`` (bytes, max process RSS sampled after every
+            instruction); ``memory`` (``[[t, rss_bytes], ...]``); ``activation_memory``
+            (``[[t, bytes], ...]``) and ``peak_activation_memory`` (tensor accounting).
+
+        Raises:
+            StepError: (a ``RuntimeError``) ``"rank R (pipeline rank P, replica D) failed at step
+                S, instruction I (INS): ..."`` chained to the cause.
+            WorkerError: not set up, or a batch of the wrong shape.
+        """
+        model_inputs, targets = self._split_batch(batch, per_replica=self.m)
+        st = _StepState(model_inputs, targets)
+        self._meter.live, self._meter.held = 0, {}
+        t0 = time.perf_counter()
+        st.now = lambda: time.perf_counter() - t0
+        where = f"rank {self.rank} (pipeline rank {self.pp_rank}, replica {self.dp_index})"
+        mem = [[0.0, _rss()]]
+        act_mem = [[0.0, 0]]
+        st.sends = _SendWaiter(st.now, self._timeout)
+        try:
+            for idx, ins in enumerate(self.stream):
+                try:
+                    if self.fail_at is not None and (int(step), idx) == self.fail_at:
+                        raise RuntimeError("deliberate failure requested by fail_at")
+                    self._execute(ins, st)
+                except Exception as e:
+                    raise _step_error(f"{where} failed at step {step}, instruction {idx} ({ins}): "
+                                      f"{type(e).__name__}: {e}", rank=self.rank, pp_rank=self.pp_rank,
+                                      dp_index=self.dp_index, step=int(step), index=idx,
+                                      instruction=f"{idx} ({ins})") from e
+                t = st.now()
+                mem.append([t, _rss()])
+                act_mem.append([t, self._meter.live])
+        except BaseException:
+            st.sends.abandon()
+            raise
+        try:
+            st.sends.close()
+            self._finish_allreduces(st)   # no-op after OPTIM (lower() always ends training with it)
+        except Exception as e:
+            raise _step_error(f"{where} failed at step {step} waiting for its sends/all-reduces: "
+                              f"{type(e).__name__}: {e}", rank=self.rank, pp_rank=self.pp_rank,
+                              dp_index=self.dp_index, step=int(step), index=None, instruction=None) from e
+        return {
+            "rank": self.rank, "pp_rank": self.pp_rank, "dp_index": self.dp_index, "step": int(step),
+            "losses": [st.losses[j] for j in sorted(st.losses)] if self.has_loss else [],
+            "events": [e.to_dict() for e in st.events], "time": st.now(),
+            "peak_memory": int(max(v for _, v in mem)), "memory": mem,
+            "activation_memory": act_mem, "peak_activation_memory": int(max(v for _, v in act_mem)),
+        }
+
+    def _execute(self, ins: Instruction, st: "_StepState") -> None:
+        op = ins.op
+        now = st.now
+        if op in ("F", "B", "I", "W"):
+            b = ins.block
+            s, j = b.segment, b.micro_batch
+            start = now()
+            if op == "F":
+                self._forward(s, j, st)
+            elif op == "B":
+                self._backward(s, j, st)
+            elif op == "I":
+                self._backward_input(s, j, st)
+            else:
+                self._backward_weight(s, j, st)
+            st.events.append(Event(self.rank, "compute", op, str(b), start, now(), 0, j, s))
+        elif op == "SEND":
+            b = ins.block
+            s, j = b.segment, b.micro_batch
+            if b.kind == "F":
+                tensors = [t.detach() for t in st.outputs.pop((s, j))]
+                boundary, direction = s, 0
+            else:
+                tensors = st.in_grads.pop((s, j))
+                boundary, direction = s - 1, 1
+            dst = self._global(ins.peer)
+            start = now()
+            sent = [t.contiguous() for t in tensors]
+            works = [dist.isend(t, dst, tag=self._tag(boundary, direction, j, k)) for k, t in enumerate(sent)]
+            ev = Event(self.rank, "send", "SEND", f"{b}>{dst}", start, -1.0,
+                       sum(t.numel() * t.element_size() for t in sent), j, s)
+            st.events.append(ev)
+            st.sends.add(works, sent, ev)
+        elif op == "RECV":
+            pb = ins.block
+            j = pb.micro_batch
+            if pb.kind == "F":
+                boundary, direction = pb.segment, 0
+                bufs = self.act_buf[(boundary, j)]
+            else:
+                boundary, direction = pb.segment - 1, 1
+                bufs = self.grad_buf[(boundary, j)]
+            src = self._global(ins.peer)
+            start = now()
+            works = [dist.irecv(t, src, tag=self._tag(boundary, direction, j, k)) for k, t in enumerate(bufs)]
+            for w in works:
+                w.wait(self._timeout)
+            st.events.append(Event(self.rank, "recv", "RECV", f"{pb}<{src}", start, now(),
+                                   sum(t.numel() * t.element_size() for t in bufs), j, pb.segment))
+        elif op == "ALLREDUCE":
+            self._post_allreduce(ins.segment, st)
+        elif op == "OPTIM":
+            self._finish_allreduces(st)
+            self._tied_allreduce(st)
+            start = now()
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            nbytes = sum(p.numel() * p.element_size() for ps in self.seg_params.values() for p in ps)
+            st.events.append(Event(self.rank, "compute", "OPTIM", "optimizer", start, now(), nbytes, -1, -1))
+        else:
+            raise WorkerError(f"unknown instruction {op!r}")
+
+    def _forward(self, s: int, j: int, st: "_StepState") -> None:
+        if s == 0:
+            ins = (st.model_inputs[j],)
+        else:
+            src = self.act_buf.get((s - 1, j))
+            if src is None:                       # previous segment ran on this rank
+                src = st.outputs.pop((s - 1, j))
+            ins = tuple(t.detach().requires_grad_(True) if meta.requires_grad else t.detach()
+                        for t, meta in zip(src, self.boundaries[s - 1]))
+        if self.track_activations:
+            with self._meter.hooks():
+                outs, loss = self._run_stage(s, j, ins, st)
+            self._meter.add((s, j))
+        else:
+            outs, loss = self._run_stage(s, j, ins, st)
+        if s != self.last_segment:
+            st.outputs[(s, j)] = outs
+        st.ctx[(s, j)] = (ins, outs, loss)
+
+    def _run_stage(self, s: int, j: int, ins: tuple, st: "_StepState"):
+        outs = self.modules[s](*ins)
+        if s != self.last_segment:
+            return outs, None
+        logits = outs[0]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), st.targets[j].reshape(-1))
+        st.losses[j] = float(loss.detach())
+        return outs, loss / self.m
+
+    def _roots(self, s: int, j: int, st: "_StepState"):
+        """(tensors, grad_tensors) the backward of (s, j) starts from."""
+        _ins, outs, loss = st.ctx[(s, j)]
+        if s == self.last_segment:
+            return [loss], None
+        grads = self.grad_buf.get((s, j))
+        if grads is None:                          # next segment ran on this rank
+            grads = st.in_grads.pop((s + 1, j))
+        tensors = [o for o, meta in zip(outs, self.boundaries[s]) if meta.requires_grad]
+        return tensors, list(grads)
+
+    def _diff_inputs(self, s: int, ins: tuple) -> list:
+        if s == 0:
+            return []
+        return [x for x, meta in zip(ins, self.boundaries[s - 1]) if meta.requires_grad]
+
+    def _backward(self, s: int, j: int, st: "_StepState") -> None:
+        tensors, grads = self._roots(s, j, st)
+        ins, _outs, _loss = st.ctx.pop((s, j))
+        torch.autograd.backward(tensors, grads)
+        self._meter.free((s, j))
+        if s > 0:
+            st.in_grads[(s, j)] = [x.grad if x.grad is not None else torch.zeros_like(x)
+                                   for x in self._diff_inputs(s, ins)]
+
+    def _backward_input(self, s: int, j: int, st: "_StepState") -> None:
+        from torch.distributed.pipelining._backward import stage_backward_input
+        tensors, grads = self._roots(s, j, st)
+        xs = self._diff_inputs(s, st.ctx[(s, j)][0])
+        if not xs:   # nothing to send (segment 0): W runs the whole backward
+            st.wstate[(s, j)] = ("full", tensors, grads)
+            return
+        dinputs, groups = stage_backward_input(tensors, grads, xs, iter(self.seg_params[s]))
+        st.wstate[(s, j)] = ("groups", groups)
+        st.in_grads[(s, j)] = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, dinputs)]
+
+    def _backward_weight(self, s: int, j: int, st: "_StepState") -> None:
+        from torch.distributed.pipelining._backward import stage_backward_weight
+        state = st.wstate.pop((s, j))
+        if state[0] == "full":
+            torch.autograd.backward(state[1], state[2])
+        else:
+            stage_backward_weight(iter(self.seg_params[s]), state[1])
+        st.ctx.pop((s, j), None)
+        self._meter.free((s, j))
+
+    def _post_allreduce(self, s: int | None, st: "_StepState") -> None:
+        start = st.now()
+        ev = Event(self.rank, "collective", "ALLREDUCE", f"allreduce s{s}", start, -1.0, 0, -1,
+                   s if s is not None else -1)
+        st.events.append(ev)
+        flat = self.flat_grads.get(s)
+        if flat is None or self.dp_group is None:
+            ev.end = start
+            return
+        o = 0
+        for p in self.seg_params[s]:
+            n = p.numel()
+            if p.grad is None:
+                flat[o:o + n].zero_()
+            else:
+                flat[o:o + n].copy_(p.grad.reshape(-1))
+            o += n
+        ev.nbytes = flat.numel() * flat.element_size()
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True)
+        now = st.now
+
+        def done(_fut, ev=ev):
+            ev.end = now()
+
+        try:   # completion time from gloo's callback thread; else the time OPTIM waits for it
+            work.get_future().then(done)
+        except Exception:
+            pass
+        st.allreduces.append((work, s, ev))
+
+    def _finish_allreduces(self, st: "_StepState") -> None:
+        for work, s, ev in st.allreduces:
+            work.wait(self._timeout)
+            if ev.end < 0:
+                ev.end = st.now()
+            flat = self.flat_grads[s]
+            flat.div_(self.dp)
+            o = 0
+            for p in self.seg_params[s]:
+                n = p.numel()
+                g = flat[o:o + n].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                o += n
+        st.allreduces.clear()
+
+    def _tied_allreduce(self, st: "_StepState") -> None:
+        for group, params, buf, label in self.tied_local:
+            start = st.now()
+            buf.zero_()
+            for p in params:
+                if p.grad is not None:
+                    buf.add_(p.grad)
+            if group is not None:
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+            for p in params:
+                if p.grad is None:
+                    p.grad = buf.clone()
+                else:
+                    p.grad.copy_(buf)
+            st.events.append(Event(self.rank, "collective", "ALLREDUCE", f"allreduce tied {label}", start,
+                                   st.now(), buf.numel() * buf.element_size(), -1, -1))
+
+    # ------------------------------------------------------------------ evaluate
+    @torch.no_grad()
+    def evaluate(self, batch: torch.Tensor) -> float | None:
+        """Forward-only loss on a global batch.
+
+        Args:
+            batch: int64 ``[dp * k * micro_batch_size, seq_len + 1]`` for any ``k >= 1``, the same on
+                every rank (replica ``d`` takes its ``k`` micro-batches as in :meth:`step`).
+
+        Returns:
+            On ranks holding the last segment: the mean cross-entropy (nats/token) over all
+            ``dp * k`` micro-batches (averaged across replicas with an all-reduce); ``None`` elsewhere.
+
+        The micro-batches run one after another through the segments (GPipe forward order), with
+        ``isend``/``irecv`` between ranks into the pre-allocated buffers (micro-batch ``j`` uses the
+        buffers of ``j % m``). The stage graphs keep the train/eval mode they were traced in
+        (see :mod:`runtime.stage`).
+        """
+        model_inputs, _targets = self._split_batch(batch)
+        k = len(model_inputs)
+        total = 0.0
+        pending = []
+        try:
+            for j in range(k):
+                prev: tuple | None = None
+                for s in range(self.S):
+                    r = self.seg_rank[s]
+                    if r != self.pp_rank:
+                        prev = None
+                        continue
+                    if s == 0:
+                        ins = (model_inputs[j],)
+                    elif self.seg_rank[s - 1] == self.pp_rank and prev is not None:
+                        ins = prev
+                    else:
+                        bufs = self.act_buf.get((s - 1, j % self.m))
+                        if bufs is None:
+                            bufs = [meta.empty() for meta in self.boundaries[s - 1]]
+                        src = self._global(self.seg_rank[s - 1])
+                        for w in [dist.irecv(t, src, tag=self._tag(s - 1, 2, j % self.m, q))
+                                  for q, t in enumerate(bufs)]:
+                            w.wait(self._timeout)
+                        ins = tuple(bufs)
+                    outs = self.modules[s](*ins)
+                    if s == self.last_segment:
+                        logits = outs[0]
+                        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                       _targets[j].reshape(-1)))
+                    elif self.seg_rank[s + 1] != self.pp_rank:
+                        dst = self._global(self.seg_rank[s + 1])
+                        for q, t in enumerate(outs):
+                            t = t.contiguous()
+                            pending.append((dist.isend(t, dst, tag=self._tag(s, 2, j % self.m, q)), t))
+                        prev = None
+                    else:
+                        prev = outs
+                # wait this micro-batch's sends before the next one reuses the tags
+                for w, _ in pending:
+                    w.wait(self._timeout)
+                pending.clear()
+        except Exception as e:
+            raise RuntimeError(f"rank {self.rank} (pipeline rank {self.pp_rank}, replica {self.dp_index}) "
+                               f"failed in evaluate: {type(e).__name__}: {e}") from e
+        if not self.has_loss:
+            return None
+        mean = torch.tensor([total / k], dtype=torch.float64)
+        if self.dp > 1:
+            dist.all_reduce(mean, group=self.dp_group)
+            mean /= self.dp
+        return float(mean)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """This rank's model shards and optimizer state (plain tensors and dicts, CPU copies).
+
+        ``{"rank", "pp_rank", "dp_index", "segments": {segment: {param name: tensor}},
+        "optimizer": torch optimizer state_dict or None}``. Parameter names are the original
+        model's (``transformer.h.3.mlp.c_fc.weight``); tied copies appear under each holder's
+        name. Loadable by :meth:`load_state_dict` of a worker of the same plan and rank.
+        """
+        if not self._ready:
+            raise WorkerError("call setup() before state_dict()")
+        segs = {s: {k: v.detach().clone() for k, v in self.modules[s].state_dict().items()} for s in self.segments}
+        opt = None
+        if self.optimizer is not None:
+            import copy
+            opt = copy.deepcopy(self.optimizer.state_dict())
+        return {"rank": self.rank, "pp_rank": self.pp_rank, "dp_index": self.dp_index, "segments": segs,
+                "optimizer": opt}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore :meth:`state_dict` output (strict: every parameter of every local segment).
+
+        Raises:
+            WorkerError: the checkpoint belongs to other segments.
+        """
+        if not self._ready:
+            raise WorkerError("call setup() before load_state_dict()")
+        segs = {int(k): v for k, v in sd["segments"].items()}
+        if sorted(segs) != self.segments:
+            raise WorkerError(f"the checkpoint holds segments {sorted(segs)}, but rank {self.rank} runs "
+                              f"{self.segments}")
+        for s in self.segments:
+            self.modules[s].load_state_dict(segs[s])
+        if self.optimizer is not None and sd.get("optimizer") is not None:
+            self.optimizer.load_state_dict(sd["optimizer"])
+
+    def shutdown(self) -> None:
+        """Destroy the process group (idempotent)."""
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        self._ready = False
+
+
+class _StepState:
+    """Per-step bookkeeping of :meth:`StageWorker.step` (dropped at the end of the step)."""
+
+    def __init__(self, model_inputs: list, targets: list):
+        self.model_inputs = model_inputs
+        self.targets = targets
+        self.outputs: dict[tuple[int, int], tuple] = {}   # (segment, mb) -> outputs awaiting SEND / next stage
+        self.ctx: dict[tuple[int, int], tuple] = {}       # (segment, mb) -> (inputs, outputs, scaled loss)
+        self.in_grads: dict[tuple[int, int], list] = {}   # (segment, mb) -> input grads awaiting SEND / B(s-1)
+        self.wstate: dict[tuple[int, int], tuple] = {}    # (segment, mb) -> what W needs after I
+        self.losses: dict[int, float] = {}
+        self.events: list[Event] = []
+        self.sends: _SendWaiter | None = None             # waits the isends, stamps SEND ends
+        self.allreduces: list[tuple] = []                 # (work, segment, event)
+        self.now = lambda: 0.0
+
+
+class _SendWaiter:
+    """Waits a step's isends on a helper thread, in post order, and stamps each SEND event's end.
+
+    gloo's send work only reports completion through ``wait()`` (``is_completed()`` stays False
+    until then and it has no future), so a helper thread waits them while the compute stream goes
+    on. A send is stamped when it AND every earlier-posted send are done (an upper bound on its
+    true completion, exact when sends complete in order). The sent tensors stay referenced until
+    then. :meth:`close` (end of step) joins the thread and re-raises the first error.
+    """
+
+    def __init__(self, now, timeout: timedelta):
+        self.now = now
+        self.timeout = timeout
+        self.error: BaseException | None = None
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="tessel-send-waiter", daemon=True)
+        self.thread.start()
+
+    def add(self, works: list, tensors: list, ev: Event) -> None:
+        if not works:
+            ev.end = ev.start
+            return
+        self.q.put((works, tensors, ev))
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            works, _tensors, ev = item
+            if self.error is not None:
+                continue
+            try:
+                for w in works:
+                    w.wait(self.timeout)
+            except BaseException as e:  # noqa: BLE001 - re-raised by close()
+                self.error = e
+            ev.end = self.now()
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def abandon(self) -> None:
+        """Stop after the sends already queued (the step failed; the thread is a daemon)."""
+        self.q.put(None)
+
+
