@@ -44,16 +44,8 @@ def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     print(f"[tessel] planning {model} on {DEMO['devices']} CPU pipeline ranks ({DEMO['schedule']}, profiling ops) ...",
           file=sys.stderr, flush=True)
-    import torch
-
-    # every rank runs with one intra-op thread (runtime.worker), so time the ops the same way; with
-    # the default thread pool on a busy 2-core machine single ops stall for whole scheduler slices
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        res = make_plan(model, device_type="cpu", profile=True, **DEMO)
-    finally:
-        torch.set_num_threads(threads)
+    # the profiler times ops with one intra-op thread, as every rank runs (runtime.worker)
+    res = make_plan(model, device_type="cpu", profile=True, **DEMO)
     plan_path = save_plan(res.plan, out / "plan.json")
     trace_path = write_trace(res.timeline, out / "trace.json", metadata={"schedule": res.plan.schedule.name})
     csv_path = write_torch_csv(res.plan.schedule, out / "schedule.csv")

@@ -26,18 +26,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def predicted_vs_measured(devices: int, steps: int) -> dict:
-    import torch
-
     from engine.planner import make_plan
     from runtime import launch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # profile ops the way every rank runs them
-    try:
-        res = make_plan("gpt2-small-cpu", devices=devices, micro_batches=8, schedule="1f1b", device_type="cpu",
-                        micro_batch_size=2, seq_len=64, profile=True)
-    finally:
-        torch.set_num_threads(threads)
+    # the profiler times ops with one intra-op thread, as every rank runs
+    res = make_plan("gpt2-small-cpu", devices=devices, micro_batches=8, schedule="1f1b", device_type="cpu",
+                    micro_batch_size=2, seq_len=64, profile=True)
     lr = launch(res.plan, steps=steps, progress=False, device="cpu")
     measured = statistics.median(lr.step_times[1:]) if len(lr.step_times) > 1 else lr.step_times[0]
     predicted = res.timeline.makespan

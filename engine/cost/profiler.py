@@ -316,7 +316,7 @@ def _time_one(node: dict, device, warmup: int, repeat: int, max_bytes: int) -> f
 
 def profile_ops(nodes: Iterable[dict], *, device: str = "cpu", warmup: int = 1, repeat: int = 3,
                 cache_path: str | os.PathLike | None = None, progress: bool = True, cache: bool = True,
-                max_bytes: int = DEFAULT_MAX_BYTES) -> ProfileTable:
+                max_bytes: int = DEFAULT_MAX_BYTES, threads: int | None = 1) -> ProfileTable:
     """Time every distinct op signature of ``nodes`` on the local ``device``.
 
     Each op is replayed on random tensors of the described shapes/dtypes (floating ->
@@ -341,6 +341,9 @@ def profile_ops(nodes: Iterable[dict], *, device: str = "cpu", warmup: int = 1, 
         progress: show a tqdm progress bar over the signatures to time.
         cache: ``False`` neither reads nor writes a cache.
         max_bytes: skip replays whose inputs need more than this many bytes.
+        threads: intra-op threads while timing (default 1, as every runtime rank runs; with the
+            default pool on a busy machine single ops stall for whole scheduler slices);
+            ``None`` keeps torch's setting. Restored afterwards; part of the cache key.
 
     Returns:
         A :class:`ProfileTable` holding the requested signatures only (timed now or taken
@@ -349,6 +352,18 @@ def profile_ops(nodes: Iterable[dict], *, device: str = "cpu", warmup: int = 1, 
     Raises:
         CostModelError (a ValueError): unsupported ``device``.
     """
+    import torch
+
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _profile(nodes, device, warmup, repeat, cache_path, progress, cache, max_bytes)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _profile(nodes, device, warmup, repeat, cache_path, progress, cache, max_bytes) -> ProfileTable:
     import torch
 
     dev = torch.device(device)
