@@ -194,6 +194,41 @@ def make_plan(
     return PlanResult(plan, timeline, graph, execution, warnings, timings)
 
 
+def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Plan, Timeline]:
+    """The plan with measured per-segment ``(forward_s, backward_s)`` durations, re-simulated.
+
+    ``times`` comes from e.g. ``runtime.profile.measure_segment_times``. F blocks take the
+    forward time, B blocks the backward time; split I/W blocks share the backward time in their
+    current proportion. The schedule's orders are unchanged; metrics are recomputed.
+
+    Raises:
+        TesselError: ``times`` does not have one entry per segment.
+    """
+    pl = plan.placement
+    if len(times) != pl.num_segments:
+        raise TesselError(f"got times for {len(times)} segments, the plan has {pl.num_segments}")
+    split = {}
+    for b in pl.blocks:
+        if b.kind in ("I", "W"):
+            split[b.segment] = split.get(b.segment, 0.0) + b.duration
+    durations = []
+    for b in pl.blocks:
+        f, bw = times[b.segment]
+        if b.kind == "F":
+            durations.append(f)
+        elif b.kind == "B":
+            durations.append(bw)
+        else:
+            durations.append(bw * (b.duration / split[b.segment] if split[b.segment] > 0 else 0.5))
+    schedule = Schedule(pl.with_durations(durations), plan.schedule.num_micro_batches, plan.schedule.orders,
+                        plan.schedule.name, dict(plan.schedule.meta))
+    segments = [dict(seg, forward_time=times[i][0], backward_time=times[i][1]) for i, seg in enumerate(plan.segments)]
+    new = Plan(plan.model, plan.parallel, segments, schedule, plan.cost, dict(plan.metrics), {**plan.meta, "segment_times": "measured"})
+    tl = resimulate(new)
+    new.metrics.update(tl.metrics())
+    return new, tl
+
+
 def resimulate(plan: Plan) -> Timeline:
     """Re-lower and re-simulate a (loaded or edited) plan with its stored cost model."""
     cost = CostModel.from_dict(plan.cost) if plan.cost else None
@@ -202,4 +237,4 @@ def resimulate(plan: Plan) -> Timeline:
     return simulate(ex, cost)
 
 
-__all__ = ["PlanResult", "make_plan", "resimulate", "placement_from_segments", "TesselError"]
+__all__ = ["PlanResult", "make_plan", "resimulate", "with_segment_times", "placement_from_segments", "TesselError"]
