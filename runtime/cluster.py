@@ -96,8 +96,14 @@ def init_ray(address: str | None = None) -> bool:
     return True
 
 
+#: The stage worker (runtime.worker) keeps its tensors on the CPU and speaks gloo; until it runs
+#: CUDA tensors, "auto" chooses gloo even on GPU clusters and "cuda" is refused with that reason.
+WORKER_SUPPORTS_CUDA = False
+
+
 def choose_backend(world_size: int, device: str = "auto") -> Backend:
-    """NCCL with one GPU per rank where the cluster has enough GPUs, else gloo on CPU.
+    """NCCL with one GPU per rank where the cluster has enough GPUs and the worker runs CUDA
+    tensors, else gloo on CPU.
 
     Args:
         world_size: ranks to place.
@@ -105,7 +111,8 @@ def choose_backend(world_size: int, device: str = "auto") -> Backend:
             variable ``TESSEL_DEVICE`` overrides ``"auto"``.
 
     Raises:
-        ClusterError: ``device="cuda"`` but the cluster has fewer than ``world_size`` GPUs.
+        ClusterError: ``device="cuda"`` but the cluster has fewer than ``world_size`` GPUs, or the
+            worker cannot run on GPUs yet (:data:`WORKER_SUPPORTS_CUDA`).
     """
     device = os.environ.get("TESSEL_DEVICE", device) if device == "auto" else device
     gpus = float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
@@ -114,10 +121,15 @@ def choose_backend(world_size: int, device: str = "auto") -> Backend:
     if device == "cuda":
         if gpus < world_size:
             raise ClusterError(f"device 'cuda' needs {world_size} GPUs (one per rank) but the Ray cluster has {gpus:g}")
+        if not WORKER_SUPPORTS_CUDA:
+            raise ClusterError("the runtime's stage worker runs on CPU with gloo for now (NCCL needs CUDA tensors "
+                               "it does not use yet); launch with --device cpu")
         return Backend("nccl", True)
     if device != "auto":
         raise ClusterError(f"unknown device {device!r}; use auto, cpu or cuda")
-    return Backend("nccl", True) if gpus >= world_size else Backend("gloo", False)
+    if gpus >= world_size and WORKER_SUPPORTS_CUDA:
+        return Backend("nccl", True)
+    return Backend("gloo", False)
 
 
 def free_port(host: str = "") -> int:

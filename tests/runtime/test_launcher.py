@@ -255,13 +255,16 @@ def test_backend_choice_and_bundles(ray_cluster):
             choose_backend(2, "cuda")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: the NCCL / num_gpus=1 path is not exercised")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: the GPU path is not exercised")
 @pytest.mark.timeout(400)
-def test_nccl_launch_on_gpus(plan, ray_cluster, tmp_path):  # pragma: no cover - needs GPUs
+def test_gpu_clusters_run_on_cpu_until_the_worker_supports_cuda(plan, ray_cluster, tmp_path):  # pragma: no cover
     if ray.cluster_resources().get("GPU", 0) < 2:
         pytest.skip("the Ray cluster has fewer than 2 GPUs")
-    res = launch(plan, steps=2, progress=False, device="cuda")
-    assert res.backend == "nccl" and len(res.losses) == 2
+    assert choose_backend(2).name == "gloo"  # auto never picks NCCL for a CPU-only worker
+    with pytest.raises(TesselError, match="--device cpu"):
+        choose_backend(2, "cuda")
+    res = launch(plan, steps=2, progress=False)
+    assert res.backend == "gloo" and len(res.losses) == 2
 
 
 # ----------------------------------------------------------------------------- checkpoints
