@@ -14,7 +14,7 @@ directly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Iterable, Sequence
 
@@ -276,7 +276,8 @@ def pipeline_placement(
         backward: full-backward seconds per segment; with ``split_backward`` I and W get
             ``(1 - weight_grad_fraction)`` and ``weight_grad_fraction`` of it.
         activation_bytes: bytes saved by a segment's forward for its backward, per micro-batch.
-            F allocates them; B frees them (I frees the non-weight share, W the rest).
+            F allocates them; B frees them (I frees the non-weight share, W the rest). Ignored
+            with ``forward_only`` (inference keeps no activations for a backward).
         forward_only: inference placement (F blocks only).
         outputs: per segment, the activation tensor its forward sends to the next segment.
         input_grads: per segment, the gradient tensor its backward sends to the previous one.
@@ -306,18 +307,21 @@ def pipeline_placement(
     blocks: list[BlockSpec] = []
     for s in range(n_seg):
         deps = (len(blocks) - 1,) if s > 0 else ()
-        blocks.append(BlockSpec("F", s, (s % num_devices,), float(fwd[s]), int(act[s]), deps, outs[s]))
+        # inference keeps no activations for a backward: a forward's memory is transient
+        mem = 0 if forward_only else int(act[s])
+        blocks.append(BlockSpec("F", s, (s % num_devices,), float(fwd[s]), mem, deps, outs[s]))
     if not forward_only:
+        chain = len(blocks) - 1  # the block the next backward depends on: F(S-1), then each B/I
         for s in reversed(range(n_seg)):
             dev = (s % num_devices,)
-            prev = len(blocks) - 1 if s == n_seg - 1 else last_chain
+            grad = grads[s] if s > 0 else None
             if split_backward:
                 free_i = int(round(act[s] * (1 - wf)))
-                blocks.append(BlockSpec("I", s, dev, float(bwd[s]) * (1 - wf), -free_i, (prev,), grads[s] if s > 0 else None))
-                last_chain = len(blocks) - 1
-                blocks.append(BlockSpec("W", s, dev, float(bwd[s]) * wf, -(int(act[s]) - free_i), (last_chain,), None))
+                blocks.append(BlockSpec("I", s, dev, float(bwd[s]) * (1 - wf), -free_i, (chain,), grad))
+                chain = len(blocks) - 1
+                blocks.append(BlockSpec("W", s, dev, float(bwd[s]) * wf, -(int(act[s]) - free_i), (chain,), None))
             else:
-                blocks.append(BlockSpec("B", s, dev, float(bwd[s]), -int(act[s]), (prev,), grads[s] if s > 0 else None))
-                last_chain = len(blocks) - 1
+                blocks.append(BlockSpec("B", s, dev, float(bwd[s]), -int(act[s]), (chain,), grad))
+                chain = len(blocks) - 1
     name = "V" if virtual_stages == 1 else "interleaved"
     return Placement(num_devices, tuple(blocks), name=name, static_memory=tuple(static_memory))

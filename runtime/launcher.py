@@ -43,7 +43,6 @@ import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engine.errors import TesselError

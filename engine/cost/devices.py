@@ -236,16 +236,20 @@ LINKS: dict[str, LinkSpec] = {
 }
 
 
+def _lookup(table: dict, name: str, what: str):
+    key = str(name).strip().lower()
+    if key not in table:
+        raise CostModelError(f"unknown {what} {name!r}; valid {what}s: {sorted(table)}")
+    return table[key]
+
+
 def get_device(name: str) -> DeviceSpec:
     """The :class:`DeviceSpec` called ``name`` (case-insensitive).
 
     Raises:
         CostModelError (a ValueError): unknown name; the message lists the valid names.
     """
-    key = str(name).strip().lower()
-    if key not in DEVICES:
-        raise CostModelError(f"unknown device {name!r}; valid devices: {sorted(DEVICES)}")
-    return DEVICES[key]
+    return _lookup(DEVICES, name, "device")
 
 
 def get_link(name: str) -> LinkSpec:
@@ -254,7 +258,4 @@ def get_link(name: str) -> LinkSpec:
     Raises:
         CostModelError (a ValueError): unknown name; the message lists the valid names.
     """
-    key = str(name).strip().lower()
-    if key not in LINKS:
-        raise CostModelError(f"unknown link {name!r}; valid links: {sorted(LINKS)}")
-    return LINKS[key]
+    return _lookup(LINKS, name, "link")

@@ -122,7 +122,6 @@ class OpGraph(nx.DiGraph):
     def layer_summaries(self) -> list[LayerSummary]:
         """One :class:`LayerSummary` per layer, in :meth:`layers` order."""
         layers = self.layers()
-        idx = {name: i for i, name in enumerate(layers)}
         n_layers = len(layers)
         ops: list[list[str]] = [[] for _ in layers]
         flops = [0.0] * n_layers

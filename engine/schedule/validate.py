@@ -14,7 +14,6 @@ Rules, checked in this order, the first violation raised as :class:`ScheduleErro
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Sequence
 
 from engine.errors import ScheduleError

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from engine.cost import (
-    DEVICES, LINKS, CostModel, CostModelError, DeviceSpec, LinkSpec, ProfileTable, collective_time,
+    DEVICES, LINKS, CostModel, DeviceSpec, LinkSpec, ProfileTable, collective_time,
     get_device, get_link, op_time, p2p_time, profile_ops, ridge_intensity, signature,
 )
 from engine.cost import profiler

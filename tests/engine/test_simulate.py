@@ -107,3 +107,10 @@ def test_deadlock_names_waiting_ranks():
         simulate(ExecutionPlan(streams, [0, 0]))
     assert set(ei.value.waiting) == {0, 1}
     assert "rank 0 waits at RECV 1F0 from 1" in str(ei.value)
+
+
+def test_forward_only_memory_does_not_grow_with_micro_batches():
+    pl = pipeline_placement(2, activation_bytes=100, forward_only=True, static_memory=[10, 10])
+    orders = [[Block(d, "F", i) for i in range(8)] for d in range(2)]
+    tl = simulate(lower(Schedule(pl, 8, orders)))
+    assert tl.peak_memory() == [10, 10]
