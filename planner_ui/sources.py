@@ -1,0 +1,132 @@
+"""Column data for the planner's charts, as plain ``dict[str, list]`` (Bokeh ColumnDataSource data).
+
+Pure functions of engine objects (Timeline, Schedule, Plan): no Bokeh or Panel here, so they
+are unit-tested without a browser. Times come in seconds and go out in display units
+(``scale`` x seconds, ms by default); memory in bytes goes out in GiB (or raw units for abstract
+placements, ``mem_scale=1``).
+"""
+
+from __future__ import annotations
+
+from engine.schedule import Schedule
+from engine.timeline import Timeline
+
+#: Fill colour per block kind (F/B/I/W compute, communication, optimizer).
+KIND_COLORS = {
+    "F": "#4C78A8",   # forward: blue
+    "B": "#F58518",   # backward: orange
+    "I": "#E45756",   # backward for inputs: red
+    "W": "#72B7B2",   # backward for weights: teal
+    "SEND": "#9D9D9D",
+    "RECV": "#BAB0AC",
+    "ALLREDUCE": "#B279A2",
+    "OPTIM": "#54A24B",
+}
+
+#: Categorical palette for segments / devices (Tableau 10).
+PALETTE = ["#4E79A7", "#F28E2B", "#E15759", "#76B7B2", "#59A14F", "#EDC948", "#B07AA1",
+           "#FF9DA7", "#9C755F", "#BAB0AC"]
+
+COMPUTE_OPS = ("F", "B", "I", "W", "OPTIM")
+#: Row height of a compute block; communication blocks sit in a thin lane under it.
+COMPUTE_HEIGHT = 0.62
+COMM_HEIGHT = 0.16
+COMM_OFFSET = 0.42
+
+GANTT_COLUMNS = ("left", "right", "y", "height", "device", "stream", "op", "name", "label", "color",
+                 "alpha", "micro_batch", "segment", "position", "start", "end", "duration", "nbytes",
+                 "editable", "line_color")
+
+
+def segment_color(segment: int) -> str:
+    """The palette colour of a segment (cycles after 10)."""
+    return PALETTE[segment % len(PALETTE)] if segment >= 0 else "#cccccc"
+
+
+def gantt_columns(timeline: Timeline, schedule: Schedule | None = None, *, scale: float = 1e3,
+                  include_comm: bool = True, highlight_segment: int | None = None,
+                  selected_block: str = "") -> dict[str, list]:
+    """One row per event of ``timeline`` for a Gantt chart.
+
+    Columns (one value per event): ``left``/``right`` (start/end x ``scale``), ``y`` (row centre:
+    the device for compute, ``device + COMM_OFFSET`` for communication), ``height``, ``device``,
+    ``stream``, ``op`` (F/B/I/W/OPTIM/SEND/RECV/ALLREDUCE), ``name`` (``"1B3"``), ``label``
+    (micro-batch number for F/B/I/W, else ``""``), ``color``, ``alpha`` (dimmed when a segment
+    is highlighted and this block is not of it), ``micro_batch``, ``segment``, ``position``
+    (index in the device's order, -1 for non-schedule events), ``start``/``end``/``duration``
+    (display units), ``nbytes``, ``editable`` (a schedule block that can be dragged),
+    ``line_color`` (black outline on the selected block).
+    """
+    cols: dict[str, list] = {k: [] for k in GANTT_COLUMNS}
+    pos: dict[tuple[int, str], int] = {}
+    if schedule is not None:
+        for d, order in enumerate(schedule.orders):
+            for i, b in enumerate(order):
+                pos[(d, str(b))] = i
+    for e in timeline.events:
+        comm = e.stream != "compute"
+        if comm and not include_comm:
+            continue
+        sched_block = e.op in ("F", "B", "I", "W")
+        dim = highlight_segment is not None and e.segment != highlight_segment
+        cols["left"].append(e.start * scale)
+        cols["right"].append(e.end * scale)
+        cols["y"].append(e.rank + (COMM_OFFSET if comm else 0.0))
+        cols["height"].append(COMM_HEIGHT if comm else COMPUTE_HEIGHT)
+        cols["device"].append(e.rank)
+        cols["stream"].append(e.stream)
+        cols["op"].append(e.op)
+        cols["name"].append(e.name)
+        cols["label"].append(str(e.micro_batch) if sched_block and e.micro_batch >= 0 else "")
+        cols["color"].append(KIND_COLORS.get(e.op, "#888888"))
+        cols["alpha"].append(0.25 if dim else 0.95)
+        cols["micro_batch"].append(e.micro_batch)
+        cols["segment"].append(e.segment)
+        cols["position"].append(pos.get((e.rank, e.name), -1) if sched_block else -1)
+        cols["start"].append(e.start * scale)
+        cols["end"].append(e.end * scale)
+        cols["duration"].append((e.end - e.start) * scale)
+        cols["nbytes"].append(e.nbytes)
+        cols["editable"].append(sched_block and schedule is not None)
+        cols["line_color"].append("#000000" if selected_block and e.name == selected_block and sched_block else None)
+    return cols
+
+
+def memory_columns(timeline: Timeline, *, scale: float = 1e3, mem_scale: float = 2.0**-30) -> list[dict[str, list]]:
+    """Per device, a step curve ``{"x": [...], "y": [...]}`` of memory over time.
+
+    ``x`` in display units (``scale`` x seconds), ``y`` = bytes x ``mem_scale`` (GiB by default).
+    Each step point is doubled so that a plain line draws the step function; the curve is
+    extended to the makespan.
+    """
+    end = timeline.makespan * scale
+    out = []
+    for pts in timeline.memory:
+        xs: list[float] = []
+        ys: list[float] = []
+        prev = None
+        for t, b in pts:
+            x, y = t * scale, b * mem_scale
+            if prev is not None:
+                xs.append(x)
+                ys.append(prev)
+            xs.append(x)
+            ys.append(y)
+            prev = y
+        if prev is not None and (not xs or xs[-1] < end):
+            xs.append(end)
+            ys.append(prev)
+        out.append({"x": xs, "y": ys})
+    return out
+
+
+def metrics_summary(timeline: Timeline, memory_limit: float | None = None) -> dict:
+    """``makespan``, ``bubble_ratio``, ``peak_memory`` (list), ``over_limit`` (list of bool)."""
+    m = timeline.metrics()
+    peaks = timeline.peak_memory()
+    m["over_limit"] = [memory_limit is not None and p > memory_limit for p in peaks]
+    return m
+
+
+__all__ = ["KIND_COLORS", "PALETTE", "gantt_columns", "memory_columns", "metrics_summary", "segment_color",
+           "COMPUTE_HEIGHT", "COMM_HEIGHT", "COMM_OFFSET", "GANTT_COLUMNS"]
