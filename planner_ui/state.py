@@ -76,6 +76,10 @@ class PlanState(param.Parameterized):
             highlights its blocks.
         selected_block: the action string of the block selected in the Gantt (``"1B3"``) or ``""``.
         revision: increases on every change of ``plan`` (undo/redo included).
+        measured: the measured Timeline of a launch of the current plan, or ``None``; cleared
+            when the plan changes.
+        graph: the captured ``engine.graph.OpGraph`` of the plan's model (``None`` for abstract
+            placements); set by whoever captured it (``make_plan`` returns it).
 
     Raises (from methods): nothing for a rejected edit (see :class:`EditResult`);
     :class:`~engine.errors.TesselError` for a plan that cannot be simulated at load time.
@@ -89,6 +93,9 @@ class PlanState(param.Parameterized):
     selected_segment = param.Integer(default=None, allow_None=True, doc="segment selected in the graph view")
     selected_block = param.String(default="", doc="block selected in the Gantt, e.g. '1B3'")
     revision = param.Integer(default=0, doc="bumped on every plan change")
+    measured = param.ClassSelector(class_=Timeline, allow_None=True,
+                                   doc="measured timeline of a launch of this plan (drawn over the prediction)")
+    graph = param.Parameter(default=None, doc="the engine.graph.OpGraph of the plan's model, or None")
 
     def __init__(self, plan: Plan | None = None, **params):
         super().__init__(**params)
@@ -98,15 +105,18 @@ class PlanState(param.Parameterized):
             self.load(plan)
 
     # ------------------------------------------------------------------ loading
-    def load(self, plan: Plan | Schedule, *, message: str | None = None, keep_history: bool = False) -> None:
+    def load(self, plan: Plan | Schedule, *, message: str | None = None, keep_history: bool = False,
+             graph=None) -> None:
         """Show ``plan`` (a Plan, or a bare Schedule wrapped with :func:`abstract_plan`).
 
+        ``graph``: the model's OpGraph for the graph view (``None`` hides it).
         The timeline is re-simulated from the plan's orders and cost model. The memory limit
         becomes the plan's ``metrics["memory_capacity"]`` when the plan states one.
         """
         if isinstance(plan, Schedule):
             plan = abstract_plan(plan)
         tl = resimulate(plan)
+        self.graph = graph
         if not keep_history:
             self._undo.clear()
             self._redo.clear()
@@ -127,6 +137,7 @@ class PlanState(param.Parameterized):
         with param.parameterized.batch_call_watchers(self):
             self.plan = plan
             self.timeline = tl
+            self.measured = None
             self.revision += 1
 
     def _say(self, text: str, kind: str) -> None:
