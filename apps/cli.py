@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from apps import cmd_demo, cmd_launch, cmd_models, cmd_plan, cmd_search, cmd_show
+from apps import cmd_demo, cmd_launch, cmd_models, cmd_plan, cmd_search, cmd_serve, cmd_show
 from apps.output import emit_json
 
-COMMANDS = {"plan": cmd_plan, "search": cmd_search, "models": cmd_models, "show": cmd_show, "launch": cmd_launch, "demo": cmd_demo}
+COMMANDS = {"plan": cmd_plan, "search": cmd_search, "models": cmd_models, "show": cmd_show, "launch": cmd_launch, "demo": cmd_demo,
+            "serve": cmd_serve}
 
 
 def build_parser() -> argparse.ArgumentParser:

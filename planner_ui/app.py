@@ -1,0 +1,105 @@
+"""The planner app: every component around one shared :class:`~planner_ui.state.PlanState`.
+
+``PlannerApp(state)`` is a Panel Viewer: display it in Jupyter (after ``pn.extension()``), or
+serve :meth:`PlannerApp.template` with ``panel serve apps/planner.py`` / ``tessel serve``.
+Tabs: Schedule (Gantt + memory + editing), Model graph, Search (Tessel), Compare, Launch;
+the sidebar holds the plan form and export/import.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import panel as pn
+import param
+
+from engine.io.plan import Plan, load_plan
+from planner_ui.compare_view import CompareView
+from planner_ui.export_panel import ExportPanel
+from planner_ui.gantt import GanttView
+from planner_ui.graph_view import GraphView
+from planner_ui.launch_panel import LaunchPanel
+from planner_ui.plan_form import PlanForm
+from planner_ui.search_panel import SearchPanel
+from planner_ui.state import PlanState
+
+#: Tab titles, in order (tests and docs refer to them).
+TABS = ("Schedule", "Model graph", "Search", "Compare", "Launch")
+
+
+class PlannerApp(pn.viewable.Viewer):
+    """The whole planner.
+
+    Attributes:
+        state: the shared plan state.
+        form, gantt, graph, search, compare, launch, export: the components.
+    """
+
+    state = param.ClassSelector(class_=PlanState)
+    ray_address = param.String(default=None, allow_None=True, doc="Ray cluster for the Launch tab (None: local)")
+
+    def __init__(self, state: PlanState | None = None, **params):
+        super().__init__(state=state or PlanState(), **params)
+        st = self.state
+        self.form = PlanForm(state=st)
+        self.gantt = GanttView(state=st)
+        self.graph = GraphView(state=st)
+        self.search = SearchPanel(state=st)
+        self.compare = CompareView(state=st)
+        self.launch = LaunchPanel(state=st)
+        if self.ray_address and "address" in self.launch.param:
+            self.launch.address = self.ray_address
+        self.export = ExportPanel(state=st)
+        self.tabs = pn.Tabs(
+            (TABS[0], self.gantt), (TABS[1], self.graph), (TABS[2], self.search),
+            (TABS[3], self.compare), (TABS[4], self.launch),
+            dynamic=False, sizing_mode="stretch_width", css_classes=["tessel-tabs"],
+        )
+
+    def sidebar(self) -> list:
+        """The sidebar column's contents: plan form and export/import."""
+        return [self.form, pn.layout.Divider(), self.export]
+
+    def __panel__(self):
+        return pn.Row(pn.Column(*self.sidebar(), width=300), self.tabs, sizing_mode="stretch_width")
+
+    def template(self, title: str = "Tessel Planner"):
+        """A served page: ``pn.template.FastListTemplate`` with the sidebar and the tabs."""
+        return pn.template.FastListTemplate(
+            title=title, sidebar=self.sidebar(), main=[self.tabs], sidebar_width=320,
+            accent_base_color="#4C78A8", header_background="#2F4B7C",
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def initial_plan(model: str, devices: int, micro_batches: int, schedule: str, device_type: str):
+    """``make_plan`` for a session's first plan, cached: every browser session of ``tessel serve``
+    opens on the same model, so it is captured once per process (plans are never mutated in place)."""
+    from engine.planner import make_plan
+
+    return make_plan(model, devices=devices, micro_batches=micro_batches, schedule=schedule, device_type=device_type)
+
+
+def build_app(*, model: str | None = "gpt2", plan: str | Plan | None = None, devices: int = 4,
+              micro_batches: int = 8, schedule: str = "1f1b", device_type: str = "h100",
+              ray_address: str | None = None) -> PlannerApp:
+    """A planner opened on a plan file (``plan``) or on ``model`` planned with the given settings.
+
+    Raises:
+        engine.errors.TesselError: the model cannot be planned or the plan file is malformed.
+    """
+    state = PlanState()
+    app = PlannerApp(state, ray_address=ray_address)
+    if plan is not None:
+        state.load(load_plan(plan) if not isinstance(plan, Plan) else plan)
+    elif model:
+        app.form.param.update(model=model, devices=devices, micro_batches=micro_batches,
+                              schedule=schedule, device_type=device_type)
+        app.form._model_w.value = model
+        res = initial_plan(model, devices, micro_batches, schedule, device_type)
+        state.load(res.plan, graph=res.graph, message=f"planned {model}: {schedule} on {devices} {device_type} devices, "
+                                                       f"{micro_batches} micro-batches")
+    return app
+
+
+__all__ = ["PlannerApp", "build_app", "TABS"]

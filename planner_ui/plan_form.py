@@ -1,0 +1,111 @@
+"""The "Plan a model" form: capture a model, split it, schedule it, and show the result.
+
+Runs :func:`engine.planner.make_plan` (torch.export capture on the meta device, SuperScaler
+phase 1 split, a predefined schedule, lowering and simulation) and loads the result into the
+shared :class:`~planner_ui.state.PlanState` with its operator graph.
+"""
+
+from __future__ import annotations
+
+import panel as pn
+import param
+
+from engine.baselines import SCHEDULES
+from engine.errors import TesselError
+from engine.models.registry import list_models
+from planner_ui.background import run_in_background
+from planner_ui.state import PlanState
+
+#: Cost tables offered in the form (engine.cost device table).
+DEVICE_TYPES = ["h100", "a100", "cpu"]
+
+
+def model_choices() -> list[str]:
+    """Built-in model names (``engine.models.registry.list_models``), without the user-code pattern."""
+    return [k for k in list_models() if ":" not in k]
+
+
+class PlanForm(pn.viewable.Viewer):
+    """Form with model, devices, micro-batches, schedule, device type, DP/TP; "Plan" runs
+    :func:`engine.planner.make_plan` and loads the plan and graph into ``state``.
+
+    Parameters mirror ``tessel plan``: ``model`` (registry name or ``module:callable``),
+    ``devices`` (= dp x tp x pp), ``micro_batches``, ``schedule``, ``device_type``, ``dp``, ``tp``.
+    A mistake (unknown model, too few micro-batches for a schedule, a split that does not fit)
+    is shown in ``state.message`` as an error; the current plan stays.
+    """
+
+    state = param.ClassSelector(class_=PlanState)
+    model = param.String(default="gpt2", doc="built-in model name or module:callable")
+    devices = param.Integer(default=4, bounds=(1, 4096), doc="total devices = dp * tp * pp")
+    micro_batches = param.Integer(default=8, bounds=(1, 100_000), doc="micro-batches per step")
+    schedule = param.Selector(default="1f1b", objects=list(SCHEDULES), doc="predefined schedule")
+    device_type = param.Selector(default="h100", objects=DEVICE_TYPES, doc="cost table of one device")
+    dp = param.Integer(default=1, bounds=(1, 4096), doc="data-parallel degree")
+    tp = param.Integer(default=1, bounds=(1, 4096), doc="tensor-parallel degree")
+    busy = param.Boolean(default=False, doc="a plan is being made")
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        self._model_w = pn.widgets.AutocompleteInput(
+            name="Model", options=model_choices(), value=self.model, restrict=False, min_characters=0,
+            case_sensitive=False, css_classes=["tessel-plan-model"], sizing_mode="stretch_width")
+        self._model_w.link(self, value="model")
+        self._button = pn.widgets.Button(name="Plan", button_type="primary", css_classes=["tessel-plan-run"],
+                                         sizing_mode="stretch_width")
+        self._button.on_click(lambda _e: self.run_async())
+        self._spinner = pn.indicators.LoadingSpinner(value=False, size=20, visible=False)
+        self.param.watch(self._on_busy, "busy")
+
+    def _on_busy(self, event) -> None:
+        self._button.disabled = event.new
+        self._spinner.value = self._spinner.visible = event.new
+
+    def _make(self):
+        from engine.planner import make_plan
+
+        return make_plan(self.model.strip(), devices=self.devices, micro_batches=self.micro_batches,
+                         schedule=self.schedule, device_type=self.device_type, dp=self.dp, tp=self.tp)
+
+    def _finish(self, res, err: BaseException | None) -> bool:
+        self.busy = False
+        if err is not None:
+            if not isinstance(err, (TesselError, ValueError)):
+                raise err
+            self.state.message_kind = "error"
+            self.state.message = f"cannot plan {self.model}: {err}"
+            return False
+        warn = f" ({'; '.join(res.warnings)})" if res.warnings else ""
+        self.state.load(res.plan, graph=res.graph,
+                        message=f"planned {self.model}: {self.schedule} on {self.devices} {self.device_type} devices, "
+                                f"{self.micro_batches} micro-batches in {sum(res.timings.values()):.1f} s{warn}")
+        return True
+
+    def plan(self) -> bool:
+        """Make the plan now (blocking); returns whether it succeeded (errors go to ``state.message``)."""
+        self.busy = True
+        try:
+            res = self._make()
+        except (TesselError, ValueError) as e:
+            return self._finish(None, e)
+        return self._finish(res, None)
+
+    def run_async(self) -> None:
+        """Plan in a background thread so the page stays responsive (capture can take seconds)."""
+        if self.busy:
+            return
+        self.busy = True
+        self.state.message_kind = "info"
+        self.state.message = f"planning {self.model} ..."
+        run_in_background(self._make, self._finish, name="tessel-plan")
+
+    def __panel__(self):
+        w = pn.Param(self.param, parameters=["devices", "micro_batches", "schedule", "device_type", "dp", "tp"],
+                     widgets={"devices": pn.widgets.IntInput, "micro_batches": pn.widgets.IntInput,
+                              "dp": pn.widgets.IntInput, "tp": pn.widgets.IntInput},
+                     show_name=False, sizing_mode="stretch_width")
+        return pn.Column("### Plan a model", self._model_w, w, pn.Row(self._button, self._spinner),
+                         sizing_mode="stretch_width", css_classes=["tessel-plan-form"])
+
+
+__all__ = ["PlanForm", "model_choices", "DEVICE_TYPES"]
