@@ -3,9 +3,9 @@
 from engine.io.atomic import atomic_write_text
 from engine.io.plan import Plan, load_plan, save_plan, PLAN_FORMAT, PLAN_VERSION
 from engine.io.trace import timeline_to_trace, write_trace
-from engine.io.torch_csv import read_torch_csv, write_torch_csv
+from engine.io.torch_csv import read_torch_csv, read_torch_csv_text, schedule_to_csv_text, write_torch_csv
 
 __all__ = [
     "atomic_write_text", "Plan", "load_plan", "save_plan", "PLAN_FORMAT", "PLAN_VERSION",
-    "timeline_to_trace", "write_trace", "read_torch_csv", "write_torch_csv",
+    "timeline_to_trace", "write_trace", "read_torch_csv", "read_torch_csv_text", "schedule_to_csv_text", "write_torch_csv",
 ]

@@ -56,12 +56,30 @@ def read_torch_csv(path: str | Path, placement: Placement, *, name: str = "impor
     path = Path(path)
     if not path.is_file():
         raise PlanFormatError(f"{path}: no such CSV file")
-    rows: list[list[str]] = []
     with open(path, newline="") as f:
-        for r, row in enumerate(csv.reader(f)):
-            rows.append([c.strip() for c in row if c.strip()])
+        text = f.read()
+    return read_torch_csv_text(text, placement, name=name, source=str(path))
+
+
+def read_torch_csv_text(text: str, placement: Placement, *, name: str = "imported", source: str = "CSV") -> Schedule:
+    """Parse the text of a torch pipelining CSV into a :class:`Schedule` over ``placement``.
+
+    Same rules as :func:`read_torch_csv` (which reads a file and calls this); for text that did
+    not come from a file, e.g. an upload in the planner UI. ``source`` prefixes error messages.
+    The result is not validated; call ``schedule.validate()``.
+
+    Raises:
+        PlanFormatError: a malformed action (the message gives row and column), or a row count
+            other than the placement's number of devices.
+    """
+    rows: list[list[str]] = []
+    for row in csv.reader(io.StringIO(text, newline="")):
+        rows.append([c.strip() for c in row if c.strip()])
+    # a trailing blank line is not a rank
+    while rows and not rows[-1] and len(rows) > placement.num_devices:
+        rows.pop()
     if len(rows) != placement.num_devices:
-        raise PlanFormatError(f"{path}: has {len(rows)} rows but the placement has {placement.num_devices} ranks; one row per rank")
+        raise PlanFormatError(f"{source}: has {len(rows)} rows but the placement has {placement.num_devices} ranks; one row per rank")
     orders = []
     for r, row in enumerate(rows):
         order = []
@@ -69,7 +87,7 @@ def read_torch_csv(path: str | Path, placement: Placement, *, name: str = "impor
             try:
                 order.append(parse_action(cell))
             except PlanFormatError as e:
-                raise PlanFormatError(f"{path}: row {r + 1}, column {c + 1}: {e}") from None
+                raise PlanFormatError(f"{source}: row {r + 1}, column {c + 1}: {e}") from None
         orders.append(order)
     m = 1 + max((b.micro_batch for o in orders for b in o), default=-1)
     return Schedule(placement, m, orders, name)

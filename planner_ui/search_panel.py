@@ -1,0 +1,464 @@
+"""Search panel: run a Tessel schedule search with live progress and cancel, without freezing the page.
+
+The user picks a placement (a Tessel shape ``v``/``x``/``m``/``nn``/``k``/``interleaved`` on
+``devices`` devices in abstract units, or the current plan's placement), the micro-batches, an
+optional per-device memory limit, a time limit and a seed, and presses Run.
+:func:`engine.tessel.tessel_search` then runs in a daemon ``threading.Thread`` and can be
+stopped with Cancel (:class:`engine.tessel.SearchControl`); the best schedule found so far is
+kept.
+
+Threads and Panel. Bokeh/Panel models must only be changed while holding the session's document
+lock, i.e. on the server's event loop (``panel serve``) or the kernel's loop (Jupyter). So the
+search thread writes only plain Python attributes (the last :class:`~engine.tessel.SearchProgress`
+and, at the end, the outcome); a Panel periodic callback (``pn.state.add_periodic_callback``,
+run on the session's loop, see https://panel.holoviz.org/how_to/callbacks/periodic.html and
+https://panel.holoviz.org/how_to/concurrency/manual_threading.html) reads them and updates the
+widgets, and at the end loads the result into :class:`~planner_ui.state.PlanState`. Without an
+event loop (pytest, scripts) nothing polls: :meth:`SearchPanel.run_search` (``wait=True``) joins
+the thread and applies the outcome in the calling thread, and :meth:`SearchPanel.poll` applies
+whatever has arrived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import replace
+
+import panel as pn
+import param
+
+from engine.compare import ScheduleMetrics, compare_baselines, measure
+from engine.errors import TesselError
+from engine.shapes import make_shape, shape_names
+from engine.tessel import (
+    InfeasibleMemoryError,
+    SearchCancelled,
+    SearchControl,
+    SearchProgress,
+    SearchResult,
+    tessel_search,
+)
+from planner_ui.state import PlanState
+
+#: Option of the placement selector meaning "the placement of the plan now loaded".
+CURRENT = "current plan's placement"
+_GIB = 2**30
+
+
+class _Job:
+    """What one search needs, prepared (and validated) on the UI thread."""
+
+    def __init__(self, placement, m, limit, time_limit, seed, *, base_plan, cost, variant, abstract):
+        self.placement = placement
+        self.m = m
+        self.limit = limit                # in the placement's internal units (bytes or units)
+        self.time_limit = time_limit
+        self.seed = seed
+        self.base_plan = base_plan        # the model plan whose placement is searched, else None
+        self.cost = cost                  # engine CostModel for simulation (None: free communication)
+        self.variant = variant            # compare_baselines' variant for V placements, or None
+        self.abstract = abstract
+        self.time_factor, self.time_unit = (1.0, "units") if abstract else (1e3, "ms")
+        self.mem_factor, self.mem_unit = (1.0, "units") if abstract else (float(_GIB), "GiB")
+
+    def t(self, seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * self.time_factor:.4g} {self.time_unit}"
+
+    def mem(self, x: float | None) -> str:
+        return "-" if x is None else f"{x / self.mem_factor:.4g} {self.mem_unit}"
+
+
+class SearchPanel(pn.viewable.Viewer):
+    """Tessel search with a live progress indicator and cancel.
+
+    Construct with ``SearchPanel(state=state)``. Inputs are parameters (settable from code, shown
+    as widgets): ``shape``, ``devices``, ``micro_batches``, ``memory_limit`` (``None`` = no limit;
+    abstract units for shapes, GiB for a model plan's placement), ``time_limit`` (s), ``seed``.
+
+    Methods: :meth:`start` (background search), :meth:`cancel`, :meth:`run_search` (``wait=True``:
+    synchronous, for tests and notebooks), :meth:`poll` (apply progress/outcome that arrived).
+
+    Outputs: :attr:`result` (the last :class:`~engine.tessel.SearchResult`), :attr:`baselines`
+    (``ScheduleMetrics`` of GPipe/1F1B/... on the same placement), ``progress_text``,
+    ``result_text``, ``running``. The searched schedule is loaded into ``state`` (an abstract plan
+    for shapes; the model plan with the new schedule for the current plan's placement). Errors
+    (an infeasible memory limit, bad devices, ...) go to ``state.message`` with kind ``"error"``
+    and leave the plan unchanged.
+    """
+
+    state = param.ClassSelector(class_=PlanState, doc="the shared planner state")
+    shape = param.Selector(default="m", objects=shape_names() + [CURRENT], doc="placement shape, or the current plan's")
+    devices = param.Integer(default=4, bounds=(1, 1024), doc="devices of the shape (ignored for the current plan's placement)")
+    micro_batches = param.Integer(default=8, bounds=(1, 100000), doc="micro-batches per step")
+    memory_limit = param.Number(default=None, allow_None=True, bounds=(0, None),
+                                doc="per-device limit: abstract units (shapes) or GiB (a model plan); None = no limit")
+    time_limit = param.Number(default=10.0, bounds=(0.1, 3600), doc="search time limit, seconds")
+    seed = param.Integer(default=0, bounds=(0, None), doc="CP-SAT seed")
+
+    running = param.Boolean(default=False, doc="a search is running")
+    progress_text = param.String(default="", doc="best period so far vs lower bound, elapsed time")
+    progress_value = param.Integer(default=0, doc="progress bar value, 0..100 (-1: indeterminate)")
+    result_text = param.String(default="", doc="Markdown summary of the last search and the baselines")
+
+    poll_period_ms = param.Integer(default=250, bounds=(20, None), doc="how often the UI polls a running search")
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        if self.state is None:
+            self.state = PlanState()
+        self.result: SearchResult | None = None
+        self.baselines: list[ScheduleMetrics] = []
+        self.tessel_metrics: ScheduleMetrics | None = None
+        # written by the search thread (plain attributes only), read by poll()
+        self._progress: SearchProgress | None = None
+        self._outcome: tuple | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._control: SearchControl | None = None
+        self._job: _Job | None = None
+        self._t0 = 0.0
+        self._finish_lock = threading.Lock()
+        self._periodic = None
+        self._update_shape_options()
+        self.state.param.watch(lambda *_: self._update_shape_options(), "plan")
+        self._build()
+
+    # ------------------------------------------------------------------ widgets
+    def _build(self) -> None:
+        w = pn.widgets
+        self.shape_input = w.Select.from_param(self.param.shape, name="Placement", css_classes=["tessel-search-shape"])
+        self.devices_input = w.IntInput.from_param(self.param.devices, name="Devices", css_classes=["tessel-search-devices"])
+        self.mb_input = w.IntInput.from_param(self.param.micro_batches, name="Micro-batches",
+                                              css_classes=["tessel-search-micro-batches"])
+        self.memory_input = w.FloatInput.from_param(self.param.memory_limit, name="Memory limit (blank: none)",
+                                                    css_classes=["tessel-search-memory"])
+        self.time_input = w.FloatInput.from_param(self.param.time_limit, name="Time limit (s)",
+                                                  css_classes=["tessel-search-time"])
+        self.seed_input = w.IntInput.from_param(self.param.seed, name="Seed", css_classes=["tessel-search-seed"])
+        self.run_button = w.Button(label="Run Tessel", color="primary", css_classes=["tessel-search-run"])
+        self.cancel_button = w.Button(label="Cancel", color="warning", disabled=True,
+                                      css_classes=["tessel-search-cancel"])
+        self.run_button.on_click(lambda _e: self.start())
+        self.cancel_button.on_click(lambda _e: self.cancel())
+        self.progress_bar = pn.indicators.Progress(value=0, max=100, active=False, sizing_mode="stretch_width",
+                                                   css_classes=["tessel-search-progress-bar"])
+        self.progress_pane = pn.pane.Markdown(self.progress_text, css_classes=["tessel-search-progress"])
+        self.result_pane = pn.pane.Markdown(self.result_text, css_classes=["tessel-search-result"])
+        self.param.watch(self._sync_widgets, ["running", "progress_text", "progress_value", "result_text"])
+        self.param.watch(self._on_shape, ["shape"])
+        self.state.param.watch(lambda *_: self._sync_units(), ["plan"])
+        self._sync_units()
+
+    @property
+    def memory_unit(self) -> str:
+        """Unit of ``memory_limit``: ``"GiB"`` for a model plan's placement, else ``"units"``."""
+        return "GiB" if self.shape == CURRENT and self.state.plan is not None and not self.state.abstract else "units"
+
+    def _on_shape(self, event) -> None:
+        if event.new == CURRENT and self.state.plan is not None:
+            self.micro_batches = self.state.schedule.num_micro_batches  # start from the plan's m
+        self._sync_units()
+
+    def _sync_units(self) -> None:
+        self.memory_input.name = f"Memory limit ({self.memory_unit}; blank: none)"
+        self.devices_input.disabled = self.shape == CURRENT
+
+    def _sync_widgets(self, *_events) -> None:
+        self.run_button.disabled = self.running
+        self.cancel_button.disabled = not self.running
+        self.progress_bar.active = self.running and self.progress_value < 0
+        self.progress_bar.value = max(-1, min(100, self.progress_value))
+        self.progress_pane.object = self.progress_text
+        self.result_pane.object = self.result_text
+
+    def _update_shape_options(self) -> None:
+        opts = shape_names() + ([CURRENT] if self.state.plan is not None else [])
+        self.param.shape.objects = opts
+        if self.shape not in opts:
+            self.shape = opts[0]
+
+    def __panel__(self):
+        return pn.Column(
+            pn.Row(self.shape_input, self.devices_input, self.mb_input),
+            pn.Row(self.memory_input, self.time_input, self.seed_input),
+            pn.Row(self.run_button, self.cancel_button),
+            self.progress_bar, self.progress_pane, self.result_pane,
+            css_classes=["tessel-search-panel"],
+        )
+
+    # ------------------------------------------------------------------ preparing
+    def _prepare(self) -> _Job:
+        """The search's inputs, checked; raises TesselError / ValueError with a user sentence."""
+        from engine.cost import CostModel
+
+        m = int(self.micro_batches)
+        if m < 1:
+            raise TesselError(f"micro-batches must be at least 1, got {m}")
+        if self.shape == CURRENT:
+            plan = self.state.plan
+            if plan is None:
+                raise TesselError("no plan is loaded; pick a shape instead of the current plan's placement")
+            abstract = self.state.abstract
+            placement = plan.placement
+            cost = CostModel.from_dict(plan.cost) if plan.cost else None
+            base = None if abstract else plan
+        else:
+            placement = make_shape(self.shape, int(self.devices))  # PlacementError: n < 2, odd n for NN/K
+            abstract, cost, base = True, None, None
+        limit = None
+        if self.memory_limit is not None:
+            limit = float(self.memory_limit) * (1.0 if abstract else _GIB)
+        variant = abstract_v_variant(placement) if abstract else None
+        return _Job(placement, m, limit, float(self.time_limit), int(self.seed), base_plan=base, cost=cost,
+                    variant=variant, abstract=abstract)
+
+    # ------------------------------------------------------------------ running
+    def start(self) -> bool:
+        """Start the search in a background thread; ``False`` (and a message) when it cannot start.
+
+        Progress reaches the widgets through a periodic callback on the session's event loop
+        (when there is one); see the module docstring.
+        """
+        if self.running:
+            self._say("a search is already running; cancel it first", "error")
+            return False
+        try:
+            job = self._prepare()
+        except (TesselError, ValueError) as e:
+            self._say(f"cannot search: {e}", "error")
+            return False
+        self._job = job
+        self._control = SearchControl()
+        self._progress = None
+        self._outcome = None
+        self._done.clear()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._work, args=(job, self._control), name="tessel-search", daemon=True)
+        self.param.update(running=True, progress_value=-1,
+                          progress_text=f"searching {job.placement.name} on {job.placement.num_devices} devices, "
+                                        f"{job.m} micro-batches...")
+        self._thread.start()
+        self._start_polling()
+        return True
+
+    def _work(self, job: _Job, control: SearchControl) -> None:
+        """The search thread: plain attributes only (no param, no widgets, no state)."""
+        try:
+            res = tessel_search(job.placement, job.m, memory_limit=job.limit, time_limit=job.time_limit,
+                                seed=job.seed, progress=self._on_progress, control=control)
+            tess = _measure(job, res.schedule)
+            try:
+                base = compare_baselines(job.placement, job.m, memory_limit=job.limit, cost=job.cost,
+                                         variant=job.variant)
+            except (TesselError, ValueError) as e:
+                base = [ScheduleMetrics("baselines", None, None, None, note=str(e))]
+            if job.base_plan is not None:  # the model plan's full simulation (DP, optimizer), as the Gantt shows
+                base = [_measure(job, r.schedule) if r.schedule is not None else r for r in base]
+            if not job.abstract:  # a model's variants are re-planned by the Compare view, not here
+                for r in base:
+                    if r.schedule is None and r.name in ("interleaved", "zb-h1") and job.placement.name == "V":
+                        r.note = "re-plans the model: use Add baselines in the Compare view"
+            self._outcome = ("ok", res, tess, base)
+        except BaseException as e:  # noqa: BLE001 - reported on the UI thread by poll()
+            self._outcome = ("error", e)
+        finally:
+            self._done.set()
+
+    def _on_progress(self, p: SearchProgress) -> None:
+        self._progress = p  # one reference assignment: atomic
+
+    def _start_polling(self) -> None:
+        try:
+            self._periodic = pn.state.add_periodic_callback(self.poll, period=self.poll_period_ms)
+        except Exception:  # noqa: BLE001 - no session / loop: run_search() or poll() apply the outcome
+            self._periodic = None
+
+    def _stop_polling(self) -> None:
+        cb, self._periodic = self._periodic, None
+        if cb is not None:
+            with contextlib.suppress(Exception):  # a session already destroyed has removed it
+                cb.stop()
+
+    def poll(self) -> None:
+        """Apply what the search thread reported: progress while running, the outcome when done.
+
+        Call on the UI thread (the periodic callback does); safe to call any time.
+        """
+        if not self.running or self._job is None:
+            return
+        job = self._job
+        p = self._progress
+        elapsed = time.perf_counter() - self._t0
+        if self._done.is_set():
+            self._finish()
+            return
+        frac = int(100 * min(1.0, elapsed / job.time_limit)) if job.time_limit > 0 else -1
+        if p is None:
+            self.param.update(progress_value=frac, progress_text=f"searching... {elapsed:.1f} s elapsed")
+            return
+        gap = p.best_period / p.lower_bound - 1 if p.lower_bound > 0 else 0.0
+        cancelling = " (cancelling...)" if self._control is not None and self._control.cancelled else ""
+        self.param.update(
+            progress_value=frac,
+            progress_text=(f"best period {job.t(p.best_period)}/micro-batch vs lower bound {job.t(p.lower_bound)} "
+                           f"(gap {gap:.1%}); {p.step} solver calls, {elapsed:.1f} s of {job.time_limit:g} s{cancelling}"),
+        )
+
+    def cancel(self) -> bool:
+        """Stop a running search (the best schedule so far is kept and loaded).
+
+        Returns ``False`` with an info message when no search is running.
+        """
+        if not self.running or self._control is None:
+            self._say("no search is running; nothing to cancel", "info")
+            return False
+        self._control.cancel()
+        self.progress_text = self.progress_text + " (cancelling...)"
+        self._say("cancelling the search; the best schedule found so far will be kept", "info")
+        return True
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the search thread (``timeout`` s); ``True`` when it has finished."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._done.is_set()
+
+    def run_search(self, wait: bool = True) -> SearchResult | None:
+        """Run a search; with ``wait=True`` block until it ends and apply it here.
+
+        Returns the :class:`~engine.tessel.SearchResult` (``None`` when the search failed or could
+        not start: see ``state.message``). With ``wait=False`` this is :meth:`start` and returns
+        ``None`` at once.
+        """
+        if not self.start():
+            return None
+        if not wait:
+            return None
+        self.join()
+        self.poll()
+        return self.result if self._outcome and self._outcome[0] == "ok" else None
+
+    # ------------------------------------------------------------------ finishing (UI thread)
+    def _finish(self) -> None:
+        with self._finish_lock:
+            if not self.running:
+                return
+            self._stop_polling()
+            job, outcome = self._job, self._outcome
+            elapsed = time.perf_counter() - self._t0
+            try:
+                if outcome is None:
+                    self._fail("the search ended without a result")
+                elif outcome[0] == "error":
+                    self._fail_with(outcome[1], job)
+                else:
+                    self._apply(job, *outcome[1:], elapsed=elapsed)
+            finally:
+                self.running = False
+
+    def _fail(self, text: str, kind: str = "error") -> None:
+        self.param.update(progress_value=0, progress_text=text)
+        self._say(text, kind)
+
+    def _fail_with(self, e: BaseException, job: _Job) -> None:
+        if isinstance(e, InfeasibleMemoryError):
+            self._fail(f"memory limit {job.mem(job.limit)} is infeasible: device {e.device} needs more even with one "
+                       f"micro-batch at a time; the smallest feasible limit is {job.mem(e.smallest)}")
+        elif isinstance(e, SearchCancelled):
+            self._fail("the search was cancelled before it found a schedule; the plan is unchanged", "info")
+        elif isinstance(e, TesselError):
+            self._fail(f"search failed: {e}")
+        else:
+            self._fail(f"search failed: {type(e).__name__}: {e}")
+
+    def _apply(self, job: _Job, res: SearchResult, tess: ScheduleMetrics, base: list[ScheduleMetrics], *,
+               elapsed: float) -> None:
+        sched = res.schedule
+        if job.limit is not None:
+            sched.meta["memory_limit"] = job.limit  # PlanState enforces it on later edits
+        cancelled = self._control is not None and self._control.cancelled
+        how = "cancelled; best schedule so far" if cancelled else ("time limit hit; best schedule so far" if res.timed_out else "done")
+        msg = (f"Tessel search {how}: period {job.t(res.period)}/micro-batch (lower bound {job.t(res.period_lower_bound)}), "
+               f"makespan {job.t(tess.makespan)}")
+        try:
+            if job.base_plan is not None:
+                bp = job.base_plan
+                m = sched.num_micro_batches
+                model = dict(bp.model)
+                if "micro_batch_size" in model:
+                    model["batch_size"] = int(model["micro_batch_size"]) * m * int(bp.parallel.get("dp", 1))
+                plan = replace(bp, schedule=sched, model=model, parallel={**bp.parallel, "micro_batches": m},
+                               meta={**bp.meta, "searched": "tessel"})
+                self.state.load(plan, message=msg, graph=self.state.graph)
+            else:
+                self.state.load(sched, message=msg)
+        except TesselError as e:
+            self._fail(f"the searched schedule could not be loaded: {e}")
+            return
+        self.state.message_kind = "success"
+        self.result, self.tessel_metrics, self.baselines = res, tess, base
+        self.param.update(progress_value=100,
+                          progress_text=f"{how}: {res.steps} solver calls in {elapsed:.1f} s",
+                          result_text=self._summary(job, res, tess, base))
+
+    @staticmethod
+    def _summary(job: _Job, res: SearchResult, tess: ScheduleMetrics, base: list[ScheduleMetrics]) -> str:
+        opt = ", optimal" if res.optimal else ""
+        lines = [
+            (f"**Tessel**: period {job.t(res.period)}/micro-batch, lower bound {job.t(res.period_lower_bound)} "
+             f"(gap {res.period_gap:.1%}{opt}); makespan {job.t(tess.makespan)}, bubble ratio {tess.bubble_ratio:.1%}, "
+             f"peak memory {job.mem(max(tess.peak_memory))}"),
+            "",
+            "| schedule | makespan | bubble | peak memory | note |",
+            "|---|---|---|---|---|",
+        ]
+        for r in [tess] + list(base):
+            if r.makespan is None:
+                lines.append(f"| {r.name} | - | - | - | {r.note} |")
+            else:
+                note = "over the memory limit" if r.over_limit else r.note
+                lines.append(f"| {r.name} | {job.t(r.makespan)} | {r.bubble_ratio:.1%} | {job.mem(max(r.peak_memory))} | {note} |")
+        return "\n".join(lines)
+
+    def _say(self, text: str, kind: str) -> None:
+        self.state.message_kind = kind
+        self.state.message = text
+
+
+def _measure(job: _Job, schedule) -> ScheduleMetrics:
+    """Metrics of ``schedule``: for a model plan, re-simulated like the state does (the plan's
+    DP degree and parameter bytes: gradient sync and optimizer step included); else
+    :func:`engine.compare.measure`."""
+    if job.base_plan is None:
+        return measure(schedule, job.limit, job.cost)
+    from engine.planner import resimulate
+
+    tl = resimulate(replace(job.base_plan, schedule=schedule))
+    peak = tl.peak_memory()
+    over = job.limit is not None and any(p > job.limit for p in peak)
+    return ScheduleMetrics(schedule.name, tl.makespan, tl.bubble_ratio(), peak, over, schedule)
+
+
+def abstract_v_variant(placement):
+    """``compare_baselines``' variant for the default abstract V shape: ZB-H1 on the same V with
+    split backward. Interleaved 1F1B would need half-size segments, which the integral abstract
+    memory units cannot express, so it is reported as not applicable. ``None`` for other shapes."""
+    n = placement.num_devices
+    try:
+        if placement.name != "V" or placement != make_shape("v", n):
+            return None
+    except (TesselError, ValueError):
+        return None
+
+    def variant(name: str):
+        if name == "zb-h1":
+            return make_shape("v", n, split_backward=True)
+        raise ValueError("interleaved needs half-size segments, which abstract units cannot express; "
+                         "compare it on a model plan")
+
+    return variant
+
+
+__all__ = ["CURRENT", "SearchPanel", "abstract_v_variant"]

@@ -1,0 +1,75 @@
+"""Launch panel on a real local Ray cluster: 2 steps of gpt2-tiny on 2 CPU ranks (gloo).
+
+The launch runs in the panel's background thread; the test plays the UI thread by calling
+``poll()`` until the job is done, as the periodic callback does in a served app. Ray is started
+by the launcher (and shut down by it) unless an earlier test module left it running, in which
+case it is reused and shut down at the end of this module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from engine.planner import make_plan
+from planner_ui.export_panel import ExportPanel
+from planner_ui.launch_panel import LaunchPanel
+from planner_ui.state import PlanState
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_plan("gpt2-tiny", devices=2, micro_batches=2, schedule="1f1b", device_type="cpu",
+                     seq_len=32, micro_batch_size=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_down_after():
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.mark.timeout(400)
+def test_launch_streams_losses_and_sets_the_measured_timeline(tiny):
+    st = PlanState()
+    st.load(tiny.plan, graph=tiny.graph)
+    predicted = st.timeline
+    panel = LaunchPanel(state=st, steps=2, launch_kw={"device": "cpu", "step_timeout": 120})
+    export = ExportPanel(state=st)
+    assert export.measured_download.disabled
+    job = panel.launch(wait=False)
+    assert job is not None and panel.running and panel.run_button.disabled
+    seen = []
+    deadline = time.monotonic() + 360
+    while not job.done and time.monotonic() < deadline:
+        panel.poll()
+        seen.append(len(panel.loss_source.data["step"]))
+        time.sleep(0.1)
+    assert job.done, "the launch did not finish in time"
+    panel.poll()
+    assert job.error is None, job.error_message()
+    res = panel.result
+    assert res is job.result and not panel.running
+    # the losses arrived through on_step and reached the chart's data source
+    assert [s for s, _ in job.losses] == [0, 1]
+    assert panel.loss_source.data["step"] == [0, 1]
+    assert panel.loss_source.data["loss"] == pytest.approx(res.losses)
+    assert all(math.isfinite(v) and v > 0 for v in res.losses)
+    assert seen == sorted(seen)  # the chart only grew while polling
+    # the measured timeline is drawn over the predicted one
+    assert st.measured is res.timeline and st.measured.source == "measured"
+    assert st.timeline is predicted and st.measured.num_devices == 2
+    assert res.tokens_per_second > 0 and res.measured_makespan > 0
+    assert "tokens/s" in panel.status and "measured" in panel.status
+    assert st.message_kind == "success" and "predicted" in st.message
+    # the measured trace can now be exported
+    assert not export.measured_download.disabled
+    tr = json.loads(export.measured_trace_json())
+    assert tr["metadata"]["measured"] is True
+    assert sum(1 for e in tr["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "F") == 2 * 2
