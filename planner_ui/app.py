@@ -19,6 +19,7 @@ from planner_ui.export_panel import ExportPanel
 from planner_ui.gantt import GanttView
 from planner_ui.graph_view import GraphView
 from planner_ui.launch_panel import LaunchPanel
+from planner_ui.message_bar import message_bar
 from planner_ui.plan_form import PlanForm
 from planner_ui.search_panel import SearchPanel
 from planner_ui.state import PlanState
@@ -42,7 +43,8 @@ class PlannerApp(pn.viewable.Viewer):
         super().__init__(state=state or PlanState(), **params)
         st = self.state
         self.form = PlanForm(state=st)
-        self.gantt = GanttView(state=st)
+        self.gantt = GanttView(state=st, show_message=False)
+        self.message = message_bar(st)
         self.graph = GraphView(state=st)
         self.search = SearchPanel(state=st)
         self.compare = CompareView(state=st)
@@ -53,7 +55,7 @@ class PlannerApp(pn.viewable.Viewer):
         self.tabs = pn.Tabs(
             (TABS[0], self.gantt), (TABS[1], self.graph), (TABS[2], self.search),
             (TABS[3], self.compare), (TABS[4], self.launch),
-            dynamic=False, sizing_mode="stretch_width", css_classes=["tessel-tabs"],
+            dynamic=True, sizing_mode="stretch_width", css_classes=["tessel-tabs"],
         )
 
     def sidebar(self) -> list:
@@ -61,13 +63,14 @@ class PlannerApp(pn.viewable.Viewer):
         return [self.form, pn.layout.Divider(), self.export]
 
     def __panel__(self):
-        return pn.Row(pn.Column(*self.sidebar(), width=300), self.tabs, sizing_mode="stretch_width")
+        return pn.Row(pn.Column(*self.sidebar(), width=300), pn.Column(self.message, self.tabs, sizing_mode="stretch_width"),
+                      sizing_mode="stretch_width")
 
     def template(self, title: str = "Tessel Planner"):
-        """A served page: ``pn.template.FastListTemplate`` with the sidebar and the tabs."""
-        return pn.template.FastListTemplate(
-            title=title, sidebar=self.sidebar(), main=[self.tabs], sidebar_width=320,
-            accent_base_color="#4C78A8", header_background="#2F4B7C",
+        """A served page: ``pn.template.BootstrapTemplate`` (its resources are bundled with Panel: the page loads offline) with the sidebar and the tabs."""
+        return pn.template.BootstrapTemplate(
+            title=title, sidebar=self.sidebar(), main=[self.message, self.tabs], sidebar_width=320,
+            header_background="#2F4B7C",
         )
 
 

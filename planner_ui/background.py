@@ -50,4 +50,22 @@ def run_in_background(work: Callable[[], Any], done: Callable[[Any, BaseExceptio
     return t
 
 
-__all__ = ["run_in_background", "on_session_loop", "current_document"]
+def bokeh_safe(method: Callable) -> Callable:
+    """Decorate a method that changes raw Bokeh models (``source.data``, ranges, spans).
+
+    Panel runs widget callbacks and ``param`` watchers without the Bokeh document lock; raw
+    Bokeh model changes there must go through ``pn.io.unlocked()`` (Panel docs, "Server
+    deployment: unlocked"), which collects them and sends them to the browser. Outside a server
+    session (Jupyter, tests) it does nothing.
+    """
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with pn.io.unlocked():
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+__all__ = ["run_in_background", "on_session_loop", "current_document", "bokeh_safe"]

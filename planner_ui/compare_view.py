@@ -27,6 +27,7 @@ from engine.planner import resimulate
 from engine.schedule import Schedule
 from engine.timeline import Timeline
 from planner_ui.sources import PALETTE
+from planner_ui.background import bokeh_safe
 from planner_ui.state import PlanState, abstract_plan
 
 _GIB = 2**30
@@ -302,6 +303,7 @@ class CompareView(pn.viewable.Viewer):
         df["peak_per_device"] = [", ".join(f"{v:.3g}" for v in r["peak_per_device"]) for r in rows]
         return df.round({"makespan": 4, "bubble_pct": 1, "peak_memory": 4, "speedup": 3})
 
+    @bokeh_safe
     def _changed(self) -> None:
         mk, mem = self.chart_data()
         self.makespan_fig.x_range.factors = list(mk["name"])

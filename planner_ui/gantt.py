@@ -65,6 +65,7 @@ from engine.schedule import parse_action
 from planner_ui.gantt_edit import (BLOCK_COLUMNS, COMM_COLUMNS, MEASURED_COLUMNS, SCHEDULE_OPS, block_columns,
                                    find_dragged, header_html, measured_columns)
 from planner_ui.sources import COMPUTE_HEIGHT, PALETTE, memory_columns
+from planner_ui.background import bokeh_safe
 from planner_ui.state import EditResult, PlanState
 
 _ALERT_TYPES = {"info": "info", "success": "success", "error": "danger"}
@@ -95,6 +96,7 @@ class GanttView(pn.viewable.Viewer):
     memory_height = param.Integer(default=190, bounds=(80, None), doc="memory figure height, px")
     webgl_threshold = param.Integer(default=1000, bounds=(0, None), doc="glyphs above which WebGL is used")
     label_threshold = param.Integer(default=1500, bounds=(0, None), doc="max compute blocks with labels")
+    show_message = param.Boolean(default=True, doc="show state.message under the chart (the app shows it at the top instead)")
 
     def __init__(self, **params):
         if params.get("state") is None:
@@ -175,8 +177,8 @@ class GanttView(pn.viewable.Viewer):
         self._webgl = webgl
         backend = "webgl" if webgl else "canvas"
         size = {"sizing_mode": "stretch_width"} if self.width is None else {"width": self.width}
-        self.block_source = ColumnDataSource({k: [] for k in BLOCK_COLUMNS})
-        self.comm_source = ColumnDataSource({k: [] for k in COMM_COLUMNS})
+        self.block_source = ColumnDataSource({k: [] for k in BLOCK_COLUMNS}, name="tessel-gantt-blocks")
+        self.comm_source = ColumnDataSource({k: [] for k in COMM_COLUMNS}, name="tessel-gantt-comm")
         self.label_source = ColumnDataSource({"x": [], "y": [], "text": [], "alpha": []})
         self.selection_source = ColumnDataSource({"x": [], "y": [], "width": [], "height": []})
         self.measured_source = ColumnDataSource({k: [] for k in MEASURED_COLUMNS})
@@ -256,6 +258,7 @@ class GanttView(pn.viewable.Viewer):
                 ("end", f"@end{{0.000}} {unit}"), ("duration", f"@duration{{0.000}} {unit}")]
 
     # ------------------------------------------------------------------ syncing from state
+    @bokeh_safe
     def _on_state(self, *events) -> None:
         names = {e.name for e in events}
         if "revision" in names:
@@ -274,6 +277,7 @@ class GanttView(pn.viewable.Viewer):
             self._sync_header()
         self._push()
 
+    @bokeh_safe
     def refresh(self) -> None:
         """Re-draw everything from ``state`` (blocks, memory, overlays, header, form)."""
         cols = self._columns()
@@ -437,7 +441,7 @@ class GanttView(pn.viewable.Viewer):
         st = self.state
         self._alert.object = st.message
         self._alert.alert_type = _ALERT_TYPES.get(st.message_kind, "info")
-        self._alert.visible = bool(st.message)
+        self._alert.visible = bool(st.message) and self.show_message
 
     def _push(self) -> None:
         """Send Bokeh model changes to a Jupyter output (no-op in ``panel serve`` and tests)."""
@@ -480,6 +484,7 @@ class GanttView(pn.viewable.Viewer):
         st.selected_block = str(b)
         return True
 
+    @bokeh_safe
     def _on_block_input(self, event) -> None:
         if self._form_syncing:
             return

@@ -38,6 +38,7 @@ from planner_ui.graph_layout import (
     placement_dag,
     plan_segments,
 )
+from planner_ui.background import bokeh_safe
 from planner_ui.state import PlanState
 
 #: Above this many nodes the figure uses Bokeh's WebGL backend.
@@ -280,9 +281,11 @@ class GraphView(pn.viewable.Viewer):
         self.edges_source.data = self.edge_data()
 
     # ------------------------------------------------------------------ events
+    @bokeh_safe
     def _on_structure(self, *_events) -> None:
         self.refresh()
 
+    @bokeh_safe
     def _on_selection(self, *_events) -> None:
         if self.dag.number_of_nodes():
             self._restyle()

@@ -21,6 +21,7 @@ from bokeh.models import ColumnDataSource
 from bokeh.plotting import figure
 
 from planner_ui.launch_facade import LaunchJob, LaunchNotPossible
+from planner_ui.background import bokeh_safe
 from planner_ui.state import PlanState
 
 
@@ -115,6 +116,7 @@ class LaunchPanel(pn.viewable.Viewer):
         self.poll()
         return self.result
 
+    @bokeh_safe
     def poll(self) -> None:
         """Copy new losses into the chart; when the job is done, show the summary and set
         ``state.measured``. Call on the UI thread (the periodic callback does)."""

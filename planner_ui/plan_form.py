@@ -38,11 +38,11 @@ class PlanForm(pn.viewable.Viewer):
     state = param.ClassSelector(class_=PlanState)
     model = param.String(default="gpt2", doc="built-in model name or module:callable")
     devices = param.Integer(default=4, bounds=(1, 4096), doc="total devices = dp * tp * pp")
-    micro_batches = param.Integer(default=8, bounds=(1, 100_000), doc="micro-batches per step")
+    micro_batches = param.Integer(default=8, bounds=(1, 100_000), label="Micro-batches", doc="micro-batches per step")
     schedule = param.Selector(default="1f1b", objects=list(SCHEDULES), doc="predefined schedule")
-    device_type = param.Selector(default="h100", objects=DEVICE_TYPES, doc="cost table of one device")
-    dp = param.Integer(default=1, bounds=(1, 4096), doc="data-parallel degree")
-    tp = param.Integer(default=1, bounds=(1, 4096), doc="tensor-parallel degree")
+    device_type = param.Selector(default="h100", objects=DEVICE_TYPES, label="Device type", doc="cost table of one device")
+    dp = param.Integer(default=1, bounds=(1, 4096), label="DP degree", doc="data-parallel degree")
+    tp = param.Integer(default=1, bounds=(1, 4096), label="TP degree", doc="tensor-parallel degree")
     busy = param.Boolean(default=False, doc="a plan is being made")
 
     def __init__(self, **params):

@@ -40,6 +40,7 @@ from engine.tessel import (
     SearchResult,
     tessel_search,
 )
+from planner_ui.background import bokeh_safe
 from planner_ui.state import PlanState
 
 #: Option of the placement selector meaning "the placement of the plan now loaded".
@@ -281,6 +282,7 @@ class SearchPanel(pn.viewable.Viewer):
             with contextlib.suppress(Exception):  # a session already destroyed has removed it
                 cb.stop()
 
+    @bokeh_safe
     def poll(self) -> None:
         """Apply what the search thread reported: progress while running, the outcome when done.
 

@@ -1,0 +1,132 @@
+"""The served planner in headless Chromium: loads cleanly, draws the plan, edits, searches.
+
+Each test opens a fresh session (its own PlanState) of the app started by the ``app_url``
+fixture (gpt2-tiny, 2 devices, 4 micro-batches, 1F1B).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+#: Bokeh's documents are in ``window.Bokeh.documents``; the Gantt's block source is named.
+BLOCK_COUNT_JS = """() => {
+  if (!window.Bokeh || !Bokeh.documents.length) return -1;
+  for (const doc of Bokeh.documents) {
+    for (const m of doc.all_models) {
+      if (m.name === "tessel-gantt-blocks") return m.data.name.length;
+    }
+  }
+  return -1;
+}"""
+
+
+def _open(page, url):
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.locator(".tessel-makespan").wait_for(timeout=60_000)
+    return errors
+
+
+def _makespan(page) -> str:
+    return page.locator(".tessel-makespan").inner_text()
+
+
+#: Text a Panel pane renders inside its shadow root (``inner_text`` of the host is empty).
+SHADOW_TEXT_JS = """e => Array.from((e.shadowRoot || e).children)
+  .filter(c => !["STYLE", "LINK"].includes(c.tagName)).map(c => c.innerText).join(" ")"""
+
+
+def _message(page, contains: str = "") -> str:
+    """The app's status line, once it is visible (and contains ``contains``)."""
+    loc = page.locator(".tessel-message").first
+    loc.wait_for(state="visible", timeout=30_000)
+    deadline = 30_000
+    while deadline > 0:
+        text = loc.evaluate(SHADOW_TEXT_JS)
+        if contains in text:
+            return text
+        page.wait_for_timeout(250)
+        deadline -= 250
+    return loc.evaluate(SHADOW_TEXT_JS)
+
+
+def _wait_until(page, predicate, timeout_ms: int = 30_000) -> None:
+    while timeout_ms > 0 and not predicate():
+        page.wait_for_timeout(250)
+        timeout_ms -= 250
+
+
+def _fill(page, css: str, value: str) -> None:
+    box = page.locator(f".{css} input").first
+    box.fill(value)
+    box.press("Enter")
+
+
+def test_app_loads_without_console_errors(page, app_url):
+    errors = _open(page, app_url)
+    page.wait_for_timeout(1500)
+    assert page.title() == "Tessel Planner"
+    assert re.match(r"[\d.]+ ms", _makespan(page))
+    assert errors == [], errors
+
+
+def test_gantt_draws_one_block_per_scheduled_compute_event(page, app_url):
+    _open(page, app_url)
+    page.wait_for_function(f"({BLOCK_COUNT_JS})() > 0", timeout=30_000)
+    n = page.evaluate(BLOCK_COUNT_JS)
+    # gpt2-tiny, 2 pipeline ranks, 4 micro-batches, 1F1B: 2 segments x (F + B) x 4 + 1 optimizer step per rank
+    assert n == 2 * 2 * 4 + 2
+
+
+def test_edit_breaking_a_dependency_is_rejected_with_a_visible_message(page, app_url):
+    _open(page, app_url)
+    before = _makespan(page)
+    # device 1 runs 1F0 then 1B0; moving 1B0 to position 0 puts it before the forward it needs
+    _fill(page, "tessel-block-input", "1B0")
+    page.locator(".tessel-selected-block").get_by_text("1B0").first.wait_for(timeout=20_000)
+    _fill(page, "tessel-move-position", "0")
+    page.locator(".tessel-move-button button").click()
+    msg = _message(page, "cannot move")
+    assert "cannot move 1B0" in msg and "depends on" in msg, msg
+    assert _makespan(page) == before
+
+
+def test_valid_edit_changes_the_displayed_makespan(page, app_url):
+    _open(page, app_url)
+    before = _makespan(page)
+    # device 0: 1F1B runs 0F0 0F1 0B0 ...; running 0F1 later (after 0B0) delays device 1 and the step
+    _fill(page, "tessel-block-input", "0F1")
+    page.locator(".tessel-selected-block").get_by_text("0F1").first.wait_for(timeout=20_000)
+    _fill(page, "tessel-move-position", "2")
+    page.locator(".tessel-move-button button").click()
+    _wait_until(page, lambda: _makespan(page) != before)
+    assert _makespan(page) != before
+    assert "moved 0F1" in _message(page, "moved")
+    # undo brings the old makespan back
+    page.locator(".tessel-undo button").click()
+    _wait_until(page, lambda: _makespan(page) == before)
+    assert _makespan(page) == before
+
+
+def test_search_panel_produces_a_schedule(page, app_url):
+    _open(page, app_url)
+    page.locator(".bk-tab").filter(has_text="Search").first.click()
+    page.locator(".tessel-search-panel").first.wait_for(timeout=30_000)
+    page.locator(".tessel-search-shape select").select_option("m")
+    _fill(page, "tessel-search-devices", "4")
+    _fill(page, "tessel-search-micro-batches", "8")
+    page.locator(".tessel-search-run button").click()
+    result = page.locator(".tessel-search-result").get_by_text(re.compile("period", re.I)).first
+    result.wait_for(timeout=120_000)
+    assert "bound" in result.inner_text()
+    page.locator(".bk-tab").filter(has_text="Schedule").first.click()
+    page.get_by_text(re.compile(r"4 devices . 8 micro-batches")).first.wait_for(timeout=30_000)
+    assert "units" in _makespan(page)
+    # the M shape on 4 devices: one all-device F and B per micro-batch on every device + 3 pipeline segments
+    assert page.evaluate(BLOCK_COUNT_JS) >= 4 * 8 * 2 + 3 * 8 * 2
