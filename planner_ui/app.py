@@ -24,6 +24,16 @@ from planner_ui.plan_form import PlanForm
 from planner_ui.search_panel import SearchPanel
 from planner_ui.state import PlanState
 
+#: Panel extensions the components need loaded on the page (the Compare table is a Tabulator).
+EXTENSIONS = ("tabulator",)
+
+
+def load_extensions(**kwargs) -> None:
+    """``pn.extension(*EXTENSIONS, **kwargs)``: call it first in a served session or a notebook
+    (``load_extensions(inline=True)`` for notebooks that must render offline)."""
+    pn.extension(*EXTENSIONS, **kwargs)
+
+
 #: Tab titles, in order (tests and docs refer to them).
 TABS = ("Schedule", "Model graph", "Search", "Compare", "Launch")
 
@@ -67,7 +77,8 @@ class PlannerApp(pn.viewable.Viewer):
                       sizing_mode="stretch_width")
 
     def template(self, title: str = "Tessel Planner"):
-        """A served page: ``pn.template.BootstrapTemplate`` (its resources are bundled with Panel: the page loads offline) with the sidebar and the tabs."""
+        """A served page (loads :data:`EXTENSIONS`): ``pn.template.BootstrapTemplate`` (its resources are bundled with Panel: the page loads offline) with the sidebar and the tabs."""
+        load_extensions()
         return pn.template.BootstrapTemplate(
             title=title, sidebar=self.sidebar(), main=[self.message, self.tabs], sidebar_width=320,
             header_background="#2F4B7C",
@@ -105,4 +116,4 @@ def build_app(*, model: str | None = "gpt2", plan: str | Plan | None = None, dev
     return app
 
 
-__all__ = ["PlannerApp", "build_app", "TABS"]
+__all__ = ["PlannerApp", "build_app", "TABS", "EXTENSIONS", "load_extensions"]

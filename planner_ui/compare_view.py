@@ -297,11 +297,23 @@ class CompareView(pn.viewable.Viewer):
         self.memory_pane = pn.pane.Bokeh(self.memory_fig, css_classes=["tessel-compare-memory-chart"])
 
     def _frame(self) -> pd.DataFrame:
-        cols = ["name", "makespan", "time_unit", "bubble_pct", "peak_memory", "mem_unit", "peak_per_device", "speedup"]
+        """The table shown: one row per plan, numbers rounded, units in the headers when all
+        plans share them (ms/GiB for model plans, units for abstract ones)."""
         rows = self.rows()
-        df = pd.DataFrame([{k: r[k] for k in cols} for r in rows], columns=cols)
-        df["peak_per_device"] = [", ".join(f"{v:.3g}" for v in r["peak_per_device"]) for r in rows]
-        return df.round({"makespan": 4, "bubble_pct": 1, "peak_memory": 4, "speedup": 3})
+        tu = {r["time_unit"] for r in rows}
+        mu = {r["mem_unit"] for r in rows}
+        t_col = f"makespan ({tu.pop()})" if len(tu) == 1 else "makespan"
+        m_col = f"peak memory ({mu.pop()})" if len(mu) == 1 else "peak memory"
+        ref = rows[0]["reference"] if rows else "1f1b"
+        return pd.DataFrame({
+            "name": [r["name"] for r in rows],
+            "schedule": [r["schedule"] for r in rows],
+            t_col: [round(r["makespan"], 3) for r in rows],
+            "bubble (%)": [round(r["bubble_pct"], 1) for r in rows],
+            m_col: [round(r["peak_memory"], 3) for r in rows],
+            "peak per device": [" / ".join(f"{v:.3g}" for v in r["peak_per_device"]) for r in rows],
+            f"speedup vs {ref}": [round(r["speedup"], 3) for r in rows],
+        })
 
     @bokeh_safe
     def _changed(self) -> None:

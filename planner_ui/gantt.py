@@ -56,7 +56,7 @@ from __future__ import annotations
 import numpy as np
 import panel as pn
 import param
-from bokeh.models import (BoxEditTool, ColumnDataSource, DataRange1d, FixedTicker, HoverTool, Legend, LegendItem,
+from bokeh.models import (BoxEditTool, ColumnDataSource, FixedTicker, HoverTool, Legend, LegendItem,
                           Range1d, Span, TapTool, WheelZoomTool)
 from bokeh.plotting import figure
 
@@ -177,6 +177,7 @@ class GanttView(pn.viewable.Viewer):
         self._webgl = webgl
         backend = "webgl" if webgl else "canvas"
         size = {"sizing_mode": "stretch_width"} if self.width is None else {"width": self.width}
+        self._range_key = None  # a new figure starts at Range1d(0, 1): fit it on the next sync
         self.block_source = ColumnDataSource({k: [] for k in BLOCK_COLUMNS}, name="tessel-gantt-blocks")
         self.comm_source = ColumnDataSource({k: [] for k in COMM_COLUMNS}, name="tessel-gantt-comm")
         self.label_source = ColumnDataSource({"x": [], "y": [], "text": [], "alpha": []})
@@ -185,7 +186,7 @@ class GanttView(pn.viewable.Viewer):
         self.memory_source = ColumnDataSource({"xs": [], "ys": [], "color": [], "label": []})
 
         fig = figure(height=self.height or 300, output_backend=backend, tools="xpan,xwheel_zoom,box_zoom,reset,save",
-                     toolbar_location="above", x_range=DataRange1d(range_padding=0.01), y_range=Range1d(0.5, -0.5),
+                     toolbar_location="above", x_range=Range1d(0, 1), y_range=Range1d(0.5, -0.5),
                      min_border_left=100, **size)
         fig.xgrid.grid_line_alpha = 0.4
         fig.ygrid.grid_line_color = None
@@ -271,6 +272,7 @@ class GanttView(pn.viewable.Viewer):
             self._sync_form()
         if "measured" in names:
             self._sync_measured()
+            self._sync_x_range()
             self._sync_header()
         if "memory_limit" in names:
             self._sync_memory()
@@ -300,6 +302,22 @@ class GanttView(pn.viewable.Viewer):
         return block_columns(st.timeline, st.schedule, scale=factor, show_comm=self.show_comm,
                              highlight_segment=st.selected_segment)
 
+    def _sync_x_range(self) -> None:
+        """Fit the time axis to the step when another plan is shown (or an edit outgrows it);
+        keep the user's zoom across edits of the same plan."""
+        st = self.state
+        if st.timeline is None:
+            return
+        factor, unit = st.time_scale
+        end = max(st.timeline.makespan, st.measured.makespan if st.measured is not None else 0.0) * factor
+        key = (st.plan.model.get("name"), st.schedule.num_devices, st.schedule.num_micro_batches, unit,
+               st.schedule.name.removesuffix(" (edited)"))
+        rng = self.figure.x_range
+        if key != getattr(self, "_range_key", None) or end > rng.end:
+            pad = 0.01 * end if end > 0 else 1.0
+            rng.start, rng.end = -pad, end + pad
+            self._range_key = key
+
     def _sync_axes(self) -> None:
         st = self.state
         n = st.schedule.num_devices if st.schedule is not None else (st.timeline.num_devices if st.timeline else 1)
@@ -307,16 +325,17 @@ class GanttView(pn.viewable.Viewer):
         fig.y_range.start, fig.y_range.end = n - 0.5, -0.5
         fig.yaxis.ticker = FixedTicker(ticks=list(range(n)))
         fig.yaxis.major_label_overrides = {i: f"device {i}" for i in range(n)}
+        self._sync_x_range()
         if self.height is None:
             fig.height = int(min(640, max(200, 70 + 46 * n)))
         _f, unit = st.time_scale
         fig.xaxis.axis_label = f"time ({unit})"
         self.memory_figure.xaxis.axis_label = f"time ({unit})"
-        self.memory_figure.yaxis.axis_label = "memory (units)" if st.abstract else "memory (GiB)"
+        self.memory_figure.yaxis.axis_label = f"memory ({self._memory_unit()[1]})"
         self.block_hover.tooltips = self._block_tooltips(unit)
         self.comm_hover.tooltips = self._comm_tooltips(unit)
         self.measured_hover.tooltips = self._measured_tooltips(unit)
-        mu = "units" if st.abstract else "GiB"
+        mu = self._memory_unit()[1]
         self.memory_hover.tooltips = [("", "@label"), ("time", f"$x{{0.000}} {unit}"), ("memory", f"$y{{0.000}} {mu}")]
 
     def _sync_blocks(self, cols=None) -> None:
@@ -338,10 +357,18 @@ class GanttView(pn.viewable.Viewer):
         finally:
             self._syncing = False
 
+    def _memory_unit(self) -> tuple[float, str]:
+        """``(scale, unit)`` of the memory axis: units for abstract plans, GiB when a device
+        peaks at 1 GiB or more, MiB below (so small models do not read 0.005 GiB)."""
+        st = self.state
+        if st.abstract:
+            return 1.0, "units"
+        peak = max(st.timeline.peak_memory(), default=0) if st.timeline is not None else 0
+        return (2.0**-30, "GiB") if peak >= 2**30 else (2.0**-20, "MiB")
+
     def _sync_memory(self) -> None:
         st = self.state
-        abstract = st.abstract
-        mem_scale = 1.0 if abstract else 2.0**-30
+        mem_scale = self._memory_unit()[0]
         factor, _unit = st.time_scale
         if st.timeline is None:
             self.memory_source.data = {"xs": [], "ys": [], "color": [], "label": []}

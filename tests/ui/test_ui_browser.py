@@ -76,6 +76,17 @@ def test_app_loads_without_console_errors(page, app_url):
     assert errors == [], errors
 
 
+def test_every_tab_renders_without_errors(page, app_url):
+    errors = _open(page, app_url)
+    hooks = {"Model graph": ".tessel-graph", "Search": ".tessel-search-run", "Compare": ".tessel-compare-add",
+             "Launch": ".tessel-launch-run", "Schedule": ".tessel-gantt-plot"}
+    for tab, hook in hooks.items():
+        page.locator(".bk-tab").filter(has_text=tab).first.click()
+        page.locator(hook).first.wait_for(state="visible", timeout=30_000)
+    page.wait_for_timeout(1000)
+    assert errors == [], errors
+
+
 def test_gantt_draws_one_block_per_scheduled_compute_event(page, app_url):
     _open(page, app_url)
     page.wait_for_function(f"({BLOCK_COUNT_JS})() > 0", timeout=30_000)

@@ -96,9 +96,9 @@ def test_gpt2_plan_in_ms_with_comm_and_memory(gpt2_result):
     # memory: one step line per device, in GiB, limit as a dashed span
     mem = view.memory_source.data
     assert len(mem["xs"]) == len(mem["ys"]) == 2
-    assert max(mem["ys"][1]) == pytest.approx(tl.peak_memory()[1] / 2**30)
+    assert max(mem["ys"][1]) == pytest.approx(tl.peak_memory()[1] / 2**20)  # MiB: gpt2-tiny peaks below 1 GiB
     assert view.memory_span.visible
-    assert view.memory_span.location == pytest.approx(st.memory_limit / 2**30)
+    assert view.memory_span.location == pytest.approx(st.memory_limit / 2**20)
     assert view.memory_span.line_dash == [6] or view.memory_span.line_dash  # dashed
     assert view.memory_figure.x_range is view.figure.x_range
     # hover shows bytes for communication
@@ -375,3 +375,22 @@ def test_ten_thousand_blocks_webgl_no_labels():
     # a small plan loaded afterwards goes back to canvas with labels
     st.load(one_f_one_b_any(make_shape("v", 2), 4))
     assert not view.webgl and view.labels_shown and view.block_count == 2 * 4 * 2 + 2
+
+
+def test_time_axis_fits_each_new_plan_and_memory_axis_uses_mib_for_small_models():
+    from engine.baselines.generic import one_f_one_b_any
+    from engine.planner import make_plan
+    from engine.shapes import make_shape
+    from planner_ui.gantt import GanttView
+    from planner_ui.state import PlanState
+
+    res = make_plan("gpt2-tiny", devices=2, micro_batches=4)
+    state = PlanState()
+    state.load(res.plan)
+    view = GanttView(state=state)
+    ms = state.timeline.makespan * 1e3
+    assert view.figure.x_range.end == pytest.approx(ms * 1.01)
+    assert view.memory_figure.yaxis[0].axis_label == "memory (MiB)"  # gpt2-tiny peaks at a few MiB
+    state.load(one_f_one_b_any(make_shape("v", 4), 8))  # 33 units: the axis follows the new plan
+    assert view.figure.x_range.end == pytest.approx(state.timeline.makespan * 1.01)
+    assert view.memory_figure.yaxis[0].axis_label == "memory (units)"
