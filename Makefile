@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TESSEL := $(VENV)/bin/tessel
 STAMP := $(VENV)/.tessel-installed
 
-.PHONY: setup browser run test bench clean
+.PHONY: setup browser run serve demo test bench clean
 
 setup: $(STAMP)
 
@@ -24,8 +24,16 @@ browser:
 	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
 	  echo "warning: could not install chromium; browser tests will be skipped"; }
 
-# the main job: plan GPT-2 on 4 CPU ranks, launch it on Ray actors, report predicted vs measured
+# the main job: the planner app on GPT-2 in the browser; without a display (SSH, CI) the headless
+# demo instead (plan GPT-2 on 4 CPU ranks, launch it on Ray actors, report predicted vs measured)
 run: setup browser
+	@if [ -n "$$DISPLAY$$WAYLAND_DISPLAY" ] || [ "$$(uname)" = Darwin ]; then \
+	  $(TESSEL) serve --open; else echo "no display: running the headless demo (\`make serve\` starts the app)"; $(TESSEL) demo; fi
+
+serve: setup
+	$(TESSEL) serve --open
+
+demo: setup
 	$(TESSEL) demo
 
 test: setup browser

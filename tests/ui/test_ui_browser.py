@@ -23,6 +23,33 @@ BLOCK_COUNT_JS = """() => {
   return -1;
 }"""
 
+#: Page coordinates of a block's centre on the Gantt (BokehJS view -> frame scales -> pixels).
+BLOCK_XY_JS = """(name) => {
+  for (const v of Bokeh.index.all_views()) {
+    if (!v.renderer_views || v.model.type !== "Figure") continue;
+    for (const [r, rv] of v.renderer_views) {
+      const ds = r.data_source;
+      if (!ds || ds.name !== "tessel-gantt-blocks") continue;
+      const i = ds.data.name.indexOf(name);
+      if (i < 0) return null;
+      const box = v.el.getBoundingClientRect();
+      const x = v.frame.x_scale.compute(ds.data.x[i]);
+      return {x: box.left + x, y: box.top + v.frame.y_scale.compute(ds.data.y[i]), data_x: ds.data.x[i],
+              half: v.frame.x_scale.compute(ds.data.x[i] + ds.data.width[i] / 2) - x};
+    }
+  }
+  return null;
+}"""
+
+
+def _drag(page, block: str, to_x: float) -> None:
+    """Mouse-drag ``block`` horizontally on the Gantt to page x ``to_x`` (BoxEditTool)."""
+    a = page.evaluate(BLOCK_XY_JS, block)
+    page.mouse.move(a["x"], a["y"])
+    page.mouse.down()
+    page.mouse.move(to_x, a["y"], steps=12)
+    page.mouse.up()
+
 
 def _open(page, url):
     errors: list[str] = []
@@ -141,3 +168,23 @@ def test_search_panel_produces_a_schedule(page, app_url):
     assert "units" in _makespan(page)
     # the M shape on 4 devices: one all-device F and B per micro-batch on every device + 3 pipeline segments
     assert page.evaluate(BLOCK_COUNT_JS) >= 4 * 8 * 2 + 3 * 8 * 2
+
+
+def test_dragging_blocks_on_the_gantt(page, app_url):
+    _open(page, app_url)
+    page.wait_for_function(f"({BLOCK_COUNT_JS})() > 0", timeout=30_000)
+    before = _makespan(page)
+    # a backward dropped before its own forward (1B0 to the start of device 1): rejected, put back
+    home = page.evaluate(BLOCK_XY_JS, "1B0")
+    first = page.evaluate(BLOCK_XY_JS, "1F0")
+    _drag(page, "1B0", first["x"] - first["half"] - 2)
+    assert "cannot move 1B0" in _message(page, "cannot move")
+    _wait_until(page, lambda: page.evaluate(BLOCK_XY_JS, "1B0")["data_x"] == home["data_x"])
+    assert page.evaluate(BLOCK_XY_JS, "1B0")["data_x"] == home["data_x"]
+    assert _makespan(page) == before
+    # 0F1 dropped after 0B0 on device 0: valid, applied, the step gets longer
+    target = page.evaluate(BLOCK_XY_JS, "0B0")
+    _drag(page, "0F1", target["x"] + target["half"] + 5)
+    _wait_until(page, lambda: _makespan(page) != before)
+    assert _makespan(page) != before
+    assert "moved 0F1" in _message(page, "moved")
