@@ -23,6 +23,7 @@ Needs Debian's Chromium at /usr/bin/chromium (``make browser``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -141,6 +142,7 @@ def edit_times(edits: int) -> dict:
     res = make_plan("gpt2", devices=8, micro_batches=64, schedule="1f1b")
     state = PlanState(res.plan)
     view = GanttView(state=state)
+    gc.freeze()  # as planner_ui.app.build_app does for every served session
     n_blocks = sum(len(o) for o in state.schedule.orders)
     if state.move_block(0, 8, 9).ok:  # warm-up: first-call imports and caches
         state.undo()
