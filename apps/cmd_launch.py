@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a rank may take for one step before the job counts as hung (default 120)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: NCCL on GPUs when the cluster has one per rank, else gloo on CPU (default auto)")
+    p.add_argument("--optimizer", default=None, choices=("adam", "adama", "sgd"),
+                   help="optimizer of the workers: adam, adama (AdamA: micro-batch gradients folded into "
+                        "Adam's states and freed, less memory) or sgd (default: the plan's, adam)")
     p.add_argument("--trace", default=None, help="measured trace path (default: trace.measured.json next to the plan)")
 
 
@@ -94,7 +97,8 @@ def run(args: argparse.Namespace) -> dict:
     res = launch(plan, steps=args.steps, address=args.address, checkpoint_dir=ckdir,
                  checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, resume=args.resume,
                  seed=args.seed, lr=args.lr, progress=not args.json or sys.stderr.isatty(),
-                 step_timeout=args.step_timeout, trace_path=trace, device=args.device)
+                 step_timeout=args.step_timeout, trace_path=trace, device=args.device,
+                 optimizer=args.optimizer)
     out = report(plan, res, plan_dir=plan_dir)
     out["plan"] = str(plan_path)
     return out

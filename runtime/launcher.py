@@ -99,6 +99,7 @@ class LaunchResult:
         trace_paths: ``{"measured": path}`` (and whatever the caller adds).
         checkpoint: the last checkpoint directory, or ``None``.
         backend: ``"gloo"`` or ``"nccl"``.
+        optimizer: the workers' optimizer (``"adam"``, ``"adama"`` or ``"sgd"``).
         world_size, dp, pp: ranks and degrees.
         elapsed: seconds of the whole launch (Ray start to shutdown).
         setup_time: seconds from Ray start until every rank finished ``setup()``.
@@ -122,6 +123,7 @@ class LaunchResult:
     trace_paths: dict[str, str] = field(default_factory=dict)
     checkpoint: str | None = None
     backend: str = "gloo"
+    optimizer: str = "adam"
     world_size: int = 1
     dp: int = 1
     pp: int = 1
@@ -368,7 +370,9 @@ def launch(
         device: ``"auto"`` (NCCL on GPUs when the cluster has one per rank, else gloo on CPU),
             ``"cpu"`` or ``"cuda"``.
         keep_checkpoints: newest checkpoints to keep (``None``: all).
-        optimizer: the worker's optimizer name (default: the plan's ``parallel.optimizer``, ``adam``).
+        optimizer: the workers' optimizer, ``"adam"``, ``"adama"`` (AdamA, Adam accumulation, see
+            ``runtime.worker``) or ``"sgd"``; ``None``: the plan's ``parallel.optimizer``
+            (``"adam"`` when absent). Resuming needs the optimizer the checkpoint was written with.
         worker_cls: the per-rank worker class (default ``runtime.worker.StageWorker``).
         on_step: called after each step with ``(step, loss)``.
 
@@ -377,7 +381,9 @@ def launch(
 
     Raises:
         LaunchError: a rank raised, died or hung, or setup failed (message names rank, step and
-            instruction; the last checkpoint is kept; actors are killed and Ray shut down).
+            instruction; the last checkpoint is kept; actors are killed and Ray shut down); an
+            unknown optimizer, or ``resume`` from a checkpoint written with another optimizer
+            (both before Ray starts).
         CheckpointError: ``resume`` with a checkpoint of another plan or world size.
         runtime.stage.RuntimeNotSupported: the plan uses tensor parallelism or multi-device blocks.
         engine.errors.PlanFormatError: a malformed plan file.
@@ -403,7 +409,12 @@ def launch(
     global_bs = dp * replica_bs
     tokens_per_step = global_bs * seq_len
     plan_dict = plan.to_dict()
-    optimizer = optimizer or str(par.get("optimizer", "adam"))
+    optimizer = str(optimizer or par.get("optimizer") or "adam")
+    from runtime.worker import OPTIMIZERS
+
+    if optimizer not in OPTIMIZERS:
+        raise LaunchError(f"unknown optimizer {optimizer!r}; use one of {', '.join(map(repr, OPTIMIZERS))}",
+                          kind="setup")
 
     ck = None
     if resume and checkpoint_dir is not None:
@@ -413,6 +424,11 @@ def launch(
             if ck.step >= steps:
                 raise LaunchError(f"the checkpoint {ck.path} has already reached step {ck.step} (steps={steps}); "
                                   "ask for more steps to continue it", kind="setup", checkpoint=str(ck.path))
+            ck_opt = ck.meta.get("optimizer")
+            if ck_opt is not None and ck_opt != optimizer:
+                raise LaunchError(f"the checkpoint {ck.path} was written with optimizer {ck_opt!r} but this launch "
+                                  f"uses {optimizer!r}; resume with --optimizer {ck_opt} (optimizer states differ)",
+                                  kind="setup", checkpoint=str(ck.path))
         elif progress:
             print(f"[tessel] no checkpoint in {checkpoint_dir}; starting from step 0", file=sys.stderr)
     start_step = ck.step if ck is not None else 0
@@ -551,7 +567,8 @@ def launch(
             predicted_makespan=predicted.makespan if predicted is not None else math.nan,
             measured_makespan=timeline.makespan if timeline is not None else math.nan,
             peak_memory=[int(res.get("peak_memory", 0) or 0) for res in last_results],
-            trace_paths=trace_paths, checkpoint=runner.checkpoint, backend=backend.name, world_size=ws,
+            trace_paths=trace_paths, checkpoint=runner.checkpoint, backend=backend.name, optimizer=optimizer,
+            world_size=ws,
             dp=dp, pp=pp, elapsed=time.perf_counter() - t_start, setup_time=setup_time,
         )
     finally:

@@ -12,6 +12,16 @@ its ``m`` micro-batches; the data-parallel all-reduce averages the ``dp`` replic
 each copy's gradient the sum over its uses, which is what the unsplit model (one shared
 parameter) computes. Differences left are float rounding (summation order, the traced graphs'
 explicit attention mask vs the eager ``is_causal`` path), far below ``rtol=1e-4`` on the loss.
+
+AdamA (``optimizer="adama"``, :class:`runtime.adama.AdamA`): every micro-batch backward is of
+``loss_j / (dp*m)`` and each parameter's gradient is folded into ``m``/``v`` by a
+post-accumulate-grad hook as soon as it is accumulated, EXCEPT the parameters the pipeline holds
+as separate tied copies in two or more segments (:func:`runtime.stage.tied_groups`, e.g. GPT-2's
+``wte``/``lm_head`` split across segments): those keep their gradient over the whole batch and are
+folded once before ``step()``, which is what :class:`runtime.worker.StageWorker` does (their
+gradient is the sum over copies, known only at the end of the step). A plan whose tied weight
+stays inside one segment (e.g. one segment, pp=1) folds it per micro-batch like everything
+else. The data-parallel worker reproduces this exactly (see the worker's module docstring).
 """
 
 from __future__ import annotations
@@ -22,7 +32,8 @@ import torch.nn.functional as F
 __all__ = ["reference_losses"]
 
 
-def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: str = "adam") -> list[list[float]]:
+def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: str = "adam",
+                     optimizer_kw: dict | None = None) -> list[list[float]]:
     """Train the plan's model in one process and return the per micro-batch losses.
 
     Args:
@@ -31,7 +42,10 @@ def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimize
         batches: global batches, each int64 ``[dp * m * micro_batch_size, seq_len + 1]`` (the
             same tensors given to :meth:`runtime.worker.StageWorker.step`).
         seed: model initialisation seed.
-        lr: learning rate; ``optimizer``: ``"adam"`` (``torch.optim.Adam`` defaults) or ``"sgd"``.
+        lr: learning rate; ``optimizer``: ``"adam"`` (``torch.optim.Adam`` defaults), ``"adama"``
+            (:class:`runtime.adama.AdamA` defaults, see the module docstring) or ``"sgd"``.
+        optimizer_kw: extra keyword arguments of the optimizer (e.g. ``betas``, ``weight_decay``);
+            the runtime's workers use the defaults.
 
     Returns:
         For every batch, ``dp * m`` floats: the mean cross-entropy (nats/token) of each
@@ -44,6 +58,8 @@ def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimize
     """
     from engine.models import build_model
 
+    if optimizer not in ("adam", "adama", "sgd"):
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of 'adam', 'adama', 'sgd'")
     mbs = int(plan.model.get("micro_batch_size") or 1)
     dp = int(plan.parallel.get("dp", 1))
     m = int(plan.schedule.num_micro_batches)
@@ -53,12 +69,14 @@ def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimize
                          dtype=torch.float32)
     model = bundle.module.float().train()
     seq = int(bundle.seq_len or bundle.example_inputs[0].shape[-1])
+    kw = dict(optimizer_kw or {})
+    unfolded: list = []
     if optimizer == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        opt = torch.optim.Adam(model.parameters(), lr=lr, **kw)
     elif optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        opt = torch.optim.SGD(model.parameters(), lr=lr, **kw)
     else:
-        raise ValueError(f"unknown optimizer {optimizer!r}; use 'adam' or 'sgd'")
+        opt, unfolded = _adama(plan, model, seed=seed, lr=lr, kw=kw)
     out: list[list[float]] = []
     for i, batch in enumerate(batches):
         if batch.dim() != 2 or tuple(batch.shape) != (n * mbs, seq + 1):
@@ -72,7 +90,35 @@ def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimize
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), rows[:, 1:].reshape(-1))
             (loss / n).backward()
             losses.append(float(loss.detach()))
+        if unfolded:
+            opt.fold(unfolded)   # pipeline-tied parameters: the batch's summed gradient, once
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append(losses)
     return out
+
+
+def _adama(plan, model, *, seed: int, lr: float, kw: dict):
+    """AdamA over ``model`` with the pipeline's folding split: ``(optimizer, unfolded params)``.
+
+    The parameters that :func:`runtime.stage.tied_groups` reports as copies in two or more
+    segments (matched by name; in the unsplit model the names are aliases of one parameter) go to
+    a second param group without a fold hook; every other parameter folds in its own hook.
+    """
+    from runtime.adama import AdamA
+    from runtime.stage import tied_groups
+
+    with torch.random.fork_rng(devices=[]):   # tied_groups builds (and seeds) its own copy
+        tied_names = {name for group in tied_groups(plan, seed=seed) for _, name in group}
+    aliases: dict[int, list[str]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    folded = [params[k] for k, names in aliases.items() if not tied_names.intersection(names)]
+    unfolded = [params[k] for k, names in aliases.items() if tied_names.intersection(names)]
+    groups = [{"params": ps} for ps in (folded, unfolded) if ps]
+    opt = AdamA(groups, lr=lr, fold=False, **kw)
+    for p in folded:
+        p.register_post_accumulate_grad_hook(lambda q: opt.fold([q]))
+    return opt, unfolded

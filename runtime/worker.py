@@ -57,6 +57,49 @@ Execution (in stream order, exactly like the simulator):
   stay equal.
 - ``OPTIM``: ``optimizer.step(); optimizer.zero_grad(set_to_none=True)``.
 
+Optimizers (``optimizer`` argument, else the plan's ``parallel["optimizer"]``, else ``adam``):
+``adam`` (``torch.optim.Adam``), ``sgd`` (``torch.optim.SGD``) and ``adama``
+(:class:`runtime.adama.AdamA`, Adam accumulation, ``../shared/TECHNIQUES.md``). With ``adam``
+and ``sgd`` everything is as described above. With ``adama``:
+
+- Every micro-batch gradient is folded into Adam's ``m`` and ``v`` as soon as it is accumulated
+  and freed at once, so no gradient buffer lives across micro-batches. The worker builds
+  ``AdamA(..., fold=False)`` and registers its own ``register_post_accumulate_grad_hook`` on the
+  folded parameters (``AdamA.fold([p])``): AdamA's ``fold`` flag is per optimizer, and the
+  pipeline-tied copies (``tied_local``: two segments each holding a copy, e.g. ``wte`` and
+  ``lm_head``, on different ranks or on the same one) must not fold. They sit in a second param
+  group and keep their gradients like Adam, because their gradient is the SUM over copies held by
+  other segments, which is only known at the end of the step; at ``OPTIM`` they are summed as
+  above and then folded ONCE (``AdamA.fold``), i.e. with Adam-accumulation numerics
+  (``v`` gets the square of the step's summed gradient). :func:`runtime.reference.reference_losses`
+  asks the same question (``runtime.stage.tied_groups``) so it folds exactly the same parameters.
+- ``W`` (zero-bubble weight backward) does NOT fire post-accumulate-grad hooks: torch's
+  ``stage_backward_weight`` computes weight gradients with ``torch.autograd.grad`` and assigns
+  ``weight.grad`` itself. After every ``W`` the worker therefore folds the segment's folded
+  parameters explicitly (one micro-batch each); ``B`` and the full backward of segment 0's ``W``
+  go through ``torch.autograd.backward`` and fold in the hooks.
+- The loss is scaled by ``1 / (dp * m)`` (not ``1 / m``): the folded gradients are the
+  ``g' = grad(loss / (dp * m))`` of the single-process formula over all ``dp * m`` micro-batches.
+- Exact data parallelism with an "owner" replica: ``m`` and ``v`` are identical on every replica
+  after each step. At the start of a step, replicas ``r > 0`` ZERO ``m`` and ``v`` of their
+  folded parameters and mark them not fresh (the worker edits ``optimizer.state[p]`` directly),
+  while replica 0 decays them (``b1*m``, ``b2*v``) at its first fold as AdamA does. Each replica
+  then folds its own micro-batch gradients. ``ALLREDUCE`` of a segment first applies the decay
+  to replica 0's parameters that got no gradient (``AdamA.begin_step``), then posts ONE async
+  ``all_reduce(SUM)`` over a flat buffer ``[m | v | tied gradients]`` of the segment; ``OPTIM``
+  waits for it. Result: ``m = b1*m + (1-b1) * sum g'`` and ``v = b2*v + (1-b2) * sum g'**2`` over
+  all ``dp * m`` micro-batches, exactly single-process AdamA; the tied gradients are summed (not
+  averaged, the loss is already scaled by ``1/(dp*m)``) and then tied-summed and folded once.
+  The ``m`` and ``v`` of the folded parameters ARE views into that flat buffer (allocated once in
+  :meth:`StageWorker.setup`, re-bound after :meth:`StageWorker.load_state_dict`), so the
+  collective runs in place with no extra copy: data parallelism costs no memory beyond the
+  tied gradients' slots (Adam keeps a flat gradient copy the size of the segment). The
+  all-reduce moves ``2x`` the parameter bytes (Adam: ``1x``).
+- Memory: between instructions, no gradient is held except the tied copies' (``peak_grad_memory``
+  in the step result); during ``W`` the segment's weight gradients exist at once until the fold.
+- Not supported with ``adama`` (clear errors from :mod:`runtime.adama`): full-gradient clipping,
+  ``GradScaler``.
+
 Measurements. Each instruction yields an :class:`engine.timeline.Event` (rank = GLOBAL rank;
 names as the simulator's: ``"1F3"``, ``"1F3>2"``, ``"1B2<3"``, ``"allreduce s1"``, ``"optimizer"``;
 seconds from the step start, ``time.perf_counter``). Memory is measured two ways after every
@@ -97,7 +140,10 @@ from engine.dependency import Instruction, lower
 from engine.errors import TesselError
 from engine.timeline import Event
 
-__all__ = ["StageWorker", "StepError", "WorkerError"]
+__all__ = ["OPTIMIZERS", "StageWorker", "StepError", "WorkerError"]
+
+#: Optimizer names a worker accepts (see the module docstring).
+OPTIMIZERS = ("adam", "adama", "sgd")
 
 
 class WorkerError(TesselError):
@@ -182,7 +228,9 @@ class StageWorker:
         backend: ``"gloo"`` (CPU tensors). Anything else is refused by :meth:`setup`.
         seed: model initialisation seed (same on every rank and in the reference).
         lr: learning rate.
-        optimizer: ``"adam"`` (``torch.optim.Adam``, default betas/eps) or ``"sgd"``.
+        optimizer: ``"adam"`` (``torch.optim.Adam``, default betas/eps), ``"adama"``
+            (:class:`runtime.adama.AdamA`, default betas/eps, see the module docstring) or ``"sgd"``;
+            ``None``: the plan's ``parallel["optimizer"]`` (``"adam"`` when absent).
         timeout_s: process-group timeout (seconds); a rank blocked on a dead peer fails after it.
         fail_at: ``(step, instruction_index)`` at which :meth:`step` raises deliberately (tests).
         track_activations: account saved-activation bytes (see the module docstring).
@@ -191,7 +239,7 @@ class StageWorker:
     """
 
     def __init__(self, plan_dict: dict, rank: int, world_size: int, master_addr: str, master_port: int, *,
-                 backend: str = "gloo", seed: int = 0, lr: float = 1e-3, optimizer: str = "adam",
+                 backend: str = "gloo", seed: int = 0, lr: float = 1e-3, optimizer: str | None = None,
                  timeout_s: float = 300.0, fail_at: tuple[int, int] | None = None,
                  track_activations: bool = True):
         self.plan_dict = plan_dict
@@ -217,7 +265,8 @@ class StageWorker:
             ``param_bytes``, ``buffer_bytes`` (pre-allocated receive buffers), ``num_buffers``,
             ``stream_length``, ``tied`` (tied groups of the whole model, ``[[segment, name], ...]``),
             ``removed`` (pruned leftover parameters, all segments), ``boundaries`` (per boundary, the
-            tensors' ``shape``/``dtype``/``requires_grad``), ``setup_time`` (s), ``rss`` (bytes).
+            tensors' ``shape``/``dtype``/``requires_grad``), ``optimizer`` (the name in use),
+            ``setup_time`` (s), ``rss`` (bytes).
 
         Raises:
             WorkerError: ``world_size != dp * pp``, a rank outside it, or an unknown optimizer.
@@ -245,8 +294,11 @@ class StageWorker:
             raise RuntimeNotSupported(
                 f"backend {self.backend!r}: the stage worker executes on CPU tensors with gloo; CUDA/NCCL "
                 "execution (device tensors, order-matched p2p) is not implemented yet")
-        if self.optimizer_name not in ("adam", "sgd"):
-            raise WorkerError(f"unknown optimizer {self.optimizer_name!r}; use 'adam' or 'sgd'")
+        name = self.optimizer_name if self.optimizer_name is not None else plan.parallel.get("optimizer") or "adam"
+        if name not in OPTIMIZERS:
+            raise WorkerError(f"unknown optimizer {name!r}; use one of {', '.join(map(repr, OPTIMIZERS))}")
+        self.optimizer_name = name
+        self.adama = name == "adama"
         self.pp_rank = self.rank % self.pp
         self.dp_index = self.rank // self.pp
         self.m = int(plan.schedule.num_micro_batches)
@@ -270,12 +322,6 @@ class StageWorker:
         del stages
         self.seg_params = {s: [p for p in self.modules[s].parameters()] for s in self.segments}
         params = [p for s in self.segments for p in self.seg_params[s]]
-        if not params:
-            self.optimizer = None
-        elif self.optimizer_name == "adam":
-            self.optimizer = torch.optim.Adam(params, lr=self.lr)
-        else:
-            self.optimizer = torch.optim.SGD(params, lr=self.lr)
         self.last_segment = self.S - 1
         self.has_loss = self.last_segment in self.modules
 
@@ -310,7 +356,7 @@ class StageWorker:
                 if p == self.pp_rank:
                     self.dp_group = g
         self.flat_grads = {}
-        if self.dp > 1:
+        if self.dp > 1 and not self.adama:
             for s in self.segments:
                 n = sum(p.numel() for p in self.seg_params[s])
                 if n:
@@ -326,6 +372,7 @@ class StageWorker:
                     mine = [named[(s, n)] for s, n in group if (s, n) in named]
                     label = "+".join(f"s{s}:{n}" for s, n in group)
                     self.tied_local.append((g, mine, torch.zeros_like(mine[0]), label))
+        self._build_optimizer(params)
 
         static_ptrs = {p.untyped_storage().data_ptr() for p in params}
         for bufs in list(self.act_buf.values()) + list(self.grad_buf.values()):
@@ -342,8 +389,80 @@ class StageWorker:
             "num_buffers": sum(len(v) for v in self.act_buf.values()) + sum(len(v) for v in self.grad_buf.values()),
             "stream_length": len(self.stream), "tied": [[list(x) for x in g] for g in self.tied],
             "removed": removed, "boundaries": [[m.to_dict() for m in b] for b in self.boundaries],
-            "setup_time": time.perf_counter() - t0, "rss": _rss(),
+            "optimizer": self.optimizer_name, "setup_time": time.perf_counter() - t0, "rss": _rss(),
         }
+
+    def _build_optimizer(self, params: list) -> None:
+        """``self.optimizer`` for ``self.optimizer_name``; with ``adama`` also the folding hooks,
+        the folded/tied split (``self.folded``/``self.unfolded`` per segment) and, with ``dp > 1``,
+        the flat ``[m | v | tied gradients]`` buffers ``self.flat_states`` (module docstring)."""
+        self.folded: dict[int, list] = {s: [] for s in self.segments}
+        self.unfolded: dict[int, list] = {s: [] for s in self.segments}
+        self.flat_states: dict[int, torch.Tensor] = {}
+        self._fold_hooks: list = []
+        if not params:
+            self.optimizer = None
+            return
+        if self.optimizer_name == "adam":
+            self.optimizer = torch.optim.Adam(params, lr=self.lr)
+            return
+        if self.optimizer_name == "sgd":
+            self.optimizer = torch.optim.SGD(params, lr=self.lr)
+            return
+        from runtime.adama import AdamA
+
+        tied_ids = {id(p) for _, ps, _, _ in self.tied_local for p in ps}
+        for s in self.segments:
+            for p in self.seg_params[s]:
+                (self.unfolded if id(p) in tied_ids else self.folded)[s].append(p)
+        folded = [p for s in self.segments for p in self.folded[s]]
+        unfolded = [p for s in self.segments for p in self.unfolded[s]]
+        groups = [{"params": ps} for ps in (folded, unfolded) if ps]
+        # fold=False: AdamA's flag is per optimizer; the folded group gets the worker's hooks below
+        self.optimizer = AdamA(groups, lr=self.lr, fold=False)
+        opt = self.optimizer
+        for p in folded:
+            self._fold_hooks.append(p.register_post_accumulate_grad_hook(lambda q: opt.fold([q])))
+        if self.dp > 1:
+            for s in self.segments:
+                n = sum(p.numel() for p in self.folded[s])
+                t = sum(p.numel() for p in self.unfolded[s])
+                if n + t:
+                    self.flat_states[s] = torch.zeros(2 * n + t, dtype=torch.float32)
+            self._bind_flat_states()
+
+    def _bind_flat_states(self) -> None:
+        """Make every folded parameter's ``m``/``v`` a view into its segment's flat buffer (values
+        kept), so the data-parallel all-reduce of :meth:`_post_allreduce` runs in place."""
+        for s, flat in self.flat_states.items():
+            n = sum(p.numel() for p in self.folded[s])
+            o = 0
+            for p in self.folded[s]:
+                k = p.numel()
+                st = self.optimizer.state[p]
+                if p.dtype != flat.dtype:
+                    raise WorkerError(f"AdamA data parallelism needs float32 parameters; {tuple(p.shape)} is {p.dtype}")
+                for key, at in (("exp_avg", o), ("exp_avg_sq", n + o)):
+                    view = flat[at:at + k].view_as(p)
+                    if st[key].data_ptr() != view.data_ptr():
+                        view.copy_(st[key])
+                        st[key] = view
+                o += k
+
+    def _begin_replica_step(self) -> None:
+        """AdamA data parallelism, replicas ``r > 0``: zero ``m``/``v`` of the folded parameters and
+        mark them not fresh (replica 0 alone carries ``b1*m``/``b2*v``; the SUM all-reduce adds
+        the replicas' folded gradients to it). Edits ``optimizer.state`` directly."""
+        for s in self.segments:
+            for p in self.folded[s]:
+                st = self.optimizer.state[p]
+                st["exp_avg"].zero_()
+                st["exp_avg_sq"].zero_()
+                st["fresh"] = False
+
+    def _grad_bytes(self) -> int:
+        return sum(p.grad.numel() * p.grad.element_size() for ps in self.seg_params.values() for p in ps
+                   if p.grad is not None)
 
     # ------------------------------------------------------------------ helpers
     def _global(self, pp_rank: int) -> int:
@@ -400,7 +519,9 @@ class StageWorker:
             ``Event.to_dict()`` per executed instruction; ``rank``, ``pp_rank``, ``dp_index``,
             ``step``; ``time`` (s); ``peak_memory`` (bytes, max process RSS sampled after every
             instruction); ``memory`` (``[[t, rss_bytes], ...]``); ``activation_memory``
-            (``[[t, bytes], ...]``) and ``peak_activation_memory`` (tensor accounting).
+            (``[[t, bytes], ...]``) and ``peak_activation_memory`` (tensor accounting);
+            ``peak_grad_memory`` (bytes of parameter gradients held, sampled after every
+            instruction: the whole segment with Adam/SGD, only the tied copies with AdamA).
 
         Raises:
             StepError: (a ``RuntimeError``) ``"rank R (pipeline rank P, replica D) failed at step
@@ -415,6 +536,9 @@ class StageWorker:
         where = f"rank {self.rank} (pipeline rank {self.pp_rank}, replica {self.dp_index})"
         mem = [[0.0, _rss()]]
         act_mem = [[0.0, 0]]
+        grad_peak = 0
+        if self.adama and self.dp > 1 and self.dp_index > 0 and self.optimizer is not None:
+            self._begin_replica_step()
         st.sends = _SendWaiter(st.now, self._timeout)
         try:
             for idx, ins in enumerate(self.stream):
@@ -430,6 +554,8 @@ class StageWorker:
                 t = st.now()
                 mem.append([t, _rss()])
                 act_mem.append([t, self._meter.live])
+                if self.track_activations:
+                    grad_peak = max(grad_peak, self._grad_bytes())
         except BaseException:
             st.sends.abandon()
             raise
@@ -446,6 +572,7 @@ class StageWorker:
             "events": [e.to_dict() for e in st.events], "time": st.now(),
             "peak_memory": int(max(v for _, v in mem)), "memory": mem,
             "activation_memory": act_mem, "peak_activation_memory": int(max(v for _, v in act_mem)),
+            "peak_grad_memory": int(grad_peak),
         }
 
     def _execute(self, ins: Instruction, st: "_StepState") -> None:
@@ -504,6 +631,8 @@ class StageWorker:
             self._tied_allreduce(st)
             start = now()
             if self.optimizer is not None:
+                if self.adama:   # tied copies: their summed gradient is folded once per step
+                    self.optimizer.fold([p for s in self.segments for p in self.unfolded[s]])
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             nbytes = sum(p.numel() * p.element_size() for ps in self.seg_params.values() for p in ps)
@@ -537,6 +666,8 @@ class StageWorker:
         logits = outs[0]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), st.targets[j].reshape(-1))
         st.losses[j] = float(loss.detach())
+        if self.adama:   # folded gradients are the single-process g' = grad(loss / (dp * m))
+            return outs, loss / (self.dp * self.m)
         return outs, loss / self.m
 
     def _roots(self, s: int, j: int, st: "_StepState"):
@@ -582,6 +713,8 @@ class StageWorker:
             torch.autograd.backward(state[1], state[2])
         else:
             stage_backward_weight(iter(self.seg_params[s]), state[1])
+            if self.adama:   # stage_backward_weight assigns .grad without firing the fold hooks
+                self.optimizer.fold(self.folded[s])
         st.ctx.pop((s, j), None)
         self._meter.free((s, j))
 
@@ -590,6 +723,22 @@ class StageWorker:
         ev = Event(self.rank, "collective", "ALLREDUCE", f"allreduce s{s}", start, -1.0, 0, -1,
                    s if s is not None else -1)
         st.events.append(ev)
+        if self.adama:
+            flat = self.flat_states.get(s)
+            if flat is None or self.dp_group is None:
+                ev.end = start
+                return
+            self.optimizer.begin_step(self.folded[s])   # replica 0: decay what got no gradient
+            o = 2 * sum(p.numel() for p in self.folded[s])
+            for p in self.unfolded[s]:                   # tied copies: gradients, summed
+                n = p.numel()
+                if p.grad is None:
+                    flat[o:o + n].zero_()
+                else:
+                    flat[o:o + n].copy_(p.grad.reshape(-1))
+                o += n
+            self._post_flat(flat, s, ev, st)
+            return
         flat = self.flat_grads.get(s)
         if flat is None or self.dp_group is None:
             ev.end = start
@@ -602,6 +751,10 @@ class StageWorker:
             else:
                 flat[o:o + n].copy_(p.grad.reshape(-1))
             o += n
+        self._post_flat(flat, s, ev, st)
+
+    def _post_flat(self, flat: torch.Tensor, s: int, ev: Event, st: "_StepState") -> None:
+        """Post the async SUM all-reduce of ``flat`` over the DP group; :meth:`_finish_allreduces` waits."""
         ev.nbytes = flat.numel() * flat.element_size()
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True)
         now = st.now
@@ -620,6 +773,18 @@ class StageWorker:
             work.wait(self._timeout)
             if ev.end < 0:
                 ev.end = st.now()
+            if self.adama:   # m, v were reduced in place (views); copy the tied gradients back
+                flat = self.flat_states[s]
+                o = 2 * sum(p.numel() for p in self.folded[s])
+                for p in self.unfolded[s]:
+                    n = p.numel()
+                    g = flat[o:o + n].view_as(p)
+                    if p.grad is None:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.copy_(g)
+                    o += n
+                continue
             flat = self.flat_grads[s]
             flat.div_(self.dp)
             o = 0
@@ -736,7 +901,13 @@ class StageWorker:
         opt = None
         if self.optimizer is not None:
             import copy
-            opt = copy.deepcopy(self.optimizer.state_dict())
+            if self.adama:   # compact clones: m, v may be views into the flat all-reduce buffers
+                sd = self.optimizer.state_dict()
+                opt = {"state": {k: {kk: vv.detach().clone() if isinstance(vv, torch.Tensor) else copy.deepcopy(vv)
+                                     for kk, vv in v.items()} for k, v in sd["state"].items()},
+                       "param_groups": copy.deepcopy(sd["param_groups"])}
+            else:
+                opt = copy.deepcopy(self.optimizer.state_dict())
         return {"rank": self.rank, "pp_rank": self.pp_rank, "dp_index": self.dp_index, "segments": segs,
                 "optimizer": opt}
 
@@ -756,9 +927,15 @@ class StageWorker:
             self.modules[s].load_state_dict(segs[s])
         if self.optimizer is not None and sd.get("optimizer") is not None:
             self.optimizer.load_state_dict(sd["optimizer"])
+            if self.adama:
+                self._bind_flat_states()
 
     def shutdown(self) -> None:
-        """Destroy the process group (idempotent)."""
+        """Remove the AdamA fold hooks and destroy the process group (idempotent)."""
+        for h in getattr(self, "_fold_hooks", []):
+            h.remove()
+        if getattr(self, "_fold_hooks", None):
+            self._fold_hooks.clear()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         self._ready = False
