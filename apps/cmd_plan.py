@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (model default)")
     p.add_argument("--dtype", default="float32", help="parameter/activation dtype: float32, bfloat16, float16 (default float32)")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's capacity)")
+    p.add_argument("--optimizer", choices=("adam", "adama"), default="adam",
+                   help="memory model of the optimizer: adam (gradient accumulation: a gradient buffer per stage from its "
+                        "first backward to the step) or adama (AdamA: gradients folded into Adam's states and freed) "
+                        "(default adam)")
     p.add_argument("--profile", action="store_true", help="time the model's ops on this machine (cached) and plan with measured costs")
     p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
 
@@ -48,7 +52,8 @@ def run(args: argparse.Namespace) -> dict:
     res = make_plan(
         args.model, devices=args.devices, micro_batches=args.micro_batches, schedule=args.schedule,
         device_type=args.device_type, dp=args.dp, tp=args.tp, virtual_stages=args.virtual_stages,
-        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, memory_limit=limit, profile=args.profile,
+        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, memory_limit=limit,
+        optimizer=args.optimizer, profile=args.profile,
         progress=progress,
     )
     out = Path(args.output)
@@ -62,7 +67,8 @@ def run(args: argparse.Namespace) -> dict:
     g = res.graph
     print(f"{res.plan.model['name']}: {g.graph.get('num_params', 0) / 1e6:,.1f}M parameters, {g.number_of_nodes()} ops, "
           f"{len(res.plan.segments)} segments; dp={par['dp']} tp={par['tp']} pp={par['pp']}, "
-          f"{par['micro_batches']} micro-batches, schedule {res.plan.schedule.name} on {args.device_type}")
+          f"{par['micro_batches']} micro-batches, schedule {res.plan.schedule.name} on {args.device_type}, "
+          f"optimizer {par['optimizer']}")
     if par["tp"] > 1 or par["dp"] > 1:
         print(f"one row per pipeline rank: each is a group of tp={par['tp']} devices, replicated dp={par['dp']} times")
     rows = [[f"rank {d}", fmt_ms(m['makespan'] * (1 - b)), f"{b:.1%}", fmt_gib(p)]

@@ -4,6 +4,11 @@ Every tensor that crosses devices gets a ``SEND`` right after its producer and a
 right before its consumer; data-parallel gradients get an ``ALLREDUCE`` after a segment's
 last backward on a rank; every training stream ends with an ``OPTIM`` step.
 
+Gradient memory: a weight-gradient block (``B``/``W``) carries the gradient buffer it allocates
+(``hold``, Adam with gradient accumulation: the segment's first weight-gradient block on the
+rank) and its transient micro-batch gradient (``transient``, see
+:func:`engine.schedule.gradient_events`); ``OPTIM`` frees the held buffers (``memory``).
+
 Deadlock freedom. ``SEND`` is asynchronous (an ``isend`` whose completion is awaited at the
 end of the step) and ``RECV`` blocks until its tensor has arrived, so a rank only ever waits
 for a block that some rank has already ordered. If the schedule's orders plus the
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from engine.placement import TensorSpec
-from engine.schedule import Block, Schedule
+from engine.schedule import Block, Schedule, gradient_events
 
 COMPUTE_OPS = ("F", "B", "I", "W")
 INSTRUCTION_OPS = COMPUTE_OPS + ("SEND", "RECV", "ALLREDUCE", "OPTIM")
@@ -40,7 +45,11 @@ class Instruction:
         tensor: static shape and dtype of the transferred tensor (SEND/RECV).
         nbytes: bytes transferred (SEND/RECV) or reduced (ALLREDUCE) or updated (OPTIM).
         duration: compute seconds (F/B/I/W), 0 otherwise (communication time comes from the cost model).
-        memory: bytes allocated (+) / freed (-) by a compute block on this rank.
+        memory: bytes allocated (+) / freed (-) by a compute block on this rank; for ``OPTIM``,
+            minus the gradient buffers it releases (``zero_grad`` after the update).
+        hold: gradient-buffer bytes a compute block allocates at its start and that stay until
+            the ``OPTIM`` step.
+        transient: bytes a compute block holds only while it runs (a micro-batch gradient).
         segment: the segment whose gradients an ALLREDUCE reduces.
         group: size of the data-parallel group of an ALLREDUCE.
     """
@@ -54,6 +63,8 @@ class Instruction:
     memory: int = 0
     segment: int | None = None
     group: int = 1
+    hold: int = 0
+    transient: int = 0
 
     def __str__(self) -> str:
         if self.op == "SEND":
@@ -80,6 +91,10 @@ class Instruction:
             d["segment"] = self.segment
         if self.group != 1:
             d["group"] = self.group
+        if self.hold:
+            d["hold"] = self.hold
+        if self.transient:
+            d["transient"] = self.transient
         return d
 
 
@@ -89,7 +104,8 @@ class ExecutionPlan:
 
     Attributes:
         streams: ``streams[rank]`` is the ordered instruction list of pipeline rank ``rank``.
-        static_memory: resident bytes per rank (parameters, gradients, optimizer states, buffers).
+        static_memory: resident bytes per rank for the whole step (parameters, optimizer states,
+            buffers; gradient buffers come and go with the instructions' ``hold``/``OPTIM``).
         dp: data-parallel degree (replicas of this pipeline; their ALLREDUCEs are symmetric).
         param_bytes: parameter bytes per rank (for the optimizer step).
         schedule_name: the schedule it was lowered from.
@@ -119,6 +135,7 @@ def lower(
     dp: int = 1,
     segment_param_bytes: Mapping[int, int] | None = None,
     optimizer: bool = True,
+    optimizer_kind: str = "adam",
 ) -> ExecutionPlan:
     """Lower a schedule into per-rank instruction streams (SuperScaler phase 3).
 
@@ -128,11 +145,21 @@ def lower(
             are all-reduced after its last backward block (B, or W with split backward) on a rank.
         segment_param_bytes: parameter bytes of each segment on one rank (after TP split).
         optimizer: append an ``OPTIM`` step to every rank of a training schedule.
+        optimizer_kind: ``"adam"`` (gradient accumulation: each ALLREDUCE reduces the segment's
+            gradients) or ``"adama"`` (AdamA: gradients are folded into Adam's states locally and
+            ``m`` and ``v`` are averaged once per step, so each ALLREDUCE carries 2x the segment's
+            parameter bytes; ``runtime.adama.AdamA.sync_states``).
 
     Returns:
         The :class:`ExecutionPlan`. A producer block whose output goes to ``k`` other ranks gets
         ``k`` SENDs; a multi-device producer sends from the first device of its set.
+
+    Raises:
+        ValueError: an unknown ``optimizer_kind``.
     """
+    if optimizer_kind not in ("adam", "adama"):
+        raise ValueError(f"unknown optimizer {optimizer_kind!r}; use 'adam' or 'adama'")
+    sync_factor = 2 if optimizer_kind == "adama" else 1
     pl = schedule.placement
     n = pl.num_devices
     seg_bytes = dict(segment_param_bytes or {})
@@ -169,6 +196,8 @@ def lower(
     for d, order in enumerate(schedule.orders):
         out: list[Instruction] = []
         grad_at = {pos: seg for seg, pos in last_grad_pos[d].items()}
+        grad_ev = gradient_events(pl, order)
+        held = 0
         received: set[Block] = set()
         for pos, b in enumerate(order):
             bi = index[b.key]
@@ -182,15 +211,17 @@ def lower(
                     received.add(pb)
                     t = p.output
                     out.append(Instruction("RECV", pb, peer=src, tensor=t, nbytes=t.nbytes if t else 0))
-            out.append(Instruction(spec.kind, b, duration=spec.duration, memory=spec.memory))
+            hold, trans = grad_ev[pos]
+            held += hold
+            out.append(Instruction(spec.kind, b, duration=spec.duration, memory=spec.memory, hold=hold, transient=trans))
             if spec.devices[0] == d:
                 for dst in consumers[bi]:  # type: ignore[union-attr]
                     t = spec.output
                     out.append(Instruction("SEND", b, peer=dst, tensor=t, nbytes=t.nbytes if t else 0))
             if dp > 1 and pos in grad_at:
                 seg = grad_at[pos]
-                out.append(Instruction("ALLREDUCE", None, nbytes=seg_bytes.get(seg, 0), segment=seg, group=dp))
+                out.append(Instruction("ALLREDUCE", None, nbytes=sync_factor * seg_bytes.get(seg, 0), segment=seg, group=dp))
         if optimizer and not pl.forward_only:
-            out.append(Instruction("OPTIM", None, nbytes=param_bytes[d]))
+            out.append(Instruction("OPTIM", None, nbytes=param_bytes[d], memory=-held))
         streams.append(out)
     return ExecutionPlan(streams, static, dp=dp, param_bytes=param_bytes, schedule_name=schedule.name)

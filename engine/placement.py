@@ -123,22 +123,42 @@ class Placement:
         num_devices: devices (pipeline ranks) ``0..num_devices-1``.
         blocks: the block specs; ``deps`` refer to positions in this tuple.
         name: shape name (``"V"``, ``"interleaved"``, ``"X"``, ``"M"``, ...).
-        static_memory: bytes resident on each device regardless of the schedule (parameters,
-            gradients, optimizer states, receive buffers); empty means zeros.
+        static_memory: bytes resident on each device for the whole step regardless of the
+            schedule (parameters and optimizer states, receive buffers); empty means zeros.
+        grad_memory: per segment, the bytes of its gradient buffer on EACH device of its
+            weight-gradient block (``B``, or ``W`` with split backward): allocated when the
+            segment's first weight-gradient block of the step starts on that device and held
+            until the optimizer step (gradient accumulation with ``torch.optim.Adam``: ``p.grad``
+            lives from the first backward to ``zero_grad``). Empty means none (AdamA, inference,
+            or placements that count gradients in ``static_memory``).
+        grad_transient: per segment, bytes live only while one of its weight-gradient blocks
+            runs (a micro-batch gradient before it is folded into the optimizer state or added
+            into the buffer; bounded by the segment's largest parameter tensor). The block that
+            allocates the segment's gradient buffer has none: its micro-batch gradient becomes
+            the buffer. Empty means none.
+
+    The memory of a device at any time is ``static_memory`` + the gradient buffers allocated so
+    far + the transient of a running weight-gradient block + the activations in flight (the
+    blocks' ``memory`` deltas); :meth:`reserved_bytes` bounds everything but the activations.
 
     Raises:
         PlacementError: a device out of range, a dependency index out of range, a cycle,
-            a duplicate ``(kind, segment)``, an unknown kind, or a backward without its forward.
+            a duplicate ``(kind, segment)``, an unknown kind, a backward without its forward, or
+            ``grad_memory``/``grad_transient`` not holding one non-negative value per segment.
     """
 
     num_devices: int
     blocks: tuple[BlockSpec, ...]
     name: str = "custom"
     static_memory: tuple[int, ...] = ()
+    grad_memory: tuple[int, ...] = ()
+    grad_transient: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
         object.__setattr__(self, "static_memory", tuple(int(x) for x in self.static_memory))
+        object.__setattr__(self, "grad_memory", tuple(int(x) for x in self.grad_memory))
+        object.__setattr__(self, "grad_transient", tuple(int(x) for x in self.grad_transient))
         if self.num_devices < 1:
             raise PlacementError(f"a placement needs at least one device, got num_devices={self.num_devices}")
         if self.static_memory and len(self.static_memory) != self.num_devices:
@@ -146,6 +166,16 @@ class Placement:
                 f"static_memory has {len(self.static_memory)} entries but the placement has "
                 f"{self.num_devices} devices; give one value per device"
             )
+        n_seg = 1 + max((b.segment for b in self.blocks), default=-1)
+        for field_name in ("grad_memory", "grad_transient"):
+            vals = getattr(self, field_name)
+            if vals and len(vals) != n_seg:
+                raise PlacementError(
+                    f"{field_name} has {len(vals)} entries but the placement has {n_seg} segments; "
+                    "give one value per segment"
+                )
+            if any(v < 0 for v in vals):
+                raise PlacementError(f"{field_name} must hold non-negative byte counts, got {list(vals)}")
         seen: dict[tuple[str, int], int] = {}
         for i, b in enumerate(self.blocks):
             if b.kind not in BLOCK_KINDS:
@@ -218,7 +248,32 @@ class Placement:
         return [i for i, b in enumerate(self.blocks) if device in b.devices]
 
     def static_bytes(self, device: int) -> int:
+        """Bytes resident on ``device`` for the whole step (:attr:`static_memory`)."""
         return self.static_memory[device] if self.static_memory else 0
+
+    def grad_segments_on(self, device: int) -> list[int]:
+        """Segments whose weight-gradient block (``B`` or ``W``) runs on ``device``, ascending."""
+        return sorted({b.segment for b in self.blocks if b.kind in ("B", "W") and device in b.devices})
+
+    def grad_bytes(self, segment: int) -> int:
+        """Gradient-buffer bytes of ``segment`` on each of its devices (:attr:`grad_memory`)."""
+        return self.grad_memory[segment] if self.grad_memory else 0
+
+    def grad_transient_bytes(self, segment: int) -> int:
+        """Transient gradient bytes of one of ``segment``'s weight-gradient blocks (:attr:`grad_transient`)."""
+        return self.grad_transient[segment] if self.grad_transient else 0
+
+    def reserved_bytes(self, device: int) -> int:
+        """An upper bound of everything but activations on ``device`` at any time of the step:
+        static memory + all its segments' gradient buffers + the largest transient gradient.
+
+        Memory-bounded schedulers (Tessel, the generic 1F1B with a limit) use it as the constant
+        floor, so their schedules stay within the limit under the exact accounting of
+        :func:`engine.schedule.peak_memory` and the simulator.
+        """
+        segs = self.grad_segments_on(device)
+        return (self.static_bytes(device) + sum(self.grad_bytes(s) for s in segs)
+                + max((self.grad_transient_bytes(s) for s in segs), default=0))
 
     def busy_time(self, device: int) -> float:
         """Seconds of compute one micro-batch puts on ``device``."""
@@ -230,11 +285,17 @@ class Placement:
 
     # ----------------------------------------------------------------- JSON
     def to_dict(self) -> dict:
-        return {
+        """JSON form; ``grad_memory``/``grad_transient`` appear only when set."""
+        d = {
             "name": self.name, "num_devices": self.num_devices,
             "static_memory": list(self.static_memory),
             "blocks": [b.to_dict() for b in self.blocks],
         }
+        if self.grad_memory:
+            d["grad_memory"] = list(self.grad_memory)
+        if self.grad_transient:
+            d["grad_transient"] = list(self.grad_transient)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Placement":
@@ -244,6 +305,8 @@ class Placement:
             blocks=tuple(BlockSpec.from_dict(b) for b in d["blocks"]),
             name=str(d.get("name", "custom")),
             static_memory=tuple(int(x) for x in d.get("static_memory", ())),
+            grad_memory=tuple(int(x) for x in d.get("grad_memory", ())),
+            grad_transient=tuple(int(x) for x in d.get("grad_transient", ())),
         )
 
 

@@ -22,7 +22,9 @@ from engine.placement import Placement
 from engine.schedule import Schedule
 from engine.simulate import simulate
 from engine.timeline import Timeline
-from engine.transform import ADAM_STATE_FACTOR, ParallelConfig, Segment, TransformError, split_segments
+from engine.transform import (
+    PARAM_STATE_FACTOR, ParallelConfig, Segment, TransformError, check_optimizer, gradient_bytes, split_segments,
+)
 
 
 @dataclass
@@ -47,13 +49,22 @@ class PlanResult:
 
 
 def placement_from_segments(segments: list[Segment], config: ParallelConfig, schedule: str = "1f1b", *,
-                            forward_only: bool = False) -> Placement:
+                            forward_only: bool = False, optimizer: str = "adam") -> Placement:
     """The placement a predefined schedule needs (looped V/interleaved, or ZB-V's V shape), with
     durations, activation memory and boundary tensors from the segments.
 
-    Static memory per device: parameters of its segments with gradients and Adam states
-    (``ADAM_STATE_FACTOR`` x parameter bytes; parameters only when ``forward_only``).
+    Memory of a training placement: static memory per device = parameters of its segments with
+    Adam's m and v (``PARAM_STATE_FACTOR`` = 3 x parameter bytes, for both optimizers); per
+    segment, the gradient buffer and transient gradient of
+    :func:`engine.transform.gradient_bytes` (``adam``: a buffer of the segment's parameter bytes
+    from its first backward to the optimizer step; ``adama``: only a transient gradient of its
+    largest parameter tensor during each backward) as ``grad_memory``/``grad_transient``.
+    Inference (``forward_only``): the parameters only.
+
+    Raises:
+        TransformError: an unknown optimizer.
     """
+    check_optimizer(optimizer)
     req = placement_requirements(schedule)
     base = req.make_placement(
         config.pp, virtual_stages=config.virtual_stages,
@@ -64,8 +75,12 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
     )
     static = [0] * config.pp
     for s in segments:
-        static[base.spec("F", s.index).devices[0]] += s.param_bytes * (1 if forward_only else ADAM_STATE_FACTOR)
-    return replace(base, static_memory=tuple(static))
+        static[base.spec("F", s.index).devices[0]] += s.param_bytes * (1 if forward_only else PARAM_STATE_FACTOR)
+    if forward_only:
+        return replace(base, static_memory=tuple(static))
+    grads = [gradient_bytes(optimizer, s.param_bytes, s.max_param_bytes) for s in segments]
+    return replace(base, static_memory=tuple(static), grad_memory=tuple(g for g, _ in grads),
+                   grad_transient=tuple(t for _, t in grads))
 
 
 def make_plan(
@@ -82,6 +97,7 @@ def make_plan(
     seq_len: int | None = None,
     dtype: str = "float32",
     memory_limit: float | None = None,
+    optimizer: str = "adam",
     cost: CostModel | None = None,
     profile: bool = False,
     progress: Callable[[str], None] | None = None,
@@ -101,6 +117,13 @@ def make_plan(
         dtype: parameter/activation dtype of the captured model and the cost table's peak
             (``float32``, ``bfloat16``, ``float16``).
         memory_limit: bytes per device for the split and the memory check (device capacity if ``None``).
+        optimizer: ``adam`` (``torch.optim.Adam`` with gradient accumulation: each stage holds a
+            gradient buffer of its parameter bytes from its first backward to the optimizer step)
+            or ``adama`` (AdamA: micro-batch gradients folded into m and v and freed; only a
+            transient gradient of the largest parameter tensor during each backward, and
+            data-parallel replicas all-reduce m and v, 2x the parameter bytes, once per step).
+            Recorded in ``plan.parallel["optimizer"]``; the predicted memory curves and peaks
+            follow it.
         cost: a prepared cost model (e.g. with profiled op times); overrides ``device_type``.
         profile: time every distinct op of the captured graph on this machine (cached, see
             :func:`engine.cost.profile_ops`) and use the measured times; ``device_type`` should then
@@ -108,9 +131,10 @@ def make_plan(
         progress: called with the name of each phase as it starts.
 
     Raises:
-        TesselError: bad names or degrees, a model that cannot be captured, a schedule that needs
-            more micro-batches (each a one-sentence message).
+        TesselError: bad names or degrees, an unknown optimizer, a model that cannot be captured,
+            a schedule that needs more micro-batches (each a one-sentence message).
     """
+    check_optimizer(optimizer)
     say = progress or (lambda _msg: None)
     warnings_pre: list[str] = []
     timings: dict[str, float] = {}
@@ -149,9 +173,9 @@ def make_plan(
                 warnings_pre.append(f"op times were measured on this machine ({local}) but --device-type is {device_type}")
             table = profile_ops(ops, device=local)
         cost = CostModel.for_device(device_type, profile=table, dtype=dtype)
-    segments, warnings = split_segments(graph, cost, config, memory_limit=memory_limit)
+    segments, warnings = split_segments(graph, cost, config, memory_limit=memory_limit, optimizer=optimizer)
     warnings = warnings_pre + warnings
-    placement = placement_from_segments(segments, config, schedule)
+    placement = placement_from_segments(segments, config, schedule, optimizer=optimizer)
     timings["transform"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -163,7 +187,7 @@ def make_plan(
 
     t0 = time.perf_counter()
     say("simulate")
-    execution = lower(sched, dp=dp, segment_param_bytes={s.index: s.param_bytes for s in segments})
+    execution = lower(sched, dp=dp, segment_param_bytes={s.index: s.param_bytes for s in segments}, optimizer_kind=optimizer)
     timeline = simulate(execution, cost)
     timings["simulate"] = time.perf_counter() - t0
 
@@ -184,7 +208,7 @@ def make_plan(
                "micro_batch_size": micro_batch_size, "batch_size": micro_batch_size * micro_batches * dp,
                "seq_len": bundle.seq_len, "dtype": graph.graph.get("dtype", "float32"),
                "num_params": graph.graph.get("num_params")},
-        parallel={**config.to_dict(), "optimizer": "adam"},
+        parallel={**config.to_dict(), "optimizer": optimizer},
         segments=[s.to_dict() for s in segments],
         schedule=sched,
         cost=cost.to_dict(),
@@ -230,10 +254,13 @@ def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Pl
 
 
 def resimulate(plan: Plan) -> Timeline:
-    """Re-lower and re-simulate a (loaded or edited) plan with its stored cost model."""
+    """Re-lower and re-simulate a (loaded or edited) plan with its stored cost model and optimizer
+    (``plan.parallel["optimizer"]``, ``adam`` when absent; the placement carries the memory)."""
     cost = CostModel.from_dict(plan.cost) if plan.cost else None
     segs = {int(s["index"]): int(s.get("param_bytes", 0)) for s in plan.segments}
-    ex = lower(plan.schedule, dp=int(plan.parallel.get("dp", 1)), segment_param_bytes=segs)
+    opt = str(plan.parallel.get("optimizer", "adam"))
+    ex = lower(plan.schedule, dp=int(plan.parallel.get("dp", 1)), segment_param_bytes=segs,
+               optimizer_kind=opt if opt in ("adam", "adama") else "adam")
     return simulate(ex, cost)
 
 

@@ -13,10 +13,18 @@ K needs a model with two independent branches, which a sequential transformer is
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from engine.errors import TesselError
 from engine.placement import Placement, TensorSpec
 from engine.shapes import make_shape
-from engine.transform import ADAM_STATE_FACTOR, balanced_partition, layer_costs
+from engine.transform import (
+    PARAM_STATE_FACTOR,
+    balanced_partition,
+    check_optimizer,
+    gradient_bytes,
+    layer_costs,
+)
 
 #: Number of model parts per shape on ``n`` devices.
 _PARTS = {"v": lambda n: n, "x": lambda n: n, "m": lambda n: n + 1, "nn": lambda n: n + 2, "interleaved": lambda n: 2 * n}
@@ -28,7 +36,7 @@ def _key(shape: str) -> str:
 
 
 def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bool = False,
-                          forward_only: bool = False) -> tuple[Placement, list[dict]]:
+                          forward_only: bool = False, optimizer: str = "adam") -> tuple[Placement, list[dict]]:
     """The ``shape`` placement on ``n`` devices with the captured model's costs.
 
     Args:
@@ -36,14 +44,20 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         cost: the :class:`~engine.cost.CostModel`.
         shape: ``v``, ``x``, ``m``, ``nn`` or ``interleaved``.
         n: devices.
+        optimizer: ``adam`` or ``adama``: static memory is parameters + m + v (3x) either way; the
+            gradient buffer / transient per segment follow :func:`engine.transform.gradient_bytes`
+            (divided among the devices of an all-device segment, like its parameters).
 
     Returns:
         ``(placement, parts)``: the placement (seconds, bytes) and per model part its ``layers``,
-        ``forward_time``, ``backward_time``, ``activation_bytes``, ``param_bytes``.
+        ``forward_time``, ``backward_time``, ``activation_bytes``, ``param_bytes``,
+        ``max_param_bytes``.
 
     Raises:
-        TesselError: the K shape (needs a two-branch model) or too few layers for the shape.
+        TesselError: the K shape (needs a two-branch model), too few layers for the shape, or
+            an unknown optimizer.
     """
+    check_optimizer(optimizer)
     key = _key(shape)
     if key == "k":
         raise TesselError("the K shape needs a model with two independent branches joined by a loss; "
@@ -61,6 +75,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             "forward_time": sum(lc.forward_time for lc in chunk),
             "activation_bytes": sum(lc.activation_bytes for lc in chunk),
             "param_bytes": sum(lc.param_bytes for lc in chunk),
+            "max_param_bytes": max((lc.max_param_bytes for lc in chunk), default=0),
             "output": chunk[-1].output,
         })
     probe = make_shape(key, n)
@@ -69,6 +84,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
     all_dev = {b.segment for b in probe.blocks if len(b.devices) == n and n > 1}
     fwd, bwd, act, outs, grads = [], [], [], [], []
     static = [0] * n
+    grad_buf, grad_tr = [], []
     for s in range(n_seg):
         p = parts[part_of(s)]
         f, a = p["forward_time"], p["activation_bytes"]
@@ -84,9 +100,14 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         grads.append(parts[prev]["output"] if prev >= 0 else None)
         devs = probe.spec("F", s).devices
         for d in devs:
-            static[d] += p["param_bytes"] * (1 if forward_only else ADAM_STATE_FACTOR) // len(devs)
+            static[d] += p["param_bytes"] * (1 if forward_only else PARAM_STATE_FACTOR) // len(devs)
+        buf, tr = gradient_bytes(optimizer, p["param_bytes"], p["max_param_bytes"])
+        grad_buf.append(buf // len(devs))
+        grad_tr.append(tr // len(devs))
     pl = make_shape(key, n, forward_times=fwd, backward_times=bwd, activation_bytes=act, outputs=outs,
                     input_grads=grads, split_backward=split_backward, forward_only=forward_only, static_memory=static)
+    if not forward_only:
+        pl = replace(pl, grad_memory=tuple(grad_buf), grad_transient=tuple(grad_tr))
     for p in parts:
         p["backward_time"] = cost.backward_factor * p["forward_time"]
         p["output"] = p["output"].to_dict() if p["output"] else None

@@ -528,6 +528,8 @@ def placement_to_dict(placement: Placement) -> dict:
         "format": PLACEMENT_FORMAT, "version": PLACEMENT_VERSION, "name": placement.name,
         "num_devices": placement.num_devices, "static_memory": list(placement.static_memory),
         "blocks": [b.to_dict() for b in placement.blocks],
+        **({"grad_memory": list(placement.grad_memory)} if placement.grad_memory else {}),
+        **({"grad_transient": list(placement.grad_transient)} if placement.grad_transient else {}),
     }
 
 
@@ -545,7 +547,8 @@ def placement_from_dict(d: Any) -> Placement:
     ver = d.get("version")
     if ver != PLACEMENT_VERSION:
         raise PlacementError(f"version is {ver!r}; this planner reads placement version {PLACEMENT_VERSION}")
-    unknown = sorted(set(d) - {"format", "version", "name", "num_devices", "static_memory", "blocks"})
+    unknown = sorted(set(d) - {"format", "version", "name", "num_devices", "static_memory", "blocks",
+                               "grad_memory", "grad_transient"})
     if unknown:
         raise PlacementError(f"{unknown[0]} is not a placement field")
     nd = d.get("num_devices")
@@ -565,7 +568,13 @@ def placement_from_dict(d: Any) -> Placement:
     if "blocks" not in d:
         raise PlacementError("blocks is missing")
     specs = _parse_blocks(nd, d["blocks"])
-    return Placement(nd, specs, name=name, static_memory=tuple(static))
+    grad = {}
+    for key in ("grad_memory", "grad_transient"):
+        vals = d.get(key, [])
+        if not isinstance(vals, list) or not all(_is_int(x) for x in vals):
+            raise PlacementError(f"{key} must be a list of integers (bytes per segment), got {vals!r}")
+        grad[key] = tuple(vals)
+    return Placement(nd, specs, name=name, static_memory=tuple(static), **grad)
 
 
 def save_placement(placement: Placement, path: str | os.PathLike) -> Path:

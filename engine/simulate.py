@@ -5,14 +5,16 @@ serialises its outgoing transfers, and a collective stream for data-parallel all
 
 - ``F``/``B``/``I``/``W``: run for their duration on the compute stream; a block on several
   devices starts when all of them reach it. Memory: a positive delta is allocated at the
-  block's start, a negative one freed at its end.
+  block's start, a negative one freed at its end; a gradient buffer the block allocates
+  (``hold``) is added at its start and kept until ``OPTIM``; its transient gradient is added at
+  its start and freed at its end.
 - ``SEND``: posts an asynchronous transfer; it starts when the send stream is free and
   lasts ``cost.p2p_time(nbytes, src, dst)``. The compute stream does not wait.
 - ``RECV``: the compute stream waits until the matching transfer has arrived (receive
   buffers are pre-allocated, so no memory changes).
 - ``ALLREDUCE``: asynchronous on the collective stream (data-parallel replicas are symmetric,
   so one replica is simulated); ``OPTIM`` waits for all of the rank's all-reduces and then
-  runs for ``cost.optimizer_time(nbytes)``.
+  runs for ``cost.optimizer_time(nbytes)``; the gradient buffers are freed at its end.
 
 The result is a :class:`~engine.timeline.Timeline`, the same structure the runtime measures.
 A rank that can never proceed raises :class:`~engine.errors.DeadlockError` naming every
@@ -93,11 +95,13 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
         for r in ranks:
             events.append(Event(r, "compute", ins.op, name, start, end, 0, ins.block.micro_batch, ins.block.segment))
             clock[r] = end
-            if ins.memory > 0:
-                mem[r] += ins.memory
+            up = max(ins.memory, 0) + ins.hold + ins.transient
+            if up:
+                mem[r] += up
                 mem_curve[r].append((start, mem[r]))
-            elif ins.memory < 0:
-                mem[r] += ins.memory
+            down = min(ins.memory, 0) - ins.transient
+            if down:
+                mem[r] += down
                 mem_curve[r].append((end, mem[r]))
             pc[r] += 1
 
@@ -147,6 +151,9 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
                     end = start + cost.optimizer_time(ins.nbytes)
                     events.append(Event(r, "compute", "OPTIM", "optimizer", start, end, ins.nbytes, -1, -1))
                     clock[r] = end
+                    if ins.memory:
+                        mem[r] += ins.memory
+                        mem_curve[r].append((end, mem[r]))
                     pc[r] += 1
                 else:  # compute
                     k = span.get(ins.block, 1)

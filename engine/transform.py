@@ -24,11 +24,59 @@ from engine.placement import TensorSpec
 #: and Adam's two moments (m, v): 4x the parameter bytes.
 ADAM_STATE_FACTOR = 4
 
+#: Bytes resident for the whole step per parameter byte with either optimizer: the parameter and
+#: Adam's two moments (m, v). The gradient buffer is modelled separately (see :func:`gradient_bytes`).
+PARAM_STATE_FACTOR = 3
+
+#: Optimizers the memory model knows: ``adam`` (``torch.optim.Adam`` with gradient accumulation:
+#: a full gradient buffer lives from a stage's first backward to the optimizer step) and ``adama``
+#: (AdamA, ``runtime.adama.AdamA``: each micro-batch gradient is folded into m and v and freed, so
+#: only a transient gradient of one parameter tensor exists during a backward).
+OPTIMIZERS = ("adam", "adama")
+
 _REPLICATED_MODULES = ("LayerNorm", "RMSNorm", "LlamaRMSNorm", "GPT2LayerNorm", "Dropout")
 
 
 class TransformError(TesselError, ValueError):
     """A parallel configuration cannot be applied to the model (the message says what to change)."""
+
+
+def check_optimizer(optimizer: str) -> str:
+    """``optimizer`` if the memory model knows it (:data:`OPTIMIZERS`).
+
+    Raises:
+        TransformError: any other name.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise TransformError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    return optimizer
+
+
+def gradient_bytes(optimizer: str, param_bytes: int, max_param_bytes: int) -> tuple[int, int]:
+    """``(buffer, transient)`` gradient bytes of a segment with ``param_bytes`` parameter bytes
+    whose largest parameter tensor has ``max_param_bytes`` bytes.
+
+    - ``adam``: ``(param_bytes, max_param_bytes)``: the accumulated ``p.grad`` of every
+      parameter from the segment's first backward to the optimizer step, plus, on each later
+      backward, the fresh micro-batch gradient of one parameter before ``p.grad += g``.
+    - ``adama``: ``(0, max_param_bytes)``: no buffer across micro-batches (AdamA, Zhang et al.,
+      ECAI 2023: each gradient is folded into m and v by a post-accumulate-grad hook and freed);
+      during each backward, one parameter's micro-batch gradient at a time, bounded by the
+      largest parameter tensor of the segment.
+
+    Raises:
+        TransformError: an unknown optimizer.
+    """
+    check_optimizer(optimizer)
+    return (param_bytes if optimizer == "adam" else 0), max_param_bytes
+
+
+def training_state_bytes(optimizer: str, param_bytes: int, max_param_bytes: int) -> int:
+    """Upper bound of a segment's parameter, optimizer-state and gradient bytes at any time of a
+    step: ``4 x param_bytes (+ largest tensor)`` with ``adam``, ``3 x param_bytes + largest tensor``
+    with ``adama`` (the bound the stage split checks against device memory)."""
+    buf, trans = gradient_bytes(optimizer, param_bytes, max_param_bytes)
+    return PARAM_STATE_FACTOR * param_bytes + buf + trans
 
 
 @dataclass
@@ -87,6 +135,8 @@ class Segment:
         backward_time: seconds of full backward per micro-batch, TP all-reduces included.
         tp_comm_time: seconds of the forward TP all-reduces (included in ``forward_time``).
         output: the boundary tensor sent to the next segment (``None`` for the last).
+        max_param_bytes: bytes of its largest parameter tensor on one TP rank (the transient
+            gradient of one backward, see :func:`gradient_bytes`).
     """
 
     index: int
@@ -99,10 +149,12 @@ class Segment:
     tp_comm_time: float = 0.0
     output: TensorSpec | None = None
     meta: dict = field(default_factory=dict)
+    max_param_bytes: int = 0
 
     def to_dict(self) -> dict:
         return {
             "index": self.index, "layers": self.layers, "flops": self.flops, "param_bytes": self.param_bytes,
+            "max_param_bytes": self.max_param_bytes,
             "activation_bytes": self.activation_bytes, "forward_time": self.forward_time,
             "backward_time": self.backward_time, "tp_comm_time": self.tp_comm_time,
             "output": self.output.to_dict() if self.output else None,
@@ -136,6 +188,36 @@ class LayerCost:
     activation_bytes: int
     tp_comm_time: float
     output: TensorSpec | None
+    max_param_bytes: int = 0
+
+
+def _largest_param_bytes(node: dict) -> int:
+    """Bytes of the largest parameter tensor an op reads (from its argument descriptors), capped
+    by the parameter bytes counted at this op (tied or reused parameters count at first use)."""
+    if not node.get("param_bytes"):
+        return 0
+    from engine.placement import dtype_bytes
+
+    best = 0
+
+    def walk(a) -> None:
+        nonlocal best
+        if isinstance(a, dict):
+            if "param" in a and "shape" in a:
+                n = 1
+                for x in a["shape"]:
+                    n *= int(x)
+                try:
+                    best = max(best, n * dtype_bytes(str(a.get("dtype", "float32"))))
+                except ValueError:
+                    pass
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x)
+
+    walk(node.get("args", ()))
+    walk(list((node.get("kwargs") or {}).values()))
+    return min(best, int(node["param_bytes"])) if best else int(node["param_bytes"])
 
 
 def layer_costs(graph, cost, tp: int = 1) -> list[LayerCost]:
@@ -152,6 +234,7 @@ def layer_costs(graph, cost, tp: int = 1) -> list[LayerCost]:
         t = 0.0
         flops = 0.0
         pbytes = 0
+        pmax = 0
         act = 0
         for op in ls.ops:
             node = graph.nodes[op]
@@ -159,6 +242,7 @@ def layer_costs(graph, cost, tp: int = 1) -> list[LayerCost]:
             t += cost.op_time(node, shard=k)
             flops += node.get("flops", 0.0) / k
             pbytes += node.get("param_bytes", 0) // k
+            pmax = max(pmax, _largest_param_bytes(node) // k)
             act += node.get("saved_bytes", 0) // k
         bt = ls.boundary_tensors[0] if ls.boundary_tensors else None
         output = TensorSpec(tuple(bt["shape"]), bt["dtype"]) if bt else None
@@ -167,7 +251,7 @@ def layer_costs(graph, cost, tp: int = 1) -> list[LayerCost]:
             n_ar = 2 if _is_block(ls.name) else (1 if pbytes else 0)
             nbytes = output.nbytes if output else ls.output_bytes
             comm = n_ar * cost.collective_time("allreduce", nbytes, list(range(tp)))
-        out.append(LayerCost(ls.name, t + comm, flops, pbytes, act, comm, output))
+        out.append(LayerCost(ls.name, t + comm, flops, pbytes, act, comm, output, pmax))
     return out
 
 
@@ -213,7 +297,8 @@ def balanced_partition(weights: Sequence[float], k: int, *, fits=None) -> list[t
     return ranges[::-1]
 
 
-def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float | None = None) -> tuple[list[Segment], list[str]]:
+def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float | None = None,
+                   optimizer: str = "adam") -> tuple[list[Segment], list[str]]:
     """Cut the graph into ``config.num_segments`` balanced segments.
 
     Args:
@@ -221,17 +306,21 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
         cost: the cost model.
         config: parallel degrees.
         memory_limit: bytes per device; segments are bounded so that parameters with Adam states
-            plus ``min(m, pp)`` micro-batches of activations fit (1F1B's in-flight bound).
-            ``None`` uses the cost model's device capacity.
+            and gradients (:func:`training_state_bytes`: 4x the parameter bytes with ``adam``,
+            3x plus the largest parameter tensor with ``adama``) plus ``min(m, pp)``
+            micro-batches of activations fit (1F1B's in-flight bound). ``None`` uses the cost
+            model's device capacity.
+        optimizer: ``adam`` or ``adama`` (:data:`OPTIMIZERS`).
 
     Returns:
         ``(segments, warnings)``; a warning says when no memory-feasible split exists and the
         time-balanced split is used anyway (the plan then reports memory above capacity).
 
     Raises:
-        TransformError: bad degrees or more segments than layers.
+        TransformError: bad degrees, an unknown optimizer or more segments than layers.
     """
     config.check()
+    check_optimizer(optimizer)
     layers = layer_costs(graph, cost, config.tp)
     k = config.num_segments
     if k > len(layers):
@@ -247,8 +336,18 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
         pre_p.append(pre_p[-1] + lc.param_bytes)
         pre_a.append(pre_a[-1] + lc.activation_bytes)
 
+    # largest parameter tensor of layers i..j-1, for every range (the DP asks O(k n^2) times)
+    n_l = len(layers)
+    pmax = [[0] * (n_l + 1) for _ in range(n_l + 1)]
+    for i in range(n_l):
+        for j in range(i + 1, n_l + 1):
+            pmax[i][j] = max(pmax[i][j - 1], layers[j - 1].max_param_bytes)
+
+    def need_of(i: int, j: int) -> int:
+        return training_state_bytes(optimizer, pre_p[j] - pre_p[i], pmax[i][j]) + inflight * (pre_a[j] - pre_a[i])
+
     def fits(i: int, j: int) -> bool:
-        return ADAM_STATE_FACTOR * (pre_p[j] - pre_p[i]) + inflight * (pre_a[j] - pre_a[i]) <= cap
+        return need_of(i, j) <= cap
 
     warnings: list[str] = []
     weights = [lc.forward_time for lc in layers]
@@ -256,7 +355,7 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
         ranges = balanced_partition(weights, k, fits=fits)
     except TransformError:
         ranges = balanced_partition(weights, k)
-        need = max(ADAM_STATE_FACTOR * (pre_p[j] - pre_p[i]) + inflight * (pre_a[j] - pre_a[i]) for i, j in ranges)
+        need = max(need_of(i, j) for i, j in ranges)
         warnings.append(
             f"no split into {k} segments fits {cap / 2**30:.1f} GiB per device (the best needs {need / 2**30:.1f} GiB); "
             "add pipeline stages, tensor parallelism (--tp) or a larger device"
@@ -272,5 +371,6 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
             param_bytes=sum(lc.param_bytes for lc in part), activation_bytes=sum(lc.activation_bytes for lc in part),
             forward_time=fwd, backward_time=bwd, tp_comm_time=comm,
             output=part[-1].output if idx < k - 1 else None,
+            max_param_bytes=max((lc.max_param_bytes for lc in part), default=0),
         ))
     return segments, warnings

@@ -123,10 +123,10 @@ def _list_schedule(placement: Placement, m: int, policy: str, memory_limit=None)
             # what a finished micro-batch leaves allocated (non-zero only if its frees do not
             # balance its allocations on d, e.g. a forward-only placement with memory)
             kept[d] = max(0, sum(pl.blocks[i].memory for i in blocks_on[d]))
-            if pl.static_bytes(d) + footprint[d] > limits[d]:
+            if pl.reserved_bytes(d) + footprint[d] > limits[d]:
                 raise ScheduleError(
                     "memory",
-                    f"1f1b cannot fit one micro-batch on device {d}: static {pl.static_bytes(d)} + "
+                    f"1f1b cannot fit one micro-batch on device {d}: static and gradient memory {pl.reserved_bytes(d)} + "
                     f"{footprint[d]} activation exceeds the memory limit {limits[d]:g}", d,
                 )
 
@@ -192,7 +192,7 @@ def _list_schedule(placement: Placement, m: int, policy: str, memory_limit=None)
                         if caps[d] is not None and in_flight[d] >= caps[d] and not override:
                             ok = False
                             break
-                        if limits is not None and pl.static_bytes(d) + mem_reserved[d] + footprint[d] > limits[d]:
+                        if limits is not None and pl.reserved_bytes(d) + mem_reserved[d] + footprint[d] > limits[d]:
                             ok = False
                             break
             if not ok:

@@ -32,7 +32,7 @@ class Plan:
         model: model reference: ``name`` (registry name or ``module:callable``), ``source``,
             ``config`` (JSON-able), ``batch_size`` (global), ``micro_batch_size``, ``seq_len``, ``dtype``.
         parallel: ``dp``, ``tp``, ``pp``, ``virtual_stages``, ``micro_batches``, ``devices`` (= dp*tp*pp),
-            ``optimizer`` (``"adam"``).
+            ``optimizer`` (``"adam"`` or ``"adama"``: the memory model the prediction used).
         segments: one dict per segment: ``index``, ``layers`` (module paths), ``devices``,
             ``flops`` (forward FLOPs per micro-batch), ``param_bytes``, ``activation_bytes``,
             ``forward_time``/``backward_time`` (s), ``output`` (boundary tensor shape/dtype).

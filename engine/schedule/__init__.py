@@ -5,6 +5,6 @@ See ``../shared/DESIGN.md``: start times are derived by the simulator, never sto
 
 from engine.schedule.block import Block, parse_action
 from engine.schedule.schedule import Schedule
-from engine.schedule.validate import validate, peak_memory, memory_profile
+from engine.schedule.validate import gradient_events, memory_profile, peak_memory, validate
 
-__all__ = ["Block", "parse_action", "Schedule", "validate", "peak_memory", "memory_profile"]
+__all__ = ["Block", "parse_action", "Schedule", "validate", "peak_memory", "memory_profile", "gradient_events"]

@@ -114,28 +114,65 @@ def _check_deadlock(s: Schedule) -> None:
         raise ScheduleError("deadlock", f"the device orders deadlock: {detail}", d0, str(b0))
 
 
+def gradient_events(placement, order: Sequence[Block]) -> list[tuple[int, int]]:
+    """Per block of one device's ``order``: ``(hold, transient)`` gradient bytes.
+
+    ``hold``: the segment's gradient buffer (:attr:`~engine.placement.Placement.grad_memory`),
+    allocated at the start of the segment's FIRST weight-gradient block (``B`` or ``W``) in the
+    order and kept until the optimizer step. ``transient``: bytes live only while the block runs
+    (:attr:`~engine.placement.Placement.grad_transient`), on every weight-gradient block except
+    the one that allocates a non-empty buffer (its micro-batch gradient becomes the buffer).
+    ``(0, 0)`` for ``F``/``I`` blocks.
+    """
+    held: set[int] = set()
+    out = []
+    for b in order:
+        hold = trans = 0
+        if b.kind in ("B", "W"):
+            if b.segment not in held:
+                held.add(b.segment)
+                hold = placement.grad_bytes(b.segment)
+            if not hold:
+                trans = placement.grad_transient_bytes(b.segment)
+        out.append((hold, trans))
+    return out
+
+
+def _levels(s: Schedule, d: int) -> list[tuple[int, int]]:
+    """Device ``d``: ``(during, after)`` bytes for each block of its order.
+
+    ``during``: the level while the block runs (its allocation, a gradient buffer it allocates
+    and its transient gradient included; what it frees is still held); ``after``: once it ends.
+    """
+    pl = s.placement
+    cur = pl.static_bytes(d)
+    out = []
+    order = s.orders[d]
+    for b, (hold, trans) in zip(order, gradient_events(pl, order)):
+        mem = pl.spec(b.kind, b.segment).memory
+        during = cur + max(mem, 0) + hold + trans
+        cur += mem + hold
+        out.append((during, cur))
+    return out
+
+
 def memory_profile(s: Schedule) -> list[list[int]]:
     """Per device, the memory in bytes after each block of its order (static memory included).
 
     Memory changes at block granularity: a block's ``memory`` delta (activation allocated by F,
-    freed by B/I/W) applies when it runs. Order-based, so independent of timing.
+    freed by B/I/W) applies when it runs; a segment's gradient buffer (``grad_memory``, Adam with
+    gradient accumulation) is added at its first weight-gradient block and stays to the end of
+    the order (the optimizer step). Transient gradients are gone after their block (see
+    :func:`peak_memory`). Order-based, so independent of timing.
     """
-    pl = s.placement
-    out = []
-    for d, order in enumerate(s.orders):
-        cur = pl.static_bytes(d)
-        row = []
-        for b in order:
-            cur += pl.spec(b.kind, b.segment).memory
-            row.append(cur)
-        out.append(row)
-    return out
+    return [[after for _, after in _levels(s, d)] for d in range(len(s.orders))]
 
 
 def peak_memory(s: Schedule) -> list[int]:
-    """Peak bytes per device: static memory plus the maximum in-flight activation memory."""
-    prof = memory_profile(s)
-    return [max([s.placement.static_bytes(d)] + row) for d, row in enumerate(prof)]
+    """Peak bytes per device: static memory plus the maximum, over the blocks of the order, of
+    in-flight activations, gradient buffers held and the running block's transient gradient."""
+    return [max([s.placement.static_bytes(d)] + [during for during, _ in _levels(s, d)])
+            for d in range(len(s.orders))]
 
 
 def validate(s: Schedule, memory_limit: float | Sequence[float] | None = None) -> None:

@@ -60,7 +60,9 @@ def memory_floor(placement: Placement) -> list[int]:
     """Per device, the least peak memory of any schedule (bytes or the placement's units).
 
     One micro-batch in flight, blocks in chain (topological) order: static memory plus the
-    maximum prefix sum of the device's memory deltas.
+    maximum prefix sum of the device's memory deltas, with each segment's gradient buffer added
+    at its weight-gradient block (or its transient gradient during that block, see
+    :attr:`~engine.placement.Placement.grad_memory`).
     """
     g = placement.dependency_graph()
     order = list(nx.lexicographical_topological_sort(g))
@@ -70,7 +72,11 @@ def memory_floor(placement: Placement) -> list[int]:
         for i in order:
             b = placement.blocks[i]
             if d in b.devices:
-                level += b.memory
-                peak = max(peak, level)
+                hold = trans = 0
+                if b.kind in ("B", "W"):
+                    hold = placement.grad_bytes(b.segment)
+                    trans = 0 if hold else placement.grad_transient_bytes(b.segment)
+                peak = max(peak, level + max(b.memory, 0) + hold + trans)
+                level += b.memory + hold
         out.append(peak)
     return out

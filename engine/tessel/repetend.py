@@ -93,13 +93,15 @@ def scale(placement: Placement, resolution: float, lags: dict[tuple[int, int], f
     inexact rounding would let allocations and releases of one micro-batch disagree.
     """
     durs = [int(math.ceil(b.duration / resolution - 1e-9)) for b in placement.blocks]
-    values = [abs(int(b.memory)) for b in placement.blocks] + [int(placement.static_bytes(d)) for d in range(placement.num_devices)]
+    # gradient buffers and transients (Placement.grad_memory/grad_transient) count as static:
+    # reserved_bytes bounds them for the whole step, so the steady state stays within the limit
+    values = [abs(int(b.memory)) for b in placement.blocks] + [int(placement.reserved_bytes(d)) for d in range(placement.num_devices)]
     quantum = 0
     for v in values:
         quantum = math.gcd(quantum, v)
     quantum = quantum or 1
     mem = [int(b.memory) // quantum for b in placement.blocks]
-    static = [int(placement.static_bytes(d)) // quantum for d in range(placement.num_devices)]
+    static = [int(placement.reserved_bytes(d)) // quantum for d in range(placement.num_devices)]
     lg = {k: int(math.ceil(v / resolution - 1e-9)) for k, v in (lags or {}).items()}
     return Scaled(resolution, durs, mem, float(quantum), static, lg)
 
@@ -155,7 +157,9 @@ def expand(placement: Placement, r: int) -> Placement:
     K, S = len(placement.blocks), placement.num_segments
     blocks = [replace(b, segment=k * S + b.segment, deps=tuple(k * K + d for d in b.deps))
               for k in range(r) for b in placement.blocks]
-    return Placement(placement.num_devices, tuple(blocks), name=f"{placement.name}x{r}", static_memory=placement.static_memory)
+    # the copies share one set of parameters: their gradient memory is counted once, as static
+    reserved = tuple(placement.reserved_bytes(d) for d in range(placement.num_devices))
+    return Placement(placement.num_devices, tuple(blocks), name=f"{placement.name}x{r}", static_memory=reserved)
 
 
 class _Stopper(cp_model.CpSolverSolutionCallback):
