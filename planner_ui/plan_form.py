@@ -30,7 +30,8 @@ class PlanForm(pn.viewable.Viewer):
     :func:`engine.planner.make_plan` and loads the plan and graph into ``state``.
 
     Parameters mirror ``tessel plan``: ``model`` (registry name or ``module:callable``),
-    ``devices`` (= dp x tp x pp), ``micro_batches``, ``schedule``, ``device_type``, ``dp``, ``tp``.
+    ``devices`` (= dp x tp x pp), ``micro_batches``, ``schedule``, ``device_type``, ``dp``, ``tp``,
+    ``optimizer`` (``adam`` | ``adama``: the Gantt's memory curves show AdamA's missing gradient buffer).
     A mistake (unknown model, too few micro-batches for a schedule, a split that does not fit)
     is shown in ``state.message`` as an error; the current plan stays.
     """
@@ -43,6 +44,8 @@ class PlanForm(pn.viewable.Viewer):
     device_type = param.Selector(default="h100", objects=DEVICE_TYPES, label="Device type", doc="cost table of one device")
     dp = param.Integer(default=1, bounds=(1, 4096), label="DP degree", doc="data-parallel degree")
     tp = param.Integer(default=1, bounds=(1, 4096), label="TP degree", doc="tensor-parallel degree")
+    optimizer = param.Selector(default="adam", objects=["adam", "adama"], label="Optimizer",
+                               doc="adam (gradient buffer until the step) or adama (AdamA: gradients folded and freed per micro-batch)")
     busy = param.Boolean(default=False, doc="a plan is being made")
 
     def __init__(self, **params):
@@ -65,7 +68,8 @@ class PlanForm(pn.viewable.Viewer):
         from engine.planner import make_plan
 
         return make_plan(self.model.strip(), devices=self.devices, micro_batches=self.micro_batches,
-                         schedule=self.schedule, device_type=self.device_type, dp=self.dp, tp=self.tp)
+                         schedule=self.schedule, device_type=self.device_type, dp=self.dp, tp=self.tp,
+                         optimizer=self.optimizer)
 
     def _finish(self, res, err: BaseException | None) -> bool:
         self.busy = False
@@ -78,7 +82,7 @@ class PlanForm(pn.viewable.Viewer):
         warn = f" ({'; '.join(res.warnings)})" if res.warnings else ""
         self.state.load(res.plan, graph=res.graph,
                         message=f"planned {self.model}: {self.schedule} on {self.devices} {self.device_type} devices, "
-                                f"{self.micro_batches} micro-batches in {sum(res.timings.values()):.1f} s{warn}")
+                                f"{self.micro_batches} micro-batches, {self.optimizer}, in {sum(res.timings.values()):.1f} s{warn}")
         return True
 
     def plan(self) -> bool:
@@ -100,7 +104,7 @@ class PlanForm(pn.viewable.Viewer):
         run_in_background(self._make, self._finish, name="tessel-plan")
 
     def __panel__(self):
-        w = pn.Param(self.param, parameters=["devices", "micro_batches", "schedule", "device_type", "dp", "tp"],
+        w = pn.Param(self.param, parameters=["devices", "micro_batches", "schedule", "device_type", "dp", "tp", "optimizer"],
                      widgets={"devices": pn.widgets.IntInput, "micro_batches": pn.widgets.IntInput,
                               "dp": pn.widgets.IntInput, "tp": pn.widgets.IntInput},
                      show_name=False, sizing_mode="stretch_width")

@@ -394,3 +394,19 @@ def test_time_axis_fits_each_new_plan_and_memory_axis_uses_mib_for_small_models(
     state.load(one_f_one_b_any(make_shape("v", 4), 8))  # 33 units: the axis follows the new plan
     assert view.figure.x_range.end == pytest.approx(state.timeline.makespan * 1.01)
     assert view.memory_figure.yaxis[0].axis_label == "memory (units)"
+
+
+def test_plan_form_optimizer_choice_changes_the_memory_curves():
+    from planner_ui.plan_form import PlanForm
+    from planner_ui.state import PlanState
+
+    state = PlanState()
+    form = PlanForm(state=state, model="gpt2-tiny", devices=2, micro_batches=4)
+    assert form.plan()
+    adam_peak = state.timeline.peak_memory()
+    form.optimizer = "adama"
+    assert form.plan() and state.plan.parallel["optimizer"] == "adama"
+    adama_peak = state.timeline.peak_memory()
+    seg_bytes = [sum(int(s["param_bytes"]) for s in state.plan.segments if s["index"] == d) for d in range(2)]
+    # AdamA holds no gradient buffer across micro-batches: each device's peak drops by its parameters' bytes
+    assert [a - b for a, b in zip(adam_peak, adama_peak)] == seg_bytes
