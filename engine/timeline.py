@@ -25,6 +25,9 @@ class Event:
         nbytes: bytes moved (communication), 0 for compute.
         micro_batch: micro-batch index, -1 where none.
         segment: segment index, -1 where none.
+        job: name of the job the event belongs to when several jobs share the devices
+            (co-located jobs, :mod:`engine.crossover`), ``""`` for a single job. Optional in
+            dicts: an event dict without ``"job"`` (older files) loads with ``""``.
     """
 
     rank: int
@@ -36,6 +39,7 @@ class Event:
     nbytes: int = 0
     micro_batch: int = -1
     segment: int = -1
+    job: str = ""
 
     @property
     def duration(self) -> float:
@@ -44,7 +48,7 @@ class Event:
     def to_dict(self) -> dict:
         return {"rank": self.rank, "stream": self.stream, "op": self.op, "name": self.name,
                 "start": self.start, "end": self.end, "nbytes": self.nbytes,
-                "micro_batch": self.micro_batch, "segment": self.segment}
+                "micro_batch": self.micro_batch, "segment": self.segment, "job": self.job}
 
 
 @dataclass
