@@ -1,7 +1,17 @@
 """Train a plan on Ray actors (one per rank; gloo on CPU, NCCL on GPUs) for some steps and
 compare the measured step with the prediction: per-rank step time, loss, validation loss,
 tokens/s, a measured Perfetto trace next to the predicted one, and atomic checkpoints that
-``--resume`` continues from."""
+``--resume`` continues from.
+
+Several plans (``tessel launch a.json b.json --crossover``) are co-located on the same actors with
+the CrossoverScheduler (``runtime.crossover``): pure data-parallel plans (pp = 1) of the same
+world size; while one job all-reduces its gradients the other computes, through a per-device
+compute token. ``--mode uncoordinated`` (no token) and ``--mode sequential`` (one job after the
+other on the same actors) are the baselines. Several plans without ``--crossover``/``--mode`` are
+refused (a user error, exit status 2) rather than silently run one way or the other. Each job
+checkpoints into its own folder: ``<plan folder>/ckpt-<plan name>`` (or
+``<--checkpoint-dir>/job<i>-<plan name>``). The report gives each job's and the aggregate
+tokens/s, and the simulator's prediction (``engine.crossover``) where it is available."""
 
 from __future__ import annotations
 
@@ -16,7 +26,16 @@ HELP = "train a plan on Ray actors and compare measured with predicted step time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("plan", help="path to plan.json (from `tessel plan` or `tessel search`)")
+    p.add_argument("plan", nargs="+",
+                   help="path to plan.json (from `tessel plan` or `tessel search`); several with --crossover")
+    p.add_argument("--crossover", action="store_true",
+                   help="co-locate several data-parallel plans on the same actors, passing a per-device compute "
+                        "token at their gradient all-reduces (same as --mode crossover)")
+    p.add_argument("--mode", default=None, choices=("crossover", "uncoordinated", "sequential"),
+                   help="how several plans share the actors: crossover (token), uncoordinated (free-running) or "
+                        "sequential (one job after the other)")
+    p.add_argument("--warmup-steps", type=int, default=1,
+                   help="co-located jobs: first steps of each job left out of tokens/s (default 1)")
     p.add_argument("--steps", type=int, default=50,
                    help="total training steps; with --resume the checkpointed steps count (default 50)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
@@ -33,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default=None, choices=("adam", "adama", "sgd"),
                    help="optimizer of the workers: adam, adama (AdamA: micro-batch gradients folded into "
                         "Adam's states and freed, less memory) or sgd (default: the plan's, adam)")
-    p.add_argument("--trace", default=None, help="measured trace path (default: trace.measured.json next to the plan)")
+    p.add_argument("--trace", default=None, help="measured trace path (default: trace.measured.json next to the plan; "
+                                                 "co-located: crossover.measured.json next to the first plan)")
 
 
 def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
@@ -85,11 +105,119 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
     return d
 
 
+def _mode(args: argparse.Namespace) -> str | None:
+    """The co-location mode asked for, or ``None`` for a plain single-plan launch.
+
+    Raises:
+        ValueError: several plans without ``--crossover``/``--mode``, or ``--crossover`` with
+            another ``--mode``.
+    """
+    if args.crossover and args.mode not in (None, "crossover"):
+        raise ValueError(f"--crossover and --mode {args.mode} contradict each other; give one of them")
+    mode = "crossover" if args.crossover else args.mode
+    if len(args.plan) > 1 and mode is None:
+        raise ValueError(f"{len(args.plan)} plans given: co-locate them with --crossover (or --mode uncoordinated / "
+                         "--mode sequential), or launch one plan at a time")
+    return mode
+
+
+def checkpoint_dirs(plan_paths: list[Path], checkpoint_dir: str | None) -> list[Path]:
+    """One checkpoint folder per co-located job: ``<checkpoint_dir>/job<i>-<stem>`` when given,
+    else ``<plan folder>/ckpt-<stem>`` (``-<i>`` appended where two jobs would share one)."""
+    if checkpoint_dir:
+        return [Path(checkpoint_dir) / f"job{i}-{p.stem}" for i, p in enumerate(plan_paths)]
+    out: list[Path] = []
+    for i, p in enumerate(plan_paths):
+        d = p.parent / f"ckpt-{p.stem}"
+        if d.resolve() in {x.resolve() for x in out}:
+            d = p.parent / f"ckpt-{p.stem}-{i}"
+        out.append(d)
+    return out
+
+
+def report_crossover(res, predicted: dict | None = None, out=sys.stdout) -> dict:
+    """Print the summary of a co-located launch and return its JSON-able result.
+
+    Args:
+        res: the :class:`runtime.crossover.CrossoverResult`.
+        predicted: ``{"aggregate_tokens_per_second": ..., "per_job_tokens_per_second": [...]}`` of
+            the simulator, or ``None``.
+    """
+    say = lambda *a: print(*a, file=out)  # noqa: E731
+    say(f"{len(res.jobs)} jobs co-located on {res.world_size} actors ({res.backend}), mode {res.mode}; "
+        f"{res.elapsed:.1f} s in all (setup {res.setup_time:.1f} s)")
+    rows = []
+    for j in res.jobs:
+        mean_step = sum(j.step_times) / len(j.step_times) if j.step_times else math.nan
+        loss = f"{j.losses[0]:.4f} -> {j.losses[-1]:.4f}" if j.losses else "-"
+        rows.append([f"{j.label} {j.name}", f"{j.start_step}..{j.start_step + len(j.losses) - 1}" if j.losses else "-",
+                     loss, fmt_ms(mean_step), fmt_ms(j.token_wait / max(1, len(j.step_times))),
+                     f"{j.tokens_per_second:,.0f}", "ok" if j.ok else "FAILED"])
+    say(table(["job", "steps", "loss", "mean step", "token wait/step", "tokens/s", "status"], rows))
+    for j in res.jobs:
+        if j.error:
+            say(f"job {j.label} ({j.name}) failed: {j.error}")
+    pred = (predicted or {}).get("aggregate_tokens_per_second")
+    say(f"aggregate {res.aggregate_tokens_per_second:,.0f} tokens/s measured ({res.total_tokens:,} tokens in "
+        f"{res.wall_time:.2f} s after {res.warmup_steps} warm-up step(s) per job)"
+        + (f", {pred:,.0f} tokens/s predicted" if pred else ""))
+    if res.mode == "crossover":
+        say(f"compute token: {len(res.intervals)} holds, {len(res.overlaps())} overlapping between jobs")
+    for j in res.jobs:
+        if j.checkpoint:
+            say(f"job {j.label} checkpoint {j.checkpoint}")
+    d = res.to_dict()
+    d.pop("intervals", None)
+    d["num_intervals"] = len(res.intervals)
+    d["predicted"] = predicted
+    return d
+
+
+def _predict(plans: list, mode: str, steps: int) -> dict | None:
+    """The simulator's prediction of the co-located run (``engine.crossover``), or ``None``."""
+    try:
+        from engine.crossover import predict_colocated
+    except ImportError:
+        return None
+    try:
+        p = predict_colocated(list(plans), mode, steps=max(1, steps))
+    except Exception:  # a prediction is a bonus: never fail the launch for it
+        return None
+    return {"aggregate_tokens_per_second": float(p.aggregate_tokens_per_second),
+            "per_job_tokens_per_second": [float(v) for v in p.per_job_tokens_per_second.values()]}
+
+
+def run_crossover(args: argparse.Namespace, mode: str) -> dict:
+    """``tessel launch a.json b.json --crossover``: :func:`runtime.crossover.launch_crossover`."""
+    from engine.io import load_plan, write_trace
+    from runtime.crossover import launch_crossover
+
+    paths = [Path(p) for p in args.plan]
+    plans = [load_plan(p) for p in paths]
+    ckdirs = checkpoint_dirs(paths, args.checkpoint_dir)
+    res = launch_crossover(plans, steps=args.steps, mode=mode, address=args.address, checkpoint_dirs=ckdirs,
+                           checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, resume=args.resume,
+                           seed=args.seed, lr=args.lr, optimizer=args.optimizer, warmup_steps=args.warmup_steps,
+                           step_timeout=args.step_timeout, device=args.device,
+                           progress=not args.json or sys.stderr.isatty(), names=[str(p) for p in paths])
+    out = report_crossover(res, _predict(plans, mode, args.steps))
+    if res.timeline is not None:
+        trace = Path(args.trace) if args.trace else paths[0].parent / "crossover.measured.json"
+        out["trace_paths"] = {"measured": str(write_trace(res.timeline, trace, metadata={
+            "mode": mode, "jobs": [str(p) for p in paths], "measured": True}))}
+        print(f"co-located trace (open in ui.perfetto.dev): {trace}")
+    out["plans"] = [str(p) for p in paths]
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     from engine.io import load_plan
     from runtime import launch
 
-    plan_path = Path(args.plan)
+    mode = _mode(args)
+    if mode is not None:
+        return run_crossover(args, mode)
+    plan_path = Path(args.plan[0])
     plan = load_plan(plan_path)
     plan_dir = plan_path.parent
     ckdir = Path(args.checkpoint_dir) if args.checkpoint_dir else plan_dir / "ckpt"

@@ -115,6 +115,19 @@ in a receive from it fail at once when its process exits and its sockets close (
 closed/reset by peer"), otherwise after the process-group timeout (``timeout_s``).
 ``fail_at=(step, index)`` raises deliberately at that instruction (for fault-handling tests).
 
+Co-location hooks (``runtime.crossover``). ``on_compute_start(step)`` is called at the start of
+:meth:`StageWorker.step` before any instruction runs (before the step's clock starts, so a
+wait inside it is not part of the step's events) and at the start of :meth:`StageWorker.evaluate`
+(``step=None``); ``on_sync_start(step)`` is called right after the step's last local compute has
+been handed off: after the instruction that posts the gradient all-reduce that follows the last
+``F``/``B``/``I``/``W`` of the stream (or after that last compute instruction when the stream has no
+such ``ALLREDUCE``, e.g. ``dp == 1``), and in :meth:`StageWorker.evaluate` before its loss
+all-reduce. Both default to no-ops. A CrossoverScheduler passes a per-device compute token with
+them; the optimizer step after the all-reduce runs outside ``on_compute_start``/``on_sync_start``.
+A worker that shares its process with other workers (one default process group, each worker with
+its own ``new_group`` groups) is built with ``owns_process_group=False``, so its
+:meth:`StageWorker.shutdown` leaves the default process group alone.
+
 Backends. Only ``gloo`` on CPU tensors is executed; ``nccl`` (CUDA tensors, and p2p matched by
 posting order instead of tags) raises :class:`~runtime.stage.RuntimeNotSupported` in ``setup``.
 
@@ -234,6 +247,10 @@ class StageWorker:
         timeout_s: process-group timeout (seconds); a rank blocked on a dead peer fails after it.
         fail_at: ``(step, instruction_index)`` at which :meth:`step` raises deliberately (tests).
         track_activations: account saved-activation bytes (see the module docstring).
+        on_compute_start, on_sync_start: co-location hooks ``f(step)`` (see the module docstring;
+            ``None``: no-ops). An exception from a hook fails the step (or evaluation).
+        owns_process_group: :meth:`shutdown` destroys the default process group (``False`` when
+            other workers of this process still use it).
 
     Nothing heavy happens here; call :meth:`setup` next (in the worker's own process).
     """
@@ -241,7 +258,8 @@ class StageWorker:
     def __init__(self, plan_dict: dict, rank: int, world_size: int, master_addr: str, master_port: int, *,
                  backend: str = "gloo", seed: int = 0, lr: float = 1e-3, optimizer: str | None = None,
                  timeout_s: float = 300.0, fail_at: tuple[int, int] | None = None,
-                 track_activations: bool = True):
+                 track_activations: bool = True, on_compute_start: Any = None, on_sync_start: Any = None,
+                 owns_process_group: bool = True):
         self.plan_dict = plan_dict
         self.rank = int(rank)
         self.world_size = int(world_size)
@@ -254,6 +272,9 @@ class StageWorker:
         self.timeout_s = float(timeout_s)
         self.fail_at = tuple(fail_at) if fail_at is not None else None
         self.track_activations = track_activations
+        self.on_compute_start = on_compute_start
+        self.on_sync_start = on_sync_start
+        self.owns_process_group = bool(owns_process_group)
         self._ready = False
 
     # ------------------------------------------------------------------ setup
@@ -332,6 +353,10 @@ class StageWorker:
             if ins.op in ("F", "B", "I", "W") and ins.block.segment not in self.modules:
                 raise WorkerError(f"pipeline rank {self.pp_rank}'s stream runs {ins} but segment "
                                   f"{ins.block.segment} is not placed here")
+        # on_sync_start fires after this instruction: the ALLREDUCE after the last compute (or that compute)
+        last_compute = max((i for i, ins in enumerate(self.stream) if ins.op in ("F", "B", "I", "W")), default=-1)
+        self._sync_index = next((i for i in range(last_compute + 1, len(self.stream))
+                                 if self.stream[i].op == "ALLREDUCE"), last_compute)
 
         # ---- pre-allocated receive buffers: (boundary, micro-batch) -> [tensor per boundary tensor]
         self.act_buf: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -517,7 +542,8 @@ class StageWorker:
             ``losses``: per micro-batch mean cross-entropy (nats/token, NOT divided by ``m``) in
             micro-batch order on the rank holding the last segment, else ``[]``; ``events``:
             ``Event.to_dict()`` per executed instruction; ``rank``, ``pp_rank``, ``dp_index``,
-            ``step``; ``time`` (s); ``peak_memory`` (bytes, max process RSS sampled after every
+            ``step``; ``time`` (s); ``start`` (``time.perf_counter()`` at the step's start, the
+            origin of the events' times); ``peak_memory`` (bytes, max process RSS sampled after every
             instruction); ``memory`` (``[[t, rss_bytes], ...]``); ``activation_memory``
             (``[[t, bytes], ...]``) and ``peak_activation_memory`` (tensor accounting);
             ``peak_grad_memory`` (bytes of parameter gradients held, sampled after every
@@ -529,6 +555,8 @@ class StageWorker:
             WorkerError: not set up, or a batch of the wrong shape.
         """
         model_inputs, targets = self._split_batch(batch, per_replica=self.m)
+        if self.on_compute_start is not None:
+            self.on_compute_start(step)
         st = _StepState(model_inputs, targets)
         self._meter.live, self._meter.held = 0, {}
         t0 = time.perf_counter()
@@ -546,6 +574,8 @@ class StageWorker:
                     if self.fail_at is not None and (int(step), idx) == self.fail_at:
                         raise RuntimeError("deliberate failure requested by fail_at")
                     self._execute(ins, st)
+                    if idx == self._sync_index and self.on_sync_start is not None:
+                        self.on_sync_start(step)
                 except Exception as e:
                     raise _step_error(f"{where} failed at step {step}, instruction {idx} ({ins}): "
                                       f"{type(e).__name__}: {e}", rank=self.rank, pp_rank=self.pp_rank,
@@ -569,7 +599,7 @@ class StageWorker:
         return {
             "rank": self.rank, "pp_rank": self.pp_rank, "dp_index": self.dp_index, "step": int(step),
             "losses": [st.losses[j] for j in sorted(st.losses)] if self.has_loss else [],
-            "events": [e.to_dict() for e in st.events], "time": st.now(),
+            "events": [e.to_dict() for e in st.events], "time": st.now(), "start": t0,
             "peak_memory": int(max(v for _, v in mem)), "memory": mem,
             "activation_memory": act_mem, "peak_activation_memory": int(max(v for _, v in act_mem)),
             "peak_grad_memory": int(grad_peak),
@@ -834,6 +864,8 @@ class StageWorker:
         (see :mod:`runtime.stage`).
         """
         model_inputs, _targets = self._split_batch(batch)
+        if self.on_compute_start is not None:
+            self.on_compute_start(None)
         k = len(model_inputs)
         total = 0.0
         pending = []
@@ -878,6 +910,8 @@ class StageWorker:
         except Exception as e:
             raise RuntimeError(f"rank {self.rank} (pipeline rank {self.pp_rank}, replica {self.dp_index}) "
                                f"failed in evaluate: {type(e).__name__}: {e}") from e
+        if self.on_sync_start is not None:
+            self.on_sync_start(None)
         if not self.has_loss:
             return None
         mean = torch.tensor([total / k], dtype=torch.float64)
@@ -931,12 +965,13 @@ class StageWorker:
                 self._bind_flat_states()
 
     def shutdown(self) -> None:
-        """Remove the AdamA fold hooks and destroy the process group (idempotent)."""
+        """Remove the AdamA fold hooks and destroy the process group (idempotent); with
+        ``owns_process_group=False`` the default process group is left to its owner."""
         for h in getattr(self, "_fold_hooks", []):
             h.remove()
         if getattr(self, "_fold_hooks", None):
             self._fold_hooks.clear()
-        if dist.is_available() and dist.is_initialized():
+        if self.owns_process_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         self._ready = False
 
