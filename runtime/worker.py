@@ -347,7 +347,8 @@ class StageWorker:
         self.has_loss = self.last_segment in self.modules
 
         seg_bytes = {s: sum(p.numel() * p.element_size() for p in self.seg_params.get(s, [])) for s in self.segments}
-        ex = lower(plan.schedule, dp=self.dp, segment_param_bytes=seg_bytes)
+        ex = lower(plan.schedule, dp=self.dp, segment_param_bytes=seg_bytes,
+                   optimizer_kind="adama" if self.optimizer_name == "adama" else "adam")
         self.stream: list[Instruction] = ex.streams[self.pp_rank]
         for ins in self.stream:
             if ins.op in ("F", "B", "I", "W") and ins.block.segment not in self.modules:
