@@ -2,7 +2,8 @@
 
 ``PlannerApp(state)`` is a Panel Viewer: display it in Jupyter (after ``pn.extension()``), or
 serve :meth:`PlannerApp.template` with ``panel serve apps/planner.py`` / ``tessel serve``.
-Tabs: Schedule (Gantt + memory + editing), Model graph, Search (Tessel), Compare, Launch;
+Tabs: Schedule (Gantt + memory + editing), Model graph, Search (Tessel), Compare, Co-locate
+(CrossoverScheduler prediction), Launch;
 the sidebar holds the plan form and export/import.
 """
 
@@ -15,6 +16,7 @@ import panel as pn
 import param
 
 from engine.io.plan import Plan, load_plan
+from planner_ui.colocate_panel import ColocatePanel
 from planner_ui.compare_view import CompareView
 from planner_ui.export_panel import ExportPanel
 from planner_ui.gantt import GanttView
@@ -36,7 +38,7 @@ def load_extensions(**kwargs) -> None:
 
 
 #: Tab titles, in order (tests and docs refer to them).
-TABS = ("Schedule", "Model graph", "Search", "Compare", "Launch")
+TABS = ("Schedule", "Model graph", "Search", "Compare", "Co-locate", "Launch")
 
 
 class PlannerApp(pn.viewable.Viewer):
@@ -44,7 +46,7 @@ class PlannerApp(pn.viewable.Viewer):
 
     Attributes:
         state: the shared plan state.
-        form, gantt, graph, search, compare, launch, export: the components.
+        form, gantt, graph, search, compare, colocate, launch, export: the components.
     """
 
     state = param.ClassSelector(class_=PlanState)
@@ -59,13 +61,14 @@ class PlannerApp(pn.viewable.Viewer):
         self.graph = GraphView(state=st)
         self.search = SearchPanel(state=st)
         self.compare = CompareView(state=st)
+        self.colocate = ColocatePanel(state=st)
         self.launch = LaunchPanel(state=st)
         if self.ray_address and "address" in self.launch.param:
             self.launch.address = self.ray_address
         self.export = ExportPanel(state=st)
         self.tabs = pn.Tabs(
             (TABS[0], self.gantt), (TABS[1], self.graph), (TABS[2], self.search),
-            (TABS[3], self.compare), (TABS[4], self.launch),
+            (TABS[3], self.compare), (TABS[4], self.colocate), (TABS[5], self.launch),
             dynamic=True, sizing_mode="stretch_width", css_classes=["tessel-tabs"],
         )
 

@@ -106,7 +106,7 @@ def test_app_loads_without_console_errors(page, app_url):
 def test_every_tab_renders_without_errors(page, app_url):
     errors = _open(page, app_url)
     hooks = {"Model graph": ".tessel-graph", "Search": ".tessel-search-run", "Compare": ".tessel-compare-add",
-             "Launch": ".tessel-launch-run", "Schedule": ".tessel-gantt-plot"}
+             "Co-locate": ".tessel-colocate-run", "Launch": ".tessel-launch-run", "Schedule": ".tessel-gantt-plot"}
     for tab, hook in hooks.items():
         page.locator(".bk-tab").filter(has_text=tab).first.click()
         page.locator(hook).first.wait_for(state="visible", timeout=30_000)
