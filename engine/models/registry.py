@@ -2,7 +2,8 @@
 
 Names (see :func:`list_models`): HF configs (``gpt2-tiny``, ``gpt2``, ``gpt2-xl``,
 ``gpt3-175b``, ``llama-tiny``, ``llama-7b``; :mod:`engine.models.hf`), the in-project
-``tessel-gpt`` (:mod:`engine.models.gpt`), anything added with :func:`register_model`, and user
+``tessel-gpt`` (:mod:`engine.models.gpt`), ``gpt-moe-tiny`` / ``-top2`` / ``-dts``
+(:mod:`engine.models.moe`), anything added with :func:`register_model`, and user
 code as ``"package.module:callable"``.
 
 User callables: ``build_model("mypkg.models:make_net")`` imports ``mypkg.models`` and calls
@@ -109,6 +110,27 @@ register_model("tessel-gpt", _build_tessel_gpt,
                description="in-project nanoGPT-style GPT (engine.models.gpt): 4 layers, hidden 128, "
                            "4 heads, byte vocab 256, 128 positions (~0.8M params)",
                default_seq_len=128, source="zoo", max_seq_len=lambda c: c["block_size"])
+
+
+def _gpt_moe_builder(gate: str) -> Callable[..., tuple[nn.Module, dict]]:
+    def build(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+        from .moe.gpt_moe import GPTMoE, GPTMoEConfig
+        cfg = GPTMoEConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=128,
+                           num_experts=4, gate=gate)
+        with torch.device(device):
+            m = GPTMoE(cfg)
+        return m.to(dtype=dtype), cfg.to_dict()
+    return build
+
+
+for _suffix, _gate, _gdesc in (("", "switch", "Switch top-1 gate, capacity 1.25"),
+                               ("-top2", "top2", "GShard top-2 gate, capacity 1.25"),
+                               ("-dts", "dts", "DTS-Gate (Gumbel dense-to-sparse)")):
+    register_model(f"gpt-moe-tiny{_suffix}", _gpt_moe_builder(_gate),
+                   description=f"in-project GPT-MoE (engine.models.moe): 4 layers, hidden 64, "
+                               f"4 heads, 4 experts in layers 1 and 3, {_gdesc}, byte vocab 256, "
+                               f"128 positions",
+                   default_seq_len=128, source="zoo", max_seq_len=lambda c: c["block_size"])
 
 
 def _build_gpt2_small_cpu(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
