@@ -47,7 +47,7 @@ class GateOutput:
         combine: ``[N, E, C]`` float, ``dispatch`` times the combine weight.
         aux_loss: scalar, the weighted auxiliary (load-balancing) loss to add to the task loss.
         capacity: ``C`` (slots per expert).
-        metrics: detached tensors: ``temperature`` (DTS; NaN for other gates),
+        metrics: detached tensors (empty during ``torch.export``): ``temperature`` (DTS; NaN for other gates),
             ``experts_per_token`` (mean number of experts per token after dropping),
             ``load`` ``[E]`` (fraction of routed token-slots per expert), ``load_cv``
             (coefficient of variation of ``load``), ``dropped_fraction`` (fraction of wanted
@@ -119,6 +119,8 @@ def _slots(mask: torch.Tensor, pos: torch.Tensor, capacity: int) -> torch.Tensor
 
 def _metrics(kept: torch.Tensor, wanted: torch.Tensor, temperature: float,
              balance: torch.Tensor) -> dict:
+    if torch.compiler.is_exporting():
+        return {}  # metrics are eager-only; keep them out of the captured graph
     kept_f = kept.detach().float()
     total = kept_f.sum()
     load = kept_f.sum(0) / total.clamp_min(1.0)
