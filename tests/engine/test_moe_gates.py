@@ -193,3 +193,17 @@ def test_gate_state_round_trips_through_state_dict():
     s2 = SwitchGate(4, 2)
     s2.load_state_dict(s.state_dict())
     assert s2.updates == 1
+
+
+def test_top2_random_policy_keeps_second_expert_with_probability_2g2():
+    torch.manual_seed(0)
+    g = Top2Gate(4, 4, capacity_factor=None, second_policy="random")
+    logits = torch.tensor([[10.0, 0.0, -20.0, -20.0]]).repeat(64, 1)  # g2 ~ 4.5e-5
+    assert g.route(logits).metrics["experts_per_token"].item() == pytest.approx(1.0)
+    even = torch.zeros(64, 4)
+    even[:, 0], even[:, 1] = 1e-3, 1e-3                               # g2 = 0.5 -> always kept
+    assert g.route(even).metrics["experts_per_token"].item() == 2.0
+    g.eval()                                                          # no sampling outside training
+    assert g.route(logits).metrics["experts_per_token"].item() == 2.0
+    with pytest.raises(ValueError, match="second_policy"):
+        Top2Gate(4, 4, second_policy="sometimes")
