@@ -27,7 +27,10 @@ Contention model (all modes): each device has one **compute** resource (F/B/I/W/
 jobs) and one **link** (the all-reduces of all jobs, which use the same network). Both are
 *processor sharing*: when ``k`` jobs' tasks are active on a resource at once, each progresses at
 ``1/k`` of its solo speed (two overlapping blocks each run at half speed; two overlapping
-all-reduces each get half the bandwidth). Within a job, tasks run in order (compute blocks,
+all-reduces each get half the bandwidth). An all-reduce that needs the processor too (gloo on
+CPU ranks: :data:`COMM_CPU_SHARE`, ``StepTask.cpu_share``) adds its share to the compute demand;
+when the demand exceeds one processor, compute and that all-reduce slow down alike (so on a CPU
+machine crossover gains less than the ideal ``2*max(C, M)`` cycle). Within a job, tasks run in order (compute blocks,
 then its all-reduces one after the other on its collective stream, then OPTIM), so a job has
 at most one active task. The model has no interference penalty beyond sharing (no context
 switch or cache cost), so it is optimistic about uncoordinated co-location; the token of the
@@ -83,6 +86,9 @@ class StepTask:
         nbytes: bytes reduced (ALLREDUCE) or updated (OPTIM).
         orig_start, orig_end: the task's interval in the job's own (solo) step timeline,
             seconds; used to stretch its memory curve onto the co-located times.
+        cpu_share: for an ALLREDUCE, the fraction of its solo time the device's processor is busy
+            with it (:data:`COMM_CPU_SHARE`; 0 for NCCL on GPUs). While it overlaps compute, the
+            processor is shared: both slow down when compute + cpu shares exceed one.
     """
 
     op: str
@@ -93,6 +99,7 @@ class StepTask:
     nbytes: int = 0
     orig_start: float = 0.0
     orig_end: float = 0.0
+    cpu_share: float = 0.0
 
     @property
     def resource(self) -> str:
@@ -233,6 +240,13 @@ def default_job_names(n: int) -> list[str]:
     return [chr(ord("A") + i) if i < 26 else f"J{i}" for i in range(n)]
 
 
+#: Fraction of an all-reduce's time its process spends on the CPU, per link. ``loopback`` (gloo
+#: over TCP between CPU ranks of one machine): a 2-rank all-reduce of 4.9M float32 takes 12.6 ms
+#: of which 8.2 ms is CPU time, measured on the 2-core development machine
+#: (``benchmarks/crossover_bench.py``). GPU links (NCCL) are treated as not using the processor.
+COMM_CPU_SHARE = {"loopback": 0.65}
+
+
 def job_profile(plan, name: str = "A") -> JobProfile:
     """The step of a data-parallel ``plan`` (an :class:`engine.io.plan.Plan`) as a :class:`JobProfile`.
 
@@ -263,7 +277,10 @@ def job_profile(plan, name: str = "A") -> JobProfile:
     comp = sorted((e for e in evs if e.stream == "compute" and e.op in _TOKEN_OPS), key=lambda e: (e.start, e.end))
     coll = sorted((e for e in evs if e.op == "ALLREDUCE"), key=lambda e: (e.start, e.end))
     opt = [e for e in evs if e.op == "OPTIM"]
-    tasks = [StepTask(e.op, e.name, e.duration, e.micro_batch, e.segment, e.nbytes, e.start, e.end)
+    link = ((plan.cost or {}).get("intra_link") or {}).get("name", "")
+    share = COMM_CPU_SHARE.get(link, 0.0)
+    tasks = [StepTask(e.op, e.name, e.duration, e.micro_batch, e.segment, e.nbytes, e.start, e.end,
+                      share if e.op == "ALLREDUCE" else 0.0)
              for e in comp + coll + opt]
     model = plan.model or {}
     tokens = int(model.get("batch_size") or 0) * int(model.get("seq_len") or 1)
@@ -365,9 +382,19 @@ def _simulate(profiles: list[JobProfile], mode: str, steps: int) -> list[_Record
         if not act or guard > limit:  # cannot happen with the rules above; never loop forever
             raise CrossoverError(f"co-location simulation stalled at t={t:.6g} s in mode {mode!r}")
         share = {"compute": 0, "link": 0}
+        cpu = 0.0   # processor demand: 1 per compute task, cpu_share per all-reduce
         for j in act:
-            share[tasks[j][idx[j]].resource] += 1
-        rate = {j: 1.0 / share[tasks[j][idx[j]].resource] for j in act}
+            task = tasks[j][idx[j]]
+            share[task.resource] += 1
+            cpu += 1.0 if task.resource == "compute" else task.cpu_share
+        slow = max(1.0, cpu)
+        rate = {}
+        for j in act:
+            task = tasks[j][idx[j]]
+            if task.resource == "compute":
+                rate[j] = 1.0 / slow
+            else:
+                rate[j] = min(1.0 / share["link"], 1.0 / slow if task.cpu_share > 0 else 1.0)
         dt = min(rem[j] / rate[j] for j in act)
         t += dt
         eps = 1e-12 * max(1.0, t)
