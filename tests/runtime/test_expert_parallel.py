@@ -229,6 +229,16 @@ def test_all_to_all_bytes_are_recorded(results):
         assert res["switch/shard/ncoll"] == 6
 
 
+def test_predicted_bytes_match_the_recorded_log(results):
+    from runtime.expert_parallel import all_to_all_bytes
+    for key in ("switch/shard", "top2/shard", "switch/full"):
+        pred = all_to_all_bytes(E, results[0][f"{key}/capacity"], HID, WORLD)
+        assert [r["bytes"] for r in results[0][f"{key}/log"]] == [pred["bytes"]] * 2
+        assert pred["per_layer_step"] == 4 * pred["bytes"]
+    with pytest.raises(ValueError, match="split evenly"):
+        all_to_all_bytes(3, 4, 8, 2)
+
+
 def test_unequal_token_counts_are_refused(results):
     for res in results:
         assert "same token count" in res["unequal"]
