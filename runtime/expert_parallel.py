@@ -43,8 +43,16 @@ from torch import nn
 from engine.models.moe.gates import BaseGate
 from engine.models.moe.layer import ExpertMLP, MoEFeedForward
 
-__all__ = ["AllToAll", "all_to_all", "all_to_all_bytes", "ExpertParallelMoE", "expert_parallelize",
-           "allreduce_replicated_grads", "is_expert_param", "gloo_supports_all_to_all"]
+__all__ = [
+    "AllToAll",
+    "ExpertParallelMoE",
+    "all_to_all",
+    "all_to_all_bytes",
+    "allreduce_replicated_grads",
+    "expert_parallelize",
+    "gloo_supports_all_to_all",
+    "is_expert_param",
+]
 
 _EXPERT_ATTR = "_tessel_expert_parallel"
 
@@ -212,7 +220,7 @@ class ExpertParallelMoE(MoEFeedForward):
 
     @classmethod
     def from_dense(cls, layer: MoEFeedForward, group=None, check_shapes: bool = True
-                   ) -> "ExpertParallelMoE":
+                   ) -> ExpertParallelMoE:
         """Copy this rank's slice of a full layer (gate deep-copied, experts deep-copied).
 
         The dense layer is left untouched, so a test can compare both.
@@ -253,7 +261,7 @@ class ExpertParallelMoE(MoEFeedForward):
         dispatch = out.dispatch.to(xf.dtype)
         combine = out.combine.to(xf.dtype)
         expert_in = torch.einsum("nec,nd->ecd", dispatch, xf)          # [E, C, d]
-        e, c, d = expert_in.shape
+        _, c, d = expert_in.shape
         p, k = self.world, self.local_experts
         recv = all_to_all(expert_in, self.group, self.comm_log)        # [P*k, C, d] by source
         recv = recv.reshape(p, k, c, d)

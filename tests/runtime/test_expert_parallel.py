@@ -59,10 +59,15 @@ def _forward_case(gate, cf, per_shard, rank, res, key):
 def _train_case(gate, cf, aux_w, per_shard, opt_name, rank, res, key, steps=3,
                 dtype=torch.float32):
     import torch.distributed as dist
+
     from engine.models.gpt import lm_loss
     from engine.models.moe import GPTMoE, GPTMoEConfig
-    from runtime.expert_parallel import (ExpertParallelMoE, allreduce_replicated_grads,
-                                         expert_parallelize, is_expert_param)
+    from runtime.expert_parallel import (
+        ExpertParallelMoE,
+        allreduce_replicated_grads,
+        expert_parallelize,
+        is_expert_param,
+    )
 
     torch.manual_seed(1)
     cfg = GPTMoEConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16,
@@ -149,7 +154,7 @@ def _worker(rank, store_path, out_dir):
         except RuntimeError as exc:
             res["unequal"] = str(exc)
         dist.destroy_process_group()
-    except Exception:  # reported to the parent, which fails the test with it
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
         res["error"] = traceback.format_exc()
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
