@@ -1,6 +1,5 @@
 """MoE gates: DTS temperature schedule, dense-to-sparse switch, Switch dropping and aux loss,
 GShard top-2, gate state in state_dict."""
-import math
 
 import pytest
 import torch
