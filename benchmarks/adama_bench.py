@@ -71,24 +71,8 @@ def register_large() -> None:
 
     if "gpt2-12x512-cpu" in registry.list_models():
         return
-
-    def build(device, dtype):
-        import torch
-        import transformers
-
-        from engine.models import hf
-
-        cfg = transformers.GPT2Config(
-            vocab_size=256, n_positions=256, n_embd=512, n_layer=12, n_head=8, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, use_cache=False,
-            attn_implementation="sdpa")
-        with torch.device(device):
-            module = hf.logits_only_class(transformers.GPT2LMHeadModel)(cfg)
-        module.to(dtype=dtype)
-        module.train()
-        return module, hf.config_dict(cfg, "GPT2LMHeadModel")
-
-    registry.register_model("gpt2-12x512-cpu", build, default_seq_len=128, source="hf",
+    registry.register_model("gpt2-12x512-cpu", registry.byte_gpt2_builder(n_layer=12, n_embd=512, n_head=8),
+                            default_seq_len=128, source="hf",
                             description="HF GPT-2, 12 layers, hidden 512, 8 heads, byte vocab 256 (38M params)",
                             vocab_size=lambda c: int(c["vocab_size"]), max_seq_len=lambda c: int(c["n_positions"]))
 

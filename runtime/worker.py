@@ -805,28 +805,11 @@ class StageWorker:
             if ev.end < 0:
                 ev.end = st.now()
             if self.adama:   # m, v were reduced in place (views); copy the tied gradients back
-                flat = self.flat_states[s]
-                o = 2 * sum(p.numel() for p in self.folded[s])
-                for p in self.unfolded[s]:
-                    n = p.numel()
-                    g = flat[o:o + n].view_as(p)
-                    if p.grad is None:
-                        p.grad = g.clone()
-                    else:
-                        p.grad.copy_(g)
-                    o += n
+                _unflatten_grads(self.flat_states[s], self.unfolded[s], 2 * sum(p.numel() for p in self.folded[s]))
                 continue
             flat = self.flat_grads[s]
             flat.div_(self.dp)
-            o = 0
-            for p in self.seg_params[s]:
-                n = p.numel()
-                g = flat[o:o + n].view_as(p)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-                o += n
+            _unflatten_grads(flat, self.seg_params[s], 0)
         st.allreduces.clear()
 
     def _tied_allreduce(self, st: "_StepState") -> None:
@@ -975,6 +958,19 @@ class StageWorker:
         if self.owns_process_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         self._ready = False
+
+
+def _unflatten_grads(flat: torch.Tensor, params, offset: int) -> None:
+    """Write consecutive slices of ``flat`` (from ``offset``) into each parameter's ``.grad``."""
+    o = offset
+    for p in params:
+        n = p.numel()
+        g = flat[o:o + n].view_as(p)
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+        o += n
 
 
 class _StepState:

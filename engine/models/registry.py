@@ -133,17 +133,25 @@ for _suffix, _gate, _gdesc in (("", "switch", "Switch top-1 gate, capacity 1.25"
                    default_seq_len=128, source="zoo", max_seq_len=lambda c: c["block_size"])
 
 
-def _build_gpt2_small_cpu(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
-    import transformers
-    cfg = transformers.GPT2Config(
-        vocab_size=256, n_positions=256, n_embd=256, n_layer=6, n_head=8, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, use_cache=False,
-        attn_implementation="sdpa")
-    with torch.device(device):
-        module = _hf.logits_only_class(transformers.GPT2LMHeadModel)(cfg)
-    module.to(dtype=dtype)
-    module.train()
-    return module, _hf.config_dict(cfg, "GPT2LMHeadModel")
+def byte_gpt2_builder(n_layer: int, n_embd: int, n_head: int, n_positions: int = 256
+                      ) -> Callable[..., tuple[nn.Module, dict]]:
+    """A builder of an HF GPT-2 byte-level LM (vocab 256, no dropout, sdpa attention) of this
+    shape, for :func:`register_model` (``gpt2-small-cpu`` and the benchmarks' larger configs)."""
+    def build(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+        import transformers
+        cfg = transformers.GPT2Config(
+            vocab_size=256, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+            use_cache=False, attn_implementation="sdpa")
+        with torch.device(device):
+            module = _hf.logits_only_class(transformers.GPT2LMHeadModel)(cfg)
+        module.to(dtype=dtype)
+        module.train()
+        return module, _hf.config_dict(cfg, "GPT2LMHeadModel")
+    return build
+
+
+_build_gpt2_small_cpu = byte_gpt2_builder(n_layer=6, n_embd=256, n_head=8)
 
 
 register_model("gpt2-small-cpu", _build_gpt2_small_cpu,
