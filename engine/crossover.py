@@ -302,6 +302,16 @@ class _Record:
     end: float
 
 
+def _check_same_devices(profiles: list[JobProfile]) -> None:
+    """Raise :class:`CrossoverError` unless every job uses as many devices as the first."""
+    n0 = profiles[0].num_devices
+    for p in profiles[1:]:
+        if p.num_devices != n0:
+            raise CrossoverError(
+                f"job {p.name} uses {p.num_devices} devices but job {profiles[0].name} uses {n0}; "
+                "co-located jobs must share the same devices (same dp)")
+
+
 def _check(profiles: list[JobProfile], mode: str, steps: int) -> None:
     if mode not in MODES:
         raise CrossoverError(f"unknown co-location mode {mode!r}; use one of {', '.join(MODES)}")
@@ -312,12 +322,7 @@ def _check(profiles: list[JobProfile], mode: str, steps: int) -> None:
     names = [p.name for p in profiles]
     if len(set(names)) != len(names) or any(not n for n in names):
         raise CrossoverError(f"job names must be unique and non-empty, got {names}")
-    n0 = profiles[0].num_devices
-    for p in profiles[1:]:
-        if p.num_devices != n0:
-            raise CrossoverError(
-                f"job {p.name} uses {p.num_devices} devices but job {profiles[0].name} uses {n0}; "
-                "co-located jobs must share the same devices (same dp)")
+    _check_same_devices(profiles)
 
 
 def _simulate(profiles: list[JobProfile], mode: str, steps: int) -> list[_Record]:
@@ -511,12 +516,7 @@ def _profiles(plans: list, names: list[str] | None) -> list[JobProfile]:
     if len(names) != len(plans):
         raise CrossoverError(f"got {len(names)} job names for {len(plans)} plans")
     profiles = [job_profile(p, nm) for p, nm in zip(plans, names)]
-    n0 = profiles[0].num_devices
-    for p in profiles[1:]:
-        if p.num_devices != n0:
-            raise CrossoverError(
-                f"job {p.name} uses {p.num_devices} devices but job {profiles[0].name} uses {n0}; "
-                "co-located jobs must share the same devices (same dp)")
+    _check_same_devices(profiles)
     return profiles
 
 

@@ -167,6 +167,14 @@ class ActorPool:
     def world_size(self) -> int:
         return len(self.actors)
 
+    def close(self, *, graceful: bool) -> None:
+        """End the pool: with ``graceful``, first let every actor run its ``shutdown()`` (healthy
+        ranks destroy their process groups; waited for at most 10 s), then :meth:`kill`."""
+        if graceful and not self._killed and ray.is_initialized():
+            refs = [a.shutdown.remote() for a in self.actors]
+            ray.wait(refs, num_returns=len(refs), timeout=10)
+        self.kill()
+
     def kill(self) -> None:
         """Kill every actor (no restart) and remove the placement group; safe to call twice."""
         if self._killed:

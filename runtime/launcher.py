@@ -575,11 +575,7 @@ def launch(
         if bar is not None:
             bar.close()
         if pool is not None:
-            if clean and ray.is_initialized():
-                # let healthy ranks destroy their process groups; never wait long
-                refs = [a.shutdown.remote() for a in pool.actors]
-                ray.wait(refs, num_returns=len(refs), timeout=10)
-            pool.kill()
+            pool.close(graceful=clean)
         _cluster.shutdown_ray(owned)
 
 

@@ -760,28 +760,15 @@ class StageWorker:
                 ev.end = start
                 return
             self.optimizer.begin_step(self.folded[s])   # replica 0: decay what got no gradient
-            o = 2 * sum(p.numel() for p in self.folded[s])
-            for p in self.unfolded[s]:                   # tied copies: gradients, summed
-                n = p.numel()
-                if p.grad is None:
-                    flat[o:o + n].zero_()
-                else:
-                    flat[o:o + n].copy_(p.grad.reshape(-1))
-                o += n
+            # tied copies: their gradients, summed, after the m | v views
+            _flatten_grads(flat, self.unfolded[s], 2 * sum(p.numel() for p in self.folded[s]))
             self._post_flat(flat, s, ev, st)
             return
         flat = self.flat_grads.get(s)
         if flat is None or self.dp_group is None:
             ev.end = start
             return
-        o = 0
-        for p in self.seg_params[s]:
-            n = p.numel()
-            if p.grad is None:
-                flat[o:o + n].zero_()
-            else:
-                flat[o:o + n].copy_(p.grad.reshape(-1))
-            o += n
+        _flatten_grads(flat, self.seg_params[s], 0)
         self._post_flat(flat, s, ev, st)
 
     def _post_flat(self, flat: torch.Tensor, s: int, ev: Event, st: "_StepState") -> None:
@@ -958,6 +945,18 @@ class StageWorker:
         if self.owns_process_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         self._ready = False
+
+
+def _flatten_grads(flat: torch.Tensor, params, offset: int) -> None:
+    """Copy each parameter's ``.grad`` (zeros where ``None``) into consecutive slices of ``flat``."""
+    o = offset
+    for p in params:
+        n = p.numel()
+        if p.grad is None:
+            flat[o:o + n].zero_()
+        else:
+            flat[o:o + n].copy_(p.grad.reshape(-1))
+        o += n
 
 
 def _unflatten_grads(flat: torch.Tensor, params, offset: int) -> None:

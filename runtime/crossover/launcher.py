@@ -617,8 +617,5 @@ def launch_crossover(
         return result
     finally:
         if pool is not None:
-            if clean and ray.is_initialized():
-                refs = [a.shutdown.remote() for a in pool.actors]
-                ray.wait(refs, num_returns=len(refs), timeout=10)
-            pool.kill()
+            pool.close(graceful=clean)
         _cluster.shutdown_ray(owned)
