@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> dict:
     print(table(["pipeline rank", "busy", "bubble", "peak memory"], rows))
     print(f"makespan {fmt_ms(m['makespan'])}, bubble ratio {m['bubble_ratio']:.1%}, "
           f"{m['tokens_per_second']:,.0f} tokens/s predicted")
+    comm = collective_summary(res)
+    for line in comm["lines"]:
+        print(line)
     for w in res.warnings:
         print(f"warning: {w}", file=sys.stderr)
     print(f"wrote {plan_path}, {trace_path} (open in ui.perfetto.dev), {csv_path}")
@@ -86,4 +89,29 @@ def run(args: argparse.Namespace) -> dict:
         "peak_memory": m["peak_memory"], "tokens_per_second": m["tokens_per_second"],
         "segments": len(res.plan.segments), "ops": g.number_of_nodes(), "parallel": par,
         "timings": res.timings, "elapsed": elapsed, "peak_rss": rss, "warnings": res.warnings,
+        "alltoalls": comm["alltoalls"], "tied_weights": res.plan.tied_weights,
     }
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def collective_summary(res) -> dict:
+    """Lines describing the MoE all-to-alls and tied-weight all-reduces of a planned step, and
+    ``alltoalls``: ALLTOALL instructions per pipeline rank (``[]`` entries 0 without MoE/dp)."""
+    ex, tl = res.execution, res.timeline
+    per_rank = [sum(1 for i in s if i.op == "ALLTOALL") for s in ex.streams]
+    lines = []
+    if any(per_rank):
+        sizes = sorted({i.nbytes for s in ex.streams for i in s if i.op == "ALLTOALL"})
+        secs = [sum(e.duration for e in tl.events if e.rank == r and e.op == "ALLTOALL") for r in range(tl.num_devices)]
+        lines.append(f"expert parallelism (ep = dp = {ex.dp}): {max(per_rank)} all-to-alls per pipeline rank per step "
+                     f"({', '.join(_fmt_bytes(b) for b in sizes)} send buffer each), "
+                     f"{fmt_ms(max(secs))} of blocking all-to-all on the busiest rank")
+    for g in res.plan.tied_weights:
+        names = " + ".join(f"{n} (segment {seg})" for seg, n in g["members"])
+        ranks = sorted({e.rank for e in tl.events if e.name == "allreduce tied"})
+        where = f"across pipeline ranks {', '.join(map(str, ranks))}" if ranks else "on one rank (no communication)"
+        lines.append(f"tied weights: {names}, {_fmt_bytes(g['nbytes'])} of gradients all-reduced {where} before the optimizer step")
+    return {"lines": lines, "alltoalls": per_rank}

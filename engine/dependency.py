@@ -4,6 +4,18 @@ Every tensor that crosses devices gets a ``SEND`` right after its producer and a
 right before its consumer; data-parallel gradients get an ``ALLREDUCE`` after a segment's
 last backward on a rank; every training stream ends with an ``OPTIM`` step.
 
+Collectives beyond data parallelism:
+
+- ``ALLTOALL`` (mixture-of-experts expert parallelism, :mod:`engine.models.moe.comm`): one
+  instruction per all-to-all, right after the compute instruction of the ``F``/``B``/``I`` block
+  that runs it (before the block's SENDs), in execution order: forward in layer order (dispatch,
+  combine), backward in reverse (combine-grad, dispatch-grad). ``group`` is the expert-parallel
+  group size (= ``dp``), ``nbytes`` one rank's whole send buffer.
+- Tied-weight ``ALLREDUCE`` (e.g. GPT-2's ``wte`` / ``lm_head`` on the first and last pipeline
+  rank): on each rank holding a copy, just before ``OPTIM``, ``segment=None`` and
+  ``ranks`` = the pipeline ranks of all holders (``group = len(ranks)``); Megatron-LM's embedding
+  all-reduce, as ``runtime.worker`` does it at the optimizer step.
+
 Gradient memory: a weight-gradient block (``B``/``W``) carries the gradient buffer it allocates
 (``hold``, Adam with gradient accumulation: the segment's first weight-gradient block on the
 rank) and its transient micro-batch gradient (``transient``, see
@@ -25,13 +37,13 @@ Abstraction" (2023), section 3 ("data dependency preserving").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from engine.placement import TensorSpec
 from engine.schedule import Block, Schedule, gradient_events
 
 COMPUTE_OPS = ("F", "B", "I", "W")
-INSTRUCTION_OPS = COMPUTE_OPS + ("SEND", "RECV", "ALLREDUCE", "OPTIM")
+INSTRUCTION_OPS = COMPUTE_OPS + ("SEND", "RECV", "ALLREDUCE", "ALLTOALL", "OPTIM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,19 +51,26 @@ class Instruction:
     """One step of a rank's instruction stream.
 
     Attributes:
-        op: ``F``/``B``/``I``/``W`` (compute), ``SEND``, ``RECV``, ``ALLREDUCE`` or ``OPTIM``.
-        block: the block computed, or whose output is sent/received; ``None`` for OPTIM.
+        op: ``F``/``B``/``I``/``W`` (compute), ``SEND``, ``RECV``, ``ALLREDUCE``, ``ALLTOALL`` or ``OPTIM``.
+        block: the block computed, or whose output is sent/received, or (``ALLTOALL``) the
+            F/B/I block that runs the all-to-all; ``None`` for OPTIM and ALLREDUCE.
         peer: destination rank of a SEND, source rank of a RECV.
         tensor: static shape and dtype of the transferred tensor (SEND/RECV).
-        nbytes: bytes transferred (SEND/RECV) or reduced (ALLREDUCE) or updated (OPTIM).
+        nbytes: bytes transferred (SEND/RECV), reduced (ALLREDUCE), one rank's whole send buffer
+            of an all-to-all (ALLTOALL, ``E*C*hidden*element_size``) or updated (OPTIM).
         duration: compute seconds (F/B/I/W), 0 otherwise (communication time comes from the cost model).
         memory: bytes allocated (+) / freed (-) by a compute block on this rank; for ``OPTIM``,
             minus the gradient buffers it releases (``zero_grad`` after the update).
         hold: gradient-buffer bytes a compute block allocates at its start and that stay until
             the ``OPTIM`` step.
         transient: bytes a compute block holds only while it runs (a micro-batch gradient).
-        segment: the segment whose gradients an ALLREDUCE reduces.
-        group: size of the data-parallel group of an ALLREDUCE.
+        segment: the segment whose gradients an ALLREDUCE reduces, or whose block runs an
+            ALLTOALL; ``None`` for a tied-weight ALLREDUCE.
+        group: size of the data-parallel group of an ALLREDUCE, of the expert-parallel group
+            (= dp) of an ALLTOALL, or the number of holders of a tied-weight ALLREDUCE.
+        ranks: pipeline ranks taking part in a cross-rank collective (tied-weight ALLREDUCE:
+            every rank holding a copy, this one included); ``()`` for data-parallel collectives,
+            whose group is this rank's replicas.
     """
 
     op: str
@@ -65,6 +84,7 @@ class Instruction:
     group: int = 1
     hold: int = 0
     transient: int = 0
+    ranks: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         if self.op == "SEND":
@@ -72,7 +92,11 @@ class Instruction:
         if self.op == "RECV":
             return f"RECV {self.block} from {self.peer}"
         if self.op == "ALLREDUCE":
+            if self.ranks:
+                return f"ALLREDUCE tied weights with ranks {','.join(map(str, self.ranks))}"
             return f"ALLREDUCE grads of segment {self.segment}"
+        if self.op == "ALLTOALL":
+            return f"ALLTOALL {self.block} (expert-parallel group of {self.group})"
         if self.op == "OPTIM":
             return "OPTIM step"
         return str(self.block)
@@ -95,7 +119,37 @@ class Instruction:
             d["hold"] = self.hold
         if self.transient:
             d["transient"] = self.transient
+        if self.ranks:
+            d["ranks"] = list(self.ranks)
         return d
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """Parameters shared by several segments (one copy per segment), whose gradients are summed
+    across the copies at the optimizer step (``runtime.stage.PipelineStages.tied``).
+
+    Attributes:
+        members: ``(segment, parameter name)`` of every copy, sorted, e.g.
+            ``((0, "transformer.wte.weight"), (3, "lm_head.weight"))``.
+        nbytes: bytes of ONE copy (the all-reduced gradient).
+    """
+
+    members: tuple[tuple[int, str], ...]
+    nbytes: int
+
+    def segments(self) -> list[int]:
+        """Distinct segments holding a copy, ascending."""
+        return sorted({s for s, _ in self.members})
+
+    def to_dict(self) -> dict:
+        return {"members": [[s, n] for s, n in self.members], "nbytes": self.nbytes}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TiedGroup":
+        """Inverse of :meth:`to_dict`. Raises KeyError/TypeError/ValueError on a malformed dict."""
+        members = tuple(sorted((int(s), str(n)) for s, n in d["members"]))
+        return cls(members, int(d["nbytes"]))
 
 
 @dataclass
@@ -136,6 +190,9 @@ def lower(
     segment_param_bytes: Mapping[int, int] | None = None,
     optimizer: bool = True,
     optimizer_kind: str = "adam",
+    alltoalls: Mapping[int, Sequence[int]] | None = None,
+    tied: Sequence[TiedGroup] | None = None,
+    segment_allreduce_bytes: Mapping[int, int] | None = None,
 ) -> ExecutionPlan:
     """Lower a schedule into per-rank instruction streams (SuperScaler phase 3).
 
@@ -143,12 +200,25 @@ def lower(
         schedule: a schedule that passes ``validate`` (this function does not re-validate).
         dp: data-parallel degree; with ``dp > 1`` each segment's gradients (``segment_param_bytes``)
             are all-reduced after its last backward block (B, or W with split backward) on a rank.
-        segment_param_bytes: parameter bytes of each segment on one rank (after TP split).
+        segment_param_bytes: parameter bytes of each segment on one rank (after TP/EP split).
         optimizer: append an ``OPTIM`` step to every rank of a training schedule.
         optimizer_kind: ``"adam"`` (gradient accumulation: each ALLREDUCE reduces the segment's
             gradients) or ``"adama"`` (AdamA: gradients are folded into Adam's states locally and
             ``m`` and ``v`` are averaged once per step, so each ALLREDUCE carries 2x the segment's
-            parameter bytes; ``runtime.adama.AdamA.sync_states``).
+            parameter bytes; ``runtime.adama.AdamA.sync_states``; the tied copies' gradients
+            are not folded and ride along once: ``2 x (bytes - tied) + tied``, as
+            ``runtime.worker``'s flat ``[m | v | tied gradients]`` buffer).
+        alltoalls: per segment, the bytes of each all-to-all its FORWARD block runs, in execution
+            order (:func:`engine.models.moe.comm.moe_segment_collectives` with kind ``"F"``);
+            its ``B`` or ``I`` blocks run the same list reversed, ``W`` none. Emitted only with
+            ``dp > 1`` (the expert-parallel group is the data-parallel group, ``group = dp``).
+        tied: tied-parameter groups; a group whose copies sit on 2+ pipeline ranks gets one
+            tied ``ALLREDUCE`` (``ranks`` = those ranks, ``nbytes`` = one copy) on each of them
+            just before ``OPTIM`` (training streams only).
+        segment_allreduce_bytes: bytes each segment's data-parallel ALLREDUCE reduces (before
+            the AdamA factor), when not all of ``segment_param_bytes`` is replicated (experts
+            under expert parallelism are owned by one replica and not all-reduced); default
+            ``segment_param_bytes``.
 
     Returns:
         The :class:`ExecutionPlan`. A producer block whose output goes to ``k`` other ranks gets
@@ -159,10 +229,38 @@ def lower(
     """
     if optimizer_kind not in ("adam", "adama"):
         raise ValueError(f"unknown optimizer {optimizer_kind!r}; use 'adam' or 'adama'")
-    sync_factor = 2 if optimizer_kind == "adama" else 1
+    adama = optimizer_kind == "adama"
     pl = schedule.placement
     n = pl.num_devices
     seg_bytes = dict(segment_param_bytes or {})
+    ar_bytes = dict(segment_allreduce_bytes) if segment_allreduce_bytes is not None else seg_bytes
+    a2a = {int(k): [int(x) for x in v] for k, v in (alltoalls or {}).items()} if dp > 1 else {}
+    tied_groups = list(tied or [])
+    tied_in_seg: dict[int, int] = {}
+    for g in tied_groups:
+        for s in g.segments():
+            tied_in_seg[s] = tied_in_seg.get(s, 0) + g.nbytes
+
+    def dp_bytes(seg: int) -> int:
+        b = ar_bytes.get(seg, 0)
+        if not adama:
+            return b
+        t = min(tied_in_seg.get(seg, 0), b)
+        return 2 * (b - t) + t
+
+    def holder_ranks(g: TiedGroup) -> tuple[int, ...]:
+        ranks: set[int] = set()
+        for s in g.segments():
+            if pl.has("F", s):  # a segment this placement lacks holds no copy here
+                ranks.update(pl.spec("F", s).devices)
+        return tuple(sorted(ranks))
+
+    tied_at: dict[int, list[tuple[TiedGroup, tuple[int, ...]]]] = {}
+    for g in tied_groups:
+        ranks = holder_ranks(g)
+        if len(ranks) > 1:
+            for r in ranks:
+                tied_at.setdefault(r, []).append((g, ranks))
     # consumers of each placement block, on other devices: producer idx -> [(consumer idx, dst)]
     consumers: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(pl.blocks))}
     sources: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(pl.blocks))}  # consumer idx -> [(producer idx, src, dst)]
@@ -214,14 +312,20 @@ def lower(
             hold, trans = grad_ev[pos]
             held += hold
             out.append(Instruction(spec.kind, b, duration=spec.duration, memory=spec.memory, hold=hold, transient=trans))
+            fwd_a2a = a2a.get(b.segment)
+            if fwd_a2a and spec.kind in ("F", "B", "I"):
+                for nb in (fwd_a2a if spec.kind == "F" else reversed(fwd_a2a)):
+                    out.append(Instruction("ALLTOALL", b, nbytes=nb, segment=b.segment, group=dp))
             if spec.devices[0] == d:
                 for dst in consumers[bi]:  # type: ignore[union-attr]
                     t = spec.output
                     out.append(Instruction("SEND", b, peer=dst, tensor=t, nbytes=t.nbytes if t else 0))
             if dp > 1 and pos in grad_at:
                 seg = grad_at[pos]
-                out.append(Instruction("ALLREDUCE", None, nbytes=sync_factor * seg_bytes.get(seg, 0), segment=seg, group=dp))
+                out.append(Instruction("ALLREDUCE", None, nbytes=dp_bytes(seg), segment=seg, group=dp))
         if optimizer and not pl.forward_only:
+            for g, ranks in tied_at.get(d, []):
+                out.append(Instruction("ALLREDUCE", None, nbytes=g.nbytes, group=len(ranks), ranks=ranks))
             out.append(Instruction("OPTIM", None, nbytes=param_bytes[d], memory=-held))
         streams.append(out)
     return ExecutionPlan(streams, static, dp=dp, param_bytes=param_bytes, schedule_name=schedule.name)

@@ -9,21 +9,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Mapping
 
 from engine.baselines import build_schedule, placement_requirements
 from engine.cost import CostModel
-from engine.dependency import ExecutionPlan, lower
-from engine.errors import TesselError
+from engine.dependency import ExecutionPlan, TiedGroup, lower
+from engine.errors import PlanFormatError, TesselError
 from engine.graph import OpGraph, capture
 from engine.io.plan import Plan
 from engine.models import ModelBundle, build_model
+from engine.models.moe.comm import (
+    MoELayer, check_expert_parallel, expert_param_bytes_per_rank, find_moe_layers, moe_segment_collectives,
+    segment_moe_layers,
+)
 from engine.placement import Placement
 from engine.schedule import Schedule
 from engine.simulate import simulate
 from engine.timeline import Timeline
 from engine.transform import (
-    PARAM_STATE_FACTOR, ParallelConfig, Segment, TransformError, check_optimizer, gradient_bytes, split_segments,
+    PARAM_STATE_FACTOR, ParallelConfig, Segment, TransformError, add_tied_copies, check_optimizer, gradient_bytes,
+    split_segments, tied_parameter_groups,
 )
 
 
@@ -49,7 +54,8 @@ class PlanResult:
 
 
 def placement_from_segments(segments: list[Segment], config: ParallelConfig, schedule: str = "1f1b", *,
-                            forward_only: bool = False, optimizer: str = "adam") -> Placement:
+                            forward_only: bool = False, optimizer: str = "adam",
+                            tied_grad_bytes: Mapping[int, int] | None = None) -> Placement:
     """The placement a predefined schedule needs (looped V/interleaved, or ZB-V's V shape), with
     durations, activation memory and boundary tensors from the segments.
 
@@ -58,8 +64,9 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
     segment, the gradient buffer and transient gradient of
     :func:`engine.transform.gradient_bytes` (``adam``: a buffer of the segment's parameter bytes
     from its first backward to the optimizer step; ``adama``: only a transient gradient of its
-    largest parameter tensor during each backward) as ``grad_memory``/``grad_transient``.
-    Inference (``forward_only``): the parameters only.
+    largest parameter tensor during each backward, plus ``tied_grad_bytes[segment]``: the
+    gradients of tied copies, which ``runtime.worker`` does not fold but keeps until the step)
+    as ``grad_memory``/``grad_transient``. Inference (``forward_only``): the parameters only.
 
     Raises:
         TransformError: an unknown optimizer.
@@ -78,7 +85,9 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
         static[base.spec("F", s.index).devices[0]] += s.param_bytes * (1 if forward_only else PARAM_STATE_FACTOR)
     if forward_only:
         return replace(base, static_memory=tuple(static))
+    tied_g = dict(tied_grad_bytes or {}) if optimizer == "adama" else {}
     grads = [gradient_bytes(optimizer, s.param_bytes, s.max_param_bytes) for s in segments]
+    grads = [(g + tied_g.get(s.index, 0), t) for (g, t), s in zip(grads, segments)]
     return replace(base, static_memory=tuple(static), grad_memory=tuple(g for g, _ in grads),
                    grad_transient=tuple(t for _, t in grads))
 
@@ -156,6 +165,9 @@ def make_plan(
     if not isinstance(tdtype, torch.dtype):
         raise TransformError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
     bundle = model if isinstance(model, ModelBundle) else build_model(model, batch_size=micro_batch_size, seq_len=seq_len, dtype=tdtype)
+    # MoE expert parallelism over the data-parallel group: experts must split evenly over dp
+    moe_layers = find_moe_layers(bundle.module, max(1, bundle.batch_size * (bundle.seq_len or 1)))
+    check_expert_parallel(moe_layers, dp, bundle.name)
     graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
     timings["capture"] = time.perf_counter() - t0
 
@@ -175,7 +187,13 @@ def make_plan(
         cost = CostModel.for_device(device_type, profile=table, dtype=dtype)
     segments, warnings = split_segments(graph, cost, config, memory_limit=memory_limit, optimizer=optimizer)
     warnings = warnings_pre + warnings
-    placement = placement_from_segments(segments, config, schedule, optimizer=optimizer)
+    seg_layers = [s.layers for s in segments]
+    tied = tied_parameter_groups(bundle.module, seg_layers)
+    segments = add_tied_copies(segments, tied)
+    seg_moe = segment_moe_layers(moe_layers, seg_layers)
+    segments = [_expert_parallel_split(s, seg_moe.get(s.index, []), dp, tp) for s in segments]
+    placement = placement_from_segments(segments, config, schedule, optimizer=optimizer,
+                                        tied_grad_bytes=_tied_bytes_per_segment(tied))
     timings["transform"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -187,7 +205,8 @@ def make_plan(
 
     t0 = time.perf_counter()
     say("simulate")
-    execution = lower(sched, dp=dp, segment_param_bytes={s.index: s.param_bytes for s in segments}, optimizer_kind=optimizer)
+    seg_dicts = [_segment_dict(s, seg_moe.get(s.index, [])) for s in segments]
+    execution = _lower_from(sched, seg_dicts, dp=dp, tp=tp, optimizer_kind=optimizer, tied=tied)
     timeline = simulate(execution, cost)
     timings["simulate"] = time.perf_counter() - t0
 
@@ -209,13 +228,118 @@ def make_plan(
                "seq_len": bundle.seq_len, "dtype": graph.graph.get("dtype", "float32"),
                "num_params": graph.graph.get("num_params")},
         parallel={**config.to_dict(), "optimizer": optimizer},
-        segments=[s.to_dict() for s in segments],
+        segments=seg_dicts,
         schedule=sched,
         cost=cost.to_dict(),
         metrics=metrics,
         meta={"warnings": warnings},
+        tied_weights=[g.to_dict() for g in tied],
     )
     return PlanResult(plan, timeline, graph, execution, warnings, timings)
+
+
+def _expert_parallel_split(seg: Segment, moe: list[MoELayer], dp: int, tp: int) -> Segment:
+    """``seg`` with the parameter bytes of ONE expert-parallel rank: of each MoE layer's experts
+    (``expert_param_bytes``, already split ``tp`` ways like every parameter) a replica holds
+    ``1/dp`` (``ep = dp``). Unchanged without MoE layers or with ``dp == 1``."""
+    if not moe or dp <= 1:
+        return seg
+    full = sum(ml.expert_param_bytes for ml in moe) // tp
+    mine = expert_param_bytes_per_rank(moe, dp) // tp
+    return replace(seg, param_bytes=max(0, seg.param_bytes - full + mine))
+
+
+def _segment_dict(seg: Segment, moe: list[MoELayer]) -> dict:
+    """The plan JSON dict of a segment; ``"moe"`` (its MoE layers, :class:`MoELayer` dicts) only
+    when it has any, so plans of dense models are unchanged."""
+    d = seg.to_dict()
+    if moe:
+        d["moe"] = [ml.to_dict() for ml in moe]
+    return d
+
+
+def _tied_bytes_per_segment(tied: list[TiedGroup]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for g in tied:
+        for s in g.segments():
+            out[s] = out.get(s, 0) + g.nbytes
+    return out
+
+
+def _segment_moe(seg: dict, where: str) -> list[MoELayer]:
+    raw = seg.get("moe") or []
+    try:
+        return [MoELayer.from_dict(x) for x in raw]
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanFormatError(f"field '{where}.moe' is malformed ({type(e).__name__}: {e})") from None
+
+
+def _lower_from(schedule: Schedule, segments: list[dict], *, dp: int, tp: int, optimizer_kind: str,
+                tied: list[TiedGroup], segment_param_bytes: Mapping[int, int] | None = None,
+                segment_allreduce_bytes: Mapping[int, int] | None = None) -> ExecutionPlan:
+    seg_bytes = {int(s["index"]): int(s.get("param_bytes", 0)) for s in segments}
+    moe = {int(s["index"]): _segment_moe(s, f"segments[{i}]") for i, s in enumerate(segments)}
+    moe = {k: v for k, v in moe.items() if v}
+    alltoalls = {}
+    replicated = dict(seg_bytes)
+    if dp > 1:
+        for k, layers in moe.items():
+            check_expert_parallel(layers, dp, f"segment {k}")
+            alltoalls[k] = moe_segment_collectives(layers, dp, "F")
+            # experts are owned by one replica: only the replicated parameters are all-reduced
+            replicated[k] = max(0, seg_bytes[k] - expert_param_bytes_per_rank(layers, dp) // max(1, tp))
+    if segment_param_bytes is not None:
+        seg_bytes = dict(segment_param_bytes)
+        replicated = dict(segment_param_bytes)
+    if segment_allreduce_bytes is not None:
+        replicated = dict(segment_allreduce_bytes)
+    return lower(schedule, dp=dp, segment_param_bytes=seg_bytes, optimizer_kind=optimizer_kind,
+                 alltoalls=alltoalls, tied=tied, segment_allreduce_bytes=replicated)
+
+
+def plan_tied_groups(plan: Plan) -> list[TiedGroup]:
+    """The plan's tied-weight groups (``plan.tied_weights``; empty for plans written before they
+    were recorded).
+
+    Raises:
+        PlanFormatError: a malformed entry (names ``tied_weights[i]``).
+    """
+    out = []
+    for i, g in enumerate(plan.tied_weights or []):
+        try:
+            out.append(TiedGroup.from_dict(g))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanFormatError(f"field 'tied_weights[{i}]' is malformed ({type(e).__name__}: {e})") from None
+    return out
+
+
+def lower_plan(plan: Plan, *, segment_param_bytes: Mapping[int, int] | None = None,
+               segment_allreduce_bytes: Mapping[int, int] | None = None,
+               optimizer_kind: str | None = None) -> ExecutionPlan:
+    """Lower a (loaded or edited) plan with everything it records: its schedule, ``dp``, the
+    segments' parameter bytes, the MoE layers of each segment (``segments[i]["moe"]``: expert-
+    parallel ``ALLTOALL`` instructions with ``dp > 1``) and its tied weights
+    (``plan.tied_weights``: the tied ``ALLREDUCE`` before ``OPTIM`` on each holding rank).
+
+    Args:
+        plan: the plan.
+        segment_param_bytes: override the plan's per-segment parameter bytes (e.g. a runtime
+            worker's measured module bytes); then they are also the data-parallel all-reduce
+            bytes unless ``segment_allreduce_bytes`` is given.
+        segment_allreduce_bytes: bytes each segment's data-parallel ALLREDUCE reduces (default:
+            the plan's replicated bytes: parameter bytes minus this rank's experts).
+        optimizer_kind: ``adam`` or ``adama`` (default ``plan.parallel["optimizer"]``, ``adam``
+            when absent or unknown to the planner, e.g. ``sgd``).
+
+    Raises:
+        PlanFormatError: a malformed ``moe`` or ``tied_weights`` entry.
+        TransformError: a segment's experts do not divide by the plan's ``dp``.
+    """
+    opt = optimizer_kind or str(plan.parallel.get("optimizer", "adam"))
+    return _lower_from(plan.schedule, plan.segments, dp=int(plan.parallel.get("dp", 1)),
+                       tp=int(plan.parallel.get("tp", 1)), optimizer_kind=opt if opt in ("adam", "adama") else "adam",
+                       tied=plan_tied_groups(plan), segment_param_bytes=segment_param_bytes,
+                       segment_allreduce_bytes=segment_allreduce_bytes)
 
 
 def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Plan, Timeline]:
@@ -247,21 +371,20 @@ def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Pl
     schedule = Schedule(pl.with_durations(durations), plan.schedule.num_micro_batches, plan.schedule.orders,
                         plan.schedule.name, dict(plan.schedule.meta))
     segments = [dict(seg, forward_time=times[i][0], backward_time=times[i][1]) for i, seg in enumerate(plan.segments)]
-    new = Plan(plan.model, plan.parallel, segments, schedule, plan.cost, dict(plan.metrics), {**plan.meta, "segment_times": "measured"})
+    new = Plan(plan.model, plan.parallel, segments, schedule, plan.cost, dict(plan.metrics), {**plan.meta, "segment_times": "measured"},
+               tied_weights=list(plan.tied_weights))
     tl = resimulate(new)
     new.metrics.update(tl.metrics())
     return new, tl
 
 
 def resimulate(plan: Plan) -> Timeline:
-    """Re-lower and re-simulate a (loaded or edited) plan with its stored cost model and optimizer
+    """Re-lower (:func:`lower_plan`: MoE all-to-alls and tied all-reduces included) and
+    re-simulate a (loaded or edited) plan with its stored cost model and optimizer
     (``plan.parallel["optimizer"]``, ``adam`` when absent; the placement carries the memory)."""
     cost = CostModel.from_dict(plan.cost) if plan.cost else None
-    segs = {int(s["index"]): int(s.get("param_bytes", 0)) for s in plan.segments}
-    opt = str(plan.parallel.get("optimizer", "adam"))
-    ex = lower(plan.schedule, dp=int(plan.parallel.get("dp", 1)), segment_param_bytes=segs,
-               optimizer_kind=opt if opt in ("adam", "adama") else "adam")
-    return simulate(ex, cost)
+    return simulate(lower_plan(plan), cost)
 
 
-__all__ = ["PlanResult", "make_plan", "resimulate", "with_segment_times", "placement_from_segments", "TesselError"]
+__all__ = ["PlanResult", "make_plan", "resimulate", "with_segment_times", "placement_from_segments", "lower_plan",
+           "plan_tied_groups", "TesselError"]

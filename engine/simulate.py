@@ -12,9 +12,23 @@ serialises its outgoing transfers, and a collective stream for data-parallel all
   lasts ``cost.p2p_time(nbytes, src, dst)``. The compute stream does not wait.
 - ``RECV``: the compute stream waits until the matching transfer has arrived (receive
   buffers are pre-allocated, so no memory changes).
-- ``ALLREDUCE``: asynchronous on the collective stream (data-parallel replicas are symmetric,
-  so one replica is simulated); ``OPTIM`` waits for all of the rank's all-reduces and then
+- ``ALLREDUCE`` (data-parallel, ``ranks`` empty): asynchronous on the collective stream
+  (data-parallel replicas are symmetric, so one replica is simulated; the group is
+  ``[r, r + n, ..., r + (dp-1) n]``); ``OPTIM`` waits for all of the rank's all-reduces and then
   runs for ``cost.optimizer_time(nbytes)``; the gradient buffers are freed at its end.
+- ``ALLTOALL`` (MoE expert parallelism over the data-parallel ranks): blocking on the compute
+  path. It starts when the rank's compute stream reaches it (``runtime.worker`` runs it on its
+  own process group, so it does not queue behind a pending data-parallel all-reduce; link
+  contention between the two is not modelled), lasts
+  ``cost.collective_time("alltoall", nbytes, dp group)`` and advances the rank's clock.
+- Tied-weight ``ALLREDUCE`` (``ranks`` set): synchronous across the holding pipeline ranks, a
+  barrier like a multi-device block. Each holder is ready once its compute stream reaches it AND
+  its pending data-parallel all-reduces have finished (``runtime.worker`` waits for them first,
+  then sums the tied gradients, then steps); it starts at the latest holder's ready time, lasts
+  ``cost.collective_time("allreduce", nbytes, ranks)`` and advances every holder's clock.
+
+Collective events (stream ``"collective"``): ``"allreduce s<segment>"``, ``"a2a <block>"``,
+``"allreduce tied"``.
 
 The result is a :class:`~engine.timeline.Timeline`, the same structure the runtime measures.
 A rank that can never proceed raises :class:`~engine.errors.DeadlockError` naming every
@@ -77,7 +91,8 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
     mem = list(plan.static_memory) if plan.static_memory else [0] * n
     mem_curve: list[list[tuple[float, int]]] = [[(0.0, mem[r])] for r in range(n)]
     arrivals: dict[tuple, tuple[float, float]] = {}  # (block, src, dst) -> (start, end)
-    barrier: dict[tuple, list[int]] = {}  # multi-device block -> ranks arrived
+    barrier: dict = {}  # multi-device block / tied all-reduce key -> ranks arrived
+    tied_seen = [dict() for _ in range(n)]  # rank -> {ranks tuple: tied all-reduces passed}
     events: list[Event] = []
     p2p = cost.p2p_time
     dp_ranks_cache: dict[int, list[int]] = {}
@@ -138,6 +153,32 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
                     events.append(Event(r, "recv", "RECV", f"{ins.block}<{ins.peer}", a[0], a[1], ins.nbytes, ins.block.micro_batch, ins.block.segment))
                     if a[1] > clock[r]:
                         clock[r] = a[1]
+                    pc[r] += 1
+                elif op == "ALLREDUCE" and ins.ranks:
+                    key = ("tied", ins.ranks, tied_seen[r].get(ins.ranks, 0))
+                    arrived = barrier.setdefault(key, [])
+                    if r not in arrived:
+                        arrived.append(r)
+                    holders = sorted({h for h in ins.ranks if 0 <= h < n} | {r})
+                    if any(h not in arrived for h in holders):
+                        break
+                    del barrier[key]
+                    start = max(max(clock[h], coll_pending[h]) for h in holders)
+                    end = start + cost.collective_time("allreduce", ins.nbytes, list(ins.ranks))
+                    for h in holders:
+                        events.append(Event(h, "collective", "ALLREDUCE", "allreduce tied", start, end, ins.nbytes, -1, -1))
+                        clock[h] = end
+                        coll_free[h] = max(coll_free[h], end)
+                        tied_seen[h][ins.ranks] = tied_seen[h].get(ins.ranks, 0) + 1
+                        pc[h] += 1
+                elif op == "ALLTOALL":
+                    start = clock[r]
+                    end = start + cost.collective_time("alltoall", ins.nbytes, dp_group(r))
+                    clock[r] = end
+                    blk = ins.block
+                    events.append(Event(r, "collective", "ALLTOALL", f"a2a {blk}", start, end, ins.nbytes,
+                                        blk.micro_batch if blk is not None else -1,
+                                        ins.segment if ins.segment is not None else -1))
                     pc[r] += 1
                 elif op == "ALLREDUCE":
                     start = max(clock[r], coll_free[r])

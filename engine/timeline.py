@@ -19,8 +19,11 @@ class Event:
     Attributes:
         rank: device (pipeline rank).
         stream: ``"compute"``, ``"send"``, ``"recv"`` or ``"collective"``.
-        op: ``F``, ``B``, ``I``, ``W``, ``OPTIM``, ``SEND``, ``RECV`` or ``ALLREDUCE``.
-        name: label, e.g. ``"1B3"`` or ``"1F3>2"`` (send of 1F3 to rank 2).
+        op: ``F``, ``B``, ``I``, ``W``, ``OPTIM``, ``SEND``, ``RECV``, ``ALLREDUCE`` or
+            ``ALLTOALL`` (MoE expert-parallel all-to-all; stream ``"collective"``).
+        name: label, e.g. ``"1B3"``, ``"1F3>2"`` (send of 1F3 to rank 2), ``"allreduce s1"``
+            (data-parallel gradients of segment 1), ``"allreduce tied"`` (tied weights across
+            pipeline ranks) or ``"a2a 1F3"`` (an all-to-all run by block 1F3).
         start, end: seconds from the start of the step.
         nbytes: bytes moved (communication), 0 for compute.
         micro_batch: micro-batch index, -1 where none.

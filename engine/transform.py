@@ -374,3 +374,69 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
             max_param_bytes=max((lc.max_param_bytes for lc in part), default=0),
         ))
     return segments, warnings
+
+
+def _inside_layer(name: str, layer: str) -> bool:
+    return name == layer or name.startswith(layer + ".")
+
+
+def tied_parameter_groups(module, segment_layers: Sequence[Sequence[str]]):
+    """Parameters shared by several segments (tied weights), as the pipeline runtime sees them.
+
+    A parameter reachable under several names (``module.named_parameters(remove_duplicate=False)``,
+    e.g. GPT-2's ``transformer.wte.weight`` and ``lm_head.weight``) is held by every segment whose
+    layers contain one of its names (``name == layer`` or ``name`` starts with ``layer + "."``);
+    after a pipeline split each such segment holds its own copy and the copies' gradients must be
+    summed at the optimizer step (``runtime.stage.PipelineStages.tied``, Megatron-LM's embedding
+    all-reduce). A segment holding several names of one parameter holds one copy (its first name).
+    Works on meta-device models.
+
+    Args:
+        module: the model (``nn.Module``).
+        segment_layers: ``segment_layers[s]`` = module paths of segment ``s`` (``Segment.layers``).
+
+    Returns:
+        ``list[engine.dependency.TiedGroup]``: groups held by 2+ segments (sorted members,
+        ``nbytes`` = bytes of one copy), sorted by their members.
+    """
+    from engine.dependency import TiedGroup
+
+    aliases: dict[int, list[str]] = {}
+    tensors: dict[int, object] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+    groups = []
+    for pid, names in aliases.items():
+        if len(names) < 2:
+            continue
+        by_segment: dict[int, str] = {}
+        for name in names:
+            for s, layers in enumerate(segment_layers):
+                if any(_inside_layer(name, str(lay)) for lay in layers):
+                    by_segment.setdefault(s, name)
+                    break
+        if len(by_segment) > 1:
+            p = tensors[pid]
+            groups.append(TiedGroup(tuple(sorted(by_segment.items())), int(p.numel() * p.element_size())))
+    return sorted(groups, key=lambda g: g.members)
+
+
+def add_tied_copies(segments: list[Segment], groups) -> list[Segment]:
+    """Count each tied copy in its segment's parameter bytes.
+
+    Graph capture counts a shared parameter once, in the segment that uses it first; after a
+    pipeline split every holder of a :func:`tied_parameter_groups` group keeps its own copy (with
+    its own gradient and Adam states), so the other holders get ``nbytes`` added to
+    ``param_bytes`` (and ``max_param_bytes`` raised to it). Returns new segments (inputs untouched).
+    """
+    from dataclasses import replace
+
+    extra: dict[int, int] = {}
+    largest: dict[int, int] = {}
+    for g in groups:
+        for s in g.segments()[1:]:  # the first (lowest) segment already counted it at first use
+            extra[s] = extra.get(s, 0) + g.nbytes
+            largest[s] = max(largest.get(s, 0), g.nbytes)
+    return [replace(s, param_bytes=s.param_bytes + extra.get(s.index, 0),
+                    max_param_bytes=max(s.max_param_bytes, largest.get(s.index, 0))) for s in segments]

@@ -76,7 +76,8 @@ class GanttView(pn.viewable.Viewer):
 
     Parameters:
         state: the shared :class:`~planner_ui.state.PlanState` (a new empty one when omitted).
-        show_comm: draw communication blocks (SEND/RECV/ALLREDUCE) in a lane under each row.
+        show_comm: draw communication blocks (SEND/RECV/ALLREDUCE, and MoE ALLTOALL in their own
+            colour, ``KIND_COLORS["ALLTOALL"]``) in a lane under each row.
         width: figure width in pixels; ``None`` stretches to the container.
         height: height of the blocks figure in pixels; ``None`` picks it from the device count.
         memory_height: height of the memory figure in pixels.
@@ -249,7 +250,7 @@ class GanttView(pn.viewable.Viewer):
 
     @staticmethod
     def _comm_tooltips(unit: str) -> list[tuple[str, str]]:
-        return [("op", "@op"), ("transfer", "@name"), ("micro-batch", "@micro_batch"), ("segment", "@segment"),
+        return [("op", "@op"), ("what", "@what"), ("transfer", "@name"), ("micro-batch", "@micro_batch"), ("segment", "@segment"),
                 ("device", "@device"), ("start", f"@start{{0.000}} {unit}"), ("end", f"@end{{0.000}} {unit}"),
                 ("duration", f"@duration{{0.000}} {unit}"), ("bytes", "@nbytes{0,0}")]
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.schedule import Schedule
 from engine.timeline import Timeline
-from planner_ui.sources import COMPUTE_HEIGHT, KIND_COLORS, gantt_columns
+from planner_ui.sources import COMM_DESCRIPTIONS, COMPUTE_HEIGHT, KIND_COLORS, gantt_columns
 
 #: Columns of the block (compute) source sent to the browser. ``x``/``width`` are the Rect
 #: centre and width (display units), so Bokeh's BoxEditTool can drag the rectangles.
@@ -22,12 +22,12 @@ BLOCK_COLUMNS = ("x", "width", "y", "height", "color", "alpha", "name", "op", "m
                  "device", "position", "start", "end", "duration")
 #: Columns of the communication source (Quad glyph, not editable).
 COMM_COLUMNS = ("left", "right", "top", "bottom", "color", "alpha", "name", "op", "micro_batch", "segment",
-                "device", "start", "end", "duration", "nbytes")
+                "device", "start", "end", "duration", "nbytes", "what")
 MEASURED_COLUMNS = ("left", "right", "top", "bottom", "color", "name", "op", "device", "start", "end", "duration")
 SCHEDULE_OPS = ("F", "B", "I", "W")
 #: Kinds drawn in the legend (label, colour key).
 LEGEND_KINDS = (("F", "F"), ("B", "B"), ("I", "I"), ("W", "W"), ("SEND/RECV", "SEND"),
-                ("ALLREDUCE", "ALLREDUCE"), ("OPTIM", "OPTIM"))
+                ("ALLREDUCE", "ALLREDUCE"), ("ALL-TO-ALL (MoE)", "ALLTOALL"), ("OPTIM", "OPTIM"))
 
 _FLOAT_COLS = {"x", "width", "y", "height", "alpha", "start", "end", "duration", "left", "right", "top", "bottom"}
 _INT_COLS = {"micro_batch", "segment", "device", "position", "nbytes"}
@@ -50,7 +50,8 @@ def block_columns(timeline: Timeline | None, schedule: Schedule | None, *, scale
     * ``blocks``: every compute-stream event (F/B/I/W/OPTIM) as a Rect (``x`` centre, ``width``,
       ``y`` device row, ``height``) plus hover fields; numeric columns are numpy arrays (sent to
       the browser as binary buffers, fast for 10,000 blocks).
-    * ``comm``: communication events (SEND/RECV/ALLREDUCE) with a positive duration as Quads in
+    * ``comm``: communication events (SEND/RECV/ALLREDUCE/ALLTOALL, with a ``what`` description)
+      with a positive duration as Quads in
       the thin lane under each row (``top``/``bottom``); empty when ``show_comm`` is false.
       Zero-length events (free communication of abstract plans) are not drawn.
     * ``labels``: ``x``, ``y``, ``text`` (micro-batch number) and ``alpha`` of the F/B/I/W blocks.
@@ -149,7 +150,9 @@ def legend_html(measured: bool = False) -> str:
     """Small HTML legend of block kinds (colour swatches), with "measured" when shown."""
     items = []
     for label, key in LEGEND_KINDS:
-        items.append(f'<span class="tessel-legend-item" style="margin-right:10px;white-space:nowrap">'
+        tip = html.escape(COMM_DESCRIPTIONS.get(key, ""), quote=True)
+        title = f' title="{tip}"' if tip else ""
+        items.append(f'<span class="tessel-legend-item" style="margin-right:10px;white-space:nowrap"{title}>'
                      f'<span style="display:inline-block;width:12px;height:12px;background:{KIND_COLORS[key]};'
                      f'vertical-align:middle;margin-right:3px"></span>{html.escape(label)}</span>')
     if measured:

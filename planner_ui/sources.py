@@ -20,7 +20,16 @@ KIND_COLORS = {
     "SEND": "#9D9D9D",
     "RECV": "#BAB0AC",
     "ALLREDUCE": "#B279A2",
+    "ALLTOALL": "#D4A017",  # MoE expert-parallel all-to-all: dark gold
     "OPTIM": "#54A24B",
+}
+
+#: What a communication event is, for hovers and legends.
+COMM_DESCRIPTIONS = {
+    "SEND": "pipeline send (activation or input gradient)",
+    "RECV": "pipeline receive (waits for the tensor)",
+    "ALLREDUCE": "gradient all-reduce (data-parallel replicas, or tied weights across pipeline ranks)",
+    "ALLTOALL": "MoE expert-parallel all-to-all (token dispatch/combine over the data-parallel group; blocks compute)",
 }
 
 #: Categorical palette for segments / devices (Tableau 10).
@@ -35,7 +44,7 @@ COMM_OFFSET = 0.42
 
 GANTT_COLUMNS = ("left", "right", "y", "height", "device", "stream", "op", "name", "label", "color",
                  "alpha", "micro_batch", "segment", "position", "start", "end", "duration", "nbytes",
-                 "editable", "line_color")
+                 "editable", "line_color", "what")
 
 
 def segment_color(segment: int) -> str:
@@ -55,7 +64,8 @@ def gantt_columns(timeline: Timeline, schedule: Schedule | None = None, *, scale
     is highlighted and this block is not of it), ``micro_batch``, ``segment``, ``position``
     (index in the device's order, -1 for non-schedule events), ``start``/``end``/``duration``
     (display units), ``nbytes``, ``editable`` (a schedule block that can be dragged),
-    ``line_color`` (black outline on the selected block).
+    ``line_color`` (black outline on the selected block), ``what`` (a description of a
+    communication event, :data:`COMM_DESCRIPTIONS`; ``""`` for compute).
     """
     cols: dict[str, list] = {k: [] for k in GANTT_COLUMNS}
     pos: dict[tuple[int, str], int] = {}
@@ -89,6 +99,7 @@ def gantt_columns(timeline: Timeline, schedule: Schedule | None = None, *, scale
         cols["nbytes"].append(e.nbytes)
         cols["editable"].append(sched_block and schedule is not None)
         cols["line_color"].append("#000000" if selected_block and e.name == selected_block and sched_block else None)
+        cols["what"].append(COMM_DESCRIPTIONS.get(e.op, e.op) if comm else "")
     return cols
 
 
@@ -128,5 +139,5 @@ def metrics_summary(timeline: Timeline, memory_limit: float | None = None) -> di
     return m
 
 
-__all__ = ["KIND_COLORS", "PALETTE", "gantt_columns", "memory_columns", "metrics_summary", "segment_color",
+__all__ = ["KIND_COLORS", "COMM_DESCRIPTIONS", "PALETTE", "gantt_columns", "memory_columns", "metrics_summary", "segment_color",
            "COMPUTE_HEIGHT", "COMM_HEIGHT", "COMM_OFFSET", "GANTT_COLUMNS"]

@@ -16,10 +16,18 @@ with ``p`` the group size and ``bw`` the link bandwidth (bytes/s) per direction.
 (output) buffer of allgather, the input buffer of reducescatter, the broadcast buffer, and
 the whole send buffer of one rank for alltoall (each rank keeps 1/p of it and sends the rest).
 
+alltoall is the pairwise-exchange algorithm: ``p-1`` steps, in each a rank sends ``n/p`` bytes to
+one peer and receives ``n/p`` from another, so ``(p-1)/p * n`` bytes cross each rank's link and
+``p-1`` latencies are paid. Mixture-of-experts layers use it to dispatch tokens to their experts
+and combine the results (``engine.models.moe.comm``: ``n`` = one rank's ``[E, C, hidden]``
+buffer).
+
 Sources: R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of collective communication
 operations in MPICH", IJHPCA 19(1), 2005 (ring allgather/reduce-scatter, Rabenseifner
-allreduce); NCCL documentation, "Collective operations" and the nccl-tests PERFORMANCE.md
-bus-bandwidth factors (allreduce 2(p-1)/p, allgather/reducescatter (p-1)/p, broadcast 1).
+allreduce, pairwise-exchange all-to-all for long messages); NCCL documentation, "Collective
+operations" and the nccl-tests PERFORMANCE.md bus-bandwidth factors (allreduce 2(p-1)/p,
+allgather/reducescatter (p-1)/p, broadcast 1; nccl-tests ``src/alltoall.cu`` ``AlltoAllGetBw``
+uses (p-1)/p for alltoall).
 """
 
 from __future__ import annotations

@@ -34,12 +34,20 @@ class Plan:
         parallel: ``dp``, ``tp``, ``pp``, ``virtual_stages``, ``micro_batches``, ``devices`` (= dp*tp*pp),
             ``optimizer`` (``"adam"`` or ``"adama"``: the memory model the prediction used).
         segments: one dict per segment: ``index``, ``layers`` (module paths), ``devices``,
-            ``flops`` (forward FLOPs per micro-batch), ``param_bytes``, ``activation_bytes``,
-            ``forward_time``/``backward_time`` (s), ``output`` (boundary tensor shape/dtype).
+            ``flops`` (forward FLOPs per micro-batch), ``param_bytes`` (on one rank: after the
+            TP split and the expert-parallel split, tied copies included), ``activation_bytes``,
+            ``forward_time``/``backward_time`` (s), ``output`` (boundary tensor shape/dtype);
+            optional ``moe``: the segment's mixture-of-experts layers in module order, each
+            ``{"path", "num_experts", "capacity", "hidden", "element_size", "gate",
+            "expert_param_bytes"}`` (:class:`engine.models.moe.comm.MoELayer`; absent = none).
         schedule: the :class:`Schedule` (its placement included).
         cost: ``CostModel.to_dict()`` (device table entry, links, dtype, profile).
         metrics: predicted ``makespan`` (s), ``bubble_ratio``, ``bubble_ratios``, ``peak_memory`` (bytes).
         meta: free-form facts (tool version, creation command).
+        tied_weights: parameters shared by several segments (optional JSON field
+            ``tied_weights``, written only when non-empty; older plans load with ``[]``): each
+            ``{"members": [[segment, parameter name], ...], "nbytes": bytes of one copy}``
+            (:class:`engine.dependency.TiedGroup`).
     """
 
     model: dict
@@ -49,6 +57,7 @@ class Plan:
     cost: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    tied_weights: list[dict] = field(default_factory=list)
 
     @property
     def placement(self) -> Placement:
@@ -57,7 +66,7 @@ class Plan:
     def to_dict(self) -> dict:
         """The JSON document (``format``, ``version`` first)."""
         s = self.schedule
-        return {
+        d = {
             "format": PLAN_FORMAT,
             "version": PLAN_VERSION,
             "meta": {"tessel_version": __version__, **self.meta},
@@ -69,6 +78,9 @@ class Plan:
             "cost": self.cost,
             "metrics": self.metrics,
         }
+        if self.tied_weights:
+            d["tied_weights"] = self.tied_weights
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str = "plan") -> "Plan":
@@ -123,7 +135,27 @@ class Plan:
                     raise PlanFormatError(f"{source}: field 'schedule.orders[{r}][{i}]': {e}") from None
             orders.append(order)
         schedule = Schedule(placement, m, orders, str(sd.get("name", "custom")), dict(sd.get("meta") or {}))
-        return cls(model, parallel, segments, schedule, dict(d.get("cost") or {}), dict(d.get("metrics") or {}), dict(d.get("meta") or {}))
+        for i, seg in enumerate(segments):
+            moe = seg.get("moe") if isinstance(seg, dict) else None
+            if moe is None:
+                continue
+            if not isinstance(moe, list):
+                raise PlanFormatError(f"{source}: field 'segments[{i}].moe' should be a list of MoE layers")
+            for j, layer in enumerate(moe):
+                for key, typ in (("path", str), ("num_experts", int), ("capacity", int), ("hidden", int)):
+                    need(layer, key, typ, f"segments[{i}].moe[{j}].{key}")
+        tied = d.get("tied_weights") or []
+        if not isinstance(tied, list):
+            raise PlanFormatError(f"{source}: field 'tied_weights' should be a list, got {type(tied).__name__}")
+        for i, g in enumerate(tied):
+            members = need(g, "members", list, f"tied_weights[{i}].members")
+            need(g, "nbytes", int, f"tied_weights[{i}].nbytes")
+            for j, mem in enumerate(members):
+                if not (isinstance(mem, list) and len(mem) == 2 and isinstance(mem[0], int) and isinstance(mem[1], str)):
+                    raise PlanFormatError(f"{source}: field 'tied_weights[{i}].members[{j}]' should be "
+                                          f"[segment, parameter name], got {mem!r}")
+        return cls(model, parallel, segments, schedule, dict(d.get("cost") or {}), dict(d.get("metrics") or {}),
+                   dict(d.get("meta") or {}), [dict(g) for g in tied])
 
 
 def save_plan(plan: Plan, path: str | Path) -> Path:

@@ -34,6 +34,17 @@ def plans():
             for opt in ("adam", "adama")}
 
 
+def _tied(res) -> list[int]:
+    """Bytes of tied copies per segment (wte on the first, lm_head on the last segment): AdamA does
+    not fold their gradients (their sum over copies is only known at the step), so it holds them
+    like Adam until the optimizer step (``runtime.worker`` module docstring)."""
+    out = [0] * len(res.plan.segments)
+    for g in res.plan.tied_weights:
+        for seg in {m[0] for m in g["members"]}:
+            out[seg] += g["nbytes"]
+    return out
+
+
 def _value_at(curve, t):
     """Value of a step-function memory curve at time ``t`` (the last point at or before ``t``)."""
     v = curve[0][1]
@@ -54,7 +65,9 @@ def test_optimizer_is_recorded_and_static_memory_is_params_and_moments(plans):
         assert all(s["max_param_bytes"] > 0 for s in res.plan.segments)
     adam, adama = plans["adam"].plan.placement, plans["adama"].plan.placement
     assert list(adam.grad_memory) == [s["param_bytes"] for s in plans["adam"].plan.segments]
-    assert list(adama.grad_memory) == [0, 0]
+    # gpt2-small-cpu ties wte and lm_head (256 x 256 float32), one copy on each of the 2 stages
+    assert _tied(plans["adama"]) == [256 * 256 * 4] * 2
+    assert list(adama.grad_memory) == _tied(plans["adama"])
     assert adam.grad_transient == adama.grad_transient
     # gpt2-small-cpu's largest tensor is an MLP weight 256 x 1024 in float32
     assert list(adama.grad_transient) == [256 * 1024 * 4] * 2
@@ -63,11 +76,12 @@ def test_optimizer_is_recorded_and_static_memory_is_params_and_moments(plans):
 def test_adama_peak_is_lower_by_the_segment_gradient_bytes(plans):
     adam, adama = plans["adam"], plans["adama"]
     seg_bytes = [s["param_bytes"] for s in adam.plan.segments]
+    tied = _tied(adama)
     pa, pb = adam.plan.metrics["peak_memory"], adama.plan.metrics["peak_memory"]
     for d in range(2):
         # 1F1B's steady state backwards run with the same activations in flight and the same
-        # transient gradient; only the resident gradient buffer differs
-        assert pa[d] - pb[d] == seg_bytes[d]
+        # transient gradient; only the resident gradient buffer differs (AdamA keeps the tied copy's)
+        assert pa[d] - pb[d] == seg_bytes[d] - tied[d]
         assert 0.1 < (pa[d] - pb[d]) / pa[d] < 0.25  # 4.9M parameters on 2 stages, 8 micro-batches: 11-15 %
     # same schedule, same timing: only memory changes
     assert adam.timeline.makespan == pytest.approx(adama.timeline.makespan)
@@ -87,8 +101,13 @@ def test_adam_memory_steps_up_at_the_first_backward_not_at_zero(plans):
         assert max(before) == max(v for t, v in b_curve if t < first_b)
         at = _value_at(curve, first_b)
         assert at - _value_at(curve, first_b - 1e-12) == seg_bytes[d]  # the buffer appears at 0B0's start
-        # AdamA: only the transient gradient while the backward runs
-        assert _value_at(b_curve, first_b) - _value_at(b_curve, first_b - 1e-12) == adama.plan.placement.grad_transient[d]
+        # AdamA: the tied copy's gradient is kept from the first backward on (its buffer is that
+        # block's allocation: engine.schedule.gradient_events counts a block's transient only when
+        # it allocates no buffer); later backwards add only the transient gradient while they run
+        assert _value_at(b_curve, first_b) - _value_at(b_curve, first_b - 1e-12) == _tied(adama)[d]
+        second_b = sorted(e.start for e in adama.timeline.events if e.rank == d and e.op == "B")[1]
+        assert _value_at(b_curve, second_b) - _value_at(b_curve, second_b - 1e-12) == \
+            adama.plan.placement.grad_transient[d]
         # the optimizer step releases the buffer: both end at the static memory
         optim = next(e for e in adam.timeline.events if e.rank == d and e.op == "OPTIM")
         assert _value_at(curve, optim.end - 1e-12) == static + seg_bytes[d]
@@ -175,9 +194,17 @@ def test_plan_round_trip_keeps_the_optimizer_and_the_prediction(plans, tmp_path)
 def test_data_parallel_adama_all_reduces_both_moments():
     a = make_plan("gpt2-tiny", devices=4, dp=2, micro_batches=4, device_type="cpu", optimizer="adam")
     b = make_plan("gpt2-tiny", devices=4, dp=2, micro_batches=4, device_type="cpu", optimizer="adama")
-    ar_a = sorted(e.nbytes for e in a.timeline.events if e.op == "ALLREDUCE")
-    ar_b = sorted(e.nbytes for e in b.timeline.events if e.op == "ALLREDUCE")
-    assert ar_b == [2 * x for x in ar_a] and all(x > 0 for x in ar_a)
+    ar_a = {e.segment: e.nbytes for e in a.timeline.events if e.op == "ALLREDUCE" and e.segment >= 0}
+    ar_b = {e.segment: e.nbytes for e in b.timeline.events if e.op == "ALLREDUCE" and e.segment >= 0}
+    tied = _tied(b)
+    assert sorted(ar_a) == sorted(ar_b) == [0, 1] and all(x > 0 for x in ar_a.values())
+    # m and v of the folded parameters (2x) plus the tied copy's gradient once (runtime.worker's
+    # flat [m | v | tied gradients] buffer)
+    assert all(ar_b[s] == 2 * (ar_a[s] - tied[s]) + tied[s] for s in ar_a)
+    # the tied all-reduce itself carries one copy's gradient with either optimizer
+    tied_a = [e.nbytes for e in a.timeline.events if e.name == "allreduce tied"]
+    tied_b = [e.nbytes for e in b.timeline.events if e.name == "allreduce tied"]
+    assert tied_a == tied_b == [b.plan.tied_weights[0]["nbytes"]] * 2
 
 
 def test_stage_split_bound_uses_the_optimizer():

@@ -49,7 +49,10 @@ def test_tensor_parallel_splits_parameters_and_adds_allreduce():
 def test_data_parallel_adds_gradient_allreduce():
     res = make_plan("gpt2-tiny", devices=4, dp=2, micro_batches=4, schedule="1f1b")
     ars = [e for e in res.timeline.events if e.op == "ALLREDUCE"]
-    assert len(ars) == 2 and all(e.end > e.start for e in ars)
+    dp_ars = [e for e in ars if e.segment >= 0]          # one per segment (pp=2)
+    tied = [e for e in ars if e.name == "allreduce tied"]  # wte/lm_head on ranks 0 and 1
+    assert len(dp_ars) == 2 and len(tied) == 2 and len(ars) == 4
+    assert all(e.end > e.start for e in ars)
     opt = [e for e in res.timeline.events if e.op == "OPTIM"]
     assert all(o.start >= max(a.end for a in ars if a.rank == o.rank) for o in opt)
 
