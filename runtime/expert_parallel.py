@@ -57,21 +57,22 @@ __all__ = [
 _EXPERT_ATTR = "_tessel_expert_parallel"
 
 
-def _record(log: list | None, phase: str, t: torch.Tensor, world: int, seconds: float) -> None:
+def _record(log: list | None, phase: str, t: torch.Tensor, world: int, start: float, end: float) -> None:
     if log is None:
         return
     total = t.numel() * t.element_size()
     log.append({"op": "all_to_all", "phase": phase, "bytes_total": total,
                 # this rank's chunk for itself stays local: only (P-1)/P crosses the wire
-                "bytes": total * (world - 1) // world, "seconds": seconds})
+                "bytes": total * (world - 1) // world, "seconds": end - start,
+                "start": start, "end": end})
 
 
-def _a2a(x: torch.Tensor, group) -> tuple[torch.Tensor, float]:
+def _a2a(x: torch.Tensor, group) -> tuple[torch.Tensor, float, float]:
     x = x.contiguous()
     out = torch.empty_like(x)
     t0 = time.perf_counter()
     dist.all_to_all_single(out, x, group=group)
-    return out, time.perf_counter() - t0
+    return out, t0, time.perf_counter()
 
 
 def all_to_all_bytes(num_experts: int, capacity: int, hidden: int, world: int,
@@ -109,14 +110,14 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, log):
         ctx.group, ctx.log = group, log
-        out, sec = _a2a(x, group)
-        _record(log, "forward", x, dist.get_world_size(group), sec)
+        out, t0, t1 = _a2a(x, group)
+        _record(log, "forward", x, dist.get_world_size(group), t0, t1)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out, sec = _a2a(grad, ctx.group)
-        _record(ctx.log, "backward", grad, dist.get_world_size(ctx.group), sec)
+        out, t0, t1 = _a2a(grad, ctx.group)
+        _record(ctx.log, "backward", grad, dist.get_world_size(ctx.group), t0, t1)
         return out, None, None
 
 
@@ -128,7 +129,8 @@ def all_to_all(x: torch.Tensor, group=None, log: list | None = None) -> torch.Te
         group: process group (None = default group).
         log: optional list; each collective (forward and backward) appends a dict
             ``{"op": "all_to_all", "phase", "bytes" (sent to other ranks), "bytes_total",
-            "seconds"}``.
+            "seconds", "start", "end"}`` (``start``/``end``: ``time.perf_counter()`` around the
+            blocking collective, so a caller can place it on its own clock).
     Raises:
         ValueError: ``x.shape[0]`` not divisible by ``P``.
     """
@@ -183,6 +185,12 @@ class ExpertParallelMoE(MoEFeedForward):
         group: ``torch.distributed`` process group (None = default group).
         check_shapes: all-gather the local token count each forward and raise if ranks differ.
 
+    Checkpoints: ``state_dict()`` names this rank's experts by their GLOBAL ids
+    (``<layer>.experts.{expert_offset + j}.c_fc.weight``), like the unsplit layer, and
+    ``load_state_dict`` maps those names back to the local experts; so the state dicts of all ranks
+    merge into the unsplit model's (gate entries are replicated: equal on every rank), and a rank
+    loading a state that holds other ranks' experts reports them as unexpected keys.
+
     Attributes:
         comm_log: one dict per all-to-all (see :func:`all_to_all`); clear it when you like.
         bytes_sent: bytes this rank sent to other ranks in all all-to-alls so far.
@@ -217,6 +225,8 @@ class ExpertParallelMoE(MoEFeedForward):
         self.last_metrics = {}
         self.last_gate_output = None
         self.comm_log: list[dict] = []
+        self._register_state_dict_hook(_experts_to_global)
+        self._register_load_state_dict_pre_hook(_experts_to_local, with_module=True)
 
     @classmethod
     def from_dense(cls, layer: MoEFeedForward, group=None, check_shapes: bool = True
@@ -274,6 +284,44 @@ class ExpertParallelMoE(MoEFeedForward):
         self.last_metrics = out.metrics
         self.last_gate_output = out
         return y.reshape(shape)
+
+
+def _rename_experts(state_dict, prefix: str, shift: int) -> None:
+    """Rename ``{prefix}experts.{j}.*`` to ``{prefix}experts.{j + shift}.*`` in place (two passes,
+    so old and new ids never collide)."""
+    head = prefix + "experts."
+    moved = []
+    for key in list(state_dict.keys()):
+        if key.startswith(head):
+            j, _, rest = key[len(head):].partition(".")
+            if j.isdigit():
+                moved.append((f"{head}{int(j) + shift}.{rest}", state_dict.pop(key)))
+    for key, value in moved:
+        state_dict[key] = value
+
+
+def _experts_to_global(module: "ExpertParallelMoE", state_dict, prefix: str, _local_metadata):
+    if module.expert_offset:
+        _rename_experts(state_dict, prefix, module.expert_offset)
+    return state_dict
+
+
+def _experts_to_local(module: "ExpertParallelMoE", state_dict, prefix: str, _local_metadata, _strict,
+                      _missing_keys, unexpected_keys, _error_msgs):
+    head = prefix + "experts."
+    lo, hi = module.expert_offset, module.expert_offset + module.local_experts
+    mine: dict = {}
+    for key in list(state_dict.keys()):
+        j = key[len(head):].partition(".")[0] if key.startswith(head) else ""
+        if not j.isdigit():
+            continue
+        value = state_dict.pop(key)
+        if lo <= int(j) < hi:
+            mine[key] = value
+        else:                      # another rank's expert
+            unexpected_keys.append(key)
+    _rename_experts(mine, prefix, -lo)
+    state_dict.update(mine)
 
 
 def expert_parallelize(model: nn.Module, group=None, check_shapes: bool = True) -> nn.Module:

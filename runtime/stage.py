@@ -30,6 +30,12 @@ run them across processes:
   no gradient AND lie outside the segment's layers are removed, so they are neither optimised nor
   checkpointed.
 
+- **MoE layers.** The model's own eager :class:`~engine.models.moe.layer.MoEFeedForward`
+  layers replace their traced graphs inside the stages (:func:`_restore_eager_moe`), so they
+  produce their aux loss and routing metrics, follow their gates' update counters (DTS-Gate
+  temperature) and keep the gate buffers in the stage's ``state_dict``; a segment boundary
+  inside an MoE layer is refused.
+
 Limits: tensor parallelism (``tp > 1``) is planned but not executed (:class:`RuntimeNotSupported`).
 The exported graphs freeze the train/eval mode they were traced in (dropout stays as traced);
 the built-in byte-level models have dropout 0, so this only matters for user models with dropout.
@@ -277,6 +283,69 @@ def _route(pipe, S: int):
     return live, stage_node, produced
 
 
+def _restore_eager_moe(model: nn.Module, modules: dict[int, "StageModule"]) -> list[nn.Module]:
+    """Put the model's own (eager) :class:`~engine.models.moe.layer.MoEFeedForward` layers back
+    into the traced stages, in place of the graphs ``pipeline()`` traced for them.
+
+    The exported graph of an MoE layer freezes what is Python state of the eager layer: DTS-Gate's
+    temperature and dense/sparse phase (they follow the optimizer-update counter), and it drops
+    the aux (load-balancing) loss, the routing metrics and the gate's state buffers
+    (``num_updates``, ``temperature``, ``sparse``). The stage's parent graph calls the layer as a
+    submodule (``call_module mlp(x)``), so the eager layer is swapped in at that path: its
+    parameters get the traced copies' values (identical, same names), its buffers come with it
+    (so they are in the stage's ``state_dict``), and after every forward it holds
+    ``last_aux_loss``/``last_metrics`` for the worker. A worker can then replace it by an
+    expert-parallel layer (:class:`runtime.expert_parallel.ExpertParallelMoE`).
+
+    Returns:
+        the eager layers now inside the stages.
+
+    Raises:
+        RuntimeNotSupported: a segment boundary falls inside an MoE layer, or the traced parent
+            does not call the layer as one submodule with one tensor argument.
+    """
+    from engine.models.moe.layer import MoEFeedForward
+
+    restored: list[nn.Module] = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, MoEFeedForward):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        callers = []
+        for i, sm in modules.items():
+            try:
+                parent = sm.get_submodule(parent_name) if parent_name else sm.inner
+            except AttributeError:
+                continue
+            graph = getattr(parent, "graph", None)
+            calls = [n for n in graph.nodes if n.op == "call_module" and n.target == attr] if graph is not None else []
+            if calls:
+                callers.append((i, sm, parent, calls))
+        if not callers:
+            continue   # an unused layer: nothing to restore
+        if len(callers) > 1 or len(callers[0][3]) != 1:
+            raise RuntimeNotSupported(
+                f"the MoE layer {name} is called from segments {[c[0] for c in callers]}; put a whole "
+                "MoE layer into one segment")
+        i, sm, parent, (call,) = callers[0]
+        if len(call.args) != 1 or call.kwargs:
+            raise RuntimeNotSupported(f"segment {i} calls the MoE layer {name} with {len(call.args)} arguments "
+                                      f"and kwargs {sorted(call.kwargs)}; the runtime needs layer(x)")
+        traced = getattr(parent, attr)
+        mine = dict(layer.named_parameters())
+        with torch.no_grad():
+            for pname, p in traced.named_parameters():
+                if pname not in mine or mine[pname].shape != p.shape:
+                    raise RuntimeNotSupported(f"the traced MoE layer {name} has a parameter {pname} "
+                                              f"{tuple(p.shape)} that the model's layer lacks")
+                mine[pname].copy_(p)
+        setattr(parent, attr, layer)
+        if not parent_name:           # a top-level layer: the StageModule registers inner's children too
+            sm.add_module(attr, layer)
+        restored.append(layer)
+    return restored
+
+
 def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     """Build, split and probe the plan's model (see the module docstring).
 
@@ -332,6 +401,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
                for i in range(S)}
     for m in modules.values():
         m.train()
+    eager = _restore_eager_moe(model, modules)
 
     # ---- probe: one real micro-batch forward and backward through the chain
     records = []
@@ -392,6 +462,8 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
             tied.append(sorted(members))
     for m in modules.values():
         m.zero_grad(set_to_none=True)
+    for layer in eager:   # drop the probe's routing (it holds the probe's autograd graph)
+        layer.last_aux_loss, layer.last_metrics, layer.last_gate_output = None, {}, None
     return PipelineStages(modules, boundaries, inputs, output, sorted(tied), removed, mbs, seq)
 
 
