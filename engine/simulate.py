@@ -20,7 +20,8 @@ serialises its outgoing transfers, and a collective stream for data-parallel all
   path. It starts when the rank's compute stream reaches it (``runtime.worker`` runs it on its
   own process group, so it does not queue behind a pending data-parallel all-reduce; link
   contention between the two is not modelled), lasts
-  ``cost.collective_time("alltoall", nbytes, dp group)`` and advances the rank's clock.
+  ``cost.collective_time("alltoall", nbytes, group)`` (the rank's ``group`` replicas
+  ``[r, r + n, ...]``, i.e. its data-parallel group) and advances the rank's clock.
 - Tied-weight ``ALLREDUCE`` (``ranks`` set): synchronous across the holding pipeline ranks, a
   barrier like a multi-device block. Each holder is ready once its compute stream reaches it AND
   its pending data-parallel all-reduces have finished (``runtime.worker`` waits for them first,
@@ -173,7 +174,8 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
                         pc[h] += 1
                 elif op == "ALLTOALL":
                     start = clock[r]
-                    end = start + cost.collective_time("alltoall", ins.nbytes, dp_group(r))
+                    group = dp_group(r) if ins.group == plan.dp else [r + k * n for k in range(max(1, ins.group))]
+                    end = start + cost.collective_time("alltoall", ins.nbytes, group)
                     clock[r] = end
                     blk = ins.block
                     events.append(Event(r, "collective", "ALLTOALL", f"a2a {blk}", start, end, ins.nbytes,
