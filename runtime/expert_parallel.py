@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.models.moe.comm import all_to_all_bytes  # noqa: F401 - re-exported: the one byte formula
 from engine.models.moe.gates import BaseGate
 from engine.models.moe.layer import ExpertMLP, MoEFeedForward
 
@@ -73,30 +74,6 @@ def _a2a(x: torch.Tensor, group) -> tuple[torch.Tensor, float, float]:
     t0 = time.perf_counter()
     dist.all_to_all_single(out, x, group=group)
     return out, t0, time.perf_counter()
-
-
-def all_to_all_bytes(num_experts: int, capacity: int, hidden: int, world: int,
-                     element_size: int = 4) -> dict[str, int]:
-    """Predicted traffic of one expert-parallel all-to-all (pure arithmetic, no collective).
-
-    The exchanged tensor is ``[E, C, hidden]`` per rank (``element_size`` bytes per value); a
-    rank keeps its own ``1/P`` and sends the rest. Each MoE layer does 2 all-to-alls in forward
-    and 2 in backward per micro-batch. ``capacity`` is the gate's ``C`` for the rank's token
-    count (``BaseGate.capacity(tokens, factor, k)``).
-
-    Returns:
-        ``{"bytes_total": E*C*hidden*element_size, "bytes": bytes sent to other ranks,
-        "per_layer_step": 4 * bytes}``.
-    Raises:
-        ValueError: ``num_experts`` not divisible by ``world`` or a non-positive size.
-    """
-    if min(num_experts, capacity, hidden, world, element_size) < 1:
-        raise ValueError("all sizes must be positive")
-    if num_experts % world:
-        raise ValueError(f"{num_experts} experts cannot be split evenly over {world} ranks")
-    total = num_experts * capacity * hidden * element_size
-    sent = total * (world - 1) // world
-    return {"bytes_total": total, "bytes": sent, "per_layer_step": 4 * sent}
 
 
 class AllToAll(torch.autograd.Function):
