@@ -7,10 +7,16 @@ token ids ``[B, T]`` to logits ``[B, T, 256]``.
 
 Loop (one optimizer update per step, no gradient accumulation)::
 
-    x, y = batch[:, :-1], batch[:, 1:]
-    loss = lm_loss(model(x), y) + model.aux_loss()     # aux only for MoE models
-    loss.backward(); opt.step(); opt.zero_grad()
-    model.advance_gates()                              # once per optimizer update (MoE only)
+    ce, aux = lm_objective(model, batch)               # CE of model(x) vs y; aux None for dense
+    (ce + aux).backward(); opt.step(); opt.zero_grad()
+    advance_gates(model)                               # once per optimizer update (MoE only)
+
+The training objective of one micro-batch is ``CE + aux`` (:func:`lm_objective`), and a step's
+gradient is that of the MEAN over its ``n`` micro-batches (each backward of
+``(CE_j + aux_j) / n``; here ``n = 1``). :func:`runtime.reference.reference_losses` (``n = dp * m``)
+and the pipelined :class:`runtime.worker.StageWorker` (each stage backpropagates its own MoE
+layers' ``aux_j / m`` next to the output gradient, replicas averaged) use the same objective
+with the same scaling, and all of them REPORT the loss as the CE alone, the aux loss separately.
 
 Optimizer: ``torch.optim.AdamW(lr, weight_decay=0)``, constant learning rate after a linear
 warm-up of ``warmup`` steps. Logged per step: the LM loss (``train_loss``, without the aux
@@ -31,12 +37,67 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.models.gpt import GPT, GPTConfig, lm_loss
 from runtime.data import ByteCorpus
 
-__all__ = ["MoETrainResult", "train_moe", "build_tiny", "dense_tiny_config", "TINY_MODELS"]
+__all__ = ["MoETrainResult", "train_moe", "build_tiny", "dense_tiny_config", "TINY_MODELS", "lm_objective",
+           "moe_aux_loss", "advance_gates", "moe_metrics", "has_moe"]
+
+
+def _moe_layers(model: nn.Module) -> list:
+    from engine.models.moe.layer import MoEFeedForward
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def has_moe(model: nn.Module) -> bool:
+    """Whether ``model`` has :class:`~engine.models.moe.layer.MoEFeedForward` layers."""
+    return bool(_moe_layers(model))
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the MoE layers' weighted aux (load-balancing) losses of the last forward (a scalar
+    in the autograd graph), ``None`` for a model without MoE layers (or before any forward)."""
+    losses = [m.last_aux_loss for m in _moe_layers(model) if m.last_aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def advance_gates(model: nn.Module) -> None:
+    """Count one optimizer update in every gate (``BaseGate.advance``); no-op without MoE layers."""
+    for m in _moe_layers(model):
+        m.gate.advance()
+
+
+def moe_metrics(model: nn.Module) -> dict[str, float]:
+    """Routing metrics of the last forward averaged over MoE layers (see
+    :meth:`engine.models.moe.gpt_moe.GPTMoE.moe_metrics`); ``{}`` without MoE layers."""
+    layers = [m.last_metrics for m in _moe_layers(model) if m.last_metrics]
+    if not layers:
+        return {}
+    out = {k: float(torch.stack([lm[k].float() for lm in layers]).mean())
+           for k in ("temperature", "experts_per_token", "load_cv", "dropped_fraction", "balance_loss")}
+    load = torch.stack([lm["load"] for lm in layers]).mean(0)
+    out.update({f"load_{e}": float(v) for e, v in enumerate(load)})
+    return out
+
+
+def lm_objective(model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One micro-batch's training objective terms: ``(ce, aux)``.
+
+    Args:
+        model: maps token ids ``[B, T]`` to logits ``[B, T, V]``.
+        batch: int64 ``[B, T + 1]``; inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``.
+
+    Returns:
+        ``ce``: mean next-token cross-entropy (nats/token, computed in float32); ``aux``: the sum
+        of the MoE layers' weighted aux losses of this forward, ``None`` for dense models. The
+        objective is ``ce + aux`` (see the module docstring for the scaling over micro-batches).
+    """
+    logits = model(batch[:, :-1])
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+    return ce, moe_aux_loss(model)
 
 #: Registry-style names accepted by :func:`train_moe` -> gate (None = dense baseline).
 TINY_MODELS = {"gpt-dense-tiny": None, "gpt-moe-tiny": "switch", "gpt-moe-tiny-top2": "top2",
@@ -195,7 +256,7 @@ def train_moe(model: str | nn.Module, steps: int = 300, batch_size: int = 16, se
                                  "the module's gates when building it")
             name = type(model).__name__
         corpus = corpus or ByteCorpus(seq_len=seq_len, seed=seed)
-        is_moe = hasattr(model, "advance_gates")
+        is_moe = has_moe(model)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         res = MoETrainResult(name=name, steps=steps, threads=threads, model=model,
                              params=sum(p.numel() for p in model.parameters()))
@@ -206,15 +267,14 @@ def train_moe(model: str | nn.Module, steps: int = 300, batch_size: int = 16, se
                 g["lr"] = lr * min(1.0, (step + 1) / max(1, warmup))
             batch = corpus.train_batch(step, batch_size)
             t0 = time.perf_counter()
-            logits = model(batch[:, :-1])
-            task = lm_loss(logits, batch[:, 1:])
-            aux = model.aux_loss() if is_moe else torch.zeros(())
+            task, aux = lm_objective(model, batch)
+            if aux is None:
+                aux = torch.zeros(())
             (task + aux).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            metrics = model.moe_metrics() if is_moe else {}
-            if is_moe:
-                model.advance_gates()
+            metrics = moe_metrics(model) if is_moe else {}
+            advance_gates(model)
             dt = time.perf_counter() - t0
             elapsed += dt
             res.step_time.append(dt)

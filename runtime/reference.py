@@ -22,14 +22,47 @@ folded once before ``step()``, which is what :class:`runtime.worker.StageWorker`
 gradient is the sum over copies, known only at the end of the step). A plan whose tied weight
 stays inside one segment (e.g. one segment, pp=1) folds it per micro-batch like everything
 else. The data-parallel worker reproduces this exactly (see the worker's module docstring).
+
+Mixture-of-experts models (:mod:`engine.models.moe`): the objective of micro-batch ``j`` is
+``CE_j + aux_j`` (:func:`runtime.moe_train.lm_objective`; ``aux_j`` = the MoE layers' weighted
+load-balancing losses of that forward), each backward is of ``(CE_j + aux_j) / n``, and after each
+optimizer step every gate counts one update (``BaseGate.advance``: DTS temperature, hard switch).
+The pipelined worker backpropagates each stage's ``aux_j / m`` together with its output gradient
+and advances its gates after ``OPTIM``, so the two agree; with expert parallelism too, because
+replica ``d``'s gate routes exactly the rows of micro-batch ``d*m + j`` here (same capacity,
+same aux). The reported losses are the CE alone (aux separately in :func:`reference_run`).
+DTS-Gate samples Gumbel noise, so its runs match only in distribution, not bit for bit.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from dataclasses import dataclass, field
 
-__all__ = ["reference_losses"]
+import torch
+
+__all__ = ["reference_losses", "reference_run", "ReferenceRun"]
+
+
+@dataclass
+class ReferenceRun:
+    """What :func:`reference_run` trained.
+
+    Attributes:
+        losses: per batch, the ``dp * m`` micro-batch cross-entropies (nats/token) before that
+            batch's optimizer step, in global order (see :func:`reference_losses`).
+        aux_losses: per batch, the ``dp * m`` micro-batch MoE aux losses (sum over layers,
+            unscaled); empty lists for models without MoE layers.
+        moe: per batch, the routing metrics averaged over micro-batches and MoE layers
+            (``temperature`` (DTS only), ``experts_per_token``, ``load_cv``,
+            ``dropped_fraction``, ``balance_loss``); ``{}`` without MoE layers.
+        model: the trained unsplit model (compare its ``state_dict`` with
+            :func:`runtime.worker.merge_model_state` of the workers' states).
+    """
+
+    losses: list[list[float]] = field(default_factory=list)
+    aux_losses: list[list[float]] = field(default_factory=list)
+    moe: list[dict] = field(default_factory=list)
+    model: torch.nn.Module | None = None
 
 
 def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: str = "adam",
@@ -56,7 +89,17 @@ def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimize
     Raises:
         ValueError: a batch of the wrong shape or an unknown optimizer.
     """
+    return reference_run(plan, batches, seed=seed, lr=lr, optimizer=optimizer, optimizer_kw=optimizer_kw).losses
+
+
+def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: str = "adam",
+                  optimizer_kw: dict | None = None) -> ReferenceRun:
+    """:func:`reference_losses` with the aux losses, the routing metrics and the trained model.
+
+    Same arguments and errors as :func:`reference_losses`; returns a :class:`ReferenceRun`.
+    """
     from engine.models import build_model
+    from runtime.moe_train import advance_gates, has_moe, lm_objective, moe_metrics
 
     if optimizer not in ("adam", "adama", "sgd"):
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of 'adam', 'adama', 'sgd'")
@@ -77,25 +120,41 @@ def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimize
         opt = torch.optim.SGD(model.parameters(), lr=lr, **kw)
     else:
         opt, unfolded = _adama(plan, model, seed=seed, lr=lr, kw=kw)
-    out: list[list[float]] = []
+    is_moe = has_moe(model)
+    run = ReferenceRun(model=model)
     for i, batch in enumerate(batches):
         if batch.dim() != 2 or tuple(batch.shape) != (n * mbs, seq + 1):
             raise ValueError(f"batch {i} has shape {list(batch.shape)}, expected [{n * mbs}, {seq + 1}] "
                              f"(dp={dp}, m={m}, micro_batch_size={mbs}, seq_len={seq})")
         batch = batch.long()
-        losses = []
+        losses, auxes, metrics = [], [], []
         for j in range(n):
             rows = batch[j * mbs:(j + 1) * mbs]
-            logits = model(rows[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), rows[:, 1:].reshape(-1))
-            (loss / n).backward()
+            loss, aux = lm_objective(model, rows)
+            ((loss if aux is None else loss + aux) / n).backward()
             losses.append(float(loss.detach()))
+            if aux is not None:
+                auxes.append(float(aux.detach()))
+            if is_moe:
+                metrics.append(moe_metrics(model))
         if unfolded:
             opt.fold(unfolded)   # pipeline-tied parameters: the batch's summed gradient, once
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out.append(losses)
-    return out
+        advance_gates(model)
+        run.losses.append(losses)
+        run.aux_losses.append(auxes)
+        run.moe.append(_mean(metrics))
+    return run
+
+
+def _mean(metrics: list[dict]) -> dict:
+    """Mean of per-micro-batch metric dicts (keys with a finite value in every dict)."""
+    import math
+
+    keys = ("temperature", "experts_per_token", "load_cv", "dropped_fraction", "balance_loss")
+    return {k: sum(d[k] for d in metrics) / len(metrics) for k in keys
+            if metrics and all(k in d and math.isfinite(d[k]) for d in metrics)}
 
 
 def _adama(plan, model, *, seed: int, lr: float, kw: dict):

@@ -55,7 +55,43 @@ Execution (in stream order, exactly like the simulator):
   summed locally and ``all_reduce``d (SUM) over a group of exactly the ranks of this replica that
   hold a copy (Megatron-LM's embedding group), so every copy gets the full gradient and the copies
   stay equal.
-- ``OPTIM``: ``optimizer.step(); optimizer.zero_grad(set_to_none=True)``.
+  Newer streams carry this as an instruction (``ALLREDUCE`` with ``segment=None`` and
+  ``ranks`` = the holders' pipeline ranks, just before ``OPTIM``): the worker then waits the
+  segments' DP all-reduces (they write the copies' ``.grad``) and runs it there, with its own
+  event; groups no such instruction covered are reduced inside ``OPTIM`` (older plans).
+- ``OPTIM``: ``optimizer.step(); optimizer.zero_grad(set_to_none=True)``; then every MoE gate of
+  the local stages counts one update (``BaseGate.advance``: DTS-Gate's temperature and hard
+  switch follow the optimizer step, as ``GPTMoE.advance_gates`` in single-process training).
+
+Mixture of experts (:mod:`engine.models.moe`; the stages run the model's own eager MoE layers,
+see :func:`runtime.stage.build_stages`):
+
+- Aux loss: after each stage forward the sum of its MoE layers' weighted load-balancing losses
+  is kept, scaled like the CE loss (``1/m``; ``1/(dp*m)`` with AdamA), and the stage's backward
+  (``B``, or ``I`` with the split backward) starts from it as a second root next to the output
+  gradient (on the last stage it is added to the loss). The objective is therefore
+  ``sum_j (CE_j + aux_j) / (dp*m)``, as :func:`runtime.reference.reference_losses` and
+  :mod:`runtime.moe_train` define it; the reported ``losses`` stay the CE alone and the step
+  result adds ``aux_losses`` (per micro-batch, this rank's layers summed, unscaled) and ``moe``
+  (routing metrics averaged over micro-batches and layers: ``temperature`` (DTS only),
+  ``experts_per_token``, ``load_cv``, ``dropped_fraction``, ``balance_loss``, ``load`` per
+  expert, and ``count``, the number averaged).
+- Expert parallelism (``dp > 1``): every MoE layer of the local stages becomes a
+  :class:`runtime.expert_parallel.ExpertParallelMoE` over an expert-parallel group of the same
+  ranks as the DP group (its own process group, so an all-to-all never queues behind a posted
+  all-reduce); replica ``d`` keeps experts ``[d*E/dp, (d+1)*E/dp)`` (``E % dp != 0`` is a
+  :class:`WorkerError`). The all-to-alls run inside the F/B/I/W compute (``W`` of a segment
+  without differentiable inputs runs its whole backward, so its backward all-to-alls are there).
+  Expert parameters are left out of the DP ``ALLREDUCE`` buffers (each is owned by one replica)
+  and, at ``OPTIM``, their gradients are divided by ``dp``: through the all-to-all backward they
+  received every replica's ``grad(loss / m)``, i.e. ``dp`` times the averaged gradient
+  (:func:`runtime.expert_parallel.allreduce_replicated_grads`). Adam and SGD are exact
+  (equal to the single-process reference); AdamA is refused (an expert's micro-batch gradient
+  mixes all replicas' micro-batches, so per-micro-batch folding would differ). Each all-to-all
+  is a measured event ``Event(rank, "collective", "ALLTOALL", "a2a 1F3", start, end,
+  nbytes=one rank's whole send buffer E*C*hidden*4, micro_batch, segment)`` with its wall times
+  on the step clock; the stream's ``ALLTOALL`` instructions (one per all-to-all, right after the
+  block that runs it) are markers with nothing left to execute.
 
 Optimizers (``optimizer`` argument, else the plan's ``parallel["optimizer"]``, else ``adam``):
 ``adam`` (``torch.optim.Adam``), ``sgd`` (``torch.optim.SGD``) and ``adama``
@@ -151,9 +187,11 @@ import torch.nn.functional as F
 
 from engine.dependency import Instruction, lower
 from engine.errors import TesselError
+from engine.models.moe.layer import MoEFeedForward
 from engine.timeline import Event
+from runtime.expert_parallel import ExpertParallelMoE, is_expert_param
 
-__all__ = ["OPTIMIZERS", "StageWorker", "StepError", "WorkerError"]
+__all__ = ["OPTIMIZERS", "StageWorker", "StepError", "WorkerError", "merge_model_state"]
 
 #: Optimizer names a worker accepts (see the module docstring).
 OPTIMIZERS = ("adam", "adama", "sgd")
@@ -340,16 +378,51 @@ class StageWorker:
         self.seg_rank = {s: pl.spec("F", s).devices[0] for s in range(self.S)}
         self.segments = sorted(s for s in range(self.S) if self.seg_rank[s] == self.pp_rank)
         self.modules = {s: stages.modules[s] for s in self.segments}
+        model_has_moe = any(isinstance(x, MoEFeedForward) for m in stages.modules.values() for x in m.modules())
+        tied_bytes = []   # bytes of one copy of each tied group (for the tied ALLREDUCE instructions)
+        for group in self.tied:
+            s0, n0 = group[0]
+            p0 = dict(stages.modules[s0].named_parameters())[n0]
+            tied_bytes.append(p0.numel() * p0.element_size())
         del stages
+
+        # ---- process groups (created in the same order on every rank): DP, then EP, then tied
+        self.dp_group = None
+        if self.dp > 1:
+            for p in range(self.pp):
+                g = dist.new_group([d * self.pp + p for d in range(self.dp)])
+                if p == self.pp_rank:
+                    self.dp_group = g
+        self.ep = 1
+        self.ep_group = None
+        if self.dp > 1 and model_has_moe:
+            if self.adama:
+                raise WorkerError(
+                    "optimizer 'adama' with expert parallelism (an MoE model with dp > 1) is not supported: "
+                    "AdamA folds each micro-batch gradient, but an expert's gradient mixes the replicas' "
+                    "micro-batches through the all-to-all; use optimizer 'adam' or 'sgd', or dp = 1")
+            for p in range(self.pp):   # a separate group on the DP ranks: a2a never queues behind an all-reduce
+                g = dist.new_group([d * self.pp + p for d in range(self.dp)])
+                if p == self.pp_rank:
+                    self.ep_group = g
+            self.ep = self.dp
+            self._expert_parallelize()
+        self.moe_layers = {s: [(n, m) for n, m in self.modules[s].named_modules() if isinstance(m, MoEFeedForward)]
+                           for s in self.segments}
+        self._ep_layers = [m for s in self.segments for _, m in self.moe_layers[s] if isinstance(m, ExpertParallelMoE)]
+
         self.seg_params = {s: [p for p in self.modules[s].parameters()] for s in self.segments}
+        # expert parameters (each owned by one replica) stay out of the data-parallel all-reduce
+        self.dp_params = {s: [p for p in self.seg_params[s] if not is_expert_param(p)] for s in self.segments}
+        self.expert_params = [p for s in self.segments for p in self.seg_params[s] if is_expert_param(p)]
         params = [p for s in self.segments for p in self.seg_params[s]]
         self.last_segment = self.S - 1
         self.has_loss = self.last_segment in self.modules
+        # loss scale of a micro-batch (CE and MoE aux): the optimizer sees sum_j grad(loss_j / m)
+        # averaged over replicas (Adam/SGD), or AdamA's folded grad(loss_j / (dp * m))
+        self._loss_scale = 1.0 / (self.dp * self.m) if self.adama else 1.0 / self.m
 
-        seg_bytes = {s: sum(p.numel() * p.element_size() for p in self.seg_params.get(s, [])) for s in self.segments}
-        ex = lower(plan.schedule, dp=self.dp, segment_param_bytes=seg_bytes,
-                   optimizer_kind="adama" if self.optimizer_name == "adama" else "adam")
-        self.stream: list[Instruction] = ex.streams[self.pp_rank]
+        self.stream: list[Instruction] = self._lower(plan, tied_bytes)
         for ins in self.stream:
             if ins.op in ("F", "B", "I", "W") and ins.block.segment not in self.modules:
                 raise WorkerError(f"pipeline rank {self.pp_rank}'s stream runs {ins} but segment "
@@ -374,20 +447,14 @@ class StageWorker:
                 self.grad_buf[(b, pb.micro_batch)] = [meta.empty() for meta in self.boundaries[b] if meta.requires_grad]
         self._max_tensors = max([len(x) for x in self.boundaries] + [1])
 
-        # ---- process groups (created in the same order on every rank)
-        self.dp_group = None
-        if self.dp > 1:
-            for p in range(self.pp):
-                g = dist.new_group([d * self.pp + p for d in range(self.dp)])
-                if p == self.pp_rank:
-                    self.dp_group = g
         self.flat_grads = {}
         if self.dp > 1 and not self.adama:
             for s in self.segments:
-                n = sum(p.numel() for p in self.seg_params[s])
+                n = sum(p.numel() for p in self.dp_params[s])
                 if n:
                     self.flat_grads[s] = torch.zeros(n, dtype=torch.float32)
         self.tied_local: list[tuple[Any, list[torch.nn.Parameter], torch.Tensor, str]] = []
+        self._tied_pranks: list[tuple[int, ...]] = []   # pipeline ranks holding each local tied group
         for group in self.tied:
             pranks = sorted({self.seg_rank[s] for s, _ in group})
             for d in range(self.dp):
@@ -398,6 +465,7 @@ class StageWorker:
                     mine = [named[(s, n)] for s, n in group if (s, n) in named]
                     label = "+".join(f"s{s}:{n}" for s, n in group)
                     self.tied_local.append((g, mine, torch.zeros_like(mine[0]), label))
+                    self._tied_pranks.append(tuple(pranks))
         self._build_optimizer(params)
 
         static_ptrs = {p.untyped_storage().data_ptr() for p in params}
@@ -416,7 +484,53 @@ class StageWorker:
             "stream_length": len(self.stream), "tied": [[list(x) for x in g] for g in self.tied],
             "removed": removed, "boundaries": [[m.to_dict() for m in b] for b in self.boundaries],
             "optimizer": self.optimizer_name, "setup_time": time.perf_counter() - t0, "rss": _rss(),
+            "moe_layers": {s: [n for n, _ in self.moe_layers[s]] for s in self.segments if self.moe_layers[s]},
+            "expert_parallel": self.ep,
+            "experts": {n: (m.global_expert_ids() if isinstance(m, ExpertParallelMoE) else list(range(len(m.experts))))
+                        for s in self.segments for n, m in self.moe_layers[s]},
         }
+
+    def _lower(self, plan, tied_bytes: list[int]) -> list[Instruction]:
+        """This pipeline rank's instruction stream (``engine.dependency.lower``), from what this
+        worker actually built: the local segments' parameter bytes (experts: this replica's
+        share), the bytes their DP ``ALLREDUCE`` reduces (experts excluded), the expert-parallel
+        all-to-alls of each local segment (``ALLTOALL`` markers with the engine's byte formula,
+        ``engine.models.moe.comm.moe_segment_collectives``) and the tied groups (a tied
+        ``ALLREDUCE`` before ``OPTIM`` where their copies span pipeline ranks). For a fresh plan
+        this equals ``engine.planner.lower_plan(plan)``'s stream of this rank."""
+        from engine.dependency import TiedGroup
+        from engine.models.moe.comm import find_moe_layers, moe_segment_collectives
+
+        seg_bytes = {s: sum(p.numel() * p.element_size() for p in self.seg_params[s]) for s in self.segments}
+        ar_bytes = {s: sum(p.numel() * p.element_size() for p in self.dp_params[s]) for s in self.segments}
+        tokens = self.mbs * self.seq_len
+        alltoalls = {s: moe_segment_collectives(find_moe_layers(self.modules[s], tokens), self.ep, "F")
+                     for s in self.segments if self.moe_layers[s]} if self.ep > 1 else {}
+        tied = [TiedGroup(tuple(sorted((int(s), str(n)) for s, n in group)), int(nb))
+                for group, nb in zip(self.tied, tied_bytes)]
+        ex = lower(plan.schedule, dp=self.dp, segment_param_bytes=seg_bytes, segment_allreduce_bytes=ar_bytes,
+                   optimizer_kind="adama" if self.optimizer_name == "adama" else "adam", alltoalls=alltoalls,
+                   tied=tied)
+        return ex.streams[self.pp_rank]
+
+    def _expert_parallelize(self) -> None:
+        """Replace every MoE layer of the local stages by an :class:`ExpertParallelMoE` over the
+        EP group (this pipeline rank's ``dp`` replicas; replica ``d`` keeps experts
+        ``[d*E/dp, (d+1)*E/dp)``). Raises :class:`WorkerError` when ``E`` is not divisible by ``dp``."""
+        for s in self.segments:
+            for name, layer in [(n, m) for n, m in self.modules[s].named_modules() if type(m) is MoEFeedForward]:
+                e = layer.gate.num_experts
+                if e % self.dp:
+                    raise WorkerError(
+                        f"the MoE layer {name} has {e} experts, which cannot be split over dp={self.dp} replicas "
+                        f"(expert parallelism keeps E/dp experts per replica); choose dp dividing {e}")
+                parent_name, _, attr = name.rpartition(".")
+                parent = self.modules[s].get_submodule(parent_name) if parent_name else self.modules[s]
+                # check_shapes=False: every replica runs the plan's static micro-batch shape
+                ep = ExpertParallelMoE.from_dense(layer, self.ep_group, check_shapes=False)
+                setattr(parent, attr, ep)
+                if not parent_name:
+                    setattr(self.modules[s].inner, attr, ep)
 
     def _build_optimizer(self, params: list) -> None:
         """``self.optimizer`` for ``self.optimizer_name``; with ``adama`` also the folding hooks,
@@ -560,7 +674,10 @@ class StageWorker:
             self.on_compute_start(step)
         st = _StepState(model_inputs, targets)
         self._meter.live, self._meter.held = 0, {}
+        for layer in self._ep_layers:   # collectives outside a step (evaluate) are not events
+            layer.comm_log.clear()
         t0 = time.perf_counter()
+        st.t0 = t0
         st.now = lambda: time.perf_counter() - t0
         where = f"rank {self.rank} (pipeline rank {self.pp_rank}, replica {self.dp_index})"
         mem = [[0.0, _rss()]]
@@ -597,7 +714,7 @@ class StageWorker:
             raise _step_error(f"{where} failed at step {step} waiting for its sends/all-reduces: "
                               f"{type(e).__name__}: {e}", rank=self.rank, pp_rank=self.pp_rank,
                               dp_index=self.dp_index, step=int(step), index=None, instruction=None) from e
-        return {
+        out = {
             "rank": self.rank, "pp_rank": self.pp_rank, "dp_index": self.dp_index, "step": int(step),
             "losses": [st.losses[j] for j in sorted(st.losses)] if self.has_loss else [],
             "events": [e.to_dict() for e in st.events], "time": st.now(), "start": t0,
@@ -605,6 +722,11 @@ class StageWorker:
             "activation_memory": act_mem, "peak_activation_memory": int(max(v for _, v in act_mem)),
             "peak_grad_memory": int(grad_peak),
         }
+        if st.moe:
+            out["aux_losses"] = [sum(st.aux[(s, j)] for s in self.segments if (s, j) in st.aux)
+                                 for j in range(self.m)]
+            out["moe"] = _mean_metrics(st.moe)
+        return out
 
     def _execute(self, ins: Instruction, st: "_StepState") -> None:
         op = ins.op
@@ -622,6 +744,8 @@ class StageWorker:
             else:
                 self._backward_weight(s, j, st)
             st.events.append(Event(self.rank, "compute", op, str(b), start, now(), 0, j, s))
+            if self._ep_layers:
+                self._record_all_to_alls(b, st)
         elif op == "SEND":
             b = ins.block
             s, j = b.segment, b.micro_batch
@@ -656,20 +780,44 @@ class StageWorker:
             st.events.append(Event(self.rank, "recv", "RECV", f"{pb}<{src}", start, now(),
                                    sum(t.numel() * t.element_size() for t in bufs), j, pb.segment))
         elif op == "ALLREDUCE":
-            self._post_allreduce(ins.segment, st)
+            if ins.segment is None:   # the tied-weight all-reduce across pipeline ranks (wte / lm_head)
+                self._finish_allreduces(st)   # DP averages first: they write the tied copies' .grad
+                self._tied_allreduce(st, tuple(ins.ranks))
+            else:
+                self._post_allreduce(ins.segment, st)
+        elif op == "ALLTOALL":
+            pass   # marker: the all-to-all ran inside its block's compute, which recorded its event
         elif op == "OPTIM":
             self._finish_allreduces(st)
-            self._tied_allreduce(st)
+            self._tied_allreduce(st, None)   # groups no ALLREDUCE instruction handled (older plans)
             start = now()
             if self.optimizer is not None:
                 if self.adama:   # tied copies: their summed gradient is folded once per step
                     self.optimizer.fold([p for s in self.segments for p in self.unfolded[s]])
+                if self.ep > 1:   # each expert got every replica's grad(loss / m): average it
+                    for p in self.expert_params:
+                        if p.grad is not None:
+                            p.grad.div_(self.ep)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+            for s in self.segments:   # gates count optimizer updates (DTS temperature, hard switch)
+                for _, layer in self.moe_layers[s]:
+                    layer.gate.advance()
             nbytes = sum(p.numel() * p.element_size() for ps in self.seg_params.values() for p in ps)
             st.events.append(Event(self.rank, "compute", "OPTIM", "optimizer", start, now(), nbytes, -1, -1))
         else:
             raise WorkerError(f"unknown instruction {op!r}")
+
+    def _record_all_to_alls(self, block, st: "_StepState") -> None:
+        """One measured ``ALLTOALL`` event per all-to-all that ran inside ``block``'s compute
+        (``ExpertParallelMoE.comm_log``, wall times on the step's clock), in start order."""
+        recs = []
+        for layer in self._ep_layers:
+            recs.extend(layer.comm_log)
+            layer.comm_log.clear()
+        for r in sorted(recs, key=lambda r: r["start"]):
+            st.events.append(Event(self.rank, "collective", "ALLTOALL", f"a2a {block}", r["start"] - st.t0,
+                                   r["end"] - st.t0, int(r["bytes_total"]), block.micro_batch, block.segment))
 
     def _forward(self, s: int, j: int, st: "_StepState") -> None:
         if s == 0:
@@ -682,35 +830,61 @@ class StageWorker:
                         for t, meta in zip(src, self.boundaries[s - 1]))
         if self.track_activations:
             with self._meter.hooks():
-                outs, loss = self._run_stage(s, j, ins, st)
+                outs, loss, aux = self._run_stage(s, j, ins, st)
             self._meter.add((s, j))
         else:
-            outs, loss = self._run_stage(s, j, ins, st)
+            outs, loss, aux = self._run_stage(s, j, ins, st)
         if s != self.last_segment:
             st.outputs[(s, j)] = outs
-        st.ctx[(s, j)] = (ins, outs, loss)
+        st.ctx[(s, j)] = (ins, outs, loss, aux)
 
     def _run_stage(self, s: int, j: int, ins: tuple, st: "_StepState"):
+        """Run segment ``s`` on micro-batch ``j``: ``(outputs, scaled CE loss or None, scaled MoE aux
+        loss or None)``; scale ``1/m`` (``1/(dp*m)`` with AdamA, whose folded gradients are the
+        single-process ``grad(loss / (dp * m))``)."""
         outs = self.modules[s](*ins)
+        aux = self._collect_moe(s, j, st)
         if s != self.last_segment:
-            return outs, None
+            return outs, None, aux
         logits = outs[0]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), st.targets[j].reshape(-1))
         st.losses[j] = float(loss.detach())
-        if self.adama:   # folded gradients are the single-process g' = grad(loss / (dp * m))
-            return outs, loss / (self.dp * self.m)
-        return outs, loss / self.m
+        return outs, loss * self._loss_scale, aux
+
+    def _collect_moe(self, s: int, j: int, st: "_StepState"):
+        """After segment ``s``'s forward of micro-batch ``j``: the sum of its MoE layers' aux
+        (load-balancing) losses times the loss scale (``None`` without MoE layers), and their
+        routing metrics into ``st.moe``. Drops the layers' references to the routing tensors."""
+        layers = self.moe_layers.get(s)
+        if not layers:
+            return None
+        auxes = []
+        for _, layer in layers:
+            if layer.last_aux_loss is not None:
+                auxes.append(layer.last_aux_loss)
+            if layer.last_metrics:
+                st.moe.append(_metric_floats(layer.last_metrics))
+            layer.last_aux_loss, layer.last_gate_output = None, None
+        if not auxes:
+            return None
+        aux = torch.stack(auxes).sum()
+        st.aux[(s, j)] = float(aux.detach())
+        return aux * self._loss_scale
 
     def _roots(self, s: int, j: int, st: "_StepState"):
         """(tensors, grad_tensors) the backward of (s, j) starts from."""
-        _ins, outs, loss = st.ctx[(s, j)]
+        _ins, outs, loss, aux = st.ctx[(s, j)]
         if s == self.last_segment:
-            return [loss], None
+            return [loss if aux is None else loss + aux], None
         grads = self.grad_buf.get((s, j))
         if grads is None:                          # next segment ran on this rank
             grads = st.in_grads.pop((s + 1, j))
         tensors = [o for o, meta in zip(outs, self.boundaries[s]) if meta.requires_grad]
-        return tensors, list(grads)
+        grads = list(grads)
+        if aux is not None:   # the stage's MoE aux loss is a second root of its backward
+            tensors.append(aux)
+            grads.append(torch.ones_like(aux))
+        return tensors, grads
 
     def _diff_inputs(self, s: int, ins: tuple) -> list:
         if s == 0:
@@ -719,7 +893,7 @@ class StageWorker:
 
     def _backward(self, s: int, j: int, st: "_StepState") -> None:
         tensors, grads = self._roots(s, j, st)
-        ins, _outs, _loss = st.ctx.pop((s, j))
+        ins = st.ctx.pop((s, j))[0]
         torch.autograd.backward(tensors, grads)
         self._meter.free((s, j))
         if s > 0:
@@ -768,7 +942,7 @@ class StageWorker:
         if flat is None or self.dp_group is None:
             ev.end = start
             return
-        _flatten_grads(flat, self.seg_params[s], 0)
+        _flatten_grads(flat, self.dp_params[s], 0)
         self._post_flat(flat, s, ev, st)
 
     def _post_flat(self, flat: torch.Tensor, s: int, ev: Event, st: "_StepState") -> None:
@@ -796,11 +970,25 @@ class StageWorker:
                 continue
             flat = self.flat_grads[s]
             flat.div_(self.dp)
-            _unflatten_grads(flat, self.seg_params[s], 0)
+            _unflatten_grads(flat, self.dp_params[s], 0)
         st.allreduces.clear()
 
-    def _tied_allreduce(self, st: "_StepState") -> None:
-        for group, params, buf, label in self.tied_local:
+    def _tied_allreduce(self, st: "_StepState", ranks: tuple[int, ...] | None) -> None:
+        """Sum the tied copies' gradients over their holders (Megatron's embedding all-reduce).
+
+        ``ranks``: from an ``ALLREDUCE`` instruction with ``segment=None``, the pipeline ranks of
+        the group it reduces (``()``: every local group); ``None``: at ``OPTIM``, the groups no such
+        instruction handled this step. An instruction always yields one event (zero-length when
+        nothing here is left to reduce)."""
+        todo = [i for i in range(len(self.tied_local)) if i not in st.tied_done
+                and (not ranks or tuple(sorted(ranks)) == self._tied_pranks[i])]
+        if ranks is not None and not todo:
+            t = st.now()
+            st.events.append(Event(self.rank, "collective", "ALLREDUCE", "allreduce tied", t, t, 0, -1, -1))
+            return
+        for i in todo:
+            st.tied_done.add(i)
+            group, params, buf, label = self.tied_local[i]
             start = st.now()
             buf.zero_()
             for p in params:
@@ -881,6 +1069,12 @@ class StageWorker:
         except Exception as e:
             raise RuntimeError(f"rank {self.rank} (pipeline rank {self.pp_rank}, replica {self.dp_index}) "
                                f"failed in evaluate: {type(e).__name__}: {e}") from e
+        finally:
+            for s in self.segments:   # routing of the last forward: not part of training
+                for _, layer in self.moe_layers[s]:
+                    layer.last_aux_loss, layer.last_gate_output, layer.last_metrics = None, None, {}
+            for layer in self._ep_layers:
+                layer.comm_log.clear()
         if self.on_sync_start is not None:
             self.on_sync_start(None)
         if not self.has_loss:
@@ -898,7 +1092,11 @@ class StageWorker:
         ``{"rank", "pp_rank", "dp_index", "segments": {segment: {param name: tensor}},
         "optimizer": torch optimizer state_dict or None}``. Parameter names are the original
         model's (``transformer.h.3.mlp.c_fc.weight``); tied copies appear under each holder's
-        name. Loadable by :meth:`load_state_dict` of a worker of the same plan and rank.
+        name. MoE gate state (``num_updates``, DTS ``temperature``/``sparse``) is included; with
+        expert parallelism each replica saves only its own experts, under their GLOBAL names
+        (``transformer.h.1.mlp.experts.3.c_fc.weight``), so :func:`merge_model_state` of all
+        ranks' states is the unsplit model's ``state_dict``. Loadable by :meth:`load_state_dict`
+        of a worker of the same plan and rank.
         """
         if not self._ready:
             raise WorkerError("call setup() before state_dict()")
@@ -947,6 +1145,27 @@ class StageWorker:
         self._ready = False
 
 
+def merge_model_state(states) -> dict[str, torch.Tensor]:
+    """The unsplit model's ``state_dict`` from every rank's :meth:`StageWorker.state_dict`.
+
+    Args:
+        states: the ranks' state dicts (any order; all ranks of one replica at least, and with
+            expert parallelism all replicas, so that every expert is present).
+
+    Returns:
+        ``{name: tensor}``, the union of the ranks' segment entries. Entries held by several
+        ranks (replicated parameters of the replicas, tied copies such as ``wte``/``lm_head``
+        under their own names) are taken from the lowest rank; replicas hold identical values.
+        Load it with ``model.load_state_dict(state)`` into the plan's model.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for sd in sorted(states, key=lambda d: int(d.get("rank", 0))):
+        for _seg, entries in sorted(sd["segments"].items(), key=lambda kv: int(kv[0])):
+            for k, v in entries.items():
+                out.setdefault(k, v)
+    return out
+
+
 def _flatten_grads(flat: torch.Tensor, params, offset: int) -> None:
     """Copy each parameter's ``.grad`` (zeros where ``None``) into consecutive slices of ``flat``."""
     o = offset
@@ -972,6 +1191,33 @@ def _unflatten_grads(flat: torch.Tensor, params, offset: int) -> None:
         o += n
 
 
+_METRIC_KEYS = ("temperature", "experts_per_token", "load_cv", "dropped_fraction", "balance_loss")
+
+
+def _metric_floats(metrics: dict) -> dict:
+    """One MoE layer's ``last_metrics`` (detached tensors) as floats; ``load`` as a list."""
+    out = {k: float(metrics[k]) for k in _METRIC_KEYS if k in metrics}
+    if "load" in metrics:
+        out["load"] = [float(v) for v in metrics["load"]]
+    return out
+
+
+def _mean_metrics(items: list[dict]) -> dict:
+    """Mean over layers and micro-batches of :func:`_metric_floats` dicts; ``temperature`` only
+    where finite (DTS-Gate), ``count`` = items averaged (for weighted means across ranks)."""
+    import math
+
+    out: dict = {"count": len(items)}
+    for k in _METRIC_KEYS:
+        vals = [d[k] for d in items if k in d and math.isfinite(d[k])]
+        if vals:
+            out[k] = sum(vals) / len(vals)
+    loads = [d["load"] for d in items if "load" in d]
+    if loads and all(len(x) == len(loads[0]) for x in loads):
+        out["load"] = [sum(col) / len(loads) for col in zip(*loads)]
+    return out
+
+
 class _StepState:
     """Per-step bookkeeping of :meth:`StageWorker.step` (dropped at the end of the step)."""
 
@@ -983,6 +1229,10 @@ class _StepState:
         self.in_grads: dict[tuple[int, int], list] = {}   # (segment, mb) -> input grads awaiting SEND / B(s-1)
         self.wstate: dict[tuple[int, int], tuple] = {}    # (segment, mb) -> what W needs after I
         self.losses: dict[int, float] = {}
+        self.aux: dict[tuple[int, int], float] = {}       # (segment, mb) -> unscaled MoE aux loss
+        self.moe: list[dict] = []                         # routing metrics per (segment, mb, layer)
+        self.tied_done: set[int] = set()                  # tied groups reduced this step
+        self.t0 = 0.0                                     # perf_counter at the step's start
         self.events: list[Event] = []
         self.sends: _SendWaiter | None = None             # waits the isends, stamps SEND ends
         self.allreduces: list[tuple] = []                 # (work, segment, event)
