@@ -85,6 +85,8 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
         say(f"loss {res.losses[0]:.4f} (step {res.start_step}) -> {res.losses[-1]:.4f} (step {res.steps - 1})")
     if res.val_losses:
         say("validation loss " + ", ".join(f"{v:.4f} after {s} steps" for s, v in res.val_losses))
+    if res.moe:
+        say(moe_summary(res))
     say(f"{res.tokens_per_second:,.0f} tokens/s measured ({res.tokens_per_step:,} tokens per step), "
         f"{pred_tps:,.0f} tokens/s predicted; step makespan {fmt_ms(res.measured_makespan)} measured vs "
         f"{fmt_ms(res.predicted_makespan)} predicted")
@@ -103,6 +105,28 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
     d["loss_end"] = res.losses[-1] if ran else None
     d["val_loss"] = res.val_losses[-1][1] if res.val_losses else None
     return d
+
+
+_MOE_FIELDS = (("temperature", "temperature", "{:.4f}"), ("experts_per_token", "experts/token", "{:.2f}"),
+               ("load_cv", "load CV", "{:.3f}"), ("dropped_fraction", "dropped", "{:.2%}"),
+               ("aux_loss", "aux loss", "{:.4f}"))
+
+
+def moe_summary(res) -> str:
+    """One line: the MoE gate metrics of the first and last step of a launch (``res.moe``), and
+    the measured step's expert-parallel all-to-alls (count, bytes, seconds on pipeline rank 0
+    of replica 0) when there are any."""
+    first, last = res.moe[0], res.moe[-1]
+    parts = [f"{label} {fmt.format(first[k])} -> {fmt.format(last[k])}" for k, label, fmt in _MOE_FIELDS
+             if k in first and k in last]
+    line = f"MoE gates, step {first['step']} -> {last['step']}: " + ", ".join(parts)
+    a2a = [e for e in (res.timeline.events if res.timeline is not None else []) if e.op == "ALLTOALL"]
+    if a2a:
+        mine = [e for e in a2a if e.rank == 0]
+        line += (f"; expert-parallel all-to-alls on rank 0: {len(mine)} per step, "
+                 f"{sum(e.nbytes for e in mine) / 2**20:.2f} MiB of send buffers, "
+                 f"{fmt_ms(sum(e.duration for e in mine))}")
+    return line
 
 
 def _mode(args: argparse.Namespace) -> str | None:

@@ -22,6 +22,17 @@ Each worker times its events from the moment its own ``step()`` call began
 (typically under a millisecond locally) is not corrected. Its memory curves are the workers'
 process RSS samples (bytes; interpreter and torch included), one after every instruction.
 
+Mixture-of-experts models. With ``dp > 1`` the workers run the MoE layers expert-parallel
+(``runtime.worker``: replica ``d`` of a pipeline rank keeps experts ``[d*E/dp, (d+1)*E/dp)``, the
+all-to-alls run over the replicas and appear in the measured timeline as ``ALLTOALL`` events on
+the collective stream). Every worker reports its MoE layers' routing metrics per step (averaged
+over its micro-batches and layers); the launcher averages them over ranks (weighted by the layer
+and micro-batch count) into :attr:`LaunchResult.moe`, one dict per step: ``temperature`` (DTS-Gate
+only), ``experts_per_token``, ``load_cv`` (coefficient of variation of the per-expert load),
+``dropped_fraction``, ``balance_loss``, ``load`` (per expert) and ``aux_loss`` (the weighted
+load-balancing loss of the whole model, mean over micro-batches; the reported training loss
+stays the cross-entropy alone). The progress bar shows them too.
+
 Faults. A rank that raises (e.g. the deliberate ``fail_at``), dies (actor process exits) or
 hangs (no result within ``step_timeout``) stops the job: the launcher raises
 :class:`LaunchError` naming the rank, the step and, where the worker's exception says so, the
@@ -103,6 +114,8 @@ class LaunchResult:
         world_size, dp, pp: ranks and degrees.
         elapsed: seconds of the whole launch (Ray start to shutdown).
         setup_time: seconds from Ray start until every rank finished ``setup()``.
+        moe: per step of this launch, the MoE gate metrics (see the module docstring) with
+            ``step``; empty for models without MoE layers (and then left out of :meth:`to_dict`).
     """
 
     steps: int
@@ -129,6 +142,7 @@ class LaunchResult:
     pp: int = 1
     elapsed: float = 0.0
     setup_time: float = 0.0
+    moe: list[dict] = field(default_factory=list)
 
     @property
     def final_loss(self) -> float | None:
@@ -140,7 +154,39 @@ class LaunchResult:
         d.pop("timeline")
         d["timeline_metrics"] = self.timeline.metrics() if self.timeline is not None else None
         d["val_losses"] = [[s, v] for s, v in self.val_losses]
+        if not self.moe:
+            d.pop("moe")
         return d
+
+
+_MOE_KEYS = ("temperature", "experts_per_token", "load_cv", "dropped_fraction", "balance_loss")
+
+
+def merge_moe_metrics(results: Sequence[dict], dp: int) -> dict | None:
+    """The step's MoE gate metrics from every rank's ``StageWorker.step`` result, or ``None``.
+
+    Each rank reports ``moe`` (means over its micro-batches and MoE layers, ``count`` of them)
+    and ``aux_losses`` (per micro-batch, the sum of its layers' aux losses). Metrics are the
+    ``count``-weighted mean over ranks (= the mean over all layers and micro-batches); ``load``
+    likewise per expert; ``aux_loss`` is the model's aux loss per micro-batch (summed over the
+    pipeline ranks of a replica), averaged over micro-batches and replicas.
+    """
+    parts = [r["moe"] for r in results if r.get("moe")]
+    if not parts:
+        return None
+    out: dict = {}
+    for k in _MOE_KEYS:
+        have = [(p[k], p.get("count", 1)) for p in parts if k in p]
+        if have:
+            out[k] = sum(v * c for v, c in have) / sum(c for _, c in have)
+    loads = [(p["load"], p.get("count", 1)) for p in parts if "load" in p]
+    if loads and all(len(x) == len(loads[0][0]) for x, _ in loads):
+        total = sum(c for _, c in loads)
+        out["load"] = [sum(x[e] * c for x, c in loads) / total for e in range(len(loads[0][0]))]
+    aux = [sum(r["aux_losses"]) / len(r["aux_losses"]) for r in results if r.get("aux_losses")]
+    if aux:
+        out["aux_loss"] = sum(aux) / max(1, dp)
+    return out
 
 
 def _as_plan(plan: Any):
@@ -284,6 +330,20 @@ class _Runner:
         return LaunchError(head + tail + self._ck_note(), rank=r, step=step, instruction=instr,
                            kind="setup" if what == "setup" and kind != "died" else kind,
                            checkpoint=self.checkpoint)
+
+
+def _moe_postfix(gates: dict) -> dict[str, str]:
+    """Short progress-bar fields of :func:`merge_moe_metrics`' result."""
+    out = {}
+    if "temperature" in gates:
+        out["tau"] = f"{gates['temperature']:.3f}"
+    if "experts_per_token" in gates:
+        out["exp/tok"] = f"{gates['experts_per_token']:.2f}"
+    if "load_cv" in gates:
+        out["load_cv"] = f"{gates['load_cv']:.2f}"
+    if "dropped_fraction" in gates:
+        out["drop"] = f"{gates['dropped_fraction']:.1%}"
+    return out
 
 
 def _merge_timeline(results: Sequence[dict], pp: int) -> Timeline:
@@ -478,6 +538,7 @@ def launch(
         losses: list[float] = []
         val_losses: list[tuple[int, float]] = []
         step_times: list[float] = []
+        moe_history: list[dict] = []
         history = list(ck.meta.get("losses", [])) if ck is not None else []
         val_history = list(ck.meta.get("val_losses", [])) if ck is not None else []
         last_results: list[dict] = []
@@ -527,8 +588,14 @@ def launch(
             done = step + 1
             if on_step is not None:
                 on_step(step, loss)
+            gates = merge_moe_metrics(results, dp)
+            if gates is not None:
+                moe_history.append({"step": step, **gates})
             if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+                post = {"loss": f"{loss:.4f}", "tok_s": f"{tokens_per_step / dt:,.0f}"}
+                if gates is not None:
+                    post.update(_moe_postfix(gates))
+                bar.set_postfix(post, refresh=False)
                 bar.update(1)
             if done == steps or (eval_every and done % eval_every == 0):
                 evaluate(done)
@@ -569,7 +636,7 @@ def launch(
             peak_memory=[int(res.get("peak_memory", 0) or 0) for res in last_results],
             trace_paths=trace_paths, checkpoint=runner.checkpoint, backend=backend.name, optimizer=optimizer,
             world_size=ws,
-            dp=dp, pp=pp, elapsed=time.perf_counter() - t_start, setup_time=setup_time,
+            dp=dp, pp=pp, elapsed=time.perf_counter() - t_start, setup_time=setup_time, moe=moe_history,
         )
     finally:
         if bar is not None:
@@ -579,4 +646,4 @@ def launch(
         _cluster.shutdown_ray(owned)
 
 
-__all__ = ["launch", "LaunchResult", "LaunchError"]
+__all__ = ["launch", "LaunchResult", "LaunchError", "merge_moe_metrics"]
