@@ -4,17 +4,15 @@ parameters hold no gradient after a step; AdamA differs from Adam (the compariso
 worker state dicts resume exactly; a Ray launch with ``optimizer="adama"`` trains and resumes from
 its checkpoint; the CLI flag and the errors for unknown or mismatched optimizers.
 
-The multi-process harness is ``test_worker.py``'s (spawned processes, gloo, one task per test,
-each distinct split traced once per process); only the per-rank task differs (optimizer, chosen
-steps, loading a state). Model: gpt2-tiny, micro-batch 2 x 32 tokens, m = 4, 3 steps.
+The multi-process harness is ``worker_harness.WorkerPool`` (spawned processes, gloo, one task
+per test, each distinct split traced once per process); this module's per-rank task chooses the
+optimizer and the steps and can load a state. Model: gpt2-tiny, micro-batch 2 x 32 tokens, m = 4, 3 steps.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import time
-import traceback
 
 import pytest
 import torch
@@ -24,18 +22,15 @@ from test_worker import (
     STEPS,
     M,
     _batches,
-    _cached_build_stages,
-    _free_port,
     _plan,
-    _Pool,
 )
+from worker_harness import WorkerPool
 
-TASK_TIMEOUT = 120.0
 _REF: dict = {}
 _RUNS: dict = {}
 
 
-# ----------------------------------------------------------------------------- pool (child side)
+# ----------------------------------------------------------------------------- task (runs in a pool process)
 def _run_task(task: dict) -> dict:
     from runtime.worker import StageWorker
 
@@ -61,69 +56,16 @@ def _run_task(task: dict) -> dict:
         w.shutdown()
 
 
-def _pool_main(slot: int, tasks, results) -> None:
-    torch.set_num_threads(1)
-    import transformers  # noqa: F401
-    from torch.distributed import pipelining  # noqa: F401
-
-    from runtime import stage, worker  # noqa: F401
-
-    stage._real_build_stages = stage.build_stages
-    stage.build_stages = _cached_build_stages
-    while True:
-        task = tasks.get()
-        if task is None:
-            return
-        try:
-            results.put((task["id"], task["rank"], "ok", _run_task(task)))
-        except BaseException as e:  # noqa: BLE001 - report everything to the parent
-            results.put((task["id"], task["rank"], "error", f"{e}\n{traceback.format_exc()}"))
-            results.close()
-            results.join_thread()
-            os._exit(1)
-
-
 # ----------------------------------------------------------------------------- pool (parent side)
-class _AdamAPool(_Pool):
-    """``test_worker``'s pool with this module's task (optimizer, steps, state loading)."""
-
-    def _start(self, i: int) -> None:
-        self.tasks[i] = self.ctx.Queue()
-        self.procs[i] = self.ctx.Process(target=_pool_main, args=(i, self.tasks[i], self.results), daemon=True)
-        self.procs[i].start()
+class _AdamAPool(WorkerPool):
+    """The shared pool (``worker_harness``) with this module's task (optimizer, steps, state loading)."""
 
     def train(self, plan, steps: list, *, world: int, optimizer: str | None, load: dict | None = None,
               state: bool = False) -> dict[int, dict]:
         """Run ``steps`` (``[(step, global batch), ...]``) on ``world`` ranks; results by rank."""
-        for i in range(world):
-            if not self.procs[i].is_alive():
-                self.procs[i].join()
-                self._start(i)
-        self.next_id += 1
-        tid, port, pd = self.next_id, _free_port(), plan.to_dict()
-        for r in range(world):
-            self.tasks[r].put({"id": tid, "rank": r, "world": world, "port": port, "plan": pd, "steps": steps,
-                               "optimizer": optimizer, "load": load, "state": state})
-        out: dict[int, tuple] = {}
-        deadline = time.monotonic() + TASK_TIMEOUT
-        import queue
-
-        while len(out) < world:
-            try:
-                got_id, rank, status, payload = self.results.get(timeout=1.0)
-                if got_id == tid:
-                    out[rank] = (status, payload)
-                continue
-            except queue.Empty:
-                pass
-            dead = [r for r in range(world) if r not in out and not self.procs[r].is_alive()]
-            if dead or time.monotonic() > deadline:
-                self.close(kill=True)
-                pytest.fail(f"ranks {sorted(set(range(world)) - set(out))} did not finish "
-                            f"({'died' if dead else 'hung'}); the pool was killed")
-        errors = {r: p for r, (s, p) in out.items() if s != "ok"}
-        assert not errors, "\n".join(f"rank {r}: {p}" for r, p in errors.items())
-        return {r: p for r, (_, p) in out.items()}
+        return self.run_ok("test_adama_runtime:_run_task", {"plan": plan.to_dict(), "steps": steps,
+                                                            "optimizer": optimizer, "load": load, "state": state},
+                           world=world)
 
 
 @pytest.fixture(scope="module")

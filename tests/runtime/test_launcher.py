@@ -120,6 +120,8 @@ def test_losses_equal_single_process_reference(straight, plan):
     assert sum(1 for e in tl.events if e.op == "F") == 2 * M and sum(1 for e in tl.events if e.op == "B") == 2 * M
     assert all(t > 0 for t in res.measured_step_time) and all(t > 0 for t in res.predicted_step_time)
     assert res.tokens_per_step == M * MBS * SEQ and res.tokens_per_second > 0
+    # a dense model has no MoE gate metrics and no all-to-alls
+    assert res.moe == [] and "moe" not in res.to_dict() and not any(e.op == "ALLTOALL" for e in tl.events)
     assert Path(res.trace_paths["measured"]).is_file()
     assert Path(res.checkpoint).name == "step_000004"
     assert [p.name for p in ck.list_checkpoints(d / "ckpt")] == ["step_000002", "step_000004"]

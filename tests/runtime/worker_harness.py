@@ -1,0 +1,194 @@
+"""Shared multi-process harness for StageWorker tests without Ray (not a test module).
+
+A pool of spawned processes (each ``torch.set_num_threads(1)``) runs one "task" at a time per
+process: the parent puts the same task dict (plus ``rank``, ``world``, ``port``, ``id`` and any
+per-rank extras) into every rank's queue, and each child calls the task function named by
+``"module:function"`` (a module on the child's ``sys.path``, e.g. a test module of this folder)
+with it and sends back its return value. Processes are reused across tasks so torch and
+transformers are imported once, and each distinct split is traced once per process
+(:func:`cached_build_stages`); every task gets a fresh localhost port and process group. A
+process whose task failed exits (like a killed actor: its sockets close, so peers blocked on it
+fail at once) and is respawned for the next task. Every wait has a deadline, so a hang fails
+the test instead of blocking the suite, and the pool is killed.
+
+Used by ``test_worker.py``, ``test_adama_runtime.py`` and ``test_moe_launch.py``. There is
+deliberately no ``tests/runtime/__init__.py`` (it would shadow the real ``runtime`` package).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+
+TASK_TIMEOUT = 120.0   # seconds for one multi-process task (normally a few seconds)
+
+_STAGE_CACHE: dict = {}
+
+
+def cached_build_stages(plan, *, seed: int = 0):
+    """Test-speed shortcut inside a pool process: trace each distinct split once, then hand out
+    the same stage objects again as they were built: initial weights and buffers (gate counters)
+    reloaded, the model's own MoE layers put back where a worker replaced them (expert
+    parallelism swaps them in place), and the RNG state the real build leaves behind restored.
+    The first build of every split is the real ``build_stages``; a worker that finished its task
+    no longer uses the objects."""
+    from engine.models.moe.layer import MoEFeedForward
+    from runtime import stage
+
+    key = (plan.model["name"], plan.model.get("micro_batch_size"), plan.model.get("seq_len"), seed,
+           tuple(tuple(s["layers"]) for s in plan.segments), plan.parallel.get("tp", 1))
+    hit = _STAGE_CACHE.get(key)
+    if hit is None:
+        st = stage._real_build_stages(plan, seed=seed)
+        init = {i: {k: v.clone() for k, v in m.state_dict().items()} for i, m in st.modules.items()}
+        moe = [(i, name, m) for i, sm in st.modules.items() for name, m in sm.named_modules()
+               if type(m) is MoEFeedForward]
+        _STAGE_CACHE[key] = (st, init, moe, torch.get_rng_state())
+        return st
+    st, init, moe, rng = hit
+    stage.check_executable(plan)
+    for i, name, layer in moe:
+        parent_name, _, attr = name.rpartition(".")
+        sm = st.modules[i]
+        setattr(sm.get_submodule(parent_name) if parent_name else sm, attr, layer)
+        if not parent_name:
+            setattr(sm.inner, attr, layer)
+        layer.last_aux_loss, layer.last_metrics, layer.last_gate_output = None, {}, None
+    for i, m in st.modules.items():
+        m.load_state_dict(init[i])
+        m.zero_grad(set_to_none=True)
+    torch.set_rng_state(rng)
+    return st
+
+
+def _pool_main(slot: int, tasks, results) -> None:
+    torch.set_num_threads(1)
+    import transformers  # noqa: F401
+    from torch.distributed import pipelining  # noqa: F401
+
+    from runtime import stage, worker  # noqa: F401 - import while the parent prepares plans
+
+    stage._real_build_stages = stage.build_stages
+    stage.build_stages = cached_build_stages
+    fns: dict = {}
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        try:
+            name = task["fn"]
+            if name not in fns:
+                mod, _, fn = name.partition(":")
+                fns[name] = getattr(importlib.import_module(mod), fn)
+            results.put((task["id"], task["rank"], "ok", fns[name](task)))
+        except BaseException as e:  # noqa: BLE001 - report everything to the parent
+            results.put((task["id"], task["rank"], "error", f"{e}\n{traceback.format_exc()}"))
+            # like a launcher killing a failed actor: exiting closes this rank's sockets, so
+            # peers blocked on it fail at once instead of waiting for the process-group timeout
+            results.close()
+            results.join_thread()
+            os._exit(1)
+
+
+def free_port() -> int:
+    """A free localhost TCP port (for ``init_process_group``'s rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerPool:
+    """``n`` spawned processes that each run one rank of a task at a time (dead ones are respawned).
+
+    Use as a module-scoped fixture and :meth:`close` it at the end.
+    """
+
+    def __init__(self, n: int = 4):
+        self.ctx = torch.multiprocessing.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.tasks: list = [None] * n
+        self.procs: list = [None] * n
+        for i in range(n):
+            self._start(i)
+        self.next_id = 0
+
+    def _start(self, i: int) -> None:
+        self.tasks[i] = self.ctx.Queue()
+        self.procs[i] = self.ctx.Process(target=_pool_main, args=(i, self.tasks[i], self.results), daemon=True)
+        self.procs[i].start()
+
+    def run(self, fn: str, task: dict, *, world: int, per_rank: dict | None = None,
+            expect_errors: bool = False, timeout: float = TASK_TIMEOUT) -> dict[int, tuple[str, object]]:
+        """Run ``fn`` (``"module:function"``) on ranks ``0..world-1``.
+
+        Args:
+            task: the common task dict; each rank gets a copy plus ``fn``, ``id``, ``rank``,
+                ``world``, ``port`` and ``per_rank[rank]`` (a dict) when given.
+            expect_errors: return failed ranks' ``("error", traceback text)`` instead of failing.
+
+        Returns:
+            ``{rank: ("ok", return value) or ("error", text)}``.
+
+        Fails the test (``pytest.fail``, killing the pool) when a rank's process dies without
+        reporting or no result arrives within ``timeout`` seconds.
+        """
+        if world > len(self.procs):
+            raise ValueError(f"the pool has {len(self.procs)} processes, the task needs {world}")
+        for i in range(world):
+            if not self.procs[i].is_alive():
+                self.procs[i].join()
+                self._start(i)
+        self.next_id += 1
+        tid, port = self.next_id, free_port()
+        for r in range(world):
+            t = dict(task, fn=fn, id=tid, rank=r, world=world, port=port)
+            t.update((per_rank or {}).get(r, {}))
+            self.tasks[r].put(t)
+        out: dict[int, tuple[str, object]] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) < world:
+            try:
+                got_id, rank, status, payload = self.results.get(timeout=1.0)
+                if got_id == tid:
+                    out[rank] = (status, payload)
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r in range(world) if r not in out and not self.procs[r].is_alive()]
+            if dead or time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(out))
+                self.close(kill=True)
+                why = f"process(es) of rank(s) {dead} died" if dead else f"no result within {timeout}s (hang)"
+                pytest.fail(f"ranks {missing} did not finish: {why}; the pool was killed")
+        for r, (status, _) in out.items():
+            if status != "ok":          # the process exits after reporting; let it finish exiting
+                self.procs[r].join(timeout=15)
+        if not expect_errors:
+            errors = {r: p for r, (s, p) in out.items() if s != "ok"}
+            assert not errors, "\n".join(f"rank {r}: {p}" for r, p in errors.items())
+        return out
+
+    def run_ok(self, fn: str, task: dict, *, world: int, per_rank: dict | None = None,
+               timeout: float = TASK_TIMEOUT) -> dict[int, object]:
+        """:meth:`run` where every rank must succeed: ``{rank: return value}``."""
+        return {r: p for r, (_, p) in self.run(fn, task, world=world, per_rank=per_rank, timeout=timeout).items()}
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the processes (``kill``: at once, else after their current task, 15 s at most)."""
+        for p, q in zip(self.procs, self.tasks):
+            if p is not None and p.is_alive() and not kill:
+                q.put(None)
+        for p in self.procs:
+            if p is None:
+                continue
+            p.join(timeout=0 if kill else 15)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
