@@ -13,6 +13,7 @@ from typing import Callable, Mapping
 
 from engine.baselines import build_schedule, placement_requirements
 from engine.cost import CostModel
+from engine.cost.calibrate import CalibratedCost, Calibration, calibrated_durations
 from engine.dependency import ExecutionPlan, TiedGroup, lower
 from engine.errors import PlanFormatError, TesselError
 from engine.graph import OpGraph, capture
@@ -378,13 +379,54 @@ def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Pl
     return new, tl
 
 
+def with_calibration(plan: Plan, calibration: Calibration) -> tuple[Plan, Timeline]:
+    """The plan with costs measured on the target machine, re-simulated (profile-guided prediction).
+
+    Every block takes the calibration's median measured duration of its segment and kind (blocks
+    it never measured keep theirs); the optimizer step takes the measured seconds per parameter
+    byte. The calibration is kept in ``plan.meta["calibration"]``, so :func:`resimulate` (and a
+    saved and reloaded plan) predicts with it too. The schedule's orders are unchanged.
+
+    Args:
+        plan: the plan that was measured (or one with the same segments).
+        calibration: from :func:`engine.cost.calibrate.calibrate` on measured timelines, e.g. a
+            short profiling launch (``runtime.launch(...).timelines``).
+
+    Returns:
+        ``(calibrated plan, its predicted timeline)``; ``plan.metrics`` are recomputed.
+
+    Raises:
+        TesselError: the calibration names a segment the plan does not have.
+    """
+    pl = plan.placement
+    unknown = sorted({s for s, _ in calibration.block_seconds if not 0 <= s < pl.num_segments})
+    if unknown:
+        raise TesselError(f"the calibration has times for segments {unknown}, the plan has segments "
+                          f"0..{pl.num_segments - 1}; calibrate from a launch of this plan")
+    schedule = Schedule(pl.with_durations(calibrated_durations(pl.blocks, calibration)),
+                        plan.schedule.num_micro_batches, plan.schedule.orders, plan.schedule.name, dict(plan.schedule.meta))
+    segments = [dict(seg, forward_time=calibration.block_time(i, "F", seg.get("forward_time", 0.0)),
+                     backward_time=calibration.block_time(i, "B", seg.get("backward_time", 0.0)))
+                for i, seg in enumerate(plan.segments)]
+    new = Plan(plan.model, plan.parallel, segments, schedule, plan.cost, dict(plan.metrics),
+               {**plan.meta, "calibration": calibration.to_dict()}, tied_weights=list(plan.tied_weights))
+    tl = resimulate(new)
+    new.metrics.update(tl.metrics())
+    return new, tl
+
+
 def resimulate(plan: Plan) -> Timeline:
     """Re-lower (:func:`lower_plan`: MoE all-to-alls and tied all-reduces included) and
     re-simulate a (loaded or edited) plan with its stored cost model and optimizer
-    (``plan.parallel["optimizer"]``, ``adam`` when absent; the placement carries the memory)."""
+    (``plan.parallel["optimizer"]``, ``adam`` when absent; the placement carries the memory).
+    A plan calibrated by :func:`with_calibration` predicts its optimizer step with the measured
+    rate (``plan.meta["calibration"]``)."""
     cost = CostModel.from_dict(plan.cost) if plan.cost else None
+    cal = plan.meta.get("calibration")
+    if cal and cost is not None:
+        cost = CalibratedCost(cost, Calibration.from_dict(cal))
     return simulate(lower_plan(plan), cost)
 
 
-__all__ = ["PlanResult", "make_plan", "resimulate", "with_segment_times", "placement_from_segments", "lower_plan",
+__all__ = ["PlanResult", "make_plan", "resimulate", "with_calibration", "with_segment_times", "placement_from_segments", "lower_plan",
            "plan_tied_groups", "TesselError"]

@@ -1,0 +1,150 @@
+"""Calibrate a plan's costs from a measured step: profile-guided prediction.
+
+The analytical cost model (roofline, or aten ops profiled one at a time) misses what only the
+running system shows: Python and autograd overheads of a whole stage, the optimizer's real
+speed, and, where ranks share cores (4 CPU ranks on a 2-core machine), the slowdown of every
+block that runs while another rank computes. A short profiling launch measures all of it: this
+module takes the measured :class:`~engine.timeline.Timeline` of one or more steps and derives
+
+- the median duration of every block kind of every segment (``F``, ``B``, ``I``, ``W``), which
+  replaces the placement's durations, and
+- the optimizer's seconds per parameter byte (median over ranks of ``OPTIM`` time / bytes),
+  which replaces the roofline ``CostModel.optimizer_time``;
+
+communication keeps the plan's cost model (the measured send/receive events include the time a
+rank waits for its peer, so they do not isolate the transfer cost).
+
+This is the calibration step of profile-guided planners: FlexFlow's execution simulator
+(Jia et al., "Beyond Data and Model Parallelism for Deep Neural Networks", SysML 2019, sec. 5)
+measures each operator once on the device and reuses it; Alpa's stage profiler (Zheng et al.,
+OSDI 2022, sec. 5.2) times whole stages on the real mesh. Units: seconds and bytes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from engine.cost.devices import CostModelError
+from engine.timeline import Timeline
+
+COMPUTE_KINDS = ("F", "B", "I", "W")
+
+
+@dataclass
+class Calibration:
+    """Costs measured on the target machine.
+
+    Attributes:
+        block_seconds: ``{(segment, kind): seconds}``, the median measured duration of one block
+            of that segment and kind (``F``/``B``/``I``/``W``) over all ranks, micro-batches and steps.
+        optimizer_seconds_per_byte: median over ranks of ``OPTIM`` seconds / parameter bytes of
+            the rank; ``None`` if no optimizer step was measured.
+        samples: measured compute events used.
+        steps: measured timelines (steps) used.
+    """
+
+    block_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
+    optimizer_seconds_per_byte: float | None = None
+    samples: int = 0
+    steps: int = 0
+
+    def block_time(self, segment: int, kind: str, default: float) -> float:
+        """Measured seconds of a ``kind`` block of ``segment``, else ``default``."""
+        return self.block_seconds.get((int(segment), str(kind)), default)
+
+    def to_dict(self) -> dict:
+        """JSON form: ``{"blocks": [[segment, kind, seconds], ...], "optimizer_seconds_per_byte", ...}``."""
+        return {"blocks": [[s, k, t] for (s, k), t in sorted(self.block_seconds.items())],
+                "optimizer_seconds_per_byte": self.optimizer_seconds_per_byte,
+                "samples": self.samples, "steps": self.steps}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            CostModelError: a malformed document (names the field).
+        """
+        try:
+            blocks = {(int(s), str(k)): float(t) for s, k, t in d.get("blocks", [])}
+            spb = d.get("optimizer_seconds_per_byte")
+            return cls(blocks, None if spb is None else float(spb), int(d.get("samples", 0)), int(d.get("steps", 0)))
+        except (TypeError, ValueError) as e:
+            raise CostModelError(f"malformed calibration: {e}; expected blocks=[[segment, kind, seconds], ...]") from e
+
+
+def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[int] | None = None) -> Calibration:
+    """Derive a :class:`Calibration` from measured timelines (one per step).
+
+    Args:
+        timelines: measured steps (e.g. the last steps of a short profiling launch). The first
+            step of a launch includes warm-up (allocator, autograd graph caches); leave it out.
+        param_bytes: parameter bytes per pipeline rank, used when a measured ``OPTIM`` event does
+            not carry its bytes (``ExecutionPlan.param_bytes``).
+
+    Returns:
+        The calibration; block kinds never measured are absent (the plan keeps its own durations).
+
+    Raises:
+        CostModelError: no compute event in any timeline (nothing to calibrate from).
+    """
+    tls = [timelines] if isinstance(timelines, Timeline) else list(timelines)
+    per_block: dict[tuple[int, str], list[float]] = {}
+    per_byte: list[float] = []
+    samples = 0
+    for tl in tls:
+        for e in tl.events:
+            if e.stream != "compute":
+                continue
+            if e.op in COMPUTE_KINDS and e.segment >= 0:
+                per_block.setdefault((e.segment, e.op), []).append(e.end - e.start)
+                samples += 1
+            elif e.op == "OPTIM":
+                nbytes = e.nbytes or (param_bytes[e.rank] if param_bytes and e.rank < len(param_bytes) else 0)
+                if nbytes > 0:
+                    per_byte.append((e.end - e.start) / nbytes)
+    if not samples:
+        raise CostModelError("no measured compute events (F/B/I/W) to calibrate from; pass measured timelines "
+                             "of training steps, e.g. LaunchResult.timeline")
+    return Calibration({k: statistics.median(v) for k, v in per_block.items()},
+                       statistics.median(per_byte) if per_byte else None, samples, len(tls))
+
+
+class CalibratedCost:
+    """A cost model whose optimizer time is calibrated; communication is delegated.
+
+    Implements the simulator's ``CommCost`` protocol (:mod:`engine.simulate`).
+
+    Args:
+        base: the plan's cost model (``engine.cost.CostModel``), or any object with
+            ``p2p_time``, ``collective_time`` and ``optimizer_time``.
+        calibration: measured costs; without an optimizer measurement the base's is used.
+    """
+
+    def __init__(self, base, calibration: Calibration):
+        self.base = base
+        self.calibration = calibration
+
+    def p2p_time(self, nbytes: int, src: int, dst: int) -> float:
+        return self.base.p2p_time(nbytes, src, dst)
+
+    def collective_time(self, kind: str, nbytes: int, ranks: list[int]) -> float:
+        return self.base.collective_time(kind, nbytes, ranks)
+
+    def optimizer_time(self, param_bytes: int) -> float:
+        spb = self.calibration.optimizer_seconds_per_byte
+        return self.base.optimizer_time(param_bytes) if spb is None else spb * max(0, int(param_bytes))
+
+    def __getattr__(self, name: str):   # everything else (to_dict, node_of, ...) is the base model's
+        return getattr(self.base, name)
+
+
+def calibrated_durations(blocks: Iterable, calibration: Calibration) -> list[float]:
+    """Per placement block (``PlacementBlock`` with ``segment``, ``kind``, ``duration``), the
+    calibrated duration in seconds, or its own where the calibration has no measurement."""
+    return [calibration.block_time(b.segment, b.kind, b.duration) for b in blocks]
+
+
+__all__ = ["Calibration", "CalibratedCost", "calibrate", "calibrated_durations"]

@@ -1,0 +1,91 @@
+"""Profile-guided calibration (engine.cost.calibrate, engine.planner.with_calibration)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.cost import CostModel
+from engine.cost.calibrate import CalibratedCost, Calibration, calibrate
+from engine.cost.devices import CostModelError
+from engine.errors import TesselError
+from engine.io.plan import Plan
+from engine.planner import lower_plan, make_plan, resimulate, with_calibration
+from engine.schedule import Schedule
+from engine.simulate import simulate
+from engine.timeline import Event, Timeline
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    return make_plan("gpt2-tiny", devices=2, micro_batches=4, schedule="1f1b", device_type="cpu").plan
+
+
+class _SlowOptim:
+    """A 'machine' whose optimizer runs at a known rate: 3 ns per parameter byte."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def p2p_time(self, nbytes, src, dst):
+        return self.base.p2p_time(nbytes, src, dst)
+
+    def collective_time(self, kind, nbytes, ranks):
+        return self.base.collective_time(kind, nbytes, ranks)
+
+    def optimizer_time(self, param_bytes):
+        return 3e-9 * param_bytes
+
+
+def _measured(plan: Plan, scale: dict) -> Timeline:
+    """A stand-in measurement: the plan with block durations scaled per (segment, kind)."""
+    pl = plan.placement
+    durations = [b.duration * scale.get((b.segment, b.kind), 1.0) for b in pl.blocks]
+    sched = Schedule(pl.with_durations(durations), plan.schedule.num_micro_batches, plan.schedule.orders,
+                     plan.schedule.name, dict(plan.schedule.meta))
+    slow = Plan(plan.model, plan.parallel, plan.segments, sched, plan.cost, {}, {}, tied_weights=list(plan.tied_weights))
+    return simulate(lower_plan(slow), _SlowOptim(CostModel.from_dict(plan.cost)))
+
+
+def test_calibration_reproduces_the_measured_step(plan):
+    scale = {(0, "F"): 1.7, (0, "B"): 2.5, (1, "F"): 0.6, (1, "B"): 1.3}
+    measured = _measured(plan, scale)
+    cal = calibrate([measured])
+    for b in plan.placement.blocks:
+        assert cal.block_time(b.segment, b.kind, -1.0) == pytest.approx(b.duration * scale[(b.segment, b.kind)])
+    assert cal.optimizer_seconds_per_byte == pytest.approx(3e-9)
+    new, tl = with_calibration(plan, cal)
+    assert tl.makespan == pytest.approx(measured.makespan, rel=1e-9)
+    assert new.metrics["makespan"] == pytest.approx(measured.makespan, rel=1e-9)
+    # the original prediction was different: the calibration did something
+    assert not math.isclose(plan.metrics["makespan"], measured.makespan, rel_tol=1e-3)
+
+
+def test_calibration_survives_json_and_resimulate(plan, tmp_path):
+    from engine.io import load_plan, save_plan
+    measured = _measured(plan, {(0, "F"): 2.0, (1, "B"): 3.0})
+    new, tl = with_calibration(plan, calibrate(measured))
+    back = load_plan(save_plan(new, tmp_path / "plan.json"))
+    assert resimulate(back).makespan == pytest.approx(tl.makespan, rel=1e-9)
+    assert Calibration.from_dict(back.meta["calibration"]).optimizer_seconds_per_byte == pytest.approx(3e-9)
+
+
+def test_calibrated_cost_delegates_communication():
+    base = CostModel.for_device("cpu")
+    cal = Calibration(optimizer_seconds_per_byte=1e-9)
+    cc = CalibratedCost(base, cal)
+    assert cc.optimizer_time(1000) == pytest.approx(1e-6)
+    assert cc.p2p_time(1 << 20, 0, 1) == base.p2p_time(1 << 20, 0, 1)
+    assert cc.collective_time("allreduce", 1 << 20, [0, 1]) == base.collective_time("allreduce", 1 << 20, [0, 1])
+    assert CalibratedCost(base, Calibration()).optimizer_time(4096) == base.optimizer_time(4096)
+
+
+def test_errors_name_the_problem(plan):
+    empty = Timeline([Event(0, "send", "SEND", "0F0>1", 0.0, 1.0, 10, 0, 0)], [[(0.0, 0)]], 1)
+    with pytest.raises(CostModelError, match="no measured compute events"):
+        calibrate(empty)
+    with pytest.raises(TesselError, match="segments \\[7\\]"):
+        with_calibration(plan, Calibration({(7, "F"): 1.0}))
+    with pytest.raises(CostModelError, match="malformed calibration"):
+        Calibration.from_dict({"blocks": [["x", "F", 1.0]]})
