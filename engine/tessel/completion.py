@@ -101,12 +101,12 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
         model.AddMaxEquality(obj, [end[i] for i in everything])
     model.Add(obj <= hint[1])
     model.Minimize(obj)
-    if anchored:
-        model.AddHint(t0, hint[1])
+    model.AddHint(obj, hint[1])  # a complete hint: CP-SAT starts from it instead of repairing it
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit)
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = 1
+    solver.parameters.cp_model_presolve = False
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return "hint", dict(hint[0]), hint[1]

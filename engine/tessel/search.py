@@ -23,6 +23,7 @@ from engine.placement import Placement
 from engine.schedule import Schedule
 from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
 from engine.tessel.completion import complete, to_schedule, unrolled
+from engine.tessel.defer import defer_sinks, unrolled_makespan
 from engine.tessel.repetend import Repetend, auto_resolution, expand, scale, sequential_repetend, solve_period
 from engine.tessel.seed import policy_repetends
 
@@ -170,13 +171,24 @@ def tessel_search(
     progress_bar: bool = False,
     control: SearchControl | None = None,
     max_window_micro_batches: int = 2,
+    fallback_baselines: bool = False,
 ) -> SearchResult:
     """Find a repetend of minimal period and complete it into a schedule of ``m`` micro-batches.
 
-    Phases: (1) for windows of ``r = 1, 2, ...`` micro-batches, binary search on the window length
-    from the lower bound, a CP-SAT feasibility solve per step; (2) at the best period, a CP-SAT solve for the least micro-batch latency (which sets the
-    warmup + cooldown length) and then the least memory; (3) completion: the unrolled repetend
-    and a CP-SAT-compacted warmup/cooldown, keeping the one with the shorter simulated makespan.
+    Phases: (1) the memory-aware 1F1B policy's periodic steady states seed the windows of their
+    size; then for windows of ``r = 1, 2, ...`` micro-batches a search on the window length, a
+    CP-SAT feasibility solve per step: ``r = 1`` bisects from the lower bound; a larger window
+    first tries the longest window that beats the best period per micro-batch so far (it stops
+    at that size when that one is not found, and stops refining altogether when the solver runs
+    out of its per-solve cap, since larger windows are harder), then the bound, then steps down;
+    (2) at the best period, a CP-SAT solve for the least micro-batch latency (which sets the
+    warmup + cooldown length) and then the least memory; (2b) sink deferral
+    (:mod:`engine.tessel.defer`): the best repetend and the policy steady states of the same
+    period get their sinks (e.g. ``W`` blocks) deferred by whole windows while the unrolled
+    makespan for ``m`` does not grow and memory fits, and the shortest wins (on the split V
+    placement this yields ZB-H1's schedule); (3) completion: the unrolled repetend and, unless
+    it already reaches the makespan lower bound, a CP-SAT-compacted warmup/cooldown, keeping the
+    one with the shorter simulated makespan.
 
     Args:
         placement: the blocks of one micro-batch (training or forward-only).
@@ -200,6 +212,12 @@ def tessel_search(
         control: a :class:`SearchControl` to cancel from another thread.
         max_window_micro_batches: largest number ``r`` of micro-batches in one repetend window;
             ``r > 1`` reaches fractional periods per micro-batch (e.g. 17 units per 2 micro-batches).
+        fallback_baselines: also run the GPipe and memory-aware 1F1B policies on the same
+            placement (within the same memory limit) and return the shortest of the three: a
+            planner returning the best plan it knows. The schedule is still named ``"tessel"``;
+            ``schedule.meta["tessel"]["equals_baseline"]`` names the policy when one wins, and
+            ``schedule.meta["tessel"]["pure_makespan"]`` always holds the searched schedule's
+            simulated makespan. Off by default: the result is then the search's own.
 
     Returns:
         :class:`SearchResult`.
@@ -315,16 +333,36 @@ def tessel_search(
             if refine_until - time.perf_counter() < 0.05 * time_limit:
                 break
         c = cands.setdefault(r, Candidate(r))
+        cap = step_cap if r == 1 else 0.03 * time_limit
         lo = c.lb
         # only windows that beat the best period per micro-batch so far are worth a solve
         hi = c.best.period if c is best_c else min(c.best.period, math.ceil(best_c.per_mb * r) - 1)
         if lo > hi:  # cannot beat the best period per micro-batch found so far
             continue
-        while lo < hi and not timed_out:
-            mid = lo if lo == c.lb else (lo + hi) // 2  # try the bound first: often feasible
+        if hi < c.best.period and not timed_out:
+            # hi is not known to be feasible: try it first. Feasibility is monotone in the window
+            # (idle time can be added), so if the largest window that would improve is not found,
+            # no shorter window of this size will be: move on to the next size
+            status, rep = attempt(c, hi, None, 0.5, cap)
+            report(c, hi, status)
+            if rep is None:
+                if status == "infeasible":
+                    c.proven_lo = max(c.proven_lo, hi + 1)
+                    continue
+                if r > 1:
+                    break  # the solver ran out of time at this size: larger windows are harder still
+                continue
+            c.best = rep
+            if c.per_mb < best_c.per_mb:
+                best_c = c
+        while lo < hi and not timed_out:  # hi is feasible: search below it
+            # the bound first (often feasible, or quickly proven infeasible); then r = 1 bisects
+            # (its solves are fast) and larger windows step down from hi (one solve near a
+            # feasible window usually settles it: feasible, or infeasible and so optimal)
+            mid = lo if lo == c.lb else ((lo + hi) // 2 if r == 1 else hi - 1)
             if refine_until is not None and time.perf_counter() >= refine_until:
                 break
-            status, rep = attempt(c, mid, None, 0.5, step_cap if r == 1 else 0.04 * time_limit)
+            status, rep = attempt(c, mid, None, 0.5, cap)
             if rep is not None:
                 c.best, hi = rep, mid
             else:
@@ -341,7 +379,7 @@ def tessel_search(
     optimal = c.per_mb <= lb or c.best.period <= c.proven_lo
     # (2) at the best window: least latency, then least memory (bounded effort: a polish)
     if not timed_out:
-        polish_cap = 0.25 * max(1, placement.num_devices / 4) * max(1, len(c.pl.blocks) / 16)
+        polish_cap = 0.15 * max(1, placement.num_devices / 4) * max(1, len(c.pl.blocks) / 16)
         status, rep = attempt(c, c.best.period, "latency+memory" if has_memory else "latency", 0.5, polish_cap)
         if rep is not None:
             c.best = rep
@@ -349,6 +387,33 @@ def tessel_search(
     if bar is not None:
         bar.close()
     best = c.best
+    # (2b) sink deferral (defer.py): the best repetend, and the policy's steady states with the
+    # same period per micro-batch, each with its sinks (e.g. W blocks) deferred while the
+    # unrolled makespan does not grow and memory fits; the shortest unrolled makespan wins.
+    # Without a limit, memory may rise to the repetend's highest per-device peak.
+    defer_caps = caps
+    if has_memory and best.peak and caps is None:
+        defer_caps = [max(best.peak)] * placement.num_devices
+    source = "search"
+    deferred: dict[int, int] = {}
+    if not timed_out and not (control is not None and control.cancelled):
+        pool = [(c, best, "search")]
+        for r_s, seed_rep in sorted(seeds.items()):
+            cs = cands.get(r_s)
+            if cs is not None and seed_rep.period * c.r <= best.period * r_s:
+                pool.append((cs, seed_rep, "policy seed"))
+        defer_deadline = min(deadline, time.perf_counter() + max(0.2, 0.05 * time_limit))
+        scored = []
+        for k, (cc, rp, src) in enumerate(pool):
+            d_rep, span = defer_sinks(cc.pl, rp, m, defer_caps, r=cc.r, deadline=defer_deadline)
+            scored.append((span, k, cc, d_rep, rp, src))
+        span, _, c, d_rep, undeferred, source = min(scored, key=lambda x: (round(x[0], 9), x[1]))
+        deferred = {b: d_rep.offsets[b] - undeferred.offsets[b] for b in range(len(d_rep.offsets))
+                    if d_rep.offsets[b] != undeferred.offsets[b]}
+        if deferred or d_rep is not best:
+            O = max(d_rep.offsets, default=0) + 1
+            _, ss_peak = unrolled_makespan(c.pl, d_rep, c.r * 3 * O, c.r)
+            best = Repetend(d_rep.period, d_rep.starts, d_rep.offsets, d_rep.resolution, ss_peak, c.r)
 
     repetend_time = time.perf_counter() - t_start
     # (3) completion under the limit; without one, under the steady state's highest per-device
@@ -357,35 +422,73 @@ def tessel_search(
     if has_memory and best.peak and caps is None:
         comp_caps = [max(best.peak)] * placement.num_devices
     meta = {"period": best.period_seconds, "period_lower_bound": lb_s, "optimal": optimal, "in_flight": best.in_flight,
-            "micro_batches_per_window": c.r, "resolution": res, "repetend": best.to_dict()}
+            "micro_batches_per_window": c.r, "resolution": res, "repetend": best.to_dict(),
+            "repetend_source": source, "deferred_sinks": {str(b): k for b, k in deferred.items()}}
     m_windows = -(-m // c.r)
-    candidates = [("unrolled", unrolled(best, m_windows, len(c.pl.blocks)))]
-    remaining = deadline - time.perf_counter()
-    if remaining > 0.05 and max(best.offsets, default=0) > 0 and not (control is not None and control.cancelled):
-        comp_cap = max(1.0, 0.3 * time_limit)
-        # reschedule as many boundary copies as micro-batches in flight: enough to defer blocks
-        # (e.g. W) across the whole drain
-        candidates.append(("compacted", complete(c.pl, c.sc, best, m_windows, memory_cap=comp_caps,
-                                                 time_limit=min(remaining, comp_cap), seed=seed,
-                                                 free_copies=2 * max(best.offsets) + 2)))
-    chosen = None
-    for label, comp in candidates:
+    ms_lb = makespan_lower_bound(placement, m)
+
+    def simulated(label: str, comp) -> tuple[float, Schedule]:
         sched = to_schedule(placement, comp, m, name="tessel", meta={"tessel": {**meta, "completion": label}},
                             micro_batches_per_window=c.r)
-        span = simulate(lower(sched)).makespan
-        if chosen is None or span < chosen[0] - 1e-12:
-            chosen = (span, sched)
+        return simulate(lower(sched)).makespan, sched
+
+    chosen = simulated("unrolled", unrolled(best, m_windows, len(c.pl.blocks)))
+    remaining = deadline - time.perf_counter()
+    at_bound = chosen[0] <= ms_lb * (1 + 1e-9)
+    if (remaining > 0.05 and max(best.offsets, default=0) > 0 and not at_bound
+            and not (control is not None and control.cancelled)):
+        comp_cap = max(1.0, 0.3 * time_limit)
+        # reschedule the partial copies and two complete ones at each end (W blocks deferred
+        # across the whole steady state are the deferral's job, above)
+        comp = complete(c.pl, c.sc, best, m_windows, memory_cap=comp_caps, time_limit=min(remaining, comp_cap),
+                        seed=seed, free_copies=2)
+        other = simulated("compacted", comp)
+        if other[0] < chosen[0] - 1e-12:
+            chosen = other
     schedule = chosen[1]
+    schedule.meta["tessel"]["pure_makespan"] = chosen[0]
+    if fallback_baselines and not (control is not None and control.cancelled):
+        schedule = _fallback(placement, m, comp_caps, chosen, schedule.meta)
     schedule.validate(caps)
     elapsed = time.perf_counter() - t_start
     schedule.meta["tessel"]["search_time"] = repetend_time
     schedule.meta["tessel"]["total_time"] = elapsed
     return SearchResult(
         schedule=schedule, repetend=best, period=best.period_seconds, period_lower_bound=lb_s,
-        makespan_lower_bound=makespan_lower_bound(placement, m), critical_path=critical_path(placement),
+        makespan_lower_bound=ms_lb, critical_path=critical_path(placement),
         optimal=optimal, search_time=repetend_time, steps=steps, timed_out=timed_out, resolution=res, memory_floor=floor,
         total_time=elapsed,
     )
+
+
+def _fallback(placement: Placement, m: int, caps: list[float] | None, chosen: tuple[float, Schedule],
+              meta: dict) -> Schedule:
+    """The searched schedule, or a policy baseline on the same placement when it is shorter.
+
+    Candidates: the memory-aware 1F1B and the GPipe policies of :mod:`engine.baselines.generic`,
+    kept only within ``caps`` (the limit the completion was held to). A baseline that wins is
+    returned under the name ``"tessel"`` with ``meta["tessel"]["equals_baseline"]`` naming it and
+    ``meta["tessel"]["completion"] = "baseline <name>"``; ``pure_makespan`` keeps the searched one.
+    """
+    from engine.baselines.generic import gpipe_any, one_f_one_b_any
+    from engine.dependency import lower
+    from engine.errors import ScheduleError
+    from engine.simulate import simulate
+
+    best_span, best = chosen
+    for name, build in (("1f1b", lambda: one_f_one_b_any(placement, m, memory_limit=caps)),
+                        ("gpipe", lambda: gpipe_any(placement, m))):
+        try:
+            sched = build()
+            sched.validate(caps)
+        except (TesselError, ScheduleError):
+            continue
+        span = simulate(lower(sched)).makespan
+        if span < best_span - 1e-12 * max(1.0, best_span):
+            tmeta = {**meta["tessel"], "completion": f"baseline {name}", "equals_baseline": name}
+            best_span, best = span, Schedule(placement, m, [list(o) for o in sched.orders], "tessel",
+                                             {**meta, "tessel": tmeta})
+    return best
 
 
 def _expand_lags(lags, K: int, r: int):

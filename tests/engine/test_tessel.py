@@ -450,3 +450,75 @@ def test_split_backward_matches_zb_h1():
     result = tessel_search(pl, 8, time_limit=3.0)
     zb = timeline(build_schedule("zb-h1", pl, 8)).makespan
     assert timeline(result.schedule).makespan <= zb * 1.01
+
+
+# ------------------------------------------------------------------ 10. sink deferral, fallback
+@pytest.mark.parametrize("shape, split, limit", [("v", True, 8), ("x", False, 6), ("m", False, None), ("k", False, 4)])
+def test_unrolled_makespan_matches_the_simulator(shape, split, limit):
+    """The deferral's fast evaluator agrees with lowering + simulating the unrolled schedule,
+    for the searched repetend and for one with every sink deferred by a window."""
+    from engine.tessel.defer import sinks, unrolled_makespan
+    from engine.tessel.repetend import Repetend
+
+    pl = make_shape(shape, 4, split_backward=split, activation=2)
+    m = 8
+    rep = tessel_search(pl, m, memory_limit=limit, time_limit=2.0).repetend
+    r = rep.micro_batches
+    px = expand(pl, r)
+    late = list(rep.offsets)
+    for b in sinks(px):
+        late[b] += 1
+    for offsets in (rep.offsets, late):
+        rp = Repetend(rep.period, rep.starts, offsets, rep.resolution, micro_batches=r)
+        span, peaks = unrolled_makespan(px, rp, m, r)
+        sched = to_schedule(pl, unrolled(rp, -(-m // r), len(px.blocks)), m, micro_batches_per_window=r)
+        tl = timeline(sched)
+        assert span == pytest.approx(tl.makespan)
+        assert peaks == pytest.approx(tl.peak_memory())
+
+
+def test_sink_deferral_reaches_zb_h1_within_its_memory():
+    """On the split V placement, deferring W blocks turns the repetend into ZB-H1's schedule:
+    its makespan is the makespan lower bound, within ZB-H1's own peak memory."""
+    pl = make_shape("v", 4, split_backward=True, activation=2)
+    m = 12
+    zb = timeline(build_schedule("zb-h1", pl, m))
+    limit = max(zb.peak_memory())
+    result = tessel_search(pl, m, memory_limit=limit, time_limit=3.0)
+    tl = timeline(result.schedule)
+    assert tl.makespan == pytest.approx(zb.makespan)
+    assert tl.makespan == pytest.approx(result.makespan_lower_bound)
+    assert max(tl.peak_memory()) <= limit
+    deferred = result.schedule.meta["tessel"]["deferred_sinks"]
+    assert deferred and all(pl.blocks[int(b) % len(pl.blocks)].kind == "W" for b in deferred)
+    check_repetend(pl, result, limit)
+
+
+def test_sink_deferral_keeps_the_repetend_when_memory_is_full():
+    from engine.tessel.defer import defer_sinks, unrolled_makespan
+
+    pl = make_shape("v", 4, split_backward=True, activation=2)
+    rep = tessel_search(pl, 8, time_limit=2.0).repetend
+    px = expand(pl, rep.micro_batches)
+    span, peaks = unrolled_makespan(px, rep, 8, rep.micro_batches)
+    out, out_span = defer_sinks(px, rep, 8, peaks, r=rep.micro_batches)
+    # each device is already at its own peak: a deferred W would raise it, so nothing moves
+    assert out.offsets == rep.offsets and out_span == pytest.approx(span)
+
+
+def test_fallback_baselines_returns_the_best_known_plan():
+    pl = make_shape("m", 4, activation=2)
+    limit = 12
+    # a search cut short keeps the sequential repetend: the 1F1B policy is far better
+    result = tessel_search(pl, 8, memory_limit=limit, time_limit=0.02, fallback_baselines=True)
+    meta = result.schedule.meta["tessel"]
+    one = timeline(one_f_one_b_any(pl, 8, memory_limit=limit)).makespan
+    tl = timeline(result.schedule)
+    assert meta["pure_makespan"] > one
+    assert meta["equals_baseline"] == "1f1b" and tl.makespan == pytest.approx(one)
+    assert max(tl.peak_memory()) <= limit
+    assert result.schedule.name == "tessel"
+    # without the fallback the searched schedule itself comes back
+    plain = tessel_search(pl, 8, memory_limit=limit, time_limit=0.02)
+    assert "equals_baseline" not in plain.schedule.meta["tessel"]
+    assert timeline(plain.schedule).makespan == pytest.approx(plain.schedule.meta["tessel"]["pure_makespan"])
