@@ -34,6 +34,7 @@ a binary search on the objective — this is the CP-SAT formulation).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
@@ -300,13 +301,37 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
 def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list[float] | None, *,
                  time_limit: float, seed: int, workers: int = 1, objective: str | None = None,
                  max_latency: int | None = None, hint: Repetend | None = None, replicas: int = 1,
-                 should_stop=None, on_solver=None) -> tuple[str, Repetend | None]:
+                 should_stop=None, on_solver=None, hinted_share: float = 0.0) -> tuple[str, Repetend | None]:
     """Solve the repetend model at a fixed period.
+
+    Feasibility solves (``objective=None``) decide the offsets first, smallest first, with a
+    fixed search. With ``hinted_share > 0`` and a ``hint`` of this period, a solve with CP-SAT's
+    default search guided by the hint runs first for that share of ``time_limit`` (it finds a
+    nearby feasible repetend fast, e.g. from :func:`retime`; the fixed search is better at
+    proving a window infeasible), then the fixed search for the rest.
 
     Returns:
         ``(status, repetend)``: status is ``"feasible"``, ``"infeasible"`` or ``"unknown"``
         (time limit or cancelled); the repetend when feasible.
     """
+    use_hint = hint is not None and hint.period == period
+    if objective is None and use_hint and hinted_share > 0:
+        first = hinted_share * time_limit
+        t0 = time.perf_counter()
+        status, rep = _solve_once(placement, sc, period, memory_cap, time_limit=first, seed=seed, workers=workers,
+                                  objective=None, max_latency=max_latency, hint=hint, replicas=replicas,
+                                  should_stop=should_stop, on_solver=on_solver, fixed=False)
+        if status != "unknown" or (should_stop is not None and should_stop()):
+            return status, rep
+        time_limit = max(0.01, time_limit - (time.perf_counter() - t0))
+    return _solve_once(placement, sc, period, memory_cap, time_limit=time_limit, seed=seed, workers=workers,
+                       objective=objective, max_latency=max_latency, hint=hint if use_hint else None,
+                       replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=objective is None)
+
+
+def _solve_once(placement: Placement, sc: Scaled, period: int, memory_cap, *, time_limit: float, seed: int,
+                workers: int, objective: str | None, max_latency: int | None, hint: Repetend | None, replicas: int,
+                should_stop, on_solver, fixed: bool) -> tuple[str, Repetend | None]:
     built = build_model(placement, sc, period, memory_cap, objective, max_latency, replicas)
     if built is None:
         return "infeasible", None
@@ -320,7 +345,7 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
     solver.parameters.max_time_in_seconds = max(0.01, time_limit)
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
-    if objective is None:
+    if fixed:
         # feasibility: decide the offsets first, smallest first (they fix the in-flight memory,
         # and a small offset is the common case); 10-100x faster than the default search on
         # memory-bound instances of this model (measured on M, NN and X shapes)
@@ -341,6 +366,35 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
     if status == cp_model.INFEASIBLE:
         return "infeasible", None
     return "unknown", None
+
+
+def retime(rep: Repetend, num_blocks: int, r: int, window: int) -> Repetend:
+    """A guess at a repetend of ``r`` micro-batches per ``window`` ticks, read off ``rep``.
+
+    ``rep`` (over the placement expanded ``rep.micro_batches`` times, ``num_blocks`` blocks per
+    micro-batch) is unrolled, its time axis scaled so that one micro-batch takes
+    ``window / r`` ticks instead of ``rep``'s period per micro-batch, and ``r`` consecutive
+    micro-batches of the middle are cut into a window (over the placement expanded ``r``
+    times). Usually a few ticks from feasible: a solver hint, not a solution.
+    """
+    r0, P0, K = rep.micro_batches, rep.period, num_blocks
+
+    def unrolled_start(j: int, b: int) -> int:
+        mb_x, k = divmod(j, r0)
+        i = k * K + b
+        return (mb_x + rep.offsets[i]) * P0 + rep.starts[i]
+
+    j0 = 4 * r0 * r * (max(rep.offsets, default=0) + 1)
+    ref = unrolled_start(j0, 0)
+    factor = window * r0 / (r * P0)
+    starts, offsets = [], []
+    for k in range(r):
+        for b in range(K):
+            u = int(math.floor((unrolled_start(j0 + k, b) - ref) * factor + 0.5))
+            starts.append(u % window)
+            offsets.append(u // window)
+    low = min(offsets, default=0)
+    return Repetend(window, starts, [o - low for o in offsets], rep.resolution, micro_batches=r)
 
 
 def sequential_repetend(placement: Placement, sc: Scaled) -> Repetend:

@@ -24,7 +24,7 @@ from engine.schedule import Schedule
 from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
 from engine.tessel.completion import complete, to_schedule, unrolled
 from engine.tessel.defer import defer_sinks, unrolled_makespan
-from engine.tessel.repetend import Repetend, auto_resolution, expand, scale, sequential_repetend, solve_period
+from engine.tessel.repetend import Repetend, auto_resolution, expand, retime, scale, sequential_repetend, solve_period
 from engine.tessel.seed import policy_repetends
 
 
@@ -292,7 +292,7 @@ def tessel_search(
             progress(SearchProgress(steps, window * res / c.r, status, best_c.per_mb * res, lb_s, time.perf_counter() - t_start))
 
     def attempt(c: Candidate, window: int, objective_: str | None, budget_share: float, cap_s: float | None = None,
-                hint: Repetend | None = None):
+                hint: Repetend | None = None, hinted_share: float = 0.0):
         nonlocal steps, timed_out
         remaining = deadline - time.perf_counter()
         if remaining <= 0.02 or (control is not None and control.cancelled):
@@ -301,7 +301,8 @@ def tessel_search(
         budget = remaining * budget_share if cap_s is None else min(remaining * budget_share, cap_s)
         status, rep = solve_period(c.pl, c.sc, window, caps, time_limit=budget, seed=seed, workers=workers,
                                    objective=objective_, max_latency=c.max_latency, hint=hint or c.best, replicas=c.r,
-                                   should_stop=should_stop, on_solver=control._attach if control is not None else None)
+                                   should_stop=should_stop, on_solver=control._attach if control is not None else None,
+                                   hinted_share=hinted_share)
         if rep is not None:
             rep.micro_batches = c.r
         steps += 1
@@ -343,7 +344,9 @@ def tessel_search(
             # hi is not known to be feasible: try it first. Feasibility is monotone in the window
             # (idle time can be added), so if the largest window that would improve is not found,
             # no shorter window of this size will be: move on to the next size
-            status, rep = attempt(c, hi, None, 0.5, cap)
+            # hinted by the best repetend so far, retimed to this window: a solution is usually nearby
+            guess = retime(best_c.best, len(placement.blocks), r, hi)
+            status, rep = attempt(c, hi, None, 0.5, cap, hint=guess, hinted_share=0.5)
             report(c, hi, status)
             if rep is None:
                 if status == "infeasible":

@@ -522,3 +522,23 @@ def test_fallback_baselines_returns_the_best_known_plan():
     plain = tessel_search(pl, 8, memory_limit=limit, time_limit=0.02)
     assert "equals_baseline" not in plain.schedule.meta["tessel"]
     assert timeline(plain.schedule).makespan == pytest.approx(plain.schedule.meta["tessel"]["pure_makespan"])
+
+
+def test_retime_reads_the_unrolled_schedule():
+    """retime() to the repetend's own window returns it; to two micro-batches per doubled window
+    it cuts the same unrolled schedule (same per-device orders, same makespan)."""
+    from engine.tessel.defer import unrolled_makespan
+    from engine.tessel.repetend import retime
+
+    pl, result = unlimited("m")
+    rep = result.repetend
+    assert rep.micro_batches == 1
+    same = retime(rep, len(pl.blocks), 1, rep.period)
+    assert same.starts == rep.starts and same.offsets == rep.offsets
+    two = retime(rep, len(pl.blocks), 2, 2 * rep.period)
+    assert two.micro_batches == 2 and len(two.starts) == 2 * len(pl.blocks)
+    span2, peaks2 = unrolled_makespan(expand(pl, 2), two, 8, 2)
+    span1, peaks1 = unrolled_makespan(pl, rep, 8, 1)
+    assert span2 == pytest.approx(span1) and peaks2 == pytest.approx(peaks1)
+    shorter = retime(rep, len(pl.blocks), 2, 2 * rep.period - 1)
+    assert all(0 <= s < shorter.period for s in shorter.starts) and min(shorter.offsets) == 0
