@@ -393,13 +393,14 @@ def tessel_search(
     # (2b) sink deferral (defer.py): the best repetend, and the policy's steady states with the
     # same period per micro-batch, each with its sinks (e.g. W blocks) deferred while the
     # unrolled makespan does not grow and memory fits; the shortest unrolled makespan wins.
-    # Without a limit, memory may rise to the repetend's highest per-device peak.
+    # Without a limit, memory may rise to the repetend's highest per-device peak. Not for the
+    # latency objective: a deferred sink lengthens its micro-batch's latency.
     defer_caps = caps
     if has_memory and best.peak and caps is None:
         defer_caps = [max(best.peak)] * placement.num_devices
     source = "search"
     deferred: dict[int, int] = {}
-    if not timed_out and not (control is not None and control.cancelled):
+    if objective == "throughput" and not timed_out and not (control is not None and control.cancelled):
         pool = [(c, best, "search")]
         for r_s, seed_rep in sorted(seeds.items()):
             cs = cands.get(r_s)
