@@ -663,6 +663,9 @@ class StageWorker:
             (``[[t, bytes], ...]``) and ``peak_activation_memory`` (tensor accounting);
             ``peak_grad_memory`` (bytes of parameter gradients held, sampled after every
             instruction: the whole segment with Adam/SGD, only the tied copies with AdamA).
+            Ranks whose segments hold MoE layers add ``aux_losses`` (per micro-batch, the sum
+            of their layers' weighted aux losses, unscaled) and ``moe`` (routing metrics, see
+            the module docstring); the events then include one ``ALLTOALL`` per all-to-all.
 
         Raises:
             StepError: (a ``RuntimeError``) ``"rank R (pipeline rank P, replica D) failed at step
