@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"rows": rows, "summary": summary}))
         return 0
     hdr = (f"{'shape':<5} {'n':>2} {'limit':>9} {'search s':>8} {'total s':>7} {'period':>7} {'lb':>5} {'r':>2} "
-           f"{'m16 tessel':>10} {'best base':>17} {'m64 tessel':>10} {'best base':>17} {'x1F1B@16':>8} {'x1F1B@64':>8} "
+           f"{'m16 tessel':>15} {'best base':>12} {'m64 tessel':>15} {'best base':>12} {'x1F1B@16':>8} {'x1F1B@64':>8} "
            f"{'bound@64':>8}")
     print(hdr)
     print("-" * len(hdr))
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['shape']:<5} {r['devices']:>2} {r['limit_name'] + ' ' + format(r['memory_limit'], 'g'):>9} "
               f"{r['search_s']:>8.2f} {max(r['m16']['total_s'], r['m64']['total_s']):>7.2f} {r['period']:>7.3g} "
               f"{r['period_lb']:>5.3g} {r['window_micro_batches']:>2} "
-              f"{ts('m16'):>10} {bb('m16'):>17} {ts('m64'):>10} {bb('m64'):>17} {sp('m16'):>8} {sp('m64'):>8} "
+              f"{ts('m16'):>15} {bb('m16'):>12} {ts('m64'):>15} {bb('m64'):>12} {sp('m16'):>8} {sp('m64'):>8} "
               f"{sp('m64', 'bound_vs_1f1b'):>8}")
     print()
     for k, v in summary.items():

@@ -305,10 +305,11 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
     """Solve the repetend model at a fixed period.
 
     Feasibility solves (``objective=None``) decide the offsets first, smallest first, with a
-    fixed search. With ``hinted_share > 0`` and a ``hint`` of this period, a solve with CP-SAT's
-    default search guided by the hint runs first for that share of ``time_limit`` (it finds a
-    nearby feasible repetend fast, e.g. from :func:`retime`; the fixed search is better at
-    proving a window infeasible), then the fixed search for the rest.
+    fixed search. With ``hinted_share > 0`` and a ``hint`` of this period, that last share of
+    ``time_limit`` goes to a second solve with CP-SAT's default search guided by the hint, when
+    the fixed search has not settled the window (the hinted search often finds a feasible
+    repetend near e.g. :func:`retime`'s guess where the fixed one does not; the fixed one is
+    better at proving a window infeasible).
 
     Returns:
         ``(status, repetend)``: status is ``"feasible"``, ``"infeasible"`` or ``"unknown"``
@@ -316,14 +317,15 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
     """
     use_hint = hint is not None and hint.period == period
     if objective is None and use_hint and hinted_share > 0:
-        first = hinted_share * time_limit
         t0 = time.perf_counter()
-        status, rep = _solve_once(placement, sc, period, memory_cap, time_limit=first, seed=seed, workers=workers,
-                                  objective=None, max_latency=max_latency, hint=hint, replicas=replicas,
-                                  should_stop=should_stop, on_solver=on_solver, fixed=False)
+        status, rep = _solve_once(placement, sc, period, memory_cap, time_limit=(1 - hinted_share) * time_limit,
+                                  seed=seed, workers=workers, objective=None, max_latency=max_latency, hint=hint,
+                                  replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=True)
         if status != "unknown" or (should_stop is not None and should_stop()):
             return status, rep
-        time_limit = max(0.01, time_limit - (time.perf_counter() - t0))
+        return _solve_once(placement, sc, period, memory_cap, time_limit=max(0.01, time_limit - (time.perf_counter() - t0)),
+                           seed=seed, workers=workers, objective=None, max_latency=max_latency, hint=hint,
+                           replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=False)
     return _solve_once(placement, sc, period, memory_cap, time_limit=time_limit, seed=seed, workers=workers,
                        objective=objective, max_latency=max_latency, hint=hint if use_hint else None,
                        replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=objective is None)

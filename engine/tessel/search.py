@@ -344,7 +344,7 @@ def tessel_search(
             # hi is not known to be feasible: try it first. Feasibility is monotone in the window
             # (idle time can be added), so if the largest window that would improve is not found,
             # no shorter window of this size will be: move on to the next size
-            # hinted by the best repetend so far, retimed to this window: a solution is usually nearby
+            # then hinted by the best repetend so far, retimed to this window: a solution is often nearby
             guess = retime(best_c.best, len(placement.blocks), r, hi)
             status, rep = attempt(c, hi, None, 0.5, cap, hint=guess, hinted_share=0.5)
             report(c, hi, status)
@@ -382,7 +382,7 @@ def tessel_search(
     optimal = c.per_mb <= lb or c.best.period <= c.proven_lo
     # (2) at the best window: least latency, then least memory (bounded effort: a polish)
     if not timed_out:
-        polish_cap = 0.15 * max(1, placement.num_devices / 4) * max(1, len(c.pl.blocks) / 16)
+        polish_cap = 0.1 * max(1, placement.num_devices / 4) * max(1, len(c.pl.blocks) / 16)
         status, rep = attempt(c, c.best.period, "latency+memory" if has_memory else "latency", 0.5, polish_cap)
         if rep is not None:
             c.best = rep
