@@ -14,7 +14,8 @@ by one more window; a move is kept when the schedule's makespan (as-soon-as-poss
 of the unrolled repetend's per-device orders, :func:`unrolled_makespan`) does not grow and the
 per-device peak memory stays within the limit; it stops after a few passes without a strict
 improvement, then undoes every deferral that does not pay for itself (less memory, same
-makespan). Memory is exact: on one device the blocks run one after another in the schedule's
+makespan). Moves are judged on at most ``r * max(16, 4 * in-flight windows)`` micro-batches
+(warmup, steady copies, cooldown); the result is kept only if it is also shorter for all ``m``. Memory is exact: on one device the blocks run one after another in the schedule's
 order, so its peak is the highest prefix sum of its memory deltas (allocation at a block's
 start, release at its end), whatever the timing.
 """
@@ -115,17 +116,21 @@ def defer_sinks(pl: Placement, rep: Repetend, m: int, caps: list[float] | None, 
 
     Returns:
         ``(repetend, makespan)``: the best repetend found (``rep`` itself when nothing helps) and
-        its :func:`unrolled_makespan`.
+        its :func:`unrolled_makespan` for ``m`` micro-batches.
     """
-    base_span, base_peak = unrolled_makespan(pl, rep, m, r)
-    limit = list(caps) if caps is not None else list(base_peak)
+    full_span, full_peak = unrolled_makespan(pl, rep, m, r)
+    limit = list(caps) if caps is not None else list(full_peak)
+    # moves only change the warmup and the cooldown: judge them on a run long enough to hold
+    # both with steady copies between (deferred sinks lengthen both by at most the deferral)
+    m_eval = min(m, r * max(16, 4 * (max(rep.offsets, default=0) + 1)))
+    base_span = full_span if m_eval == m else unrolled_makespan(pl, rep, m_eval, r)[0]
     tol = 1e-9 * max(1.0, base_span)
     offs = list(rep.offsets)
     best = base_span
     cand = sinks(pl)
 
-    def trial(o: list[int]) -> tuple[float, bool]:
-        span, peak = unrolled_makespan(pl, Repetend(rep.period, rep.starts, o, rep.resolution, micro_batches=r), m, r)
+    def trial(o: list[int], mm: int = m_eval) -> tuple[float, bool]:
+        span, peak = unrolled_makespan(pl, Repetend(rep.period, rep.starts, o, rep.resolution, micro_batches=r), mm, r)
         return span, all(p <= c + 1e-9 * max(1.0, abs(c)) for p, c in zip(peak, limit))
 
     def out_of_time() -> bool:
@@ -160,6 +165,8 @@ def defer_sinks(pl: Placement, rep: Repetend, m: int, caps: list[float] | None, 
                 if ok and span <= best + tol:
                     offs, best, changed = t, min(best, span), True
     if offs == list(rep.offsets) or best >= base_span - tol:
-        return rep, base_span
-    out = Repetend(rep.period, list(rep.starts), offs, rep.resolution, list(rep.peak), r)
-    return out, best
+        return rep, full_span
+    span, ok = (best, True) if m_eval == m else trial(offs, m)
+    if not ok or span >= full_span - tol:  # judged on the shorter run only: keep what is sure
+        return rep, full_span
+    return Repetend(rep.period, list(rep.starts), offs, rep.resolution, list(rep.peak), r), span

@@ -390,6 +390,7 @@ def tessel_search(
     if bar is not None:
         bar.close()
     best = c.best
+    ms_lb = makespan_lower_bound(placement, m)
     # (2b) sink deferral (defer.py): the best repetend, and the policy's steady states with the
     # same period per micro-batch, each with its sinks (e.g. W blocks) deferred while the
     # unrolled makespan does not grow and memory fits; the shortest unrolled makespan wins.
@@ -406,11 +407,13 @@ def tessel_search(
             cs = cands.get(r_s)
             if cs is not None and seed_rep.period * c.r <= best.period * r_s:
                 pool.append((cs, seed_rep, "policy seed"))
-        defer_deadline = min(deadline, time.perf_counter() + max(0.2, 0.05 * time_limit))
+        defer_deadline = min(deadline, time.perf_counter() + max(0.3, 0.08 * time_limit))
         scored = []
         for k, (cc, rp, src) in enumerate(pool):
             d_rep, span = defer_sinks(cc.pl, rp, m, defer_caps, r=cc.r, deadline=defer_deadline)
             scored.append((span, k, cc, d_rep, rp, src))
+            if span <= ms_lb * (1 + 1e-9):
+                break  # the makespan lower bound: nothing can be shorter
         span, _, c, d_rep, undeferred, source = min(scored, key=lambda x: (round(x[0], 9), x[1]))
         deferred = {b: d_rep.offsets[b] - undeferred.offsets[b] for b in range(len(d_rep.offsets))
                     if d_rep.offsets[b] != undeferred.offsets[b]}
@@ -429,7 +432,6 @@ def tessel_search(
             "micro_batches_per_window": c.r, "resolution": res, "repetend": best.to_dict(),
             "repetend_source": source, "deferred_sinks": {str(b): k for b, k in deferred.items()}}
     m_windows = -(-m // c.r)
-    ms_lb = makespan_lower_bound(placement, m)
 
     def simulated(label: str, comp) -> tuple[float, Schedule]:
         sched = to_schedule(placement, comp, m, name="tessel", meta={"tessel": {**meta, "completion": label}},
