@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", default=None, choices=("adam", "adama", "sgd"),
                    help="optimizer of the workers: adam, adama (AdamA: micro-batch gradients folded into "
                         "Adam's states and freed, less memory) or sgd (default: the plan's, adam)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="after the run, calibrate the plan's block and optimizer times from the measured steps "
+                        "(the first step excluded) and write <plan>.calibrated.json with the re-simulated prediction")
     p.add_argument("--trace", default=None, help="measured trace path (default: trace.measured.json next to the plan; "
                                                  "co-located: crossover.measured.json next to the first plan)")
 
@@ -253,4 +256,39 @@ def run(args: argparse.Namespace) -> dict:
                  optimizer=args.optimizer)
     out = report(plan, res, plan_dir=plan_dir)
     out["plan"] = str(plan_path)
+    if args.calibrate:
+        out["calibration"] = calibrate_plan(plan, res, plan_path.with_name(plan_path.stem + ".calibrated.json"))
     return out
+
+
+def calibrate_plan(plan, res, path: Path, out=sys.stdout) -> dict:
+    """Calibrate ``plan`` from a launch's measured steps and save the calibrated plan.
+
+    Uses the launch's kept timelines (``LaunchResult.timelines``), leaving out the launch's first
+    step (warm-up) when more than one was measured; writes the plan atomically to ``path`` and
+    prints the calibrated prediction next to the measured median step makespan.
+
+    Returns:
+        ``{"path", "predicted_makespan", "measured_makespan", "error", "steps"}`` (seconds;
+        ``error`` = measured / predicted - 1).
+
+    Raises:
+        CostModelError: the launch kept no measured timeline.
+    """
+    import statistics
+
+    from engine.cost.calibrate import calibrate
+    from engine.io import save_plan
+    from engine.planner import with_calibration
+
+    tls = list(res.timelines)
+    if len(tls) > 1 and res.start_step == 0 and len(tls) == len(res.losses):
+        tls = tls[1:]
+    new, tl = with_calibration(plan, calibrate(tls, []))
+    save_plan(new, path)
+    measured = statistics.median(t.makespan for t in tls)
+    err = measured / tl.makespan - 1 if tl.makespan > 0 else math.nan
+    print(f"calibrated from {len(tls)} measured step{'s' if len(tls) != 1 else ''}: step makespan {fmt_ms(tl.makespan)} predicted vs "
+          f"{fmt_ms(measured)} measured (median), {err:+.1%}; calibrated plan: {path}", file=out)
+    return {"path": str(path), "predicted_makespan": tl.makespan, "measured_makespan": measured,
+            "error": err, "steps": len(tls)}

@@ -100,6 +100,8 @@ class LaunchResult:
         tokens_per_second: tokens / second over this launch's steps, the first one excluded
             (warm-up) when more than one ran.
         timeline: the measured Timeline of the last step (``source="measured"``), or ``None``.
+        timelines: the measured Timelines of the last ``keep_timelines`` steps, oldest first (the
+            input of ``engine.cost.calibrate.calibrate``); not in :meth:`to_dict`.
         predicted_step_time: per pipeline rank, seconds from the step's start to the rank's last
             event in the simulator's prediction.
         measured_step_time: the same in the measured timeline.
@@ -143,6 +145,7 @@ class LaunchResult:
     elapsed: float = 0.0
     setup_time: float = 0.0
     moe: list[dict] = field(default_factory=list)
+    timelines: list[Timeline] = field(default_factory=list)
 
     @property
     def final_loss(self) -> float | None:
@@ -152,6 +155,7 @@ class LaunchResult:
         """JSON-able summary (the timeline as its metrics only)."""
         d = asdict(self)
         d.pop("timeline")
+        d.pop("timelines")
         d["timeline_metrics"] = self.timeline.metrics() if self.timeline is not None else None
         d["val_losses"] = [[s, v] for s, v in self.val_losses]
         if not self.moe:
@@ -404,6 +408,7 @@ def launch(
     optimizer: str | None = None,
     worker_cls: type | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    keep_timelines: int = 8,
 ) -> LaunchResult:
     """Train ``plan`` on Ray actors for ``steps`` steps and measure it.
 
@@ -435,6 +440,8 @@ def launch(
             (``"adam"`` when absent). Resuming needs the optimizer the checkpoint was written with.
         worker_cls: the per-rank worker class (default ``runtime.worker.StageWorker``).
         on_step: called after each step with ``(step, loss)``.
+        keep_timelines: measured timelines of the last this many steps kept in
+            :attr:`LaunchResult.timelines` (for calibration, ``engine.planner.with_calibration``).
 
     Returns:
         the :class:`LaunchResult`.
@@ -542,6 +549,7 @@ def launch(
         history = list(ck.meta.get("losses", [])) if ck is not None else []
         val_history = list(ck.meta.get("val_losses", [])) if ck is not None else []
         last_results: list[dict] = []
+        recent: list[Timeline] = []
 
         if progress:
             from tqdm.auto import tqdm
@@ -585,6 +593,9 @@ def launch(
             history.append([step, loss])
             step_times.append(dt)
             last_results = results
+            if keep_timelines > 0:
+                recent.append(_merge_timeline(results, pp))
+                del recent[:-keep_timelines]
             done = step + 1
             if on_step is not None:
                 on_step(step, loss)
@@ -605,7 +616,7 @@ def launch(
             bar.close()
             bar = None
 
-        timeline = _merge_timeline(last_results, pp) if last_results else None
+        timeline = (recent[-1] if recent else _merge_timeline(last_results, pp)) if last_results else None
         trace_paths: dict[str, str] = {}
         if timeline is not None and trace_path is not None:
             from engine.io import write_trace
@@ -637,6 +648,7 @@ def launch(
             trace_paths=trace_paths, checkpoint=runner.checkpoint, backend=backend.name, optimizer=optimizer,
             world_size=ws,
             dp=dp, pp=pp, elapsed=time.perf_counter() - t_start, setup_time=setup_time, moe=moe_history,
+            timelines=recent,
         )
     finally:
         if bar is not None:

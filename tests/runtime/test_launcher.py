@@ -124,7 +124,29 @@ def test_losses_equal_single_process_reference(straight, plan):
     assert res.moe == [] and "moe" not in res.to_dict() and not any(e.op == "ALLTOALL" for e in tl.events)
     assert Path(res.trace_paths["measured"]).is_file()
     assert Path(res.checkpoint).name == "step_000004"
+    # every step's measured timeline is kept (up to keep_timelines); the last one is res.timeline
+    assert len(res.timelines) == 4 and res.timelines[-1] is tl and "timelines" not in res.to_dict()
     assert [p.name for p in ck.list_checkpoints(d / "ckpt")] == ["step_000002", "step_000004"]
+
+
+@pytest.mark.timeout(400)
+def test_calibration_from_measured_steps_predicts_them(straight, plan):
+    """Profile-guided prediction: blocks take their measured median durations, so the
+    calibrated plan's compute per rank matches what was measured (the makespan still depends
+    on the simulator's model of waits and communication)."""
+    from engine.cost.calibrate import calibrate
+    from engine.planner import with_calibration
+
+    res, _, _ = straight
+    cal = calibrate(res.timelines[1:])
+    assert cal.steps == 3 and set(cal.block_seconds) == {(0, "F"), (0, "B"), (1, "F"), (1, "B")}
+    assert cal.optimizer_seconds_per_byte and cal.optimizer_seconds_per_byte > 0
+    new, tl = with_calibration(plan, cal)
+    assert new.meta["calibration"]["steps"] == 3
+    for r in range(2):
+        measured_busy = sorted(t.busy_time(r) for t in res.timelines[1:])[1]   # median of 3
+        assert tl.busy_time(r) == pytest.approx(measured_busy, rel=0.5)
+    assert tl.makespan != pytest.approx(plan.metrics["makespan"], rel=1e-3)   # the roofline plan predicted otherwise
 
 
 @pytest.mark.timeout(400)
@@ -347,9 +369,14 @@ def test_cli_launch_json_and_resume_errors(tmp_path):
     p = tessel("plan", "--model", "gpt2-tiny", "--devices", "2", "--micro-batches", str(M), "--schedule", "1f1b",
                "--device-type", "cpu", "--seq-len", str(SEQ), "--micro-batch-size", str(MBS), "-o", str(tmp_path))
     assert p.returncode == 0, p.stderr
-    p = tessel("launch", str(tmp_path / "plan.json"), "--steps", "2", "--json")
+    p = tessel("launch", str(tmp_path / "plan.json"), "--steps", "2", "--json", "--calibrate")
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout.strip().splitlines()[-1])
+    # --calibrate: the plan calibrated from the measured step (the first is kept: only two ran)
+    cal = res["calibration"]
+    assert Path(cal["path"]) == tmp_path / "plan.calibrated.json" and cal["steps"] == 1
+    assert cal["predicted_makespan"] > 0 and "calibrated from 1 measured step:" in p.stdout
+    assert "calibration" in json.loads((tmp_path / "plan.calibrated.json").read_text())["meta"]
     assert res["ok"] and res["steps"] == 2 and len(res["losses"]) == 2 and res["backend"] == "gloo"
     assert res["loss_end"] == res["losses"][-1] and res["val_loss"] > 0 and res["tokens_per_second"] > 0
     assert len(res["predicted_step_time"]) == len(res["measured_step_time"]) == 2
