@@ -15,7 +15,7 @@
     Target: >= 3x faster.
 (a) Our step time vs PyTorch's ``_PipelineScheduleRuntime`` on the same CSV: ``torch_runtime_bench.py``.
 
-Usage: ``python benchmarks/runtime_bench.py [--json] [--steps 8]``
+Usage: ``python benchmarks/runtime_bench.py [--json] [--steps 12] [--profile-steps 6]``
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ def predicted_vs_measured(devices: int, steps: int, profile_steps: int = 4) -> d
     # ... each segment's real forward + backward timed alone on this machine ...
     seg_plan, seg_tl = with_segment_times(res.plan, measure_segment_times(res.plan))
     # ... and calibrated from a separate short profiling launch (its first step left out)
-    prof = launch(res.plan, steps=profile_steps, progress=False, device="cpu", eval_every=0)
+    prof = launch(res.plan, steps=profile_steps, progress=False, device="cpu", eval_every=0, keep_timelines=profile_steps)
     cal_plan, cal_tl = with_calibration(res.plan, calibrate(prof.timelines[1:]))
     # the measured run: a fresh launch; its first step (warm-up) is left out
-    lr = launch(res.plan, steps=steps, progress=False, device="cpu", eval_every=0)
+    lr = launch(res.plan, steps=steps, progress=False, device="cpu", eval_every=0, keep_timelines=steps)
     measured_steps = [t.makespan for t in lr.timelines[1:]] or [lr.measured_makespan]
     measured = statistics.median(measured_steps)
     wall = statistics.median(lr.step_times[1:]) if len(lr.step_times) > 1 else lr.step_times[0]
@@ -64,14 +64,16 @@ def predicted_vs_measured(devices: int, steps: int, profile_steps: int = 4) -> d
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12, help="steps of the measured launch (default 12; the first is left out)")
+    ap.add_argument("--profile-steps", type=int, default=6,
+                    help="steps of the profiling launch the calibration is taken from (default 6; the first is left out)")
     args = ap.parse_args(argv)
     import contextlib
     import io
 
     import transfer_bench
 
-    rows = [predicted_vs_measured(d, args.steps) for d in (2, 4)]
+    rows = [predicted_vs_measured(d, args.steps, args.profile_steps) for d in (2, 4)]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         transfer_bench.main(["--json"])

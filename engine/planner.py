@@ -382,7 +382,7 @@ def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Pl
 def with_calibration(plan: Plan, calibration: Calibration) -> tuple[Plan, Timeline]:
     """The plan with costs measured on the target machine, re-simulated (profile-guided prediction).
 
-    Every block takes the calibration's median measured duration of its segment and kind (blocks
+    Every block takes the calibration's (trimmed mean) measured duration of its segment and kind (blocks
     it never measured keep theirs); the optimizer step takes the measured seconds per parameter
     byte. The calibration is kept in ``plan.meta["calibration"]``, so :func:`resimulate` (and a
     saved and reloaded plan) predicts with it too. The schedule's orders are unchanged.

@@ -6,13 +6,22 @@ speed, and, where ranks share cores (4 CPU ranks on a 2-core machine), the slowd
 block that runs while another rank computes. A short profiling launch measures all of it: this
 module takes the measured :class:`~engine.timeline.Timeline` of one or more steps and derives
 
-- the median duration of every block kind of every segment (``F``, ``B``, ``I``, ``W``), which
-  replaces the placement's durations, and
+- the trimmed mean duration (:data:`TRIM` of the samples cut at each end) of every block kind
+  of every segment (``F``, ``B``, ``I``, ``W``), which replaces the placement's durations (a
+  mean, not the median: a step's time is a sum of block times and measured block times are
+  skewed to the right by preemption and cache effects, so the median under-predicts the sum;
+  trimmed, so that one preempted block does not move the prediction), and
 - the optimizer's seconds per parameter byte (median over ranks of ``OPTIM`` time / bytes),
   which replaces the roofline ``CostModel.optimizer_time``;
+- the end-to-end point-to-point time: for every ``RECV``, from the later of the producer
+  block's end (on the sending rank) and the receive's post to the data's arrival, i.e. the
+  transfer plus the send/receive software path (gloo, Python, pinning); its excess over the
+  cost model's ``p2p_time`` becomes a fixed per-transfer overhead. Measured times are per-rank
+  step clocks (the launcher starts every rank's step together), so this assumes the ranks'
+  step starts are aligned to well under a transfer time;
 
-communication keeps the plan's cost model (the measured send/receive events include the time a
-rank waits for its peer, so they do not isolate the transfer cost).
+collectives keep the plan's cost model (a measured all-reduce includes the time its ranks wait
+for each other, so it does not isolate the collective's cost).
 
 This is the calibration step of profile-guided planners: FlexFlow's execution simulator
 (Jia et al., "Beyond Data and Model Parallelism for Deep Neural Networks", SysML 2019, sec. 5)
@@ -30,6 +39,20 @@ from engine.cost.devices import CostModelError
 from engine.timeline import Timeline
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
+#: Fraction of the samples cut at each end for the trimmed mean of a block's duration.
+TRIM = 0.1
+
+
+def trimmed_mean(values: Sequence[float], trim: float = TRIM) -> float:
+    """Mean of ``values`` without the ``trim`` fraction of the smallest and of the largest
+    (at least one value is kept). Raises ValueError for no values or ``trim`` outside [0, 0.5)."""
+    if not values:
+        raise ValueError("trimmed_mean of no values")
+    if not 0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+    v = sorted(values)
+    k = min(int(len(v) * trim), (len(v) - 1) // 2)
+    return statistics.fmean(v[k:len(v) - k])
 
 
 @dataclass
@@ -37,10 +60,12 @@ class Calibration:
     """Costs measured on the target machine.
 
     Attributes:
-        block_seconds: ``{(segment, kind): seconds}``, the median measured duration of one block
+        block_seconds: ``{(segment, kind): seconds}``, the trimmed mean measured duration of one block
             of that segment and kind (``F``/``B``/``I``/``W``) over all ranks, micro-batches and steps.
         optimizer_seconds_per_byte: median over ranks of ``OPTIM`` seconds / parameter bytes of
             the rank; ``None`` if no optimizer step was measured.
+        p2p_seconds: ``{nbytes: seconds}``, the median end-to-end time of a point-to-point
+            transfer of that size (see the module docstring); empty if none was measured.
         samples: measured compute events used.
         steps: measured timelines (steps) used.
     """
@@ -49,6 +74,7 @@ class Calibration:
     optimizer_seconds_per_byte: float | None = None
     samples: int = 0
     steps: int = 0
+    p2p_seconds: dict[int, float] = field(default_factory=dict)
 
     def block_time(self, segment: int, kind: str, default: float) -> float:
         """Measured seconds of a ``kind`` block of ``segment``, else ``default``."""
@@ -58,6 +84,7 @@ class Calibration:
         """JSON form: ``{"blocks": [[segment, kind, seconds], ...], "optimizer_seconds_per_byte", ...}``."""
         return {"blocks": [[s, k, t] for (s, k), t in sorted(self.block_seconds.items())],
                 "optimizer_seconds_per_byte": self.optimizer_seconds_per_byte,
+                "p2p": [[n, t] for n, t in sorted(self.p2p_seconds.items())],
                 "samples": self.samples, "steps": self.steps}
 
     @classmethod
@@ -70,7 +97,8 @@ class Calibration:
         try:
             blocks = {(int(s), str(k)): float(t) for s, k, t in d.get("blocks", [])}
             spb = d.get("optimizer_seconds_per_byte")
-            return cls(blocks, None if spb is None else float(spb), int(d.get("samples", 0)), int(d.get("steps", 0)))
+            p2p = {int(n): float(t) for n, t in d.get("p2p", [])}
+            return cls(blocks, None if spb is None else float(spb), int(d.get("samples", 0)), int(d.get("steps", 0)), p2p)
         except (TypeError, ValueError) as e:
             raise CostModelError(f"malformed calibration: {e}; expected blocks=[[segment, kind, seconds], ...]") from e
 
@@ -93,9 +121,17 @@ def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[in
     tls = [timelines] if isinstance(timelines, Timeline) else list(timelines)
     per_block: dict[tuple[int, str], list[float]] = {}
     per_byte: list[float] = []
+    per_size: dict[int, list[float]] = {}
     samples = 0
     for tl in tls:
+        produced = {(e.rank, e.name): e.end for e in tl.events if e.stream == "compute"}
         for e in tl.events:
+            if e.op == "RECV" and "<" in e.name:
+                block, _, peer = e.name.rpartition("<")
+                # peers are named by world rank in measured events; the replica-0 pipeline rank is the same
+                end = produced.get((int(peer) % tl.num_devices if peer.isdigit() else -1, block))
+                if end is not None and e.end >= end:
+                    per_size.setdefault(int(e.nbytes), []).append(e.end - max(end, e.start))
             if e.stream != "compute":
                 continue
             if e.op in COMPUTE_KINDS and e.segment >= 0:
@@ -108,27 +144,38 @@ def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[in
     if not samples:
         raise CostModelError("no measured compute events (F/B/I/W) to calibrate from; pass measured timelines "
                              "of training steps, e.g. LaunchResult.timeline")
-    return Calibration({k: statistics.median(v) for k, v in per_block.items()},
-                       statistics.median(per_byte) if per_byte else None, samples, len(tls))
+    return Calibration({k: trimmed_mean(v) for k, v in per_block.items()},
+                       statistics.median(per_byte) if per_byte else None, samples, len(tls),
+                       {n: statistics.median(v) for n, v in per_size.items()})
 
 
 class CalibratedCost:
-    """A cost model whose optimizer time is calibrated; communication is delegated.
+    """A cost model with the calibrated optimizer rate and point-to-point overhead; collectives
+    are delegated to the base model.
 
     Implements the simulator's ``CommCost`` protocol (:mod:`engine.simulate`).
 
     Args:
         base: the plan's cost model (``engine.cost.CostModel``), or any object with
             ``p2p_time``, ``collective_time`` and ``optimizer_time``.
-        calibration: measured costs; without an optimizer measurement the base's is used.
+        calibration: measured costs; without an optimizer (p2p) measurement the base's optimizer
+            (p2p) time is used.
+
+    Attributes:
+        p2p_overhead: seconds added to every transfer between different ranks: the median over
+            measured transfer sizes of measured time minus the base model's ``p2p_time``
+            (never negative).
     """
 
     def __init__(self, base, calibration: Calibration):
         self.base = base
         self.calibration = calibration
+        extra = [t - base.p2p_time(n, 0, 1) for n, t in calibration.p2p_seconds.items()]
+        self.p2p_overhead = max(0.0, statistics.median(extra)) if extra else 0.0
 
     def p2p_time(self, nbytes: int, src: int, dst: int) -> float:
-        return self.base.p2p_time(nbytes, src, dst)
+        t = self.base.p2p_time(nbytes, src, dst)
+        return t + self.p2p_overhead if src != dst else t
 
     def collective_time(self, kind: str, nbytes: int, ranks: list[int]) -> float:
         return self.base.collective_time(kind, nbytes, ranks)
@@ -147,4 +194,4 @@ def calibrated_durations(blocks: Iterable, calibration: Calibration) -> list[flo
     return [calibration.block_time(b.segment, b.kind, b.duration) for b in blocks]
 
 
-__all__ = ["Calibration", "CalibratedCost", "calibrate", "calibrated_durations"]
+__all__ = ["Calibration", "CalibratedCost", "calibrate", "calibrated_durations", "trimmed_mean"]

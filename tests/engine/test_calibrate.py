@@ -89,3 +89,12 @@ def test_errors_name_the_problem(plan):
         with_calibration(plan, Calibration({(7, "F"): 1.0}))
     with pytest.raises(CostModelError, match="malformed calibration"):
         Calibration.from_dict({"blocks": [["x", "F", 1.0]]})
+
+
+def test_trimmed_mean_drops_the_outliers():
+    from engine.cost.calibrate import trimmed_mean
+    assert trimmed_mean([1.0] * 9 + [100.0]) == pytest.approx(1.0)      # one preempted block of ten
+    assert trimmed_mean([1.0, 2.0, 3.0]) == pytest.approx(2.0)           # too few to trim: the mean
+    assert trimmed_mean([5.0]) == 5.0
+    with pytest.raises(ValueError, match="no values"):
+        trimmed_mean([])
