@@ -34,7 +34,7 @@ def demo_model() -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from apps.cmd_launch import report
+    from apps.cmd_launch import calibrate_plan, report
     from engine.io import save_plan, write_torch_csv, write_trace
     from engine.planner import make_plan
     from runtime import launch
@@ -56,7 +56,9 @@ def run(args: argparse.Namespace) -> dict:
     lr = launch(res.plan, steps=args.steps, address=args.address, checkpoint_dir=out / "ckpt",
                 checkpoint_every=max(args.steps // 3, 1), eval_every=max(args.steps // 3, 1),
                 progress=not args.json or sys.stderr.isatty(), step_timeout=args.step_timeout,
-                trace_path=out / "trace.measured.json", device="cpu")
+                trace_path=out / "trace.measured.json", device="cpu", keep_timelines=min(args.steps, 64))
     result = report(res.plan, lr, plan_dir=out)
+    if len(lr.timelines) > 1:   # profile-guided prediction: the real costs of this machine
+        result["calibration"] = calibrate_plan(res.plan, lr, out / "plan.calibrated.json")
     result.update({"model": model, "plan": str(plan_path), "csv": str(csv_path), "plan_time": plan_time})
     return result

@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
                  checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, resume=args.resume,
                  seed=args.seed, lr=args.lr, progress=not args.json or sys.stderr.isatty(),
                  step_timeout=args.step_timeout, trace_path=trace, device=args.device,
-                 optimizer=args.optimizer)
+                 optimizer=args.optimizer, keep_timelines=min(args.steps, 64) if args.calibrate else 8)
     out = report(plan, res, plan_dir=plan_dir)
     out["plan"] = str(plan_path)
     if args.calibrate:
@@ -262,15 +262,18 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def calibrate_plan(plan, res, path: Path, out=sys.stdout) -> dict:
-    """Calibrate ``plan`` from a launch's measured steps and save the calibrated plan.
+    """Calibrate ``plan`` from a launch's measured steps, save it, and check it on later steps.
 
-    Uses the launch's kept timelines (``LaunchResult.timelines``), leaving out the launch's first
-    step (warm-up) when more than one was measured; writes the plan atomically to ``path`` and
-    prints the calibrated prediction next to the measured median step makespan.
+    Uses the launch's kept timelines (``LaunchResult.timelines``), the launch's first step
+    (warm-up) left out. With at least 4 of them, the first half calibrates and the prediction is
+    compared with the median makespan of the second half (steps the calibration did not see);
+    with fewer, the calibration is compared with the steps it came from. The saved plan is
+    calibrated from all of them. The plan is written atomically to ``path``.
 
     Returns:
-        ``{"path", "predicted_makespan", "measured_makespan", "error", "steps"}`` (seconds;
-        ``error`` = measured / predicted - 1).
+        ``{"path", "predicted_makespan", "measured_makespan", "error", "steps", "held_out"}``
+        (seconds; ``error`` = measured / predicted - 1; ``held_out``: whether the measured steps
+        were not used for the checked prediction).
 
     Raises:
         CostModelError: the launch kept no measured timeline.
@@ -284,11 +287,21 @@ def calibrate_plan(plan, res, path: Path, out=sys.stdout) -> dict:
     tls = list(res.timelines)
     if len(tls) > 1 and res.start_step == 0 and len(tls) == len(res.losses):
         tls = tls[1:]
-    new, tl = with_calibration(plan, calibrate(tls, []))
+    new, tl = with_calibration(plan, calibrate(tls))
     save_plan(new, path)
-    measured = statistics.median(t.makespan for t in tls)
+    held_out = len(tls) >= 4
+    if held_out:
+        half = len(tls) // 2
+        _, tl = with_calibration(plan, calibrate(tls[:half]))
+        checked = tls[half:]
+    else:
+        checked = tls
+    measured = statistics.median(t.makespan for t in checked)
     err = measured / tl.makespan - 1 if tl.makespan > 0 else math.nan
-    print(f"calibrated from {len(tls)} measured step{'s' if len(tls) != 1 else ''}: step makespan {fmt_ms(tl.makespan)} predicted vs "
-          f"{fmt_ms(measured)} measured (median), {err:+.1%}; calibrated plan: {path}", file=out)
+    n = len(checked)
+    how = (f"calibrated on {len(tls) - n} steps, checked on the {n} later ones" if held_out else
+           f"calibrated from {n} measured step{'s' if n != 1 else ''}")
+    print(f"{how}: step makespan {fmt_ms(tl.makespan)} predicted vs {fmt_ms(measured)} measured (median), "
+          f"{err:+.1%}; calibrated plan: {path}", file=out)
     return {"path": str(path), "predicted_makespan": tl.makespan, "measured_makespan": measured,
-            "error": err, "steps": len(tls)}
+            "error": err, "steps": len(tls), "held_out": held_out}
