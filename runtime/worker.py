@@ -36,8 +36,9 @@ Execution (in stream order, exactly like the simulator):
   handles go to a helper thread that waits them in post order (gloo reports a send's completion
   only through ``wait()``), so the SEND event lasts from the post to its completion; the step
   ends when all of them have completed.
-- ``RECV``: ``dist.irecv`` into the pre-allocated buffer, then ``wait`` (the compute stream blocks,
-  as in the simulator). Buffers are allocated once in :meth:`StageWorker.setup`, one per
+- ``RECV``: ``wait`` on the ``dist.irecv`` into the pre-allocated buffer (the compute stream
+  blocks, as in the simulator). Every receive of a step is posted at the step's start
+  (``prepost_receives``), so a transfer completes as soon as its sender posts it. Buffers are allocated once in :meth:`StageWorker.setup`, one per
   (boundary, micro-batch, tensor), from the shapes found by :func:`runtime.stage.build_stages`;
   the sender writes straight into them, no pickling, no per-step allocation (the RDMA paper's
   static-shape insight, ``../shared/TECHNIQUES.md``). One buffer per micro-batch, not per
@@ -289,6 +290,9 @@ class StageWorker:
             ``None``: no-ops). An exception from a hook fails the step (or evaluation).
         owns_process_group: :meth:`shutdown` destroys the default process group (``False`` when
             other workers of this process still use it).
+        prepost_receives: post every receive of a step at the step's start into its
+            pre-allocated buffer, so transfers complete while this rank computes (default);
+            ``False`` posts each when its RECV instruction is reached.
 
     Nothing heavy happens here; call :meth:`setup` next (in the worker's own process).
     """
@@ -297,8 +301,9 @@ class StageWorker:
                  backend: str = "gloo", seed: int = 0, lr: float = 1e-3, optimizer: str | None = None,
                  timeout_s: float = 300.0, fail_at: tuple[int, int] | None = None,
                  track_activations: bool = True, on_compute_start: Any = None, on_sync_start: Any = None,
-                 owns_process_group: bool = True):
+                 owns_process_group: bool = True, prepost_receives: bool = True):
         self.plan_dict = plan_dict
+        self.prepost_receives = bool(prepost_receives)
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.master_addr = str(master_addr)
@@ -662,7 +667,7 @@ class StageWorker:
             instruction); ``memory`` (``[[t, rss_bytes], ...]``); ``activation_memory``
             (``[[t, bytes], ...]``) and ``peak_activation_memory`` (tensor accounting);
             ``peak_grad_memory`` (bytes of parameter gradients held, sampled after every
-            instruction: the whole segment with Adam/SGD, only the tied copies with AdamA).
+            instruction that can grow them, B/I/W/ALLREDUCE: the whole segment with Adam/SGD, only the tied copies with AdamA).
             Ranks whose segments hold MoE layers add ``aux_losses`` (per micro-batch, the sum
             of their layers' weighted aux losses, unscaled) and ``moe`` (routing metrics, see
             the module docstring); the events then include one ``ALLTOALL`` per all-to-all.
@@ -690,6 +695,8 @@ class StageWorker:
             self._begin_replica_step()
         st.sends = _SendWaiter(st.now, self._timeout)
         try:
+            if self.prepost_receives:
+                self._post_all_recvs(st)
             for idx, ins in enumerate(self.stream):
                 try:
                     if self.fail_at is not None and (int(step), idx) == self.fail_at:
@@ -705,7 +712,7 @@ class StageWorker:
                 t = st.now()
                 mem.append([t, _rss()])
                 act_mem.append([t, self._meter.live])
-                if self.track_activations:
+                if self.track_activations and ins.op in ("B", "I", "W", "ALLREDUCE"):   # the ops that grow .grad
                     grad_peak = max(grad_peak, self._grad_bytes())
         except BaseException:
             st.sends.abandon()
@@ -730,6 +737,32 @@ class StageWorker:
                                  for j in range(self.m)]
             out["moe"] = _mean_metrics(st.moe)
         return out
+
+    def _post_recv(self, ins: Instruction) -> tuple[list[torch.Tensor], list, int]:
+        """Post the ``irecv``s of a RECV instruction into its pre-allocated buffers:
+        ``(buffers, works, source world rank)``."""
+        pb = ins.block
+        j = pb.micro_batch
+        if pb.kind == "F":
+            boundary, direction = pb.segment, 0
+            bufs = self.act_buf[(boundary, j)]
+        else:
+            boundary, direction = pb.segment - 1, 1
+            bufs = self.grad_buf[(boundary, j)]
+        src = self._global(ins.peer)
+        works = [dist.irecv(t, src, tag=self._tag(boundary, direction, j, k)) for k, t in enumerate(bufs)]
+        return bufs, works, src
+
+    def _post_all_recvs(self, st: "_StepState") -> None:
+        """Post every receive of the step at its start, each into its own pre-allocated buffer
+        (one per boundary tensor and micro-batch, so no two receives of a step share one): a
+        transfer then completes as soon as its sender posts it, while this rank still computes,
+        instead of when this rank reaches the RECV (gloo moves the data only once both sides have
+        posted). The buffers of the previous step are free by now: a step ends after every
+        backward that read them."""
+        for ins in self.stream:
+            if ins.op == "RECV":
+                st.recvs[(ins.block, ins.peer)] = self._post_recv(ins)
 
     def _execute(self, ins: Instruction, st: "_StepState") -> None:
         op = ins.op
@@ -768,20 +801,13 @@ class StageWorker:
             st.sends.add(works, sent, ev)
         elif op == "RECV":
             pb = ins.block
-            j = pb.micro_batch
-            if pb.kind == "F":
-                boundary, direction = pb.segment, 0
-                bufs = self.act_buf[(boundary, j)]
-            else:
-                boundary, direction = pb.segment - 1, 1
-                bufs = self.grad_buf[(boundary, j)]
-            src = self._global(ins.peer)
             start = now()
-            works = [dist.irecv(t, src, tag=self._tag(boundary, direction, j, k)) for k, t in enumerate(bufs)]
+            posted = st.recvs.pop((pb, ins.peer), None)
+            bufs, works, src = posted if posted is not None else self._post_recv(ins)
             for w in works:
                 w.wait(self._timeout)
             st.events.append(Event(self.rank, "recv", "RECV", f"{pb}<{src}", start, now(),
-                                   sum(t.numel() * t.element_size() for t in bufs), j, pb.segment))
+                                   sum(t.numel() * t.element_size() for t in bufs), pb.micro_batch, pb.segment))
         elif op == "ALLREDUCE":
             if ins.segment is None:   # the tied-weight all-reduce across pipeline ranks (wte / lm_head)
                 self._finish_allreduces(st)   # DP averages first: they write the tied copies' .grad
@@ -1239,6 +1265,7 @@ class _StepState:
         self.events: list[Event] = []
         self.sends: _SendWaiter | None = None             # waits the isends, stamps SEND ends
         self.allreduces: list[tuple] = []                 # (work, segment, event)
+        self.recvs: dict[tuple, tuple] = {}               # (block, peer) -> (buffers, irecv works, src) posted early
         self.now = lambda: 0.0
 
 
