@@ -40,7 +40,7 @@ curves of these short runs are noisy (a 20-step evaluation grid, constant lr), s
 varies by seed; Switch (capacity 1.25) drops about 8-11 % of tokens late in training while DTS after
 the switch has no capacity limit, which favours DTS.
 
-Usage: ``PYTHONPATH=. python benchmarks/moe_bench.py [--steps 400] [--json] [--no-plot]``.
+Usage: ``python benchmarks/moe_bench.py [--steps 400] [--json] [--no-plot]``.
 """
 from __future__ import annotations
 
@@ -51,9 +51,10 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.moe_train import MoETrainResult, train_moe
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from runtime.moe_train import MoETrainResult, train_moe  # noqa: E402
 OUT = ROOT / "benchmarks" / "out"
 CONFIGS = [("dense", "gpt-dense-tiny"), ("switch", "gpt-moe-tiny"), ("top2", "gpt-moe-tiny-top2"),
            ("dts", "gpt-moe-tiny-dts")]
