@@ -210,7 +210,8 @@ def lower(
             ``runtime.worker``'s flat ``[m | v | tied gradients]`` buffer).
         alltoalls: per segment, the bytes of each all-to-all its FORWARD block runs, in execution
             order (:func:`engine.models.moe.comm.moe_segment_collectives` with kind ``"F"``);
-            its ``B`` or ``I`` blocks run the same list reversed, ``W`` none. Emitted only with
+            its ``B`` or ``I`` blocks run the same list reversed, ``W`` none (a segment fed only by
+            the model's input runs them in ``W``: its ``I`` has no input gradient). Emitted only with
             ``dp > 1`` (the expert-parallel group is the data-parallel group, ``group = dp``).
         tied: tied-parameter groups; a group whose copies sit on 2+ pipeline ranks gets one
             tied ``ALLREDUCE`` (``ranks`` = those ranks, ``nbytes`` = one copy) on each of them
@@ -235,6 +236,10 @@ def lower(
     seg_bytes = dict(segment_param_bytes or {})
     ar_bytes = dict(segment_allreduce_bytes) if segment_allreduce_bytes is not None else seg_bytes
     a2a = {int(k): [int(x) for x in v] for k, v in (alltoalls or {}).items()} if dp > 1 else {}
+    # segments fed by the model's input (token ids) only: with a split backward their I has no
+    # input gradient to compute, so the whole backward, all-to-alls included, runs in W
+    input_segments = {blk.segment for blk in pl.blocks
+                      if blk.kind == "F" and not any(pl.blocks[i].kind == "F" for i in blk.deps)}
     tied_groups = list(tied or [])
     tied_in_seg: dict[int, int] = {}
     for g in tied_groups:
@@ -313,7 +318,7 @@ def lower(
             held += hold
             out.append(Instruction(spec.kind, b, duration=spec.duration, memory=spec.memory, hold=hold, transient=trans))
             fwd_a2a = a2a.get(b.segment)
-            if fwd_a2a and spec.kind in ("F", "B", "I"):
+            if fwd_a2a and spec.kind in ("F", "B", "W" if b.segment in input_segments else "I"):
                 for nb in (fwd_a2a if spec.kind == "F" else reversed(fwd_a2a)):
                     out.append(Instruction("ALLTOALL", b, nbytes=nb, segment=b.segment, group=dp))
             if spec.devices[0] == d:

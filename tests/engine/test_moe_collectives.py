@@ -192,10 +192,15 @@ def test_pipeline_makespan_grows_with_alltoall(pp2_dp2):
 
 
 def test_split_backward_puts_them_on_I_not_W():
+    """With I/W split, the backward all-to-alls belong to I, except on the segment fed only by
+    the model's input (token ids): its I has no input gradient, so W runs its whole backward
+    (as runtime.worker does)."""
     res = make_plan("gpt-moe-tiny", devices=4, dp=2, micro_batches=4, schedule="zb-h1", device_type="cpu")
-    for stream in res.execution.streams:
+    segments = [{ins.block.segment for ins in stream if ins.op == "F"} for stream in res.execution.streams]
+    assert segments == [{0}, {1}]
+    for stream, expected in zip(res.execution.streams, ({"F", "W"}, {"F", "I"})):
         owners = {ins.block.kind for ins, _ in _blocks_and_a2a(stream)}
-        assert owners == {"F", "I"}
+        assert owners == expected
         assert all(owner.op == ins.block.kind for ins, owner in _blocks_and_a2a(stream))
 
 

@@ -132,6 +132,9 @@ def _check_a2a_events(out: dict, model: str) -> None:
                 assert block["start"] - 1e-6 <= e["start"] <= e["end"] <= block["end"] + 1e-6, (e, block)
             if markers:   # the engine's lowering marks each all-to-all: one event per instruction
                 assert sorted(i["nbytes"] for i in markers) == sorted(e["nbytes"] for e in a2a)
+                # ... in the block that runs it (W, not I, on a segment fed only by token ids)
+                ran = [e["name"].removeprefix("a2a ") for e in sorted(a2a, key=lambda e: e["start"])]
+                assert [i["block"] for i in markers] == ran
                 assert len(evs) == len(p["stream"])
 
 
