@@ -35,7 +35,10 @@ Measured (2026-11-21, 400 steps, defaults, this 2-core shared machine, single ru
 seed 0: final validation loss dense 2.131, Switch 2.479, top-2 2.225, DTS 2.054; DTS reached
 Switch's final loss at step 240 = 0.60x (target met), but at 41.9 s vs Switch's 30.5 s of
 training (1.37x: the dense phase runs all 4 experts). Seed 1 (``--seed 1``): dense 2.646, Switch
-2.467, top-2 2.281, DTS 2.388; DTS reached it at step 340 = 0.85x (target NOT met). Validation
+2.467, top-2 2.281, DTS 2.388; DTS reached it at step 340 = 0.85x (target NOT met). Seed 2:
+dense 2.249, Switch 2.299, top-2 2.198, DTS 2.235; DTS at step 380 = 0.95x (NOT met). Seed 3:
+dense 2.377, Switch 2.263, top-2 2.274, DTS 2.273; DTS never reaches Switch's final loss within
+the 400 steps (NOT met). Over four seeds the <= 0.8x target is met once. Validation
 curves of these short runs are noisy (a 20-step evaluation grid, constant lr), so the ratio
 varies by seed; Switch (capacity 1.25) drops about 8-11 % of tokens late in training while DTS after
 the switch has no capacity limit, which favours DTS.
