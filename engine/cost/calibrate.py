@@ -185,6 +185,8 @@ class CalibratedCost:
         return self.base.optimizer_time(param_bytes) if spb is None else spb * max(0, int(param_bytes))
 
     def __getattr__(self, name: str):   # everything else (to_dict, node_of, ...) is the base model's
+        if name in ("base", "calibration", "p2p_overhead") or name.startswith("__"):
+            raise AttributeError(name)   # not set yet (copy/pickle): no recursion into self.base
         return getattr(self.base, name)
 
 

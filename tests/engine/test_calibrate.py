@@ -98,3 +98,33 @@ def test_trimmed_mean_drops_the_outliers():
     assert trimmed_mean([5.0]) == 5.0
     with pytest.raises(ValueError, match="no values"):
         trimmed_mean([])
+
+
+def test_calibrated_cost_pickles_and_copies():
+    import copy
+    import pickle
+    cc = CalibratedCost(CostModel.for_device("cpu"), Calibration(optimizer_seconds_per_byte=2e-9, p2p_seconds={1024: 1e-3}))
+    for other in (pickle.loads(pickle.dumps(cc)), copy.deepcopy(cc)):
+        assert other.optimizer_time(1000) == pytest.approx(2e-6)
+        assert other.p2p_time(1024, 0, 1) == pytest.approx(cc.p2p_time(1024, 0, 1))
+        assert other.node_of(3) == cc.node_of(3)      # delegated to the base model
+
+
+def test_p2p_overhead_is_measured_from_producer_end_to_arrival():
+    """A RECV waiting for its producer: the transfer is from the producer's end (1.000 s) to the
+    arrival (1.004 s), not from the receive's post (0.5 s); one that was posted after the
+    producer ended counts from its post."""
+    nbytes = 4096
+    events = [Event(0, "compute", "F", "0F0", 0.0, 1.0, 0, 0, 0),
+              Event(1, "recv", "RECV", "0F0<0", 0.5, 1.004, nbytes, 0, 0),
+              Event(0, "compute", "F", "0F1", 1.0, 2.0, 0, 1, 0),
+              Event(1, "recv", "RECV", "0F1<0", 2.5, 2.504, nbytes, 1, 0),
+              Event(1, "compute", "F", "1F0", 1.004, 1.5, 0, 0, 1)]
+    tl = Timeline(events, [[(0.0, 0)], [(0.0, 0)]], 2)
+    cal = calibrate(tl)
+    assert cal.p2p_seconds == {nbytes: pytest.approx(0.004)}
+    base = CostModel.for_device("cpu")
+    cc = CalibratedCost(base, cal)
+    assert cc.p2p_overhead == pytest.approx(0.004 - base.p2p_time(nbytes, 0, 1))
+    assert cc.p2p_time(nbytes, 0, 1) == pytest.approx(0.004)
+    assert cc.p2p_time(nbytes, 1, 1) == 0.0      # no transfer to itself
