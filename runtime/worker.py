@@ -222,28 +222,53 @@ def _step_error(message: str, *, rank: int, pp_rank: int, dp_index: int, step: i
 
 
 _PROC: Any = None
+_STATM: tuple[int, int] | None = None   # (pid, fd of /proc/<pid>/statm)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _rss() -> int:
-    """Resident set size of this process in bytes (psutil), 0 if unavailable."""
-    global _PROC
+    """Resident set size of this process in bytes, 0 if unavailable.
+
+    Sampled after every instruction, so it must be cheap: on Linux one ``pread`` of
+    ``/proc/self/statm`` (about 2 us; the second field is resident pages, proc(5)), else psutil
+    (about 13 us).
+    """
+    global _PROC, _STATM
+    pid = os.getpid()
     try:
-        if _PROC is None or _PROC.pid != os.getpid():
+        if _STATM is None or _STATM[0] != pid:
+            _STATM = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY))
+        return int(os.pread(_STATM[1], 128, 0).split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError, AttributeError):   # no /proc (macOS) or no os.pread
+        pass
+    try:
+        if _PROC is None or _PROC.pid != pid:
             import psutil
-            _PROC = psutil.Process(os.getpid())
+            _PROC = psutil.Process(pid)
         return int(_PROC.memory_info().rss)
     except Exception:  # pragma: no cover - psutil is a dependency
         return 0
 
 
 class _ActivationMeter:
-    """Bytes of distinct non-parameter storages saved for backward, per (segment, micro-batch)."""
+    """Bytes of distinct non-parameter storages saved for backward, per (segment, micro-batch).
+
+    Counting runs a Python hook per saved tensor, which costs a few per cent of a CPU step, so
+    only the first forward of each segment in a step is counted (:attr:`per_segment`): the
+    shapes are static (the plan's), so every micro-batch of a segment saves the same bytes
+    within a step (an MoE gate changes its capacity only between steps).
+    """
 
     def __init__(self, static_ptrs: set[int]):
         self.static = static_ptrs
         self.live = 0
         self.held: dict[tuple[int, int], int] = {}
+        self.per_segment: dict[int, int] = {}
         self._seen: dict[int, int] = {}
+
+    def reset(self) -> None:
+        """Start a step: nothing held, every segment counted afresh."""
+        self.live, self.held, self.per_segment = 0, {}, {}
 
     def hooks(self):
         seen = self._seen = {}
@@ -260,10 +285,14 @@ class _ActivationMeter:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    def add(self, key: tuple[int, int]) -> None:
-        n = sum(self._seen.values())
+    def add(self, key: tuple[int, int], *, nbytes: int | None = None, segment: int | None = None) -> None:
+        """Hold ``nbytes`` (default: what the last :meth:`hooks` context saw) for ``key``;
+        with ``segment``, remember them as that segment's bytes per micro-batch this step."""
+        n = sum(self._seen.values()) if nbytes is None else int(nbytes)
         self.held[key] = n
         self.live += n
+        if segment is not None:
+            self.per_segment[segment] = n
 
     def free(self, key: tuple[int, int]) -> None:
         self.live -= self.held.pop(key, 0)
@@ -681,7 +710,7 @@ class StageWorker:
         if self.on_compute_start is not None:
             self.on_compute_start(step)
         st = _StepState(model_inputs, targets)
-        self._meter.live, self._meter.held = 0, {}
+        self._meter.reset()
         for layer in self._ep_layers:   # collectives outside a step (evaluate) are not events
             layer.comm_log.clear()
         t0 = time.perf_counter()
@@ -857,12 +886,14 @@ class StageWorker:
                 src = st.outputs.pop((s - 1, j))
             ins = tuple(t.detach().requires_grad_(True) if meta.requires_grad else t.detach()
                         for t, meta in zip(src, self.boundaries[s - 1]))
-        if self.track_activations:
-            with self._meter.hooks():
+        if self.track_activations and s not in self._meter.per_segment:
+            with self._meter.hooks():   # the step's first forward of this segment: count what it saves
                 outs, loss, aux = self._run_stage(s, j, ins, st)
-            self._meter.add((s, j))
+            self._meter.add((s, j), segment=s)
         else:
             outs, loss, aux = self._run_stage(s, j, ins, st)
+            if self.track_activations:   # static shapes: every micro-batch saves what the first did
+                self._meter.add((s, j), nbytes=self._meter.per_segment[s])
         if s != self.last_segment:
             st.outputs[(s, j)] = outs
         st.ctx[(s, j)] = (ins, outs, loss, aux)

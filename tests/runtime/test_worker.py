@@ -126,6 +126,9 @@ def _check_run(out: dict, plan, dp: int = 1) -> None:
                 assert e["rank"] == rank and 0 <= e["start"] <= e["end"] <= s["time"] + 1e-6
                 assert e["stream"] in ("compute", "send", "recv", "collective")
             assert s["peak_memory"] > 0 and s["peak_activation_memory"] > 0 or p["info"]["segments"] == []
+            # saved activations: counted at each forward, all released by the step's backwards
+            act = [v for _, v in s["activation_memory"]]
+            assert act[-1] == 0 and max(act) == s["peak_activation_memory"]
         # evaluate: the mean loss on the last stage, None elsewhere
         if p["steps"][0]["losses"]:
             assert isinstance(p["eval"], float) and math.isfinite(p["eval"])
