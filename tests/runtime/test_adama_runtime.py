@@ -12,7 +12,6 @@ optimizer and the steps and can load a state. Model: gpt2-tiny, micro-batch 2 x 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -284,25 +283,14 @@ def test_cli_launch_optimizer_flag():
 
 
 # ----------------------------------------------------------------------------- Ray launch
-@pytest.fixture(scope="module")
-def _ray_module():
-    yield
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
-
-
 @pytest.mark.timeout(400)
-def test_ray_launch_with_adama_trains_and_resumes(_ray_module, tmp_path):
-    ray = pytest.importorskip("ray")
+def test_ray_launch_with_adama_trains_and_resumes(ray_local, tmp_path):
     from engine.planner import make_plan
     from runtime import LaunchError, launch
     from runtime import checkpoint as ck
     from runtime.data import ByteCorpus
     from runtime.reference import reference_losses
 
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, logging_level="WARNING")
     plan = make_plan("gpt2-tiny", devices=2, micro_batches=M, schedule="1f1b", device_type="cpu",
                      seq_len=SEQ, micro_batch_size=MBS).plan
     corpus = ByteCorpus(seq_len=SEQ)

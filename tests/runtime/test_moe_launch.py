@@ -23,7 +23,6 @@ import io
 import math
 import os
 import shutil
-import sys
 
 import pytest
 import torch
@@ -246,25 +245,14 @@ def test_stage_modules_run_the_eager_moe_layers():
 
 
 # ----------------------------------------------------------------------------- Ray launch
-@pytest.fixture(scope="module")
-def _ray_module():
-    yield
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
-
-
 @pytest.mark.timeout(400)
-def test_ray_launch_reports_gate_metrics_and_resumes_exactly(_ray_module, tmp_path):
-    ray = pytest.importorskip("ray")
+def test_ray_launch_reports_gate_metrics_and_resumes_exactly(ray_local, tmp_path):
     from apps.cmd_launch import report
     from engine.models import build_model
     from engine.models.moe.gates import DTSGate, dts_temperature
     from engine.planner import resimulate
     from runtime import launch
 
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, logging_level="WARNING")
     model = "gpt-moe-tiny-dts"
     plan = _plan(model, 2, "1f1b")                 # dp = 2, pp = 1
     gate = next(m for m in build_model(model, device="meta").module.modules() if isinstance(m, DTSGate))
