@@ -369,10 +369,16 @@ def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Pl
             durations.append(bw)
         else:
             durations.append(bw * (b.duration / split[b.segment] if split[b.segment] > 0 else 0.5))
-    schedule = Schedule(pl.with_durations(durations), plan.schedule.num_micro_batches, plan.schedule.orders,
-                        plan.schedule.name, dict(plan.schedule.meta))
     segments = [dict(seg, forward_time=times[i][0], backward_time=times[i][1]) for i, seg in enumerate(plan.segments)]
-    new = Plan(plan.model, plan.parallel, segments, schedule, plan.cost, dict(plan.metrics), {**plan.meta, "segment_times": "measured"},
+    return _with_block_durations(plan, durations, segments, {"segment_times": "measured"})
+
+
+def _with_block_durations(plan: Plan, durations: list[float], segments: list[dict], meta: dict) -> tuple[Plan, Timeline]:
+    """The plan with new per-block ``durations`` (seconds, in placement block order), segment
+    dicts and extra ``meta``, re-simulated; the orders are unchanged and metrics recomputed."""
+    s = plan.schedule
+    schedule = Schedule(plan.placement.with_durations(durations), s.num_micro_batches, s.orders, s.name, dict(s.meta))
+    new = Plan(plan.model, plan.parallel, segments, schedule, plan.cost, dict(plan.metrics), {**plan.meta, **meta},
                tied_weights=list(plan.tied_weights))
     tl = resimulate(new)
     new.metrics.update(tl.metrics())
@@ -403,16 +409,11 @@ def with_calibration(plan: Plan, calibration: Calibration) -> tuple[Plan, Timeli
     if unknown:
         raise TesselError(f"the calibration has times for segments {unknown}, the plan has segments "
                           f"0..{pl.num_segments - 1}; calibrate from a launch of this plan")
-    schedule = Schedule(pl.with_durations(calibrated_durations(pl.blocks, calibration)),
-                        plan.schedule.num_micro_batches, plan.schedule.orders, plan.schedule.name, dict(plan.schedule.meta))
     segments = [dict(seg, forward_time=calibration.block_time(i, "F", seg.get("forward_time", 0.0)),
                      backward_time=calibration.block_time(i, "B", seg.get("backward_time", 0.0)))
                 for i, seg in enumerate(plan.segments)]
-    new = Plan(plan.model, plan.parallel, segments, schedule, plan.cost, dict(plan.metrics),
-               {**plan.meta, "calibration": calibration.to_dict()}, tied_weights=list(plan.tied_weights))
-    tl = resimulate(new)
-    new.metrics.update(tl.metrics())
-    return new, tl
+    return _with_block_durations(plan, calibrated_durations(pl.blocks, calibration), segments,
+                                 {"calibration": calibration.to_dict()})
 
 
 def resimulate(plan: Plan) -> Timeline:
