@@ -549,7 +549,7 @@ def launch(
         history = list(ck.meta.get("losses", [])) if ck is not None else []
         val_history = list(ck.meta.get("val_losses", [])) if ck is not None else []
         last_results: list[dict] = []
-        recent: list[Timeline] = []
+        recent: list[list[dict]] = []   # the ranks' results of the last keep_timelines steps, merged after the loop
 
         if progress:
             from tqdm.auto import tqdm
@@ -594,7 +594,7 @@ def launch(
             step_times.append(dt)
             last_results = results
             if keep_timelines > 0:
-                recent.append(_merge_timeline(results, pp))
+                recent.append(results)
                 del recent[:-keep_timelines]
             done = step + 1
             if on_step is not None:
@@ -616,7 +616,8 @@ def launch(
             bar.close()
             bar = None
 
-        timeline = (recent[-1] if recent else _merge_timeline(last_results, pp)) if last_results else None
+        timelines = [_merge_timeline(r, pp) for r in recent]
+        timeline = (timelines[-1] if timelines else _merge_timeline(last_results, pp)) if last_results else None
         trace_paths: dict[str, str] = {}
         if timeline is not None and trace_path is not None:
             from engine.io import write_trace
@@ -648,7 +649,7 @@ def launch(
             trace_paths=trace_paths, checkpoint=runner.checkpoint, backend=backend.name, optimizer=optimizer,
             world_size=ws,
             dp=dp, pp=pp, elapsed=time.perf_counter() - t_start, setup_time=setup_time, moe=moe_history,
-            timelines=recent,
+            timelines=timelines,
         )
     finally:
         if bar is not None:
