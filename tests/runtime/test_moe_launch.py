@@ -195,6 +195,14 @@ def test_expert_parallel_pipeline_matches_single_process(pool, model, devices, s
     out = _train(pool, model, devices, schedule)
     _check_matches_reference(out, model, devices, schedule)
     _check_a2a_events(out, model)
+    # the worker lowers its stream from the modules it built; for a fresh plan that is exactly
+    # the engine's lowering of the plan (what the prediction simulated)
+    from engine.planner import lower_plan
+    planned = lower_plan(_plan(model, devices, schedule)).streams
+    for p in out.values():
+        want = [{"op": i.op, "block": str(i.block) if i.block is not None else None, "nbytes": i.nbytes,
+                 "segment": i.segment} for i in planned[p["info"]["pp_rank"]]]
+        assert p["stream"] == want
     if schedule == "zb-h1":
         ops = {e["op"] for p in out.values() for e in p["steps"][0]["events"]}
         assert {"I", "W"} <= ops and "B" not in ops
