@@ -21,6 +21,7 @@ import warnings
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 WORLD = 2
 HID, FFN, E, N_LOCAL = 16, 32, 4, 24
@@ -156,23 +157,40 @@ def _worker(rank, store_path, out_dir):
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
         res["error"] = traceback.format_exc()
-    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    torch.save(res, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    # skip interpreter teardown: gloo's background threads can abort the process in C++
+    # static destructors ("terminate called without an active exception") after the results
+    # are safely written; exiting here keeps that teardown race out of the test
+    os._exit(0)
 
 
 def _spawn_workers() -> list[dict]:
+    """Run ``_worker`` on WORLD spawned ranks; a rank that crashed reports ``{"error": ...}``."""
     import time
     with tempfile.TemporaryDirectory() as d:
         store = os.path.join(d, "store")
         ctx = mp.start_processes(_worker, args=(store, d), nprocs=WORLD, join=False,
                                  start_method="spawn")
         deadline = time.time() + 120
-        while not ctx.join(timeout=5):
-            if time.time() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail("expert-parallel workers timed out")
-        return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False)
-                for r in range(WORLD)]
+        crash = None
+        try:
+            while not ctx.join(timeout=5):
+                if time.time() > deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    pytest.fail("expert-parallel workers timed out")
+        except ProcessException as exc:  # a rank died (signal / nonzero exit)
+            crash = f"{type(exc).__name__}: {exc}"
+        out = []
+        for r in range(WORLD):
+            path = os.path.join(d, f"rank{r}.pt")
+            if os.path.exists(path):
+                out.append(torch.load(path, weights_only=False))
+            else:
+                out.append({"error": f"rank {r} wrote no results ({crash or 'no exit status'})"})
+        return out
 
 
 @pytest.fixture(scope="module")
