@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -274,7 +275,7 @@ def job_profile(plan, name: str = "A") -> JobProfile:
             "(tp=1, pp=1, devices = dp)")
     tl = resimulate(plan)
     evs = [e for e in tl.events if e.rank == 0]
-    comp = sorted((e for e in evs if e.stream == "compute" and e.op in _TOKEN_OPS), key=lambda e: (e.start, e.end))
+    comp = _compute_with_all_to_alls(evs)
     coll = sorted((e for e in evs if e.op == "ALLREDUCE"), key=lambda e: (e.start, e.end))
     opt = [e for e in evs if e.op == "OPTIM"]
     link = ((plan.cost or {}).get("intra_link") or {}).get("name", "")
@@ -290,6 +291,25 @@ def job_profile(plan, name: str = "A") -> JobProfile:
     curve = tuple((float(t), int(v)) for t, v in (tl.memory[0] if tl.memory else []))
     static = int(tl.static_memory[0]) if tl.static_memory else (curve[0][1] if curve else 0)
     return JobProfile(name, dp, tuple(tasks), tokens, curve, static, float(cap) if cap else None)
+
+
+def _compute_with_all_to_alls(evs: list[Event]) -> list[Event]:
+    """Device 0's F/B/I/W events in start order, each extended by the MoE all-to-alls after it.
+
+    An expert-parallel ``ALLTOALL`` blocks the compute path right after the block that runs it
+    (:mod:`engine.simulate`), and the runtime runs it inside that block's compute, i.e. while the
+    job holds the compute token; so its time belongs to the block's token-holding task.
+    """
+    path = sorted((e for e in evs if (e.stream == "compute" and e.op in _TOKEN_OPS) or e.op == "ALLTOALL"),
+                  key=lambda e: (e.start, e.end))
+    out: list[Event] = []
+    for e in path:
+        if e.op != "ALLTOALL":
+            out.append(e)
+        elif out:   # extend the block it follows (its duration and end)
+            last = out[-1]
+            out[-1] = dataclasses.replace(last, end=max(last.end, e.end))
+    return out
 
 
 # ---------------------------------------------------------------------------- the simulation

@@ -227,3 +227,20 @@ def test_cpu_plans_get_the_loopback_cpu_share():
     gpu = job_profile(make_plan("gpt2-tiny", devices=2, dp=2, micro_batches=1, device_type="h100").plan)
     assert {t.cpu_share for t in cpu.tasks if t.op == "ALLREDUCE"} == {COMM_CPU_SHARE["loopback"]}
     assert {t.cpu_share for t in gpu.tasks if t.op == "ALLREDUCE"} == {0.0}
+
+
+def test_job_profile_counts_moe_all_to_alls_as_token_time():
+    """An expert-parallel MoE job's all-to-alls block its compute path (the runtime runs them
+    inside the F/B blocks, holding the token): the profile's compute time includes them."""
+    from engine.planner import make_plan, resimulate
+
+    plan = make_plan("gpt-moe-tiny", devices=2, dp=2, micro_batches=2, device_type="cpu").plan
+    evs = [e for e in resimulate(plan).events if e.rank == 0]
+    a2a = sum(e.duration for e in evs if e.op == "ALLTOALL")
+    blocks = sum(e.duration for e in evs if e.stream == "compute" and e.op in ("F", "B", "I", "W"))
+    assert a2a > 0
+    prof = job_profile(plan, "moe")
+    assert prof.compute_time == pytest.approx(blocks + a2a, rel=1e-9)
+    # the tasks stay one per block, in order, and the last compute task ends where its a2a ends
+    assert len([t for t in prof.tasks if t.op in ("F", "B", "I", "W")]) == \
+        len([e for e in evs if e.stream == "compute" and e.op in ("F", "B", "I", "W")])
