@@ -6,7 +6,10 @@ One :class:`ActorPool` holds a placement group with one bundle per planned rank 
 Resources (chosen once at start-up by :func:`choose_backend`; the code path is otherwise the same):
 
 - **GPU / NCCL**: when the cluster has at least ``world_size`` GPUs, every bundle is
-  ``{"CPU": 0.01, "GPU": 1}`` and every actor ``num_gpus=1``; the process group uses ``nccl``.
+  ``{"CPU": 0.01, "GPU": 1}`` and every actor ``num_gpus=1`` (Ray sets the actor's
+  ``CUDA_VISIBLE_DEVICES`` to its GPU); the process group uses ``nccl`` and the launcher builds
+  the stage workers with ``device="cuda"`` (CUDA tensors, point-to-point matched by posting
+  order over one-directional pair groups, see :mod:`runtime.worker`).
 - **CPU / gloo**: otherwise every bundle is ``{"CPU": 0.01}`` and every actor ``num_cpus=0.01``;
   the process group uses ``gloo``. Ray rejects bundles whose resources are all zero
   (``ray.util.placement_group``: "Bundles cannot be an empty dictionary or resources with only 0
@@ -96,9 +99,10 @@ def init_ray(address: str | None = None) -> bool:
     return True
 
 
-#: The stage worker (runtime.worker) keeps its tensors on the CPU and speaks gloo; until it runs
-#: CUDA tensors, "auto" chooses gloo even on GPU clusters and "cuda" is refused with that reason.
-WORKER_SUPPORTS_CUDA = False
+#: The stage worker (runtime.worker) runs CUDA tensors with NCCL (``device="cuda"``, ordered
+#: point-to-point matching). Set to False to make "auto" choose gloo even on GPU clusters and to
+#: refuse "cuda" (the switch the runtime had before its CUDA path existed).
+WORKER_SUPPORTS_CUDA = True
 
 
 def choose_backend(world_size: int, device: str = "auto") -> Backend:
@@ -112,7 +116,7 @@ def choose_backend(world_size: int, device: str = "auto") -> Backend:
 
     Raises:
         ClusterError: ``device="cuda"`` but the cluster has fewer than ``world_size`` GPUs, or the
-            worker cannot run on GPUs yet (:data:`WORKER_SUPPORTS_CUDA`).
+            worker's GPU path is switched off (:data:`WORKER_SUPPORTS_CUDA` false).
     """
     device = os.environ.get("TESSEL_DEVICE", device) if device == "auto" else device
     gpus = float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
@@ -122,8 +126,8 @@ def choose_backend(world_size: int, device: str = "auto") -> Backend:
         if gpus < world_size:
             raise ClusterError(f"device 'cuda' needs {world_size} GPUs (one per rank) but the Ray cluster has {gpus:g}")
         if not WORKER_SUPPORTS_CUDA:
-            raise ClusterError("the runtime's stage worker runs on CPU with gloo for now (NCCL needs CUDA tensors "
-                               "it does not use yet); launch with --device cpu")
+            raise ClusterError("the runtime's stage worker GPU path is switched off (runtime.cluster."
+                               "WORKER_SUPPORTS_CUDA is False); launch with --device cpu")
         return Backend("nccl", True)
     if device != "auto":
         raise ClusterError(f"unknown device {device!r}; use auto, cpu or cuda")

@@ -237,7 +237,7 @@ class ExpertParallelMoE(MoEFeedForward):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         if self.check_shapes:
-            n = torch.tensor([xf.shape[0]], dtype=torch.long)
+            n = torch.tensor([xf.shape[0]], dtype=torch.long, device=xf.device)   # NCCL: a CUDA tensor
             ns = [torch.zeros_like(n) for _ in range(self.world)]
             dist.all_gather(ns, n, group=self.group)
             counts = [int(t) for t in ns]

@@ -409,6 +409,7 @@ def launch(
     worker_cls: type | None = None,
     on_step: Callable[[int, float], None] | None = None,
     keep_timelines: int = 8,
+    p2p_matching: str | None = None,
 ) -> LaunchResult:
     """Train ``plan`` on Ray actors for ``steps`` steps and measure it.
 
@@ -442,6 +443,9 @@ def launch(
         on_step: called after each step with ``(step, loss)``.
         keep_timelines: measured timelines of the last this many steps kept in
             :attr:`LaunchResult.timelines` (for calibration, ``engine.planner.with_calibration``).
+        p2p_matching: the workers' point-to-point matching, ``"auto"``, ``"tags"`` (gloo only) or
+            ``"ordered"`` (``runtime.worker``); ``None``: the environment variable ``TESSEL_P2P``
+            when set, else the worker's ``"auto"`` (ordered with NCCL, tags with gloo).
 
     Returns:
         the :class:`LaunchResult`.
@@ -505,6 +509,12 @@ def launch(
         newest = _ckpt.latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
         last_ck = str(newest) if newest is not None else None
 
+    p2p = p2p_matching or os.environ.get("TESSEL_P2P", "").strip() or None
+    from runtime.worker import P2P_MATCHING
+
+    if p2p is not None and p2p not in P2P_MATCHING:
+        raise LaunchError(f"unknown p2p_matching {p2p!r}; use one of {', '.join(map(repr, P2P_MATCHING))}",
+                          kind="setup")
     if worker_cls is None:
         from runtime.worker import StageWorker as worker_cls  # noqa: N813
     from runtime.data import ByteCorpus
@@ -520,9 +530,13 @@ def launch(
             backend = _cluster.choose_backend(ws, device)
 
             def args_for_rank(r: int, addr: str, port: int):
-                return ((plan_dict, r, ws, addr, port),
-                        {"backend": backend.name, "seed": seed, "lr": lr, "optimizer": optimizer,
-                         "fail_at": _fail_at_for(fail_at, r)})
+                kw = {"backend": backend.name, "seed": seed, "lr": lr, "optimizer": optimizer,
+                      "fail_at": _fail_at_for(fail_at, r)}
+                if backend.use_gpu:   # NCCL: CUDA tensors (the actor sees its one GPU as cuda:0)
+                    kw["device"] = "cuda"
+                if p2p:
+                    kw["p2p_matching"] = p2p
+                return ((plan_dict, r, ws, addr, port), kw)
 
             pool = _cluster.create_actors(worker_cls, ws, backend, args_for_rank, timeout=max(step_timeout, 60.0))
         except _cluster.ClusterError as e:

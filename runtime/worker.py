@@ -32,10 +32,13 @@ Execution (in stream order, exactly like the simulator):
   token ids) has nothing for ``I`` to compute: its ``I`` is a no-op and its ``W`` runs the full
   backward.
 - ``SEND``: ``dist.isend`` of each boundary tensor (activations after F, input gradients after
-  B/I; the boolean mask and other non-float or gradient-free tensors travel forward only). The
-  handles go to a helper thread that waits them in post order (gloo reports a send's completion
-  only through ``wait()``), so the SEND event lasts from the post to its completion; the step
-  ends when all of them have completed.
+  B/I; the boolean mask and other non-float or gradient-free tensors travel forward only), in
+  stream order: with tag matching on the default group with tag = (boundary, direction,
+  micro-batch, tensor index), with ordered matching on the one-directional group of the pair
+  (this rank -> peer) with tag 0 (see "Backends."). The handles go to a helper thread that waits
+  them in post order (gloo reports a send's completion only through ``wait()``; on CUDA it polls
+  ``is_completed()``, see :class:`_SendWaiter`), so the SEND event lasts from the post to its
+  completion; the step ends when all of them have completed.
 - ``RECV``: ``wait`` on the ``dist.irecv`` into the pre-allocated buffer (the compute stream
   blocks, as in the simulator). Every receive of a step is posted at the step's start
   (``prepost_receives``), so a transfer completes as soon as its sender posts it. Buffers are allocated once in :meth:`StageWorker.setup`, one per
@@ -44,9 +47,13 @@ Execution (in stream order, exactly like the simulator):
   static-shape insight, ``../shared/TECHNIQUES.md``). One buffer per micro-batch, not per
   boundary: a received activation is an input of the stage's autograd graph and must stay intact
   until that micro-batch's backward.
-  Messages are matched by tag = (boundary, direction, micro-batch, tensor index), so the order in
-  which two ranks post sends and receives never matters (gloo honours tags; with NCCL, which
-  ignores them, the launcher must keep the order, see ``engine.dependency``).
+  Tag matching (gloo's default): the tag = (boundary, direction, micro-batch, tensor index)
+  matches each receive to its send, so the order in which two ranks post sends and receives
+  never matters, and all receives are posted in this rank's stream order. Ordered matching
+  (NCCL's only option): the receives from a peer are posted in that PEER's send order on the
+  peer's one-directional group (with ``prepost_receives=False`` a RECV posts, still in the
+  sender's order, every not yet posted message of that pair up to its own), and the RECV waits
+  on its already-posted works.
 - ``ALLREDUCE``: data-parallel gradient average of one segment: its gradients are copied into a
   flat pre-allocated buffer, ``dist.all_reduce(SUM, async_op=True)`` over the segment's DP group is
   posted, and ``OPTIM`` waits for it and writes ``sum / dp`` back (the simulator's asynchronous
@@ -143,7 +150,19 @@ seconds from the step start, ``time.perf_counter``). Memory is measured two ways
 instruction: process RSS (``psutil``; includes the interpreter, torch and the receive buffers),
 and tensor accounting of activations (bytes of the distinct non-parameter storages the stage
 graphs save for backward, via ``torch.autograd.graph.saved_tensors_hooks``; added at F, freed at
-B/W), so the measured activation curve can be compared with the predicted one.
+B/W; the storages' ``data_ptr`` are device addresses on CUDA, which works unchanged), so the
+measured activation curve can be compared with the predicted one.
+On CUDA, kernels run asynchronously, so a host timestamp right after a launch is not a completion
+time: with ``sync_timing`` (the default on CUDA) the worker calls ``torch.cuda.synchronize()`` at
+the end of every F/B/I/W, RECV, tied all-reduce and OPTIM, and before stamping a DP all-reduce's
+end (when OPTIM has waited it: NCCL's future completes at launch), then stamps the end. The
+measured GPU timeline therefore serialises the host with the device once per instruction (the
+next launch waits for the previous kernels; the GPU idles for the launch latency, some
+microseconds per instruction), the price of honest per-instruction times. The all-to-alls inside
+MoE compute keep host timestamps (launch times on CUDA). Memory on CUDA adds
+``torch.cuda.memory_allocated()`` after every instruction (``device_memory``,
+``peak_device_memory`` in the step result: the caching allocator's live tensor bytes; RSS does not
+see GPU memory). CPU results are unchanged.
 
 Errors. Any exception inside a step is re-raised as :class:`StepError` (a ``RuntimeError``):
 ``"rank R (pipeline rank P, replica D) failed at step S, instruction I (INS): ..."``, chained to
@@ -165,8 +184,37 @@ A worker that shares its process with other workers (one default process group, 
 its own ``new_group`` groups) is built with ``owns_process_group=False``, so its
 :meth:`StageWorker.shutdown` leaves the default process group alone.
 
-Backends. Only ``gloo`` on CPU tensors is executed; ``nccl`` (CUDA tensors, and p2p matched by
-posting order instead of tags) raises :class:`~runtime.stage.RuntimeNotSupported` in ``setup``.
+Backends. ``gloo`` runs CPU tensors (``device="cpu"``) and ``nccl`` CUDA tensors
+(``device="cuda"``: ``torch.cuda.set_device`` of ``LOCAL_RANK``, 0 when unset, which under Ray
+is the actor's one visible GPU; ``init_process_group(device_id=...)``; stage modules, receive
+buffers, flat all-reduce buffers, tied-gradient buffers, optimizer states and the batch on the
+GPU; the DP, EP and tied groups use the same backend). Checkpoints (:meth:`StageWorker.state_dict`)
+are CPU tensors on both; :meth:`StageWorker.load_state_dict` maps them to the device.
+Point-to-point messages are matched one of two ways (``p2p_matching``):
+
+- ``"tags"`` (default with gloo): sends and receives on the default group, matched by tag; any
+  posting order works (gloo honours tags).
+- ``"ordered"`` (default, and required, with NCCL, which ignores tags, matches sends and receives
+  of a communicator by posting order and runs them in order on one stream; ``TESSEL_P2P=ordered``
+  selects it with gloo too, which honours order per tag): :meth:`StageWorker.setup` creates one
+  2-rank group per ORDERED pair (sender, receiver) of world ranks with traffic, every rank
+  calling ``new_group`` for every pair in the same sorted order; a group carries messages from
+  its sender to its receiver only, with tag 0. The sender posts its sends in its stream order;
+  every rank lowers every pipeline rank's stream (:meth:`StageWorker._peer_streams`) and derives
+  each pair's send order (:func:`pair_send_orders`: per message (boundary, direction,
+  micro-batch, tensor index)), and the receiver posts its receives in exactly that order. All
+  receives are still posted at the step's start: a pair group carries one direction only, so
+  receives queued on it (on NCCL: on its stream) cannot hold back a send of the receiver, which
+  goes to other groups; with one group for both directions of a pair, NCCL would queue a
+  rank's sends behind its early receives and deadlock. Setup checks once that for every pair
+  the receiver expects the same messages the sender sends (as multisets), else
+  :class:`WorkerError` names the pair and the first differing message (a silent mismatch would
+  deliver tensors into the wrong buffers); then each pair exchanges one tiny message, pairs in
+  sorted order, so lazily created NCCL communicators exist before a step. :meth:`StageWorker.evaluate`
+  uses the same groups (forward traffic, micro-batch then segment order on both sides).
+  Caveat on NCCL: the receives posted at a step's start occupy a NCCL kernel per pair group
+  until their sends arrive; NCCL runs kernels of different communicators concurrently, as
+  PyTorch's own pipeline schedules rely on.
 
 Sources: torch.distributed (``init_process_group``, ``isend``/``irecv``, ``new_group``,
 ``all_reduce``), https://pytorch.org/docs/stable/distributed.html; PipeDream-Flush / 1F1B
@@ -192,7 +240,8 @@ from engine.models.moe.layer import MoEFeedForward
 from engine.timeline import Event
 from runtime.expert_parallel import ExpertParallelMoE, is_expert_param
 
-__all__ = ["OPTIMIZERS", "StageWorker", "StepError", "WorkerError", "merge_model_state"]
+__all__ = ["OPTIMIZERS", "P2P_MATCHING", "StageWorker", "StepError", "WorkerError", "merge_model_state",
+           "pair_send_orders", "poll_completion", "stream_messages"]
 
 #: Optimizer names a worker accepts (see the module docstring).
 OPTIMIZERS = ("adam", "adama", "sgd")
@@ -306,7 +355,18 @@ class StageWorker:
         rank: global rank ``0 .. world_size-1`` (= ``dp_index * pp + pp_rank``).
         world_size: ``dp * pp``.
         master_addr, master_port: TCP rendezvous of ``init_process_group``.
-        backend: ``"gloo"`` (CPU tensors). Anything else is refused by :meth:`setup`.
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors). Anything else is refused by
+            :meth:`setup` (:class:`~runtime.stage.RuntimeNotSupported`).
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``None``: ``"cuda"`` with ``nccl``, else ``"cpu"``.
+            ``"cuda"`` picks GPU ``LOCAL_RANK`` (0 when unset; Ray sets ``CUDA_VISIBLE_DEVICES`` to the
+            actor's one GPU). ``nccl`` needs a CUDA device and gloo a CPU one (:class:`WorkerError`).
+        p2p_matching: how point-to-point messages are matched (module docstring, "Backends."):
+            ``"tags"`` (gloo only), ``"ordered"`` (one-directional 2-rank groups, posting order)
+            or ``"auto"``: the environment variable ``TESSEL_P2P`` when set, else ``"ordered"``
+            with ``nccl`` and ``"tags"`` with gloo.
+        sync_timing: on CUDA, ``torch.cuda.synchronize()`` at the end of every compute, receive and
+            collective instruction before stamping its end, so measured times are completion
+            times (default ``True`` on CUDA; ignored on CPU).
         seed: model initialisation seed (same on every rank and in the reference).
         lr: learning rate.
         optimizer: ``"adam"`` (``torch.optim.Adam``, default betas/eps), ``"adama"``
@@ -321,7 +381,8 @@ class StageWorker:
             other workers of this process still use it).
         prepost_receives: post every receive of a step at the step's start into its
             pre-allocated buffer, so transfers complete while this rank computes (default);
-            ``False`` posts each when its RECV instruction is reached.
+            ``False`` posts each when its RECV instruction is reached (ordered matching: together
+            with the not yet posted messages its sender sends before it).
 
     Nothing heavy happens here; call :meth:`setup` next (in the worker's own process).
     """
@@ -330,8 +391,12 @@ class StageWorker:
                  backend: str = "gloo", seed: int = 0, lr: float = 1e-3, optimizer: str | None = None,
                  timeout_s: float = 300.0, fail_at: tuple[int, int] | None = None,
                  track_activations: bool = True, on_compute_start: Any = None, on_sync_start: Any = None,
-                 owns_process_group: bool = True, prepost_receives: bool = True):
+                 owns_process_group: bool = True, prepost_receives: bool = True, device: str | None = None,
+                 p2p_matching: str = "auto", sync_timing: bool | None = None):
         self.plan_dict = plan_dict
+        self.device_name = device if device is not None else ("cuda" if backend == "nccl" else "cpu")
+        self.p2p_matching = p2p_matching
+        self.sync_timing = sync_timing
         self.prepost_receives = bool(prepost_receives)
         self.rank = int(rank)
         self.world_size = int(world_size)
@@ -348,6 +413,11 @@ class StageWorker:
         self.on_sync_start = on_sync_start
         self.owns_process_group = bool(owns_process_group)
         self._ready = False
+        self.device = torch.device("cpu")
+        self._cuda = False
+        self._ordered = False
+        self._sync = None
+        self._pair_groups: dict[tuple[int, int], Any] = {}
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> dict:
@@ -361,10 +431,16 @@ class StageWorker:
             tensors' ``shape``/``dtype``/``requires_grad``), ``optimizer`` (the name in use),
             ``setup_time`` (s), ``rss`` (bytes).
 
+            Also ``device``, ``backend``, ``p2p_matching`` (``"tags"`` or ``"ordered"``) and
+            ``p2p_pairs`` (ordered matching: the ``[sender, receiver]`` world-rank pairs with a
+            group that include this rank).
+
         Raises:
-            WorkerError: ``world_size != dp * pp``, a rank outside it, or an unknown optimizer.
+            WorkerError: ``world_size != dp * pp``, a rank outside it, an unknown optimizer, a bad
+                device / backend / ``p2p_matching`` combination, or (ordered matching) a pair whose
+                receiver expects other messages than its sender sends.
             RuntimeNotSupported: ``tp > 1``, a placement the runtime cannot execute, or a backend
-                other than gloo.
+                other than gloo and nccl.
         """
         t0 = time.perf_counter()
         torch.set_num_threads(1)
@@ -382,11 +458,7 @@ class StageWorker:
                               "start one worker per (replica, pipeline rank)")
         if not 0 <= self.rank < self.world_size:
             raise WorkerError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
-        if self.backend != "gloo":
-            from runtime.stage import RuntimeNotSupported
-            raise RuntimeNotSupported(
-                f"backend {self.backend!r}: the stage worker executes on CPU tensors with gloo; CUDA/NCCL "
-                "execution (device tensors, order-matched p2p) is not implemented yet")
+        self._resolve_device_and_matching()
         name = self.optimizer_name if self.optimizer_name is not None else plan.parallel.get("optimizer") or "adam"
         if name not in OPTIMIZERS:
             raise WorkerError(f"unknown optimizer {name!r}; use one of {', '.join(map(repr, OPTIMIZERS))}")
@@ -397,16 +469,23 @@ class StageWorker:
         self.m = int(plan.schedule.num_micro_batches)
         self.S = pl.num_segments
 
+        if self._cuda:
+            torch.cuda.set_device(self.device)
         if not dist.is_initialized():
+            kw: dict[str, Any] = {"device_id": self.device} if self._cuda else {}
             dist.init_process_group(self.backend, init_method=f"tcp://{self.master_addr}:{self.master_port}",
                                     rank=self.rank, world_size=self.world_size,
-                                    timeout=timedelta(seconds=self.timeout_s))
+                                    timeout=timedelta(seconds=self.timeout_s), **kw)
         self._timeout = timedelta(seconds=self.timeout_s)
 
         stages = build_stages(plan, seed=self.seed)
         self.mbs = stages.micro_batch_size
         self.seq_len = stages.seq_len
         self.boundaries = stages.boundaries
+        # tensors crossing each boundary forward / with a gradient back (one message each)
+        self._counts = [(len(b), sum(1 for m in b if m.requires_grad)) for b in self.boundaries]
+        if self._ordered:   # every rank checks every pair alike, before any collective call
+            self._pair_orders = pair_send_orders(self._peer_streams(plan), self._counts)
         self.tied = stages.tied
         removed = [list(x) for x in stages.removed]
         self.seg_rank = {s: pl.spec("F", s).devices[0] for s in range(self.S)}
@@ -444,6 +523,9 @@ class StageWorker:
         self.moe_layers = {s: [(n, m) for n, m in self.modules[s].named_modules() if isinstance(m, MoEFeedForward)]
                            for s in self.segments}
         self._ep_layers = [m for s in self.segments for _, m in self.moe_layers[s] if isinstance(m, ExpertParallelMoE)]
+        if self._cuda:
+            for s in self.segments:
+                _module_to(self.modules[s], self.device)
 
         self.seg_params = {s: [p for p in self.modules[s].parameters()] for s in self.segments}
         # expert parameters (each owned by one replica) stay out of the data-parallel all-reduce
@@ -465,6 +547,8 @@ class StageWorker:
         last_compute = max((i for i, ins in enumerate(self.stream) if ins.op in ("F", "B", "I", "W")), default=-1)
         self._sync_index = next((i for i in range(last_compute + 1, len(self.stream))
                                  if self.stream[i].op == "ALLREDUCE"), last_compute)
+        if self._ordered:
+            self._check_own_stream()
 
         # ---- pre-allocated receive buffers: (boundary, micro-batch) -> [tensor per boundary tensor]
         self.act_buf: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -475,10 +559,11 @@ class StageWorker:
             pb = ins.block
             if pb.kind == "F":
                 b = pb.segment
-                self.act_buf[(b, pb.micro_batch)] = [meta.empty() for meta in self.boundaries[b]]
+                self.act_buf[(b, pb.micro_batch)] = [self._empty(meta) for meta in self.boundaries[b]]
             else:
                 b = pb.segment - 1
-                self.grad_buf[(b, pb.micro_batch)] = [meta.empty() for meta in self.boundaries[b] if meta.requires_grad]
+                self.grad_buf[(b, pb.micro_batch)] = [self._empty(meta) for meta in self.boundaries[b]
+                                                      if meta.requires_grad]
         self._max_tensors = max([len(x) for x in self.boundaries] + [1])
 
         self.flat_grads = {}
@@ -486,7 +571,7 @@ class StageWorker:
             for s in self.segments:
                 n = sum(p.numel() for p in self.dp_params[s])
                 if n:
-                    self.flat_grads[s] = torch.zeros(n, dtype=torch.float32)
+                    self.flat_grads[s] = torch.zeros(n, dtype=torch.float32, device=self.device)
         self.tied_local: list[tuple[Any, list[torch.nn.Parameter], torch.Tensor, str]] = []
         self._tied_pranks: list[tuple[int, ...]] = []   # pipeline ranks holding each local tied group
         for group in self.tied:
@@ -500,6 +585,8 @@ class StageWorker:
                     label = "+".join(f"s{s}:{n}" for s, n in group)
                     self.tied_local.append((g, mine, torch.zeros_like(mine[0]), label))
                     self._tied_pranks.append(tuple(pranks))
+        if self._ordered:
+            self._build_pair_groups()
         self._build_optimizer(params)
 
         static_ptrs = {p.untyped_storage().data_ptr() for p in params}
@@ -518,11 +605,136 @@ class StageWorker:
             "stream_length": len(self.stream), "tied": [[list(x) for x in g] for g in self.tied],
             "removed": removed, "boundaries": [[m.to_dict() for m in b] for b in self.boundaries],
             "optimizer": self.optimizer_name, "setup_time": time.perf_counter() - t0, "rss": _rss(),
+            "device": str(self.device), "backend": self.backend, "p2p_matching": self.p2p_mode,
+            "p2p_pairs": [list(k) for k in sorted(self._pair_groups)],
             "moe_layers": {s: [n for n, _ in self.moe_layers[s]] for s in self.segments if self.moe_layers[s]},
             "expert_parallel": self.ep,
             "experts": {n: (m.global_expert_ids() if isinstance(m, ExpertParallelMoE) else list(range(len(m.experts))))
                         for s in self.segments for n, m in self.moe_layers[s]},
         }
+
+    def _resolve_device_and_matching(self) -> None:
+        """Check the constructor's ``backend``/``device``/``p2p_matching``/``sync_timing`` and set
+        ``self.device`` (a ``torch.device`` with an index on CUDA), ``self._cuda``,
+        ``self.p2p_mode`` (``"tags"`` or ``"ordered"``), ``self._ordered`` and ``self._sync``
+        (``torch.cuda.synchronize`` of the device, or ``None``: nothing extra per instruction on CPU).
+
+        Raises:
+            RuntimeNotSupported: a backend other than gloo and nccl.
+            WorkerError: an unknown device or matching mode, nccl without CUDA, gloo with CUDA,
+                tags with nccl, no usable GPU.
+        """
+        from runtime.stage import RuntimeNotSupported
+
+        if self.backend not in ("gloo", "nccl"):
+            raise RuntimeNotSupported(f"backend {self.backend!r}: the stage worker runs 'gloo' (CPU tensors) or "
+                                      "'nccl' (CUDA tensors)")
+        name = str(self.device_name)
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise WorkerError(f"unknown device {name!r}; use 'cpu', 'cuda' or 'cuda:N'") from e
+        if dev.type not in ("cpu", "cuda"):
+            raise WorkerError(f"device {name!r}: the stage worker runs on 'cpu' (gloo) or 'cuda' (nccl)")
+        if self.backend == "nccl" and dev.type != "cuda":
+            raise WorkerError(f"backend 'nccl' moves CUDA tensors only, but device is {name!r}; use device 'cuda' "
+                              "(or backend 'gloo' on CPU)")
+        if self.backend == "gloo" and dev.type != "cpu":
+            raise WorkerError(f"backend 'gloo' with device {name!r}: gloo's point-to-point needs CPU tensors; "
+                              "use backend 'nccl' for CUDA")
+        if dev.type == "cuda":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            idx = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0") or 0)
+            if not 0 <= idx < n:
+                raise WorkerError(f"device {name!r} needs GPU {idx}, but this process sees {n} CUDA device(s) "
+                                  f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
+                                  f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use device 'cpu' "
+                                  "with backend 'gloo'")
+            dev = torch.device("cuda", idx)
+        self.device = dev
+        self._cuda = dev.type == "cuda"
+        mode = self.p2p_matching
+        if mode == "auto":
+            env = os.environ.get("TESSEL_P2P", "").strip()
+            if env and env not in ("tags", "ordered"):
+                raise WorkerError(f"TESSEL_P2P={env!r}: use 'tags' or 'ordered' (or unset it)")
+            mode = env or ("ordered" if self.backend == "nccl" else "tags")
+        if mode not in ("tags", "ordered"):
+            raise WorkerError(f"unknown p2p_matching {mode!r}; use one of {', '.join(map(repr, P2P_MATCHING))}")
+        if mode == "tags" and self.backend == "nccl":
+            raise WorkerError("p2p_matching 'tags' needs gloo: NCCL ignores tags and matches sends and receives by "
+                              "their posting order; use 'ordered' (or 'auto')")
+        self.p2p_mode = mode
+        self._ordered = mode == "ordered"
+        self._pair_groups = {}
+        self._recv_order: dict[int, list[tuple[int, int, int, int]]] = {}
+        self._pair_orders: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+        sync = True if self.sync_timing is None else bool(self.sync_timing)
+        self._sync = (lambda d=dev: torch.cuda.synchronize(d)) if self._cuda and sync else None
+
+    def _empty(self, meta) -> torch.Tensor:
+        """An uninitialised tensor of ``meta``'s shape and dtype on this worker's device."""
+        if not self._cuda:
+            return meta.empty()
+        return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+
+    def _peer_streams(self, plan) -> list[list[Instruction]]:
+        """Every pipeline rank's stream as far as point-to-point goes: the order in which each rank
+        posts its SENDs (and the RECVs it expects), ``engine.dependency.lower(plan.schedule, dp=dp)``.
+        The byte arguments :meth:`_lower` adds change no SEND or RECV, only costs and the
+        collectives between them (:meth:`_check_own_stream` verifies this rank's). Every rank
+        computes the same list, which is what lets it post receives in its peers' send order."""
+        return lower(plan.schedule, dp=self.dp).streams
+
+    def _check_own_stream(self) -> None:
+        """Ordered matching: this rank's real stream sends exactly the order its peers were told
+        (:meth:`_peer_streams`) and receives the same messages. Raises :class:`WorkerError`."""
+        me = self.pp_rank
+        peers = {ins.peer for ins in self.stream if ins.op in ("SEND", "RECV")}
+        peers |= {b for a, b in self._pair_orders if a == me} | {a for a, b in self._pair_orders if b == me}
+        for p in sorted(peers):
+            mine = stream_messages(self.stream, p, "SEND", self._counts)
+            told = self._pair_orders.get((me, p), [])
+            if mine != told:
+                bad = _first_mismatch(mine, told) or "the same messages in another order"
+                raise WorkerError(f"pipeline rank {me}'s stream sends to pipeline rank {p} not in the order its peers "
+                                  f"derived from the plan: {bad}")
+            got = stream_messages(self.stream, p, "RECV", self._counts)
+            bad = _first_mismatch(self._pair_orders.get((p, me), []), got)
+            if bad:
+                raise WorkerError(f"point-to-point pair pipeline rank {p} -> pipeline rank {me}: {bad} "
+                                  f"(pipeline rank {me}'s own stream)")
+
+    def _build_pair_groups(self) -> None:
+        """Ordered matching: one 2-rank process group per ORDERED pair of world ranks with
+        traffic (training SEND/RECV of :attr:`_pair_orders` in every replica, plus
+        :meth:`evaluate`'s forward boundaries), each carrying messages from its first rank to its
+        second only. ``dist.new_group`` is called by EVERY rank for every pair, in sorted order
+        (torch.distributed requires all ranks to create all groups in one order). Then each group
+        is connected with one 1-element message, pairs in sorted order (deadlock-free: the
+        smallest unfinished pair always has both ranks waiting on it), so NCCL communicators
+        created lazily at a group's first send/receive exist before a step posts its receives."""
+        pairs = set(self._pair_orders)
+        for s in range(self.S - 1):   # evaluate()'s forward traffic
+            a, b = self.seg_rank[s], self.seg_rank[s + 1]
+            if a != b:
+                pairs.add((a, b))
+        world_pairs = sorted((d * self.pp + a, d * self.pp + b) for d in range(self.dp) for a, b in pairs)
+        for src, dst in world_pairs:
+            g = dist.new_group([src, dst])
+            if self.rank in (src, dst):
+                self._pair_groups[(src, dst)] = g
+        self._recv_order = {src: list(self._pair_orders.get((src % self.pp, dst % self.pp), []))
+                            for src, dst in self._pair_groups if dst == self.rank}
+        one = torch.zeros(1, device=self.device)
+        for (src, dst), g in sorted(self._pair_groups.items()):
+            if src == self.rank:
+                w = dist.isend(one, dst, group=g, tag=0)
+            else:
+                w = dist.irecv(torch.empty_like(one), src, group=g, tag=0)
+            w.wait(self._timeout)
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
 
     def _lower(self, plan, tied_bytes: list[int]) -> list[Instruction]:
         """This pipeline rank's instruction stream (``engine.dependency.lower``), from what this
@@ -602,7 +814,7 @@ class StageWorker:
                 n = sum(p.numel() for p in self.folded[s])
                 t = sum(p.numel() for p in self.unfolded[s])
                 if n + t:
-                    self.flat_states[s] = torch.zeros(2 * n + t, dtype=torch.float32)
+                    self.flat_states[s] = torch.zeros(2 * n + t, dtype=torch.float32, device=self.device)
             self._bind_flat_states()
 
     def _bind_flat_states(self) -> None:
@@ -671,6 +883,8 @@ class StageWorker:
                               f"(dp={self.dp}, micro_batch_size={self.mbs}, seq_len={self.seq_len})")
         per = batch.shape[0] // self.dp
         rows = batch[self.dp_index * per:(self.dp_index + 1) * per].long()
+        if self._cuda:
+            rows = rows.to(self.device)
         k = per // self.mbs
         inputs = [rows[j * self.mbs:(j + 1) * self.mbs, :-1].contiguous() for j in range(k)]
         targets = [rows[j * self.mbs:(j + 1) * self.mbs, 1:].contiguous() for j in range(k)]
@@ -700,6 +914,8 @@ class StageWorker:
             Ranks whose segments hold MoE layers add ``aux_losses`` (per micro-batch, the sum
             of their layers' weighted aux losses, unscaled) and ``moe`` (routing metrics, see
             the module docstring); the events then include one ``ALLTOALL`` per all-to-all.
+            On CUDA also ``device_memory`` (``[[t, bytes], ...]``, ``torch.cuda.memory_allocated``
+            after every instruction) and ``peak_device_memory`` (bytes).
 
         Raises:
             StepError: (a ``RuntimeError``) ``"rank R (pipeline rank P, replica D) failed at step
@@ -719,10 +935,11 @@ class StageWorker:
         where = f"rank {self.rank} (pipeline rank {self.pp_rank}, replica {self.dp_index})"
         mem = [[0.0, _rss()]]
         act_mem = [[0.0, 0]]
+        dev_mem = [[0.0, torch.cuda.memory_allocated(self.device)]] if self._cuda else None
         grad_peak = 0
         if self.adama and self.dp > 1 and self.dp_index > 0 and self.optimizer is not None:
             self._begin_replica_step()
-        st.sends = _SendWaiter(st.now, self._timeout)
+        st.sends = _SendWaiter(st.now, self._timeout, device=self.device if self._cuda else None)
         try:
             if self.prepost_receives:
                 self._post_all_recvs(st)
@@ -741,6 +958,8 @@ class StageWorker:
                 t = st.now()
                 mem.append([t, _rss()])
                 act_mem.append([t, self._meter.live])
+                if dev_mem is not None:
+                    dev_mem.append([t, torch.cuda.memory_allocated(self.device)])
                 if self.track_activations and ins.op in ("B", "I", "W", "ALLREDUCE"):   # the ops that grow .grad
                     grad_peak = max(grad_peak, self._grad_bytes())
         except BaseException:
@@ -761,15 +980,19 @@ class StageWorker:
             "activation_memory": act_mem, "peak_activation_memory": int(max(v for _, v in act_mem)),
             "peak_grad_memory": int(grad_peak),
         }
+        if dev_mem is not None:   # CUDA: the caching allocator's live tensor bytes on this rank's GPU
+            out["device_memory"] = dev_mem
+            out["peak_device_memory"] = int(max(v for _, v in dev_mem))
         if st.moe:
             out["aux_losses"] = [sum(st.aux[(s, j)] for s in self.segments if (s, j) in st.aux)
                                  for j in range(self.m)]
             out["moe"] = _mean_metrics(st.moe)
         return out
 
-    def _post_recv(self, ins: Instruction) -> tuple[list[torch.Tensor], list, int]:
+    def _post_recv(self, ins: Instruction, st: "_StepState") -> tuple[list[torch.Tensor], list, int]:
         """Post the ``irecv``s of a RECV instruction into its pre-allocated buffers:
-        ``(buffers, works, source world rank)``."""
+        ``(buffers, works, source world rank)``. Ordered matching: the works of its messages,
+        posting first whatever precedes them in the sender's order (:meth:`_post_ordered_until`)."""
         pb = ins.block
         j = pb.micro_batch
         if pb.kind == "F":
@@ -779,8 +1002,40 @@ class StageWorker:
             boundary, direction = pb.segment - 1, 1
             bufs = self.grad_buf[(boundary, j)]
         src = self._global(ins.peer)
+        if self._ordered:
+            works = []
+            for k in range(len(bufs)):
+                msg = (boundary, direction, j, k)
+                self._post_ordered_until(src, msg, st)
+                works.append(st.owork.pop((src, msg)))
+            return bufs, works, src
         works = [dist.irecv(t, src, tag=self._tag(boundary, direction, j, k)) for k, t in enumerate(bufs)]
         return bufs, works, src
+
+    def _post_ordered_until(self, src: int, msg: tuple, st: "_StepState") -> None:
+        """Ordered matching: post the receives from world rank ``src`` in ``src``'s send order
+        (``self._recv_order[src]``) up to and including ``msg``, each into its own buffer, on the
+        ``src -> self`` pair group. A no-op when ``msg`` is already posted."""
+        if (src, msg) in st.owork:
+            return
+        order = self._recv_order.get(src, [])
+        i = st.cursor.get(src, 0)
+        group = self._pair_groups[(src, self.rank)]
+        while i < len(order):
+            m = order[i]
+            i += 1
+            st.owork[(src, m)] = dist.irecv(self._msg_buffer(m), src, group=group, tag=0)
+            if m == msg:
+                break
+        st.cursor[src] = i
+        if (src, msg) not in st.owork:
+            raise WorkerError(f"rank {self.rank} expects {_describe_message(msg)} from rank {src}, which is not "
+                              f"in rank {src}'s send order (or was received already)")
+
+    def _msg_buffer(self, msg: tuple) -> torch.Tensor:
+        """The pre-allocated receive buffer of ``(boundary, direction, micro_batch, tensor)``."""
+        b, direction, j, k = msg
+        return (self.act_buf if direction == 0 else self.grad_buf)[(b, j)][k]
 
     def _post_all_recvs(self, st: "_StepState") -> None:
         """Post every receive of the step at its start, each into its own pre-allocated buffer
@@ -789,9 +1044,14 @@ class StageWorker:
         instead of when this rank reaches the RECV (gloo moves the data only once both sides have
         posted). The buffers of the previous step are free by now: a step ends after every
         backward that read them."""
+        if self._ordered:   # each pair group carries one direction only: early receives block no send
+            for src, order in self._recv_order.items():
+                if order:
+                    self._post_ordered_until(src, order[-1], st)
+            return
         for ins in self.stream:
             if ins.op == "RECV":
-                st.recvs[(ins.block, ins.peer)] = self._post_recv(ins)
+                st.recvs[(ins.block, ins.peer)] = self._post_recv(ins, st)
 
     def _execute(self, ins: Instruction, st: "_StepState") -> None:
         op = ins.op
@@ -808,6 +1068,8 @@ class StageWorker:
                 self._backward_input(s, j, st)
             else:
                 self._backward_weight(s, j, st)
+            if self._sync is not None:   # CUDA: stamp the kernels' completion, not their launch
+                self._sync()
             st.events.append(Event(self.rank, "compute", op, str(b), start, now(), 0, j, s))
             if self._ep_layers:
                 self._record_all_to_alls(b, st)
@@ -823,7 +1085,11 @@ class StageWorker:
             dst = self._global(ins.peer)
             start = now()
             sent = [t.contiguous() for t in tensors]
-            works = [dist.isend(t, dst, tag=self._tag(boundary, direction, j, k)) for k, t in enumerate(sent)]
+            if self._ordered:   # the receiver posts its receives in this (stream) order
+                group = self._pair_groups[(self.rank, dst)]
+                works = [dist.isend(t, dst, group=group, tag=0) for t in sent]
+            else:
+                works = [dist.isend(t, dst, tag=self._tag(boundary, direction, j, k)) for k, t in enumerate(sent)]
             ev = Event(self.rank, "send", "SEND", f"{b}>{dst}", start, -1.0,
                        sum(t.numel() * t.element_size() for t in sent), j, s)
             st.events.append(ev)
@@ -832,9 +1098,11 @@ class StageWorker:
             pb = ins.block
             start = now()
             posted = st.recvs.pop((pb, ins.peer), None)
-            bufs, works, src = posted if posted is not None else self._post_recv(ins)
+            bufs, works, src = posted if posted is not None else self._post_recv(ins, st)
             for w in works:
                 w.wait(self._timeout)
+            if self._sync is not None:   # CUDA: wait() only orders the compute stream after the transfer
+                self._sync()
             st.events.append(Event(self.rank, "recv", "RECV", f"{pb}<{src}", start, now(),
                                    sum(t.numel() * t.element_size() for t in bufs), pb.micro_batch, pb.segment))
         elif op == "ALLREDUCE":
@@ -861,6 +1129,8 @@ class StageWorker:
             for s in self.segments:   # gates count optimizer updates (DTS temperature, hard switch)
                 for _, layer in self.moe_layers[s]:
                     layer.gate.advance()
+            if self._sync is not None:
+                self._sync()
             nbytes = sum(p.numel() * p.element_size() for ps in self.seg_params.values() for p in ps)
             st.events.append(Event(self.rank, "compute", "OPTIM", "optimizer", start, now(), nbytes, -1, -1))
         else:
@@ -1014,16 +1284,19 @@ class StageWorker:
         def done(_fut, ev=ev):
             ev.end = now()
 
-        try:   # completion time from gloo's callback thread; else the time OPTIM waits for it
-            work.get_future().then(done)
-        except Exception:
-            pass
+        if not self._cuda:   # NCCL's future completes at launch: stamped when OPTIM has waited it instead
+            try:   # completion time from gloo's callback thread; else the time OPTIM waits for it
+                work.get_future().then(done)
+            except Exception:
+                pass
         st.allreduces.append((work, s, ev))
 
     def _finish_allreduces(self, st: "_StepState") -> None:
         for work, s, ev in st.allreduces:
             work.wait(self._timeout)
             if ev.end < 0:
+                if self._sync is not None:
+                    self._sync()
                 ev.end = st.now()
             if self.adama:   # m, v were reduced in place (views); copy the tied gradients back
                 _unflatten_grads(self.flat_states[s], self.unfolded[s], 2 * sum(p.numel() for p in self.folded[s]))
@@ -1061,6 +1334,8 @@ class StageWorker:
                     p.grad = buf.clone()
                 else:
                     p.grad.copy_(buf)
+            if self._sync is not None:
+                self._sync()
             st.events.append(Event(self.rank, "collective", "ALLREDUCE", f"allreduce tied {label}", start,
                                    st.now(), buf.numel() * buf.element_size(), -1, -1))
 
@@ -1103,10 +1378,15 @@ class StageWorker:
                     else:
                         bufs = self.act_buf.get((s - 1, j % self.m))
                         if bufs is None:
-                            bufs = [meta.empty() for meta in self.boundaries[s - 1]]
+                            bufs = [self._empty(meta) for meta in self.boundaries[s - 1]]
                         src = self._global(self.seg_rank[s - 1])
-                        for w in [dist.irecv(t, src, tag=self._tag(s - 1, 2, j % self.m, q))
-                                  for q, t in enumerate(bufs)]:
+                        if self._ordered:   # the sender's order: micro-batch, then segment (this loop's)
+                            group = self._pair_groups[(src, self.rank)]
+                            works = [dist.irecv(t, src, group=group, tag=0) for t in bufs]
+                        else:
+                            works = [dist.irecv(t, src, tag=self._tag(s - 1, 2, j % self.m, q))
+                                     for q, t in enumerate(bufs)]
+                        for w in works:
                             w.wait(self._timeout)
                         ins = tuple(bufs)
                     outs = self.modules[s](*ins)
@@ -1116,9 +1396,13 @@ class StageWorker:
                                                        _targets[j].reshape(-1)))
                     elif self.seg_rank[s + 1] != self.pp_rank:
                         dst = self._global(self.seg_rank[s + 1])
+                        group = self._pair_groups.get((self.rank, dst)) if self._ordered else None
                         for q, t in enumerate(outs):
                             t = t.contiguous()
-                            pending.append((dist.isend(t, dst, tag=self._tag(s, 2, j % self.m, q)), t))
+                            if group is not None:
+                                pending.append((dist.isend(t, dst, group=group, tag=0), t))
+                            else:
+                                pending.append((dist.isend(t, dst, tag=self._tag(s, 2, j % self.m, q)), t))
                         prev = None
                     else:
                         prev = outs
@@ -1139,7 +1423,7 @@ class StageWorker:
             self.on_sync_start(None)
         if not self.has_loss:
             return None
-        mean = torch.tensor([total / k], dtype=torch.float64)
+        mean = torch.tensor([total / k], dtype=torch.float64, device=self.device if self._cuda else None)
         if self.dp > 1:
             dist.all_reduce(mean, group=self.dp_group)
             mean /= self.dp
@@ -1156,17 +1440,23 @@ class StageWorker:
         expert parallelism each replica saves only its own experts, under their GLOBAL names
         (``transformer.h.1.mlp.experts.3.c_fc.weight``), so :func:`merge_model_state` of all
         ranks' states is the unsplit model's ``state_dict``. Loadable by :meth:`load_state_dict`
-        of a worker of the same plan and rank.
+        of a worker of the same plan and rank. Every tensor is a CPU tensor, also on CUDA (so
+        checkpoint files do not depend on the device; :meth:`load_state_dict` maps them back).
         """
         if not self._ready:
             raise WorkerError("call setup() before state_dict()")
-        segs = {s: {k: v.detach().clone() for k, v in self.modules[s].state_dict().items()} for s in self.segments}
+        segs = {s: {k: _cpu_copy(v) for k, v in self.modules[s].state_dict().items()} for s in self.segments}
         opt = None
         if self.optimizer is not None:
             import copy
             if self.adama:   # compact clones: m, v may be views into the flat all-reduce buffers
                 sd = self.optimizer.state_dict()
-                opt = {"state": {k: {kk: vv.detach().clone() if isinstance(vv, torch.Tensor) else copy.deepcopy(vv)
+                opt = {"state": {k: {kk: _cpu_copy(vv) if isinstance(vv, torch.Tensor) else copy.deepcopy(vv)
+                                     for kk, vv in v.items()} for k, v in sd["state"].items()},
+                       "param_groups": copy.deepcopy(sd["param_groups"])}
+            elif self._cuda:
+                sd = self.optimizer.state_dict()
+                opt = {"state": {k: {kk: _cpu_copy(vv) if isinstance(vv, torch.Tensor) else copy.deepcopy(vv)
                                      for kk, vv in v.items()} for k, v in sd["state"].items()},
                        "param_groups": copy.deepcopy(sd["param_groups"])}
             else:
@@ -1176,6 +1466,10 @@ class StageWorker:
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore :meth:`state_dict` output (strict: every parameter of every local segment).
+
+        CPU tensors (any checkpoint) are copied onto this worker's device: module tensors by
+        ``load_state_dict``'s in-place copies, optimizer states by ``torch.optim``'s loading, which
+        casts them to their parameter's device.
 
         Raises:
             WorkerError: the checkpoint belongs to other segments.
@@ -1224,6 +1518,139 @@ def merge_model_state(states) -> dict[str, torch.Tensor]:
             for k, v in entries.items():
                 out.setdefault(k, v)
     return out
+
+
+#: ``p2p_matching`` values of :class:`StageWorker` (module docstring, "Backends.").
+P2P_MATCHING = ("auto", "tags", "ordered")
+
+
+def _describe_message(msg: tuple) -> str:
+    b, direction, j, k = msg
+    if direction == 0:
+        return f"activation tensor {k} of boundary {b} (segment {b} -> {b + 1}), micro-batch {j}"
+    return f"input gradient tensor {k} of boundary {b} (segment {b + 1} -> {b}), micro-batch {j}"
+
+
+def stream_messages(stream, peer: int, op: str, counts) -> list[tuple[int, int, int, int]]:
+    """The point-to-point messages a stream sends to (``op="SEND"``) or receives from
+    (``op="RECV"``) pipeline rank ``peer``, in stream order.
+
+    Args:
+        stream: one pipeline rank's ``engine.dependency.Instruction`` list.
+        peer: the other pipeline rank.
+        op: ``"SEND"`` or ``"RECV"``.
+        counts: ``counts[b] = (n_forward, n_backward)``: tensors crossing boundary ``b`` (segment
+            ``b`` -> ``b + 1``) forward, and those of them with a gradient travelling back.
+
+    Returns:
+        ``[(boundary, direction, micro_batch, tensor_index), ...]``; direction 0: activations (a
+        SEND/RECV of an ``F`` block of segment ``b``), 1: input gradients (of a ``B``/``I`` block
+        of segment ``b + 1``). One message per tensor, the tensors of one instruction in index order.
+
+    Raises:
+        WorkerError: an instruction's boundary outside ``counts``.
+    """
+    out: list[tuple[int, int, int, int]] = []
+    for ins in stream:
+        if ins.op != op or ins.peer != peer:
+            continue
+        blk = ins.block
+        boundary, direction = (blk.segment, 0) if blk.kind == "F" else (blk.segment - 1, 1)
+        if not 0 <= boundary < len(counts):
+            raise WorkerError(f"{ins} crosses boundary {boundary}, but the model has {len(counts)} boundaries")
+        out.extend((boundary, direction, blk.micro_batch, k) for k in range(counts[boundary][direction]))
+    return out
+
+
+def _first_mismatch(sent: list, expected: list) -> str | None:
+    """``None`` when ``sent`` and ``expected`` hold the same messages (as multisets), else the
+    first difference: in the sender's order, then in the receiver's."""
+    from collections import Counter
+
+    have, need = Counter(sent), Counter(expected)
+    if have == need:
+        return None
+    extra, missing = have - need, need - have
+    for m in sent:
+        if extra[m] > 0:
+            return f"the sender sends the {_describe_message(m)}, which the receiver does not expect"
+    for m in expected:
+        if missing[m] > 0:
+            return f"the receiver expects the {_describe_message(m)}, which the sender does not send"
+    return None  # pragma: no cover - Counter inequality implies one of the two
+
+
+def pair_send_orders(streams, counts) -> dict[tuple[int, int], list[tuple[int, int, int, int]]]:
+    """For ordered point-to-point matching: per ordered pair of pipeline ranks with traffic, the
+    messages in the order the sender posts them, checked against what the receiver expects.
+
+    Under ordered matching (NCCL, or ``p2p_matching="ordered"``) a one-directional group's
+    receives are matched to its sends by position, so the receiver must post its receives in
+    exactly this order; a message one side lacks would pair every later one with the wrong buffer.
+
+    Args:
+        streams: every pipeline rank's instruction stream (``engine.dependency.lower(...).streams``).
+        counts: per boundary ``(n_forward, n_backward)`` tensors (see :func:`stream_messages`).
+
+    Returns:
+        ``{(sender, receiver): [(boundary, direction, micro_batch, tensor_index), ...]}``.
+
+    Raises:
+        WorkerError: for some pair the receiver's expected messages differ from the sender's
+            (as multisets); the message names the pair and the first differing message.
+    """
+    orders: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    n = len(streams)
+    for a in range(n):
+        for b in range(n):
+            if a == b:
+                continue
+            sent = stream_messages(streams[a], b, "SEND", counts)
+            expected = stream_messages(streams[b], a, "RECV", counts)
+            if not sent and not expected:
+                continue
+            bad = _first_mismatch(sent, expected)
+            if bad:
+                raise WorkerError(f"point-to-point pair pipeline rank {a} -> pipeline rank {b}: {bad} (the sender "
+                                  f"posts {len(sent)} messages, the receiver expects {len(expected)}); ordered "
+                                  "matching would deliver messages into the wrong buffers")
+            orders[(a, b)] = sent
+    return orders
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy (a clone on CPU, a device-to-host copy on CUDA)."""
+    t = t.detach()
+    return t.clone() if t.device.type == "cpu" else t.to("cpu")
+
+
+def _module_to(module: torch.nn.Module, device: torch.device) -> None:
+    """Move a stage module to ``device``, including its traced ``inner`` graph module.
+
+    A :class:`runtime.stage.StageModule` registers ``inner``'s own parameters and buffers on
+    itself too (names stay unprefixed), so ``module.to()`` alone would leave ``inner``'s buffer
+    slots on the old device (``Module._apply`` replaces buffers by new tensors); this moves both
+    and re-links the outer slots to ``inner``'s tensors, and moves plain tensor attributes (traced
+    constants) as well, so no tensor of the stage stays behind.
+    """
+    inner = getattr(module, "inner", None)
+    roots = [module]
+    if isinstance(inner, torch.nn.Module):
+        inner.to(device)
+        roots.append(inner)
+    module.to(device)
+    if isinstance(inner, torch.nn.Module):
+        for name, p in inner._parameters.items():
+            if p is not None and name in module._parameters:
+                module._parameters[name] = p
+        for name, b in inner._buffers.items():
+            if b is not None and name in module._buffers:
+                module._buffers[name] = b
+    for root in roots:
+        for sub in root.modules():
+            for k, v in list(vars(sub).items()):
+                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.device != device:
+                    sub.__dict__[k] = v.to(device)
 
 
 def _flatten_grads(flat: torch.Tensor, params, offset: int) -> None:
@@ -1297,6 +1724,8 @@ class _StepState:
         self.sends: _SendWaiter | None = None             # waits the isends, stamps SEND ends
         self.allreduces: list[tuple] = []                 # (work, segment, event)
         self.recvs: dict[tuple, tuple] = {}               # (block, peer) -> (buffers, irecv works, src) posted early
+        self.owork: dict[tuple, Any] = {}                 # ordered matching: (src, message) -> posted irecv work
+        self.cursor: dict[int, int] = {}                  # ordered matching: src -> messages of its order posted
         self.now = lambda: 0.0
 
 
@@ -1308,11 +1737,21 @@ class _SendWaiter:
     on. A send is stamped when it AND every earlier-posted send are done (an upper bound on its
     true completion, exact when sends complete in order). The sent tensors stay referenced until
     then. :meth:`close` (end of step) joins the thread and re-raises the first error.
+
+    CUDA (``device`` given, NCCL): ``Work.wait()`` only makes the calling thread's current stream
+    wait for the transfer and returns at once, and synchronizing that stream would also wait for
+    the compute kernels queued after it. So the thread instead polls ``is_completed()`` (a query of
+    the work's CUDA end event, no synchronization) with a short back-off (50 us doubling to 1 ms),
+    and fails with a timeout error after ``timeout``; then ``wait()`` surfaces an error NCCL
+    recorded. A SEND's end is therefore the time the transfer's kernel was seen finished (at most
+    about 1 ms late), and :meth:`close` returns only when every send of the step has completed.
+    The thread sets ``device`` as its current CUDA device (the current device is per thread).
     """
 
-    def __init__(self, now, timeout: timedelta):
+    def __init__(self, now, timeout: timedelta, device: Any = None):
         self.now = now
         self.timeout = timeout
+        self.device = device
         self.error: BaseException | None = None
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="tessel-send-waiter", daemon=True)
@@ -1325,6 +1764,8 @@ class _SendWaiter:
         self.q.put((works, tensors, ev))
 
     def _run(self) -> None:
+        if self.device is not None and getattr(self.device, "type", None) == "cuda":
+            torch.cuda.set_device(self.device)
         while True:
             item = self.q.get()
             if item is None:
@@ -1334,6 +1775,8 @@ class _SendWaiter:
                 continue
             try:
                 for w in works:
+                    if self.device is not None:
+                        poll_completion(w, self.timeout.total_seconds())
                     w.wait(self.timeout)
             except BaseException as e:  # noqa: BLE001 - re-raised by close()
                 self.error = e
@@ -1350,3 +1793,29 @@ class _SendWaiter:
         self.q.put(None)
 
 
+
+
+def poll_completion(work: Any, timeout_s: float, *, min_sleep: float = 5e-5, max_sleep: float = 1e-3) -> float:
+    """Wait until ``work.is_completed()`` without blocking a CUDA stream (see :class:`_SendWaiter`).
+
+    Args:
+        work: a ``torch.distributed`` work handle (or anything with ``is_completed()``).
+        timeout_s: seconds before giving up.
+        min_sleep, max_sleep: back-off between polls (seconds), doubling from the first to the second.
+
+    Returns:
+        seconds waited.
+
+    Raises:
+        TimeoutError: not completed within ``timeout_s`` (names the work).
+    """
+    t0 = time.perf_counter()
+    sleep = min_sleep
+    while not work.is_completed():
+        waited = time.perf_counter() - t0
+        if waited > timeout_s:
+            raise TimeoutError(f"a point-to-point send ({work!r}) did not complete within {timeout_s:g} s "
+                               "(is its receiver alive and posting its receives in this sender's order?)")
+        time.sleep(sleep)
+        sleep = min(sleep * 2, max_sleep)
+    return time.perf_counter() - t0
