@@ -444,8 +444,10 @@ def launch(
         keep_timelines: measured timelines of the last this many steps kept in
             :attr:`LaunchResult.timelines` (for calibration, ``engine.planner.with_calibration``).
         p2p_matching: the workers' point-to-point matching, ``"auto"``, ``"tags"`` (gloo only) or
-            ``"ordered"`` (``runtime.worker``); ``None``: the environment variable ``TESSEL_P2P``
-            when set, else the worker's ``"auto"`` (ordered with NCCL, tags with gloo).
+            ``"ordered"`` (``runtime.worker``), passed to the workers only when given; ``None``: the
+            worker's ``"auto"`` (the environment variable ``TESSEL_P2P`` of the worker's process
+            when set, which a local Ray cluster inherits from the driver; else ordered with NCCL,
+            tags with gloo).
 
     Returns:
         the :class:`LaunchResult`.
@@ -509,7 +511,7 @@ def launch(
         newest = _ckpt.latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
         last_ck = str(newest) if newest is not None else None
 
-    p2p = p2p_matching or os.environ.get("TESSEL_P2P", "").strip() or None
+    p2p = p2p_matching
     from runtime.worker import P2P_MATCHING
 
     if p2p is not None and p2p not in P2P_MATCHING:

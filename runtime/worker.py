@@ -642,17 +642,6 @@ class StageWorker:
         if self.backend == "gloo" and dev.type != "cpu":
             raise WorkerError(f"backend 'gloo' with device {name!r}: gloo's point-to-point needs CPU tensors; "
                               "use backend 'nccl' for CUDA")
-        if dev.type == "cuda":
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            idx = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0") or 0)
-            if not 0 <= idx < n:
-                raise WorkerError(f"device {name!r} needs GPU {idx}, but this process sees {n} CUDA device(s) "
-                                  f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
-                                  f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use device 'cpu' "
-                                  "with backend 'gloo'")
-            dev = torch.device("cuda", idx)
-        self.device = dev
-        self._cuda = dev.type == "cuda"
         mode = self.p2p_matching
         if mode == "auto":
             env = os.environ.get("TESSEL_P2P", "").strip()
@@ -664,6 +653,17 @@ class StageWorker:
         if mode == "tags" and self.backend == "nccl":
             raise WorkerError("p2p_matching 'tags' needs gloo: NCCL ignores tags and matches sends and receives by "
                               "their posting order; use 'ordered' (or 'auto')")
+        if dev.type == "cuda":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            idx = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0") or 0)
+            if not 0 <= idx < n:
+                raise WorkerError(f"device {name!r} needs GPU {idx}, but this process sees {n} CUDA device(s) "
+                                  f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
+                                  f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use device 'cpu' "
+                                  "with backend 'gloo'")
+            dev = torch.device("cuda", idx)
+        self.device = dev
+        self._cuda = dev.type == "cuda"
         self.p2p_mode = mode
         self._ordered = mode == "ordered"
         self._pair_groups = {}

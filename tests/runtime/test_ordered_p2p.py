@@ -31,13 +31,16 @@ from worker_harness import WorkerPool
 def _run_task(task: dict) -> dict:
     """``test_worker._run_task`` with ``StageWorker`` defaults ``p2p_matching=task["p2p"]`` and
     ``prepost_receives=task["prepost"]``; ``task["drop_send"]`` makes every rank believe that
-    pipeline rank 0 does not post its SEND number ``drop_send`` (an inconsistent peer order)."""
+    pipeline rank 0 does not post its SEND number ``drop_send`` (an inconsistent peer order);
+    ``task["swap_on"]``: that rank alone believes pipeline rank 0 posts its first two SENDs the
+    other way round (the same messages, in the wrong order)."""
     import test_worker
 
     from runtime import worker as wmod
 
     real = wmod.StageWorker
     drop = task.get("drop_send")
+    swap_on = task.get("swap_on")
 
     class _Configured(real):
         def __init__(self, *args, **kw):
@@ -47,9 +50,12 @@ def _run_task(task: dict) -> dict:
 
         def _peer_streams(self, plan):
             streams = super()._peer_streams(plan)
+            sends = [i for i, ins in enumerate(streams[0]) if ins.op == "SEND"]
             if drop is not None:
-                sends = [i for i, ins in enumerate(streams[0]) if ins.op == "SEND"]
                 del streams[0][sends[drop]]
+            if swap_on == self.rank:
+                a, b = sends[0], sends[1]
+                streams[0][a], streams[0][b] = streams[0][b], streams[0][a]
             return streams
 
     wmod.StageWorker = _Configured
@@ -61,10 +67,10 @@ def _run_task(task: dict) -> dict:
 
 class _Pool(WorkerPool):
     def run_mode(self, plan, batches, *, world: int, p2p: str, prepost: bool = True, drop_send: int | None = None,
-                 expect_errors: bool = False):
+                 swap_on: int | None = None, expect_errors: bool = False):
         return self.run("test_ordered_p2p:_run_task",
                         {"plan": plan.to_dict(), "batches": batches, "pg_timeout": 60.0, "p2p": p2p,
-                         "prepost": prepost, "drop_send": drop_send},
+                         "prepost": prepost, "drop_send": drop_send, "swap_on": swap_on},
                         world=world, expect_errors=expect_errors)
 
 
@@ -211,30 +217,46 @@ def test_inconsistent_peer_order_is_refused_at_setup(pool):
                in msg, msg
 
 
-def test_matching_mode_errors():
+@pytest.mark.timeout(300)
+def test_receives_out_of_sender_order_corrupt_training(pool):
+    """Why the receiver must follow the sender's order: with one constant tag gloo, like NCCL,
+    pairs a group's receives with its sends by position, so a receiver that posts micro-batch 1's
+    receives before micro-batch 0's (believing a swapped order; the sets agree, so setup cannot
+    notice) trains on swapped activations."""
+    from test_worker import _reference
+
+    plan = _plan(2, "1f1b")
+    out = _ok(pool.run_mode(plan, _batches(1), world=2, p2p="ordered", swap_on=1))
+    got = out[1]["steps"][0]["losses"]
+    ref = _reference(plan, _batches(1), 1)[0]
+    assert not torch.allclose(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0), (got, ref)
+    assert torch.allclose(torch.tensor(got[2:]), torch.tensor(ref[2:]), rtol=1e-4, atol=0)   # before any update
+
+
+def test_matching_mode_errors(monkeypatch):
     from runtime.worker import StageWorker, WorkerError
 
     plan = _plan(2, "1f1b")
     for kw, pattern in [({"p2p_matching": "fifo"}, "unknown p2p_matching 'fifo'"),
                         ({"backend": "nccl", "device": "cpu"}, "backend 'nccl' moves CUDA tensors only"),
                         ({"backend": "gloo", "device": "cuda"}, "gloo's point-to-point needs CPU tensors"),
+                        ({"backend": "nccl", "device": "cuda:99"}, "needs GPU 99, but this process sees"),
                         ({"device": "tpu"}, "device 'tpu'")]:
         with pytest.raises(WorkerError, match=pattern):
             StageWorker(plan.to_dict(), 0, 2, "127.0.0.1", 1, **kw).setup()
-    os.environ["TESSEL_P2P"] = "ordered"
-    try:
-        w = StageWorker(plan.to_dict(), 0, 2, "127.0.0.1", 1)
-        w.plan = plan
-        w._resolve_device_and_matching()
-        assert w.p2p_mode == "ordered"
-        os.environ["TESSEL_P2P"] = "bogus"
-        with pytest.raises(WorkerError, match="TESSEL_P2P='bogus'"):
-            w._resolve_device_and_matching()
-    finally:
-        os.environ.pop("TESSEL_P2P", None)
     w = StageWorker(plan.to_dict(), 0, 2, "127.0.0.1", 1)
+    monkeypatch.setenv("TESSEL_P2P", "ordered")      # auto mode reads it (tests, launches on a local Ray)
+    w._resolve_device_and_matching()
+    assert w.p2p_mode == "ordered"
+    monkeypatch.setenv("TESSEL_P2P", "bogus")
+    with pytest.raises(WorkerError, match="TESSEL_P2P='bogus'"):
+        w._resolve_device_and_matching()
+    monkeypatch.delenv("TESSEL_P2P")
     w._resolve_device_and_matching()
     assert w.p2p_mode == "tags" and w._sync is None and not w._cuda   # gloo default: unchanged
+    monkeypatch.setenv("TESSEL_P2P", "tags")
+    with pytest.raises(WorkerError, match="p2p_matching 'tags' needs gloo"):
+        StageWorker(plan.to_dict(), 0, 2, "127.0.0.1", 1, backend="nccl", device="cuda")._resolve_device_and_matching()
 
 
 if __name__ == "__main__":  # pragma: no cover
