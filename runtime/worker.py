@@ -168,7 +168,9 @@ Errors. Any exception inside a step is re-raised as :class:`StepError` (a ``Runt
 ``"rank R (pipeline rank P, replica D) failed at step S, instruction I (INS): ..."``, chained to
 the original. A worker that failed a step must be shut down (its process killed): peers blocked
 in a receive from it fail at once when its process exits and its sockets close ("Connection
-closed/reset by peer"), otherwise after the process-group timeout (``timeout_s``).
+closed/reset by peer"), otherwise after the process-group timeout (``timeout_s``; with NCCL,
+which does not notice a dead peer's closed sockets, a blocked rank fails when the NCCL watchdog
+reaches that timeout, and a send still waited by the send thread after ``timeout_s``).
 ``fail_at=(step, index)`` raises deliberately at that instruction (for fault-handling tests).
 
 Co-location hooks (``runtime.crossover``). ``on_compute_start(step)`` is called at the start of
