@@ -54,7 +54,7 @@ class CrossoverActor:
         jobs: per job, ``{"plan": Plan.to_dict(), "seed": int, "lr": float, "optimizer": str | None,
             "fail_at": (step, instruction_index) | None}`` (the StageWorker arguments).
         mode: one of :data:`MODES`.
-        backend: ``"gloo"``.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per actor, bound at process-group start).
         timeout_s: process-group timeout (seconds); also bounds the workers' waits.
         token_timeout: seconds a job may wait for the token before its step fails (``None``: forever).
     """
@@ -101,9 +101,13 @@ class CrossoverActor:
 
         torch.set_num_threads(1)
         if not dist.is_initialized():
+            kw = {}
+            if self.backend == "nccl":   # one GPU per actor (Ray sets CUDA_VISIBLE_DEVICES): bind it
+                torch.cuda.set_device(0)
+                kw["device_id"] = torch.device("cuda", 0)
             dist.init_process_group(self.backend, init_method=f"tcp://{self.master_addr}:{self.master_port}",
                                     rank=self.rank, world_size=self.world_size,
-                                    timeout=timedelta(seconds=self.timeout_s))
+                                    timeout=timedelta(seconds=self.timeout_s), **kw)
         infos = []
         for j, spec in enumerate(self.jobs):
             start, sync = self._hooks(j)
