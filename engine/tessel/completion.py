@@ -20,6 +20,8 @@ like any baseline's. Source: Tessel (HPCA 2024), section IV-B (schedule completi
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -41,9 +43,56 @@ class Completion:
     status: str
 
 
+class _LastImprovement(cp_model.CpSolverSolutionCallback):
+    """Records when CP-SAT last reported an improving solution (``time.perf_counter()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at = time.perf_counter()
+
+    def on_solution_callback(self) -> None:
+        self.at = time.perf_counter()
+
+
+def _solve_with_stall_stop(solver: cp_model.CpSolver, model: cp_model.CpModel, stall: float | None) -> int:
+    """``solver.Solve(model)``, stopped (``CpSolver.stop_search``) once the time without an
+    improving solution exceeds both ``stall`` seconds and the time it took to find the last
+    improvement (a search that is still improving late keeps going as long again): completion
+    starts from a complete hint and its later improvements are rare, so waiting out the whole
+    time limit mostly proves nothing.
+
+    A watcher thread polls every ``min(stall / 4, 0.05)`` s. The stop is wall-clock based, like
+    the time limit itself: a solve that ends on it may differ between runs on a loaded machine;
+    solves that finish (optimal) before it are deterministic for a fixed seed.
+
+    Source: OR-Tools CP-SAT Python API (``CpSolverSolutionCallback``, ``CpSolver.stop_search``).
+    """
+    if stall is None or stall <= 0:
+        return solver.Solve(model)
+    cb = _LastImprovement()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(min(stall / 4, 0.05)):
+            now = time.perf_counter()
+            if now - cb.at > max(stall, cb.at - t_start):
+                solver.stop_search()
+                return
+
+    th = threading.Thread(target=watch, name="tessel-completion-stall", daemon=True)
+    t_start = cb.at = time.perf_counter()
+    th.start()
+    try:
+        return solver.Solve(model, cb)
+    finally:
+        done.set()
+        th.join()
+
+
 def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], *, anchored: bool,
            release: dict[Inst, int], deadline: dict[Inst, list[int]], initial: list[int], cap: list[float] | None,
-           horizon: int, time_limit: float, seed: int, hint: tuple[dict[Inst, int], int]) -> tuple[str, dict[Inst, int], int]:
+           horizon: int, time_limit: float, seed: int, hint: tuple[dict[Inst, int], int],
+           stall: float | None = None) -> tuple[str, dict[Inst, int], int]:
     """Place the ``free`` instances around ``fixed`` ones (repetend copies) with CP-SAT.
 
     ``fixed[i]`` is the start of a repetend instance: relative to the anchor ``T0`` (a variable,
@@ -52,6 +101,8 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
     Memory: a reservoir per device over free and fixed events from ``initial``.
     ``hint``: a known feasible solution ``(starts, objective)`` (the plainly unrolled repetend); it
     seeds the solver and is returned (status ``"hint"``) if nothing better is found in time.
+    ``stall``: stop early once no better solution has been found for this many seconds
+    (:func:`_solve_with_stall_stop`); ``None``: run to ``time_limit`` or optimality.
     """
     model = cp_model.CpModel()
     fset = set(free)
@@ -107,7 +158,7 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = 1
     solver.parameters.cp_model_presolve = False
-    status = solver.Solve(model)
+    status = _solve_with_stall_stop(solver, model, stall)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return "hint", dict(hint[0]), hint[1]
     found = {i: solver.Value(start[i]) for i in free}
@@ -116,7 +167,7 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
 
 def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: list[float] | None,
              time_limit: float = 5.0, seed: int = 0, free_copies: int = 2, fixed_copies: int = 2,
-             direct_limit: int = 400) -> Completion:
+             direct_limit: int = 400, stall: float | None = None) -> Completion:
     """Warmup + unrolled repetend + cooldown for ``m`` micro-batches (start ticks per instance).
 
     The partial copies and the first/last ``free_copies`` complete copies are rescheduled (so
@@ -125,6 +176,8 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
     seeds both solves and is kept whenever the solver finds nothing better in time, so completion
     always succeeds. With at most ``direct_limit`` block instances, or too few micro-batches for
     that split, all of them are rescheduled at once (this finds e.g. ZB-H1's deferred W blocks).
+    ``stall``: each solve stops once it has not improved for this many seconds (``None``: it
+    runs to its share of ``time_limit`` unless proven optimal).
     """
     K = len(pl.blocks)
     P = rep.period
@@ -140,7 +193,8 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
         # few micro-batches (or too few complete copies to split): reschedule everything at once
         insts = list(naive)
         status, st, mk = _solve(pl, sc, insts, {}, anchored=False, release={}, deadline={}, initial=list(sc.static),
-                                cap=memory_cap, horizon=naive_end, time_limit=time_limit, seed=seed, hint=(naive, naive_end))
+                                cap=memory_cap, horizon=naive_end, time_limit=time_limit, seed=seed, hint=(naive, naive_end),
+                                stall=stall)
         return Completion(st, mk, 0, status)
 
     def copy_of(inst: Inst) -> int:
@@ -160,7 +214,7 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
         deadline[inst] = cs
     status_w, wst, t0 = _solve(pl, sc, warm, w_fixed, anchored=True, release={}, deadline=deadline,
                                initial=list(sc.static), cap=memory_cap, horizon=naive_end, time_limit=time_limit / 2,
-                               seed=seed, hint=({i: naive[i] for i in warm}, A * P))
+                               seed=seed, hint=({i: naive[i] for i in warm}, A * P), stall=stall)
     starts: dict[Inst, int] = dict(wst)
     for inst in naive:
         if copy_of(inst) >= A:
@@ -186,7 +240,8 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
     c_hint = {i: starts[i] for i in cool}
     c_end = max(t + dur[i[1]] for i, t in list(c_hint.items()) + list(c_fixed.items()))
     status_c, cst, mk = _solve(pl, sc, cool, c_fixed, anchored=False, release=release, deadline={}, initial=initial,
-                               cap=memory_cap, horizon=c_end, time_limit=time_limit / 2, seed=seed, hint=(c_hint, c_end))
+                               cap=memory_cap, horizon=c_end, time_limit=time_limit / 2, seed=seed, hint=(c_hint, c_end),
+                               stall=stall)
     starts.update(cst)
     status = "optimal" if status_w == status_c == "optimal" else "feasible"
     return Completion(starts, t0 - (A - O) * P, mk - (t0 + (B - A) * P), status)
