@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="throughput (shortest period) or latency (inference: no queuing)")
     p.add_argument("--time-limit", type=float, default=10.0, help="search time limit in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0, help="solver seed (default 0)")
+    p.add_argument("--completion-stall", type=float, default=None, metavar="S",
+                   help="stop warmup/cooldown solves after S seconds without improvement (faster, may be a "
+                        "little longer; not deterministic when it stops a solve); default: run to the time limit")
     p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
 
 
@@ -91,7 +94,8 @@ def run(args: argparse.Namespace) -> dict:
     unit = "GiB" if args.model else "units"
     try:
         res = tessel_search(pl, args.micro_batches, memory_limit=limit, time_limit=args.time_limit, seed=args.seed,
-                            objective=args.objective, progress_bar=not args.json and sys.stderr.isatty())
+                            objective=args.objective, progress_bar=not args.json and sys.stderr.isatty(),
+                            completion_stall=args.completion_stall)
     except InfeasibleMemoryError as e:  # restate in the user's units
         raise TesselError(
             f"--memory-limit {args.memory_limit:g} {unit} is infeasible: device {e.device} needs more even with one "

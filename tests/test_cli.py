@@ -95,7 +95,7 @@ def test_malformed_plan_file(tmp_path):
 
 def test_search_mshape_writes_plan_and_compares(tmp_path):
     p = tessel("search", "--placement", "mshape", "--devices", "4", "--micro-batches", "8", "--memory-limit", "6",
-               "--time-limit", "3", "-o", str(tmp_path), "--json")
+               "--time-limit", "3", "--completion-stall", "0.3", "-o", str(tmp_path), "--json")
     res = last_json(p)
     assert res["ok"] and res["period"] >= res["period_lower_bound"]
     assert max(res["peak_memory"]) <= 6
