@@ -56,7 +56,7 @@ from torch import fx, nn
 from engine.errors import TesselError
 
 __all__ = ["TensorMeta", "StageModule", "PipelineStages", "RuntimeNotSupported", "build_stages",
-           "build_stage_modules", "tied_groups", "boundary_specs", "check_executable"]
+           "build_stage_modules", "tied_groups", "boundary_specs", "check_executable", "retarget_device"]
 
 
 class RuntimeNotSupported(TesselError, NotImplementedError):
@@ -489,6 +489,45 @@ def _run_with_codegen(modules) -> int:
             if isinstance(sub, InterpreterModule):
                 sub._run_with_interpreter = False
                 n += 1
+    return n
+
+
+def retarget_device(module: nn.Module, device: torch.device | str) -> int:
+    """Rewrite the traced graphs inside a stage module so tensors they create land on ``device``.
+
+    The graphs were traced on the CPU, so factory and metadata calls carry ``device=cpu``
+    literally (GPT-2's position ``aten.arange``, ``aten._assert_tensor_metadata``,
+    ``aten.to.dtype_layout``); moving the module's parameters to a GPU leaves those on the CPU,
+    and the first forward fails on mixed devices. Every ``torch.device`` argument or keyword of
+    a graph node is replaced by ``device`` and the generated code is recompiled (the same rewrite
+    ``torch.export.passes.move_to_device_pass`` does for an ``ExportedProgram``). Move the
+    parameters and buffers yourself (``module.to(device)``).
+
+    Returns:
+        The number of node arguments rewritten (0 where nothing names a device).
+
+    Source: torch.fx (``Graph``, ``GraphModule.recompile``);
+    ``torch.export.passes.move_to_device_pass``.
+    """
+    target = torch.device(device)
+    n = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        changed = 0
+        for node in graph.nodes:
+            if any(isinstance(a, torch.device) and a != target for a in node.args):
+                node.args = tuple(target if isinstance(a, torch.device) else a for a in node.args)
+                changed += 1
+            if any(isinstance(v, torch.device) and v != target for v in node.kwargs.values()):
+                node.kwargs = {k: (target if isinstance(v, torch.device) else v) for k, v in node.kwargs.items()}
+                changed += 1
+        if changed:
+            gm = sub if isinstance(sub, fx.GraphModule) else sub.__dict__.get("graph_module")
+            if isinstance(gm, fx.GraphModule):
+                gm.recompile()
+            n += changed
     return n
 
 

@@ -526,8 +526,10 @@ class StageWorker:
                            for s in self.segments}
         self._ep_layers = [m for s in self.segments for _, m in self.moe_layers[s] if isinstance(m, ExpertParallelMoE)]
         if self._cuda:
+            from runtime.stage import retarget_device
             for s in self.segments:
                 _module_to(self.modules[s], self.device)
+                retarget_device(self.modules[s], self.device)   # traced factory calls say device=cpu
 
         self.seg_params = {s: [p for p in self.modules[s].parameters()] for s in self.segments}
         # expert parameters (each owned by one replica) stay out of the data-parallel all-reduce

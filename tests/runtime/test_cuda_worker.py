@@ -144,6 +144,27 @@ def test_module_to_moves_the_inner_graph_module_and_keeps_slots_linked():
                     assert t.device == meta
 
 
+def test_retargeted_stages_run_on_another_device():
+    """The traced graphs create tensors with ``device=cpu`` (GPT-2's position ``arange``,
+    ``_assert_tensor_metadata``): moved to another device (``meta`` stands in for a GPU) the stage
+    forward fails until :func:`runtime.stage.retarget_device` rewrites those arguments."""
+    from runtime.stage import build_stages, retarget_device
+    from runtime.worker import _module_to
+
+    st = build_stages(_plan(2, "1f1b"), seed=0)
+    meta = torch.device("meta")
+    ids = torch.zeros(st.inputs[0].shape, dtype=torch.long, device=meta)
+    for m in st.modules.values():
+        _module_to(m, meta)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        st.modules[1](*st.modules[0](ids))
+    assert sum(retarget_device(m, meta) for m in st.modules.values()) > 0
+    out = st.modules[1](*st.modules[0](ids))[0]
+    assert out.device == meta and tuple(out.shape) == st.output.shape
+    # nothing left naming the CPU, and a second pass rewrites nothing
+    assert sum(retarget_device(m, meta) for m in st.modules.values()) == 0
+
+
 class _FakeWork:
     """A work handle that completes after ``polls`` calls of ``is_completed()``."""
 
