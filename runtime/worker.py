@@ -1797,8 +1797,6 @@ class _SendWaiter:
         self.q.put(None)
 
 
-
-
 def poll_completion(work: Any, timeout_s: float, *, min_sleep: float = 5e-5, max_sleep: float = 1e-3) -> float:
     """Wait until ``work.is_completed()`` without blocking a CUDA stream (see :class:`_SendWaiter`).
 
