@@ -92,7 +92,7 @@ def _solve_with_stall_stop(solver: cp_model.CpSolver, model: cp_model.CpModel, s
 def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], *, anchored: bool,
            release: dict[Inst, int], deadline: dict[Inst, list[int]], initial: list[int], cap: list[float] | None,
            horizon: int, time_limit: float, seed: int, hint: tuple[dict[Inst, int], int],
-           stall: float | None = None) -> tuple[str, dict[Inst, int], int]:
+           stall: float | None = None, det_limit: float | None = None) -> tuple[str, dict[Inst, int], int]:
     """Place the ``free`` instances around ``fixed`` ones (repetend copies) with CP-SAT.
 
     ``fixed[i]`` is the start of a repetend instance: relative to the anchor ``T0`` (a variable,
@@ -103,6 +103,9 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
     seeds the solver and is returned (status ``"hint"``) if nothing better is found in time.
     ``stall``: stop early once no better solution has been found for this many seconds
     (:func:`_solve_with_stall_stop`); ``None``: run to ``time_limit`` or optimality.
+    ``det_limit``: CP-SAT's deterministic time limit (``max_deterministic_time``, in its own work
+    units, independent of machine speed and load), so a solve that ends on it returns the same
+    solution on every run; ``time_limit`` stays the wall-clock safety bound.
     """
     model = cp_model.CpModel()
     fset = set(free)
@@ -155,6 +158,8 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
     model.AddHint(obj, hint[1])  # a complete hint: CP-SAT starts from it instead of repairing it
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit)
+    if det_limit is not None:
+        solver.parameters.max_deterministic_time = max(0.001, det_limit)
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = 1
     solver.parameters.cp_model_presolve = False
@@ -167,7 +172,8 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
 
 def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: list[float] | None,
              time_limit: float = 5.0, seed: int = 0, free_copies: int = 2, fixed_copies: int = 2,
-             direct_limit: int = 400, stall: float | None = None) -> Completion:
+             direct_limit: int = 400, stall: float | None = None,
+             deterministic_time: float | None = None) -> Completion:
     """Warmup + unrolled repetend + cooldown for ``m`` micro-batches (start ticks per instance).
 
     The partial copies and the first/last ``free_copies`` complete copies are rescheduled (so
@@ -178,6 +184,9 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
     that split, all of them are rescheduled at once (this finds e.g. ZB-H1's deferred W blocks).
     ``stall``: each solve stops once it has not improved for this many seconds (``None``: it
     runs to its share of ``time_limit`` unless proven optimal).
+    ``deterministic_time``: CP-SAT deterministic-time budget shared like ``time_limit`` (see
+    :func:`_solve`): with it, and no ``stall``, a solve that is not proven optimal ends on this
+    budget rather than on the wall clock, so the completion is reproducible for a fixed seed.
     """
     K = len(pl.blocks)
     P = rep.period
@@ -194,7 +203,7 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
         insts = list(naive)
         status, st, mk = _solve(pl, sc, insts, {}, anchored=False, release={}, deadline={}, initial=list(sc.static),
                                 cap=memory_cap, horizon=naive_end, time_limit=time_limit, seed=seed, hint=(naive, naive_end),
-                                stall=stall)
+                                stall=stall, det_limit=deterministic_time)
         return Completion(st, mk, 0, status)
 
     def copy_of(inst: Inst) -> int:
@@ -214,7 +223,8 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
         deadline[inst] = cs
     status_w, wst, t0 = _solve(pl, sc, warm, w_fixed, anchored=True, release={}, deadline=deadline,
                                initial=list(sc.static), cap=memory_cap, horizon=naive_end, time_limit=time_limit / 2,
-                               seed=seed, hint=({i: naive[i] for i in warm}, A * P), stall=stall)
+                               seed=seed, hint=({i: naive[i] for i in warm}, A * P), stall=stall,
+                               det_limit=None if deterministic_time is None else deterministic_time / 2)
     starts: dict[Inst, int] = dict(wst)
     for inst in naive:
         if copy_of(inst) >= A:
@@ -241,7 +251,7 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
     c_end = max(t + dur[i[1]] for i, t in list(c_hint.items()) + list(c_fixed.items()))
     status_c, cst, mk = _solve(pl, sc, cool, c_fixed, anchored=False, release=release, deadline={}, initial=initial,
                                cap=memory_cap, horizon=c_end, time_limit=time_limit / 2, seed=seed, hint=(c_hint, c_end),
-                               stall=stall)
+                               stall=stall, det_limit=None if deterministic_time is None else deterministic_time / 2)
     starts.update(cst)
     status = "optimal" if status_w == status_c == "optimal" else "feasible"
     return Completion(starts, t0 - (A - O) * P, mk - (t0 + (B - A) * P), status)

@@ -27,6 +27,12 @@ from engine.tessel.defer import defer_sinks, unrolled_makespan
 from engine.tessel.repetend import Repetend, auto_resolution, expand, retime, scale, sequential_repetend, solve_period
 from engine.tessel.seed import policy_repetends
 
+#: CP-SAT deterministic seconds the completion may spend per wall-clock second of its budget
+#: (``max(1, 0.3 * time_limit)`` s). Measured on the benchmark's completions on a 2-core x86
+#: machine: 0.15-0.24 deterministic s per wall s, so the budget ends at about the wall time the
+#: completion was given, and the result no longer depends on the machine's load.
+COMPLETION_DET_PER_S = 0.15
+
 
 class InfeasibleMemoryError(TesselError):
     """The memory limit is below what one micro-batch at a time needs.
@@ -100,7 +106,11 @@ class SearchResult:
     """Outcome of :func:`tessel_search`.
 
     Attributes:
-        schedule: the complete schedule for ``m`` micro-batches.
+        schedule: the complete schedule for ``m`` micro-batches. ``schedule.meta["tessel"]`` holds
+            the search's details, among them ``completion`` (``"unrolled"``: the repetend copied
+            ``m`` times; ``"compacted"``: warmup/cooldown re-solved; ``"baseline <name>"``: the
+            fallback) and ``completion_status`` (``"optimal"``, ``"feasible"``: ended on its
+            budget, ``"hint"``: nothing better than the unrolled repetend, ``"unrolled"``).
         repetend: the steady-state window.
         period: seconds per micro-batch in steady state.
         period_lower_bound: max per-device busy time per micro-batch (seconds).
@@ -198,7 +208,10 @@ def tessel_search(
             model, abstract units for unit placements), static memory included; ``None`` = no limit.
         time_limit: wall-clock seconds for the whole search; when it hits, the best solution so
             far is completed and returned (``timed_out`` set).
-        seed: CP-SAT random seed; with ``workers=1`` the result is deterministic.
+        seed: CP-SAT random seed; with ``workers=1`` the result is deterministic (the completion
+            runs on CP-SAT's deterministic time; only a repetend solve that ends on its wall-clock
+            cap, ``timed_out``, or a completion on a machine so loaded that its wall-clock guard
+            ends it first, can differ between runs).
         resolution: seconds per solver tick (default: the longest block is 100 ticks). Durations
             are rounded up to ticks.
         lags: seconds of communication on cross-device dependencies, ``(a, b) -> s`` by block index.
@@ -442,7 +455,8 @@ def tessel_search(
     m_windows = -(-m // c.r)
 
     def simulated(label: str, comp) -> tuple[float, Schedule]:
-        sched = to_schedule(placement, comp, m, name="tessel", meta={"tessel": {**meta, "completion": label}},
+        sched = to_schedule(placement, comp, m, name="tessel",
+                            meta={"tessel": {**meta, "completion": label, "completion_status": comp.status}},
                             micro_batches_per_window=c.r)
         return simulate(lower(sched)).makespan, sched
 
@@ -453,9 +467,12 @@ def tessel_search(
             and not (control is not None and control.cancelled)):
         comp_cap = max(1.0, 0.3 * time_limit)
         # reschedule the partial copies and two complete ones at each end (W blocks deferred
-        # across the whole steady state are the deferral's job, above)
-        comp = complete(c.pl, c.sc, best, m_windows, memory_cap=comp_caps, time_limit=min(remaining, comp_cap),
-                        seed=seed, free_copies=2, stall=completion_stall)
+        # across the whole steady state are the deferral's job, above). The budget is CP-SAT
+        # deterministic time (reproducible); the wall clock (twice the budget's usual duration,
+        # never past the deadline) only guards a much slower or loaded machine.
+        comp = complete(c.pl, c.sc, best, m_windows, memory_cap=comp_caps,
+                        time_limit=min(remaining, 2 * comp_cap), seed=seed, free_copies=2, stall=completion_stall,
+                        deterministic_time=None if completion_stall is not None else COMPLETION_DET_PER_S * comp_cap)
         other = simulated("compacted", comp)
         if other[0] < chosen[0] - 1e-12:
             chosen = other
