@@ -76,9 +76,10 @@ def test_search_passes_the_stall_to_completion_and_gives_a_valid_schedule(monkey
 def test_completion_ends_on_deterministic_time_and_repeats_exactly():
     """A completion that is not proven optimal ends on CP-SAT's deterministic-time budget, not
     on the wall clock, so two runs give the same schedule whatever the machine's load."""
-    pl = make_shape("m", 4, activation=2)
-    a = tessel_search(pl, 16, memory_limit=20, time_limit=10)
-    b = tessel_search(pl, 16, memory_limit=20, time_limit=10)
+    pl = make_shape("x", 8, activation=2)
+    a = tessel_search(pl, 16, memory_limit=22, time_limit=10)
+    b = tessel_search(pl, 16, memory_limit=22, time_limit=10)
+    assert a.schedule.meta["tessel"]["completion"] == "compacted"
     assert a.schedule.meta["tessel"]["completion_status"] == "feasible"   # ended on its budget
     assert a.schedule.orders == b.schedule.orders
     assert a.schedule.meta["tessel"]["pure_makespan"] == b.schedule.meta["tessel"]["pure_makespan"]
