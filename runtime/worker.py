@@ -37,7 +37,7 @@ Execution (in stream order, exactly like the simulator):
   micro-batch, tensor index), with ordered matching on the one-directional group of the pair
   (this rank -> peer) with tag 0 (see "Backends."). The handles go to a helper thread that waits
   them in post order (gloo reports a send's completion only through ``wait()``; on CUDA it polls
-  ``is_completed()``, see :class:`_SendWaiter`), so the SEND event lasts from the post to its
+  ``is_completed()``, see :class:`runtime.send_waiter.SendWaiter`), so the SEND event lasts from the post to its
   completion; the step ends when all of them have completed.
 - ``RECV``: ``wait`` on the ``dist.irecv`` into the pre-allocated buffer (the compute stream
   blocks, as in the simulator). Every receive of a step is posted at the step's start
@@ -203,7 +203,7 @@ Point-to-point messages are matched one of two ways (``p2p_matching``):
   calling ``new_group`` for every pair in the same sorted order; a group carries messages from
   its sender to its receiver only, with tag 0. The sender posts its sends in its stream order;
   every rank lowers every pipeline rank's stream (:meth:`StageWorker._peer_streams`) and derives
-  each pair's send order (:func:`pair_send_orders`: per message (boundary, direction,
+  each pair's send order (:func:`runtime.p2p_order.pair_send_orders`: per message (boundary, direction,
   micro-batch, tensor index)), and the receiver posts its receives in exactly that order. All
   receives are still posted at the step's start: a pair group carries one direction only, so
   receives queued on it (on NCCL: on its stream) cannot hold back a send of the receiver, which
@@ -226,8 +226,6 @@ Sources: torch.distributed (``init_process_group``, ``isend``/``irecv``, ``new_g
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -237,20 +235,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine.dependency import Instruction, lower
-from engine.errors import TesselError
 from engine.models.moe.layer import MoEFeedForward
 from engine.timeline import Event
+from runtime.device import cpu_copy as _cpu_copy
+from runtime.device import module_to as _module_to
+from runtime.errors import WorkerError
 from runtime.expert_parallel import ExpertParallelMoE, is_expert_param
+from runtime.p2p_order import _describe_message, _first_mismatch, pair_send_orders, stream_messages
+from runtime.send_waiter import SendWaiter
 
-__all__ = ["OPTIMIZERS", "P2P_MATCHING", "StageWorker", "StepError", "WorkerError", "merge_model_state",
-           "pair_send_orders", "poll_completion", "stream_messages"]
+__all__ = ["OPTIMIZERS", "P2P_MATCHING", "StageWorker", "StepError", "WorkerError", "merge_model_state"]
 
 #: Optimizer names a worker accepts (see the module docstring).
 OPTIMIZERS = ("adam", "adama", "sgd")
 
-
-class WorkerError(TesselError):
-    """A worker was used wrongly (not set up, a batch of the wrong shape, a bad world size)."""
+#: ``p2p_matching`` values of :class:`StageWorker` (module docstring, "Backends.").
+P2P_MATCHING = ("auto", "tags", "ordered")
 
 
 class StepError(RuntimeError):
@@ -943,7 +943,7 @@ class StageWorker:
         grad_peak = 0
         if self.adama and self.dp > 1 and self.dp_index > 0 and self.optimizer is not None:
             self._begin_replica_step()
-        st.sends = _SendWaiter(st.now, self._timeout, device=self.device if self._cuda else None)
+        st.sends = SendWaiter(st.now, self._timeout, device=self.device if self._cuda else None)
         try:
             if self.prepost_receives:
                 self._post_all_recvs(st)
@@ -1453,12 +1453,7 @@ class StageWorker:
         opt = None
         if self.optimizer is not None:
             import copy
-            if self.adama:   # compact clones: m, v may be views into the flat all-reduce buffers
-                sd = self.optimizer.state_dict()
-                opt = {"state": {k: {kk: _cpu_copy(vv) if isinstance(vv, torch.Tensor) else copy.deepcopy(vv)
-                                     for kk, vv in v.items()} for k, v in sd["state"].items()},
-                       "param_groups": copy.deepcopy(sd["param_groups"])}
-            elif self._cuda:
+            if self.adama or self._cuda:   # compact CPU clones (AdamA: m, v may be views into the flat buffers)
                 sd = self.optimizer.state_dict()
                 opt = {"state": {k: {kk: _cpu_copy(vv) if isinstance(vv, torch.Tensor) else copy.deepcopy(vv)
                                      for kk, vv in v.items()} for k, v in sd["state"].items()},
@@ -1522,139 +1517,6 @@ def merge_model_state(states) -> dict[str, torch.Tensor]:
             for k, v in entries.items():
                 out.setdefault(k, v)
     return out
-
-
-#: ``p2p_matching`` values of :class:`StageWorker` (module docstring, "Backends.").
-P2P_MATCHING = ("auto", "tags", "ordered")
-
-
-def _describe_message(msg: tuple) -> str:
-    b, direction, j, k = msg
-    if direction == 0:
-        return f"activation tensor {k} of boundary {b} (segment {b} -> {b + 1}), micro-batch {j}"
-    return f"input gradient tensor {k} of boundary {b} (segment {b + 1} -> {b}), micro-batch {j}"
-
-
-def stream_messages(stream, peer: int, op: str, counts) -> list[tuple[int, int, int, int]]:
-    """The point-to-point messages a stream sends to (``op="SEND"``) or receives from
-    (``op="RECV"``) pipeline rank ``peer``, in stream order.
-
-    Args:
-        stream: one pipeline rank's ``engine.dependency.Instruction`` list.
-        peer: the other pipeline rank.
-        op: ``"SEND"`` or ``"RECV"``.
-        counts: ``counts[b] = (n_forward, n_backward)``: tensors crossing boundary ``b`` (segment
-            ``b`` -> ``b + 1``) forward, and those of them with a gradient travelling back.
-
-    Returns:
-        ``[(boundary, direction, micro_batch, tensor_index), ...]``; direction 0: activations (a
-        SEND/RECV of an ``F`` block of segment ``b``), 1: input gradients (of a ``B``/``I`` block
-        of segment ``b + 1``). One message per tensor, the tensors of one instruction in index order.
-
-    Raises:
-        WorkerError: an instruction's boundary outside ``counts``.
-    """
-    out: list[tuple[int, int, int, int]] = []
-    for ins in stream:
-        if ins.op != op or ins.peer != peer:
-            continue
-        blk = ins.block
-        boundary, direction = (blk.segment, 0) if blk.kind == "F" else (blk.segment - 1, 1)
-        if not 0 <= boundary < len(counts):
-            raise WorkerError(f"{ins} crosses boundary {boundary}, but the model has {len(counts)} boundaries")
-        out.extend((boundary, direction, blk.micro_batch, k) for k in range(counts[boundary][direction]))
-    return out
-
-
-def _first_mismatch(sent: list, expected: list) -> str | None:
-    """``None`` when ``sent`` and ``expected`` hold the same messages (as multisets), else the
-    first difference: in the sender's order, then in the receiver's."""
-    from collections import Counter
-
-    have, need = Counter(sent), Counter(expected)
-    if have == need:
-        return None
-    extra, missing = have - need, need - have
-    for m in sent:
-        if extra[m] > 0:
-            return f"the sender sends the {_describe_message(m)}, which the receiver does not expect"
-    for m in expected:
-        if missing[m] > 0:
-            return f"the receiver expects the {_describe_message(m)}, which the sender does not send"
-    return None  # pragma: no cover - Counter inequality implies one of the two
-
-
-def pair_send_orders(streams, counts) -> dict[tuple[int, int], list[tuple[int, int, int, int]]]:
-    """For ordered point-to-point matching: per ordered pair of pipeline ranks with traffic, the
-    messages in the order the sender posts them, checked against what the receiver expects.
-
-    Under ordered matching (NCCL, or ``p2p_matching="ordered"``) a one-directional group's
-    receives are matched to its sends by position, so the receiver must post its receives in
-    exactly this order; a message one side lacks would pair every later one with the wrong buffer.
-
-    Args:
-        streams: every pipeline rank's instruction stream (``engine.dependency.lower(...).streams``).
-        counts: per boundary ``(n_forward, n_backward)`` tensors (see :func:`stream_messages`).
-
-    Returns:
-        ``{(sender, receiver): [(boundary, direction, micro_batch, tensor_index), ...]}``.
-
-    Raises:
-        WorkerError: for some pair the receiver's expected messages differ from the sender's
-            (as multisets); the message names the pair and the first differing message.
-    """
-    orders: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
-    n = len(streams)
-    for a in range(n):
-        for b in range(n):
-            if a == b:
-                continue
-            sent = stream_messages(streams[a], b, "SEND", counts)
-            expected = stream_messages(streams[b], a, "RECV", counts)
-            if not sent and not expected:
-                continue
-            bad = _first_mismatch(sent, expected)
-            if bad:
-                raise WorkerError(f"point-to-point pair pipeline rank {a} -> pipeline rank {b}: {bad} (the sender "
-                                  f"posts {len(sent)} messages, the receiver expects {len(expected)}); ordered "
-                                  "matching would deliver messages into the wrong buffers")
-            orders[(a, b)] = sent
-    return orders
-
-
-def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
-    """A detached CPU copy (a clone on CPU, a device-to-host copy on CUDA)."""
-    t = t.detach()
-    return t.clone() if t.device.type == "cpu" else t.to("cpu")
-
-
-def _module_to(module: torch.nn.Module, device: torch.device) -> None:
-    """Move a stage module to ``device``, including its traced ``inner`` graph module.
-
-    A :class:`runtime.stage.StageModule` registers ``inner``'s own parameters and buffers on
-    itself too (names stay unprefixed), so ``module.to()`` alone would leave ``inner``'s buffer
-    slots on the old device (``Module._apply`` replaces buffers by new tensors); this moves both
-    and re-links the outer slots to ``inner``'s tensors, and moves plain tensor attributes (traced
-    constants) as well, so no tensor of the stage stays behind.
-    """
-    inner = getattr(module, "inner", None)
-    roots = [module]
-    if isinstance(inner, torch.nn.Module):
-        inner.to(device)
-        roots.append(inner)
-    module.to(device)
-    if isinstance(inner, torch.nn.Module):
-        for name, p in inner._parameters.items():
-            if p is not None and name in module._parameters:
-                module._parameters[name] = p
-        for name, b in inner._buffers.items():
-            if b is not None and name in module._buffers:
-                module._buffers[name] = b
-    for root in roots:
-        for sub in root.modules():
-            for k, v in list(vars(sub).items()):
-                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) and v.device != device:
-                    sub.__dict__[k] = v.to(device)
 
 
 def _flatten_grads(flat: torch.Tensor, params, offset: int) -> None:
@@ -1725,99 +1587,9 @@ class _StepState:
         self.tied_done: set[int] = set()                  # tied groups reduced this step
         self.t0 = 0.0                                     # perf_counter at the step's start
         self.events: list[Event] = []
-        self.sends: _SendWaiter | None = None             # waits the isends, stamps SEND ends
+        self.sends: SendWaiter | None = None              # waits the isends, stamps SEND ends
         self.allreduces: list[tuple] = []                 # (work, segment, event)
         self.recvs: dict[tuple, tuple] = {}               # (block, peer) -> (buffers, irecv works, src) posted early
         self.owork: dict[tuple, Any] = {}                 # ordered matching: (src, message) -> posted irecv work
         self.cursor: dict[int, int] = {}                  # ordered matching: src -> messages of its order posted
         self.now = lambda: 0.0
-
-
-class _SendWaiter:
-    """Waits a step's isends on a helper thread, in post order, and stamps each SEND event's end.
-
-    gloo's send work only reports completion through ``wait()`` (``is_completed()`` stays False
-    until then and it has no future), so a helper thread waits them while the compute stream goes
-    on. A send is stamped when it AND every earlier-posted send are done (an upper bound on its
-    true completion, exact when sends complete in order). The sent tensors stay referenced until
-    then. :meth:`close` (end of step) joins the thread and re-raises the first error.
-
-    CUDA (``device`` given, NCCL): ``Work.wait()`` only makes the calling thread's current stream
-    wait for the transfer and returns at once, and synchronizing that stream would also wait for
-    the compute kernels queued after it. So the thread instead polls ``is_completed()`` (a query of
-    the work's CUDA end event, no synchronization) with a short back-off (50 us doubling to 1 ms),
-    and fails with a timeout error after ``timeout``; then ``wait()`` surfaces an error NCCL
-    recorded. A SEND's end is therefore the time the transfer's kernel was seen finished (at most
-    about 1 ms late), and :meth:`close` returns only when every send of the step has completed.
-    The thread sets ``device`` as its current CUDA device (the current device is per thread).
-    """
-
-    def __init__(self, now, timeout: timedelta, device: Any = None):
-        self.now = now
-        self.timeout = timeout
-        self.device = device
-        self.error: BaseException | None = None
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="tessel-send-waiter", daemon=True)
-        self.thread.start()
-
-    def add(self, works: list, tensors: list, ev: Event) -> None:
-        if not works:
-            ev.end = ev.start
-            return
-        self.q.put((works, tensors, ev))
-
-    def _run(self) -> None:
-        if self.device is not None and getattr(self.device, "type", None) == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            works, _tensors, ev = item
-            if self.error is not None:
-                continue
-            try:
-                for w in works:
-                    if self.device is not None:
-                        poll_completion(w, self.timeout.total_seconds())
-                    w.wait(self.timeout)
-            except BaseException as e:  # noqa: BLE001 - re-raised by close()
-                self.error = e
-            ev.end = self.now()
-
-    def close(self) -> None:
-        self.q.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-    def abandon(self) -> None:
-        """Stop after the sends already queued (the step failed; the thread is a daemon)."""
-        self.q.put(None)
-
-
-def poll_completion(work: Any, timeout_s: float, *, min_sleep: float = 5e-5, max_sleep: float = 1e-3) -> float:
-    """Wait until ``work.is_completed()`` without blocking a CUDA stream (see :class:`_SendWaiter`).
-
-    Args:
-        work: a ``torch.distributed`` work handle (or anything with ``is_completed()``).
-        timeout_s: seconds before giving up.
-        min_sleep, max_sleep: back-off between polls (seconds), doubling from the first to the second.
-
-    Returns:
-        seconds waited.
-
-    Raises:
-        TimeoutError: not completed within ``timeout_s`` (names the work).
-    """
-    t0 = time.perf_counter()
-    sleep = min_sleep
-    while not work.is_completed():
-        waited = time.perf_counter() - t0
-        if waited > timeout_s:
-            raise TimeoutError(f"a point-to-point send ({work!r}) did not complete within {timeout_s:g} s "
-                               "(is its receiver alive and posting its receives in this sender's order?)")
-        time.sleep(sleep)
-        sleep = min(sleep * 2, max_sleep)
-    return time.perf_counter() - t0

@@ -1,0 +1,113 @@
+"""Ordered point-to-point matching: which messages each pipeline rank sends to each other, in order.
+
+NCCL matches a communicator's sends and receives by posting order, not by tag, so under ordered
+matching (``runtime.worker.StageWorker(p2p_matching="ordered")``, the default with NCCL) the
+receiver of a one-directional pair group must post its receives in exactly its sender's order.
+These pure functions derive that order from the lowered instruction streams
+(``engine.dependency.lower``) and check that both sides agree. A message is
+``(boundary, direction, micro_batch, tensor_index)``: direction 0 = activations of boundary
+``b`` (segment ``b`` -> ``b + 1``), 1 = input gradients travelling back across it.
+
+Source: NCCL point-to-point semantics (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/usage/p2p.html);
+torch.distributed ``isend``/``irecv``.
+"""
+
+from __future__ import annotations
+
+from runtime.errors import WorkerError
+
+__all__ = ["pair_send_orders", "stream_messages"]
+
+
+def _describe_message(msg: tuple) -> str:
+    b, direction, j, k = msg
+    if direction == 0:
+        return f"activation tensor {k} of boundary {b} (segment {b} -> {b + 1}), micro-batch {j}"
+    return f"input gradient tensor {k} of boundary {b} (segment {b + 1} -> {b}), micro-batch {j}"
+
+
+def stream_messages(stream, peer: int, op: str, counts) -> list[tuple[int, int, int, int]]:
+    """The point-to-point messages a stream sends to (``op="SEND"``) or receives from
+    (``op="RECV"``) pipeline rank ``peer``, in stream order.
+
+    Args:
+        stream: one pipeline rank's ``engine.dependency.Instruction`` list.
+        peer: the other pipeline rank.
+        op: ``"SEND"`` or ``"RECV"``.
+        counts: ``counts[b] = (n_forward, n_backward)``: tensors crossing boundary ``b`` (segment
+            ``b`` -> ``b + 1``) forward, and those of them with a gradient travelling back.
+
+    Returns:
+        ``[(boundary, direction, micro_batch, tensor_index), ...]``; direction 0: activations (a
+        SEND/RECV of an ``F`` block of segment ``b``), 1: input gradients (of a ``B``/``I`` block
+        of segment ``b + 1``). One message per tensor, the tensors of one instruction in index order.
+
+    Raises:
+        WorkerError: an instruction's boundary outside ``counts``.
+    """
+    out: list[tuple[int, int, int, int]] = []
+    for ins in stream:
+        if ins.op != op or ins.peer != peer:
+            continue
+        blk = ins.block
+        boundary, direction = (blk.segment, 0) if blk.kind == "F" else (blk.segment - 1, 1)
+        if not 0 <= boundary < len(counts):
+            raise WorkerError(f"{ins} crosses boundary {boundary}, but the model has {len(counts)} boundaries")
+        out.extend((boundary, direction, blk.micro_batch, k) for k in range(counts[boundary][direction]))
+    return out
+
+
+def _first_mismatch(sent: list, expected: list) -> str | None:
+    """``None`` when ``sent`` and ``expected`` hold the same messages (as multisets), else the
+    first difference: in the sender's order, then in the receiver's."""
+    from collections import Counter
+
+    have, need = Counter(sent), Counter(expected)
+    if have == need:
+        return None
+    extra, missing = have - need, need - have
+    for m in sent:
+        if extra[m] > 0:
+            return f"the sender sends the {_describe_message(m)}, which the receiver does not expect"
+    for m in expected:
+        if missing[m] > 0:
+            return f"the receiver expects the {_describe_message(m)}, which the sender does not send"
+    return None  # pragma: no cover - Counter inequality implies one of the two
+
+
+def pair_send_orders(streams, counts) -> dict[tuple[int, int], list[tuple[int, int, int, int]]]:
+    """For ordered point-to-point matching: per ordered pair of pipeline ranks with traffic, the
+    messages in the order the sender posts them, checked against what the receiver expects.
+
+    Under ordered matching (NCCL, or ``p2p_matching="ordered"``) a one-directional group's
+    receives are matched to its sends by position, so the receiver must post its receives in
+    exactly this order; a message one side lacks would pair every later one with the wrong buffer.
+
+    Args:
+        streams: every pipeline rank's instruction stream (``engine.dependency.lower(...).streams``).
+        counts: per boundary ``(n_forward, n_backward)`` tensors (see :func:`stream_messages`).
+
+    Returns:
+        ``{(sender, receiver): [(boundary, direction, micro_batch, tensor_index), ...]}``.
+
+    Raises:
+        WorkerError: for some pair the receiver's expected messages differ from the sender's
+            (as multisets); the message names the pair and the first differing message.
+    """
+    orders: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    n = len(streams)
+    for a in range(n):
+        for b in range(n):
+            if a == b:
+                continue
+            sent = stream_messages(streams[a], b, "SEND", counts)
+            expected = stream_messages(streams[b], a, "RECV", counts)
+            if not sent and not expected:
+                continue
+            bad = _first_mismatch(sent, expected)
+            if bad:
+                raise WorkerError(f"point-to-point pair pipeline rank {a} -> pipeline rank {b}: {bad} (the sender "
+                                  f"posts {len(sent)} messages, the receiver expects {len(expected)}); ordered "
+                                  "matching would deliver messages into the wrong buffers")
+            orders[(a, b)] = sent
+    return orders
