@@ -3,8 +3,10 @@
 - Period lower bound: in steady state every device runs each of its blocks once per
   micro-batch, so the period is at least the busiest device's compute time per micro-batch.
 - Critical path: the longest dependency chain of one micro-batch.
-- Makespan lower bound for ``m`` micro-batches: per device, the shortest path to its first
-  block + ``m`` times its work + the shortest path from its last block to the end.
+- Makespan lower bound for ``m`` micro-batches: per device, the idle time it cannot avoid
+  before its work (the shortest path to its first block, or the blocks of other devices it
+  cannot overlap because a multi-device block would need them too) + ``m`` times its work + the
+  same at the end.
 - Memory floor: the least memory any schedule needs per device, reached by running one
   micro-batch at a time: static memory plus the highest prefix of that device's deltas along
   a topological order of the chain.
@@ -34,10 +36,23 @@ def critical_path(placement: Placement) -> float:
 def makespan_lower_bound(placement: Placement, m: int) -> float:
     """Seconds: no schedule of ``m`` micro-batches finishes sooner (communication ignored).
 
-    Per device ``d``: it cannot start before the shortest path to any of its blocks (``head``),
-    must run ``m`` times its per-micro-batch work, and after its last block some chain of at
-    least the shortest remaining path to a sink (``tail``) is still to run; the bound is the
-    largest ``head + m * busy + tail``, and at least the critical path.
+    Per device ``d`` the bound is ``head(d) + m * busy(d) + tail(d)``, the largest over devices,
+    and at least the critical path. ``busy(d)`` is ``d``'s work per micro-batch; ``head`` and
+    ``tail`` are idle time ``d`` cannot avoid at the start and the end of the schedule, the larger
+    of two arguments:
+
+    * *path*: ``d`` cannot start before the shortest path to any of its blocks, and after its
+      last block at least the shortest remaining path to a sink still runs;
+    * *exclusion* (:func:`exclusion_idle`): a block on several devices occupies all of them at
+      once, so while another device runs a block that shares a device with every block ``d`` can
+      run at that moment, ``d`` waits. E.g. on the M shape, device ``n - 1`` idles through the
+      forward chain ``F1 .. F(n-1)`` before its first own forward (all it could run meanwhile is
+      the all-device ``F0``, which needs device 0 too) and through ``B(n-1) .. B1`` after its last
+      own backward: ``3 (n - 1)`` units with F=1, B=2, which the path argument misses (its
+      all-device blocks start at time 0 and end the schedule).
+
+    Source: the classic head-body-tail bound of one-machine scheduling (Carlier 1982), per device;
+    the exclusion argument is ours, for Tessel's multi-device blocks (HPCA 2024, section III).
     """
     g = placement.dependency_graph()
     order = list(nx.topological_sort(g))
@@ -51,9 +66,58 @@ def makespan_lower_bound(placement: Placement, m: int) -> float:
     best = critical_path(placement)
     for d in range(placement.num_devices):
         on = placement.blocks_on(d)
-        if on:
-            best = max(best, min(head[i] for i in on) + m * placement.busy_time(d) + min(tail[i] for i in on))
+        if not on:
+            continue
+        path_head = min(head[i] for i in on)
+        path_tail = min(tail[i] for i in on)
+        (ex_head, first), (ex_tail, last) = exclusion_idle(placement, d)
+        work = m * placement.busy_time(d)
+        if first & last:
+            # the first block instance waiting on another device starts before the last one
+            # another device waits on ends (a block type in both sets), so the two idle spans
+            # are disjoint
+            best = max(best, max(path_head, ex_head) + work + max(path_tail, ex_tail))
+        else:
+            best = max(best, max(path_head, ex_head) + work + path_tail, path_head + work + max(path_tail, ex_tail))
     return best
+
+
+def exclusion_idle(placement: Placement, d: int) -> tuple[tuple[float, set[int]], tuple[float, set[int]]]:
+    """Idle time device ``d`` cannot avoid at the start and at the end of any schedule (seconds).
+
+    Start: let ``R`` be ``d``'s blocks with an ancestor on another device, and consider the first
+    instance (any micro-batch) of an ``R`` block to start. Before it, ``d`` can only run its
+    other blocks ``N`` (all of whose ancestors are on ``d``). Its ancestors on other devices run
+    one after another along any dependency path; while one of them runs that shares a device
+    with every block of ``N``, ``d`` is idle. So ``d`` idles at least the minimum over ``R`` of
+    the heaviest such path into the block. The end is the mirror image (descendants, the last
+    instance to end).
+
+    Returns:
+        ``((head, R), (tail, R'))``: the two idle times and the block index sets they refer to
+        (the caller adds them only when ``R & R'`` is non-empty, which makes the spans disjoint).
+    """
+    g = placement.dependency_graph()
+    blocks = placement.blocks
+    on = set(placement.blocks_on(d))
+
+    def side(graph) -> tuple[float, set[int]]:
+        anc = {i: nx.ancestors(graph, i) for i in on}
+        waits = {i for i in on if any(d not in blocks[a].devices for a in anc[i])}
+        free = on - waits  # what d can run before the first waiting block starts
+        if not waits:
+            return 0.0, waits
+
+        def blocking(p: int) -> bool:
+            return d not in blocks[p].devices and all(set(blocks[p].devices) & set(blocks[f].devices) for f in free)
+
+        acc: dict[int, float] = {}  # heaviest blocking-weight path ending at i, i excluded
+        for i in nx.topological_sort(graph):
+            acc[i] = max((acc[p] + (blocks[p].duration if blocking(p) else 0.0) for p in graph.predecessors(i)),
+                         default=0.0)
+        return min(acc[i] for i in waits), waits
+
+    return side(g), side(g.reverse(copy=True))
 
 
 def memory_floor(placement: Placement) -> list[int]:
