@@ -21,6 +21,16 @@ HELP = "search a schedule for a placement (V, X, M, NN, K, interleaved or a JSON
 _HALF = 2
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="v", help="shape: v, x, m (mshape), nn, k, interleaved; or a placement JSON file")
     p.add_argument("--devices", type=int, default=4, help="devices of the shape (default 4)")
@@ -35,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="throughput (shortest period) or latency (inference: no queuing)")
     p.add_argument("--time-limit", type=float, default=10.0, help="search time limit in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0, help="solver seed (default 0)")
+    p.add_argument("--max-window", type=_positive_int, default=2, metavar="R",
+                   help="most micro-batches in one repetend window (default 2); 3-4 can reach shorter periods per "
+                        "micro-batch (e.g. M on 4 devices: 7 -> 6.33 units) but need a longer --time-limit (about 60 s)")
     p.add_argument("--completion-stall", type=float, default=None, metavar="S",
                    help="stop warmup/cooldown solves after S seconds without improvement (faster, may be a "
                         "little longer; not deterministic when it stops a solve); default: run to the time limit")
@@ -95,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         res = tessel_search(pl, args.micro_batches, memory_limit=limit, time_limit=args.time_limit, seed=args.seed,
                             objective=args.objective, progress_bar=not args.json and sys.stderr.isatty(),
-                            completion_stall=args.completion_stall)
+                            completion_stall=args.completion_stall, max_window_micro_batches=args.max_window)
     except InfeasibleMemoryError as e:  # restate in the user's units
         raise TesselError(
             f"--memory-limit {args.memory_limit:g} {unit} is infeasible: device {e.device} needs more even with one "
@@ -144,6 +157,6 @@ def run(args: argparse.Namespace) -> dict:
         "period": res.period, "period_lower_bound": res.period_lower_bound, "bubble_ratio": tess.bubble_ratio,
         "makespan": tess.makespan, "makespan_lower_bound": res.makespan_lower_bound,
         "peak_memory": [unit_mem(x) for x in tess.peak_memory], "search_time": res.search_time, "optimal": res.optimal,
-        "timed_out": res.timed_out,
+        "timed_out": res.timed_out, "window_micro_batches": res.repetend.micro_batches,
         "baselines": {r.name: {**r.to_dict(), "peak_memory": [unit_mem(x) for x in (r.peak_memory or [])]} for r in rows[1:]},
     }

@@ -21,7 +21,7 @@ return a same-placement policy (GPipe / 1F1B within the limit) where that is sho
 makespan lower bound: no schedule, memory ignored, can beat 1F1B by more than that.
 
 Usage: ``python benchmarks/tessel_bench.py [--json] [--time-limit 10] [--shapes v,x,m,nn,k] [--devices 4,8]
-[--completion-stall 0.3]``
+[--completion-stall 0.3] [--max-window 2]``
 """
 
 from __future__ import annotations
@@ -51,16 +51,16 @@ def variant_for(n: int):
 
 
 def run_case(shape: str, n: int, limit_name: str, limit: float, time_limit: float,
-             completion_stall: float | None = None) -> dict:
+             completion_stall: float | None = None, max_window: int = 2) -> dict:
     pl = make_shape(shape, n, activation=HALF)
     row: dict = {"shape": shape.upper(), "devices": n, "limit_name": limit_name, "memory_limit": limit / HALF}
     for m in (16, 64):
         res = tessel_search(pl, m, memory_limit=limit, time_limit=time_limit, fallback_baselines=True,
-                            completion_stall=completion_stall)
+                            completion_stall=completion_stall, max_window_micro_batches=max_window)
         t = measure(res.schedule, limit)
         if shape == "v":  # Tessel may also split the backward (the placement ZB-H1 runs on): keep the better
             res_iw = tessel_search(variant_for(n)("zb-h1"), m, memory_limit=limit, time_limit=time_limit,
-                                   completion_stall=completion_stall,
+                                   completion_stall=completion_stall, max_window_micro_batches=max_window,
                                    fallback_baselines=True)
             t_iw = measure(res_iw.schedule, limit)
             if (_pure(res_iw), t_iw.makespan) < (_pure(res), t.makespan):
@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--completion-stall", type=float, default=None,
                     help="stop completion solves after this many seconds without improvement "
                          "(tessel_search(completion_stall=...)); default: run to the time limit")
+    ap.add_argument("--max-window", type=int, default=2,
+                    help="most micro-batches per repetend window (tessel_search(max_window_micro_batches=...)); "
+                         "default 2")
     args = ap.parse_args(argv)
     rows = []
     for shape in args.shapes.split(","):
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             floor = float(max(memory_floor(pl)))
             tight = float(max(floor, HALF * round((floor + loose) / 2 / HALF)))
             for name, lim in (("loose", loose), ("tight", tight)):
-                rows.append(run_case(shape, n, name, lim, args.time_limit, args.completion_stall))
+                rows.append(run_case(shape, n, name, lim, args.time_limit, args.completion_stall, args.max_window))
                 if not args.json:
                     r = rows[-1]
                     print(f"  {r['shape']:<2} n={n} {name:<5} limit {r['memory_limit']:g}: search {r['search_s']:.2f} s, "

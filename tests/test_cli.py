@@ -109,6 +109,18 @@ def test_search_mshape_writes_plan_and_compares(tmp_path):
     assert again["makespan"] == pytest.approx(res["makespan"])
 
 
+def test_search_max_window_and_m_shape_bound(tmp_path):
+    """``--max-window 1`` keeps one micro-batch per repetend window; the makespan lower bound on M
+    counts the last device's unavoidable idle (6 m + 3 (n - 1) with F=1, B=2)."""
+    res = last_json(tessel("search", "--placement", "m", "--devices", "4", "--micro-batches", "8", "--max-window", "1",
+                           "--time-limit", "3", "-o", str(tmp_path), "--json"))
+    assert res["window_micro_batches"] == 1
+    assert res["makespan_lower_bound"] == 6 * 8 + 3 * 3
+    assert res["makespan"] >= res["makespan_lower_bound"]
+    p = tessel("search", "--placement", "m", "--max-window", "0", "-o", str(tmp_path), check=False)
+    assert p.returncode == 2 and "--max-window: must be at least 1" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_search_v_with_model_costs(tmp_path):
     res = last_json(tessel("search", "--placement", "v", "--devices", "2", "--micro-batches", "4", "--model", "gpt2-tiny",
                            "--time-limit", "3", "-o", str(tmp_path), "--json"))

@@ -249,7 +249,7 @@ def tessel_search(
         InfeasibleMemoryError: the limit is below the memory floor (the message gives the
             smallest feasible limit).
         SearchCancelled: cancelled before the search started.
-        TesselError: ``m < 1`` or a bad objective.
+        TesselError: ``m < 1``, a bad objective, or ``max_window_micro_batches < 1``.
     """
     from engine.dependency import lower
     from engine.simulate import simulate
@@ -258,6 +258,10 @@ def tessel_search(
         raise TesselError(f"need at least one micro-batch, got m={m}")
     if objective not in ("throughput", "latency"):
         raise TesselError(f"objective must be 'throughput' or 'latency', got {objective!r}")
+    if isinstance(max_window_micro_batches, bool) or not isinstance(max_window_micro_batches, int) \
+            or max_window_micro_batches < 1:
+        raise TesselError(f"max_window_micro_batches must be an integer >= 1 (micro-batches per repetend window, "
+                          f"default 2), got {max_window_micro_batches!r}")
     if control is not None and control.cancelled:
         raise SearchCancelled("the search was cancelled before it started")
     t_start = time.perf_counter()

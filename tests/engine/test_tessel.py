@@ -263,6 +263,8 @@ def test_unknown_objective_and_bad_m():
         tessel_search(pl, 4, objective="fastest")
     with pytest.raises(TesselError, match="m=0"):
         tessel_search(pl, 0)
+    with pytest.raises(TesselError, match="max_window_micro_batches must be an integer >= 1"):
+        tessel_search(pl, 4, max_window_micro_batches=0)
 
 
 # ------------------------------------------------------------------ 5. custom placement via JSON
