@@ -35,6 +35,10 @@ from engine.tessel.seed import policy_repetends
 #: makespans within 2% of the wall-clock version (some shorter, some longer).
 COMPLETION_DET_PER_S = 0.1
 
+#: Share of ``time_limit`` one repetend solve for a window of several micro-batches may take
+#: (all of them together at most 30%): larger windows are a refinement after ``r = 1``.
+REFINE_SOLVE_SHARE = 0.03
+
 
 class InfeasibleMemoryError(TesselError):
     """The memory limit is below what one micro-batch at a time needs.
@@ -361,7 +365,7 @@ def tessel_search(
             if refine_until - time.perf_counter() < 0.05 * time_limit:
                 break
         c = cands.setdefault(r, Candidate(r))
-        cap = step_cap if r == 1 else 0.03 * time_limit
+        cap = step_cap if r == 1 else REFINE_SOLVE_SHARE * time_limit
         lo = c.lb
         # only windows that beat the best period per micro-batch so far are worth a solve
         hi = c.best.period if c is best_c else min(c.best.period, math.ceil(best_c.per_mb * r) - 1)
