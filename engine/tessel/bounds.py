@@ -7,6 +7,8 @@
   before its work (the shortest path to its first block, or the blocks of other devices it
   cannot overlap because a multi-device block would need them too) + ``m`` times its work + the
   same at the end.
+- Memory-time bound under a memory limit: activations must be held for at least their chain's
+  length, and a device holds at most its limit at once (:func:`memory_time_bound`).
 - Memory floor: the least memory any schedule needs per device, reached by running one
   micro-batch at a time: static memory plus the highest prefix of that device's deltas along
   a topological order of the chain.
@@ -33,8 +35,11 @@ def critical_path(placement: Placement) -> float:
     return max(longest.values(), default=0.0)
 
 
-def makespan_lower_bound(placement: Placement, m: int) -> float:
+def makespan_lower_bound(placement: Placement, m: int, memory_limit=None) -> float:
     """Seconds: no schedule of ``m`` micro-batches finishes sooner (communication ignored).
+
+    With ``memory_limit`` (per device, scalar or list, static memory included, the placement's
+    memory unit) it is also at least :func:`memory_time_bound`.
 
     Per device ``d`` the bound is ``head(d) + m * busy(d) + tail(d)``, the largest over devices,
     and at least the critical path. ``busy(d)`` is ``d``'s work per micro-batch; ``head`` and
@@ -79,6 +84,73 @@ def makespan_lower_bound(placement: Placement, m: int) -> float:
             best = max(best, max(path_head, ex_head) + work + max(path_tail, ex_tail))
         else:
             best = max(best, max(path_head, ex_head) + work + path_tail, path_head + work + max(path_tail, ex_tail))
+    if memory_limit is not None:
+        best = max(best, memory_time_bound(placement, m, memory_limit))
+    return best
+
+
+def memory_time_bound(placement: Placement, m: int, memory_limit) -> float:
+    """Seconds: the makespan ``m`` micro-batches need to fit their activations under the limit.
+
+    Little's law on memory. On device ``d``, an activation of ``s`` bytes allocated when its
+    forward ``F`` starts and freed when a backward-kind block ``f`` of the same segment ends is
+    held at least through the blocks on the heaviest dependency path from ``F`` to ``f``, which
+    run one after another. Count only time outside the blocks on ALL devices (``E``: they exclude
+    every other block and one another, so they fill exactly ``m * sum(E durations)`` seconds).
+    Outside them ``d`` holds at most ``limit - static``, so::
+
+        m * sum(s * path_excluding_E(F, f)) <= (limit_d - static_d) * (T - m * sum(E durations))
+
+    which bounds the makespan ``T``. E.g. M on 4 devices (F=1, B=2, activation 1, limit 6): device
+    0 holds the all-device ``F0``'s and its own ``F1``'s activation through the 12-unit chain
+    ``F1 .. B1``, so ``T >= 3 m + 2 * 12 m / 6 = 7 m``, although it works only ``6 m``. A device
+    whose frees cannot be paired with an earlier forward of the same segment is skipped (the bound
+    stays valid, only weaker). Gradient buffers are ignored (they only add memory).
+
+    Raises:
+        ValueError: a ``memory_limit`` list with the wrong number of devices.
+    """
+    n = placement.num_devices
+    limits = [float(memory_limit)] * n if isinstance(memory_limit, (int, float)) else [float(x) for x in memory_limit]
+    if len(limits) != n:
+        raise ValueError(f"memory_limit has {len(limits)} values for {n} devices")
+    g = placement.dependency_graph()
+    blocks = placement.blocks
+    every = [i for i, b in enumerate(blocks) if len(b.devices) == n]
+    e_time = sum(blocks[i].duration for i in every)
+    order = list(nx.topological_sort(g))
+    weight = [0.0 if i in every else b.duration for i, b in enumerate(blocks)]
+    best = 0.0
+    for d in range(n):
+        room = limits[d] - placement.static_bytes(d)
+        if room <= 0:
+            continue
+        held = 0.0  # sum over activations of bytes x seconds held outside E time, per micro-batch
+        ok = True
+        freed: dict[int, float] = {}
+        for f in placement.blocks_on(d):
+            if blocks[f].memory >= 0:
+                continue
+            anc = nx.ancestors(g, f)
+            alloc = [a for a in anc if blocks[a].kind == "F" and blocks[a].segment == blocks[f].segment
+                     and d in blocks[a].devices and blocks[a].memory > 0]
+            if len(alloc) != 1:
+                ok = False
+                break
+            a = alloc[0]
+            freed[a] = freed.get(a, 0.0) - blocks[f].memory
+            if freed[a] > blocks[a].memory:
+                ok = False
+                break
+            # heaviest path a -> f in non-E seconds, both ends included
+            inside = (nx.descendants(g, a) & anc) | {a, f}
+            longest: dict[int, float] = {}
+            for i in order:
+                if i in inside:
+                    longest[i] = weight[i] + max((longest[p] for p in g.predecessors(i) if p in longest), default=0.0)
+            held += -blocks[f].memory * longest[f]
+        if ok and held > 0:
+            best = max(best, m * e_time + m * held / room)
     return best
 
 

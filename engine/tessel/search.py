@@ -120,7 +120,8 @@ class SearchResult:
         repetend: the steady-state window.
         period: seconds per micro-batch in steady state.
         period_lower_bound: max per-device busy time per micro-batch (seconds).
-        makespan_lower_bound: bound for ``m`` micro-batches (seconds).
+        makespan_lower_bound: bound for ``m`` micro-batches (seconds), under the memory limit
+            when one is given (:func:`engine.tessel.bounds.makespan_lower_bound`).
         critical_path: one micro-batch's longest dependency chain (seconds).
         optimal: the period equals the lower bound, or every shorter window of the chosen size
             (micro-batches per window) was proven infeasible.
@@ -421,7 +422,7 @@ def tessel_search(
     if bar is not None:
         bar.close()
     best = c.best
-    ms_lb = makespan_lower_bound(placement, m)
+    ms_lb = makespan_lower_bound(placement, m, memory_limit=caps)
     # (2b) sink deferral (defer.py): the best repetend, and the policy's steady states with the
     # same period per micro-batch, each with its sinks (e.g. W blocks) deferred while the
     # unrolled makespan does not grow and memory fits; the shortest unrolled makespan wins.

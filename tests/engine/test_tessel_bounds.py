@@ -14,11 +14,15 @@ import pytest
 from ortools.sat.python import cp_model
 
 from engine.shapes import custom_placement, make_shape
-from engine.tessel.bounds import exclusion_idle, makespan_lower_bound
+from engine.tessel.bounds import exclusion_idle, makespan_lower_bound, memory_floor, memory_time_bound
 
 
-def optimal_makespan(placement, m: int, time_limit: float = 20.0) -> int:
-    """The exact minimum makespan of ``m`` micro-batches (integer durations required)."""
+def optimal_makespan(placement, m: int, time_limit: float = 20.0, memory_limit: int | None = None) -> int:
+    """The exact minimum makespan of ``m`` micro-batches (integer durations required).
+
+    With ``memory_limit``: a reservoir per device (a block's positive memory is allocated at its
+    start, a negative one released at its end, as the simulator does), static memory included.
+    """
     model = cp_model.CpModel()
     horizon = int(sum(b.duration for b in placement.blocks) * m)
     starts, ends = {}, {}
@@ -39,6 +43,16 @@ def optimal_makespan(placement, m: int, time_limit: float = 20.0) -> int:
                 model.Add(starts[mb, i] >= ends[mb, dep])
     for ivs in per_device:
         model.AddNoOverlap(ivs)
+    if memory_limit is not None:
+        for d in range(placement.num_devices):
+            times, changes = [], []
+            for mb in range(m):
+                for i, b in enumerate(placement.blocks):
+                    if d in b.devices and b.memory:
+                        times.append(starts[mb, i] if b.memory > 0 else ends[mb, i])
+                        changes.append(int(b.memory))
+            if times:
+                model.AddReservoirConstraint(times, changes, -10**6, memory_limit - placement.static_bytes(d))
     span = model.NewIntVar(0, horizon, "span")
     model.AddMaxEquality(span, list(ends.values()))
     model.Minimize(span)
@@ -77,7 +91,41 @@ def test_v_shape_bound_is_unchanged_by_exclusion():
         assert makespan_lower_bound(make_shape("v", n), 16) == (16 + n - 1) * 3
 
 
-def _random_placement(rng: random.Random, n: int) -> list[dict]:
+@pytest.mark.parametrize("shape,n,m,limit", [("v", 3, 3, 1), ("v", 3, 4, 2), ("m", 3, 3, 2), ("m", 3, 3, 3),
+                                             ("m", 2, 4, 2), ("k", 4, 3, 2), ("nn", 4, 2, 3), ("x", 2, 3, 2)])
+def test_memory_bound_never_exceeds_the_optimum_under_the_limit(shape, n, m, limit):
+    pl = make_shape(shape, n)
+    assert makespan_lower_bound(pl, m, memory_limit=limit) <= optimal_makespan(pl, m, memory_limit=limit) + 1e-9
+
+
+def test_memory_bound_on_tight_v_and_m():
+    """V with room for one micro-batch per device runs them one at a time: ``m (n F + n B)``,
+    which the memory-time bound gives exactly. On M (4 devices, limit 6) device 0 holds two
+    activations through the 12-unit chain F1 .. B1, all outside the 3 all-device units of each
+    micro-batch: ``T >= 3 m + 2 * 12 m / 6 = 7 m``, above its 6 m of work."""
+    v = make_shape("v", 3)
+    assert memory_time_bound(v, 4, 1) == 4 * 9
+    assert optimal_makespan(v, 4, memory_limit=1) == 4 * 9
+    assert makespan_lower_bound(make_shape("m", 4), 64, memory_limit=6) == 7 * 64
+    assert makespan_lower_bound(make_shape("m", 4), 64) == 6 * 64 + 9  # no limit: the work bound
+    with pytest.raises(ValueError, match="2 values for 4 devices"):
+        memory_time_bound(make_shape("m", 4), 8, [6, 6])
+
+
+def test_memory_bound_skips_unpaired_frees():
+    """A free whose segment's forward allocated nothing cannot be paired: no memory bound (the
+    placement frees segment 0's activation in segment 1's backward)."""
+    pl = custom_placement(1, [
+        {"kind": "F", "segment": 0, "devices": [0], "duration": 1, "memory": 1},
+        {"kind": "F", "segment": 1, "devices": [0], "duration": 1, "memory": 0, "deps": ["0F"]},
+        {"kind": "B", "segment": 1, "devices": [0], "duration": 2, "memory": -1, "deps": ["1F"]},
+        {"kind": "B", "segment": 0, "devices": [0], "duration": 2, "memory": 0, "deps": ["1B"]},
+    ])
+    assert memory_time_bound(pl, 8, 1) == 0.0
+    assert makespan_lower_bound(pl, 8, memory_limit=1) == makespan_lower_bound(pl, 8) == 8 * 6
+
+
+def _random_placement(rng: random.Random, n: int, memory: bool = False) -> list[dict]:
     """A random chain of forward blocks on random device sets, mirrored by backwards."""
     k = rng.randint(2, 5)
     blocks = []
@@ -86,13 +134,13 @@ def _random_placement(rng: random.Random, n: int) -> list[dict]:
         deps = [f"{s - 1}F"] if s else []
         if s >= 2 and rng.random() < 0.3:
             deps = [f"{rng.randrange(s)}F"]
-        blocks.append({"kind": "F", "segment": s, "devices": devs, "duration": rng.randint(1, 2), "memory": 0,
-                       "deps": deps})
+        blocks.append({"kind": "F", "segment": s, "devices": devs, "duration": rng.randint(1, 2),
+                       "memory": rng.randint(1, 2) if memory else 0, "deps": deps})
     for s in reversed(range(k)):
         users = [t for t in range(k) if f"{s}F" in blocks[t]["deps"]]
         deps = [f"{t}B" for t in users] or [f"{s}F"]
         blocks.append({"kind": "B", "segment": s, "devices": blocks[s]["devices"],
-                       "duration": rng.randint(1, 3), "memory": 0, "deps": deps})
+                       "duration": rng.randint(1, 3), "memory": -blocks[s]["memory"], "deps": deps})
     return blocks
 
 
@@ -103,3 +151,14 @@ def test_bound_is_valid_on_random_placements(seed):
     pl = custom_placement(n, _random_placement(rng, n), name=f"random{seed}")
     m = rng.randint(1, 3)
     assert makespan_lower_bound(pl, m) <= optimal_makespan(pl, m) + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_memory_bound_is_valid_on_random_placements(seed):
+    rng = random.Random(1000 + seed)
+    n = rng.randint(2, 3)
+    pl = custom_placement(n, _random_placement(rng, n, memory=True), name=f"random{seed}")
+    m = rng.randint(2, 3)
+    floor = max(memory_floor(pl))
+    limit = floor + rng.randint(0, 2)
+    assert makespan_lower_bound(pl, m, memory_limit=limit) <= optimal_makespan(pl, m, memory_limit=limit) + 1e-9
