@@ -46,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=10.0, help="search time limit in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0, help="solver seed (default 0)")
     p.add_argument("--max-window", type=_positive_int, default=2, metavar="R",
-                   help="most micro-batches in one repetend window (default 2); 3-4 can reach shorter periods per "
-                        "micro-batch (e.g. M on 4 devices: 7 -> 6.33 units) but need a longer --time-limit (about 60 s)")
+                   help="most micro-batches per repetend window the search refines (default 2; the 1F1B policy's "
+                        "steady state, up to 3, always competes); 3-4 can reach shorter periods per micro-batch "
+                        "(e.g. M on 4 devices: 7 -> 6.33 units) but need a longer --time-limit (about 60 s)")
     p.add_argument("--completion-stall", type=float, default=None, metavar="S",
                    help="stop warmup/cooldown solves after S seconds without improvement (faster, may be a "
                         "little longer; not deterministic when it stops a solve); default: run to the time limit")

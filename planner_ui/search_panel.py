@@ -51,12 +51,13 @@ _GIB = 2**30
 class _Job:
     """What one search needs, prepared (and validated) on the UI thread."""
 
-    def __init__(self, placement, m, limit, time_limit, seed, *, base_plan, cost, variant, abstract):
+    def __init__(self, placement, m, limit, time_limit, seed, *, base_plan, cost, variant, abstract, max_window=2):
         self.placement = placement
         self.m = m
         self.limit = limit                # in the placement's internal units (bytes or units)
         self.time_limit = time_limit
         self.seed = seed
+        self.max_window = max_window      # most micro-batches per repetend window
         self.base_plan = base_plan        # the model plan whose placement is searched, else None
         self.cost = cost                  # engine CostModel for simulation (None: free communication)
         self.variant = variant            # compare_baselines' variant for V placements, or None
@@ -97,6 +98,10 @@ class SearchPanel(pn.viewable.Viewer):
                                 doc="per-device limit: abstract units (shapes) or GiB (a model plan); None = no limit")
     time_limit = param.Number(default=10.0, bounds=(0.1, 3600), doc="search time limit, seconds")
     seed = param.Integer(default=0, bounds=(0, None), doc="CP-SAT seed")
+    max_window = param.Integer(default=2, bounds=(1, 8),
+                               doc="most micro-batches per repetend window the search refines (the 1F1B policy's "
+                                   "steady state, up to 3, always competes); 3-4 can shorten the period on M-like "
+                                   "shapes but need a longer time limit (about 60 s)")
 
     running = param.Boolean(default=False, doc="a search is running")
     progress_text = param.String(default="", doc="best period so far vs lower bound, elapsed time")
@@ -138,6 +143,8 @@ class SearchPanel(pn.viewable.Viewer):
         self.time_input = w.FloatInput.from_param(self.param.time_limit, name="Time limit (s)",
                                                   css_classes=["tessel-search-time"])
         self.seed_input = w.IntInput.from_param(self.param.seed, name="Seed", css_classes=["tessel-search-seed"])
+        self.window_input = w.IntInput.from_param(self.param.max_window, name="Window micro-batches (refined up to)",
+                                                  css_classes=["tessel-search-window"])
         self.run_button = w.Button(label="Run Tessel", color="primary", css_classes=["tessel-search-run"])
         self.cancel_button = w.Button(label="Cancel", color="warning", disabled=True,
                                       css_classes=["tessel-search-cancel"])
@@ -183,7 +190,7 @@ class SearchPanel(pn.viewable.Viewer):
     def __panel__(self):
         return pn.Column(
             pn.Row(self.shape_input, self.devices_input, self.mb_input),
-            pn.Row(self.memory_input, self.time_input, self.seed_input),
+            pn.Row(self.memory_input, self.time_input, self.seed_input, self.window_input),
             pn.Row(self.run_button, self.cancel_button),
             self.progress_bar, self.progress_pane, self.result_pane,
             css_classes=["tessel-search-panel"],
@@ -213,7 +220,7 @@ class SearchPanel(pn.viewable.Viewer):
             limit = float(self.memory_limit) * (1.0 if abstract else _GIB)
         variant = abstract_v_variant(placement) if abstract else None
         return _Job(placement, m, limit, float(self.time_limit), int(self.seed), base_plan=base, cost=cost,
-                    variant=variant, abstract=abstract)
+                    variant=variant, abstract=abstract, max_window=int(self.max_window))
 
     # ------------------------------------------------------------------ running
     def start(self) -> bool:
@@ -248,7 +255,8 @@ class SearchPanel(pn.viewable.Viewer):
         """The search thread: plain attributes only (no param, no widgets, no state)."""
         try:
             res = tessel_search(job.placement, job.m, memory_limit=job.limit, time_limit=job.time_limit,
-                                seed=job.seed, progress=self._on_progress, control=control)
+                                seed=job.seed, progress=self._on_progress, control=control,
+                                max_window_micro_batches=job.max_window)
             tess = _measure(job, res.schedule)
             try:
                 base = compare_baselines(job.placement, job.m, memory_limit=job.limit, cost=job.cost,

@@ -231,8 +231,13 @@ def tessel_search(
         progress: called after every solver call with a :class:`SearchProgress`.
         progress_bar: show a tqdm bar with the best period so far.
         control: a :class:`SearchControl` to cancel from another thread.
-        max_window_micro_batches: largest number ``r`` of micro-batches in one repetend window;
-            ``r > 1`` reaches fractional periods per micro-batch (e.g. 17 units per 2 micro-batches).
+        max_window_micro_batches: largest number ``r`` of micro-batches in one repetend window
+            the search refines; ``r > 1`` reaches fractional periods per micro-batch (e.g. 17 units
+            per 2 micro-batches). The memory-aware 1F1B policy's periodic steady state (windows of
+            up to 3 micro-batches) always competes as found, so the result may hold up to
+            ``max(3, max_window_micro_batches)`` micro-batches per window. 3-4 with a ``time_limit``
+            of about 60 s can shorten the period on M-like shapes (M on 4 devices, limit 10: 7 ->
+            6.33 units per micro-batch).
         fallback_baselines: also run the GPipe and memory-aware 1F1B policies on the same
             placement (within the same memory limit) and return the shortest of the three: a
             planner returning the best plan it knows. The schedule is still named ``"tessel"``;

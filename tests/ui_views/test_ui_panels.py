@@ -54,6 +54,27 @@ def test_search_loads_a_valid_tessel_schedule_and_reports_baselines():
     assert panel.result_pane.object == txt and panel.run_button.disabled is False and panel.cancel_button.disabled
 
 
+def test_search_window_size_reaches_the_search(monkeypatch):
+    """The panel's "micro-batches per window" input is handed to tessel_search."""
+    import planner_ui.search_panel as sp
+
+    seen = {}
+    real = sp.tessel_search
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sp, "tessel_search", spy)
+    panel = SearchPanel(state=PlanState(), shape="v", devices=4, micro_batches=8, time_limit=3, max_window=1)
+    res = panel.run_search(wait=True)
+    assert res is not None and seen["max_window_micro_batches"] == 1
+    panel.window_input.value = 3
+    assert panel.max_window == 3
+    with pytest.raises(ValueError):
+        panel.max_window = 0  # the widget's bounds refuse it before a search can start
+
+
 def test_search_progress_is_polled_from_plain_attributes():
     st = PlanState()
     panel = SearchPanel(state=st, shape="v", devices=4, micro_batches=8, time_limit=5)
