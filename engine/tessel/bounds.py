@@ -58,6 +58,9 @@ def makespan_lower_bound(placement: Placement, m: int, memory_limit=None) -> flo
 
     Source: the classic head-body-tail bound of one-machine scheduling (Carlier 1982), per device;
     the exclusion argument is ours, for Tessel's multi-device blocks (HPCA 2024, section III).
+
+    Raises:
+        ValueError: a ``memory_limit`` list with the wrong number of devices.
     """
     g = placement.dependency_graph()
     order = list(nx.topological_sort(g))
@@ -116,7 +119,7 @@ def memory_time_bound(placement: Placement, m: int, memory_limit) -> float:
         raise ValueError(f"memory_limit has {len(limits)} values for {n} devices")
     g = placement.dependency_graph()
     blocks = placement.blocks
-    every = [i for i, b in enumerate(blocks) if len(b.devices) == n]
+    every = {i for i, b in enumerate(blocks) if len(b.devices) == n}
     e_time = sum(blocks[i].duration for i in every)
     order = list(nx.topological_sort(g))
     weight = [0.0 if i in every else b.duration for i, b in enumerate(blocks)]
