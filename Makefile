@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TESSEL := $(VENV)/bin/tessel
 STAMP := $(VENV)/.tessel-installed
 
-.PHONY: setup browser run serve demo test bench clean
+.PHONY: setup browser run serve demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,13 @@ demo: setup
 
 test: setup browser
 	$(PY) -m pytest -q
+
+# ruff (pyflakes, pycodestyle, isort, bugbear), mypy on engine/ and runtime/, and the layering
+# contracts (import-linter; pyproject.toml [tool.importlinter]).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench: setup
 	$(PY) benchmarks/engine_bench.py

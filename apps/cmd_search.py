@@ -95,11 +95,10 @@ def _placements(args):
 
 def run(args: argparse.Namespace) -> dict:
     from engine.compare import compare_baselines, measure
-    from engine.errors import PlanFormatError
+    from engine.dependency import lower
+    from engine.errors import PlanFormatError, TesselError
     from engine.io import Plan, save_plan, write_torch_csv, write_trace
     from engine.simulate import simulate
-    from engine.dependency import lower
-    from engine.errors import TesselError
     from engine.tessel import InfeasibleMemoryError, tessel_search
 
     pl, variant, mem_scale, model, cost, parts = _placements(args)

@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from runtime.moe_train import MoETrainResult, train_moe  # noqa: E402
+
 OUT = ROOT / "benchmarks" / "out"
 CONFIGS = [("dense", "gpt-dense-tiny"), ("switch", "gpt-moe-tiny"), ("top2", "gpt-moe-tiny-top2"),
            ("dts", "gpt-moe-tiny-dts")]

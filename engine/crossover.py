@@ -56,8 +56,8 @@ synchronisation points.
 from __future__ import annotations
 
 import bisect
-from collections import deque
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np

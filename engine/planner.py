@@ -20,7 +20,11 @@ from engine.graph import OpGraph, capture
 from engine.io.plan import Plan
 from engine.models import ModelBundle, build_model
 from engine.models.moe.comm import (
-    MoELayer, check_expert_parallel, expert_param_bytes_per_rank, find_moe_layers, moe_segment_collectives,
+    MoELayer,
+    check_expert_parallel,
+    expert_param_bytes_per_rank,
+    find_moe_layers,
+    moe_segment_collectives,
     segment_moe_layers,
 )
 from engine.placement import Placement
@@ -28,8 +32,15 @@ from engine.schedule import Schedule
 from engine.simulate import simulate
 from engine.timeline import Timeline
 from engine.transform import (
-    PARAM_STATE_FACTOR, ParallelConfig, Segment, TransformError, add_tied_copies, check_optimizer, gradient_bytes,
-    split_segments, tied_parameter_groups,
+    PARAM_STATE_FACTOR,
+    ParallelConfig,
+    Segment,
+    TransformError,
+    add_tied_copies,
+    check_optimizer,
+    gradient_bytes,
+    split_segments,
+    tied_parameter_groups,
 )
 
 

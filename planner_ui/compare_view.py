@@ -26,8 +26,8 @@ from engine.io.plan import Plan
 from engine.planner import resimulate
 from engine.schedule import Schedule
 from engine.timeline import Timeline
-from planner_ui.sources import PALETTE
 from planner_ui.background import bokeh_safe
+from planner_ui.sources import PALETTE
 from planner_ui.state import PlanState, abstract_plan
 
 _GIB = 2**30

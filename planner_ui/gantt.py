@@ -56,16 +56,34 @@ from __future__ import annotations
 import numpy as np
 import panel as pn
 import param
-from bokeh.models import (BoxEditTool, ColumnDataSource, FixedTicker, HoverTool, Legend, LegendItem,
-                          Range1d, Span, TapTool, WheelZoomTool)
+from bokeh.models import (
+    BoxEditTool,
+    ColumnDataSource,
+    FixedTicker,
+    HoverTool,
+    Legend,
+    LegendItem,
+    Range1d,
+    Span,
+    TapTool,
+    WheelZoomTool,
+)
 from bokeh.plotting import figure
 
 from engine.errors import TesselError
 from engine.schedule import parse_action
-from planner_ui.gantt_edit import (BLOCK_COLUMNS, COMM_COLUMNS, MEASURED_COLUMNS, SCHEDULE_OPS, block_columns,
-                                   find_dragged, header_html, measured_columns)
-from planner_ui.sources import COMPUTE_HEIGHT, PALETTE, memory_columns
 from planner_ui.background import bokeh_safe
+from planner_ui.gantt_edit import (
+    BLOCK_COLUMNS,
+    COMM_COLUMNS,
+    MEASURED_COLUMNS,
+    SCHEDULE_OPS,
+    block_columns,
+    find_dragged,
+    header_html,
+    measured_columns,
+)
+from planner_ui.sources import COMPUTE_HEIGHT, PALETTE, memory_columns
 from planner_ui.state import EditResult, PlanState
 
 _ALERT_TYPES = {"info": "info", "success": "success", "error": "danger"}

@@ -29,6 +29,7 @@ from bokeh.models import (
 )
 from bokeh.plotting import figure
 
+from planner_ui.background import bokeh_safe
 from planner_ui.graph_layout import (
     LEVELS,
     collapse,
@@ -38,7 +39,6 @@ from planner_ui.graph_layout import (
     placement_dag,
     plan_segments,
 )
-from planner_ui.background import bokeh_safe
 from planner_ui.state import PlanState
 
 #: Above this many nodes the figure uses Bokeh's WebGL backend.

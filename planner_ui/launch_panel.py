@@ -20,8 +20,8 @@ import param
 from bokeh.models import ColumnDataSource
 from bokeh.plotting import figure
 
-from planner_ui.launch_facade import LaunchJob, LaunchNotPossible
 from planner_ui.background import bokeh_safe
+from planner_ui.launch_facade import LaunchJob, LaunchNotPossible
 from planner_ui.state import PlanState
 
 

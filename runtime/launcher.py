@@ -58,9 +58,8 @@ from typing import Any, Callable, Sequence
 
 from engine.errors import TesselError
 from engine.timeline import Event, Timeline
-
-from runtime import cluster as _cluster
 from runtime import checkpoint as _ckpt
+from runtime import cluster as _cluster
 
 
 class LaunchError(TesselError):

@@ -362,8 +362,9 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
             the chain interface cannot express.
         TesselError: the model name is unknown (``ModelNotFoundError``) or cannot be traced.
     """
-    from engine.models import build_model
     from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from engine.models import build_model
 
     check_executable(plan)
     S = len(plan.segments)

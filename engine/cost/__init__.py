@@ -6,7 +6,14 @@ Units: seconds, bytes, FLOP/s (see ``../shared/DESIGN.md``).
 
 from engine.cost.comm import COLLECTIVES, collective_time, p2p_time
 from engine.cost.devices import (
-    DEVICES, LINKS, CostModelError, DeviceSpec, LinkSpec, canonical_dtype, get_device, get_link,
+    DEVICES,
+    LINKS,
+    CostModelError,
+    DeviceSpec,
+    LinkSpec,
+    canonical_dtype,
+    get_device,
+    get_link,
 )
 from engine.cost.model import CostModel
 from engine.cost.profiler import ProfileTable, device_key, profile_ops, signature

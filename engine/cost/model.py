@@ -10,7 +10,13 @@ from typing import Iterable
 
 from engine.cost import comm, roofline
 from engine.cost.devices import (
-    DTYPE_BYTES, CostModelError, DeviceSpec, LinkSpec, canonical_dtype, get_device, get_link,
+    DTYPE_BYTES,
+    CostModelError,
+    DeviceSpec,
+    LinkSpec,
+    canonical_dtype,
+    get_device,
+    get_link,
 )
 from engine.cost.profiler import ProfileTable, signature
 

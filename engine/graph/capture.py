@@ -56,8 +56,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from .flops import (count_flops, dropout_saved_bytes, op_kind, op_name, saves_inputs,
-                    saves_output, target_str)
+from .flops import count_flops, dropout_saved_bytes, op_kind, op_name, saves_inputs, saves_output, target_str
 from .opgraph import OpGraph
 
 __all__ = ["capture", "CaptureError"]

@@ -7,7 +7,12 @@
 from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
 from engine.tessel.repetend import Repetend
 from engine.tessel.search import (
-    InfeasibleMemoryError, SearchCancelled, SearchControl, SearchProgress, SearchResult, tessel_search,
+    InfeasibleMemoryError,
+    SearchCancelled,
+    SearchControl,
+    SearchProgress,
+    SearchResult,
+    tessel_search,
 )
 
 __all__ = [

@@ -27,7 +27,14 @@ from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.stage import PipelineStage
 
 from engine.baselines import (
-    SCHEDULES, build_schedule, gpipe, interleaved_1f1b, one_f_one_b, placement_requirements, zb_h1, zb_v,
+    SCHEDULES,
+    build_schedule,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    placement_requirements,
+    zb_h1,
+    zb_v,
     zbv_placement,
 )
 from engine.errors import PlacementError, ScheduleError

@@ -9,10 +9,22 @@ import math
 import pytest
 
 from engine.cost import (
-    DEVICES, LINKS, CostModel, DeviceSpec, LinkSpec, ProfileTable, collective_time,
-    get_device, get_link, op_time, p2p_time, profile_ops, ridge_intensity, signature,
+    DEVICES,
+    LINKS,
+    CostModel,
+    DeviceSpec,
+    LinkSpec,
+    ProfileTable,
+    collective_time,
+    get_device,
+    get_link,
+    op_time,
+    p2p_time,
+    profile_ops,
+    profiler,
+    ridge_intensity,
+    signature,
 )
-from engine.cost import profiler
 from engine.errors import TesselError
 
 

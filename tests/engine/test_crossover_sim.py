@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from engine.crossover import (COMM_CPU_SHARE,
+from engine.crossover import (
+    COMM_CPU_SHARE,
     MODES,
     ColocatedPrediction,
     CrossoverError,

@@ -10,12 +10,17 @@ import pytest
 import torch
 
 from engine.cost import CostModel
+from engine.errors import PlanFormatError
 from engine.io import timeline_to_trace
 from engine.io.plan import Plan, load_plan, save_plan
-from engine.errors import PlanFormatError
 from engine.models.moe import DTSGate, MoEFeedForward, SwitchGate, Top2Gate
 from engine.models.moe.comm import (
-    MoELayer, all_to_all_bytes, find_moe_layers, gate_capacity, moe_segment_collectives, segment_moe_layers,
+    MoELayer,
+    all_to_all_bytes,
+    find_moe_layers,
+    gate_capacity,
+    moe_segment_collectives,
+    segment_moe_layers,
 )
 from engine.planner import lower_plan, make_plan, resimulate
 from engine.simulate import simulate

@@ -4,8 +4,7 @@ GShard top-2, gate state in state_dict."""
 import pytest
 import torch
 
-from engine.models.moe import (DTSGate, MoEFeedForward, SwitchGate, Top2Gate, dts_temperature,
-                               make_gate)
+from engine.models.moe import DTSGate, MoEFeedForward, SwitchGate, Top2Gate, dts_temperature, make_gate
 
 
 # ------------------------------------------------------------------------- temperature schedule

@@ -9,8 +9,20 @@ import pytest
 from engine.errors import PlacementError
 from engine.placement import Placement, TensorSpec, pipeline_placement
 from engine.shapes import (
-    PLACEMENT_FORMAT, custom_placement, interleaved_shape, k_shape, load_placement, m_shape, make_shape,
-    nn_shape, placement_from_dict, placement_to_dict, save_placement, shape_names, v_shape, x_shape,
+    PLACEMENT_FORMAT,
+    custom_placement,
+    interleaved_shape,
+    k_shape,
+    load_placement,
+    m_shape,
+    make_shape,
+    nn_shape,
+    placement_from_dict,
+    placement_to_dict,
+    save_placement,
+    shape_names,
+    v_shape,
+    x_shape,
 )
 
 #: shape -> (segments on n devices, busy time per device per micro-batch with F=1, B=2, name)

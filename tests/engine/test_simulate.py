@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.dependency import Instruction, ExecutionPlan, lower
+from engine.dependency import ExecutionPlan, Instruction, lower
 from engine.errors import DeadlockError
 from engine.placement import BlockSpec, Placement, TensorSpec, pipeline_placement
 from engine.schedule import Block, Schedule

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from engine.baselines import build_schedule
 from engine.dependency import Instruction, TiedGroup, lower
 from engine.errors import DeadlockError, PlanFormatError
 from engine.io.plan import Plan, load_plan, save_plan
 from engine.models import build_model
 from engine.placement import pipeline_placement
 from engine.planner import lower_plan, make_plan, resimulate
-from engine.baselines import build_schedule
 from engine.schedule import Block
 from engine.simulate import simulate
 from engine.transform import tied_parameter_groups

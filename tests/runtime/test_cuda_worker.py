@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from test_worker import M, STEPS, _batches, _plan, _reference
+from test_worker import STEPS, M, _batches, _plan, _reference
 from worker_harness import WorkerPool
 
 from engine.timeline import Event
@@ -148,8 +148,8 @@ def test_retargeted_stages_run_on_another_device():
     """The traced graphs create tensors with ``device=cpu`` (GPT-2's position ``arange``,
     ``_assert_tensor_metadata``): moved to another device (``meta`` stands in for a GPU) the stage
     forward fails until :func:`runtime.stage.retarget_device` rewrites those arguments."""
-    from runtime.stage import build_stages, retarget_device
     from runtime.device import module_to as _module_to
+    from runtime.stage import build_stages, retarget_device
 
     st = build_stages(_plan(2, "1f1b"), seed=0)
     meta = torch.device("meta")

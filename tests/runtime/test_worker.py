@@ -183,8 +183,8 @@ def test_stage_modules_compose_to_the_full_model():
 
 
 def test_tensor_parallel_plans_are_refused():
-    from runtime.stage import RuntimeNotSupported, build_stages
     from engine.planner import make_plan
+    from runtime.stage import RuntimeNotSupported, build_stages
 
     plan = make_plan("gpt2-tiny", devices=4, tp=2, micro_batches=M, schedule="1f1b", device_type="cpu",
                      micro_batch_size=MBS, seq_len=SEQ).plan

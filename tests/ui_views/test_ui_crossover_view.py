@@ -8,7 +8,14 @@ import pytest
 
 from engine.crossover import JobProfile, compare_profiles, predict_profiles
 from engine.planner import make_plan
-from planner_ui.crossover_view import CrossoverView, crossover_columns, crossover_header_html, fmt_ms, fmt_rate, job_color
+from planner_ui.crossover_view import (
+    CrossoverView,
+    crossover_columns,
+    crossover_header_html,
+    fmt_ms,
+    fmt_rate,
+    job_color,
+)
 from planner_ui.sources import COMM_HEIGHT, COMPUTE_HEIGHT
 
 
