@@ -26,11 +26,16 @@ from typing import Any, Iterable
 
 from engine.cost.devices import CostModelError
 from engine.io.atomic import atomic_write_text
+from engine.io.envelope import Envelope
 
 log = logging.getLogger(__name__)
 
 PROFILE_FORMAT = "tessel-profile"
 PROFILE_VERSION = 1
+#: The profile table's envelope. Lenient like the cost model's: a document without ``format``
+#: or ``version`` is read as this format and version.
+PROFILE_ENVELOPE = Envelope(PROFILE_FORMAT, PROFILE_VERSION, CostModelError, what="a profile table",
+                            require_format=False, require_version=False)
 
 #: Replays whose materialised inputs exceed this many bytes are skipped (the dev machines
 #: have 24 GiB shared by several users).
@@ -70,13 +75,11 @@ class ProfileTable:
 
     def to_dict(self) -> dict:
         """JSON-able dict: ``{"format": "tessel-profile", "version": 1, "device_key", "times", "skipped"}``."""
-        return {
-            "format": PROFILE_FORMAT,
-            "version": PROFILE_VERSION,
+        return PROFILE_ENVELOPE.wrap({
             "device_key": self.device_key,
             "times": dict(sorted(self.times.items())),
             "skipped": dict(sorted(self.skipped.items())),
-        }
+        })
 
     @classmethod
     def from_dict(cls, d: dict, path: str = "profile") -> ProfileTable:
@@ -86,12 +89,7 @@ class ProfileTable:
             CostModelError (a ValueError): malformed dict or unknown format/version; the
                 message names the field path (prefixed by ``path``).
         """
-        if not isinstance(d, dict):
-            raise CostModelError(f"{path}: expected an object, got {type(d).__name__}")
-        if d.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
-            raise CostModelError(f"{path}.format: expected {PROFILE_FORMAT!r}, got {d.get('format')!r}")
-        if d.get("version", PROFILE_VERSION) != PROFILE_VERSION:
-            raise CostModelError(f"{path}.version: unsupported version {d.get('version')!r} (known: {PROFILE_VERSION})")
+        PROFILE_ENVELOPE.check(d, path=path)
         if not isinstance(d.get("device_key"), str):
             raise CostModelError(f"{path}.device_key: expected a string")
         times = d.get("times", {})

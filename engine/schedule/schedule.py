@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine.errors import ScheduleError
 from engine.placement import Placement
 from engine.schedule.block import Block, parse_action
+from engine.schedule.validate import validate as _validate
 
 
 @dataclass
@@ -45,9 +46,7 @@ class Schedule:
 
         See :func:`engine.schedule.validate.validate`.
         """
-        from engine.schedule.validate import validate
-
-        validate(self, memory_limit)
+        _validate(self, memory_limit)
 
     def copy(self) -> "Schedule":
         return Schedule(self.placement, self.num_micro_batches, [list(o) for o in self.orders], self.name, dict(self.meta))

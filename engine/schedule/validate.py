@@ -10,15 +10,21 @@ Rules, checked in this order, the first violation raised as :class:`ScheduleErro
 4. ``deadlock``: the device orders plus the dependencies have no cycle across devices (the
    send/recv of such a cycle would wait forever); found with Kahn's algorithm;
 5. ``memory``: the peak memory of each device stays within the limit.
+
+Dependency direction: :mod:`engine.schedule.schedule` imports this module (``Schedule.validate``
+delegates here); this module needs only the schedule's attributes and names ``Schedule`` for
+type checking alone, so there is no import cycle.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from engine.errors import ScheduleError
 from engine.schedule.block import Block
-from engine.schedule.schedule import Schedule
+
+if TYPE_CHECKING:  # only for annotations: schedule.py imports this module, never the reverse
+    from engine.schedule.schedule import Schedule
 
 
 def _fmt_gib(x: float) -> str:
