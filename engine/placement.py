@@ -182,7 +182,8 @@ class Placement:
                 raise PlacementError(f"block {b.segment}{b.kind} has negative duration {b.duration}")
             for dep in b.deps:
                 if not 0 <= dep < len(self.blocks) or dep == i:
-                    raise PlacementError(f"block {b.segment}{b.kind} depends on block index {dep}, which does not exist")
+                    raise PlacementError(
+                        f"block {b.segment}{b.kind} depends on block index {dep}, which does not exist")
             if b.key in seen:
                 raise PlacementError(f"block {b.segment}{b.kind} appears twice in the placement")
             seen[b.key] = i
@@ -190,7 +191,8 @@ class Placement:
             if b.kind != "F" and ("F", b.segment) not in seen:
                 raise PlacementError(f"block {b.segment}{b.kind} is a backward without its forward {b.segment}F")
             if b.kind == "W" and ("I", b.segment) not in seen:
-                raise PlacementError(f"block {b.segment}W needs {b.segment}I: a weight-gradient block follows its input-gradient block")
+                raise PlacementError(f"block {b.segment}W needs {b.segment}I: a weight-gradient block follows its "
+                                     "input-gradient block")
         g = self.dependency_graph()
         if not nx.is_directed_acyclic_graph(g):
             cycle = nx.find_cycle(g)
@@ -270,7 +272,8 @@ class Placement:
 
     def with_durations(self, durations: Sequence[float]) -> "Placement":
         """A copy with new per-block durations (same order as :attr:`blocks`)."""
-        return replace(self, blocks=tuple(replace(b, duration=float(t)) for b, t in zip(self.blocks, durations, strict=True)))
+        return replace(self, blocks=tuple(replace(b, duration=float(t))
+                                          for b, t in zip(self.blocks, durations, strict=True)))
 
 
 def pipeline_placement(

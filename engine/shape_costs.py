@@ -15,6 +15,7 @@ a sequential transformer is not (its ``model_parts`` is ``None``).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from engine.errors import TesselError
 from engine.placement import Placement, TensorSpec
@@ -60,7 +61,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
     layers = layer_costs(graph, cost, 1)
     k = spec.model_parts(n)
     ranges = balanced_partition([lc.forward_time for lc in layers], k)
-    parts = []
+    parts: list[dict[str, Any]] = []
     for i, j in ranges:
         chunk = layers[i:j]
         parts.append({

@@ -295,7 +295,7 @@ def m_shape(n: int, **kw) -> Placement:
     """
     _check_devices("M", n)
     devs = [tuple(range(n))] + [(i,) for i in range(n)]
-    preds = [[]] + [[s - 1] for s in range(1, n + 1)]
+    preds: list[list[int]] = [[]] + [[s - 1] for s in range(1, n + 1)]
     return _build("M", n, devs, preds, **kw)
 
 
@@ -318,7 +318,7 @@ def nn_shape(n: int, **kw) -> Placement:
     h = n // 2
     every = tuple(range(n))
     devs = [every] + [(i - 1,) for i in range(1, h + 1)] + [every] + [(j - 2,) for j in range(h + 2, n + 2)]
-    preds = [[]] + [[s - 1] for s in range(1, n + 2)]
+    preds: list[list[int]] = [[]] + [[s - 1] for s in range(1, n + 2)]
     return _build("NN", n, devs, preds, **kw)
 
 

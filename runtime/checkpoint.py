@@ -198,7 +198,7 @@ def _torch_save(obj: Any, path: Path) -> None:
 def clean_temporaries(checkpoint_dir: str | os.PathLike) -> list[Path]:
     """Remove hidden temporary/aside directories left by interrupted saves; returns what was removed."""
     root = Path(checkpoint_dir)
-    removed = []
+    removed: list[Path] = []
     if not root.is_dir():
         return removed
     for p in root.iterdir():
@@ -350,5 +350,6 @@ def load_checkpoint(path: str | os.PathLike, *, plan: Any = None, world_size: in
     return ck
 
 
-__all__ = ["Checkpoint", "CheckpointError", "capture_rng", "restore_rng", "plan_hash", "save_checkpoint", "load_checkpoint",
-           "latest_checkpoint", "list_checkpoints", "clean_temporaries", "step_dir_name"]
+__all__ = ["Checkpoint", "CheckpointError", "capture_rng", "restore_rng", "plan_hash", "save_checkpoint",
+           "load_checkpoint", "latest_checkpoint", "list_checkpoints", "clean_temporaries", "step_dir_name",
+           "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "RANK_STATE_FORMAT", "RANK_STATE_VERSION"]

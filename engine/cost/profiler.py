@@ -98,7 +98,8 @@ class ProfileTable:
             raise CostModelError(f"{path}.times: expected an object of signature -> seconds")
         if not isinstance(skipped, dict):
             raise CostModelError(f"{path}.skipped: expected an object of signature -> reason")
-        return cls(d["device_key"], {str(k): float(v) for k, v in times.items()}, {str(k): str(v) for k, v in skipped.items()})
+        return cls(d["device_key"], {str(k): float(v) for k, v in times.items()},
+                   {str(k): str(v) for k, v in skipped.items()})
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the table as JSON to ``path`` atomically (temp file in the same folder, then
@@ -263,7 +264,9 @@ def _materialize(x: Any, device, budget: list[int], key: str | None = None) -> A
         if dtype == torch.bool:
             return torch.ones(shape, dtype=dtype, device=device)
         if dtype.is_floating_point or dtype.is_complex:
-            return torch.randn(shape, device=device).to(dtype) if dtype.itemsize == 1 else torch.randn(shape, dtype=dtype, device=device)
+            if dtype.itemsize == 1:
+                return torch.randn(shape, device=device).to(dtype)
+            return torch.randn(shape, dtype=dtype, device=device)
         return torch.randint(0, 2, shape, dtype=dtype, device=device)
     if isinstance(x, dict):
         return {k: _materialize(v, device, budget, k) for k, v in x.items()}
