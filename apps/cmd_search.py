@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _placements(args):
     """(placement, variant(name) for the V baselines, memory scale, model dict, cost, parts)."""
-    from engine.shapes import load_placement, make_shape
+    from engine.io.placement_json import load_placement
+    from engine.shapes import make_shape
 
     kw = {"split_backward": args.split_backward, "forward_only": args.inference}
     if Path(args.placement).suffix == ".json" or Path(args.placement).is_file():

@@ -9,7 +9,8 @@ placement of one micro-batch") and of the predefined schedules.
 
 The plain pipeline (Tessel's V shape) and the interleaved pipeline (virtual stages) are built
 here by :func:`pipeline_placement`; other shapes (X, M, NN, K) build on :class:`Placement`
-directly.
+directly. The JSON form (files and the ``placement`` field of plans) lives in
+:mod:`engine.io.placement_json`.
 """
 
 from __future__ import annotations
@@ -62,10 +63,14 @@ class TensorSpec:
         return prod(self.shape) * dtype_bytes(self.dtype)
 
     def to_dict(self) -> dict:
+        """JSON form ``{"shape": [ints], "dtype": str}``."""
         return {"shape": list(self.shape), "dtype": self.dtype}
 
     @classmethod
     def from_dict(cls, d: dict) -> "TensorSpec":
+        """Inverse of :meth:`to_dict` (``dtype`` defaults to ``"float32"``); raises ``KeyError``,
+        ``TypeError`` or ``ValueError`` on malformed input (validated callers:
+        :func:`engine.io.placement_json.parse_blocks`)."""
         return cls(tuple(int(x) for x in d["shape"]), str(d.get("dtype", "float32")))
 
 
@@ -97,22 +102,6 @@ class BlockSpec:
     @property
     def key(self) -> tuple[str, int]:
         return (self.kind, self.segment)
-
-    def to_dict(self) -> dict:
-        return {
-            "kind": self.kind, "segment": self.segment, "devices": list(self.devices),
-            "duration": self.duration, "memory": self.memory, "deps": list(self.deps),
-            "output": self.output.to_dict() if self.output else None,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "BlockSpec":
-        return cls(
-            kind=str(d["kind"]), segment=int(d["segment"]),
-            devices=tuple(int(x) for x in d["devices"]), duration=float(d.get("duration", 1.0)),
-            memory=int(d.get("memory", 0)), deps=tuple(int(x) for x in d.get("deps", ())),
-            output=TensorSpec.from_dict(d["output"]) if d.get("output") else None,
-        )
 
 
 @dataclass(frozen=True)
@@ -193,7 +182,8 @@ class Placement:
                 raise PlacementError(f"block {b.segment}{b.kind} has negative duration {b.duration}")
             for dep in b.deps:
                 if not 0 <= dep < len(self.blocks) or dep == i:
-                    raise PlacementError(f"block {b.segment}{b.kind} depends on block index {dep}, which does not exist")
+                    raise PlacementError(
+                        f"block {b.segment}{b.kind} depends on block index {dep}, which does not exist")
             if b.key in seen:
                 raise PlacementError(f"block {b.segment}{b.kind} appears twice in the placement")
             seen[b.key] = i
@@ -201,7 +191,8 @@ class Placement:
             if b.kind != "F" and ("F", b.segment) not in seen:
                 raise PlacementError(f"block {b.segment}{b.kind} is a backward without its forward {b.segment}F")
             if b.kind == "W" and ("I", b.segment) not in seen:
-                raise PlacementError(f"block {b.segment}W needs {b.segment}I: a weight-gradient block follows its input-gradient block")
+                raise PlacementError(f"block {b.segment}W needs {b.segment}I: a weight-gradient block follows its "
+                                     "input-gradient block")
         g = self.dependency_graph()
         if not nx.is_directed_acyclic_graph(g):
             cycle = nx.find_cycle(g)
@@ -281,33 +272,8 @@ class Placement:
 
     def with_durations(self, durations: Sequence[float]) -> "Placement":
         """A copy with new per-block durations (same order as :attr:`blocks`)."""
-        return replace(self, blocks=tuple(replace(b, duration=float(t)) for b, t in zip(self.blocks, durations, strict=True)))
-
-    # ----------------------------------------------------------------- JSON
-    def to_dict(self) -> dict:
-        """JSON form; ``grad_memory``/``grad_transient`` appear only when set."""
-        d = {
-            "name": self.name, "num_devices": self.num_devices,
-            "static_memory": list(self.static_memory),
-            "blocks": [b.to_dict() for b in self.blocks],
-        }
-        if self.grad_memory:
-            d["grad_memory"] = list(self.grad_memory)
-        if self.grad_transient:
-            d["grad_transient"] = list(self.grad_transient)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Placement":
-        """Inverse of :meth:`to_dict`. Raises ``PlacementError``/``KeyError`` on bad input."""
-        return cls(
-            num_devices=int(d["num_devices"]),
-            blocks=tuple(BlockSpec.from_dict(b) for b in d["blocks"]),
-            name=str(d.get("name", "custom")),
-            static_memory=tuple(int(x) for x in d.get("static_memory", ())),
-            grad_memory=tuple(int(x) for x in d.get("grad_memory", ())),
-            grad_transient=tuple(int(x) for x in d.get("grad_transient", ())),
-        )
+        return replace(self, blocks=tuple(replace(b, duration=float(t))
+                                          for b, t in zip(self.blocks, durations, strict=True)))
 
 
 def pipeline_placement(

@@ -6,18 +6,20 @@ and fills the shape's durations, activation memory, boundary tensors and static 
 cost model. A segment that runs on all ``n`` devices is tensor-parallel across them: its work
 and activations are divided by ``n`` and it pays an all-reduce of its output.
 
-Segment-to-part mapping: V, M, NN and interleaved number their segments in model order (segment
-``s`` is part ``s``); X holds two replicas of the model (segment ``s`` is part ``s mod n``).
-K needs a model with two independent branches, which a sequential transformer is not.
+Segment-to-part mapping (:attr:`engine.shapes.ShapeSpec.model_parts`): V, M, NN and interleaved
+number their segments in model order (segment ``s`` is part ``s``); X holds two replicas of the
+model (segment ``s`` is part ``s mod n``). K needs a model with two independent branches, which
+a sequential transformer is not (its ``model_parts`` is ``None``).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from engine.errors import TesselError
 from engine.placement import Placement, TensorSpec
-from engine.shapes import make_shape
+from engine.shapes import SHAPES, find_shape
 from engine.transform import (
     PARAM_STATE_FACTOR,
     balanced_partition,
@@ -25,14 +27,6 @@ from engine.transform import (
     gradient_bytes,
     layer_costs,
 )
-
-#: Number of model parts per shape on ``n`` devices.
-_PARTS = {"v": lambda n: n, "x": lambda n: n, "m": lambda n: n + 1, "nn": lambda n: n + 2, "interleaved": lambda n: 2 * n}
-
-
-def _key(shape: str) -> str:
-    k = shape.lower().replace("-", "").replace("_", "")
-    return k[:-5] if k.endswith("shape") and k != "shape" else k
 
 
 def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bool = False,
@@ -58,16 +52,16 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             an unknown optimizer.
     """
     check_optimizer(optimizer)
-    key = _key(shape)
-    if key == "k":
-        raise TesselError("the K shape needs a model with two independent branches joined by a loss; "
-                          "a sequential transformer has none: search K in abstract units (no --model)")
-    if key not in _PARTS:
-        raise TesselError(f"unknown shape {shape!r} for a model; use one of {', '.join(_PARTS)}")
+    spec = find_shape(shape)
+    if spec is not None and spec.model_parts is None:
+        raise TesselError(spec.no_model)
+    if spec is None or spec.model_parts is None:
+        usable = [s.name for s in SHAPES.values() if s.model_parts is not None]
+        raise TesselError(f"unknown shape {shape!r} for a model; use one of {', '.join(usable)}")
     layers = layer_costs(graph, cost, 1)
-    k = _PARTS[key](n)
+    k = spec.model_parts(n)
     ranges = balanced_partition([lc.forward_time for lc in layers], k)
-    parts = []
+    parts: list[dict[str, Any]] = []
     for i, j in ranges:
         chunk = layers[i:j]
         parts.append({
@@ -78,9 +72,11 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             "max_param_bytes": max((lc.max_param_bytes for lc in chunk), default=0),
             "output": chunk[-1].output,
         })
-    probe = make_shape(key, n)
+    probe = spec.build(n)
     n_seg = probe.num_segments
-    part_of = (lambda s: s % n) if key == "x" else (lambda s: s)
+
+    def part_of(s: int) -> int:
+        return s % k  # X holds two replicas of the model; the other shapes have one segment per part
     all_dev = {b.segment for b in probe.blocks if len(b.devices) == n and n > 1}
     fwd, bwd, act, outs, grads = [], [], [], [], []
     static = [0] * n
@@ -104,7 +100,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         buf, tr = gradient_bytes(optimizer, p["param_bytes"], p["max_param_bytes"])
         grad_buf.append(buf // len(devs))
         grad_tr.append(tr // len(devs))
-    pl = make_shape(key, n, forward_times=fwd, backward_times=bwd, activation_bytes=act, outputs=outs,
+    pl = spec.build(n, forward_times=fwd, backward_times=bwd, activation_bytes=act, outputs=outs,
                     input_grads=grads, split_backward=split_backward, forward_only=forward_only, static_memory=static)
     if not forward_only:
         pl = replace(pl, grad_memory=tuple(grad_buf), grad_transient=tuple(grad_tr))

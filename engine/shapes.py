@@ -38,8 +38,12 @@ Units and conventions (shared by every constructor):
 Block order in :attr:`Placement.blocks` is a topological order of the chain (its index is the
 "chain position" the generic schedulers break ties with).
 
+Every shape is one :class:`ShapeSpec` in :data:`SHAPES` (constructor, segment count, model
+parts for :func:`engine.shape_costs.model_shape_placement`, description): adding a shape
+touches that one registry.
+
 Custom placements come from :func:`custom_placement` (a list of dicts) or a JSON file
-(:func:`load_placement` / :func:`save_placement`)::
+(:func:`engine.io.placement_json.load_placement` / ``save_placement``)::
 
     {"format": "tessel-placement", "version": 1, "name": "my-shape", "num_devices": 2,
      "static_memory": [0, 0],
@@ -54,27 +58,18 @@ that names the offending argument or JSON field (e.g. ``blocks[3].devices``).
 
 from __future__ import annotations
 
-import json
-import os
 import re
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from engine.errors import PlacementError
-from engine.io.atomic import atomic_write_text
-from engine.placement import BLOCK_KINDS, BlockSpec, Placement, TensorSpec, pipeline_placement
+from engine.io.placement_json import parse_blocks
+from engine.placement import BlockSpec, Placement, TensorSpec, pipeline_placement
 
 __all__ = [
     "v_shape", "x_shape", "m_shape", "nn_shape", "k_shape", "interleaved_shape",
-    "make_shape", "SHAPES", "shape_names",
-    "custom_placement", "placement_to_dict", "placement_from_dict", "load_placement", "save_placement",
-    "PLACEMENT_FORMAT", "PLACEMENT_VERSION",
+    "ShapeSpec", "make_shape", "find_shape", "SHAPES", "shape_names", "custom_placement",
 ]
-
-#: ``format`` field of a placement JSON file.
-PLACEMENT_FORMAT = "tessel-placement"
-#: Version of the placement JSON written by :func:`save_placement` (the only one read).
-PLACEMENT_VERSION = 1
 
 
 # --------------------------------------------------------------------------- helpers
@@ -300,7 +295,7 @@ def m_shape(n: int, **kw) -> Placement:
     """
     _check_devices("M", n)
     devs = [tuple(range(n))] + [(i,) for i in range(n)]
-    preds = [[]] + [[s - 1] for s in range(1, n + 1)]
+    preds: list[list[int]] = [[]] + [[s - 1] for s in range(1, n + 1)]
     return _build("M", n, devs, preds, **kw)
 
 
@@ -323,7 +318,7 @@ def nn_shape(n: int, **kw) -> Placement:
     h = n // 2
     every = tuple(range(n))
     devs = [every] + [(i - 1,) for i in range(1, h + 1)] + [every] + [(j - 2,) for j in range(h + 2, n + 2)]
-    preds = [[]] + [[s - 1] for s in range(1, n + 2)]
+    preds: list[list[int]] = [[]] + [[s - 1] for s in range(1, n + 2)]
     return _build("NN", n, devs, preds, **kw)
 
 
@@ -351,15 +346,54 @@ def k_shape(n: int, **kw) -> Placement:
     return _build("K", n, devs, preds, **kw)
 
 
-#: Canonical shape name -> constructor ``(n, **kw) -> Placement``.
-SHAPES: dict[str, Callable[..., Placement]] = {
-    "v": v_shape, "x": x_shape, "m": m_shape, "nn": nn_shape, "k": k_shape, "interleaved": interleaved_shape,
-}
+@dataclass(frozen=True)
+class ShapeSpec:
+    """One placement shape of the registry :data:`SHAPES`.
+
+    Attributes:
+        name: canonical name (lower case), the key in :data:`SHAPES`.
+        build: the constructor ``(n, **kw) -> Placement`` (``n`` devices).
+        segments: ``n -> `` segments of one micro-batch on ``n`` devices (default keywords;
+            the interleaved shape with ``virtual_stages=2``).
+        description: one line for listings.
+        model_parts: ``n -> `` how many parts a captured sequential model is cut into for
+            this shape (:func:`engine.shape_costs.model_shape_placement`); segment ``s`` runs
+            part ``s % model_parts(n)`` (X holds two replicas). ``None``: the shape cannot hold
+            a sequential model.
+        no_model: why not, when ``model_parts`` is ``None`` (the error message).
+    """
+
+    name: str
+    build: Callable[..., Placement]
+    segments: Callable[[int], int]
+    description: str
+    model_parts: Callable[[int], int] | None = None
+    no_model: str = ""
+
+
+#: Canonical shape name -> :class:`ShapeSpec`, in listing order.
+SHAPES: dict[str, ShapeSpec] = {s.name: s for s in (
+    ShapeSpec("v", v_shape, lambda n: n, "plain pipeline (1F1B)", lambda n: n),
+    ShapeSpec("x", x_shape, lambda n: 2 * n, "two opposite V chains (Chimera-like)", lambda n: n),
+    ShapeSpec("m", m_shape, lambda n: n + 1, "all-device block, a V, mirrored", lambda n: n + 1),
+    ShapeSpec("nn", nn_shape, lambda n: n + 2, "all-device blocks at the start and middle of a V", lambda n: n + 2),
+    ShapeSpec("k", k_shape, lambda n: n + 1, "two V branches on halves joined by a loss block", None,
+              "the K shape needs a model with two independent branches joined by a loss; "
+              "a sequential transformer has none: search K in abstract units (no --model)"),
+    ShapeSpec("interleaved", interleaved_shape, lambda n: 2 * n, "interleaved pipeline (virtual stages)",
+              lambda n: 2 * n),
+)}
 
 
 def shape_names() -> list[str]:
     """The canonical shape names accepted by :func:`make_shape`."""
     return list(SHAPES)
+
+
+def find_shape(name: str) -> ShapeSpec | None:
+    """The :class:`ShapeSpec` called ``name`` (spelled as :func:`make_shape` accepts), or ``None``."""
+    key = _canonical(name)
+    return SHAPES[key] if key is not None else None
 
 
 def _canonical(name: str) -> str | None:
@@ -387,103 +421,10 @@ def make_shape(name: str, n: int, **kw) -> Placement:
     key = _canonical(name)
     if key is None:
         raise ValueError(f"unknown placement shape {name!r}; valid shapes are: {', '.join(SHAPES)}")
-    return SHAPES[key](n, **kw)
+    return SHAPES[key].build(n, **kw)
 
 
 # --------------------------------------------------------------------------- custom / JSON
-_DEP = re.compile(r"^\s*(\d+)\s*([FBIWfbiw])\s*$")
-_BLOCK_FIELDS = {"kind", "segment", "devices", "duration", "memory", "deps", "output"}
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _parse_blocks(num_devices: int, blocks: Any, where: str = "blocks") -> tuple[BlockSpec, ...]:
-    if not isinstance(blocks, (list, tuple)):
-        raise PlacementError(f"{where} must be a list of block objects, got {type(blocks).__name__}")
-    raw: list[dict] = []
-    keys: dict[tuple[str, int], int] = {}
-    for i, b in enumerate(blocks):
-        at = f"{where}[{i}]"
-        if not isinstance(b, dict):
-            raise PlacementError(f"{at} must be an object with kind, segment and devices, got {type(b).__name__}")
-        unknown = sorted(set(b) - _BLOCK_FIELDS)
-        if unknown:
-            raise PlacementError(f"{at}.{unknown[0]} is not a block field; use {', '.join(sorted(_BLOCK_FIELDS))}")
-        for f in ("kind", "segment", "devices"):
-            if f not in b:
-                raise PlacementError(f"{at}.{f} is missing")
-        kind = b["kind"]
-        if not isinstance(kind, str) or kind.upper() not in BLOCK_KINDS:
-            raise PlacementError(f"{at}.kind is {kind!r}; use one of {', '.join(BLOCK_KINDS)}")
-        kind = kind.upper()
-        seg = b["segment"]
-        if not _is_int(seg) or seg < 0:
-            raise PlacementError(f"{at}.segment must be a non-negative integer, got {seg!r}")
-        devs = b["devices"]
-        if _is_int(devs):
-            devs = [devs]
-        if not isinstance(devs, (list, tuple)) or not devs:
-            raise PlacementError(f"{at}.devices must be a non-empty list of device indices, got {b['devices']!r}")
-        for d in devs:
-            if not _is_int(d):
-                raise PlacementError(f"{at}.devices must hold integers, got {d!r}")
-            if not 0 <= d < num_devices:
-                raise PlacementError(f"{at}.devices names device {d}, outside 0..{num_devices - 1}")
-        dur = b.get("duration", 1.0)
-        if not _is_num(dur) or dur < 0:
-            raise PlacementError(f"{at}.duration must be a non-negative number, got {dur!r}")
-        mem = b.get("memory", 0)
-        if _is_num(mem) and float(mem).is_integer():
-            mem = int(mem)
-        if not _is_int(mem):
-            raise PlacementError(f"{at}.memory must be an integer (bytes or units), got {mem!r}")
-        deps = b.get("deps", [])
-        if not isinstance(deps, (list, tuple)):
-            raise PlacementError(f"{at}.deps must be a list of block indices or names like '0F', got {deps!r}")
-        out = b.get("output")
-        if out is not None and not isinstance(out, TensorSpec):
-            if not isinstance(out, dict) or not isinstance(out.get("shape"), (list, tuple)) \
-                    or not all(_is_int(x) and x >= 0 for x in out["shape"]):
-                raise PlacementError(f"{at}.output must be null or {{\"shape\": [ints], \"dtype\": str}}, got {out!r}")
-            dtype = out.get("dtype", "float32")
-            if not isinstance(dtype, str):
-                raise PlacementError(f"{at}.output.dtype must be a dtype name, got {dtype!r}")
-            try:
-                out = TensorSpec.from_dict(out)
-                out.nbytes  # noqa: B018 - checks the dtype name
-            except ValueError as e:
-                raise PlacementError(f"{at}.output.dtype: {e}") from None
-        if (kind, seg) in keys:
-            raise PlacementError(f"{at} repeats block {seg}{kind} (already {where}[{keys[(kind, seg)]}])")
-        keys[(kind, seg)] = i
-        raw.append({"kind": kind, "segment": seg, "devices": tuple(devs), "duration": float(dur),
-                    "memory": mem, "deps": deps, "output": out})
-    specs = []
-    for i, r in enumerate(raw):
-        deps = []
-        for j, dep in enumerate(r["deps"]):
-            at = f"{where}[{i}].deps[{j}]"
-            if _is_int(dep):
-                if not 0 <= dep < len(raw) or dep == i:
-                    raise PlacementError(f"{at} is block index {dep}, which does not exist (0..{len(raw) - 1}, not itself)")
-                deps.append(dep)
-            elif isinstance(dep, str) and (mt := _DEP.match(dep)):
-                key = (mt.group(2).upper(), int(mt.group(1)))
-                if key not in keys:
-                    raise PlacementError(f"{at} names block {dep.strip()!r}, which is not in the placement")
-                deps.append(keys[key])
-            else:
-                raise PlacementError(f"{at} must be a block index or a name like '0F' (segment then kind), got {dep!r}")
-        specs.append(BlockSpec(r["kind"], r["segment"], r["devices"], r["duration"], r["memory"], tuple(deps), r["output"]))
-    return tuple(specs)
-
-
 def custom_placement(
     num_devices: int,
     blocks: Sequence[dict],
@@ -512,94 +453,11 @@ def custom_placement(
         PlacementError: a malformed field (the message names it, e.g. ``blocks[3].devices``), or
             what :class:`~engine.placement.Placement` rejects (cycle, backward without forward...).
     """
-    if not _is_int(num_devices) or num_devices < 1:
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
         raise PlacementError(f"num_devices must be a positive integer, got {num_devices!r}")
-    specs = _parse_blocks(num_devices, blocks)
+    specs = parse_blocks(num_devices, blocks)
     static = list(static_memory)
     for j, x in enumerate(static):
-        if not _is_int(x):
+        if isinstance(x, bool) or not isinstance(x, int):
             raise PlacementError(f"static_memory[{j}] must be an integer, got {x!r}")
     return Placement(num_devices, specs, name=str(name), static_memory=tuple(static))
-
-
-def placement_to_dict(placement: Placement) -> dict:
-    """The versioned JSON form ``{"format": "tessel-placement", "version": 1, ...}``."""
-    return {
-        "format": PLACEMENT_FORMAT, "version": PLACEMENT_VERSION, "name": placement.name,
-        "num_devices": placement.num_devices, "static_memory": list(placement.static_memory),
-        "blocks": [b.to_dict() for b in placement.blocks],
-        **({"grad_memory": list(placement.grad_memory)} if placement.grad_memory else {}),
-        **({"grad_transient": list(placement.grad_transient)} if placement.grad_transient else {}),
-    }
-
-
-def placement_from_dict(d: Any) -> Placement:
-    """Inverse of :func:`placement_to_dict`; ``deps`` may be indices or names like ``"0F"``.
-
-    Raises:
-        PlacementError: wrong ``format``, unknown ``version`` or a malformed field (named).
-    """
-    if not isinstance(d, dict):
-        raise PlacementError(f"a placement file must hold a JSON object, got {type(d).__name__}")
-    fmt = d.get("format")
-    if fmt != PLACEMENT_FORMAT:
-        raise PlacementError(f"format is {fmt!r}; a placement file has \"format\": \"{PLACEMENT_FORMAT}\"")
-    ver = d.get("version")
-    if ver != PLACEMENT_VERSION:
-        raise PlacementError(f"version is {ver!r}; this planner reads placement version {PLACEMENT_VERSION}")
-    unknown = sorted(set(d) - {"format", "version", "name", "num_devices", "static_memory", "blocks",
-                               "grad_memory", "grad_transient"})
-    if unknown:
-        raise PlacementError(f"{unknown[0]} is not a placement field")
-    nd = d.get("num_devices")
-    if not _is_int(nd) or nd < 1:
-        raise PlacementError(f"num_devices must be a positive integer, got {nd!r}")
-    name = d.get("name", "custom")
-    if not isinstance(name, str):
-        raise PlacementError(f"name must be a string, got {name!r}")
-    static = d.get("static_memory", [])
-    if not isinstance(static, list):
-        raise PlacementError(f"static_memory must be a list of integers, got {static!r}")
-    for j, x in enumerate(static):
-        if not _is_int(x):
-            raise PlacementError(f"static_memory[{j}] must be an integer, got {x!r}")
-    if static and len(static) != nd:
-        raise PlacementError(f"static_memory has {len(static)} values but num_devices is {nd}")
-    if "blocks" not in d:
-        raise PlacementError("blocks is missing")
-    specs = _parse_blocks(nd, d["blocks"])
-    grad = {}
-    for key in ("grad_memory", "grad_transient"):
-        vals = d.get(key, [])
-        if not isinstance(vals, list) or not all(_is_int(x) for x in vals):
-            raise PlacementError(f"{key} must be a list of integers (bytes per segment), got {vals!r}")
-        grad[key] = tuple(vals)
-    return Placement(nd, specs, name=name, static_memory=tuple(static), **grad)
-
-
-def save_placement(placement: Placement, path: str | os.PathLike) -> Path:
-    """Write ``placement`` as versioned JSON (atomically); returns the path.
-
-    Raises:
-        OSError: the file cannot be written.
-    """
-    return atomic_write_text(path, json.dumps(placement_to_dict(placement), indent=2) + "\n")
-
-
-def load_placement(path: str | os.PathLike) -> Placement:
-    """Read a placement JSON file written by :func:`save_placement` (or by hand).
-
-    Raises:
-        OSError: the file cannot be read.
-        PlacementError: not JSON, wrong ``format``/``version``, or a malformed field; the message
-            names the file and the field path (e.g. ``blocks[3].devices``).
-    """
-    text = Path(path).read_text(encoding="utf-8")
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlacementError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    try:
-        return placement_from_dict(d)
-    except PlacementError as e:
-        raise PlacementError(f"{path}: {e}") from None

@@ -45,11 +45,15 @@ from typing import Any, Iterable
 import torch
 from torch.optim import Optimizer
 
+from engine.errors import TesselError
+
 __all__ = ["AdamA", "AdamAError"]
 
 
-class AdamAError(RuntimeError):
-    """An operation AdamA cannot support (full-gradient clipping, GradScaler, sparse gradients)."""
+class AdamAError(TesselError, RuntimeError):
+    """An operation AdamA cannot support (full-gradient clipping, GradScaler, sparse gradients).
+
+    A :class:`~engine.errors.TesselError`; still a ``RuntimeError`` for existing handlers."""
 
 
 class AdamA(Optimizer):

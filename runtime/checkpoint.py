@@ -5,11 +5,15 @@ resumes at step 20, and the data position is the step because batches are a pure
 of the step, see ``runtime.data.ByteCorpus.train_batch``)::
 
     meta.json          format, version, step, plan_hash, world_size, seed, losses so far, time
-    rank_00000.pt      torch.save of {"format": "tessel-rank-state", "rank": 0,
+    rank_00000.pt      torch.save of {"format": "tessel-rank-state", "version": 1, "rank": 0,
                        "state_dict": rank 0's StageWorker.state_dict() (model shards, optimizer),
                        "rng": rank 0's RNG states (capture_rng: python, torch CPU/CUDA, numpy)}
     ...
     rng.pt             the launcher's own RNG states
+
+Both headers go through :class:`engine.io.envelope.Envelope` (``meta.json``: format and version
+required; a rank state: format required, version optional since rank states written before it
+had none).
 
 Atomicity: everything is written into a hidden temporary directory in the same folder
 (``.tmp-step_000020-<pid>-<random>``), every file is fsync'ed, then the directory is
@@ -40,14 +44,25 @@ from typing import Any, Callable, Sequence
 import torch
 
 from engine.errors import TesselError
+from engine.io.envelope import Envelope
 
 CHECKPOINT_FORMAT = "tessel-checkpoint"
 CHECKPOINT_VERSION = 1
+RANK_STATE_FORMAT = "tessel-rank-state"
+RANK_STATE_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(TesselError):
     """A checkpoint is missing, malformed, or was written for another plan."""
+
+
+#: ``meta.json``'s envelope.
+CHECKPOINT_ENVELOPE = Envelope(CHECKPOINT_FORMAT, CHECKPOINT_VERSION, CheckpointError, what="a checkpoint's meta.json")
+#: The envelope of a ``rank_*.pt`` dict. ``version`` is optional: rank states written before it
+#: existed carry only ``format`` and load as version 1.
+RANK_STATE_ENVELOPE = Envelope(RANK_STATE_FORMAT, RANK_STATE_VERSION, CheckpointError, what="a rank state",
+                               require_version=False)
 
 
 @dataclass
@@ -73,9 +88,10 @@ class Checkpoint:
         if not f.is_file():
             raise CheckpointError(f"checkpoint {self.path} has no state for rank {rank} ({f.name} is missing)")
         d = torch.load(f, map_location=map_location, weights_only=False)
-        if not isinstance(d, dict) or d.get("format") != "tessel-rank-state":
-            raise CheckpointError(f"checkpoint {self.path}: {f.name} is not a Tessel rank state")
-        return d
+        try:
+            return RANK_STATE_ENVELOPE.check(d, f"checkpoint {self.path}", path=f.name)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} (not a Tessel rank state)") from None
 
     def rank_state(self, rank: int, map_location: str = "cpu") -> Any:
         """Rank ``rank``'s worker ``state_dict()`` (``torch.load``, tensors on ``map_location``)."""
@@ -182,7 +198,7 @@ def _torch_save(obj: Any, path: Path) -> None:
 def clean_temporaries(checkpoint_dir: str | os.PathLike) -> list[Path]:
     """Remove hidden temporary/aside directories left by interrupted saves; returns what was removed."""
     root = Path(checkpoint_dir)
-    removed = []
+    removed: list[Path] = []
     if not root.is_dir():
         return removed
     for p in root.iterdir():
@@ -240,14 +256,13 @@ def save_checkpoint(
         get_rng = (rank_rngs if callable(rank_rngs) else
                    (rank_rngs.__getitem__ if rank_rngs is not None else (lambda _r: None)))
         for r in range(world_size):
-            _torch_save({"format": "tessel-rank-state", "rank": r, "state_dict": get(r), "rng": get_rng(r)},
+            _torch_save(RANK_STATE_ENVELOPE.wrap({"rank": r, "state_dict": get(r), "rng": get_rng(r)}),
                         tmp / _rank_file(r))
         _torch_save(capture_rng(), tmp / "rng.pt")
-        meta = {
-            "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": int(step),
-            "plan_hash": plan_hash(plan), "world_size": int(world_size), "seed": int(seed),
+        meta = CHECKPOINT_ENVELOPE.wrap({
+            "step": int(step), "plan_hash": plan_hash(plan), "world_size": int(world_size), "seed": int(seed),
             "time": time.time(), **(extra or {}),
-        }
+        })
         with open(tmp / "meta.json", "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1, default=str)
             f.flush()
@@ -314,11 +329,7 @@ def load_checkpoint(path: str | os.PathLike, *, plan: Any = None, world_size: in
         meta = json.loads((p / "meta.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {p}: meta.json is unreadable ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"checkpoint {p}: meta.json is not a {CHECKPOINT_FORMAT} file")
-    if meta.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"checkpoint {p}: version {meta.get('version')!r} is not readable by this "
-                              f"Tessel (version {CHECKPOINT_VERSION})")
+    CHECKPOINT_ENVELOPE.check(meta, f"checkpoint {p}", path="meta.json")
     try:
         ck = Checkpoint(p, int(meta["step"]), str(meta["plan_hash"]), int(meta["world_size"]), meta)
     except (KeyError, TypeError, ValueError) as e:
@@ -339,5 +350,6 @@ def load_checkpoint(path: str | os.PathLike, *, plan: Any = None, world_size: in
     return ck
 
 
-__all__ = ["Checkpoint", "CheckpointError", "capture_rng", "restore_rng", "plan_hash", "save_checkpoint", "load_checkpoint",
-           "latest_checkpoint", "list_checkpoints", "clean_temporaries", "step_dir_name"]
+__all__ = ["Checkpoint", "CheckpointError", "capture_rng", "restore_rng", "plan_hash", "save_checkpoint",
+           "load_checkpoint", "latest_checkpoint", "list_checkpoints", "clean_temporaries", "step_dir_name",
+           "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "RANK_STATE_FORMAT", "RANK_STATE_VERSION"]

@@ -98,7 +98,8 @@ class Calibration:
             blocks = {(int(s), str(k)): float(t) for s, k, t in d.get("blocks", [])}
             spb = d.get("optimizer_seconds_per_byte")
             p2p = {int(n): float(t) for n, t in d.get("p2p", [])}
-            return cls(blocks, None if spb is None else float(spb), int(d.get("samples", 0)), int(d.get("steps", 0)), p2p)
+            return cls(blocks, None if spb is None else float(spb), int(d.get("samples", 0)), int(d.get("steps", 0)),
+                       p2p)
         except (TypeError, ValueError) as e:
             raise CostModelError(f"malformed calibration: {e}; expected blocks=[[segment, kind, seconds], ...]") from e
 

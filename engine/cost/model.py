@@ -19,9 +19,14 @@ from engine.cost.devices import (
     get_link,
 )
 from engine.cost.profiler import ProfileTable, signature
+from engine.io.envelope import Envelope, join_path
 
 COST_FORMAT = "tessel-cost-model"
 COST_VERSION = 1
+#: The cost model's envelope. Lenient: a document without ``format`` or ``version`` (written by
+#: hand, or embedded in an old plan) is read as this format and version.
+COST_ENVELOPE = Envelope(COST_FORMAT, COST_VERSION, CostModelError, what="a cost model",
+                         require_format=False, require_version=False)
 
 #: aten ops that only create a new view/alias of existing storage: no kernel, no traffic
 #: (the same names as ``engine.graph.flops.VIEW_OPS``, which gives them 0 FLOPs).
@@ -234,9 +239,7 @@ class CostModel:
         """JSON-able dict (``format``, ``version``, ``device``, ``intra_link``, ``inter_link``,
         ``devices_per_node``, ``dtype``, ``backward_factor``, ``profile`` or ``None``);
         :meth:`from_dict` restores an equal model."""
-        return {
-            "format": COST_FORMAT,
-            "version": COST_VERSION,
+        return COST_ENVELOPE.wrap({
             "device": {**asdict(self.device), "peak_flops": dict(self.device.peak_flops)},
             "intra_link": asdict(self.intra_link),
             "inter_link": asdict(self.inter_link),
@@ -244,7 +247,7 @@ class CostModel:
             "dtype": self.dtype,
             "backward_factor": self.backward_factor,
             "profile": self.profile.to_dict() if self.profile is not None else None,
-        }
+        })
 
     @classmethod
     def from_dict(cls, d: dict, path: str = "cost") -> CostModel:
@@ -254,20 +257,11 @@ class CostModel:
             CostModelError (a ValueError): malformed dict, unknown format or version; the
                 message names the field path, e.g. ``cost.device.peak_flops``.
         """
-        if not isinstance(d, dict):
-            raise CostModelError(f"{path}: expected an object, got {type(d).__name__}")
-        if d.get("format", COST_FORMAT) != COST_FORMAT:
-            raise CostModelError(f"{path}.format: expected {COST_FORMAT!r}, got {d.get('format')!r}")
-        if d.get("version", COST_VERSION) != COST_VERSION:
-            raise CostModelError(f"{path}.version: unsupported version {d.get('version')!r} (known: {COST_VERSION})")
+        COST_ENVELOPE.check(d, path=path)
+        fields = COST_ENVELOPE.reader()
 
         def need(obj: dict, key: str, where: str, types):
-            if not isinstance(obj, dict) or key not in obj:
-                raise CostModelError(f"{where}.{key}: missing")
-            v = obj[key]
-            if isinstance(v, bool) or not isinstance(v, types):
-                raise CostModelError(f"{where}.{key}: expected {getattr(types, '__name__', types)}, got {v!r}")
-            return v
+            return fields.need(obj, key, types, join_path(where, key))
 
         num = (int, float)
         dd = need(d, "device", path, dict)
@@ -275,7 +269,7 @@ class CostModel:
         peaks = need(dd, "peak_flops", where, dict)
         for k, v in peaks.items():
             if isinstance(v, bool) or not isinstance(v, num):
-                raise CostModelError(f"{where}.peak_flops.{k}: expected a number, got {v!r}")
+                raise fields.fail(f"{where}.peak_flops.{k}", f" should be a number, got {v!r}")
         device = DeviceSpec(
             name=need(dd, "name", where, str),
             peak_flops={str(k): float(v) for k, v in peaks.items()},

@@ -26,11 +26,16 @@ from typing import Any, Iterable
 
 from engine.cost.devices import CostModelError
 from engine.io.atomic import atomic_write_text
+from engine.io.envelope import Envelope
 
 log = logging.getLogger(__name__)
 
 PROFILE_FORMAT = "tessel-profile"
 PROFILE_VERSION = 1
+#: The profile table's envelope. Lenient like the cost model's: a document without ``format``
+#: or ``version`` is read as this format and version.
+PROFILE_ENVELOPE = Envelope(PROFILE_FORMAT, PROFILE_VERSION, CostModelError, what="a profile table",
+                            require_format=False, require_version=False)
 
 #: Replays whose materialised inputs exceed this many bytes are skipped (the dev machines
 #: have 24 GiB shared by several users).
@@ -70,13 +75,11 @@ class ProfileTable:
 
     def to_dict(self) -> dict:
         """JSON-able dict: ``{"format": "tessel-profile", "version": 1, "device_key", "times", "skipped"}``."""
-        return {
-            "format": PROFILE_FORMAT,
-            "version": PROFILE_VERSION,
+        return PROFILE_ENVELOPE.wrap({
             "device_key": self.device_key,
             "times": dict(sorted(self.times.items())),
             "skipped": dict(sorted(self.skipped.items())),
-        }
+        })
 
     @classmethod
     def from_dict(cls, d: dict, path: str = "profile") -> ProfileTable:
@@ -86,12 +89,7 @@ class ProfileTable:
             CostModelError (a ValueError): malformed dict or unknown format/version; the
                 message names the field path (prefixed by ``path``).
         """
-        if not isinstance(d, dict):
-            raise CostModelError(f"{path}: expected an object, got {type(d).__name__}")
-        if d.get("format", PROFILE_FORMAT) != PROFILE_FORMAT:
-            raise CostModelError(f"{path}.format: expected {PROFILE_FORMAT!r}, got {d.get('format')!r}")
-        if d.get("version", PROFILE_VERSION) != PROFILE_VERSION:
-            raise CostModelError(f"{path}.version: unsupported version {d.get('version')!r} (known: {PROFILE_VERSION})")
+        PROFILE_ENVELOPE.check(d, path=path)
         if not isinstance(d.get("device_key"), str):
             raise CostModelError(f"{path}.device_key: expected a string")
         times = d.get("times", {})
@@ -100,7 +98,8 @@ class ProfileTable:
             raise CostModelError(f"{path}.times: expected an object of signature -> seconds")
         if not isinstance(skipped, dict):
             raise CostModelError(f"{path}.skipped: expected an object of signature -> reason")
-        return cls(d["device_key"], {str(k): float(v) for k, v in times.items()}, {str(k): str(v) for k, v in skipped.items()})
+        return cls(d["device_key"], {str(k): float(v) for k, v in times.items()},
+                   {str(k): str(v) for k, v in skipped.items()})
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the table as JSON to ``path`` atomically (temp file in the same folder, then
@@ -265,7 +264,9 @@ def _materialize(x: Any, device, budget: list[int], key: str | None = None) -> A
         if dtype == torch.bool:
             return torch.ones(shape, dtype=dtype, device=device)
         if dtype.is_floating_point or dtype.is_complex:
-            return torch.randn(shape, device=device).to(dtype) if dtype.itemsize == 1 else torch.randn(shape, dtype=dtype, device=device)
+            if dtype.itemsize == 1:
+                return torch.randn(shape, device=device).to(dtype)
+            return torch.randn(shape, dtype=dtype, device=device)
         return torch.randint(0, 2, shape, dtype=dtype, device=device)
     if isinstance(x, dict):
         return {k: _materialize(v, device, budget, k) for k, v in x.items()}

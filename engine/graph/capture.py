@@ -56,6 +56,8 @@ import torch
 import torch.fx
 from torch import nn
 
+from engine.errors import TesselError
+
 from .flops import count_flops, dropout_saved_bytes, op_kind, op_name, saves_inputs, saves_output, target_str
 from .opgraph import OpGraph
 
@@ -65,8 +67,9 @@ ROOT_LAYER = "<root>"
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
-class CaptureError(RuntimeError):
-    """``torch.export`` could not trace the model.
+class CaptureError(TesselError, RuntimeError):
+    """``torch.export`` could not trace the model (a :class:`~engine.errors.TesselError`; still a
+    ``RuntimeError`` for existing ``except RuntimeError`` handlers).
 
     The message names the module (path and class) and source line where tracing failed,
     quotes PyTorch's own error, and says what to try. ``module_path`` and ``cause`` are also

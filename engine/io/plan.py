@@ -17,11 +17,19 @@ from typing import Any
 from engine import __version__
 from engine.errors import PlacementError, PlanFormatError
 from engine.io.atomic import atomic_write_text
+from engine.io.envelope import Envelope
+from engine.io.placement_json import placement_from_dict, placement_to_dict
 from engine.placement import Placement
 from engine.schedule import Schedule, parse_action
 
 PLAN_FORMAT = "tessel-plan"
 PLAN_VERSION = 1
+#: The plan's envelope: messages in the ``field`` style (``field 'schedule.orders[1][4]'``).
+PLAN_ENVELOPE = Envelope(
+    PLAN_FORMAT, PLAN_VERSION, PlanFormatError, what="a plan", style="field",
+    format_hint="; is this a Tessel plan file?",
+    version_hint="; re-create the plan with this version of `tessel plan`",
+)
 
 
 @dataclass
@@ -66,18 +74,17 @@ class Plan:
     def to_dict(self) -> dict:
         """The JSON document (``format``, ``version`` first)."""
         s = self.schedule
-        d = {
-            "format": PLAN_FORMAT,
-            "version": PLAN_VERSION,
+        d = PLAN_ENVELOPE.wrap({
             "meta": {"tessel_version": __version__, **self.meta},
             "model": self.model,
             "parallel": self.parallel,
             "segments": self.segments,
-            "placement": s.placement.to_dict(),
-            "schedule": {"name": s.name, "num_micro_batches": s.num_micro_batches, "orders": s.to_actions(), "meta": s.meta},
+            "placement": placement_to_dict(s.placement, header=False),
+            "schedule": {"name": s.name, "num_micro_batches": s.num_micro_batches, "orders": s.to_actions(),
+                         "meta": s.meta},
             "cost": self.cost,
             "metrics": self.metrics,
-        }
+        })
         if self.tied_weights:
             d["tied_weights"] = self.tied_weights
         return d
@@ -90,49 +97,30 @@ class Plan:
             PlanFormatError: wrong format/version or a malformed field; the message names the
                 field path, e.g. ``schedule.orders[1][4]``.
         """
-        def need(obj, key, typ, path):
-            if not isinstance(obj, dict) or key not in obj:
-                raise PlanFormatError(f"{source}: missing field '{path}'")
-            v = obj[key]
-            if not isinstance(v, typ):
-                tn = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
-                raise PlanFormatError(f"{source}: field '{path}' should be {tn}, got {type(v).__name__}")
-            return v
-
-        if not isinstance(d, dict):
-            raise PlanFormatError(f"{source}: a plan is a JSON object, got {type(d).__name__}")
-        fmt = d.get("format")
-        if fmt != PLAN_FORMAT:
-            raise PlanFormatError(f"{source}: field 'format' is {fmt!r}, expected {PLAN_FORMAT!r}; is this a Tessel plan file?")
-        ver = d.get("version")
-        if ver != PLAN_VERSION:
-            raise PlanFormatError(
-                f"{source}: field 'version' is {ver!r}, but this Tessel reads version {PLAN_VERSION}; "
-                "re-create the plan with this version of `tessel plan`"
-            )
+        fields = PLAN_ENVELOPE.reader(source)
+        need = fields.need
+        PLAN_ENVELOPE.check(d, source)
         model = need(d, "model", dict, "model")
         parallel = need(d, "parallel", dict, "parallel")
         segments = need(d, "segments", list, "segments")
         pl_d = need(d, "placement", dict, "placement")
         try:
-            placement = Placement.from_dict(pl_d)
+            placement = placement_from_dict(pl_d, embedded=True)
         except PlacementError as e:
-            raise PlanFormatError(f"{source}: field 'placement': {e}") from None
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanFormatError(f"{source}: field 'placement' is malformed ({type(e).__name__}: {e})") from None
+            raise fields.fail("placement", f": {e}") from None
         sd = need(d, "schedule", dict, "schedule")
         orders_raw = need(sd, "orders", list, "schedule.orders")
         m = need(sd, "num_micro_batches", int, "schedule.num_micro_batches")
         orders = []
         for r, row in enumerate(orders_raw):
             if not isinstance(row, list):
-                raise PlanFormatError(f"{source}: field 'schedule.orders[{r}]' should be a list of actions")
+                raise fields.fail(f"schedule.orders[{r}]", " should be a list of actions")
             order = []
             for i, a in enumerate(row):
                 try:
                     order.append(parse_action(str(a)))
                 except PlanFormatError as e:
-                    raise PlanFormatError(f"{source}: field 'schedule.orders[{r}][{i}]': {e}") from None
+                    raise fields.fail(f"schedule.orders[{r}][{i}]", f": {e}") from None
             orders.append(order)
         schedule = Schedule(placement, m, orders, str(sd.get("name", "custom")), dict(sd.get("meta") or {}))
         for i, seg in enumerate(segments):
@@ -140,20 +128,21 @@ class Plan:
             if moe is None:
                 continue
             if not isinstance(moe, list):
-                raise PlanFormatError(f"{source}: field 'segments[{i}].moe' should be a list of MoE layers")
+                raise fields.fail(f"segments[{i}].moe", " should be a list of MoE layers")
             for j, layer in enumerate(moe):
                 for key, typ in (("path", str), ("num_experts", int), ("capacity", int), ("hidden", int)):
                     need(layer, key, typ, f"segments[{i}].moe[{j}].{key}")
         tied = d.get("tied_weights") or []
         if not isinstance(tied, list):
-            raise PlanFormatError(f"{source}: field 'tied_weights' should be a list, got {type(tied).__name__}")
+            raise fields.fail("tied_weights", f" should be a list, got {type(tied).__name__}")
         for i, g in enumerate(tied):
             members = need(g, "members", list, f"tied_weights[{i}].members")
             need(g, "nbytes", int, f"tied_weights[{i}].nbytes")
             for j, mem in enumerate(members):
-                if not (isinstance(mem, list) and len(mem) == 2 and isinstance(mem[0], int) and isinstance(mem[1], str)):
-                    raise PlanFormatError(f"{source}: field 'tied_weights[{i}].members[{j}]' should be "
-                                          f"[segment, parameter name], got {mem!r}")
+                if not (isinstance(mem, list) and len(mem) == 2 and isinstance(mem[0], int)
+                        and isinstance(mem[1], str)):
+                    raise fields.fail(f"tied_weights[{i}].members[{j}]",
+                                      f" should be [segment, parameter name], got {mem!r}")
         return cls(model, parallel, segments, schedule, dict(d.get("cost") or {}), dict(d.get("metrics") or {}),
                    dict(d.get("meta") or {}), [dict(g) for g in tied])
 

@@ -79,7 +79,8 @@ def read_torch_csv_text(text: str, placement: Placement, *, name: str = "importe
     while rows and not rows[-1] and len(rows) > placement.num_devices:
         rows.pop()
     if len(rows) != placement.num_devices:
-        raise PlanFormatError(f"{source}: has {len(rows)} rows but the placement has {placement.num_devices} ranks; one row per rank")
+        raise PlanFormatError(f"{source}: has {len(rows)} rows but the placement has {placement.num_devices} ranks; "
+                              "one row per rank")
     orders = []
     for r, row in enumerate(rows):
         order = []

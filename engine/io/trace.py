@@ -44,7 +44,8 @@ def timeline_to_trace(tl: Timeline, *, name: str = "tessel", metadata: dict | No
         for s, tid in _TID.items():
             ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": s}})
         if has_a2a:
-            ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": _TID_ALLTOALL, "args": {"name": "all-to-all"}})
+            ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": _TID_ALLTOALL,
+                       "args": {"name": "all-to-all"}})
     sends: dict[tuple[str, int, int], dict] = {}  # (block, src, dst) -> send event
     for e in tl.events:
         item = {
@@ -61,11 +62,12 @@ def timeline_to_trace(tl: Timeline, *, name: str = "tessel", metadata: dict | No
         if e.stream != "recv":
             continue
         blk, src = e.name.split("<")
-        s = sends.get((blk, int(src), e.rank))
-        if s is None:
+        sent = sends.get((blk, int(src), e.rank))
+        if sent is None:
             continue
         flow_id += 1
-        ev.append({"ph": "s", "id": flow_id, "name": "dep", "cat": "dependency", "pid": s["pid"], "tid": s["tid"], "ts": s["ts"]})
+        ev.append({"ph": "s", "id": flow_id, "name": "dep", "cat": "dependency", "pid": sent["pid"],
+                   "tid": sent["tid"], "ts": sent["ts"]})
         ev.append({"ph": "f", "bp": "e", "id": flow_id, "name": "dep", "cat": "dependency", "pid": e.rank,
                    "tid": _TID["recv"], "ts": e.end * _US})
     for r, curve in enumerate(tl.memory):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from engine.errors import ScheduleError
 from engine.placement import Placement
 from engine.schedule.block import Block, parse_action
+from engine.schedule.validate import validate as _validate
 
 
 @dataclass
@@ -40,17 +42,19 @@ class Schedule:
         """Seconds the block runs."""
         return self.spec(block).duration
 
-    def validate(self, memory_limit=None) -> None:
+    def validate(self, memory_limit: float | Sequence[float] | None = None) -> None:
         """Check every rule; raise :class:`~engine.errors.ScheduleError` naming the first violation.
+
+        Args:
+            memory_limit: bytes per device (a scalar applies to every device), or ``None``.
 
         See :func:`engine.schedule.validate.validate`.
         """
-        from engine.schedule.validate import validate
-
-        validate(self, memory_limit)
+        _validate(self, memory_limit)
 
     def copy(self) -> "Schedule":
-        return Schedule(self.placement, self.num_micro_batches, [list(o) for o in self.orders], self.name, dict(self.meta))
+        return Schedule(self.placement, self.num_micro_batches, [list(o) for o in self.orders], self.name,
+                        dict(self.meta))
 
     def move(self, device: int, src: int, dst: int) -> "Schedule":
         """A copy with the block at position ``src`` of ``device``'s order moved to position ``dst``.
@@ -60,7 +64,8 @@ class Schedule:
         """
         order = self.orders[device]
         if not (0 <= src < len(order) and 0 <= dst < len(order)):
-            raise ScheduleError("device", f"device {device} has {len(order)} blocks; cannot move position {src} to {dst}", device)
+            raise ScheduleError("device", f"device {device} has {len(order)} blocks; cannot move position {src} "
+                                          f"to {dst}", device)
         new = self.copy()
         blk = new.orders[device].pop(src)
         new.orders[device].insert(dst, blk)
@@ -72,9 +77,11 @@ class Schedule:
         return [[str(b) for b in order] for order in self.orders]
 
     @classmethod
-    def from_actions(cls, placement: Placement, num_micro_batches: int, actions: list[list[str]], name: str = "custom", meta: dict | None = None) -> "Schedule":
+    def from_actions(cls, placement: Placement, num_micro_batches: int, actions: list[list[str]], name: str = "custom",
+                     meta: dict | None = None) -> "Schedule":
         """Build from per-device action strings. Raises ``PlanFormatError`` on a malformed action."""
-        return cls(placement, num_micro_batches, [[parse_action(a) for a in row] for row in actions], name, dict(meta or {}))
+        return cls(placement, num_micro_batches, [[parse_action(a) for a in row] for row in actions], name,
+                   dict(meta or {}))
 
     def __str__(self) -> str:
         rows = [f"{self.name}: {self.num_devices} devices x {self.num_micro_batches} micro-batches"]

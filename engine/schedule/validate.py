@@ -10,15 +10,21 @@ Rules, checked in this order, the first violation raised as :class:`ScheduleErro
 4. ``deadlock``: the device orders plus the dependencies have no cycle across devices (the
    send/recv of such a cycle would wait forever); found with Kahn's algorithm;
 5. ``memory``: the peak memory of each device stays within the limit.
+
+Dependency direction: :mod:`engine.schedule.schedule` imports this module (``Schedule.validate``
+delegates here); this module needs only the schedule's attributes and names ``Schedule`` for
+type checking alone, so there is no import cycle.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from engine.errors import ScheduleError
 from engine.schedule.block import Block
-from engine.schedule.schedule import Schedule
+
+if TYPE_CHECKING:  # only for annotations: schedule.py imports this module, never the reverse
+    from engine.schedule.schedule import Schedule
 
 
 def _fmt_gib(x: float) -> str:
@@ -31,21 +37,26 @@ def _check_membership(s: Schedule) -> None:
     if m < 1:
         raise ScheduleError("micro-batches", f"a schedule needs at least one micro-batch, got {m}")
     if len(s.orders) != pl.num_devices:
-        raise ScheduleError("device", f"the schedule has {len(s.orders)} device orders but the placement has {pl.num_devices} devices")
+        raise ScheduleError("device", f"the schedule has {len(s.orders)} device orders but the placement has "
+                                      f"{pl.num_devices} devices")
     seen: dict[tuple[int, Block], int] = {}
     for d, order in enumerate(s.orders):
         for pos, b in enumerate(order):
             if not pl.has(b.kind, b.segment):
-                raise ScheduleError("device", f"block {b} on device {d} is not in the placement (no {b.segment}{b.kind} block)", d, str(b))
+                raise ScheduleError("device", f"block {b} on device {d} is not in the placement "
+                                              f"(no {b.segment}{b.kind} block)", d, str(b))
             if not 0 <= b.micro_batch < m:
-                raise ScheduleError("micro-batches", f"block {b} on device {d} names micro-batch {b.micro_batch}, outside 0..{m - 1}", d, str(b))
+                raise ScheduleError("micro-batches", f"block {b} on device {d} names micro-batch {b.micro_batch}, "
+                                                     f"outside 0..{m - 1}", d, str(b))
             devs = pl.spec(b.kind, b.segment).devices
             if d not in devs:
-                raise ScheduleError("device", f"block {b} is on device {d} but its placement runs it on device(s) {list(devs)}", d, str(b))
+                raise ScheduleError("device", f"block {b} is on device {d} but its placement runs it on device(s) "
+                                              f"{list(devs)}", d, str(b))
             if (d, b) in seen:
-                raise ScheduleError("completeness", f"block {b} appears twice on device {d} (positions {seen[(d, b)]} and {pos})", d, str(b))
+                raise ScheduleError("completeness", f"block {b} appears twice on device {d} "
+                                                    f"(positions {seen[(d, b)]} and {pos})", d, str(b))
             seen[(d, b)] = pos
-    for i, spec in enumerate(pl.blocks):
+    for spec in pl.blocks:
         for mb in range(m):
             b = Block(spec.segment, spec.kind, mb)
             for d in spec.devices:
@@ -72,7 +83,8 @@ def _check_same_device_deps(s: Schedule) -> None:
                 db = Block(dep.segment, dep.kind, b.micro_batch)
                 j = pos.get(db)
                 if j is not None and j > i:
-                    raise ScheduleError("dependency", f"block {b} on device {d} runs before {db}, which it depends on (position {i} < {j})", d, str(b))
+                    raise ScheduleError("dependency", f"block {b} on device {d} runs before {db}, which it depends on "
+                                                      f"(position {i} < {j})", d, str(b))
 
 
 def _check_deadlock(s: Schedule) -> None:
@@ -107,7 +119,8 @@ def _check_deadlock(s: Schedule) -> None:
                 spec = pl.spec(b.kind, b.segment)
                 missing = [str(Block(pl.blocks[k].segment, pl.blocks[k].kind, b.micro_batch)) for k in spec.deps
                            if Block(pl.blocks[k].segment, pl.blocks[k].kind, b.micro_batch) not in done]
-                why = f"waits for {', '.join(missing)}" if missing else "waits for the other devices of this multi-device block"
+                why = (f"waits for {', '.join(missing)}" if missing
+                       else "waits for the other devices of this multi-device block")
                 waits.append((d, b, why))
         d0, b0, _ = waits[0]
         detail = "; ".join(f"device {d} at {b} {why}" for d, b, why in waits)
@@ -193,4 +206,5 @@ def validate(s: Schedule, memory_limit: float | Sequence[float] | None = None) -
         limits = [memory_limit] * s.num_devices if isinstance(memory_limit, (int, float)) else list(memory_limit)
         for d, (peak, lim) in enumerate(zip(peak_memory(s), limits)):
             if peak > lim:
-                raise ScheduleError("memory", f"device {d} peaks at {_fmt_gib(peak)}, above its memory limit of {_fmt_gib(lim)}", d)
+                raise ScheduleError("memory", f"device {d} peaks at {_fmt_gib(peak)}, above its memory limit of "
+                                              f"{_fmt_gib(lim)}", d)

@@ -7,19 +7,21 @@ import json
 import pytest
 
 from engine.errors import PlacementError
-from engine.placement import Placement, TensorSpec, pipeline_placement
-from engine.shapes import (
+from engine.io.placement_json import (
     PLACEMENT_FORMAT,
-    custom_placement,
-    interleaved_shape,
-    k_shape,
     load_placement,
-    m_shape,
-    make_shape,
-    nn_shape,
     placement_from_dict,
     placement_to_dict,
     save_placement,
+)
+from engine.placement import Placement, TensorSpec, pipeline_placement
+from engine.shapes import (
+    custom_placement,
+    interleaved_shape,
+    k_shape,
+    m_shape,
+    make_shape,
+    nn_shape,
     shape_names,
     v_shape,
     x_shape,

@@ -16,7 +16,8 @@ import pytest
 from engine.baselines import build_schedule
 from engine.baselines.generic import one_f_one_b_any
 from engine.dependency import lower
-from engine.shapes import custom_placement, load_placement, make_shape, placement_to_dict, save_placement
+from engine.io.placement_json import load_placement, placement_to_dict, save_placement
+from engine.shapes import custom_placement, make_shape
 from engine.simulate import simulate
 from engine.tessel import (
     InfeasibleMemoryError,
