@@ -183,7 +183,7 @@ def check_executable(plan) -> None:
     block (F/B/I/W) runs on one pipeline rank: the plain (V), interleaved and zero-bubble
     placements and any Tessel schedule over them.
     """
-    tp = int(plan.parallel.get("tp", 1))
+    tp = plan.parallel.tp
     if tp > 1:
         raise RuntimeNotSupported(
             f"the plan uses tensor parallelism (tp={tp}): the runtime executes pipeline and data "
@@ -350,7 +350,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     """Build, split and probe the plan's model (see the module docstring).
 
     Args:
-        plan: an :class:`engine.io.Plan` (``plan.model["name"]``, ``micro_batch_size``, ``seq_len``;
+        plan: an :class:`engine.io.Plan` (``plan.model.name``, ``micro_batch_size``, ``seq_len``;
             ``plan.segments[i]["layers"]``).
         seed: ``torch.manual_seed(seed)`` right before the model is built.
 
@@ -368,10 +368,10 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
 
     check_executable(plan)
     S = len(plan.segments)
-    mbs = int(plan.model.get("micro_batch_size") or 1)
-    seq = plan.model.get("seq_len")
+    mbs = plan.model.micro_batch_size
+    seq = plan.model.seq_len
     torch.manual_seed(seed)
-    bundle = build_model(plan.model["name"], batch_size=mbs, seq_len=seq, device="cpu", dtype=torch.float32)
+    bundle = build_model(plan.model.name, batch_size=mbs, seq_len=seq, device="cpu", dtype=torch.float32)
     model = bundle.module.float().train()
     seq = int(bundle.seq_len or bundle.example_inputs[0].shape[-1])
     aliases: dict[int, list[str]] = {}
@@ -391,7 +391,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
         try:
             pipe = pipeline(model, mb_args=example, split_spec=split_spec)
         except Exception as e:  # tracing errors are long; keep the cause
-            raise TesselError(f"could not split {plan.model['name']} at {list(split_spec)} with "
+            raise TesselError(f"could not split {plan.model.name} at {list(split_spec)} with "
                               f"torch.distributed.pipelining.pipeline: {type(e).__name__}: {e}") from e
     if pipe.num_stages != S:
         raise RuntimeNotSupported(
