@@ -371,7 +371,7 @@ def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Pl
     pl = plan.placement
     if len(times) != pl.num_segments:
         raise TesselError(f"got times for {len(times)} segments, the plan has {pl.num_segments}")
-    split = {}
+    split: dict[int, float] = {}
     for b in pl.blocks:
         if b.kind in ("I", "W"):
             split[b.segment] = split.get(b.segment, 0.0) + b.duration
@@ -438,7 +438,7 @@ def resimulate(plan: Plan) -> Timeline:
     (``plan.parallel.optimizer``, ``adam`` when absent; the placement carries the memory).
     A plan calibrated by :func:`with_calibration` predicts its optimizer step with the measured
     rate (``plan.meta["calibration"]``)."""
-    cost = CostModel.from_dict(plan.cost) if plan.cost else None
+    cost: CostModel | CalibratedCost | None = CostModel.from_dict(plan.cost) if plan.cost else None
     cal = plan.meta.get("calibration")
     if cal and cost is not None:
         cost = CalibratedCost(cost, Calibration.from_dict(cal))

@@ -15,7 +15,7 @@ gradients once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from engine.config import ParallelConfig
 from engine.errors import TesselError
@@ -362,7 +362,7 @@ def tied_parameter_groups(module, segment_layers: Sequence[Sequence[str]]):
     from engine.dependency import TiedGroup
 
     aliases: dict[int, list[str]] = {}
-    tensors: dict[int, object] = {}
+    tensors: dict[int, Any] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
         tensors[id(p)] = p

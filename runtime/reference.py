@@ -114,6 +114,7 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
     seq = int(bundle.seq_len or bundle.example_inputs[0].shape[-1])
     kw = dict(optimizer_kw or {})
     unfolded: list = []
+    opt: torch.optim.Optimizer
     if optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=lr, **kw)
     elif optimizer == "sgd":
@@ -138,7 +139,7 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
             if is_moe:
                 metrics.append(moe_metrics(model))
         if unfolded:
-            opt.fold(unfolded)   # pipeline-tied parameters: the batch's summed gradient, once
+            opt.fold(unfolded)  # type: ignore[attr-defined]  # AdamA: pipeline-tied parameters: the batch's summed gradient, once
         opt.step()
         opt.zero_grad(set_to_none=True)
         advance_gates(model)

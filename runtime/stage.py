@@ -111,6 +111,7 @@ class StageModule(nn.Module):
     def __init__(self, inner: nn.Module, segment: int, live_in: list, live_out: list, node: fx.Node,
                  produced: dict):
         super().__init__()
+        self.inner: nn.Module
         object.__setattr__(self, "inner", inner)   # not a child: keeps FQNs unprefixed
         self.segment = segment
         for name, child in inner.named_children():
@@ -445,7 +446,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     for i, m in modules.items():
         layers = [str(x) for x in segs[i]["layers"]]
         for name, p in list(m.named_parameters()):
-            inside = any(name == l or name.startswith(l + ".") for l in layers)
+            inside = any(name == lay or name.startswith(lay + ".") for lay in layers)
             if p.grad is None and not inside:
                 owner_path, _, leaf = name.rpartition(".")
                 owner = m.get_submodule(owner_path) if owner_path else m
@@ -465,7 +466,8 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     for m in modules.values():
         m.zero_grad(set_to_none=True)
     for layer in eager:   # drop the probe's routing (it holds the probe's autograd graph)
-        layer.last_aux_loss, layer.last_metrics, layer.last_gate_output = None, {}, None
+        for attr, value in (("last_aux_loss", None), ("last_metrics", {}), ("last_gate_output", None)):
+            setattr(layer, attr, value)
     return PipelineStages(modules, boundaries, inputs, output, sorted(tied), removed, mbs, seq)
 
 
@@ -532,7 +534,7 @@ def retarget_device(module: nn.Module, device: torch.device | str) -> int:
     return n
 
 
-def build_stage_modules(plan, *, seed: int = 0) -> dict[int, nn.Module]:
+def build_stage_modules(plan, *, seed: int = 0) -> dict[int, StageModule]:
     """Segment index -> :class:`StageModule` (see :func:`build_stages`, which also gives the
     boundary shapes and tied groups)."""
     return build_stages(plan, seed=seed).modules

@@ -25,7 +25,8 @@ def _schedule(n=3, m=4):
 
 def _plan():
     s = _schedule()
-    return Plan(model=ModelRef.from_dict({"name": "toy"}), parallel=ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": 3}),
+    return Plan(model=ModelRef.from_dict({"name": "toy"}),
+                parallel=ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": 3}),
                 segments=[{"index": i, "param_bytes": 0} for i in range(3)],
                 schedule=s, metrics=simulate(lower(s)).metrics())
 
