@@ -71,8 +71,8 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
     pp = res.pp
     say = lambda *a: print(*a, file=out)  # noqa: E731
     ran = len(res.losses)
-    say(f"{plan.model.get('name')}: {res.world_size} ranks (dp={res.dp}, pp={pp}), schedule {plan.schedule.name}, "
-        f"{par.get('micro_batches')} micro-batches of {plan.model.get('micro_batch_size')} x {plan.model.get('seq_len')} tokens, "
+    say(f"{plan.model.name}: {res.world_size} ranks (dp={res.dp}, pp={pp}), schedule {plan.schedule.name}, "
+        f"{par.micro_batches} micro-batches of {plan.model.micro_batch_size} x {plan.model.seq_len} tokens, "
         f"{res.backend} on {'GPUs' if res.backend == 'nccl' else 'CPU'}; steps {res.start_step}..{res.steps - 1} "
         f"in {res.elapsed:.1f} s (setup {res.setup_time:.1f} s)")
     rows = []

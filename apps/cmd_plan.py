@@ -65,12 +65,12 @@ def run(args: argparse.Namespace) -> dict:
     m = res.plan.metrics
     par = res.plan.parallel
     g = res.graph
-    print(f"{res.plan.model['name']}: {g.graph.get('num_params', 0) / 1e6:,.1f}M parameters, {g.number_of_nodes()} ops, "
-          f"{len(res.plan.segments)} segments; dp={par['dp']} tp={par['tp']} pp={par['pp']}, "
-          f"{par['micro_batches']} micro-batches, schedule {res.plan.schedule.name} on {args.device_type}, "
-          f"optimizer {par['optimizer']}")
-    if par["tp"] > 1 or par["dp"] > 1:
-        print(f"one row per pipeline rank: each is a group of tp={par['tp']} devices, replicated dp={par['dp']} times")
+    print(f"{res.plan.model.name}: {g.graph.get('num_params', 0) / 1e6:,.1f}M parameters, {g.number_of_nodes()} ops, "
+          f"{len(res.plan.segments)} segments; dp={par.dp} tp={par.tp} pp={par.pp}, "
+          f"{par.micro_batches} micro-batches, schedule {res.plan.schedule.name} on {args.device_type}, "
+          f"optimizer {par.optimizer}")
+    if par.tp > 1 or par.dp > 1:
+        print(f"one row per pipeline rank: each is a group of tp={par.tp} devices, replicated dp={par.dp} times")
     rows = [[f"rank {d}", fmt_ms(m['makespan'] * (1 - b)), f"{b:.1%}", fmt_gib(p)]
             for d, (b, p) in enumerate(zip(m["bubble_ratios"], m["peak_memory"]))]
     print(table(["pipeline rank", "busy", "bubble", "peak memory"], rows))
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
         "plan": str(plan_path), "trace": str(trace_path), "csv": str(csv_path),
         "makespan": m["makespan"], "bubble_ratio": m["bubble_ratio"], "bubble_ratios": m["bubble_ratios"],
         "peak_memory": m["peak_memory"], "tokens_per_second": m["tokens_per_second"],
-        "segments": len(res.plan.segments), "ops": g.number_of_nodes(), "parallel": par,
+        "segments": len(res.plan.segments), "ops": g.number_of_nodes(), "parallel": par.to_dict(),
         "timings": res.timings, "elapsed": elapsed, "peak_rss": rss, "warnings": res.warnings,
         "alltoalls": comm["alltoalls"], "tied_weights": res.plan.tied_weights,
     }

@@ -96,6 +96,7 @@ def _placements(args):
 
 def run(args: argparse.Namespace) -> dict:
     from engine.compare import compare_baselines, measure
+    from engine.config import ModelRef, ParallelConfig
     from engine.dependency import lower
     from engine.errors import PlanFormatError, TesselError
     from engine.io import Plan, save_plan, write_torch_csv, write_trace
@@ -123,8 +124,10 @@ def run(args: argparse.Namespace) -> dict:
 
     out = Path(args.output)
     metrics = {**tessel_tl.metrics(), **res.summary()}
-    plan = Plan(model=model, parallel={"dp": 1, "tp": 1, "pp": pl.num_devices, "micro_batches": args.micro_batches,
-                                       "devices": pl.num_devices, "optimizer": "adam"},
+    plan = Plan(model=ModelRef.from_dict(model),
+                parallel=ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": pl.num_devices,
+                                                   "micro_batches": args.micro_batches, "devices": pl.num_devices,
+                                                   "optimizer": "adam"}),
                 segments=[{"index": i, **p} for i, p in enumerate(parts)], schedule=res.schedule,
                 cost=cost.to_dict() if cost else {}, metrics=metrics,
                 meta={"memory_unit": "bytes" if args.model else f"1/{mem_scale} activation unit"})

@@ -254,17 +254,16 @@ def job_profile(plan, name: str = "A") -> JobProfile:
     Durations come from the plan's own simulation (:func:`engine.planner.resimulate`, i.e. its
     stored cost model): the F/B/I/W events of device 0 in start order, its ALLREDUCE events,
     its OPTIM step; the memory curve and static memory of device 0; tokens per step =
-    ``plan.model["batch_size"] * plan.model["seq_len"]``.
+    ``plan.model.batch_size * plan.model.seq_len`` (0 when the plan records no batch size).
 
     Raises:
         CrossoverError: a pipeline (``pp > 1``) or tensor-parallel (``tp > 1``) plan.
     """
     from engine.planner import resimulate  # local: planner imports heavy modules
 
-    par = plan.parallel or {}
-    pp = int(par.get("pp", plan.placement.num_devices))
-    tp = int(par.get("tp", 1))
-    dp = int(par.get("dp", 1))
+    par = plan.parallel
+    pp = max(par.pp, plan.placement.num_devices)
+    tp, dp = par.tp, par.dp
     if pp != 1 or plan.placement.num_devices != 1:
         raise CrossoverError(
             f"job {name}: its plan has pp={pp} (a pipeline); co-located crossover jobs must be purely "
@@ -283,8 +282,7 @@ def job_profile(plan, name: str = "A") -> JobProfile:
     tasks = [StepTask(e.op, e.name, e.duration, e.micro_batch, e.segment, e.nbytes, e.start, e.end,
                       share if e.op == "ALLREDUCE" else 0.0)
              for e in comp + coll + opt]
-    model = plan.model or {}
-    tokens = int(model.get("batch_size") or 0) * int(model.get("seq_len") or 1)
+    tokens = (plan.model.batch_size or 0) * (plan.model.seq_len or 1)
     cap = (plan.metrics or {}).get("memory_capacity")
     if cap is None and plan.cost:
         cap = (plan.cost.get("device") or {}).get("mem_capacity")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
+from typing import Callable, Mapping, cast
 
 from engine.baselines import build_schedule, placement_requirements
+from engine.config import ModelRef, OptimizerKind
 from engine.cost import CostModel
 from engine.cost.calibrate import CalibratedCost, Calibration, calibrated_durations
 from engine.dependency import ExecutionPlan, TiedGroup, lower
@@ -143,7 +144,7 @@ def make_plan(
             or ``adama`` (AdamA: micro-batch gradients folded into m and v and freed; only a
             transient gradient of the largest parameter tensor during each backward, and
             data-parallel replicas all-reduce m and v, 2x the parameter bytes, once per step).
-            Recorded in ``plan.parallel["optimizer"]``; the predicted memory curves and peaks
+            Recorded in ``plan.parallel.optimizer``; the predicted memory curves and peaks
             follow it.
         cost: a prepared cost model (e.g. with profiled op times); overrides ``device_type``.
         profile: time every distinct op of the captured graph on this machine (cached, see
@@ -166,7 +167,8 @@ def make_plan(
     pp = devices // (dp * tp)
     req = placement_requirements(schedule)
     vs = virtual_stages or req.virtual_stages
-    config = ParallelConfig(dp=dp, tp=tp, pp=pp, virtual_stages=vs, micro_batches=micro_batches, micro_batch_size=micro_batch_size)
+    config = ParallelConfig(dp=dp, tp=tp, pp=pp, virtual_stages=vs, micro_batches=micro_batches,
+                            micro_batch_size=micro_batch_size)
     config.check()
 
     t0 = time.perf_counter()
@@ -176,7 +178,8 @@ def make_plan(
     tdtype = getattr(torch, dtype, None)
     if not isinstance(tdtype, torch.dtype):
         raise TransformError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-    bundle = model if isinstance(model, ModelBundle) else build_model(model, batch_size=micro_batch_size, seq_len=seq_len, dtype=tdtype)
+    bundle = model if isinstance(model, ModelBundle) else build_model(model, batch_size=micro_batch_size,
+                                                                      seq_len=seq_len, dtype=tdtype)
     # MoE expert parallelism over the data-parallel group: experts must split evenly over dp
     moe_layers = find_moe_layers(bundle.module, max(1, bundle.batch_size * (bundle.seq_len or 1)))
     check_expert_parallel(moe_layers, dp, bundle.name)
@@ -194,7 +197,8 @@ def make_plan(
             ops = [graph.nodes[n] for n in graph.nodes if graph.nodes[n].get("op") == "call_function"]
             local = "cuda" if torch.cuda.is_available() else "cpu"
             if (local == "cpu") != (device_type == "cpu"):
-                warnings_pre.append(f"op times were measured on this machine ({local}) but --device-type is {device_type}")
+                warnings_pre.append(f"op times were measured on this machine ({local}) "
+                                    f"but --device-type is {device_type}")
             table = profile_ops(ops, device=local)
         cost = CostModel.for_device(device_type, profile=table, dtype=dtype)
     segments, warnings = split_segments(graph, cost, config, memory_limit=memory_limit, optimizer=optimizer)
@@ -235,11 +239,11 @@ def make_plan(
     metrics["tokens_per_second"] = tokens / metrics["makespan"] if metrics["makespan"] > 0 else 0.0
     metrics["memory_capacity"] = cap
     plan = Plan(
-        model={"name": bundle.name, "source": bundle.source, "config": bundle.config,
-               "micro_batch_size": micro_batch_size, "batch_size": micro_batch_size * micro_batches * dp,
-               "seq_len": bundle.seq_len, "dtype": graph.graph.get("dtype", "float32"),
-               "num_params": graph.graph.get("num_params")},
-        parallel={**config.to_dict(), "optimizer": optimizer},
+        model=ModelRef(name=bundle.name, source=bundle.source, config=bundle.config,
+                       micro_batch_size=micro_batch_size, batch_size=micro_batch_size * micro_batches * dp,
+                       seq_len=bundle.seq_len, dtype=graph.graph.get("dtype", "float32"),
+                       num_params=graph.graph.get("num_params")),
+        parallel=replace(config, optimizer=cast(OptimizerKind, optimizer)),
         segments=seg_dicts,
         schedule=sched,
         cost=cost.to_dict(),
@@ -340,16 +344,16 @@ def lower_plan(plan: Plan, *, segment_param_bytes: Mapping[int, int] | None = No
             bytes unless ``segment_allreduce_bytes`` is given.
         segment_allreduce_bytes: bytes each segment's data-parallel ALLREDUCE reduces (default:
             the plan's replicated bytes: parameter bytes minus this rank's experts).
-        optimizer_kind: ``adam`` or ``adama`` (default ``plan.parallel["optimizer"]``, ``adam``
-            when absent or unknown to the planner, e.g. ``sgd``).
+        optimizer_kind: ``adam`` or ``adama`` (default ``plan.parallel.optimizer``; ``adam`` for
+            one unknown to the planner, e.g. the runtime's ``sgd``).
 
     Raises:
         PlanFormatError: a malformed ``moe`` or ``tied_weights`` entry.
         TransformError: a segment's experts do not divide by the plan's ``dp``.
     """
-    opt = optimizer_kind or str(plan.parallel.get("optimizer", "adam"))
-    return _lower_from(plan.schedule, plan.segments, dp=int(plan.parallel.get("dp", 1)),
-                       tp=int(plan.parallel.get("tp", 1)), optimizer_kind=opt if opt in ("adam", "adama") else "adam",
+    opt = optimizer_kind or plan.parallel.optimizer
+    return _lower_from(plan.schedule, plan.segments, dp=plan.parallel.dp,
+                       tp=plan.parallel.tp, optimizer_kind=opt if opt in ("adam", "adama") else "adam",
                        tied=plan_tied_groups(plan), segment_param_bytes=segment_param_bytes,
                        segment_allreduce_bytes=segment_allreduce_bytes)
 
@@ -367,7 +371,7 @@ def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Pl
     pl = plan.placement
     if len(times) != pl.num_segments:
         raise TesselError(f"got times for {len(times)} segments, the plan has {pl.num_segments}")
-    split = {}
+    split: dict[int, float] = {}
     for b in pl.blocks:
         if b.kind in ("I", "W"):
             split[b.segment] = split.get(b.segment, 0.0) + b.duration
@@ -384,7 +388,8 @@ def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Pl
     return _with_block_durations(plan, durations, segments, {"segment_times": "measured"})
 
 
-def _with_block_durations(plan: Plan, durations: list[float], segments: list[dict], meta: dict) -> tuple[Plan, Timeline]:
+def _with_block_durations(plan: Plan, durations: list[float], segments: list[dict],
+                          meta: dict) -> tuple[Plan, Timeline]:
     """The plan with new per-block ``durations`` (seconds, in placement block order), segment
     dicts and extra ``meta``, re-simulated; the orders are unchanged and metrics recomputed."""
     s = plan.schedule
@@ -430,15 +435,15 @@ def with_calibration(plan: Plan, calibration: Calibration) -> tuple[Plan, Timeli
 def resimulate(plan: Plan) -> Timeline:
     """Re-lower (:func:`lower_plan`: MoE all-to-alls and tied all-reduces included) and
     re-simulate a (loaded or edited) plan with its stored cost model and optimizer
-    (``plan.parallel["optimizer"]``, ``adam`` when absent; the placement carries the memory).
+    (``plan.parallel.optimizer``, ``adam`` when absent; the placement carries the memory).
     A plan calibrated by :func:`with_calibration` predicts its optimizer step with the measured
     rate (``plan.meta["calibration"]``)."""
-    cost = CostModel.from_dict(plan.cost) if plan.cost else None
+    cost: CostModel | CalibratedCost | None = CostModel.from_dict(plan.cost) if plan.cost else None
     cal = plan.meta.get("calibration")
     if cal and cost is not None:
         cost = CalibratedCost(cost, Calibration.from_dict(cal))
     return simulate(lower_plan(plan), cost)
 
 
-__all__ = ["PlanResult", "make_plan", "resimulate", "with_calibration", "with_segment_times", "placement_from_segments", "lower_plan",
-           "plan_tied_groups", "TesselError"]
+__all__ = ["PlanResult", "make_plan", "resimulate", "with_calibration", "with_segment_times", "placement_from_segments",
+           "lower_plan", "plan_tied_groups", "TesselError"]

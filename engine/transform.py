@@ -15,8 +15,9 @@ gradients once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
+from engine.config import ParallelConfig
 from engine.errors import TesselError
 from engine.placement import TensorSpec
 
@@ -77,48 +78,6 @@ def training_state_bytes(optimizer: str, param_bytes: int, max_param_bytes: int)
     with ``adama`` (the bound the stage split checks against device memory)."""
     buf, trans = gradient_bytes(optimizer, param_bytes, max_param_bytes)
     return PARAM_STATE_FACTOR * param_bytes + buf + trans
-
-
-@dataclass
-class ParallelConfig:
-    """Degrees of parallelism and the micro-batch count.
-
-    Attributes:
-        dp: data-parallel degree: replicas of the whole pipeline; gradients all-reduced per step.
-        tp: tensor-parallel degree: devices that split each transformer block (Megatron).
-        pp: pipeline-parallel degree: pipeline ranks.
-        virtual_stages: segments per pipeline rank (interleaved schedules); 1 for a plain pipeline.
-        micro_batches: ``m``, micro-batches per step and pipeline.
-        micro_batch_size: samples per micro-batch (the captured graph's batch size).
-    """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    virtual_stages: int = 1
-    micro_batches: int = 1
-    micro_batch_size: int = 1
-
-    @property
-    def devices(self) -> int:
-        """Total devices: ``dp * tp * pp``."""
-        return self.dp * self.tp * self.pp
-
-    @property
-    def num_segments(self) -> int:
-        return self.pp * self.virtual_stages
-
-    def check(self) -> None:
-        """Raise :class:`TransformError` if a degree is not a positive integer."""
-        for name in ("dp", "tp", "pp", "virtual_stages", "micro_batches", "micro_batch_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise TransformError(f"{name} must be a positive integer, got {v!r}")
-
-    def to_dict(self) -> dict:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "virtual_stages": self.virtual_stages,
-                "micro_batches": self.micro_batches, "micro_batch_size": self.micro_batch_size,
-                "devices": self.devices}
 
 
 @dataclass
@@ -357,7 +316,8 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
         ranges = balanced_partition(weights, k)
         need = max(need_of(i, j) for i, j in ranges)
         warnings.append(
-            f"no split into {k} segments fits {cap / 2**30:.1f} GiB per device (the best needs {need / 2**30:.1f} GiB); "
+            f"no split into {k} segments fits {cap / 2**30:.1f} GiB per device "
+            f"(the best needs {need / 2**30:.1f} GiB); "
             "add pipeline stages, tensor parallelism (--tp) or a larger device"
         )
     segments = []
@@ -402,7 +362,7 @@ def tied_parameter_groups(module, segment_layers: Sequence[Sequence[str]]):
     from engine.dependency import TiedGroup
 
     aliases: dict[int, list[str]] = {}
-    tensors: dict[int, object] = {}
+    tensors: dict[int, Any] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
         tensors[id(p)] = p

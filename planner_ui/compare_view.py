@@ -163,7 +163,7 @@ class CompareView(pn.viewable.Viewer):
             if r.schedule is None:
                 skipped.append(f"{r.name} ({r.note})")
                 continue
-            p = abstract_plan(r.schedule, name=plan.model.get("name"), cost=plan.cost)
+            p = abstract_plan(r.schedule, name=plan.model.name, cost=plan.cost)
             added.append(self.add(r.name, p))
         return added, skipped
 
@@ -179,11 +179,11 @@ class CompareView(pn.viewable.Viewer):
         for sched in MODEL_BASELINES:
             try:
                 res = make_plan(
-                    model["name"], devices=int(par.get("devices", plan.schedule.num_devices)),
-                    micro_batches=int(par.get("micro_batches", plan.schedule.num_micro_batches)), schedule=sched,
-                    dp=int(par.get("dp", 1)), tp=int(par.get("tp", 1)),
-                    micro_batch_size=int(model.get("micro_batch_size", 1)), seq_len=model.get("seq_len"),
-                    dtype=str(model.get("dtype", "float32")), memory_limit=limit, cost=cost,
+                    model.name, devices=par.devices,
+                    micro_batches=par.micro_batches, schedule=sched,
+                    dp=par.dp, tp=par.tp,
+                    micro_batch_size=model.micro_batch_size, seq_len=model.seq_len,
+                    dtype=model.dtype or "float32", memory_limit=limit, cost=cost,
                 )
             except (TesselError, ValueError) as e:
                 skipped.append(f"{sched} ({e})")

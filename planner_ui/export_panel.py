@@ -87,7 +87,7 @@ class ExportPanel(pn.viewable.Viewer):
 
     def _trace_meta(self, plan: Plan) -> dict:
         m = self.state.metrics()
-        return {"schedule": plan.schedule.name, "model": plan.model.get("name"), "abstract": self.state.abstract,
+        return {"schedule": plan.schedule.name, "model": plan.model.name, "abstract": self.state.abstract,
                 "makespan": m.get("makespan"), "bubble_ratio": m.get("bubble_ratio"),
                 "time_unit": "units" if self.state.abstract else "s"}
 
@@ -157,7 +157,7 @@ class ExportPanel(pn.viewable.Viewer):
                 plan = Plan.from_dict(doc, source=name)
                 plan.schedule.validate(None)
                 self.state.load(plan, message=f"imported {name}: {plan.schedule.name} plan of "
-                                              f"{plan.model.get('name', '?')}")
+                                              f"{plan.model.name or '?'}")
             elif suffix == ".csv":
                 base = self.state.plan
                 if base is None:
@@ -166,7 +166,7 @@ class ExportPanel(pn.viewable.Viewer):
                 sched = read_torch_csv_text(text, base.placement, name=Path(name).stem, source=name)
                 sched.validate(self.state.memory_limit)
                 plan = replace(base, schedule=sched,
-                               parallel={**base.parallel, "micro_batches": sched.num_micro_batches})
+                               parallel=replace(base.parallel, micro_batches=sched.num_micro_batches))
                 self.state.load(plan, graph=self.state.graph,
                                 message=f"imported {name} as the schedule of the current placement "
                                         f"({sched.num_micro_batches} micro-batches)")

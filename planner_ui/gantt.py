@@ -329,7 +329,7 @@ class GanttView(pn.viewable.Viewer):
             return
         factor, unit = st.time_scale
         end = max(st.timeline.makespan, st.measured.makespan if st.measured is not None else 0.0) * factor
-        key = (st.plan.model.get("name"), st.schedule.num_devices, st.schedule.num_micro_batches, unit,
+        key = (st.plan.model.name, st.schedule.num_devices, st.schedule.num_micro_batches, unit,
                st.schedule.name.removesuffix(" (edited)"))
         rng = self.figure.x_range
         if key != getattr(self, "_range_key", None) or end > rng.end:

@@ -179,7 +179,7 @@ def header_html(state) -> str:
     limit = state.memory_limit
     over = [d for d, p in enumerate(peaks) if limit is not None and p > limit]
     name = html.escape(str(state.schedule.name))
-    model = html.escape(str(state.plan.model.get("name", "")))
+    model = html.escape(str(state.plan.model.name))
     parts = [
         f"<b>{name}</b>" + (f" &middot; {model}" if model else ""),
         f'{state.schedule.num_devices} devices &times; {state.schedule.num_micro_batches} micro-batches',

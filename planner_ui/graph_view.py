@@ -243,7 +243,7 @@ class GraphView(pn.viewable.Viewer):
             y_range=(min(ys) - 1.0, max(ys) + 1.6),
             tools=[], toolbar_location="above",
             output_backend="webgl" if n > WEBGL_NODES else "canvas",
-            title=(f"{self.state.plan.model.get('name', '')} — {n} {title}" if self.state.plan is not None
+            title=(f"{self.state.plan.model.name} — {n} {title}" if self.state.plan is not None
                    else "model graph"),
         )
         fig.axis.visible = False

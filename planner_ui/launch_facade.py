@@ -30,14 +30,14 @@ class LaunchNotPossible(TesselError):
 def check_launchable(plan: Plan | None) -> None:
     """Raise :class:`LaunchNotPossible` with a one-sentence reason if ``plan`` cannot be launched.
 
-    A plan needs a model (``plan.model["name"]``, not an abstract placement) and a sequence length
+    A plan needs a model (``plan.model.name``, not an abstract placement) and a sequence length
     (the runtime trains language models on token sequences).
     """
     if plan is None:
         raise LaunchNotPossible("no plan is loaded; plan a model with make_plan or the CLI first")
-    if plan.meta.get("abstract") or not plan.segments or not plan.model.get("name"):
+    if plan.meta.get("abstract") or not plan.segments or not plan.model.name:
         raise LaunchNotPossible(NO_MODEL_MESSAGE)
-    if not int(plan.model.get("seq_len") or 0):
+    if not plan.model.seq_len:
         raise LaunchNotPossible("the plan's model has no seq_len; the runtime trains language models on token sequences")
 
 

@@ -396,10 +396,10 @@ class SearchPanel(pn.viewable.Viewer):
             if job.base_plan is not None:
                 bp = job.base_plan
                 m = sched.num_micro_batches
-                model = dict(bp.model)
-                if "micro_batch_size" in model:
-                    model["batch_size"] = int(model["micro_batch_size"]) * m * int(bp.parallel.get("dp", 1))
-                plan = replace(bp, schedule=sched, model=model, parallel={**bp.parallel, "micro_batches": m},
+                model = bp.model
+                if model.recorded("micro_batch_size"):
+                    model = replace(model, batch_size=model.micro_batch_size * m * bp.parallel.dp)
+                plan = replace(bp, schedule=sched, model=model, parallel=replace(bp.parallel, micro_batches=m),
                                meta={**bp.meta, "searched": "tessel"})
                 self.state.load(plan, message=msg, graph=self.state.graph)
             else:

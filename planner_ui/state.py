@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import param
 
+from engine.config import ModelRef, ParallelConfig
 from engine.errors import ScheduleError, TesselError
 from engine.io.plan import Plan
 from engine.planner import resimulate
@@ -51,9 +52,10 @@ def abstract_plan(schedule: Schedule, *, name: str | None = None, cost: dict | N
     """
     pl = schedule.placement
     return Plan(
-        model={"name": name or pl.name or "abstract"},
-        parallel={"dp": 1, "tp": 1, "pp": pl.num_devices, "devices": pl.num_devices,
-                  "micro_batches": schedule.num_micro_batches, "virtual_stages": 1, "optimizer": "adam"},
+        model=ModelRef.from_dict({"name": name or pl.name or "abstract"}),
+        parallel=ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": pl.num_devices, "devices": pl.num_devices,
+                                           "micro_batches": schedule.num_micro_batches, "virtual_stages": 1,
+                                           "optimizer": "adam"}),
         segments=[],
         schedule=schedule,
         cost=dict(cost or {}),
@@ -127,7 +129,7 @@ class PlanState(param.Parameterized):
             self.memory_limit = float(cap) if cap else None
             self._set(plan, tl)
             self.selected_block = ""
-            self._say(message or f"loaded {plan.schedule.name} plan of {plan.model.get('name', '?')}: "
+            self._say(message or f"loaded {plan.schedule.name} plan of {plan.model.name or '?'}: "
                       f"{plan.schedule.num_devices} devices x {plan.schedule.num_micro_batches} micro-batches", "info")
 
     def _set(self, plan: Plan, tl: Timeline) -> None:

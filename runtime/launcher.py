@@ -465,14 +465,14 @@ def launch(
     t_start = time.perf_counter()
     plan = _as_plan(plan)
     par = plan.parallel
-    dp, pp = int(par.get("dp", 1)), int(par.get("pp", 1))
+    dp, pp = par.dp, par.pp
     from runtime.stage import check_executable
 
     check_executable(plan)  # RuntimeNotSupported (a TesselError) before any Ray work: tp > 1, multi-device blocks
     ws = dp * pp
-    m = int(par.get("micro_batches", plan.schedule.num_micro_batches))
-    mbs = int(plan.model.get("micro_batch_size", 1))
-    seq_len = int(plan.model.get("seq_len") or 0)
+    m = par.micro_batches
+    mbs = plan.model.micro_batch_size
+    seq_len = plan.model.seq_len or 0
     if seq_len <= 0:
         raise LaunchError("the plan's model has no seq_len; the runtime trains language models on token sequences", kind="setup")
     if steps < 1:
@@ -481,7 +481,7 @@ def launch(
     global_bs = dp * replica_bs
     tokens_per_step = global_bs * seq_len
     plan_dict = plan.to_dict()
-    optimizer = str(optimizer or par.get("optimizer") or "adam")
+    optimizer = str(optimizer or par.optimizer)
     from runtime.worker import OPTIMIZERS
 
     if optimizer not in OPTIMIZERS:

@@ -103,17 +103,18 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
 
     if optimizer not in ("adam", "adama", "sgd"):
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of 'adam', 'adama', 'sgd'")
-    mbs = int(plan.model.get("micro_batch_size") or 1)
-    dp = int(plan.parallel.get("dp", 1))
+    mbs = plan.model.micro_batch_size
+    dp = plan.parallel.dp
     m = int(plan.schedule.num_micro_batches)
     n = dp * m
     torch.manual_seed(seed)
-    bundle = build_model(plan.model["name"], batch_size=mbs, seq_len=plan.model.get("seq_len"), device="cpu",
+    bundle = build_model(plan.model.name, batch_size=mbs, seq_len=plan.model.seq_len, device="cpu",
                          dtype=torch.float32)
     model = bundle.module.float().train()
     seq = int(bundle.seq_len or bundle.example_inputs[0].shape[-1])
     kw = dict(optimizer_kw or {})
     unfolded: list = []
+    opt: torch.optim.Optimizer
     if optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=lr, **kw)
     elif optimizer == "sgd":
@@ -138,7 +139,7 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
             if is_moe:
                 metrics.append(moe_metrics(model))
         if unfolded:
-            opt.fold(unfolded)   # pipeline-tied parameters: the batch's summed gradient, once
+            opt.fold(unfolded)  # type: ignore[attr-defined]  # AdamA: pipeline-tied parameters: the batch's summed gradient, once
         opt.step()
         opt.zero_grad(set_to_none=True)
         advance_gates(model)

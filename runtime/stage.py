@@ -111,6 +111,7 @@ class StageModule(nn.Module):
     def __init__(self, inner: nn.Module, segment: int, live_in: list, live_out: list, node: fx.Node,
                  produced: dict):
         super().__init__()
+        self.inner: nn.Module
         object.__setattr__(self, "inner", inner)   # not a child: keeps FQNs unprefixed
         self.segment = segment
         for name, child in inner.named_children():
@@ -183,7 +184,7 @@ def check_executable(plan) -> None:
     block (F/B/I/W) runs on one pipeline rank: the plain (V), interleaved and zero-bubble
     placements and any Tessel schedule over them.
     """
-    tp = int(plan.parallel.get("tp", 1))
+    tp = plan.parallel.tp
     if tp > 1:
         raise RuntimeNotSupported(
             f"the plan uses tensor parallelism (tp={tp}): the runtime executes pipeline and data "
@@ -350,7 +351,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     """Build, split and probe the plan's model (see the module docstring).
 
     Args:
-        plan: an :class:`engine.io.Plan` (``plan.model["name"]``, ``micro_batch_size``, ``seq_len``;
+        plan: an :class:`engine.io.Plan` (``plan.model.name``, ``micro_batch_size``, ``seq_len``;
             ``plan.segments[i]["layers"]``).
         seed: ``torch.manual_seed(seed)`` right before the model is built.
 
@@ -368,10 +369,10 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
 
     check_executable(plan)
     S = len(plan.segments)
-    mbs = int(plan.model.get("micro_batch_size") or 1)
-    seq = plan.model.get("seq_len")
+    mbs = plan.model.micro_batch_size
+    seq = plan.model.seq_len
     torch.manual_seed(seed)
-    bundle = build_model(plan.model["name"], batch_size=mbs, seq_len=seq, device="cpu", dtype=torch.float32)
+    bundle = build_model(plan.model.name, batch_size=mbs, seq_len=seq, device="cpu", dtype=torch.float32)
     model = bundle.module.float().train()
     seq = int(bundle.seq_len or bundle.example_inputs[0].shape[-1])
     aliases: dict[int, list[str]] = {}
@@ -391,7 +392,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
         try:
             pipe = pipeline(model, mb_args=example, split_spec=split_spec)
         except Exception as e:  # tracing errors are long; keep the cause
-            raise TesselError(f"could not split {plan.model['name']} at {list(split_spec)} with "
+            raise TesselError(f"could not split {plan.model.name} at {list(split_spec)} with "
                               f"torch.distributed.pipelining.pipeline: {type(e).__name__}: {e}") from e
     if pipe.num_stages != S:
         raise RuntimeNotSupported(
@@ -445,7 +446,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     for i, m in modules.items():
         layers = [str(x) for x in segs[i]["layers"]]
         for name, p in list(m.named_parameters()):
-            inside = any(name == l or name.startswith(l + ".") for l in layers)
+            inside = any(name == lay or name.startswith(lay + ".") for lay in layers)
             if p.grad is None and not inside:
                 owner_path, _, leaf = name.rpartition(".")
                 owner = m.get_submodule(owner_path) if owner_path else m
@@ -465,7 +466,8 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     for m in modules.values():
         m.zero_grad(set_to_none=True)
     for layer in eager:   # drop the probe's routing (it holds the probe's autograd graph)
-        layer.last_aux_loss, layer.last_metrics, layer.last_gate_output = None, {}, None
+        for attr, value in (("last_aux_loss", None), ("last_metrics", {}), ("last_gate_output", None)):
+            setattr(layer, attr, value)
     return PipelineStages(modules, boundaries, inputs, output, sorted(tied), removed, mbs, seq)
 
 
@@ -532,7 +534,7 @@ def retarget_device(module: nn.Module, device: torch.device | str) -> int:
     return n
 
 
-def build_stage_modules(plan, *, seed: int = 0) -> dict[int, nn.Module]:
+def build_stage_modules(plan, *, seed: int = 0) -> dict[int, StageModule]:
     """Segment index -> :class:`StageModule` (see :func:`build_stages`, which also gives the
     boundary shapes and tied groups)."""
     return build_stages(plan, seed=seed).modules

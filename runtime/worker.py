@@ -454,14 +454,14 @@ class StageWorker:
         self.plan = plan
         pl = plan.schedule.placement
         self.pp = pl.num_devices
-        self.dp = int(plan.parallel.get("dp", 1))
+        self.dp = plan.parallel.dp
         if self.world_size != self.dp * self.pp:
             raise WorkerError(f"world_size {self.world_size} != dp * pp = {self.dp} * {self.pp}; "
                               "start one worker per (replica, pipeline rank)")
         if not 0 <= self.rank < self.world_size:
             raise WorkerError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
         self._resolve_device_and_matching()
-        name = self.optimizer_name if self.optimizer_name is not None else plan.parallel.get("optimizer") or "adam"
+        name = self.optimizer_name if self.optimizer_name is not None else plan.parallel.optimizer
         if name not in OPTIMIZERS:
             raise WorkerError(f"unknown optimizer {name!r}; use one of {', '.join(map(repr, OPTIMIZERS))}")
         self.optimizer_name = name

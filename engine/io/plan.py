@@ -10,11 +10,12 @@ or a malformed file raises :class:`~engine.errors.PlanFormatError` naming the fi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from engine import __version__
+from engine.config import ModelRef, ParallelConfig
 from engine.errors import PlacementError, PlanFormatError
 from engine.io.atomic import atomic_write_text
 from engine.io.envelope import Envelope
@@ -37,10 +38,12 @@ class Plan:
     """A complete parallelization plan.
 
     Attributes:
-        model: model reference: ``name`` (registry name or ``module:callable``), ``source``,
-            ``config`` (JSON-able), ``batch_size`` (global), ``micro_batch_size``, ``seq_len``, ``dtype``.
-        parallel: ``dp``, ``tp``, ``pp``, ``virtual_stages``, ``micro_batches``, ``devices`` (= dp*tp*pp),
-            ``optimizer`` (``"adam"`` or ``"adama"``: the memory model the prediction used).
+        model: the model reference (:class:`engine.config.ModelRef`: ``name``, ``source``,
+            ``config``, ``batch_size`` (global), ``micro_batch_size``, ``seq_len``, ``dtype``, ...).
+        parallel: the parallel configuration (:class:`engine.config.ParallelConfig`: ``dp``, ``tp``,
+            ``pp``, ``virtual_stages``, ``micro_batches``, ``micro_batch_size``, ``optimizer``
+            (``"adam"`` or ``"adama"``: the memory model the prediction used); ``devices`` =
+            dp*tp*pp is derived).
         segments: one dict per segment: ``index``, ``layers`` (module paths), ``devices``,
             ``flops`` (forward FLOPs per micro-batch), ``param_bytes`` (on one rank: after the
             TP split and the expert-parallel split, tied copies included), ``activation_bytes``,
@@ -58,8 +61,8 @@ class Plan:
             (:class:`engine.dependency.TiedGroup`).
     """
 
-    model: dict
-    parallel: dict
+    model: ModelRef
+    parallel: ParallelConfig
     segments: list[dict]
     schedule: Schedule
     cost: dict = field(default_factory=dict)
@@ -76,8 +79,8 @@ class Plan:
         s = self.schedule
         d = PLAN_ENVELOPE.wrap({
             "meta": {"tessel_version": __version__, **self.meta},
-            "model": self.model,
-            "parallel": self.parallel,
+            "model": self.model.to_dict(),
+            "parallel": self.parallel.to_dict(),
             "segments": self.segments,
             "placement": placement_to_dict(s.placement, header=False),
             "schedule": {"name": s.name, "num_micro_batches": s.num_micro_batches, "orders": s.to_actions(),
@@ -100,8 +103,13 @@ class Plan:
         fields = PLAN_ENVELOPE.reader(source)
         need = fields.need
         PLAN_ENVELOPE.check(d, source)
-        model = need(d, "model", dict, "model")
-        parallel = need(d, "parallel", dict, "parallel")
+        model_d = need(d, "model", dict, "model")
+        parallel_d = need(d, "parallel", dict, "parallel")
+        try:
+            model = ModelRef.from_dict(model_d, "model")
+            parallel = ParallelConfig.from_dict(parallel_d, "parallel")
+        except PlanFormatError as e:
+            raise PlanFormatError(f"{source}: {e}") from None
         segments = need(d, "segments", list, "segments")
         pl_d = need(d, "placement", dict, "placement")
         try:
@@ -123,6 +131,8 @@ class Plan:
                     raise fields.fail(f"schedule.orders[{r}][{i}]", f": {e}") from None
             orders.append(order)
         schedule = Schedule(placement, m, orders, str(sd.get("name", "custom")), dict(sd.get("meta") or {}))
+        if "micro_batches" not in parallel_d:  # the readers' default before typed plans: the schedule's
+            parallel = replace(parallel, micro_batches=m)
         for i, seg in enumerate(segments):
             moe = seg.get("moe") if isinstance(seg, dict) else None
             if moe is None:

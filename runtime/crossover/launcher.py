@@ -234,7 +234,7 @@ def _per_job(value: Any, n: int, what: str) -> list:
 def _job_name(plan_arg: Any, plan, j: int) -> str:
     if isinstance(plan_arg, (str, os.PathLike)):
         return Path(plan_arg).name
-    return f"{plan.model.get('name', 'plan')} #{j}"
+    return f"{plan.model.name or 'plan'} #{j}"
 
 
 def _job_timeline(results: Sequence[dict], world_size: int) -> Timeline:
@@ -337,7 +337,7 @@ def launch_crossover(
     for j, plan in enumerate(loaded):
         check_executable(plan)
         par = plan.parallel
-        pp, dp = int(par.get("pp", 1)), int(par.get("dp", 1))
+        pp, dp = par.pp, par.dp
         pp = max(pp, plan.schedule.placement.num_devices)
         if pp != 1:
             raise CrossoverError(
@@ -350,7 +350,7 @@ def launch_crossover(
             raise CrossoverError(
                 f"co-located jobs must use the same devices: job 0 ({names[0]}) has dp = {ws} but job {j} "
                 f"({names[j]}) has dp = {dp}; plan them for the same number of devices", job=j, kind="setup")
-        if int(plan.model.get("seq_len") or 0) <= 0:
+        if (plan.model.seq_len or 0) <= 0:
             raise CrossoverError(f"job {j} ({names[j]}): the plan's model has no seq_len; the runtime trains "
                                  "language models on token sequences", job=j, kind="setup")
     steps_j = [int(s) for s in _per_job(steps, n, "steps")]
@@ -363,7 +363,7 @@ def launch_crossover(
     dseeds = list(range(n)) if data_seeds is None else [int(s) for s in _per_job(list(data_seeds), n, "data_seeds")]
     opts = []
     for j, (o, plan) in enumerate(zip(_per_job(optimizer, n, "optimizer"), loaded)):
-        o = str(o or plan.parallel.get("optimizer") or "adam")
+        o = str(o or plan.parallel.optimizer)
         if o not in OPTIMIZERS:
             raise CrossoverError(f"job {j}: unknown optimizer {o!r}; use one of {', '.join(map(repr, OPTIMIZERS))}",
                                  job=j, kind="setup")
@@ -409,9 +409,9 @@ def launch_crossover(
     corpora, gbs = [], []
     for j, plan in enumerate(loaded):
         par = plan.parallel
-        m = int(par.get("micro_batches", plan.schedule.num_micro_batches))
-        mbs = int(plan.model.get("micro_batch_size", 1))
-        seq_len = int(plan.model["seq_len"])
+        m = par.micro_batches
+        mbs = plan.model.micro_batch_size
+        seq_len = int(plan.model.seq_len or 0)
         gbs.append(ws * m * mbs)
         jobs[j].tokens_per_step = ws * m * mbs * seq_len
         corpora.append(ByteCorpus(seq_len=seq_len, seed=dseeds[j]))

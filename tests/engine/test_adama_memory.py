@@ -58,7 +58,7 @@ def _value_at(curve, t):
 
 def test_optimizer_is_recorded_and_static_memory_is_params_and_moments(plans):
     for opt, res in plans.items():
-        assert res.plan.parallel["optimizer"] == opt
+        assert res.plan.parallel.optimizer == opt
         pl = res.plan.placement
         seg_bytes = [s["param_bytes"] for s in res.plan.segments]
         assert list(pl.static_memory) == [PARAM_STATE_FACTOR * b for b in seg_bytes]
@@ -179,7 +179,7 @@ def test_plan_round_trip_keeps_the_optimizer_and_the_prediction(plans, tmp_path)
     res = plans["adama"]
     path = save_plan(res.plan, tmp_path / "plan.json")
     back = load_plan(path)
-    assert back.parallel["optimizer"] == "adama"
+    assert back.parallel.optimizer == "adama"
     assert back.placement == res.plan.placement
     assert resimulate(back).peak_memory() == res.timeline.peak_memory()
     # an old plan (no gradient fields, 4x static) re-simulates as before
@@ -268,4 +268,4 @@ def test_cli_plan_optimizer_flag(tmp_path, capsys):
                  "--optimizer", "adama", "-o", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["parallel"]["optimizer"] == "adama"
-    assert load_plan(tmp_path / "plan.json").parallel["optimizer"] == "adama"
+    assert load_plan(tmp_path / "plan.json").parallel.optimizer == "adama"

@@ -117,7 +117,7 @@ def test_real_plans(dp2_plan):
     prof = job_profile(dp2_plan, "A")
     assert prof.num_devices == 2
     assert prof.compute_time > 0 and prof.comm_time > 0 and prof.optim_time > 0
-    assert prof.tokens_per_step == dp2_plan.model["batch_size"] * dp2_plan.model["seq_len"] == 256
+    assert prof.tokens_per_step == dp2_plan.model.batch_size * dp2_plan.model.seq_len == 256
     res = compare_modes([dp2_plan, dp2_plan], steps=4)
     assert set(res) == set(MODES)
     cx, sq, un = res["crossover"], res["sequential"], res["uncoordinated"]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from engine.config import ModelRef, ParallelConfig
 from engine.dependency import lower
 from engine.errors import PlanFormatError
 from engine.io import Plan, load_plan, read_torch_csv, save_plan, timeline_to_trace, write_torch_csv
@@ -24,7 +25,9 @@ def _schedule(n=3, m=4):
 
 def _plan():
     s = _schedule()
-    return Plan(model={"name": "toy"}, parallel={"dp": 1, "tp": 1, "pp": 3}, segments=[{"index": i, "param_bytes": 0} for i in range(3)],
+    return Plan(model=ModelRef.from_dict({"name": "toy"}),
+                parallel=ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": 3}),
+                segments=[{"index": i, "param_bytes": 0} for i in range(3)],
                 schedule=s, metrics=simulate(lower(s)).metrics())
 
 

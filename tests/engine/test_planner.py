@@ -43,7 +43,7 @@ def test_tensor_parallel_splits_parameters_and_adds_allreduce():
     p2 = sum(s["param_bytes"] for s in two.plan.segments)
     assert p2 < 0.6 * p1  # blocks split by 2; norms replicated
     assert all(s["tp_comm_time"] > 0 for s in two.plan.segments)
-    assert two.plan.parallel["pp"] == 2 and two.plan.parallel["tp"] == 2
+    assert two.plan.parallel.pp == 2 and two.plan.parallel.tp == 2
 
 
 def test_data_parallel_adds_gradient_allreduce():

@@ -192,9 +192,9 @@ def test_data_parallel_2x1_equals_single_process_formula_and_plan_field_selects_
     import copy
 
     base = _plan(2, "1f1b", dp=2)
-    assert int(base.parallel["pp"]) == 1 and base.parallel["dp"] == 2
+    assert base.parallel.pp == 1 and base.parallel.dp == 2
     plan = copy.deepcopy(base)
-    plan.parallel["optimizer"] = "adama"
+    plan.parallel.optimizer = "adama"
     out = pool.train(plan, list(enumerate(_batches(2))), world=2, optimizer=None)
     _check_matches_reference(out, plan, "dp2-pp1", dp=2)
     assert all(p["opt"]["unfolded"] == [] for p in out.values())

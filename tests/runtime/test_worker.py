@@ -100,7 +100,7 @@ def _reference(plan, batches, dp: int):
 def _pipelined_losses(out: dict, plan) -> list[list[float]]:
     """Per step, the losses of the last-segment ranks concatenated in replica order."""
     holders = sorted((p["info"]["dp_index"], r) for r, (_, p) in out.items() if p["steps"][0]["losses"])
-    assert len(holders) == int(plan.parallel.get("dp", 1))
+    assert len(holders) == plan.parallel.dp
     return [sum((out[r][1]["steps"][i]["losses"] for _, r in holders), []) for i in range(STEPS)]
 
 

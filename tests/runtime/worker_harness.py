@@ -42,8 +42,8 @@ def cached_build_stages(plan, *, seed: int = 0):
     from engine.models.moe.layer import MoEFeedForward
     from runtime import stage
 
-    key = (plan.model["name"], plan.model.get("micro_batch_size"), plan.model.get("seq_len"), seed,
-           tuple(tuple(s["layers"]) for s in plan.segments), plan.parallel.get("tp", 1))
+    key = (plan.model.name, plan.model.micro_batch_size, plan.model.seq_len, seed,
+           tuple(tuple(s["layers"]) for s in plan.segments), plan.parallel.tp)
     hit = _STAGE_CACHE.get(key)
     if hit is None:
         st = stage._real_build_stages(plan, seed=seed)

@@ -405,7 +405,7 @@ def test_plan_form_optimizer_choice_changes_the_memory_curves():
     assert form.plan()
     adam_peak = state.timeline.peak_memory()
     form.optimizer = "adama"
-    assert form.plan() and state.plan.parallel["optimizer"] == "adama"
+    assert form.plan() and state.plan.parallel.optimizer == "adama"
     adama_peak = state.timeline.peak_memory()
     seg_bytes = [sum(int(s["param_bytes"]) for s in state.plan.segments if s["index"] == d) for d in range(2)]
     tied = [sum(g["nbytes"] for g in state.plan.tied_weights if d in {m[0] for m in g["members"]}) for d in range(2)]

@@ -340,7 +340,7 @@ def test_search_and_compare_on_a_model_plan(tiny):
     res = panel.run_search()
     assert res is not None
     # the searched schedule replaces the model plan's schedule: model, cost and graph are kept
-    assert st.plan.model["name"] == "gpt2-tiny" and not st.abstract and st.graph is tiny.graph
+    assert st.plan.model.name == "gpt2-tiny" and not st.abstract and st.graph is tiny.graph
     assert st.schedule is res.schedule and st.plan.cost == tiny.plan.cost
     assert st.timeline.makespan <= tiny.timeline.makespan * (1 + 1e-9)
     assert f"makespan {st.timeline.makespan * 1e3:.4g} ms" in panel.result_text

@@ -1,0 +1,235 @@
+"""Typed plan-side configuration: the model reference and the parallel configuration of a plan.
+
+:class:`ModelRef` is ``plan.model`` and :class:`ParallelConfig` is ``plan.parallel`` of an
+:class:`engine.io.plan.Plan` (torchtitan ``job_config.py`` style: one dataclass per section, a
+docstring per field with its unit, ``Literal`` types for closed choices, one default per field).
+
+Both read and write the plan JSON sections of version 1 unchanged, both ways:
+
+- :meth:`ModelRef.from_dict` / :meth:`ParallelConfig.from_dict` read every section Tessel writes
+  (``tessel plan``, ``tessel search``, the planner UI's abstract plans); a missing optional key
+  takes the field's default, a key this version does not know is kept in ``extra``; a value of
+  the wrong type raises :class:`~engine.errors.PlanFormatError` naming the field path
+  (``parallel.dp``).
+- ``to_dict()`` writes the keys the section was read with, in their order (``json_keys``), so a
+  loaded plan saves to the identical document and an older Tessel reads what this one writes;
+  an object built in code writes every field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal, get_args
+
+from engine.errors import PlanFormatError
+
+OptimizerKind = Literal["adam", "adama"]
+"""The optimizer memory model of a plan (see :func:`engine.transform.gradient_bytes`)."""
+
+OPTIMIZER_KINDS: tuple[str, ...] = get_args(OptimizerKind)
+
+
+def _type_name(typ: type | tuple[type, ...]) -> str:
+    types = typ if isinstance(typ, tuple) else (typ,)
+    return "/".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+def _check(value: Any, typ: type | tuple[type, ...], path: str) -> Any:
+    """``value`` if it is a ``typ`` (a bool is not an int); else :class:`PlanFormatError` naming ``path``."""
+    types = typ if isinstance(typ, tuple) else (typ,)
+    if isinstance(value, bool) and bool not in types:
+        ok = False
+    else:
+        ok = isinstance(value, types)
+    if not ok:
+        raise PlanFormatError(f"field '{path}' should be {_type_name(typ)}, got {type(value).__name__}")
+    return value
+
+
+def _section(d: Any, path: str) -> dict:
+    if not isinstance(d, dict):
+        raise PlanFormatError(f"field '{path}' should be dict, got {type(d).__name__}")
+    return d
+
+
+def _write(obj: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """The JSON section of ``obj`` (a config dataclass with ``extra`` and ``json_keys``) from its
+    field ``values`` in canonical order: every field and extra key when built in code, else the
+    keys it was read with, in their order, then fields changed from their defaults since."""
+    keys: tuple[str, ...] | None = obj.json_keys
+    if keys is None:
+        return {**values, **{k: v for k, v in obj.extra.items() if k not in values}}
+    defaults = {f.name: f.default for f in fields(obj)}
+    out: dict[str, Any] = {}
+    for k in keys:
+        if k in values:
+            out[k] = values[k]
+        elif k in obj.extra:
+            out[k] = obj.extra[k]
+    for k, v in values.items():
+        if k not in out and k in defaults and v != defaults[k]:
+            out[k] = v
+    for k, v in obj.extra.items():
+        out.setdefault(k, v)
+    return out
+
+
+@dataclass
+class ModelRef:
+    """The model a plan was made for (JSON section ``model``).
+
+    Attributes:
+        name: the model: a registry name (``gpt2``, ``gpt2-tiny``, see ``tessel models``), a
+            ``module:callable`` of user code, or a label (``abstract``, a placement's name) for a
+            plan of an abstract placement, which has no model to build.
+        source: where the model comes from: ``hf`` (Hugging Face transformers), ``zoo``
+            (in-project models), ``user`` (``module:callable``), ``units`` (abstract costs);
+            ``None`` when not recorded.
+        config: the model's configuration as a JSON-able dict (e.g. the HF config), for the
+            record; ``None`` when not recorded.
+        batch_size: samples per optimizer step over all replicas
+            (``micro_batch_size * micro_batches * dp``); ``None`` when not recorded.
+        micro_batch_size: samples per micro-batch (the batch size of the captured graph).
+        seq_len: tokens per sample; ``None`` for a model without a sequence length or a plan that
+            does not record it (the runtime refuses to launch such a plan).
+        dtype: parameter/activation dtype of the captured model (``float32``, ``bfloat16``,
+            ``float16``); ``None`` when not recorded.
+        num_params: parameters of the whole model (count, not bytes); ``None`` when not recorded.
+        extra: keys of the JSON section this version does not know (e.g. ``forward``/``backward``
+            time units of ``tessel search`` on an abstract placement), written back unchanged.
+        json_keys: the keys of the JSON section this was read from, in order (``None`` when built
+            in code: ``to_dict`` then writes every field); not part of equality.
+    """
+
+    name: str
+    source: str | None = None
+    config: dict[str, Any] | None = None
+    micro_batch_size: int = 1
+    batch_size: int | None = None
+    seq_len: int | None = None
+    dtype: str | None = None
+    num_params: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    json_keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+
+    _TYPES: ClassVar[dict[str, type | tuple[type, ...]]] = {
+        "name": str, "source": (str, type(None)), "config": (dict, type(None)),
+        "micro_batch_size": int, "batch_size": (int, type(None)), "seq_len": (int, type(None)),
+        "dtype": (str, type(None)), "num_params": (int, type(None))}
+
+    def recorded(self, key: str) -> bool:
+        """Whether the JSON section has ``key`` (always true for a field of one built in code)."""
+        if self.json_keys is None:
+            return key in self._TYPES or key in self.extra
+        return key in self.json_keys
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON section ``model`` (see the module docstring for which keys)."""
+        values = {"name": self.name, "source": self.source, "config": self.config,
+                  "micro_batch_size": self.micro_batch_size, "batch_size": self.batch_size,
+                  "seq_len": self.seq_len, "dtype": self.dtype, "num_params": self.num_params}
+        return _write(self, values)
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "model") -> ModelRef:
+        """Read a JSON section ``model``.
+
+        Raises:
+            PlanFormatError: ``d`` is not a dict, ``name`` is missing, or a field has the wrong
+                type (the message names the field path, e.g. ``model.seq_len``).
+        """
+        d = _section(d, path)
+        if "name" not in d:
+            raise PlanFormatError(f"missing field '{path}.name'")
+        kw = {k: _check(d[k], t, f"{path}.{k}") for k, t in cls._TYPES.items() if k in d}
+        extra = {k: v for k, v in d.items() if k not in cls._TYPES}
+        return cls(**kw, extra=extra, json_keys=tuple(d))
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of parallelism, the micro-batch count and the optimizer (JSON section ``parallel``).
+
+    Attributes:
+        dp: data-parallel degree: replicas of the whole pipeline; gradients all-reduced per step.
+        tp: tensor-parallel degree: devices that split each transformer block (Megatron).
+        pp: pipeline-parallel degree: pipeline ranks. The one default, 1, holds for a plan file
+            without it (every plan Tessel writes records it).
+        virtual_stages: segments per pipeline rank (interleaved schedules); 1 for a plain pipeline.
+        micro_batches: ``m``, micro-batches per step and pipeline (a plan file without it takes its
+            schedule's ``num_micro_batches``, see :meth:`engine.io.plan.Plan.from_dict`).
+        micro_batch_size: samples per micro-batch (the captured graph's batch size).
+        optimizer: the optimizer memory model the prediction used: ``adam`` (a gradient buffer
+            per stage from its first backward to the step) or ``adama`` (AdamA: micro-batch
+            gradients folded into Adam's states and freed); see
+            :func:`engine.transform.gradient_bytes`. The runtime trains with it unless told otherwise.
+        extra: keys of the JSON section this version does not know, written back unchanged.
+        json_keys: the keys of the JSON section this was read from, in order (``None`` when built
+            in code: ``to_dict`` then writes every field); not part of equality.
+
+    ``devices`` (``dp * tp * pp``) is derived; the JSON section records it too.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    virtual_stages: int = 1
+    micro_batches: int = 1
+    micro_batch_size: int = 1
+    optimizer: OptimizerKind = "adam"
+    extra: dict[str, Any] = field(default_factory=dict)
+    json_keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+
+    _INTS: ClassVar[tuple[str, ...]] = ("dp", "tp", "pp", "virtual_stages", "micro_batches", "micro_batch_size")
+
+    @property
+    def devices(self) -> int:
+        """Total devices: ``dp * tp * pp``."""
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_segments(self) -> int:
+        """Pipeline segments: ``pp * virtual_stages``."""
+        return self.pp * self.virtual_stages
+
+    def check(self) -> None:
+        """Raise :class:`engine.transform.TransformError` if a degree is not a positive integer."""
+        from engine.transform import TransformError  # local: engine.transform re-exports this class
+
+        for name in self._INTS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise TransformError(f"{name} must be a positive integer, got {v!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON section ``parallel``: the degrees, ``devices`` and ``optimizer`` (see the
+        module docstring for which keys)."""
+        values: dict[str, Any] = {k: getattr(self, k) for k in self._INTS}
+        values["devices"] = self.devices
+        values["optimizer"] = self.optimizer
+        return _write(self, values)
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str = "parallel") -> ParallelConfig:
+        """Read a JSON section ``parallel`` (``devices`` is derived and not read back).
+
+        Raises:
+            PlanFormatError: ``d`` is not a dict, a degree is not an int, or ``optimizer`` is not
+                one of ``adam``, ``adama`` (the message names the field path, e.g. ``parallel.pp``).
+        """
+        d = _section(d, path)
+        kw: dict[str, Any] = {k: _check(d[k], int, f"{path}.{k}") for k in cls._INTS if k in d}
+        if "devices" in d:
+            _check(d["devices"], int, f"{path}.devices")
+        if "optimizer" in d:
+            opt = _check(d["optimizer"], str, f"{path}.optimizer")
+            if opt not in OPTIMIZER_KINDS:
+                raise PlanFormatError(f"field '{path}.optimizer' is {opt!r}; expected one of "
+                                      f"{', '.join(map(repr, OPTIMIZER_KINDS))}")
+            kw["optimizer"] = opt
+        known = set(cls._INTS) | {"devices", "optimizer"}
+        extra = {k: v for k, v in d.items() if k not in known}
+        return cls(**kw, extra=extra, json_keys=tuple(d))
+
+
+__all__ = ["OPTIMIZER_KINDS", "ModelRef", "OptimizerKind", "ParallelConfig"]
