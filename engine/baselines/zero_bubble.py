@@ -160,16 +160,23 @@ def zb_v(placement: Placement, m: int) -> Schedule:
             put("F", c1)
             put("F", c0)
         for _ in range(pp - rank):
-            put("F", c1), put("I", c1), put("W", c1)
+            put("F", c1)
+            put("I", c1)
+            put("W", c1)
         while cnt[("F", c1)] < cnt[("F", c0)] or cnt[("F", c0)] < n:
             if cnt[("F", c0)] < n:
                 put("F", c0)
-            put("I", c0), put("W", c0)
-            put("F", c1), put("I", c1), put("W", c1)
+            put("I", c0)
+            put("W", c0)
+            put("F", c1)
+            put("I", c1)
+            put("W", c1)
         for _ in range(rank):
-            put("I", c0), put("I", c1)
+            put("I", c0)
+            put("I", c1)
         for _ in range(pp - rank):
-            put("I", c0), put("W", c0)
+            put("I", c0)
+            put("W", c0)
         while cnt[("W", c1)] < cnt[("I", c1)]:
             put("W", c1)
         while cnt[("W", c0)] < cnt[("I", c0)]:

@@ -110,34 +110,37 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
     model = cp_model.CpModel()
     fset = set(free)
     hi = max(horizon, hint[1] + 1, max((t + sc.durations[i[1]] for i, t in hint[0].items()), default=0) + 1)
-    t0 = model.NewIntVar(0, hi, "T0") if anchored else 0
-    start, end, iv = {}, {}, {}
+    t0_var = model.new_int_var(0, hi, "T0") if anchored else None
+    t0: cp_model.LinearExprT = t0_var if t0_var is not None else 0
+    start: dict[tuple[int, int], cp_model.LinearExprT] = {}
+    end: dict[tuple[int, int], cp_model.LinearExprT] = {}
+    iv: dict[tuple[int, int], cp_model.IntervalVar] = {}
     for inst in free:
         b = inst[1]
         t = sc.durations[b]
         lo = min(release.get(inst, 0), hint[0][inst])
-        v = model.NewIntVar(lo, hi, f"s{inst}")
+        v = model.new_int_var(lo, hi, f"s{inst}")
         start[inst], end[inst] = v, v + t
-        iv[inst] = model.NewFixedSizeIntervalVar(v, t, f"iv{inst}")
-        model.Add(v >= release.get(inst, 0))
+        iv[inst] = model.new_fixed_size_interval_var(v, t, f"iv{inst}")
+        model.add(v >= release.get(inst, 0))
         for c in deadline.get(inst, ()):
-            model.Add(v + t <= t0 + c)
-        model.AddHint(v, hint[0][inst])
+            model.add(v + t <= t0 + c)
+        model.add_hint(v, hint[0][inst])
     for inst, c in fixed.items():
         t = sc.durations[inst[1]]
         st = t0 + c if anchored else c
         start[inst], end[inst] = st, st + t
-        iv[inst] = model.NewFixedSizeIntervalVar(st, t, f"fx{inst}")
+        iv[inst] = model.new_fixed_size_interval_var(st, t, f"fx{inst}")
     for inst in free:
         mb, b = inst
         for a in pl.blocks[b].deps:
             if (mb, a) in fset:
-                model.Add(start[inst] >= end[(mb, a)] + sc.lags.get((a, b), 0))
+                model.add(start[inst] >= end[(mb, a)] + sc.lags.get((a, b), 0))
     everything = list(free) + list(fixed)
     for d in range(pl.num_devices):
         on = [i for i in everything if d in pl.blocks[i[1]].devices]
         if len(on) > 1 and any(i in fset for i in on):
-            model.AddNoOverlap([iv[i] for i in on])
+            model.add_no_overlap([iv[i] for i in on])
         if cap is not None and on:
             times, changes = [], []
             for i in on:
@@ -147,15 +150,15 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
                     changes.append(delta)
             if times:
                 top = int(cap[d] // sc.quantum) - initial[d]
-                model.AddReservoirConstraint(times, changes, -(10**15), max(top, 0))
-    if anchored:
-        obj = t0
+                model.add_reservoir_constraint(times, changes, -(10**15), max(top, 0))
+    if t0_var is not None:  # anchored
+        obj = t0_var
     else:
-        obj = model.NewIntVar(0, hi + max(sc.durations, default=0), "makespan")
-        model.AddMaxEquality(obj, [end[i] for i in everything])
-    model.Add(obj <= hint[1])
-    model.Minimize(obj)
-    model.AddHint(obj, hint[1])  # a complete hint: CP-SAT starts from it instead of repairing it
+        obj = model.new_int_var(0, hi + max(sc.durations, default=0), "makespan")
+        model.add_max_equality(obj, [end[i] for i in everything])
+    model.add(obj <= hint[1])
+    model.minimize(obj)
+    model.add_hint(obj, hint[1])  # a complete hint: CP-SAT starts from it instead of repairing it
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit)
     if det_limit is not None:

@@ -130,7 +130,7 @@ class SearchResult:
         steps: solver calls.
         timed_out: the time limit or a cancellation cut the search short.
         resolution: seconds per solver tick.
-        memory_floor: per device, the least memory any schedule needs.
+        memory_floor: per device, the least memory any schedule needs (bytes).
     """
 
     schedule: Schedule
@@ -144,7 +144,7 @@ class SearchResult:
     steps: int
     timed_out: bool
     resolution: float
-    memory_floor: list[float] = field(default_factory=list)
+    memory_floor: list[int] = field(default_factory=list)
     total_time: float = 0.0
 
     @property
