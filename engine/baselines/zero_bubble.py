@@ -150,7 +150,8 @@ def zb_v(placement: Placement, m: int) -> Schedule:
         cnt = {(k, c): 0 for k in "FIW" for c in (c0, c1)}
         order: list[Block] = []
 
-        def put(kind: str, seg: int) -> None:
+        # this rank's order and counters, bound as defaults (put runs within this iteration only)
+        def put(kind: str, seg: int, order: list[Block] = order, cnt: dict[tuple[str, int], int] = cnt) -> None:
             order.append(Block(seg, kind, cnt[(kind, seg)]))
             cnt[(kind, seg)] += 1
 

@@ -194,19 +194,19 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
     K = len(pl.blocks)
     P = rep.period
     s, o = rep.starts, rep.offsets
-    O = max(o, default=0)
+    max_o = max(o, default=0)  # O in the module docstring
     n = pl.num_devices
     dur = sc.durations
     naive = {(mb, b): (mb + o[b]) * P + s[b] for mb in range(m) for b in range(K)}
     naive_end = max(t + dur[b] for (mb, b), t in naive.items())
-    A = O + free_copies          # first fixed copy of the warmup (its window start is the anchor T0)
+    A = max_o + free_copies          # first fixed copy of the warmup (its window start is the anchor T0)
     B = m - free_copies          # first rescheduled copy of the cooldown
     if B - fixed_copies - 1 < A + fixed_copies or m * K <= direct_limit:
         # few micro-batches (or too few complete copies to split): reschedule everything at once
         insts = list(naive)
         status, st, mk = _solve(pl, sc, insts, {}, anchored=False, release={}, deadline={}, initial=list(sc.static),
-                                cap=memory_cap, horizon=naive_end, time_limit=time_limit, seed=seed, hint=(naive, naive_end),
-                                stall=stall, det_limit=deterministic_time)
+                                cap=memory_cap, horizon=naive_end, time_limit=time_limit, seed=seed,
+                                hint=(naive, naive_end), stall=stall, det_limit=deterministic_time)
         return Completion(st, mk, 0, status)
 
     def copy_of(inst: Inst) -> int:
@@ -253,11 +253,12 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
     c_hint = {i: starts[i] for i in cool}
     c_end = max(t + dur[i[1]] for i, t in list(c_hint.items()) + list(c_fixed.items()))
     status_c, cst, mk = _solve(pl, sc, cool, c_fixed, anchored=False, release=release, deadline={}, initial=initial,
-                               cap=memory_cap, horizon=c_end, time_limit=time_limit / 2, seed=seed, hint=(c_hint, c_end),
-                               stall=stall, det_limit=None if deterministic_time is None else deterministic_time / 2)
+                               cap=memory_cap, horizon=c_end, time_limit=time_limit / 2, seed=seed,
+                               hint=(c_hint, c_end), stall=stall,
+                               det_limit=None if deterministic_time is None else deterministic_time / 2)
     starts.update(cst)
     status = "optimal" if status_w == status_c == "optimal" else "feasible"
-    return Completion(starts, t0 - (A - O) * P, mk - (t0 + (B - A) * P), status)
+    return Completion(starts, t0 - (A - max_o) * P, mk - (t0 + (B - A) * P), status)
 
 
 def unrolled(rep: Repetend, m: int, num_blocks: int) -> Completion:
@@ -268,8 +269,8 @@ def unrolled(rep: Repetend, m: int, num_blocks: int) -> Completion:
     """
     P, s, o = rep.period, rep.starts, rep.offsets
     starts = {(mb, b): (mb + o[b]) * P + s[b] for mb in range(m) for b in range(num_blocks)}
-    O = max(o, default=0)
-    return Completion(starts, O * P, O * P, "unrolled")
+    max_o = max(o, default=0)
+    return Completion(starts, max_o * P, max_o * P, "unrolled")
 
 
 def to_schedule(pl: Placement, comp: Completion, m: int, name: str = "tessel", meta: dict | None = None,

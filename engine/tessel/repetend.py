@@ -96,7 +96,8 @@ def scale(placement: Placement, resolution: float, lags: dict[tuple[int, int], f
     durs = [int(math.ceil(b.duration / resolution - 1e-9)) for b in placement.blocks]
     # gradient buffers and transients (Placement.grad_memory/grad_transient) count as static:
     # reserved_bytes bounds them for the whole step, so the steady state stays within the limit
-    values = [abs(int(b.memory)) for b in placement.blocks] + [int(placement.reserved_bytes(d)) for d in range(placement.num_devices)]
+    values = ([abs(int(b.memory)) for b in placement.blocks]
+              + [int(placement.reserved_bytes(d)) for d in range(placement.num_devices)])
     quantum = 0
     for v in values:
         quantum = math.gcd(quantum, v)
@@ -200,7 +201,7 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
         depth[i] = 1 + max((depth[a] for a in pl.blocks[i].deps), default=-1)
     max_depth = max(depth.values(), default=0)
     max_off = MAX_STAGGER * (2 * max_depth + 1)
-    for i, b in enumerate(pl.blocks):
+    for i, _b in enumerate(pl.blocks):
         t = sc.durations[i]
         if t > P:
             return None
@@ -325,7 +326,8 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
                                   replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=True)
         if status != "unknown" or (should_stop is not None and should_stop()):
             return status, rep
-        return _solve_once(placement, sc, period, memory_cap, time_limit=max(0.01, time_limit - (time.perf_counter() - t0)),
+        return _solve_once(placement, sc, period, memory_cap,
+                           time_limit=max(0.01, time_limit - (time.perf_counter() - t0)),
                            seed=seed, workers=workers, objective=None, max_latency=max_latency, hint=hint,
                            replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=False)
     return _solve_once(placement, sc, period, memory_cap, time_limit=time_limit, seed=seed, workers=workers,

@@ -160,7 +160,8 @@ def _inside(path: str, layer: str) -> bool:
     return path == layer or path.startswith(layer + ".")
 
 
-def segment_moe_layers(layers: Iterable[MoELayer], segment_layers: Sequence[Sequence[str]]) -> dict[int, list[MoELayer]]:
+def segment_moe_layers(layers: Iterable[MoELayer], segment_layers: Sequence[Sequence[str]]
+                       ) -> dict[int, list[MoELayer]]:
     """Group MoE layers by the segment whose layer list contains their module path.
 
     Args:
