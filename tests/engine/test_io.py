@@ -24,7 +24,8 @@ def _schedule(n=3, m=4):
 
 def _plan():
     s = _schedule()
-    return Plan(model={"name": "toy"}, parallel={"dp": 1, "tp": 1, "pp": 3}, segments=[{"index": i, "param_bytes": 0} for i in range(3)],
+    return Plan(model={"name": "toy"}, parallel={"dp": 1, "tp": 1, "pp": 3},
+                segments=[{"index": i, "param_bytes": 0} for i in range(3)],
                 schedule=s, metrics=simulate(lower(s)).metrics())
 
 
