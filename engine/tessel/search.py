@@ -459,8 +459,8 @@ def tessel_search(
         deferred = {b: d_rep.offsets[b] - undeferred.offsets[b] for b in range(len(d_rep.offsets))
                     if d_rep.offsets[b] != undeferred.offsets[b]}
         if deferred or d_rep is not best:
-            windows = max(d_rep.offsets, default=0) + 1
-            _, ss_peak = unrolled_makespan(c.pl, d_rep, c.r * 3 * windows, c.r)
+            n_windows = max(d_rep.offsets, default=0) + 1
+            _, ss_peak = unrolled_makespan(c.pl, d_rep, c.r * 3 * n_windows, c.r)
             best = Repetend(d_rep.period, d_rep.starts, d_rep.offsets, d_rep.resolution, ss_peak, c.r)
 
     repetend_time = time.perf_counter() - t_start
