@@ -13,18 +13,20 @@ import sys
 from apps import cmd_demo, cmd_launch, cmd_models, cmd_plan, cmd_search, cmd_serve, cmd_show
 from apps.output import emit_json
 
-COMMANDS = {"plan": cmd_plan, "search": cmd_search, "models": cmd_models, "show": cmd_show, "launch": cmd_launch, "demo": cmd_demo,
-            "serve": cmd_serve}
+COMMANDS = {"plan": cmd_plan, "search": cmd_search, "models": cmd_models, "show": cmd_show, "launch": cmd_launch,
+            "demo": cmd_demo, "serve": cmd_serve}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with one sub-parser per command module (``add_arguments``/``run``)."""
-    p = argparse.ArgumentParser(prog="tessel", description="Tessel Planner: plan, schedule and simulate distributed DNN training.")
+    p = argparse.ArgumentParser(
+        prog="tessel", description="Tessel Planner: plan, schedule and simulate distributed DNN training.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, mod in COMMANDS.items():
         sp = sub.add_parser(name, help=mod.HELP, description=mod.__doc__)
         mod.add_arguments(sp)
-        sp.add_argument("--json", action="store_true", help="print one JSON object (the result) as the last line of stdout")
+        sp.add_argument("--json", action="store_true",
+                        help="print one JSON object (the result) as the last line of stdout")
         sp.set_defaults(_module=mod)
     return p
 

@@ -17,7 +17,8 @@ HELP = "plan a model on N devices with a predefined schedule and write plan/trac
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from engine.baselines import SCHEDULES
 
-    p.add_argument("--model", default="gpt2", help="built-in name (see `tessel models`) or module:callable (default gpt2)")
+    p.add_argument("--model", default="gpt2",
+                   help="built-in name (see `tessel models`) or module:callable (default gpt2)")
     p.add_argument("--devices", type=int, default=4, help="total devices = dp * tp * pp (default 4)")
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
@@ -27,13 +28,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual-stages", type=int, default=None, help="segments per device for interleaved (default 2)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (model default)")
-    p.add_argument("--dtype", default="float32", help="parameter/activation dtype: float32, bfloat16, float16 (default float32)")
+    p.add_argument("--dtype", default="float32",
+                   help="parameter/activation dtype: float32, bfloat16, float16 (default float32)")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's capacity)")
     p.add_argument("--optimizer", choices=("adam", "adama"), default="adam",
-                   help="memory model of the optimizer: adam (gradient accumulation: a gradient buffer per stage from its "
-                        "first backward to the step) or adama (AdamA: gradients folded into Adam's states and freed) "
+                   help="memory model of the optimizer: adam (gradient accumulation: a gradient buffer per stage "
+                        "from its first backward to the step) or adama (AdamA: gradients folded into Adam's states "
+                        "and freed) "
                         "(default adam)")
-    p.add_argument("--profile", action="store_true", help="time the model's ops on this machine (cached) and plan with measured costs")
+    p.add_argument("--profile", action="store_true",
+                   help="time the model's ops on this machine (cached) and plan with measured costs")
     p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
 
 
@@ -58,7 +62,9 @@ def run(args: argparse.Namespace) -> dict:
     )
     out = Path(args.output)
     plan_path = save_plan(res.plan, out / "plan.json")
-    trace_path = write_trace(res.timeline, out / "trace.json", metadata={"schedule": res.plan.schedule.name, **{k: v for k, v in res.plan.metrics.items() if k != "bubble_ratios"}})
+    trace_meta = {"schedule": res.plan.schedule.name,
+                  **{k: v for k, v in res.plan.metrics.items() if k != "bubble_ratios"}}
+    trace_path = write_trace(res.timeline, out / "trace.json", metadata=trace_meta)
     csv_path = write_torch_csv(res.plan.schedule, out / "schedule.csv")
     elapsed = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -113,5 +119,6 @@ def collective_summary(res) -> dict:
         names = " + ".join(f"{n} (segment {seg})" for seg, n in g["members"])
         ranks = sorted({e.rank for e in tl.events if e.name == "allreduce tied"})
         where = f"across pipeline ranks {', '.join(map(str, ranks))}" if ranks else "on one rank (no communication)"
-        lines.append(f"tied weights: {names}, {_fmt_bytes(g['nbytes'])} of gradients all-reduced {where} before the optimizer step")
+        lines.append(f"tied weights: {names}, {_fmt_bytes(g['nbytes'])} of gradients all-reduced {where} "
+                     "before the optimizer step")
     return {"lines": lines, "alltoalls": per_rank}

@@ -32,7 +32,8 @@ def _positive_int(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--placement", default="v", help="shape: v, x, m (mshape), nn, k, interleaved; or a placement JSON file")
+    p.add_argument("--placement", default="v",
+                   help="shape: v, x, m (mshape), nn, k, interleaved; or a placement JSON file")
     p.add_argument("--devices", type=int, default=4, help="devices of the shape (default 4)")
     p.add_argument("--micro-batches", type=int, default=16, help="micro-batches per step (default 16)")
     p.add_argument("--memory-limit", type=float, default=None,
@@ -114,7 +115,8 @@ def run(args: argparse.Namespace) -> dict:
     except InfeasibleMemoryError as e:  # restate in the user's units
         raise TesselError(
             f"--memory-limit {args.memory_limit:g} {unit} is infeasible: device {e.device} needs more even with one "
-            f"micro-batch at a time; the smallest feasible limit is {e.smallest / mem_scale / gib:.4g} {unit}") from None
+            f"micro-batch at a time; the smallest feasible limit is {e.smallest / mem_scale / gib:.4g} {unit}"
+        ) from None
     tess = measure(res.schedule, limit, cost)
     tessel_tl = simulate(lower(res.schedule), cost)
     rows = [tess] + compare_baselines(pl, args.micro_batches, memory_limit=limit, cost=cost, variant=variant)
@@ -142,7 +144,8 @@ def run(args: argparse.Namespace) -> dict:
     tunit = "ms" if args.model else "units"
     print(f"placement {pl.name} on {pl.num_devices} devices, {args.micro_batches} micro-batches"
           + (f", memory limit {args.memory_limit:g} {unit}" if args.memory_limit is not None else ""))
-    print(f"repetend period {res.period * tscale:.4g} {tunit}/micro-batch (lower bound {res.period_lower_bound * tscale:.4g}, "
+    print(f"repetend period {res.period * tscale:.4g} {tunit}/micro-batch "
+          f"(lower bound {res.period_lower_bound * tscale:.4g}, "
           f"gap {res.period_gap:.1%}{', optimal' if res.optimal else ''}), {res.repetend.in_flight} windows in flight, "
           f"{res.repetend.micro_batches} micro-batch(es) per window")
     print(f"makespan lower bound {res.makespan_lower_bound * tscale:.4g} {tunit}; search took {res.search_time:.2f} s "
@@ -153,7 +156,8 @@ def run(args: argparse.Namespace) -> dict:
             trows.append([r.name, "-", "-", "-", r.note])
         else:
             note = "over memory limit" if r.over_limit else ""
-            trows.append([r.name, f"{r.makespan * tscale:,.4g}", f"{r.bubble_ratio:.1%}", f"{unit_mem(max(r.peak_memory)):,.4g}", note])
+            trows.append([r.name, f"{r.makespan * tscale:,.4g}", f"{r.bubble_ratio:.1%}",
+                          f"{unit_mem(max(r.peak_memory)):,.4g}", note])
     print(table(["schedule", f"makespan ({tunit})", "bubble", f"peak memory ({unit})", "note"], trows))
     print(f"wrote {plan_path}, {trace_path}" + (f", {csv_path}" if csv_path else f" (no CSV: {csv_note})"))
     return {
@@ -162,5 +166,6 @@ def run(args: argparse.Namespace) -> dict:
         "makespan": tess.makespan, "makespan_lower_bound": res.makespan_lower_bound,
         "peak_memory": [unit_mem(x) for x in tess.peak_memory], "search_time": res.search_time, "optimal": res.optimal,
         "timed_out": res.timed_out, "window_micro_batches": res.repetend.micro_batches,
-        "baselines": {r.name: {**r.to_dict(), "peak_memory": [unit_mem(x) for x in (r.peak_memory or [])]} for r in rows[1:]},
+        "baselines": {r.name: {**r.to_dict(), "peak_memory": [unit_mem(x) for x in (r.peak_memory or [])]}
+                      for r in rows[1:]},
     }

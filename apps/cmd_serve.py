@@ -33,7 +33,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.plan:
         load_plan(args.plan)
     elif ":" not in args.model and args.model not in list_models():
-        raise TesselError(f"unknown model {args.model!r}; valid names: {', '.join(k for k in list_models() if ':' not in k)}")
+        valid = ", ".join(k for k in list_models() if ":" not in k)
+        raise TesselError(f"unknown model {args.model!r}; valid names: {valid}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
 

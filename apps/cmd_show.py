@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> dict:
     tl = resimulate(plan)
     m = tl.metrics()
     if not args.json:
-        rows = [[f"device {d}", f"{b:.1%}", fmt_gib(p)] for d, (b, p) in enumerate(zip(m["bubble_ratios"], m["peak_memory"]))]
+        rows = [[f"device {d}", f"{b:.1%}", fmt_gib(p)]
+                for d, (b, p) in enumerate(zip(m["bubble_ratios"], m["peak_memory"]))]
         print(f"{args.plan}: schedule {plan.schedule.name}, valid")
         print(table(["device", "bubble", "peak memory"], rows))
         print(f"makespan {fmt_ms(m['makespan'])}, bubble ratio {m['bubble_ratio']:.1%}")

@@ -195,7 +195,8 @@ def _worker_throughput(model_name: str, n: int, steps: int) -> dict:
 def _run_worker(mode: str, **kw) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps({"mode": mode, **kw}),
            "--threads", str(kw.get("threads", 1))]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       check=False)
     if p.returncode != 0:
         raise RuntimeError(f"adama_bench worker {mode} {kw} failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -322,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"AdamA vs Adam with gradient accumulation, CPU, {args.threads} thread(s), micro-batch {MBS} x {SEQ} tokens, fp32")
+    print(f"AdamA vs Adam with gradient accumulation, CPU, {args.threads} thread(s), "
+          f"micro-batch {MBS} x {SEQ} tokens, fp32")
     print("peak = live bytes of PyTorch's CPU allocator (torch.profiler memory events) over a steady step; MiB\n")
     hdr = (f"{'model':<16} {'N':>2} {'params':>7} {'Adam peak':>10} {'AdamA peak':>10} {'saved':>7} {'reduct.':>7} "
            f"{'grad share':>10} {'pred Adam':>9} {'pred AdamA':>10} {'RSS Adam':>8} {'RSS AdamA':>9} "
@@ -332,20 +334,24 @@ def main(argv: list[str] | None = None) -> int:
         a, b = r["adam"], r["adama"]
         print(f"{r['model']:<16} {r['micro_batches']:>2} {r['num_params'] / 1e6:>6.1f}M {_mib(a['peak_bytes']):>10} "
               f"{_mib(b['peak_bytes']):>10} {_mib(r['saved_bytes']):>7} {r['reduction']:>7.1%} "
-              f"{r['grad_share_of_adam_peak']:>10.1%} {_mib(a['predicted_peak_bytes']):>9} {_mib(b['predicted_peak_bytes']):>10} "
+              f"{r['grad_share_of_adam_peak']:>10.1%} {_mib(a['predicted_peak_bytes']):>9} "
+              f"{_mib(b['predicted_peak_bytes']):>10} "
               f"{_mib(a['rss_peak_delta_bytes']):>8} {_mib(b['rss_peak_delta_bytes']):>9} "
               f"{a['tokens_per_second']:>10,.0f} {b['tokens_per_second']:>11,.0f} {r['throughput_ratio']:>6.3f}")
     print("\nsaved = Adam peak - AdamA peak (target: >= the gradient bytes, i.e. saved/params >= 1); "
           "grad share = parameter bytes / Adam peak; ratio = AdamA / Adam tokens/s (target >= 0.98)")
     for r in rows:
         print(f"  {r['model']} N={r['micro_batches']}: saved/grad bytes = {r['saved_over_grad_bytes']:.3f} "
-              f"(predicted saving {_mib(r['predicted_saved_bytes'])} MiB), memory target {'met' if r['meets_memory_target'] else 'MISSED'}, "
+              f"(predicted saving {_mib(r['predicted_saved_bytes'])} MiB), "
+              f"memory target {'met' if r['meets_memory_target'] else 'MISSED'}, "
               f"throughput target {'met' if r['meets_throughput_target'] else 'MISSED'}")
-    print(f"\nloss, {loss['model']}, N={loss['micro_batches']} x {MBS} x {SEQ} tokens, {loss['steps']} steps, lr {loss['lr']} "
+    print(f"\nloss, {loss['model']}, N={loss['micro_batches']} x {MBS} x {SEQ} tokens, {loss['steps']} steps, "
+          f"lr {loss['lr']} "
           f"after {loss['warmup_steps']} warm-up steps, same initial weights and batches:\n"
           f"  Adam {loss['first']['adam']:.3f} -> {loss['final']['adam']:.3f}, AdamA {loss['first']['adama']:.3f} -> "
           f"{loss['final']['adama']:.3f} (final = mean of the last 10 steps; difference {loss['final_rel_diff']:.2%})\n"
-          f"  after the warm-up: max relative difference per step {loss['max_rel_diff']:.2%} (mean {loss['mean_rel_diff']:.2%}), "
+          f"  after the warm-up: max relative difference per step {loss['max_rel_diff']:.2%} "
+          f"(mean {loss['mean_rel_diff']:.2%}), "
           f"of 10-step moving averages {loss['max_rel_diff_smoothed']:.2%}")
     print(f"\nbenchmark took {result['elapsed_s']:.0f} s")
     return 0

@@ -151,9 +151,9 @@ def run(args) -> dict:
                 })
     finally:
         ray.shutdown()
-    return {"model": args.model, "optimizer": args.optimizer, "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size,
-            "micro_batches": args.micro_batches, "steps": args.steps, "warmup": args.warmup,
-            "cpus": os.cpu_count(), "rows": rows}
+    return {"model": args.model, "optimizer": args.optimizer, "seq_len": args.seq_len,
+            "micro_batch_size": args.micro_batch_size, "micro_batches": args.micro_batches, "steps": args.steps,
+            "warmup": args.warmup, "cpus": os.cpu_count(), "rows": rows}
 
 
 def print_table(out: dict) -> None:
@@ -169,12 +169,16 @@ def print_table(out: dict) -> None:
                   f"{m * 1e3:.1f} ms ({m / (c + m + o) * 100 if c + m + o else 0:.0f}% of the step), "
                   f"optimizer {o * 1e3:.1f} ms")
             if r.get("cpu_bound_speedup"):
-                print(f"the machine's CPU is {100 / r['cpu_bound_speedup']:.0f}% busy with one job alone: no co-location "
-                      f"can exceed ~{r['cpu_bound_speedup']:.2f}x sequential here (gloo's all-reduce is CPU work)")
+                print(f"the machine's CPU is {100 / r['cpu_bound_speedup']:.0f}% busy with one job alone: "
+                      f"no co-location can exceed ~{r['cpu_bound_speedup']:.2f}x sequential here "
+                      "(gloo's all-reduce is CPU work)")
             print(f"{'mode':<14}{'tokens/s':>10}{'vs seq':>8}{'pred(plan)':>12}{'pred(C/M)':>11}"
                   f"{'step A/B ms':>15}{'wait/step ms':>14}{'CPU busy':>9}{'overlaps':>9}{'same loss':>10}")
             last = r["actors"]
-        fmt = lambda v: f"{v:,.0f}" if v else "-"
+
+        def fmt(v: float | None) -> str:
+            return f"{v:,.0f}" if v else "-"
+
         steps = "/".join(f"{s * 1e3:.0f}" for s in r["mean_step"])
         waits = "/".join(f"{w * 1e3:.0f}" for w in r["token_wait_per_step"])
         busy = f"{r['cpu_busy'] * 100:.0f}%" if r["cpu_busy"] is not None else "-"

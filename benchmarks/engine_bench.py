@@ -82,15 +82,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{'model':<12} {'capture s':>10} {'plan s':>8} {'peak RSS MiB':>13} {'ops':>7} {'makespan ms':>12} {'bubble':>7}")
+    print(f"{'model':<12} {'capture s':>10} {'plan s':>8} {'peak RSS MiB':>13} {'ops':>7} {'makespan ms':>12} "
+          f"{'bubble':>7}")
     for p in plans:
         print(f"{p['model']:<12} {p['capture_s']:>10.2f} {p['plan_s']:>8.2f} {p['peak_rss_bytes'] / 2**20:>13,.0f} "
               f"{p['ops']:>7} {p['makespan_s'] * 1e3:>12.2f} {p['bubble_ratio']:>7.1%}")
-    print(f"\nsimulation {sim['devices']} devices x {sim['micro_batches']} micro-batches: {sim['instructions']:,} instructions, "
+    print(f"\nsimulation {sim['devices']} devices x {sim['micro_batches']} micro-batches: "
+          f"{sim['instructions']:,} instructions, "
           f"lower {sim['lower_s']:.3f} s + simulate {sim['simulate_s']:.3f} s = {sim['total_s']:.3f} s "
           f"(target < {TARGETS['simulate_64x256_s']} s)")
     if big:
-        print(f"gpt3-175b: capture {big['capture_s']:.1f} s (target < 30 s), peak RSS {big['peak_rss_bytes'] / 2**30:.2f} GiB (target < 2 GiB)")
+        print(f"gpt3-175b: capture {big['capture_s']:.1f} s (target < 30 s), "
+              f"peak RSS {big['peak_rss_bytes'] / 2**30:.2f} GiB (target < 2 GiB)")
     return 0
 
 

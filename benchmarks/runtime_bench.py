@@ -44,7 +44,8 @@ def predicted_vs_measured(devices: int, steps: int, profile_steps: int = 4) -> d
     # ... each segment's real forward + backward timed alone on this machine ...
     seg_plan, seg_tl = with_segment_times(res.plan, measure_segment_times(res.plan))
     # ... and calibrated from a separate short profiling launch (its first step left out)
-    prof = launch(res.plan, steps=profile_steps, progress=False, device="cpu", eval_every=0, keep_timelines=profile_steps)
+    prof = launch(res.plan, steps=profile_steps, progress=False, device="cpu", eval_every=0,
+                  keep_timelines=profile_steps)
     cal_plan, cal_tl = with_calibration(res.plan, calibrate(prof.timelines[1:]))
     # the measured run: a fresh launch of profile_steps + steps steps; its first profile_steps
     # (warm-up left out) calibrate the "same launch" prediction of the steps after them
@@ -58,7 +59,8 @@ def predicted_vs_measured(devices: int, steps: int, profile_steps: int = 4) -> d
            "predicted_calibrated_s": cal_tl.makespan, "predicted_online_s": online_tl.makespan, "measured_s": measured,
            "measured_min_s": min(measured_steps), "measured_max_s": max(measured_steps),
            "driver_step_s": wall, "loss_start": lr.losses[0], "loss_end": lr.losses[-1],
-           "tokens_per_second": lr.tokens_per_second, "profile_steps": profile_steps, "measured_steps": len(measured_steps)}
+           "tokens_per_second": lr.tokens_per_second, "profile_steps": profile_steps,
+           "measured_steps": len(measured_steps)}
     for k in ("ops", "segments", "calibrated", "online"):
         out[f"error_{k}"] = measured / out[f"predicted_{k}_s"] - 1
     out["within_15pct"] = abs(out["error_online"]) <= 0.15
@@ -90,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'ranks':>5} {'op costs':>9} {'segments':>9} {'calibrated':>11} {'same launch':>12} "
           f"{'measured median (min-max)':>27} {'error':>7} {'error sep.':>10} {'tokens/s':>9} {'loss':>15}")
     for r in rows:
-        ms = lambda k: f"{r[k] * 1e3:.0f} ms"  # noqa: E731
+        def ms(k: str, r: dict = r) -> str:  # this row, bound as a default
+            return f"{r[k] * 1e3:.0f} ms"
         rng = f"{ms('measured_s')} ({r['measured_min_s'] * 1e3:.0f}-{r['measured_max_s'] * 1e3:.0f})"
         print(f"{r['devices']:>5} {ms('predicted_ops_s'):>9} {ms('predicted_segments_s'):>9} "
               f"{ms('predicted_calibrated_s'):>11} {ms('predicted_online_s'):>12} "
@@ -98,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['error_online']:>+7.1%} {r['error_calibrated']:>+10.1%} {r['tokens_per_second']:>9,.0f} "
               f"{r['loss_start']:>7.3f}->{r['loss_end']:.3f}")
     print("predicted step makespan: op costs / segments timed alone / calibrated from a separate profiling launch /"
-          " calibrated from the first steps of the measured launch ('same launch'); measured: median of the later steps."
-          " error = measured / same-launch prediction - 1 (target within 15%); error sep. = against the separate launch")
+          " calibrated from the first steps of the measured launch ('same launch'); measured: median of the later"
+          " steps. error = measured / same-launch prediction - 1 (target within 15%); error sep. = against the"
+          " separate launch")
     print(f"\n4 MiB transfer: pre-allocated {transfer['preallocated_p2p_s'] * 1e3:.2f} ms vs object store "
           f"{transfer['object_store_s'] * 1e3:.2f} ms = {transfer['speedup']:.1f}x (target >= 3x)")
     print("vs PyTorch _PipelineScheduleRuntime on the same CSV: see benchmarks/torch_runtime_bench.py")

@@ -73,14 +73,18 @@ def run_case(shape: str, n: int, limit_name: str, limit: float, time_limit: floa
         best = min(fits, key=lambda b: b.makespan) if fits else None
         one = next((b for b in base if b.name == "1f1b" and b.makespan is not None), None)
         if m == 16:
-            row.update(search_s=res.search_time, total_s=res.total_time, period=res.period, period_lb=res.period_lower_bound,
+            row.update(search_s=res.search_time, total_s=res.total_time, period=res.period,
+                       period_lb=res.period_lower_bound,
                        period_at_lb=abs(res.period - res.period_lower_bound) < 1e-9, optimal=res.optimal,
                        window_micro_batches=res.repetend.micro_batches, timed_out=res.timed_out)
         row[f"m{m}"] = {
-            "tessel": pure, "tessel_final": t.makespan, "final_is": res.schedule.meta["tessel"].get("equals_baseline", "tessel"),
-            "search_s": res.search_time, "total_s": res.total_time, "completion": res.schedule.meta["tessel"]["completion"],
+            "tessel": pure, "tessel_final": t.makespan,
+            "final_is": res.schedule.meta["tessel"].get("equals_baseline", "tessel"),
+            "search_s": res.search_time, "total_s": res.total_time,
+            "completion": res.schedule.meta["tessel"]["completion"],
             "tessel_peak": max(t.peak_memory) / HALF, "lower_bound": res.makespan_lower_bound,
-            "baselines": {b.name: (None if b.makespan is None else {"makespan": b.makespan, "peak": max(b.peak_memory) / HALF,
+            "baselines": {b.name: (None if b.makespan is None else {"makespan": b.makespan,
+                                                                    "peak": max(b.peak_memory) / HALF,
                                                                     "over_limit": b.over_limit}) for b in base},
             "best_baseline": best.name if best else None, "best_makespan": best.makespan if best else None,
             "vs_best": (best.makespan / pure) if best else None,
@@ -122,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_case(shape, n, name, lim, args.time_limit, args.completion_stall, args.max_window))
                 if not args.json:
                     r = rows[-1]
-                    print(f"  {r['shape']:<2} n={n} {name:<5} limit {r['memory_limit']:g}: search {r['search_s']:.2f} s, "
+                    print(f"  {r['shape']:<2} n={n} {name:<5} limit {r['memory_limit']:g}: "
+                          f"search {r['search_s']:.2f} s, "
                           f"period {r['period']:.3g} (lb {r['period_lb']:.3g}), m=64 tessel {r['m64']['tessel']:.0f} "
-                          f"vs best {r['m64']['best_baseline']} {r['m64']['best_makespan']}", file=sys.stderr, flush=True)
+                          f"vs best {r['m64']['best_baseline']} {r['m64']['best_makespan']}",
+                          file=sys.stderr, flush=True)
     mk = [(r, k) for r in rows for k in ("m16", "m64")]
 
     def speedups(shapes, key):
@@ -138,9 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         "max_total_s_4_devices": max(r[k]["total_s"] for r, k in mk if r["devices"] == 4),
         "max_total_s_8_devices": max((r[k]["total_s"] for r, k in mk if r["devices"] == 8), default=0.0),
         # vs_best = best baseline makespan / Tessel makespan: >= 1 means Tessel is no worse
-        "cases_no_worse_than_best_baseline": sum(all((r[k]["vs_best"] or 1) >= 1 - 1e-9 for k in ("m16", "m64")) for r in rows),
+        "cases_no_worse_than_best_baseline": sum(all((r[k]["vs_best"] or 1) >= 1 - 1e-9 for k in ("m16", "m64"))
+                                                 for r in rows),
         # the same with tessel_search(fallback_baselines=True): a same-placement policy returned where it is shorter
-        "cases_no_worse_with_fallback": sum(all((r[k]["final_vs_best"] or 1) >= 1 - 1e-9 for k in ("m16", "m64")) for r in rows),
+        "cases_no_worse_with_fallback": sum(all((r[k]["final_vs_best"] or 1) >= 1 - 1e-9 for k in ("m16", "m64"))
+                                            for r in rows),
         "min_speedup_vs_1f1b_on_M": min(speedups(("M",), "vs_1f1b"), default=None),
         "min_speedup_vs_1f1b_on_K": min(speedups(("K",), "vs_1f1b"), default=None),
         # 1F1B / makespan lower bound under the limit: no schedule can beat 1F1B by more than this
@@ -155,15 +163,16 @@ def main(argv: list[str] | None = None) -> int:
            f"{'bound@64':>8}")
     print(hdr)
     print("-" * len(hdr))
-    for r in rows:
-        def bb(k):
+    for r in rows:  # the helpers below bind this row as a default (they run within this iteration)
+        def bb(k, r=r):
             return f"{r[k]['best_baseline']} {r[k]['best_makespan']:.0f}" if r[k]["best_baseline"] else "-"
 
-        def ts(k):  # the searched makespan; "->x name" where the fallback returned a shorter baseline
+        def ts(k, r=r):  # the searched makespan; "->x name" where the fallback returned a shorter baseline
             x = r[k]
-            return f"{x['tessel']:.0f}" + (f"->{x['tessel_final']:.0f} {x['final_is']}" if x["final_is"] != "tessel" else "")
+            fallback = f"->{x['tessel_final']:.0f} {x['final_is']}" if x["final_is"] != "tessel" else ""
+            return f"{x['tessel']:.0f}" + fallback
 
-        def sp(k, key="vs_1f1b"):
+        def sp(k, key="vs_1f1b", r=r):
             v = r[k][key]
             return f"{v:.2f}x" if v else "-"
         print(f"{r['shape']:<5} {r['devices']:>2} {r['limit_name'] + ' ' + format(r['memory_limit'], 'g'):>9} "

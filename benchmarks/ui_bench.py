@@ -105,7 +105,8 @@ def render_times(blocks: int, repeat: int) -> dict:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "serve", "--port", str(port), "--plan", str(plan_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "serve", "--port", str(port),
+                                 "--plan", str(plan_path)],
                                 cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
         try:
@@ -203,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Edit on GPT-2, 8 devices x 64 micro-batches ({edit['blocks']} blocks), {edit['edits']} edits "
           f"({edit['applied']} applied, {edit['rejected']} rejected; drags applied {edit['drags_applied']}):")
     print(f"  validate + re-simulate  median {edit['validate_resimulate_median_s'] * 1e3:6.1f} ms   "
-          f"p95 {edit['validate_resimulate_p95_s'] * 1e3:6.1f} ms   max {edit['validate_resimulate_max_s'] * 1e3:6.1f} ms")
+          f"p95 {edit['validate_resimulate_p95_s'] * 1e3:6.1f} ms   "
+          f"max {edit['validate_resimulate_max_s'] * 1e3:6.1f} ms")
     print(f"  drag, incl. Gantt data  median {edit['drag_total_median_s'] * 1e3:6.1f} ms   "
-          f"p95 {edit['drag_total_p95_s'] * 1e3:6.1f} ms   max {edit['drag_total_max_s'] * 1e3:6.1f} ms   (target < 100 ms)")
+          f"p95 {edit['drag_total_p95_s'] * 1e3:6.1f} ms   max {edit['drag_total_max_s'] * 1e3:6.1f} ms   "
+          "(target < 100 ms)")
     return 0
 
 

@@ -81,7 +81,8 @@ def compare_baselines(
         rows.append(ScheduleMetrics("1f1b", None, None, None, note=str(e)))
     for name in ("interleaved", "zb-h1"):
         if placement.name != "V" or variant is None:
-            rows.append(ScheduleMetrics(name, None, None, None, note=f"needs a plain pipeline (V); this is {placement.name}"))
+            rows.append(ScheduleMetrics(name, None, None, None,
+                                        note=f"needs a plain pipeline (V); this is {placement.name}"))
             continue
         try:
             rows.append(measure(build_schedule(name, variant(name), m), memory_limit, cost))

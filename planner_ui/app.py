@@ -77,11 +77,13 @@ class PlannerApp(pn.viewable.Viewer):
         return [self.form, pn.layout.Divider(), self.export]
 
     def __panel__(self):
-        return pn.Row(pn.Column(*self.sidebar(), width=300), pn.Column(self.message, self.tabs, sizing_mode="stretch_width"),
+        return pn.Row(pn.Column(*self.sidebar(), width=300),
+                      pn.Column(self.message, self.tabs, sizing_mode="stretch_width"),
                       sizing_mode="stretch_width")
 
     def template(self, title: str = "Tessel Planner"):
-        """A served page (loads :data:`EXTENSIONS`): ``pn.template.BootstrapTemplate`` (its resources are bundled with Panel: the page loads offline) with the sidebar and the tabs."""
+        """A served page (loads :data:`EXTENSIONS`): ``pn.template.BootstrapTemplate`` (its
+        resources are bundled with Panel: the page loads offline) with the sidebar and the tabs."""
         load_extensions()
         return pn.template.BootstrapTemplate(
             title=title, sidebar=self.sidebar(), main=[self.message, self.tabs], sidebar_width=320,
@@ -119,8 +121,9 @@ def build_app(*, model: str | None = "gpt2", plan: str | Plan | None = None, dev
                               schedule=schedule, device_type=device_type)
         app.form._model_w.value = model
         res = initial_plan(model, devices, micro_batches, schedule, device_type)
-        state.load(res.plan, graph=res.graph, message=f"planned {model}: {schedule} on {devices} {device_type} devices, "
-                                                       f"{micro_batches} micro-batches")
+        state.load(res.plan, graph=res.graph,
+                   message=f"planned {model}: {schedule} on {devices} {device_type} devices, "
+                           f"{micro_batches} micro-batches")
     gc.freeze()
     return app
 

@@ -132,7 +132,8 @@ def crossover_header_html(prediction: ColocatedPrediction | None,
     ``predictions["sequential"]`` (when given), memory peak and warnings (css classes in the
     module doc)."""
     if prediction is None:
-        return '<div class="tessel-crossover-summary">No co-located jobs: predict them with engine.crossover.predict_colocated.</div>'
+        return ('<div class="tessel-crossover-summary">No co-located jobs: predict them with '
+                'engine.crossover.predict_colocated.</div>')
     p = prediction
     parts = [
         f'mode <b class="tessel-crossover-mode">{html.escape(p.mode)}</b>',
@@ -153,9 +154,11 @@ def crossover_header_html(prediction: ColocatedPrediction | None,
         c, m = p.compute_times.get(j, 0.0), p.comm_times.get(j, 0.0)
         jobs.append(
             f'<span class="tessel-crossover-job" data-job="{html.escape(j)}">'
-            f'<span style="display:inline-block;width:10px;height:10px;background:{job_color(i)};margin-right:3px"></span>'
+            f'<span style="display:inline-block;width:10px;height:10px;background:{job_color(i)};'
+            'margin-right:3px"></span>'
             f'<b>{html.escape(j)}</b> {fmt_rate(p.per_job_tokens_per_second.get(j, 0.0))}'
-            f' <span style="color:#666">(step {fmt_ms(p.step_times.get(j, 0.0))}, C {fmt_ms(c)}, M {fmt_ms(m)})</span></span>')
+            f' <span style="color:#666">(step {fmt_ms(p.step_times.get(j, 0.0))}, C {fmt_ms(c)}, M {fmt_ms(m)})'
+            '</span></span>')
     out = ('<div class="tessel-crossover-summary">' + " &middot; ".join(parts) + "</div>"
            + '<div class="tessel-crossover-jobs">' + " &nbsp; ".join(jobs) + "</div>")
     for w in p.warnings:

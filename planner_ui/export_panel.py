@@ -71,7 +71,8 @@ class ExportPanel(pn.viewable.Viewer):
     def trace_json(self) -> str:
         """The Chrome/Perfetto trace JSON of the predicted timeline (``ts``/``dur`` in µs)."""
         plan = self._plan()
-        return json.dumps(timeline_to_trace(self.state.timeline, name="tessel-planner", metadata=self._trace_meta(plan)))
+        return json.dumps(timeline_to_trace(self.state.timeline, name="tessel-planner",
+                                            metadata=self._trace_meta(plan)))
 
     def measured_trace_json(self) -> str:
         """The trace of the measured timeline of the last launch.
@@ -153,7 +154,8 @@ class ExportPanel(pn.viewable.Viewer):
                 try:
                     doc = json.loads(text)
                 except json.JSONDecodeError as e:
-                    raise PlanFormatError(f"{name}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+                    raise PlanFormatError(
+                        f"{name}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
                 plan = Plan.from_dict(doc, source=name)
                 plan.schedule.validate(None)
                 self.state.load(plan, message=f"imported {name}: {plan.schedule.name} plan of "
@@ -171,7 +173,8 @@ class ExportPanel(pn.viewable.Viewer):
                                 message=f"imported {name} as the schedule of the current placement "
                                         f"({sched.num_micro_batches} micro-batches)")
             else:
-                raise PlanFormatError(f"{name}: unknown file type {suffix or '(none)'}; import a plan .json or a torch .csv")
+                raise PlanFormatError(
+                    f"{name}: unknown file type {suffix or '(none)'}; import a plan .json or a torch .csv")
         except TesselError as e:
             self._say(f"import failed: {e}", "error")
             return False
@@ -194,13 +197,15 @@ class ExportPanel(pn.viewable.Viewer):
         self.trace_download = w.FileDownload(callback=lambda: self._download(self.trace_json, "trace.json"),
                                              filename="trace.json", label="Perfetto trace", embed=False,
                                              css_classes=["tessel-export-trace"])
-        self.measured_download = w.FileDownload(callback=lambda: self._download(self.measured_trace_json, "measured.json"),
+        self.measured_download = w.FileDownload(callback=lambda: self._download(self.measured_trace_json,
+                                                                                "measured.json"),
                                                 filename="trace.measured.json", label="Measured trace", embed=False,
                                                 css_classes=["tessel-export-measured-trace"])
         self.csv_download = w.FileDownload(callback=lambda: self._download(self.csv_text, "schedule.csv"),
                                            filename="schedule.csv", label="torch CSV", embed=False,
                                            css_classes=["tessel-export-csv"])
-        self.folder_input = w.TextInput.from_param(self.param.folder, name="Folder", css_classes=["tessel-export-folder"])
+        self.folder_input = w.TextInput.from_param(self.param.folder, name="Folder",
+                                                   css_classes=["tessel-export-folder"])
         self.save_button = w.Button(label="Save all to folder", css_classes=["tessel-export-save"])
         self.save_button.on_click(lambda _e: self.save_to_folder())
         self.file_input = w.FileInput(accept=".json,.csv", multiple=False, css_classes=["tessel-import"])

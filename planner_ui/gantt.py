@@ -115,7 +115,8 @@ class GanttView(pn.viewable.Viewer):
     memory_height = param.Integer(default=190, bounds=(80, None), doc="memory figure height, px")
     webgl_threshold = param.Integer(default=1000, bounds=(0, None), doc="glyphs above which WebGL is used")
     label_threshold = param.Integer(default=1500, bounds=(0, None), doc="max compute blocks with labels")
-    show_message = param.Boolean(default=True, doc="show state.message under the chart (the app shows it at the top instead)")
+    show_message = param.Boolean(default=True,
+                                 doc="show state.message under the chart (the app shows it at the top instead)")
 
     def __init__(self, **params):
         if params.get("state") is None:
@@ -268,9 +269,9 @@ class GanttView(pn.viewable.Viewer):
 
     @staticmethod
     def _comm_tooltips(unit: str) -> list[tuple[str, str]]:
-        return [("op", "@op"), ("what", "@what"), ("transfer", "@name"), ("micro-batch", "@micro_batch"), ("segment", "@segment"),
-                ("device", "@device"), ("start", f"@start{{0.000}} {unit}"), ("end", f"@end{{0.000}} {unit}"),
-                ("duration", f"@duration{{0.000}} {unit}"), ("bytes", "@nbytes{0,0}")]
+        return [("op", "@op"), ("what", "@what"), ("transfer", "@name"), ("micro-batch", "@micro_batch"),
+                ("segment", "@segment"), ("device", "@device"), ("start", f"@start{{0.000}} {unit}"),
+                ("end", f"@end{{0.000}} {unit}"), ("duration", f"@duration{{0.000}} {unit}"), ("bytes", "@nbytes{0,0}")]
 
     @staticmethod
     def _measured_tooltips(unit: str) -> list[tuple[str, str]]:
@@ -460,7 +461,8 @@ class GanttView(pn.viewable.Viewer):
             if self._device_select.options != opts:
                 cur = self._device_select.value
                 self._device_select.options = opts
-                pref = self._tap_device if self._tap_device in devs else (cur if cur in devs else (devs[0] if devs else None))
+                pref = (self._tap_device if self._tap_device in devs
+                        else (cur if cur in devs else (devs[0] if devs else None)))
                 self._device_select.value = pref
             self._device_select.visible = len(devs) > 1
             if not devs:
@@ -475,7 +477,8 @@ class GanttView(pn.viewable.Viewer):
             self._position_input.value = pos
             self._move_button.disabled = False
             b = parse_action(name)
-            kind = {"F": "forward", "B": "backward", "I": "input-gradient backward", "W": "weight-gradient backward"}[b.kind]
+            kind = {"F": "forward", "B": "backward", "I": "input-gradient backward",
+                    "W": "weight-gradient backward"}[b.kind]
             where = ", ".join(f"device {d}" for d in devs)
             self._selected_html.object = (f"Selected <b>{name}</b>: {kind} of segment {b.segment}, micro-batch "
                                           f"{b.micro_batch}, on {where}; position {pos} of 0..{len(order) - 1} "
@@ -611,7 +614,8 @@ class GanttView(pn.viewable.Viewer):
         try:
             moved = find_dragged(self._x, self._y, new.get("x", []), new.get("y", []))
         except (ValueError, TypeError):
-            self._error("blocks cannot be added or deleted in the chart; drag a block to move it (the chart was restored)")
+            self._error("blocks cannot be added or deleted in the chart; drag a block to move it "
+                        "(the chart was restored)")
             self._sync_blocks()
             self._sync_selection()
             self._push()
@@ -630,7 +634,8 @@ class GanttView(pn.viewable.Viewer):
             return
         i = moved[0]
         try:
-            resized = abs(float(np.asarray(new["width"], dtype=np.float64)[i]) - float(self._w[i])) > 1e-9 * max(1.0, abs(float(self._w[i])))
+            resized = (abs(float(np.asarray(new["width"], dtype=np.float64)[i]) - float(self._w[i]))
+                       > 1e-9 * max(1.0, abs(float(self._w[i]))))
         except (KeyError, IndexError, TypeError, ValueError):
             resized = True
         if resized:

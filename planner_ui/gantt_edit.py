@@ -59,7 +59,8 @@ def block_columns(timeline: Timeline | None, schedule: Schedule | None, *, scale
     ``highlight_segment`` dims (alpha 0.25) every event not of that segment.
     """
     if timeline is None:
-        return ({k: [] for k in BLOCK_COLUMNS}, {k: [] for k in COMM_COLUMNS}, {"x": [], "y": [], "text": [], "alpha": []})
+        return ({k: [] for k in BLOCK_COLUMNS}, {k: [] for k in COMM_COLUMNS},
+                {"x": [], "y": [], "text": [], "alpha": []})
     cols = gantt_columns(timeline, schedule, scale=scale, include_comm=show_comm, highlight_segment=highlight_segment)
     n = len(cols["left"])
     stream = cols["stream"]
@@ -193,8 +194,10 @@ def header_html(state) -> str:
     if state.measured is not None:
         ms = state.measured.makespan
         rel = (ms / m["makespan"] - 1.0) * 100 if m["makespan"] > 0 else 0.0
-        parts.append(f'measured <b class="tessel-measured-makespan">{html.escape(state.fmt_time(ms))}</b> ({rel:+.1f}%)')
-    return '<div class="tessel-gantt-summary">' + " &middot; ".join(parts) + "</div>" + legend_html(state.measured is not None)
+        parts.append(f'measured <b class="tessel-measured-makespan">{html.escape(state.fmt_time(ms))}</b> '
+                     f'({rel:+.1f}%)')
+    return ('<div class="tessel-gantt-summary">' + " &middot; ".join(parts) + "</div>"
+            + legend_html(state.measured is not None))
 
 
 __all__ = ["block_columns", "measured_columns", "find_dragged", "header_html", "legend_html", "fmt_memory",

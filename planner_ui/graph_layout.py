@@ -326,7 +326,7 @@ def placement_dag(placement) -> nx.DiGraph:
                      activation_bytes=int(max(b.memory, 0)), order=i, members=[],
                      shapes=[list(b.output.shape)] if b.output is not None else [],
                      forward_time=float(b.duration), backward_time=float(bwd), layers=[])
-    for i, b in forwards:
+    for _i, b in forwards:
         for dep in b.deps:
             src = placement.blocks[dep]
             if src.kind == "F" and src.segment != b.segment:
@@ -471,7 +471,8 @@ def edge_columns(dag: nx.DiGraph, pos: Mapping[Any, tuple[float, float]] | None 
         (x0, y0), (x1, y1) = pos.get(u, (0.0, 0.0)), pos.get(v, (0.0, 0.0))
         xs, ys = _arc(x0, y0, x1, y1, round(x1 - x0))
         nb = int(e.get("bytes", 0))
-        touch = selected_segment is None or selected_segment in (dag.nodes[u].get("segment"), dag.nodes[v].get("segment"))
+        touch = (selected_segment is None
+                 or selected_segment in (dag.nodes[u].get("segment"), dag.nodes[v].get("segment")))
         cols["xs"].append(xs)
         cols["ys"].append(ys)
         cols["src"].append(dag.nodes[u].get("name", str(u)))

@@ -158,7 +158,8 @@ class GraphView(pn.viewable.Viewer):
         if dag.graph.get("unmapped_layers"):
             un = dag.graph["unmapped_layers"]
             notes.append(f"{len(un)} layer(s) of the graph are in no segment of the plan "
-                         f"({', '.join(un[:3])}{'...' if len(un) > 3 else ''}); they are shown with a neighbouring segment.")
+                         f"({', '.join(un[:3])}{'...' if len(un) > 3 else ''}); "
+                         "they are shown with a neighbouring segment.")
         if dag.graph.get("dropped_edges"):
             notes.append(f"{dag.graph['dropped_edges']} edge(s) that would make a cycle at this level are hidden.")
         return dag, " ".join(notes)

@@ -41,11 +41,13 @@ class PlanForm(pn.viewable.Viewer):
     devices = param.Integer(default=4, bounds=(1, 4096), doc="total devices = dp * tp * pp")
     micro_batches = param.Integer(default=8, bounds=(1, 100_000), label="Micro-batches", doc="micro-batches per step")
     schedule = param.Selector(default="1f1b", objects=list(SCHEDULES), doc="predefined schedule")
-    device_type = param.Selector(default="h100", objects=DEVICE_TYPES, label="Device type", doc="cost table of one device")
+    device_type = param.Selector(default="h100", objects=DEVICE_TYPES, label="Device type",
+                                 doc="cost table of one device")
     dp = param.Integer(default=1, bounds=(1, 4096), label="DP degree", doc="data-parallel degree")
     tp = param.Integer(default=1, bounds=(1, 4096), label="TP degree", doc="tensor-parallel degree")
     optimizer = param.Selector(default="adam", objects=["adam", "adama"], label="Optimizer",
-                               doc="adam (gradient buffer until the step) or adama (AdamA: gradients folded and freed per micro-batch)")
+                               doc="adam (gradient buffer until the step) or adama "
+                                   "(AdamA: gradients folded and freed per micro-batch)")
     busy = param.Boolean(default=False, doc="a plan is being made")
 
     def __init__(self, **params):
@@ -82,7 +84,8 @@ class PlanForm(pn.viewable.Viewer):
         warn = f" ({'; '.join(res.warnings)})" if res.warnings else ""
         self.state.load(res.plan, graph=res.graph,
                         message=f"planned {self.model}: {self.schedule} on {self.devices} {self.device_type} devices, "
-                                f"{self.micro_batches} micro-batches, {self.optimizer}, in {sum(res.timings.values()):.1f} s{warn}")
+                                f"{self.micro_batches} micro-batches, {self.optimizer}, "
+                                f"in {sum(res.timings.values()):.1f} s{warn}")
         return True
 
     def plan(self) -> bool:
@@ -104,7 +107,8 @@ class PlanForm(pn.viewable.Viewer):
         run_in_background(self._make, self._finish, name="tessel-plan")
 
     def __panel__(self):
-        w = pn.Param(self.param, parameters=["devices", "micro_batches", "schedule", "device_type", "dp", "tp", "optimizer"],
+        w = pn.Param(self.param,
+                     parameters=["devices", "micro_batches", "schedule", "device_type", "dp", "tp", "optimizer"],
                      widgets={"devices": pn.widgets.IntInput, "micro_batches": pn.widgets.IntInput,
                               "dp": pn.widgets.IntInput, "tp": pn.widgets.IntInput},
                      show_name=False, sizing_mode="stretch_width")

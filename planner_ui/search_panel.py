@@ -92,7 +92,8 @@ class SearchPanel(pn.viewable.Viewer):
 
     state = param.ClassSelector(class_=PlanState, doc="the shared planner state")
     shape = param.Selector(default="m", objects=shape_names() + [CURRENT], doc="placement shape, or the current plan's")
-    devices = param.Integer(default=4, bounds=(1, 1024), doc="devices of the shape (ignored for the current plan's placement)")
+    devices = param.Integer(default=4, bounds=(1, 1024),
+                            doc="devices of the shape (ignored for the current plan's placement)")
     micro_batches = param.Integer(default=8, bounds=(1, 100000), doc="micro-batches per step")
     memory_limit = param.Number(default=None, allow_None=True, bounds=(0, None),
                                 doc="per-device limit: abstract units (shapes) or GiB (a model plan); None = no limit")
@@ -135,7 +136,8 @@ class SearchPanel(pn.viewable.Viewer):
     def _build(self) -> None:
         w = pn.widgets
         self.shape_input = w.Select.from_param(self.param.shape, name="Placement", css_classes=["tessel-search-shape"])
-        self.devices_input = w.IntInput.from_param(self.param.devices, name="Devices", css_classes=["tessel-search-devices"])
+        self.devices_input = w.IntInput.from_param(self.param.devices, name="Devices",
+                                                   css_classes=["tessel-search-devices"])
         self.mb_input = w.IntInput.from_param(self.param.micro_batches, name="Micro-batches",
                                               css_classes=["tessel-search-micro-batches"])
         self.memory_input = w.FloatInput.from_param(self.param.memory_limit, name="Memory limit (blank: none)",
@@ -313,7 +315,8 @@ class SearchPanel(pn.viewable.Viewer):
         self.param.update(
             progress_value=frac,
             progress_text=(f"best period {job.t(p.best_period)}/micro-batch vs lower bound {job.t(p.lower_bound)} "
-                           f"(gap {gap:.1%}); {p.step} solver calls, {elapsed:.1f} s of {job.time_limit:g} s{cancelling}"),
+                           f"(gap {gap:.1%}); {p.step} solver calls, "
+                           f"{elapsed:.1f} s of {job.time_limit:g} s{cancelling}"),
         )
 
     def cancel(self) -> bool:
@@ -389,8 +392,10 @@ class SearchPanel(pn.viewable.Viewer):
         if job.limit is not None:
             sched.meta["memory_limit"] = job.limit  # PlanState enforces it on later edits
         cancelled = self._control is not None and self._control.cancelled
-        how = "cancelled; best schedule so far" if cancelled else ("time limit hit; best schedule so far" if res.timed_out else "done")
-        msg = (f"Tessel search {how}: period {job.t(res.period)}/micro-batch (lower bound {job.t(res.period_lower_bound)}), "
+        how = ("cancelled; best schedule so far" if cancelled
+               else ("time limit hit; best schedule so far" if res.timed_out else "done"))
+        msg = (f"Tessel search {how}: period {job.t(res.period)}/micro-batch "
+               f"(lower bound {job.t(res.period_lower_bound)}), "
                f"makespan {job.t(tess.makespan)}")
         try:
             if job.base_plan is not None:
@@ -429,7 +434,8 @@ class SearchPanel(pn.viewable.Viewer):
                 lines.append(f"| {r.name} | - | - | - | {r.note} |")
             else:
                 note = "over the memory limit" if r.over_limit else r.note
-                lines.append(f"| {r.name} | {job.t(r.makespan)} | {r.bubble_ratio:.1%} | {job.mem(max(r.peak_memory))} | {note} |")
+                lines.append(f"| {r.name} | {job.t(r.makespan)} | {r.bubble_ratio:.1%} | "
+                             f"{job.mem(max(r.peak_memory))} | {note} |")
         return "\n".join(lines)
 
     def _say(self, text: str, kind: str) -> None:

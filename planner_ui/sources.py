@@ -139,5 +139,5 @@ def metrics_summary(timeline: Timeline, memory_limit: float | None = None) -> di
     return m
 
 
-__all__ = ["KIND_COLORS", "COMM_DESCRIPTIONS", "PALETTE", "gantt_columns", "memory_columns", "metrics_summary", "segment_color",
-           "COMPUTE_HEIGHT", "COMM_HEIGHT", "COMM_OFFSET", "GANTT_COLUMNS"]
+__all__ = ["KIND_COLORS", "COMM_DESCRIPTIONS", "PALETTE", "gantt_columns", "memory_columns", "metrics_summary",
+           "segment_color", "COMPUTE_HEIGHT", "COMM_HEIGHT", "COMM_OFFSET", "GANTT_COLUMNS"]

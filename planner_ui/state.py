@@ -187,8 +187,10 @@ class PlanState(param.Parameterized):
         try:
             return order.index(b)
         except ValueError:
-            devs = list(self.schedule.placement.spec(b.kind, b.segment).devices) if self.schedule.placement.has(b.kind, b.segment) else []
-            raise ScheduleError("device", f"block {block} is not on device {device}; its placement runs it on device(s) {devs}",
+            pl = self.schedule.placement
+            devs = list(pl.spec(b.kind, b.segment).devices) if pl.has(b.kind, b.segment) else []
+            raise ScheduleError("device",
+                                f"block {block} is not on device {device}; its placement runs it on device(s) {devs}",
                                 device, block) from None
 
     def move_block(self, device: int, src: int, dst: int) -> EditResult:
@@ -203,7 +205,8 @@ class PlanState(param.Parameterized):
             return self._reject("no plan is loaded; plan a model or run a search first", "", t0)
         s = self.schedule
         if not 0 <= device < s.num_devices:
-            return self._reject(f"device {device} does not exist; this plan has devices 0..{s.num_devices - 1}", "device", t0)
+            return self._reject(f"device {device} does not exist; this plan has devices 0..{s.num_devices - 1}",
+                                "device", t0)
         if src == dst:
             return EditResult(True, "nothing to move", "", time.perf_counter() - t0)
         try:

@@ -152,7 +152,8 @@ class AdamA(Optimizer):
                     st["exp_avg_sq"].mul_(b2)
                     st["fresh"] = False
 
-    def state_tensors(self, params: Iterable[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def state_tensors(self, params: Iterable[torch.Tensor] | None = None
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``([m...], [v...])`` of ``params`` (all by default), in parameter order, for collectives."""
         ps = params if params is not None else [p for g in self.param_groups for p in g["params"]]
         return [self.state[p]["exp_avg"] for p in ps], [self.state[p]["exp_avg_sq"] for p in ps]

@@ -90,7 +90,8 @@ def init_ray(address: str | None = None) -> bool:
     kw: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": True}
     try:
         if address:
-            ray.init(address=address, logging_level="WARNING")
+            # ray annotates logging_level as int, but its own default is the string "info"
+            ray.init(address=address, logging_level="WARNING")  # type: ignore[arg-type]
         else:
             ray.init(**kw)
     except Exception as e:  # ConnectionError, RuntimeError, ValueError from ray.init
@@ -247,7 +248,7 @@ def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_
     pg = reserve(world_size, backend, timeout=timeout)
     try:
         addr, port = rendezvous_address(pg, timeout=timeout)
-        remote_cls = worker_cls if hasattr(worker_cls, "remote") else ray.remote(worker_cls)
+        remote_cls: Any = worker_cls if hasattr(worker_cls, "remote") else ray.remote(worker_cls)
         actors = []
         for r in range(world_size):
             args, kwargs = args_for_rank(r, addr, port)

@@ -35,6 +35,7 @@ all-to-alls as communication blocks. Sources: GShard (Lepikhin et al. 2020) dens
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -218,7 +219,7 @@ class ExpertParallelMoE(MoEFeedForward):
         if e % world:
             raise ValueError(f"{e} experts cannot be split evenly over {world} ranks")
         k = e // world
-        experts = [copy.deepcopy(layer.experts[i]) for i in range(rank * k, (rank + 1) * k)]
+        experts = [cast(ExpertMLP, copy.deepcopy(layer.experts[i])) for i in range(rank * k, (rank + 1) * k)]
         return cls(copy.deepcopy(layer.gate), experts, group, check_shapes, layer.gate_kind)
 
     @property
@@ -335,17 +336,17 @@ def allreduce_replicated_grads(model: nn.Module, group=None, scale_expert_grads:
         bytes all-reduced (gradient payload of the replicated parameters).
     """
     world = dist.get_world_size(group)
-    rep = [p for p in model.parameters() if p.grad is not None and not is_expert_param(p)]
+    rep = [p.grad for p in model.parameters() if p.grad is not None and not is_expert_param(p)]  # gradients
     nbytes = 0
     if rep:
-        flat = torch.cat([p.grad.reshape(-1) for p in rep])
+        flat = torch.cat([g.reshape(-1) for g in rep])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         flat /= world
         nbytes = flat.numel() * flat.element_size()
         i = 0
-        for p in rep:
-            n = p.grad.numel()
-            p.grad.copy_(flat[i:i + n].view_as(p.grad))
+        for g in rep:
+            n = g.numel()
+            g.copy_(flat[i:i + n].view_as(g))
             i += n
     if scale_expert_grads and world > 1:
         for p in model.parameters():

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from runtime.stage import build_stages
 
 
-def measure_segment_times(plan, *, repeat: int = 5, warmup: int = 2, seed: int = 0, threads: int = 1) -> list[tuple[float, float]]:
+def measure_segment_times(plan, *, repeat: int = 5, warmup: int = 2, seed: int = 0, threads: int = 1
+                          ) -> list[tuple[float, float]]:
     """Median ``(forward_s, backward_s)`` per segment for one micro-batch.
 
     Args:
@@ -47,7 +48,8 @@ def measure_segment_times(plan, *, repeat: int = 5, warmup: int = 2, seed: int =
             values: tuple = (ids[:, :-1],)
             for s in range(S):
                 metas = stages.inputs if s == 0 else stages.boundaries[s - 1]
-                ins = tuple(v.detach().requires_grad_(True) if m.requires_grad else v.detach() for v, m in zip(values, metas))
+                ins = tuple(v.detach().requires_grad_(True) if m.requires_grad else v.detach()
+                            for v, m in zip(values, metas))
                 t0 = time.perf_counter()
                 outs = stages.modules[s](*ins)
                 if s == S - 1:

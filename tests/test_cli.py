@@ -26,7 +26,8 @@ def last_json(p: subprocess.CompletedProcess) -> dict:
 @pytest.fixture(scope="module")
 def gpt2_plan(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan")
-    p = tessel("plan", "--model", "gpt2", "--devices", "4", "--micro-batches", "8", "--schedule", "1f1b", "-o", str(out), "--json")
+    p = tessel("plan", "--model", "gpt2", "--devices", "4", "--micro-batches", "8", "--schedule", "1f1b",
+               "-o", str(out), "--json")
     return out, last_json(p)
 
 
@@ -74,7 +75,8 @@ def test_show_revalidates_and_imports_csv(gpt2_plan):
         (["plan", "--model", "no-such-model"], "no-such-model"),
         (["plan", "--model", "gpt2-tiny", "--schedule", "nope"], "nope"),
         (["plan", "--model", "gpt2-tiny", "--devices", "3", "--tp", "2"], "not divisible"),
-        (["plan", "--model", "gpt2-tiny", "--devices", "4", "--micro-batches", "2", "--schedule", "1f1b"], "micro-batches"),
+        (["plan", "--model", "gpt2-tiny", "--devices", "4", "--micro-batches", "2", "--schedule", "1f1b"],
+         "micro-batches"),
     ],
 )
 def test_user_errors_are_one_sentence(tmp_path, args, needle):
@@ -122,12 +124,13 @@ def test_search_max_window_and_m_shape_bound(tmp_path):
 
 
 def test_search_v_with_model_costs(tmp_path):
-    res = last_json(tessel("search", "--placement", "v", "--devices", "2", "--micro-batches", "4", "--model", "gpt2-tiny",
-                           "--time-limit", "3", "-o", str(tmp_path), "--json"))
+    res = last_json(tessel("search", "--placement", "v", "--devices", "2", "--micro-batches", "4",
+                           "--model", "gpt2-tiny", "--time-limit", "3", "-o", str(tmp_path), "--json"))
     assert res["makespan"] <= res["baselines"]["1f1b"]["makespan"] + 1e-12
     assert (tmp_path / "schedule.csv").read_text().startswith("0F0")
 
 
 def test_search_infeasible_memory_limit_is_one_sentence(tmp_path):
-    p = tessel("search", "--placement", "v", "--devices", "4", "--memory-limit", "0.5", "-o", str(tmp_path), check=False)
+    p = tessel("search", "--placement", "v", "--devices", "4", "--memory-limit", "0.5", "-o", str(tmp_path),
+               check=False)
     assert p.returncode == 2 and "smallest feasible limit is 1" in p.stderr and "Traceback" not in p.stderr

@@ -126,7 +126,8 @@ def _list_schedule(placement: Placement, m: int, policy: str, memory_limit=None)
             if pl.reserved_bytes(d) + footprint[d] > limits[d]:
                 raise ScheduleError(
                     "memory",
-                    f"1f1b cannot fit one micro-batch on device {d}: static and gradient memory {pl.reserved_bytes(d)} + "
+                    f"1f1b cannot fit one micro-batch on device {d}: static and gradient memory "
+                    f"{pl.reserved_bytes(d)} + "
                     f"{footprint[d]} activation exceeds the memory limit {limits[d]:g}", d,
                 )
 

@@ -42,4 +42,5 @@ def gpipe(placement: Placement, m: int) -> Schedule:
             order += [Block(rank, "B", i) for i in range(m)]
         orders.append(order)
     pytorch = "_ScheduleForwardOnly" if placement.forward_only else "ScheduleGPipe"
-    return finish_schedule(placement, m, orders, "gpipe", {"pytorch": pytorch, "source": "Huang et al. 2019 (GPipe), section 2.2"})
+    return finish_schedule(placement, m, orders, "gpipe",
+                           {"pytorch": pytorch, "source": "Huang et al. 2019 (GPipe), section 2.2"})

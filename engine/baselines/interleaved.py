@@ -58,7 +58,7 @@ def interleaved_rank_order(
     the still-pending ``W`` close the order (PyTorch ``ScheduleInterleavedZeroBubble``).
     """
     total = v * m
-    nxt = defaultdict(int)  # (kind, segment) -> next micro-batch
+    nxt: defaultdict[tuple[str, int], int] = defaultdict(int)  # (kind, segment) -> next micro-batch
 
     def take(kind: str, segment: int) -> Block:
         mb = nxt[(kind, segment)]

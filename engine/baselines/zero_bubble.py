@@ -150,7 +150,8 @@ def zb_v(placement: Placement, m: int) -> Schedule:
         cnt = {(k, c): 0 for k in "FIW" for c in (c0, c1)}
         order: list[Block] = []
 
-        def put(kind: str, seg: int) -> None:
+        # this rank's order and counters, bound as defaults (put runs within this iteration only)
+        def put(kind: str, seg: int, order: list[Block] = order, cnt: dict[tuple[str, int], int] = cnt) -> None:
             order.append(Block(seg, kind, cnt[(kind, seg)]))
             cnt[(kind, seg)] += 1
 
@@ -160,16 +161,23 @@ def zb_v(placement: Placement, m: int) -> Schedule:
             put("F", c1)
             put("F", c0)
         for _ in range(pp - rank):
-            put("F", c1), put("I", c1), put("W", c1)
+            put("F", c1)
+            put("I", c1)
+            put("W", c1)
         while cnt[("F", c1)] < cnt[("F", c0)] or cnt[("F", c0)] < n:
             if cnt[("F", c0)] < n:
                 put("F", c0)
-            put("I", c0), put("W", c0)
-            put("F", c1), put("I", c1), put("W", c1)
+            put("I", c0)
+            put("W", c0)
+            put("F", c1)
+            put("I", c1)
+            put("W", c1)
         for _ in range(rank):
-            put("I", c0), put("I", c1)
+            put("I", c0)
+            put("I", c1)
         for _ in range(pp - rank):
-            put("I", c0), put("W", c0)
+            put("I", c0)
+            put("W", c0)
         while cnt[("W", c1)] < cnt[("I", c1)]:
             put("W", c1)
         while cnt[("W", c0)] < cnt[("I", c0)]:

@@ -326,8 +326,8 @@ def _build(ep: "torch.export.ExportedProgram", model: nn.Module, name: str) -> O
     param_bytes_total = sum(p.numel() * p.element_size() for p in params.values())
     buffer_bytes = sum(b.numel() * b.element_size() for _, b in model.named_buffers())
     dt_bytes: Counter = Counter()
-    for p in params.values():
-        dt_bytes[_dtype_str(p.dtype)] += p.numel() * p.element_size()
+    for t in params.values():
+        dt_bytes[_dtype_str(t.dtype)] += t.numel() * t.element_size()
 
     lay = _Layering(model)
     g = OpGraph()
@@ -379,7 +379,8 @@ def _build(ep: "torch.export.ExportedProgram", model: nn.Module, name: str) -> O
         n_tensor_operands = 0
         only_inputs = True
 
-        def describe(a: Any) -> Any:
+        # this node's lists, bound as defaults (describe runs within this iteration only)
+        def describe(a: Any, pnames: list[str] = pnames, act_inputs: list[str] = act_inputs) -> Any:
             nonlocal n_tensor_operands, only_inputs
             if isinstance(a, torch.fx.Node):
                 if a.name in folded:
@@ -426,9 +427,9 @@ def _build(ep: "torch.export.ExportedProgram", model: nn.Module, name: str) -> O
         for pn in pnames:
             if pn not in seen_params:
                 seen_params.add(pn)
-                p = params.get(pn)
-                if p is not None:
-                    pbytes += p.numel() * p.element_size()
+                param = params.get(pn)
+                if param is not None:
+                    pbytes += param.numel() * param.element_size()
 
         # views of parameters (e.g. weight.t()) are not activations
         if kind == "view" and (pnames or act_inputs) and all(a in param_like for a in act_inputs):
@@ -557,20 +558,21 @@ def _assign_layers(g: OpGraph, module_layer: dict[str, str | None]) -> None:
     layer: dict[str, str | None] = {n: module_layer.get(n) for n in ops}
     first: dict[str, int] = {}
     for n in ops:
-        if layer[n] is not None:
-            first.setdefault(layer[n], pos[n])
+        ln = layer[n]
+        if ln is not None:
+            first.setdefault(ln, pos[n])
     # forward: latest producer layer
     for n in ops:
         if layer[n] is None:
-            cands = [layer[p] for p in g.predecessors(n) if layer.get(p) is not None]
+            cands = [lp for p in g.predecessors(n) if (lp := layer.get(p)) is not None]
             if cands:
-                layer[n] = max(cands, key=lambda l: first.get(l, 1 << 60))
+                layer[n] = max(cands, key=lambda x: first.get(x, 1 << 60))
     # backward: earliest consumer layer
     for n in reversed(ops):
         if layer[n] is None:
-            cands = [layer[c] for c in g.successors(n) if layer.get(c) is not None]
+            cands = [lc for c in g.successors(n) if (lc := layer.get(c)) is not None]
             if cands:
-                layer[n] = min(cands, key=lambda l: first.get(l, 1 << 60))
+                layer[n] = min(cands, key=lambda x: first.get(x, 1 << 60))
     # dead code (no path to any layered op): the layer of the neighbour in program order
     prev = None
     for n in ops:
@@ -582,31 +584,33 @@ def _assign_layers(g: OpGraph, module_layer: dict[str, str | None]) -> None:
         if layer[n] is None:
             layer[n] = nxt or ROOT_LAYER
         nxt = layer[n]
+    # every op has a layer now: the same mapping, typed without None
+    layer_of: dict[str, str] = {n: ln for n, ln in layer.items() if ln is not None}
     first = {}
     for n in ops:
-        first.setdefault(layer[n], pos[n])
+        first.setdefault(layer_of[n], pos[n])
     q = nx.DiGraph()
     q.add_nodes_from(first)
     for u, v in g.edges:
-        lu, lv = layer.get(u), layer.get(v)
+        lu, lv = layer_of.get(u), layer_of.get(v)
         if lu is not None and lv is not None and lu != lv:
             q.add_edge(lu, lv)
     try:
-        layers = list(nx.lexicographical_topological_sort(q, key=lambda l: first[l]))
+        layers = list(nx.lexicographical_topological_sort(q, key=lambda x: first[x]))
         g.graph["layer_order"] = "topological"
     except nx.NetworkXUnfeasible:  # a module called in two places: keep first appearance
-        layers = sorted(first, key=first.get)
+        layers = sorted(first, key=lambda x: first[x])
         g.graph["layer_order"] = "first_appearance"
     if not layers:
         layers = [ROOT_LAYER]
-    index = {l: i for i, l in enumerate(layers)}
+    index = {ln: i for i, ln in enumerate(layers)}
     for n in ops:
-        g.nodes[n]["layer"] = layer[n]
-        g.nodes[n]["layer_index"] = index[layer[n]]
+        g.nodes[n]["layer"] = layer_of[n]
+        g.nodes[n]["layer_index"] = index[layer_of[n]]
     for n in order:
         d = g.nodes[n]
         if d["op"] == "placeholder":
-            cons = [layer[c] for c in g.successors(n) if c in layer]
+            cons = [layer_of[c] for c in g.successors(n) if c in layer_of]
             li = min((index[c] for c in cons), default=0)
             d["layer"], d["layer_index"] = layers[li], li
         elif d["op"] == "output":

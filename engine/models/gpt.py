@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +124,7 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
-            self.lm_head.weight = self.transformer.wte.weight
+            self.lm_head.weight = cast(nn.Embedding, self.transformer.wte).weight
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():  # GPT-2 scaled init of residual projections
             if pn.endswith("c_proj.weight"):
@@ -147,10 +148,12 @@ class GPT(nn.Module):
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
+        tr = self.transformer  # a ModuleDict: its attributes are typed Tensor | Module
+        wte, wpe = cast(nn.Embedding, tr.wte), cast(nn.Embedding, tr.wpe)
+        x = cast(nn.Dropout, tr.drop)(wte(idx) + wpe(pos))
+        for block in cast(nn.ModuleList, tr.h):
             x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
+        return self.lm_head(cast(nn.LayerNorm, tr.ln_f)(x))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

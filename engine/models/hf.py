@@ -59,7 +59,8 @@ class _LogitsOnly:
     """Mixin: ``forward(input_ids [B, T] int64) -> logits [B, T, vocab]``."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # noqa: D401
-        return super().forward(input_ids=input_ids, use_cache=False).logits
+        parent: Any = super()  # the HF class this mixin is combined with (logits_only_class)
+        return parent.forward(input_ids=input_ids, use_cache=False).logits
 
 
 def logits_only_class(hf_cls: type) -> type:
@@ -121,7 +122,8 @@ def build_hf(name: str, *, device: str | torch.device = "meta",
 
 def vocab_size(config: dict) -> int:
     """Vocabulary size from an HF config dict."""
-    return int(config.get("vocab_size"))
+    size: Any = config.get("vocab_size")
+    return int(size)
 
 
 def max_positions(config: dict) -> int | None:

@@ -142,7 +142,9 @@ def byte_gpt2_builder(n_layer: int, n_embd: int, n_head: int, n_positions: int =
         cfg = transformers.GPT2Config(
             vocab_size=256, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
-            use_cache=False, attn_implementation="sdpa")
+            use_cache=False,
+            # a PretrainedConfig kwarg that GPT2Config's typed signature does not list
+            attn_implementation="sdpa")  # type: ignore[call-arg]
         with torch.device(device):
             module = _hf.logits_only_class(transformers.GPT2LMHeadModel)(cfg)
         module.to(dtype=dtype)
@@ -232,7 +234,7 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         raise _not_found(name, f"cannot import module {mod_name!r} ({e})") from e
-    fn = mod
+    fn: Any = mod
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
@@ -268,7 +270,7 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
         batch_size = int(first.shape[0])
         if seq is None and first.dim() >= 2 and not first.is_floating_point():
             seq = int(first.shape[1])
-    cfg = getattr(module, "config", None)
+    cfg: Any = getattr(module, "config", None)
     config: dict = {"callable": name, "class": type(module).__name__}
     if hasattr(cfg, "to_dict"):
         import json

@@ -110,34 +110,37 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
     model = cp_model.CpModel()
     fset = set(free)
     hi = max(horizon, hint[1] + 1, max((t + sc.durations[i[1]] for i, t in hint[0].items()), default=0) + 1)
-    t0 = model.NewIntVar(0, hi, "T0") if anchored else 0
-    start, end, iv = {}, {}, {}
+    t0_var = model.new_int_var(0, hi, "T0") if anchored else None
+    t0: cp_model.LinearExprT = t0_var if t0_var is not None else 0
+    start: dict[tuple[int, int], cp_model.LinearExprT] = {}
+    end: dict[tuple[int, int], cp_model.LinearExprT] = {}
+    iv: dict[tuple[int, int], cp_model.IntervalVar] = {}
     for inst in free:
         b = inst[1]
         t = sc.durations[b]
         lo = min(release.get(inst, 0), hint[0][inst])
-        v = model.NewIntVar(lo, hi, f"s{inst}")
+        v = model.new_int_var(lo, hi, f"s{inst}")
         start[inst], end[inst] = v, v + t
-        iv[inst] = model.NewFixedSizeIntervalVar(v, t, f"iv{inst}")
-        model.Add(v >= release.get(inst, 0))
+        iv[inst] = model.new_fixed_size_interval_var(v, t, f"iv{inst}")
+        model.add(v >= release.get(inst, 0))
         for c in deadline.get(inst, ()):
-            model.Add(v + t <= t0 + c)
-        model.AddHint(v, hint[0][inst])
+            model.add(v + t <= t0 + c)
+        model.add_hint(v, hint[0][inst])
     for inst, c in fixed.items():
         t = sc.durations[inst[1]]
         st = t0 + c if anchored else c
         start[inst], end[inst] = st, st + t
-        iv[inst] = model.NewFixedSizeIntervalVar(st, t, f"fx{inst}")
+        iv[inst] = model.new_fixed_size_interval_var(st, t, f"fx{inst}")
     for inst in free:
         mb, b = inst
         for a in pl.blocks[b].deps:
             if (mb, a) in fset:
-                model.Add(start[inst] >= end[(mb, a)] + sc.lags.get((a, b), 0))
+                model.add(start[inst] >= end[(mb, a)] + sc.lags.get((a, b), 0))
     everything = list(free) + list(fixed)
     for d in range(pl.num_devices):
         on = [i for i in everything if d in pl.blocks[i[1]].devices]
         if len(on) > 1 and any(i in fset for i in on):
-            model.AddNoOverlap([iv[i] for i in on])
+            model.add_no_overlap([iv[i] for i in on])
         if cap is not None and on:
             times, changes = [], []
             for i in on:
@@ -147,15 +150,15 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
                     changes.append(delta)
             if times:
                 top = int(cap[d] // sc.quantum) - initial[d]
-                model.AddReservoirConstraint(times, changes, -(10**15), max(top, 0))
-    if anchored:
-        obj = t0
+                model.add_reservoir_constraint(times, changes, -(10**15), max(top, 0))
+    if t0_var is not None:  # anchored
+        obj = t0_var
     else:
-        obj = model.NewIntVar(0, hi + max(sc.durations, default=0), "makespan")
-        model.AddMaxEquality(obj, [end[i] for i in everything])
-    model.Add(obj <= hint[1])
-    model.Minimize(obj)
-    model.AddHint(obj, hint[1])  # a complete hint: CP-SAT starts from it instead of repairing it
+        obj = model.new_int_var(0, hi + max(sc.durations, default=0), "makespan")
+        model.add_max_equality(obj, [end[i] for i in everything])
+    model.add(obj <= hint[1])
+    model.minimize(obj)
+    model.add_hint(obj, hint[1])  # a complete hint: CP-SAT starts from it instead of repairing it
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit)
     if det_limit is not None:
@@ -191,19 +194,19 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
     K = len(pl.blocks)
     P = rep.period
     s, o = rep.starts, rep.offsets
-    O = max(o, default=0)
+    max_o = max(o, default=0)  # O in the module docstring
     n = pl.num_devices
     dur = sc.durations
     naive = {(mb, b): (mb + o[b]) * P + s[b] for mb in range(m) for b in range(K)}
     naive_end = max(t + dur[b] for (mb, b), t in naive.items())
-    A = O + free_copies          # first fixed copy of the warmup (its window start is the anchor T0)
+    A = max_o + free_copies          # first fixed copy of the warmup (its window start is the anchor T0)
     B = m - free_copies          # first rescheduled copy of the cooldown
     if B - fixed_copies - 1 < A + fixed_copies or m * K <= direct_limit:
         # few micro-batches (or too few complete copies to split): reschedule everything at once
         insts = list(naive)
         status, st, mk = _solve(pl, sc, insts, {}, anchored=False, release={}, deadline={}, initial=list(sc.static),
-                                cap=memory_cap, horizon=naive_end, time_limit=time_limit, seed=seed, hint=(naive, naive_end),
-                                stall=stall, det_limit=deterministic_time)
+                                cap=memory_cap, horizon=naive_end, time_limit=time_limit, seed=seed,
+                                hint=(naive, naive_end), stall=stall, det_limit=deterministic_time)
         return Completion(st, mk, 0, status)
 
     def copy_of(inst: Inst) -> int:
@@ -250,11 +253,12 @@ def complete(pl: Placement, sc: Scaled, rep: Repetend, m: int, *, memory_cap: li
     c_hint = {i: starts[i] for i in cool}
     c_end = max(t + dur[i[1]] for i, t in list(c_hint.items()) + list(c_fixed.items()))
     status_c, cst, mk = _solve(pl, sc, cool, c_fixed, anchored=False, release=release, deadline={}, initial=initial,
-                               cap=memory_cap, horizon=c_end, time_limit=time_limit / 2, seed=seed, hint=(c_hint, c_end),
-                               stall=stall, det_limit=None if deterministic_time is None else deterministic_time / 2)
+                               cap=memory_cap, horizon=c_end, time_limit=time_limit / 2, seed=seed,
+                               hint=(c_hint, c_end), stall=stall,
+                               det_limit=None if deterministic_time is None else deterministic_time / 2)
     starts.update(cst)
     status = "optimal" if status_w == status_c == "optimal" else "feasible"
-    return Completion(starts, t0 - (A - O) * P, mk - (t0 + (B - A) * P), status)
+    return Completion(starts, t0 - (A - max_o) * P, mk - (t0 + (B - A) * P), status)
 
 
 def unrolled(rep: Repetend, m: int, num_blocks: int) -> Completion:
@@ -265,8 +269,8 @@ def unrolled(rep: Repetend, m: int, num_blocks: int) -> Completion:
     """
     P, s, o = rep.period, rep.starts, rep.offsets
     starts = {(mb, b): (mb + o[b]) * P + s[b] for mb in range(m) for b in range(num_blocks)}
-    O = max(o, default=0)
-    return Completion(starts, O * P, O * P, "unrolled")
+    max_o = max(o, default=0)
+    return Completion(starts, max_o * P, max_o * P, "unrolled")
 
 
 def to_schedule(pl: Placement, comp: Completion, m: int, name: str = "tessel", meta: dict | None = None,

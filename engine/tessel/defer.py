@@ -15,9 +15,10 @@ of the unrolled repetend's per-device orders, :func:`unrolled_makespan`) does no
 per-device peak memory stays within the limit; it stops after a few passes without a strict
 improvement, then undoes every deferral that does not pay for itself (less memory, same
 makespan). Moves are judged on at most ``r * max(16, 4 * in-flight windows)`` micro-batches
-(warmup, steady copies, cooldown); the result is kept only if it is also shorter for all ``m``. Memory is exact: on one device the blocks run one after another in the schedule's
-order, so its peak is the highest prefix sum of its memory deltas (allocation at a block's
-start, release at its end), whatever the timing.
+(warmup, steady copies, cooldown); the result is kept only if it is also shorter for all ``m``.
+Memory is exact: on one device the blocks run one after another in the schedule's order, so its
+peak is the highest prefix sum of its memory deltas (allocation at a block's start, release at
+its end), whatever the timing.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ def scale(placement: Placement, resolution: float, lags: dict[tuple[int, int], f
     durs = [int(math.ceil(b.duration / resolution - 1e-9)) for b in placement.blocks]
     # gradient buffers and transients (Placement.grad_memory/grad_transient) count as static:
     # reserved_bytes bounds them for the whole step, so the steady state stays within the limit
-    values = [abs(int(b.memory)) for b in placement.blocks] + [int(placement.reserved_bytes(d)) for d in range(placement.num_devices)]
+    values = ([abs(int(b.memory)) for b in placement.blocks]
+              + [int(placement.reserved_bytes(d)) for d in range(placement.num_devices)])
     quantum = 0
     for v in values:
         quantum = math.gcd(quantum, v)
@@ -200,14 +201,14 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
         depth[i] = 1 + max((depth[a] for a in pl.blocks[i].deps), default=-1)
     max_depth = max(depth.values(), default=0)
     max_off = MAX_STAGGER * (2 * max_depth + 1)
-    for i, b in enumerate(pl.blocks):
+    for i, _b in enumerate(pl.blocks):
         t = sc.durations[i]
         if t > P:
             return None
-        s = model.NewIntVar(0, P - 1, f"s{i}")
-        iv = model.NewFixedSizeIntervalVar(s, t, f"iv{i}")
-        iv2 = model.NewFixedSizeIntervalVar(s + P, t, f"iv{i}+P")
-        o = model.NewIntVar(0, MAX_STAGGER * (max_depth + depth[i]), f"o{i}")
+        s = model.new_int_var(0, P - 1, f"s{i}")
+        iv = model.new_fixed_size_interval_var(s, t, f"iv{i}")
+        iv2 = model.new_fixed_size_interval_var(s + P, t, f"iv{i}+P")
+        o = model.new_int_var(0, MAX_STAGGER * (max_depth + depth[i]), f"o{i}")
         starts.append(s)
         ends.append(s + t)
         ivs.append((iv, iv2))
@@ -215,8 +216,8 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
     # symmetry breaking: rotating the window (and shifting every offset by one) gives an
     # equivalent repetend, so the first root starts the window and some root has offset 0
     roots = [i for i, b in enumerate(pl.blocks) if not b.deps]
-    model.Add(starts[roots[0]] == 0)
-    model.AddMinEquality(model.NewConstant(0), [offsets[r] for r in roots])
+    model.add(starts[roots[0]] == 0)
+    model.add_min_equality(model.new_constant(0), [offsets[r] for r in roots])
     # an expanded placement (several micro-batches per window, see expand) has interchangeable
     # replicas: order them by the unrolled start time of their first root, each starting within
     # one window of the previous (micro-batch r*j+k+1 starts at most P after micro-batch r*j+k)
@@ -224,28 +225,28 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
         per = K // replicas
         for k in range(replicas - 1):
             a, b2 = roots[0] + k * per, roots[0] + (k + 1) * per
-            model.Add(starts[a] + offsets[a] * P < starts[b2] + offsets[b2] * P)
-            model.Add(starts[b2] + offsets[b2] * P < starts[a] + offsets[a] * P + P)  # within one window
+            model.add(starts[a] + offsets[a] * P < starts[b2] + offsets[b2] * P)
+            model.add(starts[b2] + offsets[b2] * P < starts[a] + offsets[a] * P + P)  # within one window
     for i, b in enumerate(pl.blocks):
         for a in b.deps:
             diff = offsets[i] - offsets[a]
-            model.Add(diff >= 0)
-            model.Add(diff <= MAX_STAGGER)
+            model.add(diff >= 0)
+            model.add(diff <= MAX_STAGGER)
             lag = sc.lags.get((a, i), 0)
-            model.Add(starts[i] + diff * P >= starts[a] + sc.durations[a] + lag)
+            model.add(starts[i] + diff * P >= starts[a] + sc.durations[a] + lag)
     on_dev = [[i for i, b in enumerate(pl.blocks) if d in b.devices] for d in range(n)]
     for d in range(n):
         if len(on_dev[d]) > 1:
-            model.AddNoOverlap([x for i in on_dev[d] for x in ivs[i]])
+            model.add_no_overlap([x for i in on_dev[d] for x in ivs[i]])
     peaks = []
     if memory_cap is not None or objective in ("memory", "latency+memory"):
         # wrap[b]: a releasing block ends in the next window (its release counts one window later)
         wrap = {}
         for i in range(K):
             if sc.memory[i] < 0:
-                w = model.NewBoolVar(f"w{i}")
-                model.Add(ends[i] >= P).OnlyEnforceIf(w)
-                model.Add(ends[i] <= P).OnlyEnforceIf(w.Not())
+                w = model.new_bool_var(f"w{i}")
+                model.add(ends[i] >= P).OnlyEnforceIf(w)
+                model.add(ends[i] <= P).OnlyEnforceIf(w.Not())
                 wrap[i] = w
 
         def event(i):  # position of block i's memory event in the window
@@ -255,46 +256,48 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
         for d in range(n):
             blocks = [i for i in on_dev[d] if sc.memory[i]]
             base = sc.static[d] - sum(sc.memory[b] * (offsets[b] + (wrap[b] if b in wrap else 0)) for b in blocks)
-            peak = model.NewIntVar(-hi_all, hi_all, f"peak{d}")
-            model.Add(peak >= base)
+            peak = model.new_int_var(-hi_all, hi_all, f"peak{d}")
+            model.add(peak >= base)
             for c in blocks:
                 if sc.memory[c] <= 0:
                     continue
                 terms = []
-                for b in blocks:
-                    if b == c:
+                for j in blocks:
+                    if j == c:
                         continue
-                    x = model.NewBoolVar(f"x{d}_{b}_{c}")
-                    model.Add(event(b) <= starts[c]).OnlyEnforceIf(x)
-                    model.Add(event(b) >= starts[c] + 1).OnlyEnforceIf(x.Not())
-                    terms.append(sc.memory[b] * x)
-                model.Add(peak >= base + sc.memory[c] + sum(terms))
+                    x = model.new_bool_var(f"x{d}_{j}_{c}")
+                    model.add(event(j) <= starts[c]).OnlyEnforceIf(x)
+                    model.add(event(j) >= starts[c] + 1).OnlyEnforceIf(x.Not())
+                    terms.append(sc.memory[j] * x)
+                model.add(peak >= base + sc.memory[c] + sum(terms))
             if memory_cap is not None:
-                model.Add(peak <= int(math.floor(memory_cap[d] / sc.quantum + 1e-9)))
+                model.add(peak <= int(math.floor(memory_cap[d] / sc.quantum + 1e-9)))
             peaks.append(peak)
     latency = None
     if objective in ("latency", "latency+memory") or max_latency is not None:
         horizon = P * (max_off + 2)
-        first = model.NewIntVar(0, P, "first")
-        last = model.NewIntVar(0, horizon, "last")
+        first = model.new_int_var(0, P, "first")
+        last = model.new_int_var(0, horizon, "last")
         g = pl.dependency_graph()
         for i in g.nodes:
             if g.in_degree(i) == 0:
-                model.Add(first <= starts[i])
+                model.add(first <= starts[i])
             if g.out_degree(i) == 0:
-                model.Add(last >= offsets[i] * P + ends[i])
+                model.add(last >= offsets[i] * P + ends[i])
         latency = last - first
         if max_latency is not None:
-            model.Add(latency <= max_latency)
+            model.add(latency <= max_latency)
     if objective == "memory" and peaks:
-        model.Minimize(sum(peaks))
+        model.minimize(sum(peaks))
     elif objective == "latency":
-        model.Minimize(latency)
+        assert latency is not None  # set above for this objective
+        model.minimize(latency)
     elif objective == "latency+memory":
         # lexicographic: the micro-batch latency first (it sets the length of warmup + cooldown),
         # then the summed per-device peak memory
+        assert latency is not None  # set above for this objective
         weight = 1 + 2 * (sum(sc.static) + sum(abs(x) for x in sc.memory) * (max_off + 2) + 1)
-        model.Minimize(latency * weight + sum(peaks))
+        model.minimize(latency * weight + sum(peaks))
     return model, starts, offsets, peaks
 
 
@@ -323,7 +326,8 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
                                   replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=True)
         if status != "unknown" or (should_stop is not None and should_stop()):
             return status, rep
-        return _solve_once(placement, sc, period, memory_cap, time_limit=max(0.01, time_limit - (time.perf_counter() - t0)),
+        return _solve_once(placement, sc, period, memory_cap,
+                           time_limit=max(0.01, time_limit - (time.perf_counter() - t0)),
                            seed=seed, workers=workers, objective=None, max_latency=max_latency, hint=hint,
                            replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=False)
     return _solve_once(placement, sc, period, memory_cap, time_limit=time_limit, seed=seed, workers=workers,
@@ -340,9 +344,9 @@ def _solve_once(placement: Placement, sc: Scaled, period: int, memory_cap, *, ti
     model, starts, offsets, peaks = built
     if hint is not None and hint.period == period:
         for v, x in zip(starts, hint.starts):
-            model.AddHint(v, x)
+            model.add_hint(v, x)
         for v, x in zip(offsets, hint.offsets):
-            model.AddHint(v, x)
+            model.add_hint(v, x)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit)
     solver.parameters.random_seed = seed
@@ -351,7 +355,7 @@ def _solve_once(placement: Placement, sc: Scaled, period: int, memory_cap, *, ti
         # feasibility: decide the offsets first, smallest first (they fix the in-flight memory,
         # and a small offset is the common case); 10-100x faster than the default search on
         # memory-bound instances of this model (measured on M, NN and X shapes)
-        model.AddDecisionStrategy(offsets, cp_model.CHOOSE_FIRST, cp_model.SELECT_MIN_VALUE)
+        model.add_decision_strategy(offsets, cp_model.CHOOSE_FIRST, cp_model.SELECT_MIN_VALUE)
         solver.parameters.search_branching = cp_model.FIXED_SEARCH
     if on_solver is not None:
         on_solver(solver)

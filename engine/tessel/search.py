@@ -130,7 +130,7 @@ class SearchResult:
         steps: solver calls.
         timed_out: the time limit or a cancellation cut the search short.
         resolution: seconds per solver tick.
-        memory_floor: per device, the least memory any schedule needs.
+        memory_floor: per device, the least memory any schedule needs (bytes).
     """
 
     schedule: Schedule
@@ -144,7 +144,7 @@ class SearchResult:
     steps: int
     timed_out: bool
     resolution: float
-    memory_floor: list[float] = field(default_factory=list)
+    memory_floor: list[int] = field(default_factory=list)
     total_time: float = 0.0
 
     @property
@@ -283,8 +283,8 @@ def tessel_search(
         if floor[worst] > caps[worst] + 1e-9:
             need = max(floor)
             raise InfeasibleMemoryError(
-                f"memory limit {caps[worst]:g} is infeasible: device {worst} needs at least {floor[worst]:g} even with one "
-                f"micro-batch at a time; the smallest feasible limit is {need:g}", need, worst)
+                f"memory limit {caps[worst]:g} is infeasible: device {worst} needs at least {floor[worst]:g} "
+                f"even with one micro-batch at a time; the smallest feasible limit is {need:g}", need, worst)
     res = resolution or auto_resolution(placement)
     lb_s = period_lower_bound(placement)
     should_stop = (lambda: control.cancelled) if control is not None else None
@@ -300,7 +300,8 @@ def tessel_search(
                 # inference: a forward block's activation is released once the next block has
                 # consumed it, so only static memory persists; the limit bounds static memory alone
                 self.sc.memory = [0] * len(self.sc.memory)
-            self.lb = max(1, max(sum(self.sc.durations[i] for i in self.pl.blocks_on(d)) for d in range(self.pl.num_devices)))
+            self.lb = max(1, max(sum(self.sc.durations[i] for i in self.pl.blocks_on(d))
+                                 for d in range(self.pl.num_devices)))
             self.best = sequential_repetend(self.pl, self.sc)
             self.best.micro_batches = r
             self.proven_lo = self.lb
@@ -326,7 +327,8 @@ def tessel_search(
             bar.update(1)
             bar.set_postfix(best=f"{best_c.per_mb * res:.4g}", lb=f"{lb * res:.4g}")
         if progress is not None:
-            progress(SearchProgress(steps, window * res / c.r, status, best_c.per_mb * res, lb_s, time.perf_counter() - t_start))
+            progress(SearchProgress(steps, window * res / c.r, status, best_c.per_mb * res, lb_s,
+                                    time.perf_counter() - t_start))
 
     def attempt(c: Candidate, window: int, objective_: str | None, budget_share: float, cap_s: float | None = None,
                 hint: Repetend | None = None, hinted_share: float = 0.0):
@@ -457,8 +459,8 @@ def tessel_search(
         deferred = {b: d_rep.offsets[b] - undeferred.offsets[b] for b in range(len(d_rep.offsets))
                     if d_rep.offsets[b] != undeferred.offsets[b]}
         if deferred or d_rep is not best:
-            O = max(d_rep.offsets, default=0) + 1
-            _, ss_peak = unrolled_makespan(c.pl, d_rep, c.r * 3 * O, c.r)
+            n_windows = max(d_rep.offsets, default=0) + 1
+            _, ss_peak = unrolled_makespan(c.pl, d_rep, c.r * 3 * n_windows, c.r)
             best = Repetend(d_rep.period, d_rep.starts, d_rep.offsets, d_rep.resolution, ss_peak, c.r)
 
     repetend_time = time.perf_counter() - t_start
@@ -505,8 +507,8 @@ def tessel_search(
     return SearchResult(
         schedule=schedule, repetend=best, period=best.period_seconds, period_lower_bound=lb_s,
         makespan_lower_bound=ms_lb, critical_path=critical_path(placement),
-        optimal=optimal, search_time=repetend_time, steps=steps, timed_out=timed_out, resolution=res, memory_floor=floor,
-        total_time=elapsed,
+        optimal=optimal, search_time=repetend_time, steps=steps, timed_out=timed_out, resolution=res,
+        memory_floor=floor, total_time=elapsed,
     )
 
 

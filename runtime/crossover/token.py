@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import EllipsisType
 
 from engine.errors import TesselError
 
@@ -99,7 +100,8 @@ class ComputeToken:
         with self._cond:
             return job in self._held
 
-    def acquire(self, job: int, step: int | None = None, *, timeout: float | None = ...) -> float:
+    def acquire(self, job: int, step: int | None = None, *,
+                timeout: float | None | EllipsisType = ...) -> float:
         """Wait for the token (FIFO) and take it for ``job``; returns the seconds waited.
 
         Raises:

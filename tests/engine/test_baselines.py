@@ -87,8 +87,8 @@ def pytorch_runtime(cls, pp: int, m: int) -> list[list[str]]:
         stage.num_stages, stage.stage_index = pp, rank
         stage.is_first, stage.is_last = rank == 0, rank == pp - 1
         trace: list[str] = []
-        stage.forward_one_chunk.side_effect = lambda i, *a, _r=rank, **k: trace.append(f"{_r}F{i}")
-        stage.backward_one_chunk.side_effect = lambda i, *a, _r=rank, **k: trace.append(f"{_r}B{i}")
+        stage.forward_one_chunk.side_effect = lambda i, *a, _r=rank, _t=trace, **k: _t.append(f"{_r}F{i}")
+        stage.backward_one_chunk.side_effect = lambda i, *a, _r=rank, _t=trace, **k: _t.append(f"{_r}B{i}")
         sched = cls(stage, m)
         sched._initialize_stage = lambda *a, **k: None  # shape inference needs real tensors
         with mock.patch.object(S, "_batch_p2p", return_value=[]), \
@@ -291,7 +291,8 @@ def test_placement_requirements():
     r = placement_requirements("interleaved")
     assert (r.virtual_stages, r.min_virtual_stages, r.max_virtual_stages, r.split_backward) == (2, 2, None, False)
     r = placement_requirements("zb-h1")
-    assert (r.virtual_stages, r.split_backward, r.pytorch) == (1, True, "ScheduleInterleavedZeroBubble (1 stage per rank)")
+    assert (r.virtual_stages, r.split_backward, r.pytorch) == (
+        1, True, "ScheduleInterleavedZeroBubble (1 stage per rank)")
     assert placement_requirements("ZB-V").shape == "v"
     assert set(SCHEDULES) >= {"gpipe", "1f1b", "interleaved", "zb-h1"}
     zb_v(placement_requirements("zb-v").make_placement(3), 5)

@@ -44,7 +44,8 @@ def _measured(plan: Plan, scale: dict) -> Timeline:
     durations = [b.duration * scale.get((b.segment, b.kind), 1.0) for b in pl.blocks]
     sched = Schedule(pl.with_durations(durations), plan.schedule.num_micro_batches, plan.schedule.orders,
                      plan.schedule.name, dict(plan.schedule.meta))
-    slow = Plan(plan.model, plan.parallel, plan.segments, sched, plan.cost, {}, {}, tied_weights=list(plan.tied_weights))
+    slow = Plan(plan.model, plan.parallel, plan.segments, sched, plan.cost, {}, {},
+                tied_weights=list(plan.tied_weights))
     return simulate(lower_plan(slow), _SlowOptim(CostModel.from_dict(plan.cost)))
 
 
@@ -103,7 +104,8 @@ def test_trimmed_mean_drops_the_outliers():
 def test_calibrated_cost_pickles_and_copies():
     import copy
     import pickle
-    cc = CalibratedCost(CostModel.for_device("cpu"), Calibration(optimizer_seconds_per_byte=2e-9, p2p_seconds={1024: 1e-3}))
+    cc = CalibratedCost(CostModel.for_device("cpu"),
+                        Calibration(optimizer_seconds_per_byte=2e-9, p2p_seconds={1024: 1e-3}))
     for other in (pickle.loads(pickle.dumps(cc)), copy.deepcopy(cc)):
         assert other.optimizer_time(1000) == pytest.approx(2e-6)
         assert other.p2p_time(1024, 0, 1) == pytest.approx(cc.p2p_time(1024, 0, 1))

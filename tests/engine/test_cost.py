@@ -162,7 +162,8 @@ def test_op_forward_backward_optimizer_times():
     node = mm_node(4096)
     expect = op_time(node["flops"], node["input_bytes"] + node["output_bytes"], m.device, "float32")
     assert m.op_time(node) == pytest.approx(expect)
-    view = {"target": "aten.view.default", "flops": 0, "input_bytes": 1 << 20, "output_bytes": 1 << 20, "param_bytes": 0}
+    view = {"target": "aten.view.default", "flops": 0, "input_bytes": 1 << 20, "output_bytes": 1 << 20,
+            "param_bytes": 0}
     assert m.op_time(view) == 0.0
     big = mm_node(8192)  # compute-bound on H100: a quarter shard takes ~1/4 (plus launch overhead)
     assert m.op_time(big, shard=4) == pytest.approx((m.op_time(big) - 4e-6) / 4 + 4e-6)
@@ -269,7 +270,8 @@ def test_profiler_ignores_cache_of_other_device(tmp_path):
 def test_profiler_replays_literals_and_integer_inputs(cache_env):
     nodes = [
         {"target": "aten.embedding.default",
-         "args": [{"param": "emb", "shape": [10, 4], "dtype": "float32"}, {"shape": [3, 5], "dtype": "int64"}], "kwargs": {}},
+         "args": [{"param": "emb", "shape": [10, 4], "dtype": "float32"}, {"shape": [3, 5], "dtype": "int64"}],
+         "kwargs": {}},
         {"target": "aten.sum.dim_IntList", "args": [{"shape": [4, 4], "dtype": "float32"}, [1]],
          "kwargs": {"dtype": "torch.float64"}},
         {"target": "aten.ones.default", "args": [[2, 2]], "kwargs": {"dtype": "torch.float32", "device": "meta"}},

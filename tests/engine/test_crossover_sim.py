@@ -165,7 +165,8 @@ def test_invalid_inputs(dp2_plan):
     with pytest.raises(TesselError, match="unique"):
         predict_colocated([dp2_plan, dp2_plan], names=["A", "A"])
     with pytest.raises(TesselError, match="devices"):
-        predict_profiles([JobProfile.synthetic("A", 1, 1, num_devices=2), JobProfile.synthetic("B", 1, 1, num_devices=3)])
+        predict_profiles([JobProfile.synthetic("A", 1, 1, num_devices=2),
+                          JobProfile.synthetic("B", 1, 1, num_devices=3)])
 
 
 # ------------------------------------------------------------------ Event.job and the trace

@@ -111,7 +111,7 @@ def _check_layer_order(g: OpGraph):
     idx = {n: d["layer_index"] for n, d in g.nodes(data=True)}
     for u, v in g.edges:
         assert idx[u] <= idx[v], (u, v, g.nodes[u]["layer"], g.nodes[v]["layer"])
-    for n, d in g.nodes(data=True):
+    for _n, d in g.nodes(data=True):
         assert g.layers()[d["layer_index"]] == d["layer"]
 
 

@@ -46,7 +46,7 @@ def _blocks_and_a2a(stream):
     """For each ALLTOALL: (index of the last non-ALLTOALL instruction before it, that instruction)."""
     out = []
     last = None
-    for i, ins in enumerate(stream):
+    for _i, ins in enumerate(stream):
         if ins.op == "ALLTOALL":
             out.append((ins, last))
         else:

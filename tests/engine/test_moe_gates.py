@@ -35,7 +35,8 @@ def test_dts_gate_temperature_follows_advance_not_forward():
     for _ in range(3):
         g(x)
     assert g.updates == 0 and g.tau == 2.0 and float(g.temperature) == 2.0
-    g.advance(); g.advance()
+    g.advance()
+    g.advance()
     assert g.updates == 2 and int(g.num_updates) == 2
     assert float(g.temperature) == pytest.approx(1.25)
     assert g(x).metrics["temperature"].item() == pytest.approx(1.25)

@@ -211,7 +211,8 @@ def test_action_round_trip(pl2):
     assert "rank 1: 1F0 1F1 1B0 1B1" in str(s)
 
 
-@pytest.mark.parametrize("text,block", [("1B3", Block(1, "B", 3)), (" 12I0 ", Block(12, "I", 0)), ("0W10", Block(0, "W", 10))])
+@pytest.mark.parametrize("text,block", [("1B3", Block(1, "B", 3)), (" 12I0 ", Block(12, "I", 0)),
+                                        ("0W10", Block(0, "W", 10))])
 def test_parse_action(text, block):
     assert parse_action(text) == block
     assert str(block) == text.strip()

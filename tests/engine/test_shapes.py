@@ -84,7 +84,8 @@ def test_forward_only(shape, n):
 
 def test_v_and_interleaved_equal_pipeline_placement():
     assert v_shape(4) == pipeline_placement(4, activation_bytes=1)
-    assert v_shape(4, split_backward=True, activation=8) == pipeline_placement(4, activation_bytes=8, split_backward=True)
+    assert v_shape(4, split_backward=True, activation=8) == pipeline_placement(4, activation_bytes=8,
+                                                                                split_backward=True)
     assert interleaved_shape(4) == pipeline_placement(4, virtual_stages=2, activation_bytes=1)
     assert interleaved_shape(2, virtual_stages=3, forward=0.5).num_segments == 6
     assert v_shape(3, forward_times=[1, 2, 3]).spec("F", 2).duration == 3.0

@@ -36,8 +36,10 @@ def test_lowering_inserts_send_recv_with_static_shapes():
     ex = lower(Schedule(pl, 2, gpipe_orders(2, 2)))
     r0 = [str(i) for i in ex.streams[0]]
     r1 = [str(i) for i in ex.streams[1]]
-    assert r0 == ["0F0", "SEND 0F0 to 1", "0F1", "SEND 0F1 to 1", "RECV 1B0 from 1", "0B0", "RECV 1B1 from 1", "0B1", "OPTIM step"]
-    assert r1 == ["RECV 0F0 from 0", "1F0", "RECV 0F1 from 0", "1F1", "1B0", "SEND 1B0 to 0", "1B1", "SEND 1B1 to 0", "OPTIM step"]
+    assert r0 == ["0F0", "SEND 0F0 to 1", "0F1", "SEND 0F1 to 1", "RECV 1B0 from 1", "0B0", "RECV 1B1 from 1", "0B1",
+                  "OPTIM step"]
+    assert r1 == ["RECV 0F0 from 0", "1F0", "RECV 0F1 from 0", "1F1", "1B0", "SEND 1B0 to 0", "1B1", "SEND 1B1 to 0",
+                  "OPTIM step"]
     sends = [i for i in ex.streams[0] if i.op == "SEND"]
     assert all(i.tensor == ACT and i.nbytes == 2 * 16 * 32 * 4 for i in sends)
 
@@ -87,7 +89,8 @@ def test_multi_device_block_occupies_all_devices_at_once():
         BlockSpec("B", 0, (0, 1), 2.0, deps=(2,)),
     )
     pl = Placement(2, blocks, name="M-like")
-    orders = [[Block(0, "F", 0), Block(0, "B", 0)], [Block(0, "F", 0), Block(1, "F", 0), Block(1, "B", 0), Block(0, "B", 0)]]
+    orders = [[Block(0, "F", 0), Block(0, "B", 0)],
+              [Block(0, "F", 0), Block(1, "F", 0), Block(1, "B", 0), Block(0, "B", 0)]]
     s = Schedule(pl, 1, orders)
     s.validate()
     tl = simulate(lower(s))

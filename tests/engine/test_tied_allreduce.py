@@ -45,7 +45,8 @@ def test_first_and_last_rank_all_reduce_the_tied_gradient_before_the_step(pp):
         else:
             assert tied == []
     ev = [e for e in res.timeline.events if e.name == "allreduce tied"]
-    assert sorted(e.rank for e in ev) == [0, pp - 1] and all(e.stream == "collective" and e.op == "ALLREDUCE" for e in ev)
+    assert sorted(e.rank for e in ev) == [0, pp - 1]
+    assert all(e.stream == "collective" and e.op == "ALLREDUCE" for e in ev)
     assert ev[0].start == ev[1].start and ev[0].end == ev[1].end > ev[0].start   # one collective, both ranks
     # the last stage holds its own copy: its parameter bytes count it (the graph counts it once, at wte)
     first_use = sum(res.graph.nodes[n].get("param_bytes", 0) for n in res.graph.nodes

@@ -159,7 +159,8 @@ def test_tied_weights_fold_the_summed_gradient_once_per_backward():
     for x in ids:
         loss(b, x).backward()
     ref.step()
-    torch.testing.assert_close(opt.state[a.emb.weight]["exp_avg"], ref.state[b.emb.weight]["exp_avg"], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(opt.state[a.emb.weight]["exp_avg"], ref.state[b.emb.weight]["exp_avg"],
+                               rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(opt.state[a.emb.weight]["exp_avg_sq"],
                                (1 - B2) * sum(gi ** 2 for gi in per_mb), rtol=1e-12, atol=1e-18)
 

@@ -93,7 +93,8 @@ def test_launcher_passes_the_device_to_its_workers(monkeypatch, backend, p2p):
         raise cluster.ClusterError("stop here: no Ray in this test")
 
     monkeypatch.setattr(cluster, "init_ray", lambda address=None: False)
-    monkeypatch.setattr(cluster, "choose_backend", lambda ws, device="auto": cluster.Backend(backend, backend == "nccl"))
+    monkeypatch.setattr(cluster, "choose_backend",
+                        lambda ws, device="auto": cluster.Backend(backend, backend == "nccl"))
     monkeypatch.setattr(cluster, "create_actors", fake_create)
     monkeypatch.delenv("TESSEL_P2P", raising=False)
     with pytest.raises(launcher.LaunchError, match="stop here"):

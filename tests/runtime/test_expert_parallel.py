@@ -200,7 +200,7 @@ def results():
     if errors:
         # one retry for transient loopback/gloo trouble on a loaded machine; a real bug fails
         # twice, and the first failure stays visible as a warning
-        warnings.warn("expert-parallel workers failed once, retrying:\n" + "\n".join(errors))
+        warnings.warn("expert-parallel workers failed once, retrying:\n" + "\n".join(errors), stacklevel=2)
         out = _spawn_workers()
     for r, res in enumerate(out):
         assert "error" not in res, f"rank {r}:\n{res['error']}"

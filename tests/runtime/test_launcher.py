@@ -304,7 +304,8 @@ def test_checkpoint_roundtrip_and_plan_hash(plan, tmp_path):
     other = make_plan("gpt2-tiny", devices=2, micro_batches=M + 2, schedule="1f1b", device_type="cpu",
                       seq_len=SEQ, micro_batch_size=MBS).plan
     assert ck.plan_hash(other) != ck.plan_hash(plan) == ck.plan_hash(plan.to_dict())
-    with pytest.raises(ck.CheckpointError, match=f"written for plan {ck.plan_hash(plan)} but this plan is {ck.plan_hash(other)}"):
+    with pytest.raises(ck.CheckpointError,
+                       match=f"written for plan {ck.plan_hash(plan)} but this plan is {ck.plan_hash(other)}"):
         ck.load_checkpoint(p, plan=other)
     with pytest.raises(ck.CheckpointError, match="has 2 ranks but this launch has 4"):
         ck.load_checkpoint(p, world_size=4)

@@ -137,7 +137,8 @@ def test_pair_order_follows_the_sender_and_refuses_mismatches():
     recvs = [i for i, ins in enumerate(dropped[1]) if ins.op == "RECV" and ins.peer == 0]
     lost = dropped[1].pop(recvs[2])
     with pytest.raises(WorkerError, match=r"pair pipeline rank 0 -> pipeline rank 1: the sender sends the "
-                                          rf".* micro-batch {lost.block.micro_batch}, which the receiver does not expect"):
+                                          rf".* micro-batch {lost.block.micro_batch}, "
+                                          r"which the receiver does not expect"):
         pair_send_orders(dropped, counts)
     # a receive the sender never posts
     short = [list(s) for s in streams]

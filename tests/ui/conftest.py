@@ -37,7 +37,8 @@ def browser_type_launch_args(browser_type_launch_args):
     """pytest-playwright: launch the system Chromium headless."""
     if not (os.path.exists(CHROMIUM) or shutil.which("chromium")):
         pytest.skip(f"no Chromium at {CHROMIUM}: run `make browser` (apt install chromium) to run the browser tests")
-    return {**browser_type_launch_args, "executable_path": CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
+    return {**browser_type_launch_args,
+            "executable_path": CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium"),
             "args": CHROMIUM_ARGS, "headless": True}
 
 

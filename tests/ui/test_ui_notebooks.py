@@ -25,7 +25,8 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     client = NotebookClient(nb, timeout=420, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    errors = [o for c in nb.cells if c.cell_type == "code"
+              for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     # the views rendered as Panel output (its mimebundle), not as a plain repr
     panel_outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])

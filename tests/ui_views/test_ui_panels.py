@@ -346,7 +346,8 @@ def test_search_and_compare_on_a_model_plan(tiny):
     assert f"makespan {st.timeline.makespan * 1e3:.4g} ms" in panel.result_text
     # a memory limit below the floor is reported in GiB
     panel.memory_limit = 1e-6
-    assert panel.run_search() is None and "GiB is infeasible" in st.message and "smallest feasible limit is" in st.message
+    assert panel.run_search() is None
+    assert "GiB is infeasible" in st.message and "smallest feasible limit is" in st.message
 
     view = CompareView(state=st)
     view.add_current("tessel")

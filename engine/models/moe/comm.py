@@ -148,8 +148,9 @@ def find_moe_layers(module: nn.Module, num_tokens: int) -> list[MoELayer]:
         gate = m.gate
         w = gate.w_gate.weight
         experts = sum(p.numel() * p.element_size() for p in m.experts.parameters())
-        if getattr(m, "local_experts", None):  # an already expert-parallel layer holds E/P experts
-            experts = experts * gate.num_experts // int(m.local_experts)
+        local_experts = getattr(m, "local_experts", None)
+        if local_experts:  # an already expert-parallel layer holds E/P experts
+            experts = experts * gate.num_experts // int(local_experts)
         out.append(MoELayer(name, int(gate.num_experts), gate_capacity(gate, num_tokens), int(w.shape[1]),
                             int(w.element_size()), str(getattr(m, "gate_kind", type(gate).__name__)), int(experts)))
     return out
@@ -159,7 +160,8 @@ def _inside(path: str, layer: str) -> bool:
     return path == layer or path.startswith(layer + ".")
 
 
-def segment_moe_layers(layers: Iterable[MoELayer], segment_layers: Sequence[Sequence[str]]) -> dict[int, list[MoELayer]]:
+def segment_moe_layers(layers: Iterable[MoELayer], segment_layers: Sequence[Sequence[str]]
+                       ) -> dict[int, list[MoELayer]]:
     """Group MoE layers by the segment whose layer list contains their module path.
 
     Args:

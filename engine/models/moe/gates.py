@@ -146,6 +146,8 @@ class BaseGate(nn.Module):
         aux_weight: weight of the load-balancing loss in ``GateOutput.aux_loss`` (0.01).
     """
 
+    num_updates: torch.Tensor  # buffer (registered in __init__), int64 scalar
+
     def __init__(self, hidden: int, num_experts: int, aux_weight: float = 0.01):
         super().__init__()
         if num_experts < 1:
@@ -295,6 +297,9 @@ class DTSGate(BaseGate):
         threshold: minimum ``g`` for an expert in the dense phase (authors: 0.001).
         sparse_capacity_factor: capacity factor after the switch (None: no dropping).
     """
+
+    temperature: torch.Tensor  # buffer (registered in __init__), float scalar
+    sparse: torch.Tensor  # buffer (registered in __init__), int64 0/1
 
     def __init__(self, hidden: int, num_experts: int, tau_max: float = 2.0, tau_min: float = 0.5,
                  D: int = 5000, H: int = 6000, kind: str = "linear", threshold: float = 0.001,

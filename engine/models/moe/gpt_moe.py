@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
 
 from ..gpt import GPT, GPTConfig
-from .layer import MoEFeedForward
+from .layer import ExpertMLP, MoEFeedForward
 
 __all__ = ["GPTMoEConfig", "GPTMoE"]
 
@@ -51,13 +52,14 @@ class GPTMoE(GPT):
     def __init__(self, cfg: GPTMoEConfig | None = None):
         cfg = cfg or GPTMoEConfig()
         super().__init__(cfg)
-        for i, block in enumerate(self.transformer.h):
+        for i, block in enumerate(cast(nn.ModuleList, self.transformer.h)):
             if i % cfg.moe_every == cfg.moe_every - 1:
-                block.mlp = MoEFeedForward(cfg.n_embd, cfg.ffn_mult * cfg.n_embd, cfg.num_experts,
-                                           gate=cfg.gate, bias=cfg.bias, **cfg.gate_kw)
-                block.mlp.apply(self._init_weights)
-                for e in block.mlp.experts:
-                    nn.init.normal_(e.c_proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                mlp = MoEFeedForward(cfg.n_embd, cfg.ffn_mult * cfg.n_embd, cfg.num_experts,
+                                     gate=cfg.gate, bias=cfg.bias, **cfg.gate_kw)
+                block.mlp = mlp
+                mlp.apply(self._init_weights)
+                for e in mlp.experts:
+                    nn.init.normal_(cast(ExpertMLP, e).c_proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     def moe_layers(self) -> list[MoEFeedForward]:
         """The MoE FFN modules in block order."""
