@@ -35,9 +35,11 @@ def demo_model() -> str:
 
 def run(args: argparse.Namespace) -> dict:
     from apps.cmd_launch import calibrate_plan, report
+    from apps.launch_progress import TqdmProgress
     from engine.io import save_plan, write_torch_csv, write_trace
     from engine.planner import make_plan
     from runtime import launch
+    from runtime.config import LaunchConfig
 
     model = args.model or demo_model()
     out = Path(args.output)
@@ -53,10 +55,11 @@ def run(args: argparse.Namespace) -> dict:
     print(f"planned in {plan_time:.1f} s: wrote {plan_path}, {trace_path}, {csv_path}")
     for w in res.warnings:
         print(f"warning: {w}", file=sys.stderr)
-    lr = launch(res.plan, steps=args.steps, address=args.address, checkpoint_dir=out / "ckpt",
-                checkpoint_every=max(args.steps // 3, 1), eval_every=max(args.steps // 3, 1),
-                progress=not args.json or sys.stderr.isatty(), step_timeout=args.step_timeout,
-                trace_path=out / "trace.measured.json", device="cpu", keep_timelines=min(args.steps, 64))
+    config = LaunchConfig(steps=args.steps, address=args.address, checkpoint_dir=out / "ckpt",
+                          checkpoint_every=max(args.steps // 3, 1), eval_every=max(args.steps // 3, 1),
+                          step_timeout=args.step_timeout, trace_path=out / "trace.measured.json", device="cpu",
+                          keep_timelines=min(args.steps, 64))
+    lr = launch(res.plan, config, callbacks=[TqdmProgress()] if not args.json or sys.stderr.isatty() else [])
     result = report(res.plan, lr, plan_dir=out)
     if len(lr.timelines) > 1:   # profile-guided prediction: the real costs of this machine
         result["calibration"] = calibrate_plan(res.plan, lr, out / "plan.calibrated.json")

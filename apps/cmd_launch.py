@@ -20,6 +20,7 @@ import math
 import sys
 from pathlib import Path
 
+from apps.launch_progress import LineProgress, TqdmProgress
 from apps.output import fmt_gib, fmt_ms, table
 
 HELP = "train a plan on Ray actors and compare measured with predicted step times"
@@ -41,8 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local cluster)")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint folder (default: ckpt/ next to the plan)")
-    p.add_argument("--checkpoint-every", type=int, default=10, help="checkpoint every N steps; 0: only at the end (default 10)")
-    p.add_argument("--eval-every", type=int, default=10, help="validation loss every N steps; 0: only at the end (default 10)")
+    p.add_argument("--checkpoint-every", type=int, default=10,
+                   help="checkpoint every N steps; 0: only at the end (default 10)")
+    p.add_argument("--eval-every", type=int, default=10,
+                   help="validation loss every N steps; 0: only at the end (default 10)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--step-timeout", type=float, default=120.0,
@@ -217,16 +220,17 @@ def _predict(plans: list, mode: str, steps: int) -> dict | None:
 def run_crossover(args: argparse.Namespace, mode: str) -> dict:
     """``tessel launch a.json b.json --crossover``: :func:`runtime.crossover.launch_crossover`."""
     from engine.io import load_plan, write_trace
+    from runtime.config import CrossoverConfig
     from runtime.crossover import launch_crossover
 
     paths = [Path(p) for p in args.plan]
     plans = [load_plan(p) for p in paths]
     ckdirs = checkpoint_dirs(paths, args.checkpoint_dir)
-    res = launch_crossover(plans, steps=args.steps, mode=mode, address=args.address, checkpoint_dirs=ckdirs,
-                           checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, resume=args.resume,
-                           seed=args.seed, lr=args.lr, optimizer=args.optimizer, warmup_steps=args.warmup_steps,
-                           step_timeout=args.step_timeout, device=args.device,
-                           progress=not args.json or sys.stderr.isatty(), names=[str(p) for p in paths])
+    config = CrossoverConfig(steps=args.steps, mode=mode, address=args.address, checkpoint_dirs=ckdirs,
+                             checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, resume=args.resume,
+                             seed=args.seed, lr=args.lr, optimizer=args.optimizer, warmup_steps=args.warmup_steps,
+                             step_timeout=args.step_timeout, device=args.device, names=[str(p) for p in paths])
+    res = launch_crossover(plans, config, callbacks=[LineProgress()] if _show_progress(args) else [])
     out = report_crossover(res, _predict(plans, mode, args.steps))
     if res.timeline is not None:
         trace = Path(args.trace) if args.trace else paths[0].parent / "crossover.measured.json"
@@ -237,9 +241,15 @@ def run_crossover(args: argparse.Namespace, mode: str) -> dict:
     return out
 
 
+def _show_progress(args: argparse.Namespace) -> bool:
+    """Progress on stderr: always without ``--json``, with it only on a terminal."""
+    return not args.json or sys.stderr.isatty()
+
+
 def run(args: argparse.Namespace) -> dict:
     from engine.io import load_plan
     from runtime import launch
+    from runtime.config import LaunchConfig
 
     mode = _mode(args)
     if mode is not None:
@@ -249,11 +259,12 @@ def run(args: argparse.Namespace) -> dict:
     plan_dir = plan_path.parent
     ckdir = Path(args.checkpoint_dir) if args.checkpoint_dir else plan_dir / "ckpt"
     trace = Path(args.trace) if args.trace else plan_dir / "trace.measured.json"
-    res = launch(plan, steps=args.steps, address=args.address, checkpoint_dir=ckdir,
-                 checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, resume=args.resume,
-                 seed=args.seed, lr=args.lr, progress=not args.json or sys.stderr.isatty(),
-                 step_timeout=args.step_timeout, trace_path=trace, device=args.device,
-                 optimizer=args.optimizer, keep_timelines=min(args.steps, 64) if args.calibrate else 8)
+    config = LaunchConfig(steps=args.steps, address=args.address, checkpoint_dir=ckdir,
+                          checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, resume=args.resume,
+                          seed=args.seed, lr=args.lr, step_timeout=args.step_timeout, trace_path=trace,
+                          device=args.device, optimizer=args.optimizer,
+                          keep_timelines=min(args.steps, 64) if args.calibrate else 8)
+    res = launch(plan, config, callbacks=[TqdmProgress()] if _show_progress(args) else [])
     out = report(plan, res, plan_dir=plan_dir)
     out["plan"] = str(plan_path)
     if args.calibrate:

@@ -106,7 +106,8 @@ def run(args) -> dict:
     import ray
 
     from engine.planner import make_plan
-    from runtime.crossover import launch_crossover
+    from runtime.crossover import CrossoverConfig, launch_crossover
+    from runtime.session import StepCallback
 
     ray.init(include_dashboard=False, logging_level="WARNING")
     rows = []
@@ -121,9 +122,11 @@ def run(args) -> dict:
             cpu = {}
             for mode in MODES:
                 meter = CpuMeter(mode, args.warmup)
-                res = launch_crossover([plan, plan], steps=args.steps, mode=mode, warmup_steps=args.warmup,
-                                       optimizer=args.optimizer, on_step=meter,
-                                       eval_every=None, step_timeout=args.step_timeout, names=["A", "B"])
+                config = CrossoverConfig(steps=args.steps, mode=mode, warmup_steps=args.warmup,
+                                         optimizer=args.optimizer, eval_every=None, step_timeout=args.step_timeout,
+                                         names=["A", "B"])
+                res = launch_crossover([plan, plan], config,
+                                       callbacks=[StepCallback(lambda r, m=meter: m(r.job, r.step, r.loss))])
                 results[mode] = res
                 cpu[mode] = meter.busy()
                 if mode == "sequential":

@@ -36,6 +36,7 @@ def predicted_vs_measured(devices: int, steps: int, profile_steps: int = 4) -> d
     from engine.cost.calibrate import calibrate
     from engine.planner import make_plan, with_calibration, with_segment_times
     from runtime import launch
+    from runtime.config import LaunchConfig
     from runtime.profile import measure_segment_times
 
     # op costs profiled with one intra-op thread (as every rank runs) ...
@@ -44,13 +45,13 @@ def predicted_vs_measured(devices: int, steps: int, profile_steps: int = 4) -> d
     # ... each segment's real forward + backward timed alone on this machine ...
     seg_plan, seg_tl = with_segment_times(res.plan, measure_segment_times(res.plan))
     # ... and calibrated from a separate short profiling launch (its first step left out)
-    prof = launch(res.plan, steps=profile_steps, progress=False, device="cpu", eval_every=0,
-                  keep_timelines=profile_steps)
+    prof = launch(res.plan, LaunchConfig(steps=profile_steps, device="cpu", eval_every=0,
+                                       keep_timelines=profile_steps))
     cal_plan, cal_tl = with_calibration(res.plan, calibrate(prof.timelines[1:]))
     # the measured run: a fresh launch of profile_steps + steps steps; its first profile_steps
     # (warm-up left out) calibrate the "same launch" prediction of the steps after them
     total = profile_steps + steps
-    lr = launch(res.plan, steps=total, progress=False, device="cpu", eval_every=0, keep_timelines=total)
+    lr = launch(res.plan, LaunchConfig(steps=total, device="cpu", eval_every=0, keep_timelines=total))
     _, online_tl = with_calibration(res.plan, calibrate(lr.timelines[1:profile_steps]))
     measured_steps = [t.makespan for t in lr.timelines[profile_steps:]]
     measured = statistics.median(measured_steps)

@@ -4,8 +4,8 @@
 lazily, inside functions: importing ``planner_ui`` never imports Ray or the runtime, so the
 planner works on a laptop with neither.
 
-:class:`LaunchJob` wraps :func:`runtime.launcher.launch` (``progress=False``; the per-step
-``on_step(step, loss)`` callback feeds :attr:`LaunchJob.losses`) in a daemon thread. The thread
+:class:`LaunchJob` wraps :func:`runtime.launcher.launch` (no progress display; a per-step
+``runtime.session.StepCallback`` feeds :attr:`LaunchJob.losses`) in a daemon thread. The thread
 only appends to plain Python lists and sets plain attributes; a UI reads them from its own
 thread (a Panel periodic callback), never the other way round.
 """
@@ -38,7 +38,8 @@ def check_launchable(plan: Plan | None) -> None:
     if plan.meta.get("abstract") or not plan.segments or not plan.model.name:
         raise LaunchNotPossible(NO_MODEL_MESSAGE)
     if not plan.model.seq_len:
-        raise LaunchNotPossible("the plan's model has no seq_len; the runtime trains language models on token sequences")
+        raise LaunchNotPossible("the plan's model has no seq_len; the runtime trains language models on token "
+                                "sequences")
 
 
 class LaunchJob:
@@ -51,9 +52,10 @@ class LaunchJob:
             afterwards, so the next launch skips the start-up (seconds); stop it with
             :func:`shutdown_ray`. By default the launcher starts an embedded cluster and shuts
             it down at the end (an already running Ray is always reused and left running).
-        **launch_kw: passed to :func:`runtime.launcher.launch` (``address``, ``device``,
-            ``step_timeout``, ``seed``, ``lr``, ``checkpoint_dir``...); ``progress`` is forced off
-            and ``on_step`` is taken by the job.
+        **launch_kw: fields of :class:`runtime.config.LaunchConfig` (``address``, ``device``,
+            ``step_timeout``, ``seed``, ``lr``, ``checkpoint_dir``...) besides ``steps``; the
+            job's per-step callback feeds :attr:`losses` (``progress`` and ``on_step``, the
+            launcher's former arguments, are ignored).
 
     Attributes (written by the job's thread, read by anyone):
         losses: ``[(step, loss)]`` as each step finishes (loss in nats per token).
@@ -91,11 +93,14 @@ class LaunchJob:
     def _run(self) -> None:
         try:
             # lazy: Ray and the torch workers are imported only when a launch runs
+            from runtime.config import LaunchConfig
             from runtime.launcher import launch
+            from runtime.session import StepCallback
 
+            config = LaunchConfig(steps=self.steps, **self.launch_kw)
             if self.keep_ray:
-                ensure_ray(self.launch_kw.get("address"))
-            self.result = launch(self.plan, steps=self.steps, progress=False, on_step=self._on_step, **self.launch_kw)
+                ensure_ray(config.address)
+            self.result = launch(self.plan, config, callbacks=[StepCallback(lambda r: self._on_step(r.step, r.loss))])
         except BaseException as e:  # noqa: BLE001 - reported to the UI, never raised in the thread
             self.error = e
         finally:

@@ -28,8 +28,9 @@ from planner_ui.state import PlanState
 class LaunchPanel(pn.viewable.Viewer):
     """Run the current plan through the runtime and compare the measured step with the prediction.
 
-    Construct with ``LaunchPanel(state=state)``; ``launch_kw`` (a dict) is passed to
-    :func:`runtime.launcher.launch` (e.g. ``{"device": "cpu", "step_timeout": 60}``).
+    Construct with ``LaunchPanel(state=state)``; ``launch_kw`` (a dict) holds fields of
+    :class:`runtime.config.LaunchConfig` for :func:`runtime.launcher.launch` (e.g.
+    ``{"device": "cpu", "step_timeout": 60}``).
 
     Methods: :meth:`launch` (``wait=False`` starts in the background; ``wait=True`` blocks and
     applies the result), :meth:`poll`. Attributes: :attr:`job` (the :class:`LaunchJob`),
@@ -42,7 +43,7 @@ class LaunchPanel(pn.viewable.Viewer):
     steps = param.Integer(default=10, bounds=(1, 100000), doc="training steps to run")
     running = param.Boolean(default=False, doc="a launch is running")
     status = param.String(default="", doc="status line (Markdown)")
-    launch_kw = param.Dict(default={}, doc="extra keyword arguments of runtime.launcher.launch")
+    launch_kw = param.Dict(default={}, doc="runtime.config.LaunchConfig fields of the launch (besides steps)")
     poll_period_ms = param.Integer(default=500, bounds=(20, None), doc="how often the UI polls a running launch")
 
     def __init__(self, **params):

@@ -33,6 +33,7 @@ Threads: ``torch.set_num_threads(threads)`` (default 1, so that runs are compara
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ from torch import nn
 
 from engine.models.gpt import GPT, GPTConfig, lm_loss
 from runtime.data import ByteCorpus
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["MoETrainResult", "train_moe", "build_tiny", "dense_tiny_config", "TINY_MODELS", "lm_objective",
            "moe_aux_loss", "advance_gates", "moe_metrics", "has_moe"]
@@ -231,7 +234,8 @@ def train_moe(model: str | nn.Module, steps: int = 300, batch_size: int = 16, se
         threads: ``torch.set_num_threads`` during the run.
         corpus: a prebuilt :class:`ByteCorpus` (its ``seq_len`` wins); default
             ``ByteCorpus(seq_len=seq_len, seed=seed)``.
-        log_every: print a progress line every this many steps (0 = silent).
+        log_every: log a progress line (``logging`` INFO, logger ``runtime.moe_train``) every this
+            many steps (0 = silent).
         **gate_kw: gate arguments (e.g. DTS ``D``, ``H``, ``tau_max``, ``tau_min``).
 
     Returns:
@@ -287,9 +291,8 @@ def train_moe(model: str | nn.Module, steps: int = 300, batch_size: int = 16, se
                 res.val_loss.append(_validate(model, corpus, val_batches, batch_size))
                 res.val_time.append(elapsed)
             if log_every and done % log_every == 0:
-                print(f"[{name}] step {done}/{steps} loss {res.train_loss[-1]:.3f}"
-                      + (f" val {res.val_loss[-1]:.3f}" if res.val_steps and res.val_steps[-1] == done else ""),
-                      flush=True)
+                logger.info("[%s] step %d/%d loss %.3f%s", name, done, steps, res.train_loss[-1],
+                            f" val {res.val_loss[-1]:.3f}" if res.val_steps and res.val_steps[-1] == done else "")
         res.active_params = _active_params(model)
         return res
     finally:

@@ -9,15 +9,19 @@ checkpoints; only timing changes.
 - :mod:`runtime.crossover.token`: :class:`ComputeToken` (fair FIFO token, recorded intervals).
 - :mod:`runtime.crossover.actor`: :class:`CrossoverActor` (one device, one StageWorker per job).
 - :mod:`runtime.crossover.launcher`: :func:`launch_crossover` (modes ``"crossover"``,
-  ``"uncoordinated"``, ``"sequential"``) and its :class:`CrossoverResult`.
+  ``"uncoordinated"``, ``"sequential"``), configured by :class:`runtime.config.CrossoverConfig`.
+- :mod:`runtime.crossover.result`: its :class:`CrossoverResult` / :class:`CrossoverJobResult`.
 
-The launcher's names are loaded lazily (importing the token does not import Ray).
+``MODES`` and ``CrossoverError`` are :mod:`engine.crossover`'s (one definition for planner and
+runtime). The launcher's names are loaded lazily (importing the token does not import Ray).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.crossover import MODES, CrossoverError
+from runtime.config import CrossoverConfig
 from runtime.crossover.token import (
     ComputeToken,
     TokenError,
@@ -28,6 +32,7 @@ from runtime.crossover.token import (
 __all__ = [
     "MODES",
     "ComputeToken",
+    "CrossoverConfig",
     "CrossoverError",
     "CrossoverJobResult",
     "CrossoverResult",
@@ -37,16 +42,11 @@ __all__ = [
     "overlapping_intervals",
 ]
 
-_LAZY = {"launch_crossover", "CrossoverResult", "CrossoverJobResult", "CrossoverError", "MODES"}
+_LAZY = {"launch_crossover", "CrossoverResult", "CrossoverJobResult"}
 
 if TYPE_CHECKING:  # pragma: no cover
-    from runtime.crossover.launcher import (
-        MODES,
-        CrossoverError,
-        CrossoverJobResult,
-        CrossoverResult,
-        launch_crossover,
-    )
+    from runtime.crossover.launcher import launch_crossover
+    from runtime.crossover.result import CrossoverJobResult, CrossoverResult
 
 
 def __getattr__(name: str):

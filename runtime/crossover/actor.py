@@ -41,7 +41,7 @@ from runtime.crossover.token import ComputeToken
 __all__ = ["MODES", "CrossoverActor"]
 
 #: Co-location modes of :func:`runtime.crossover.launch_crossover`.
-MODES = ("crossover", "uncoordinated", "sequential")
+from engine.crossover import MODES  # noqa: E402 - the one definition (planner and runtime)
 
 
 class CrossoverActor:

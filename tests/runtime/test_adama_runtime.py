@@ -258,6 +258,7 @@ def test_weight_backward_folds_each_micro_batch_like_backward():
 def test_unknown_optimizer_is_refused_with_the_valid_names(tmp_path):
     from engine.planner import make_plan
     from runtime import LaunchError, launch
+    from runtime.config import LaunchConfig
     from runtime.reference import reference_losses
     from runtime.worker import StageWorker, WorkerError
 
@@ -267,7 +268,7 @@ def test_unknown_optimizer_is_refused_with_the_valid_names(tmp_path):
     with pytest.raises(WorkerError, match="unknown optimizer 'lamb'; use one of 'adam', 'adama', 'sgd'"):
         w.setup()
     with pytest.raises(LaunchError, match="unknown optimizer 'lamb'; use one of 'adam', 'adama', 'sgd'"):
-        launch(plan, steps=1, optimizer="lamb", progress=False)
+        launch(plan, LaunchConfig(steps=1, optimizer="lamb"))
     with pytest.raises(ValueError, match="use one of 'adam', 'adama', 'sgd'"):
         reference_losses(plan, [], optimizer="lamb")
 
@@ -288,6 +289,7 @@ def test_ray_launch_with_adama_trains_and_resumes(ray_local, tmp_path):
     from engine.planner import make_plan
     from runtime import LaunchError, launch
     from runtime import checkpoint as ck
+    from runtime.config import LaunchConfig
     from runtime.data import ByteCorpus
     from runtime.reference import reference_losses
 
@@ -296,16 +298,16 @@ def test_ray_launch_with_adama_trains_and_resumes(ray_local, tmp_path):
     corpus = ByteCorpus(seq_len=SEQ)
     ref = reference_losses(plan, [corpus.train_batch(s, M * MBS) for s in range(3)], optimizer="adama")
     expected = [sum(r) / len(r) for r in ref]
-    res = launch(plan, steps=2, optimizer="adama", checkpoint_dir=tmp_path, progress=False, step_timeout=120)
+    res = launch(plan, LaunchConfig(steps=2, optimizer="adama", checkpoint_dir=tmp_path, step_timeout=120))
     assert res.optimizer == "adama" and len(res.losses) == 2
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(expected[:2]), rtol=1e-4, atol=1e-5)
     assert ck.load_checkpoint(tmp_path).meta["optimizer"] == "adama"
     # resuming with another optimizer is refused before Ray work starts
     with pytest.raises(LaunchError, match="written with optimizer 'adama' but this launch uses 'adam'"):
-        launch(plan, steps=3, checkpoint_dir=tmp_path, resume=True, progress=False)
+        launch(plan, LaunchConfig(steps=3, checkpoint_dir=tmp_path, resume=True))
     # the checkpoint's AdamA states (m, v, step, fresh) continue the run exactly
-    again = launch(plan, steps=3, optimizer="adama", checkpoint_dir=tmp_path, resume=True, progress=False,
-                   step_timeout=120)
+    again = launch(plan, LaunchConfig(steps=3, optimizer="adama", checkpoint_dir=tmp_path, resume=True,
+                                      step_timeout=120))
     assert again.start_step == 2 and len(again.losses) == 1
     assert again.losses[0] == pytest.approx(expected[2], rel=1e-4)
 

@@ -29,6 +29,7 @@ from engine.planner import make_plan
 from runtime import checkpoint as ck
 from runtime.crossover import (
     ComputeToken,
+    CrossoverConfig,
     CrossoverError,
     TokenError,
     TokenInterval,
@@ -58,7 +59,8 @@ def shared_ray():
 def _run(plan, mode, root: Path, **kw):
     dirs = [root / f"{mode}-a", root / f"{mode}-b"]
     t0 = time.perf_counter()
-    res = launch_crossover([plan, plan], steps=STEPS, mode=mode, checkpoint_dirs=dirs, step_timeout=60, **kw)
+    res = launch_crossover([plan, plan], CrossoverConfig(steps=STEPS, mode=mode, checkpoint_dirs=dirs,
+                                                         step_timeout=60, **kw))
     return res, dirs, time.perf_counter() - t0
 
 
@@ -219,7 +221,8 @@ def test_parameters_equal_each_job_run_alone(crossover_run, sequential_run, plan
 @pytest.mark.timeout(300)
 def test_uncoordinated_jobs_overlap_but_train_the_same(crossover_run, plan, shared_ray, tmp_path):
     xo, _, _ = crossover_run
-    res = launch_crossover([plan, plan], steps=STEPS, mode="uncoordinated", eval_every=None, step_timeout=60)
+    res = launch_crossover([plan, plan], CrossoverConfig(steps=STEPS, mode="uncoordinated", eval_every=None,
+                                                         step_timeout=60))
     assert res.ok and [j.losses for j in res.jobs] == [j.losses for j in xo.jobs]
     # no token: both jobs computed on one device at the same time at least once
     assert max(res.max_holders) == 2 and res.overlaps()
@@ -231,8 +234,10 @@ def test_a_failed_job_is_named_and_does_not_hang_the_other(plan, tmp_path):
         ray.shutdown()
     t0 = time.perf_counter()
     with pytest.raises(CrossoverError) as info:
-        launch_crossover([plan, plan], steps=STEPS, mode="crossover", checkpoint_dirs=[tmp_path / "a", tmp_path / "b"],
-                         checkpoint_every=1, fail_at={0: (1, 1, 1)}, step_timeout=60, names=["a.json", "b.json"])
+        launch_crossover([plan, plan], CrossoverConfig(steps=STEPS, mode="crossover",
+                                                       checkpoint_dirs=[tmp_path / "a", tmp_path / "b"],
+                                                       checkpoint_every=1, fail_at={0: (1, 1, 1)}, step_timeout=60,
+                                                       names=["a.json", "b.json"]))
     took = time.perf_counter() - t0
     e = info.value
     msg = str(e)
@@ -268,17 +273,17 @@ def test_plans_that_cannot_be_colocated_are_refused_before_ray_starts(plan, tmp_
     pipe = make_plan("gpt2-tiny", devices=2, micro_batches=M, device_type="cpu", seq_len=SEQ,
                      micro_batch_size=MBS).plan
     with pytest.raises(CrossoverError, match=r"job 1 \(gpt2-tiny #1\) has pp = 2; .*pure data-parallel"):
-        launch_crossover([plan, pipe], steps=1)
+        launch_crossover([plan, pipe], CrossoverConfig(steps=1))
     four = make_plan("gpt2-tiny", devices=4, dp=4, micro_batches=1, device_type="cpu", seq_len=SEQ,
                      micro_batch_size=MBS).plan
     with pytest.raises(CrossoverError, match="same devices: job 0 .* has dp = 2 but job 1 .* has dp = 4"):
-        launch_crossover([plan, four], steps=1)
+        launch_crossover([plan, four], CrossoverConfig(steps=1))
     with pytest.raises(CrossoverError, match="unknown co-location mode 'together'"):
-        launch_crossover([plan, plan], steps=1, mode="together")
+        launch_crossover([plan, plan], CrossoverConfig(steps=1, mode="together"))
     with pytest.raises(CrossoverError, match="its own checkpoint folder"):
-        launch_crossover([plan, plan], steps=1, checkpoint_dirs=[tmp_path, tmp_path])
+        launch_crossover([plan, plan], CrossoverConfig(steps=1, checkpoint_dirs=[tmp_path, tmp_path]))
     with pytest.raises(CrossoverError, match="steps has 3 entries but there are 2 jobs"):
-        launch_crossover([plan, plan], steps=[1, 2, 3])
+        launch_crossover([plan, plan], CrossoverConfig(steps=[1, 2, 3]))
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -85,6 +85,7 @@ def test_launcher_passes_the_device_to_its_workers(monkeypatch, backend, p2p):
     gloo launch passes neither ``device`` nor ``p2p_matching`` unless asked: custom worker classes
     keep their constructor)."""
     from runtime import cluster, launcher
+    from runtime.config import LaunchConfig
 
     seen = {}
 
@@ -98,13 +99,13 @@ def test_launcher_passes_the_device_to_its_workers(monkeypatch, backend, p2p):
     monkeypatch.setattr(cluster, "create_actors", fake_create)
     monkeypatch.delenv("TESSEL_P2P", raising=False)
     with pytest.raises(launcher.LaunchError, match="stop here"):
-        launcher.launch(_plan(2, "1f1b"), steps=1, progress=False, p2p_matching=p2p)
+        launcher.launch(_plan(2, "1f1b"), LaunchConfig(steps=1, p2p_matching=p2p))
     for r, (args, kw) in enumerate(seen["args"]):
         assert args[1] == r and args[2] == 2 and kw["backend"] == backend
         assert kw.get("device") == ("cuda" if backend == "nccl" else None)
         assert kw.get("p2p_matching") == p2p
     with pytest.raises(launcher.LaunchError, match="unknown p2p_matching 'fifo'"):
-        launcher.launch(_plan(2, "1f1b"), steps=1, progress=False, p2p_matching="fifo")
+        launcher.launch(_plan(2, "1f1b"), LaunchConfig(steps=1, p2p_matching="fifo"))
 
 
 # ----------------------------------------------------------------------------- CPU: device plumbing
@@ -265,13 +266,14 @@ def test_two_rank_1f1b_on_cuda_matches_the_cpu_reference():   # pragma: no cover
 @needs_2_gpus
 @pytest.mark.timeout(900)
 def test_ray_launch_on_cuda(ray_local, tmp_path):   # pragma: no cover - needs GPUs
+    from runtime.config import LaunchConfig
     from runtime.launcher import launch
 
     if ray_local.cluster_resources().get("GPU", 0) < 2:
         pytest.skip("the Ray cluster has fewer than 2 GPUs")
     plan = _plan(2, "1f1b")
-    gpu = launch(plan, steps=2, device="cuda", progress=False, checkpoint_dir=tmp_path / "gpu", step_timeout=300)
-    cpu = launch(plan, steps=2, device="cpu", progress=False, step_timeout=300)
+    gpu = launch(plan, LaunchConfig(steps=2, device="cuda", checkpoint_dir=tmp_path / "gpu", step_timeout=300))
+    cpu = launch(plan, LaunchConfig(steps=2, device="cpu", step_timeout=300))
     assert gpu.backend == "nccl" and cpu.backend == "gloo"
     assert torch.allclose(torch.tensor(gpu.losses), torch.tensor(cpu.losses), rtol=1e-3)
     assert gpu.timeline is not None and gpu.timeline.events

@@ -26,6 +26,7 @@ from engine.planner import make_plan  # noqa: E402
 from runtime import LaunchError, LaunchResult, launch  # noqa: E402
 from runtime import checkpoint as ck  # noqa: E402
 from runtime.cluster import TINY_CPU, choose_backend  # noqa: E402
+from runtime.config import LaunchConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, MBS, M = 32, 2, 4
@@ -94,8 +95,8 @@ def straight(plan, _ray_module, tmp_path_factory):
     _ensure_ray()
     d = tmp_path_factory.mktemp("straight")
     t0 = time.perf_counter()
-    res = launch(plan, steps=4, checkpoint_dir=d / "ckpt", checkpoint_every=2, eval_every=2, progress=False,
-                 trace_path=d / "trace.measured.json", step_timeout=120)
+    res = launch(plan, LaunchConfig(steps=4, checkpoint_dir=d / "ckpt", checkpoint_every=2, eval_every=2,
+                                    trace_path=d / "trace.measured.json", step_timeout=120))
     return res, d, time.perf_counter() - t0
 
 
@@ -152,9 +153,9 @@ def test_calibration_from_measured_steps_predicts_them(straight, plan):
 @pytest.mark.timeout(400)
 def test_resume_gives_the_same_final_loss(straight, plan, ray_cluster, tmp_path):
     res4, _, _ = straight
-    first = launch(plan, steps=2, checkpoint_dir=tmp_path, progress=False)
+    first = launch(plan, LaunchConfig(steps=2, checkpoint_dir=tmp_path))
     assert first.losses == pytest.approx(res4.losses[:2], rel=1e-6)
-    second = launch(plan, steps=4, checkpoint_dir=tmp_path, resume=True, progress=False)
+    second = launch(plan, LaunchConfig(steps=4, checkpoint_dir=tmp_path, resume=True))
     assert second.start_step == 2 and len(second.losses) == 2
     # same model, optimizer state and data position: the same losses as the straight run
     assert second.losses == pytest.approx(res4.losses[2:], rel=1e-5, abs=1e-6)
@@ -167,15 +168,15 @@ def test_resume_with_another_plan_is_refused_before_starting(straight, tmp_path)
     other = make_plan("gpt2-tiny", devices=2, micro_batches=M, schedule="gpipe", device_type="cpu",
                       seq_len=SEQ, micro_batch_size=MBS).plan
     with pytest.raises(ck.CheckpointError, match="was written for plan .* but this plan is"):
-        launch(other, steps=6, checkpoint_dir=d / "ckpt", resume=True, progress=False)
+        launch(other, LaunchConfig(steps=6, checkpoint_dir=d / "ckpt", resume=True))
 
 
 @pytest.mark.timeout(300)
 def test_fault_names_rank_and_instruction_and_cleans_up(plan, no_ray, tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(LaunchError) as info:
-        launch(plan, steps=4, checkpoint_dir=tmp_path, checkpoint_every=1, progress=False,
-               fail_at=(1, 1, 3), step_timeout=60)
+        launch(plan, LaunchConfig(steps=4, checkpoint_dir=tmp_path, checkpoint_every=1, fail_at=(1, 1, 3),
+                                  step_timeout=60))
     took = time.perf_counter() - t0
     e = info.value
     msg = str(e)
@@ -235,8 +236,8 @@ class FakeWorker:
 @pytest.mark.timeout(120)
 def test_dead_rank_is_named_and_actors_are_gone(plan, ray_cluster, tmp_path):
     with pytest.raises(LaunchError) as info:
-        launch(plan, steps=3, checkpoint_dir=tmp_path, checkpoint_every=1, progress=False, worker_cls=FakeWorker,
-               fail_at=(1, 2, 0), step_timeout=30)
+        launch(plan, LaunchConfig(steps=3, checkpoint_dir=tmp_path, checkpoint_every=1, fail_at=(1, 2, 0),
+                                  step_timeout=30), worker_cls=FakeWorker)
     e = info.value
     assert e.kind == "died" and e.rank == 1 and e.step == 2
     assert str(e).startswith("rank 1 died during step 2")
@@ -249,8 +250,8 @@ def test_dead_rank_is_named_and_actors_are_gone(plan, ray_cluster, tmp_path):
 def test_hung_rank_is_named_within_the_step_timeout(plan, ray_cluster, tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(LaunchError) as info:
-        launch(plan, steps=3, checkpoint_dir=tmp_path, progress=False, worker_cls=FakeWorker,
-               fail_at=(1, 1, 1), step_timeout=3)
+        launch(plan, LaunchConfig(steps=3, checkpoint_dir=tmp_path, fail_at=(1, 1, 1),
+                                  step_timeout=3), worker_cls=FakeWorker)
     assert time.perf_counter() - t0 < 60
     e = info.value
     assert e.kind == "hung" and e.rank == 1 and e.step == 1
@@ -262,7 +263,7 @@ def test_four_ranks_share_two_cores(plan, ray_cluster, tmp_path):
     """More ranks than cores: zero-ish CPU bundles let every actor start (fake worker, 4 ranks, dp=2)."""
     p4 = make_plan("gpt2-tiny", devices=4, dp=2, micro_batches=M, schedule="1f1b", device_type="cpu",
                    seq_len=SEQ, micro_batch_size=MBS).plan
-    res = launch(p4, steps=2, progress=False, worker_cls=FakeWorker, step_timeout=30)
+    res = launch(p4, LaunchConfig(steps=2, step_timeout=30), worker_cls=FakeWorker)
     assert res.world_size == 4 and res.dp == 2 and res.pp == 2
     assert res.losses == pytest.approx([5.0, 4.9])  # mean over both replicas' micro-batches
     assert res.val_losses == [(2, 4.0)]
@@ -287,7 +288,7 @@ def test_gpu_clusters_launch_with_nccl(plan, ray_cluster, tmp_path):  # pragma: 
         pytest.skip("the Ray cluster has fewer than 2 GPUs")
     assert choose_backend(2).name == "nccl"   # auto picks NCCL with one GPU per rank
     assert choose_backend(2, "cpu").name == "gloo"
-    res = launch(plan, steps=2, progress=False)
+    res = launch(plan, LaunchConfig(steps=2))
     assert res.backend == "nccl" and len(res.losses) == 2
 
 

@@ -261,12 +261,13 @@ def test_ray_launch_reports_gate_metrics_and_resumes_exactly(ray_local, tmp_path
     from engine.models.moe.gates import DTSGate, dts_temperature
     from engine.planner import resimulate
     from runtime import launch
+    from runtime.config import LaunchConfig
 
     model = "gpt-moe-tiny-dts"
     plan = _plan(model, 2, "1f1b")                 # dp = 2, pp = 1
     gate = next(m for m in build_model(model, device="meta").module.modules() if isinstance(m, DTSGate))
     ckdir = tmp_path / "ckpt"
-    res = launch(plan, steps=STEPS, checkpoint_dir=ckdir, checkpoint_every=2, progress=False, step_timeout=120)
+    res = launch(plan, LaunchConfig(steps=STEPS, checkpoint_dir=ckdir, checkpoint_every=2, step_timeout=120))
     assert [g["step"] for g in res.moe] == list(range(STEPS))
     for g in res.moe:
         assert g["temperature"] == pytest.approx(dts_temperature(g["step"], gate.tau_max, gate.tau_min, gate.D,
@@ -288,7 +289,7 @@ def test_ray_launch_reports_gate_metrics_and_resumes_exactly(ray_local, tmp_path
 
     # resume at step 2 (drop the final checkpoint): the same loss and gate metrics as the straight run
     shutil.rmtree(ckdir / "step_000003")
-    again = launch(plan, steps=STEPS, checkpoint_dir=ckdir, resume=True, progress=False, step_timeout=120)
+    again = launch(plan, LaunchConfig(steps=STEPS, checkpoint_dir=ckdir, resume=True, step_timeout=120))
     assert again.start_step == 2 and len(again.losses) == 1
     assert again.losses[0] == pytest.approx(res.losses[2], rel=1e-6)
     for k in ("temperature", "experts_per_token", "load_cv", "aux_loss"):

@@ -1,0 +1,187 @@
+"""Calling methods on a pool of rank actors, and turning their failures into :class:`LaunchError`.
+
+Both launchers (:func:`runtime.launcher.launch`, :func:`runtime.crossover.launch_crossover`) call
+their actors through a :class:`Runner`: ``Runner(pool).call("step", args_per_rank, timeout=...,
+step=..., what="step")`` dispatches ``actor.step(*args)`` on every rank and waits (Ray
+``wait``) until every rank answered, one raised or died, or ``timeout`` seconds passed. The
+primary failure is chosen as: an actor death, then a raised error that is not a communication
+error, then the rest (a peer of a dead rank typically sees "connection closed" from gloo).
+
+:func:`as_plan` accepts a Plan, its dict or a path, as both launchers do.
+
+Sources: Ray actor fault tolerance and ``ray.wait`` (https://docs.ray.io/en/latest/ray-core/).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+from engine.errors import TesselError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.io import Plan
+    from runtime.cluster import ActorPool
+
+__all__ = ["LaunchError", "Runner", "as_plan", "describe_failure", "is_comm_error"]
+
+
+class LaunchError(TesselError):
+    """A launch failed: a rank raised, died or hung, or the cluster could not host the plan.
+
+    Attributes:
+        rank: the failing rank (world rank), or ``None`` when not rank-specific.
+        step: the step being run, or ``None``.
+        instruction: the instruction the rank was executing (from its exception), or ``None``.
+        kind: ``"raised"``, ``"died"``, ``"hung"``, ``"setup"`` or ``"cluster"``.
+        checkpoint: the last complete checkpoint directory (kept), or ``None``.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, step: int | None = None,
+                 instruction: str | None = None, kind: str = "raised", checkpoint: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+        self.instruction = instruction
+        self.kind = kind
+        self.checkpoint = checkpoint
+
+
+def as_plan(plan: Any, *, caller: str = "launch") -> Plan:
+    """An ``engine.io.Plan`` from a Plan, its dict, or a path to plan JSON.
+
+    Raises:
+        TypeError: ``plan`` is none of these (the message names ``caller``).
+        engine.errors.PlanFormatError: a malformed plan dict or file.
+    """
+    from engine.io import Plan, load_plan
+
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    if isinstance(plan, (str, os.PathLike)):
+        return load_plan(os.fspath(plan))
+    raise TypeError(f"{caller}() takes a Plan, a plan dict or a path, got {type(plan).__name__}")
+
+
+#: StageWorker.step's error message (runtime/worker.py).
+_WORKER_ERR = re.compile(r"^rank (?P<rank>\d+) \(pipeline rank (?P<pp>\d+), replica (?P<dp>\d+)\) failed at step "
+                         r"(?P<step>\d+), instruction (?P<index>\d+) \((?P<ins>[^)]*)\): (?P<detail>.*)$")
+
+_COMM_WORDS = ("connection closed", "connection reset", "gloo", "nccl", "timed out", "timeout", "broken pipe",
+               "peer", "socket", "recv", "send")
+
+
+def describe_failure(exc: BaseException) -> tuple[str, str | None, str]:
+    """(kind, instruction, text) of a Ray error from a rank."""
+    import ray.exceptions as rex
+
+    if isinstance(exc, rex.RayActorError):
+        full = " ".join(str(getattr(exc, "error_msg", None) or exc).split())
+        first = full.split(". ")[0].rstrip(".")
+        m = re.search(r"Worker exit type: (\w+)", full)
+        pid = re.search(r"\bpid: (\d+)", full)
+        extra = "".join([f"; pid {pid.group(1)}" if pid else "", f"; exit type {m.group(1)}" if m else ""])
+        return "died", None, (first or type(exc).__name__)[:300] + extra
+    cause: BaseException = exc
+    if isinstance(exc, rex.RayTaskError):
+        c = getattr(exc, "cause", None)
+        if isinstance(c, BaseException):
+            cause = c
+    instr = getattr(cause, "instruction", None)
+    instr = str(instr) if instr is not None else None
+    text = str(cause).strip()
+    if isinstance(exc, rex.RayTaskError) and cause is exc:
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        text = lines[-1] if lines else type(exc).__name__
+    first = text.splitlines()[0] if text else ""
+    m = _WORKER_ERR.match(first)
+    if m:  # "rank R (pipeline rank P, replica D) failed at step S, instruction I (INS): detail"
+        if instr is None:
+            instr = f"{m.group('index')} ({m.group('ins')})"
+        return "raised", instr, f"pipeline rank {m.group('pp')}, replica {m.group('dp')}: {m.group('detail')}"[:500]
+    return "raised", instr, f"{type(cause).__name__}: {first}"[:500]
+
+
+def is_comm_error(text: str) -> bool:
+    """Whether a failure's text reads like a communication error (a peer's closed connection...)."""
+    t = text.lower()
+    return any(w in t for w in _COMM_WORDS)
+
+
+class Runner:
+    """Calls a method on ranks and turns failures into :class:`LaunchError`."""
+
+    def __init__(self, pool: ActorPool, grace: float = 2.0):
+        self.pool = pool
+        self.grace = grace  # seconds to collect further failures after the first one
+        self.checkpoint: str | None = None
+
+    def call(self, method: str, args_per_rank: Sequence[tuple], *, timeout: float, step: int | None,
+             what: str, ranks: Sequence[int] | None = None) -> list:
+        """``actor.method(*args)`` on ``ranks`` (default all), results in rank order.
+
+        Raises:
+            LaunchError: a rank raised or died (the primary failure is named), or some rank gave
+                no result within ``timeout`` seconds.
+        """
+        import ray
+
+        ranks = list(range(len(self.pool.actors))) if ranks is None else list(ranks)
+        pending = {getattr(self.pool.actors[r], method).remote(*args): r for r, args in zip(ranks, args_per_rank)}
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        failures: list[tuple[int, BaseException]] = []
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            for ref in ready:
+                r = pending.pop(ref)
+                try:
+                    results[r] = ray.get(ref)
+                except Exception as e:  # RayTaskError, RayActorError, ...
+                    if not failures:
+                        deadline = min(deadline, time.monotonic() + self.grace)
+                    failures.append((r, e))
+        if failures:
+            raise self._failure_error(failures, step, what)
+        if pending:
+            hung = sorted(pending.values())
+            where = f"step {step}" if what == "step" else (f"{what} at step {step}" if step is not None else what)
+            raise LaunchError(
+                f"rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} gave no result for {where} "
+                f"within {timeout:g} s (hung, or waiting on a peer that hung){self._ck_note()}",
+                rank=hung[0], step=step, kind="hung", checkpoint=self.checkpoint)
+        return [results[r] for r in ranks]
+
+    def _ck_note(self) -> str:
+        return f"; the last checkpoint {self.checkpoint} is kept" if self.checkpoint else ""
+
+    def _failure_error(self, failures: list[tuple[int, BaseException]], step: int | None, what: str) -> LaunchError:
+        described = [(r, *describe_failure(e)) for r, e in failures]
+
+        def priority(item: tuple[int, str, str | None, str]) -> tuple[int, int]:
+            r, kind, instr, text = item
+            if kind == "died":
+                return (0, r)
+            if instr is not None or not is_comm_error(text):
+                return (1, r)
+            return (2, r)
+
+        r, kind, instr, text = min(described, key=priority)
+        where = f"step {step}" if what == "step" else (f"{what} at step {step}" if step is not None else what)
+        if kind == "died":
+            head = f"rank {r} died during {where} (its actor process exited: {text})"
+        else:
+            ins = f" in instruction {instr}" if instr else ""
+            head = f"rank {r} failed during {where}{ins}: {text}"
+        others = sorted({x[0] for x in described} - {r})
+        tail = f"; rank(s) {', '.join(map(str, others))} failed after it" if others else ""
+        return LaunchError(head + tail + self._ck_note(), rank=r, step=step, instruction=instr,
+                           kind="setup" if what == "setup" and kind != "died" else kind,
+                           checkpoint=self.checkpoint)
