@@ -1,7 +1,7 @@
 """Tessel Planner engine: graph capture, cost model, transformation, placement,
 schedules, dependency lowering, simulation and plan I/O.
 
-The engine never imports ray, panel or bokeh (see ``../shared/DESIGN.md``), so planning
+The engine never imports ray, panel or bokeh (``docs/ARCHITECTURE.md``; ``make lint`` checks it), so planning
 runs on a laptop with no cluster and no browser.
 """
 

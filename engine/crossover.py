@@ -48,7 +48,7 @@ a peak above the smallest device capacity of the plans gives a warning.
 
 Units: seconds, bytes, tokens (``batch_size * seq_len`` of a step).
 
-Source: the CrossoverScheduler technique (see ``shared/TECHNIQUES.md``): co-located jobs fill
+Source: the CrossoverScheduler technique (docs/ARCHITECTURE.md, Sources): co-located jobs fill
 each other's communication with computation through a compute token passed at the
 synchronisation points.
 """

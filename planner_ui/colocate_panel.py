@@ -1,6 +1,6 @@
 """The "Co-locate" tab: predict two (or more) data-parallel jobs sharing the same devices.
 
-CrossoverScheduler (``../shared/TECHNIQUES.md``): while one job all-reduces its gradients the
+CrossoverScheduler (docs/ARCHITECTURE.md, Sources): while one job all-reduces its gradients the
 other computes, through a per-device compute token. The tab co-locates the current plan with
 copies of itself, or with plans added to the Compare tab that have the same devices, predicts
 crossover, uncoordinated and sequential execution (:func:`engine.crossover.compare_modes`) and

@@ -1,6 +1,6 @@
 """The planner UI's only door to :mod:`runtime`: run a plan on Ray in a background thread.
 
-``planner_ui`` may import ``runtime`` only through this module (see DESIGN.md), and only
+``planner_ui`` may import ``runtime`` only through this module (docs/ARCHITECTURE.md), and only
 lazily, inside functions: importing ``planner_ui`` never imports Ray or the runtime, so the
 planner works on a laptop with neither.
 

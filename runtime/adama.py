@@ -1,6 +1,6 @@
 """AdamA: Adam accumulation — fold each micro-batch's gradient into Adam's states and free it.
 
-Zhang et al., "AdamA: ..." (ECAI 2023); equations in ``../shared/TECHNIQUES.md``. With ``N``
+Zhang et al., "AdamA: Adam Accumulation" (ECAI 2023); the update below is the paper's. With ``N``
 micro-batches per optimizer step ``t`` and micro-batch gradients ``g_1..g_N`` (already scaled by
 ``1/N``, i.e. the backward of ``loss_i / N``):
 

@@ -17,7 +17,7 @@ run them across processes:
 - **Boundary metadata** (:class:`TensorMeta`): shape, dtype and whether a gradient flows back
   across the boundary, found by running one real micro-batch forward and backward through the
   chain at build time. Receive buffers are allocated from it once (static shapes; the
-  "pre-allocated receive buffers" insight of the RDMA paper, see ``../shared/TECHNIQUES.md``).
+  "pre-allocated receive buffers" insight of Xue et al., EuroSys 2019; docs/ARCHITECTURE.md, Sources).
   The traced graphs are specialised to the plan's ``micro_batch_size`` and ``seq_len``.
 - **Tied weights.** GPT-2 ties ``lm_head.weight`` to ``transformer.wte.weight``; after the
   split the first and last stage hold separate copies. :attr:`PipelineStages.tied` lists them

@@ -1,7 +1,7 @@
 """Cost model: device/link tables, roofline op times, alpha-beta communication, a
 :class:`CostModel` for whole clusters, and an op profiler with a per-hardware JSON cache.
 
-Units: seconds, bytes, FLOP/s (see ``../shared/DESIGN.md``).
+Units: seconds, bytes, FLOP/s (see ``docs/ARCHITECTURE.md``).
 """
 
 from engine.cost.comm import COLLECTIVES, collective_time, p2p_time

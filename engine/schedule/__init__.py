@@ -1,6 +1,6 @@
 """Blocks and schedules: a schedule is a per-device ORDER of blocks for all micro-batches.
 
-See ``../shared/DESIGN.md``: start times are derived by the simulator, never stored here.
+See ``docs/ARCHITECTURE.md``: start times are derived by the simulator, never stored here.
 """
 
 from engine.schedule.block import Block, parse_action

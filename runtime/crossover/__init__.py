@@ -3,7 +3,7 @@
 Several data-parallel plans share the same Ray actors (one per device). While one job
 synchronises its gradients (all-reduce after backward) another computes, through a per-device
 compute token passed between the jobs at their synchronisation points
-(``../shared/TECHNIQUES.md``). Each job keeps its own process group, optimizer, data stream and
+(docs/ARCHITECTURE.md, Sources). Each job keeps its own process group, optimizer, data stream and
 checkpoints; only timing changes.
 
 - :mod:`runtime.crossover.token`: :class:`ComputeToken` (fair FIFO token, recorded intervals).

@@ -48,7 +48,7 @@ Each job trains through its own :class:`runtime.session.TrainingSession` (the si
 launcher's steps, evaluation, checkpoints and resume checks); progress goes to the ``callbacks``
 (:class:`runtime.session.TrainingCallback`, called from the job's thread) and to ``logging``.
 
-Sources: CrossoverScheduler (``../shared/TECHNIQUES.md``), Ray threaded actors
+Sources: CrossoverScheduler (docs/ARCHITECTURE.md, Sources), Ray threaded actors
 (https://docs.ray.io/en/latest/ray-core/actors/async_api.html), ``torch.distributed.new_group``
 (https://pytorch.org/docs/stable/distributed.html).
 """

@@ -1,4 +1,4 @@
-"""The per-device compute token of the CrossoverScheduler (``../shared/TECHNIQUES.md``).
+"""The per-device compute token of the CrossoverScheduler (docs/ARCHITECTURE.md, Sources).
 
 Co-located data-parallel jobs take turns on a device: a job ACQUIRES the device's token before
 its step's first forward and RELEASES it as soon as it has posted its gradient all-reduce, so

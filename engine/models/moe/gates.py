@@ -20,7 +20,7 @@ The training loop calls it after ``optimizer.step()``, normally via
 ``GPTMoE.advance_gates()`` (:mod:`engine.models.moe.gpt_moe`).
 
 References: Switch Transformer (Fedus et al. 2021), GShard (Lepikhin et al. 2020), DTS-Gate /
-EvoMoE (Nie et al. 2021); see ``shared/TECHNIQUES.md``.
+EvoMoE (Nie et al. 2021); see docs/ARCHITECTURE.md, Sources.
 """
 from __future__ import annotations
 
