@@ -112,7 +112,7 @@ def test_module_to_moves_the_inner_graph_module_and_keeps_slots_linked():
     registered on the outer one too, a plain tensor constant on the inner one), to ``meta``."""
     from torch import nn
 
-    from runtime.device import module_to as _module_to
+    from runtime.worker.device import module_to as _module_to
 
     inner = nn.Module()
     inner.w = nn.Parameter(torch.ones(3))
@@ -148,7 +148,7 @@ def test_retargeted_stages_run_on_another_device():
     """The traced graphs create tensors with ``device=cpu`` (GPT-2's position ``arange``,
     ``_assert_tensor_metadata``): moved to another device (``meta`` stands in for a GPU) the stage
     forward fails until :func:`runtime.stage.retarget_device` rewrites those arguments."""
-    from runtime.device import module_to as _module_to
+    from runtime.worker.device import module_to as _module_to
     from runtime.stage import build_stages, retarget_device
 
     st = build_stages(_plan(2, "1f1b"), seed=0)
@@ -183,8 +183,8 @@ class _FakeWork:
 
 
 def test_poll_completion_and_the_cuda_send_waiter():
-    from runtime.send_waiter import SendWaiter as _SendWaiter
-    from runtime.send_waiter import poll_completion
+    from runtime.worker.send_waiter import SendWaiter as _SendWaiter
+    from runtime.worker.send_waiter import poll_completion
 
     w = _FakeWork(5)
     assert poll_completion(w, 5.0) >= 0 and w.calls == 6

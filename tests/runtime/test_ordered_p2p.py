@@ -100,7 +100,7 @@ def _check_ordered(out: dict, plan, world: int) -> None:
 # ----------------------------------------------------------------------------- the pair orders (no processes)
 def test_pair_order_of_1f1b_two_ranks():
     from engine.dependency import lower
-    from runtime.p2p_order import pair_send_orders, stream_messages
+    from runtime.worker.p2p_order import pair_send_orders, stream_messages
 
     plan = _plan(2, "1f1b")
     streams = lower(plan.schedule).streams
@@ -116,7 +116,7 @@ def test_pair_order_of_1f1b_two_ranks():
 
 def test_pair_order_follows_the_sender_and_refuses_mismatches():
     from engine.dependency import lower
-    from runtime.p2p_order import pair_send_orders
+    from runtime.worker.p2p_order import pair_send_orders
     from runtime.worker import WorkerError
 
     plan = _plan(2, "interleaved")   # 4 segments on 2 ranks: both directions carry both kinds

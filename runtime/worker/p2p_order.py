@@ -1,7 +1,7 @@
 """Ordered point-to-point matching: which messages each pipeline rank sends to each other, in order.
 
 NCCL matches a communicator's sends and receives by posting order, not by tag, so under ordered
-matching (``runtime.worker.StageWorker(p2p_matching="ordered")``, the default with NCCL) the
+matching (``runtime.worker.StageWorker(config=WorkerConfig(p2p_matching="ordered"))``, the default with NCCL) the
 receiver of a one-directional pair group must post its receives in exactly its sender's order.
 These pure functions derive that order from the lowered instruction streams
 (``engine.dependency.lower``) and check that both sides agree. A message is
@@ -14,7 +14,7 @@ torch.distributed ``isend``/``irecv``.
 
 from __future__ import annotations
 
-from runtime.errors import WorkerError
+from runtime.worker.errors import WorkerError
 
 __all__ = ["pair_send_orders", "stream_messages"]
 
