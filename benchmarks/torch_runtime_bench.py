@@ -91,12 +91,12 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, csv_path: str,
 
         from engine.io.plan import Plan
         from runtime.data import ByteCorpus
-        from runtime.worker import StageWorker
+        from runtime.worker import StageWorker, WorkerConfig
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         plan = Plan.from_dict(plan_dict, source="bench")
         m = plan.schedule.num_micro_batches
-        ours = StageWorker(plan_dict, rank, world, "127.0.0.1", port, lr=lr)   # reuses the process group
+        ours = StageWorker(plan_dict, rank, world, "127.0.0.1", port, WorkerConfig(lr=lr))   # reuses the process group
         ours.setup()
 
         torch_err = None

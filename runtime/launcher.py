@@ -511,7 +511,7 @@ def launch(
         last_ck = str(newest) if newest is not None else None
 
     p2p = p2p_matching
-    from runtime.worker import P2P_MATCHING
+    from runtime.worker import P2P_MATCHING, WorkerConfig
 
     if p2p is not None and p2p not in P2P_MATCHING:
         raise LaunchError(f"unknown p2p_matching {p2p!r}; use one of {', '.join(map(repr, P2P_MATCHING))}",
@@ -537,7 +537,7 @@ def launch(
                     kw["device"] = "cuda"
                 if p2p:
                     kw["p2p_matching"] = p2p
-                return ((plan_dict, r, ws, addr, port), kw)
+                return ((plan_dict, r, ws, addr, port), {"config": WorkerConfig(**kw)})
 
             pool = _cluster.create_actors(worker_cls, ws, backend, args_for_rank, timeout=max(step_timeout, 60.0))
         except _cluster.ClusterError as e:

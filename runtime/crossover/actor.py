@@ -97,7 +97,7 @@ class CrossoverActor:
         import torch
         import torch.distributed as dist
 
-        from runtime.worker import StageWorker
+        from runtime.worker import StageWorker, WorkerConfig
 
         torch.set_num_threads(1)
         if not dist.is_initialized():
@@ -111,10 +111,10 @@ class CrossoverActor:
         infos = []
         for j, spec in enumerate(self.jobs):
             start, sync = self._hooks(j)
-            w = StageWorker(spec["plan"], self.rank, self.world_size, self.master_addr, self.master_port,
-                            backend=self.backend, seed=int(spec.get("seed", 0)), lr=float(spec.get("lr", 1e-3)),
-                            optimizer=spec.get("optimizer"), timeout_s=self.timeout_s, fail_at=spec.get("fail_at"),
-                            on_compute_start=start, on_sync_start=sync, owns_process_group=False)
+            cfg = WorkerConfig(backend=self.backend, seed=int(spec.get("seed", 0)), lr=float(spec.get("lr", 1e-3)),
+                               optimizer=spec.get("optimizer"), timeout_s=self.timeout_s, fail_at=spec.get("fail_at"),
+                               on_compute_start=start, on_sync_start=sync, owns_process_group=False)
+            w = StageWorker(spec["plan"], self.rank, self.world_size, self.master_addr, self.master_port, cfg)
             try:
                 info = w.setup()
             except Exception as e:

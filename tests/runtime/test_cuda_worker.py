@@ -212,10 +212,10 @@ def test_poll_completion_and_the_cuda_send_waiter():
 def _run_cuda_task(task: dict) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from runtime.worker import StageWorker
+    from runtime.worker import StageWorker, WorkerConfig
 
-    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"], backend="nccl",
-                    device=task["device"], timeout_s=60.0)
+    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
+                    config=WorkerConfig(backend="nccl", device=task["device"], timeout_s=60.0))
     try:
         info = w.setup()
         outs = [w.step(i, b) for i, b in enumerate(task["batches"])]
