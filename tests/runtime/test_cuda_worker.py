@@ -99,9 +99,10 @@ def test_launcher_passes_the_device_to_its_workers(monkeypatch, backend, p2p):
     with pytest.raises(launcher.LaunchError, match="stop here"):
         launcher.launch(_plan(2, "1f1b"), steps=1, progress=False, p2p_matching=p2p)
     for r, (args, kw) in enumerate(seen["args"]):
-        assert args[1] == r and args[2] == 2 and kw["backend"] == backend
-        assert kw.get("device") == ("cuda" if backend == "nccl" else None)
-        assert kw.get("p2p_matching") == p2p
+        cfg = kw["config"]   # a runtime.worker.WorkerConfig; unset options keep their defaults
+        assert args[1] == r and args[2] == 2 and cfg.backend == backend
+        assert cfg.device == ("cuda" if backend == "nccl" else None)
+        assert cfg.p2p_matching == (p2p or "auto")
     with pytest.raises(launcher.LaunchError, match="unknown p2p_matching 'fifo'"):
         launcher.launch(_plan(2, "1f1b"), steps=1, progress=False, p2p_matching="fifo")
 
