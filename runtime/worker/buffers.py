@@ -1,5 +1,5 @@
 """A stage worker's pre-allocated receive buffers, one per (boundary, micro-batch, tensor)
-(``docs/runtime-worker.md``, "Receive buffers")."""
+(``docs/runtime-worker.md``, "What a rank does in setup")."""
 
 from __future__ import annotations
 

@@ -11,10 +11,11 @@ Backend = Literal["gloo", "nccl"]
 P2PMatching = Literal["auto", "tags", "ordered"]
 OptimizerName = Literal["adam", "adama", "sgd"]
 
-#: Optimizer names a worker accepts (``docs/runtime-worker.md``, "Optimizers").
+#: Optimizer names a worker accepts (``docs/runtime-worker.md``, "Optimizers and AdamA").
 OPTIMIZERS: tuple[str, ...] = ("adam", "adama", "sgd")
 
-#: ``p2p_matching`` values of :class:`WorkerConfig` (``docs/runtime-worker.md``, "Point-to-point matching").
+#: ``p2p_matching`` values of :class:`WorkerConfig`
+#: (``docs/runtime-worker.md``, "Backends and point-to-point matching").
 P2P_MATCHING: tuple[str, ...] = ("auto", "tags", "ordered")
 
 

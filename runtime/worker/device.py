@@ -1,5 +1,6 @@
 """A stage worker's device: resolving backend/device/matching options, and moving tensors
-between devices (CPU checkpoints, CUDA stages). Design: ``docs/runtime-worker.md`` ("Backends").
+between devices (CPU checkpoints, CUDA stages). Design: ``docs/runtime-worker.md`` ("Backends and
+point-to-point matching").
 
 Source: ``torch.nn.Module.to`` / ``Module._apply`` semantics (buffers are replaced, not moved in
 place), https://pytorch.org/docs/stable/generated/torch.nn.Module.html.

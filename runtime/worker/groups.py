@@ -1,6 +1,6 @@
 """Every process group of a stage worker, built in one place: the default group, data-parallel
 (DP), expert-parallel (EP), tied-weight and ordered point-to-point pair groups
-(``docs/runtime-worker.md``, "Process groups")."""
+(``docs/runtime-worker.md``, "What a rank does in setup")."""
 
 from __future__ import annotations
 

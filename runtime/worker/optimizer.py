@@ -1,6 +1,6 @@
 """A stage worker's optimizer: construction (Adam, SGD, AdamA with per-parameter folding hooks),
 AdamA's data-parallel replica logic (flat ``[m | v | tied gradients]`` buffers, owner replica) and
-the optimizer's checkpoint state (``docs/runtime-worker.md``, "Optimizers" and "AdamA")."""
+the optimizer's checkpoint state (``docs/runtime-worker.md``, "Optimizers and AdamA")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Point-to-point transfers of a stage worker behind one small interface, with two matching
 strategies: :class:`TagMatching` (gloo: sends and receives on the default group, matched by tag)
 and :class:`OrderedMatching` (NCCL's only option: one-directional pair groups, receives posted in
-the sender's order). Design: ``docs/runtime-worker.md``, "Point-to-point matching"."""
+the sender's order). Design: ``docs/runtime-worker.md``, "Backends and point-to-point matching"."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ Posted = tuple[list[torch.Tensor], list[Any], int]
 
 
 class P2PMatcher:
-    """Posts one rank's sends and receives (``docs/runtime-worker.md``, "Point-to-point matching").
+    """Posts one rank's sends and receives (``docs/runtime-worker.md``, "Backends and point-to-point
+    matching"); subclasses pick the matching.
 
     Args:
         rank: this global rank; ``pp``: pipeline ranks (peers are mapped to this replica).
