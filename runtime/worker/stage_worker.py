@@ -14,6 +14,7 @@ import torch.distributed as dist
 from engine.dependency import COMPUTE_OPS, Instruction, Op, lower
 from engine.models.moe.layer import MoEFeedForward
 from runtime.expert_parallel import ExpertParallelMoE, is_expert_param
+from runtime.worker.batches import split_batch
 from runtime.worker.buffers import ReceiveBuffers
 from runtime.worker.config import OPTIMIZERS, WorkerConfig
 from runtime.worker.device import module_to, resolve_device
@@ -23,6 +24,7 @@ from runtime.worker.grad_sync import GradientSync, TiedCopies
 from runtime.worker.groups import ProcessGroups, build_groups, init_default_group
 from runtime.worker.lowering import local_stream
 from runtime.worker.metrics import ActivationMeter, rss
+from runtime.worker.moe import expert_parallelize
 from runtime.worker.optimizer import WorkerOptimizer
 from runtime.worker.p2p import OrderedMatching, P2PMatcher, TagMatching
 from runtime.worker.p2p_order import check_own_stream, pair_send_orders
@@ -240,40 +242,21 @@ class StageWorker:
         self.dp_group = self.groups.dp
         self.ep = self.dp if expert_parallel else 1
         if expert_parallel:
-            self._expert_parallelize()
+            expert_parallelize(self.modules, self.dp, self.groups.ep)
         return tied_bytes, removed
-
-    def _expert_parallelize(self) -> None:
-        """Replace every MoE layer of the local stages by an :class:`ExpertParallelMoE` over the
-        EP group (replica ``d`` keeps experts ``[d*E/dp, (d+1)*E/dp)``). Raises
-        :class:`WorkerError` when ``E`` is not divisible by ``dp``."""
-        for s in self.segments:
-            for name, layer in [(n, m) for n, m in self.modules[s].named_modules() if type(m) is MoEFeedForward]:
-                e = layer.gate.num_experts
-                if e % self.dp:
-                    raise WorkerError(
-                        f"the MoE layer {name} has {e} experts, which cannot be split over dp={self.dp} replicas "
-                        f"(expert parallelism keeps E/dp experts per replica); choose dp dividing {e}")
-                parent_name, _, attr = name.rpartition(".")
-                parent = self.modules[s].get_submodule(parent_name) if parent_name else self.modules[s]
-                # check_shapes=False: every replica runs the plan's static micro-batch shape
-                ep = ExpertParallelMoE.from_dense(layer, self.groups.ep, check_shapes=False)
-                setattr(parent, attr, ep)
-                if not parent_name:
-                    setattr(self.modules[s].inner, attr, ep)
 
     def _peer_streams(self, plan: Any) -> list[list[Instruction]]:
         """Every pipeline rank's stream as far as point-to-point goes: the order in which each rank
         posts its SENDs (and the RECVs it expects), ``engine.dependency.lower(plan.schedule, dp=dp)``.
-        The byte arguments :meth:`_lower` adds change no SEND or RECV, only costs and the
-        collectives between them (:meth:`_check_own_stream` verifies this rank's). Every rank
+        The byte arguments :func:`~runtime.worker.lowering.local_stream` adds change no SEND or RECV,
+        only costs and the collectives between them (:func:`check_own_stream` verifies this rank's). Every rank
         computes the same list, which is what lets it post receives in its peers' send order."""
         return lower(plan.schedule, dp=self.dp).streams
 
     def _build_stream(self, plan: Any, tied_bytes: list[int]) -> None:
-        """This rank's stream (:meth:`_lower`), checked; the index after which ``on_sync_start``
-        fires; the receive buffers."""
-        self.stream: list[Instruction] = self._lower(plan, tied_bytes)
+        """This rank's stream (:func:`~runtime.worker.lowering.local_stream`), checked; the index
+        after which ``on_sync_start`` fires; the receive buffers."""
+        self.stream: list[Instruction] = local_stream(self, plan, tied_bytes)
         for ins in self.stream:
             if ins.op in COMPUTE_OPS and (ins.block is None or ins.block.segment not in self.modules):
                 seg = ins.block.segment if ins.block is not None else None
@@ -283,19 +266,10 @@ class StageWorker:
         last_compute = max((i for i, ins in enumerate(self.stream) if ins.op in COMPUTE_OPS), default=-1)
         self._sync_index = next((i for i in range(last_compute + 1, len(self.stream))
                                  if self.stream[i].op == Op.ALLREDUCE), last_compute)
-        if self.p2p_mode == "ordered":
-            self._check_own_stream()
+        if self.p2p_mode == "ordered":   # the real stream sends in the order its peers were told
+            check_own_stream(self.stream, self.pp_rank, self._pair_orders, self._counts)
         self.buffers = ReceiveBuffers(self.stream, self.boundaries, self._empty)
         self._max_tensors = max([len(x) for x in self.boundaries] + [1])
-
-    def _lower(self, plan: Any, tied_bytes: list[int]) -> list[Instruction]:
-        """This pipeline rank's stream from what this worker built (:func:`runtime.worker.lowering.local_stream`)."""
-        return local_stream(self, plan, tied_bytes)
-
-    def _check_own_stream(self) -> None:
-        """Ordered matching: this rank's real stream sends exactly the order its peers were told
-        (:meth:`_peer_streams`) and receives the same messages (:func:`check_own_stream`)."""
-        check_own_stream(self.stream, self.pp_rank, self._pair_orders, self._counts)
 
     def _build_exchange(self) -> None:
         """The point-to-point matcher and the local tied groups' copies and gradient buffers."""
@@ -349,27 +323,12 @@ class StageWorker:
 
     def _split_batch(self, batch: torch.Tensor, per_replica: int | None = None
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """This replica's micro-batches of a global batch: ``(inputs, targets)``, each
-        ``[mbs, seq_len]``. Raises :class:`WorkerError` before setup or for a batch of the wrong shape."""
+        """This replica's ``(inputs, targets)`` micro-batches (:func:`runtime.worker.batches.split_batch`).
+        Raises :class:`WorkerError` before setup or for a batch of the wrong shape."""
         if not self._ready:
             raise WorkerError("call setup() before step()/evaluate()")
-        if not isinstance(batch, torch.Tensor) or batch.dim() != 2 or batch.dtype.is_floating_point:
-            raise WorkerError(f"the batch must be an integer tensor [rows, seq_len + 1], got "
-                              f"{getattr(batch, 'dtype', type(batch).__name__)} {tuple(getattr(batch, 'shape', ()))}")
-        rows_needed = None if per_replica is None else self.dp * per_replica * self.mbs
-        if batch.shape[1] != self.seq_len + 1 or (rows_needed is not None and batch.shape[0] != rows_needed) \
-                or batch.shape[0] % (self.dp * self.mbs):
-            want = f"[{rows_needed if rows_needed else 'dp*k*micro_batch_size'}, {self.seq_len + 1}]"
-            raise WorkerError(f"the global batch has shape {list(batch.shape)}, expected {want} "
-                              f"(dp={self.dp}, micro_batch_size={self.mbs}, seq_len={self.seq_len})")
-        per = batch.shape[0] // self.dp
-        rows = batch[self.dp_index * per:(self.dp_index + 1) * per].long()
-        if self._cuda:
-            rows = rows.to(self.device)
-        k = per // self.mbs
-        inputs = [rows[j * self.mbs:(j + 1) * self.mbs, :-1].contiguous() for j in range(k)]
-        targets = [rows[j * self.mbs:(j + 1) * self.mbs, 1:].contiguous() for j in range(k)]
-        return inputs, targets
+        return split_batch(batch, dp=self.dp, dp_index=self.dp_index, mbs=self.mbs, seq_len=self.seq_len,
+                           per_replica=per_replica, device=self.device if self._cuda else None)
 
     # ------------------------------------------------------------------ step, evaluate, checkpoints
     def step(self, step: int, batch: torch.Tensor) -> dict:
