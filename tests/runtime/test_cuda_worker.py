@@ -149,8 +149,8 @@ def test_retargeted_stages_run_on_another_device():
     """The traced graphs create tensors with ``device=cpu`` (GPT-2's position ``arange``,
     ``_assert_tensor_metadata``): moved to another device (``meta`` stands in for a GPU) the stage
     forward fails until :func:`runtime.stage.retarget_device` rewrites those arguments."""
-    from runtime.worker.device import module_to as _module_to
     from runtime.stage import build_stages, retarget_device
+    from runtime.worker.device import module_to as _module_to
 
     st = build_stages(_plan(2, "1f1b"), seed=0)
     meta = torch.device("meta")

@@ -118,8 +118,8 @@ def test_pair_order_of_1f1b_two_ranks():
 
 def test_pair_order_follows_the_sender_and_refuses_mismatches():
     from engine.dependency import lower
-    from runtime.worker.p2p_order import pair_send_orders
     from runtime.worker import WorkerError
+    from runtime.worker.p2p_order import pair_send_orders
 
     plan = _plan(2, "interleaved")   # 4 segments on 2 ranks: both directions carry both kinds
     streams = lower(plan.schedule).streams
