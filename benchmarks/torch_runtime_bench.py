@@ -14,7 +14,8 @@ localhost, no Ray) then hold BOTH runtimes side by side:
   gradients summed across the two ranks before the optimizer step, so both do the same work.
 
 Both use the same global batch per step (``ByteCorpus(seq_len=64).train_batch(step, m*mbs)``).
-Steps alternate (ours then PyTorch on even steps, PyTorch then ours on odd ones) so background noise on the shared cores hits both alike.
+Steps alternate (ours then PyTorch on even steps, PyTorch then ours on odd ones) so background
+noise on the shared cores hits both alike.
 A step's time is the slower rank's wall time (barrier before, max over ranks after). 2 warm-up
 steps, then ``--steps`` (8) timed; the table gives the medians and ours/PyTorch (target <= 1.0).
 The first step's loss of both runtimes is printed as a sanity check (same weights, same batch).
@@ -91,12 +92,12 @@ def _rank_main(rank: int, world: int, port: int, plan_dict: dict, csv_path: str,
 
         from engine.io.plan import Plan
         from runtime.data import ByteCorpus
-        from runtime.worker import StageWorker
+        from runtime.worker import StageWorker, WorkerConfig
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         plan = Plan.from_dict(plan_dict, source="bench")
         m = plan.schedule.num_micro_batches
-        ours = StageWorker(plan_dict, rank, world, "127.0.0.1", port, lr=lr)   # reuses the process group
+        ours = StageWorker(plan_dict, rank, world, "127.0.0.1", port, WorkerConfig(lr=lr))   # reuses the process group
         ours.setup()
 
         torch_err = None
@@ -228,8 +229,9 @@ def bench_schedule(schedule: str, steps: int, warmup: int, lr: float, tmpdir: Pa
     ours = statistics.median(res["ours"])
     row["ours_s"] = ours
     row["ours_steps_s"] = res["ours"]
-    row["loss0_ours"] = next((got[r][1]["loss0"]["ours"] for r in got if got[r][1]["loss0"]["ours"] is not None), None)
-    row["loss0_torch"] = next((got[r][1]["loss0"]["torch"] for r in got if got[r][1]["loss0"]["torch"] is not None), None)
+    for side in ("ours", "torch"):
+        row[f"loss0_{side}"] = next((got[r][1]["loss0"][side] for r in got
+                                     if got[r][1]["loss0"][side] is not None), None)
     terr = next((got[r][1]["torch_error"] for r in got if got[r][1]["torch_error"]), None)
     if res["torch"] is None or terr:
         row["torch_s"] = row["ratio"] = None
@@ -267,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{MODEL}, pp={PP}, m={M}, micro-batch {MBS}x{SEQ}, gloo, 1 thread/rank, torch {torch.__version__}, "
           f"median of {args.steps} steps after {args.warmup} warm-up")
-    print(f"{'schedule':<9} {'ours (ms)':>10} {'pytorch (ms)':>13} {'ours/pytorch':>13}  {'target<=1':>9}  loss0 ours/torch")
+    print(f"{'schedule':<9} {'ours (ms)':>10} {'pytorch (ms)':>13} {'ours/pytorch':>13}  {'target<=1':>9}  "
+          "loss0 ours/torch")
     for r in rows:
         ours = f"{r['ours_s'] * 1e3:10.1f}" if r.get("ours_s") is not None else f"{'-':>10}"
         if r.get("torch_s") is not None:

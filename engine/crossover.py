@@ -59,15 +59,19 @@ import bisect
 import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from engine.errors import TesselError
 from engine.timeline import Event, Timeline
 
+#: How co-located jobs share the devices: ``"crossover"`` (a compute token passed at the
+#: synchronisation points), ``"uncoordinated"`` (the OS and the backend interleave them) or
+#: ``"sequential"`` (one job after the other).
+Mode = Literal["crossover", "uncoordinated", "sequential"]
 #: The modes :func:`predict_colocated` understands, in the order :func:`compare_modes` returns them.
-MODES = ("crossover", "uncoordinated", "sequential")
+MODES: tuple[str, ...] = get_args(Mode)
 _TOKEN_OPS = ("F", "B", "I", "W")
 
 

@@ -37,13 +37,35 @@ Abstraction" (2023), section 3 ("data dependency preserving").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Mapping, Sequence
 
 from engine.placement import TensorSpec
 from engine.schedule import Block, Schedule, gradient_events
 
-COMPUTE_OPS = ("F", "B", "I", "W")
-INSTRUCTION_OPS = COMPUTE_OPS + ("SEND", "RECV", "ALLREDUCE", "ALLTOALL", "OPTIM")
+
+class Op(StrEnum):
+    """The instruction ops of a lowered stream (:attr:`Instruction.op`).
+
+    A ``str``-valued enum: ``Op.SEND == "SEND"``, ``str(Op.SEND) == "SEND"`` and JSON writes
+    ``"SEND"``, so streams built from plain strings, saved plans and string comparisons are
+    unchanged. Shared by the simulator (:mod:`engine.simulate`) and the runtime's instruction
+    interpreter (:mod:`runtime.worker.interpreter`), which dispatch on it.
+    """
+
+    F = "F"                   #: stage forward of one micro-batch
+    B = "B"                   #: full backward (input and weight gradients)
+    I = "I"                   # noqa: E741 - the zero-bubble input-gradient backward's block kind
+    W = "W"                   #: zero-bubble weight-gradient backward
+    SEND = "SEND"             #: post a point-to-point send of a block's boundary tensors
+    RECV = "RECV"             #: wait for a block's boundary tensors from a peer
+    ALLREDUCE = "ALLREDUCE"   #: data-parallel (``segment``) or tied-weight (``ranks``) gradient all-reduce
+    ALLTOALL = "ALLTOALL"     #: expert-parallel all-to-all marker (runs inside its block's compute)
+    OPTIM = "OPTIM"           #: optimizer step
+
+
+COMPUTE_OPS = (Op.F, Op.B, Op.I, Op.W)
+INSTRUCTION_OPS = tuple(Op)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +95,7 @@ class Instruction:
             whose group is this rank's replicas.
     """
 
-    op: str
+    op: str   # an Op value (plain strings compare equal)
     block: Block | None = None
     peer: int | None = None
     tensor: TensorSpec | None = None
@@ -87,17 +109,17 @@ class Instruction:
     ranks: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        if self.op == "SEND":
+        if self.op == Op.SEND:
             return f"SEND {self.block} to {self.peer}"
-        if self.op == "RECV":
+        if self.op == Op.RECV:
             return f"RECV {self.block} from {self.peer}"
-        if self.op == "ALLREDUCE":
+        if self.op == Op.ALLREDUCE:
             if self.ranks:
                 return f"ALLREDUCE tied weights with ranks {','.join(map(str, self.ranks))}"
             return f"ALLREDUCE grads of segment {self.segment}"
-        if self.op == "ALLTOALL":
+        if self.op == Op.ALLTOALL:
             return f"ALLTOALL {self.block} (expert-parallel group of {self.group})"
-        if self.op == "OPTIM":
+        if self.op == Op.OPTIM:
             return "OPTIM step"
         return str(self.block)
 
@@ -268,7 +290,8 @@ def lower(
                 tied_at.setdefault(r, []).append((g, ranks))
     # consumers of each placement block, on other devices: producer idx -> [(consumer idx, dst)]
     consumers: dict[int, list[tuple[int, int]]] = {i: [] for i in range(len(pl.blocks))}
-    sources: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(pl.blocks))}  # consumer idx -> [(producer idx, src, dst)]
+    # consumer idx -> [(producer idx, src, dst)]
+    sources: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(pl.blocks))}
     for ci, c in enumerate(pl.blocks):
         for pi in c.deps:
             p = pl.blocks[pi]
@@ -277,13 +300,12 @@ def lower(
                     consumers[pi].append((ci, d))
                     sources[ci].append((pi, p.devices[0], d))
     # dedupe: a producer sends once per destination rank
-    for k in consumers:
-        consumers[k] = sorted({d for _, d in consumers[k]})  # type: ignore[assignment]
+    dests: dict[int, list[int]] = {k: sorted({d for _, d in v}) for k, v in consumers.items()}
     index = {b.key: i for i, b in enumerate(pl.blocks)}
 
     # last backward (weight-gradient producing) block of each segment per rank
     last_grad_pos: list[dict[int, int]] = []
-    for d, order in enumerate(schedule.orders):
+    for order in schedule.orders:
         last: dict[int, int] = {}
         for pos, b in enumerate(order):
             if b.kind in ("B", "W"):
@@ -313,24 +335,25 @@ def lower(
                 if pb not in received:
                     received.add(pb)
                     t = p.output
-                    out.append(Instruction("RECV", pb, peer=src, tensor=t, nbytes=t.nbytes if t else 0))
+                    out.append(Instruction(Op.RECV, pb, peer=src, tensor=t, nbytes=t.nbytes if t else 0))
             hold, trans = grad_ev[pos]
             held += hold
-            out.append(Instruction(spec.kind, b, duration=spec.duration, memory=spec.memory, hold=hold, transient=trans))
+            out.append(Instruction(Op(spec.kind), b, duration=spec.duration, memory=spec.memory, hold=hold,
+                                   transient=trans))
             fwd_a2a = a2a.get(b.segment)
             if fwd_a2a and spec.kind in ("F", "B", "W" if b.segment in input_segments else "I"):
                 for nb in (fwd_a2a if spec.kind == "F" else reversed(fwd_a2a)):
-                    out.append(Instruction("ALLTOALL", b, nbytes=nb, segment=b.segment, group=dp))
+                    out.append(Instruction(Op.ALLTOALL, b, nbytes=nb, segment=b.segment, group=dp))
             if spec.devices[0] == d:
-                for dst in consumers[bi]:  # type: ignore[union-attr]
+                for dst in dests[bi]:
                     t = spec.output
-                    out.append(Instruction("SEND", b, peer=dst, tensor=t, nbytes=t.nbytes if t else 0))
+                    out.append(Instruction(Op.SEND, b, peer=dst, tensor=t, nbytes=t.nbytes if t else 0))
             if dp > 1 and pos in grad_at:
                 seg = grad_at[pos]
-                out.append(Instruction("ALLREDUCE", None, nbytes=dp_bytes(seg), segment=seg, group=dp))
+                out.append(Instruction(Op.ALLREDUCE, None, nbytes=dp_bytes(seg), segment=seg, group=dp))
         if optimizer and not pl.forward_only:
             for g, ranks in tied_at.get(d, []):
-                out.append(Instruction("ALLREDUCE", None, nbytes=g.nbytes, group=len(ranks), ranks=ranks))
-            out.append(Instruction("OPTIM", None, nbytes=param_bytes[d], memory=-held))
+                out.append(Instruction(Op.ALLREDUCE, None, nbytes=g.nbytes, group=len(ranks), ranks=ranks))
+            out.append(Instruction(Op.OPTIM, None, nbytes=param_bytes[d], memory=-held))
         streams.append(out)
     return ExecutionPlan(streams, static, dp=dp, param_bytes=param_bytes, schedule_name=schedule.name)

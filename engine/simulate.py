@@ -38,9 +38,9 @@ waiting rank and instruction.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
-from engine.dependency import ExecutionPlan
+from engine.dependency import COMPUTE_OPS, ExecutionPlan, Op
 from engine.errors import DeadlockError
 from engine.timeline import Event, Timeline
 
@@ -93,7 +93,8 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
     mem_curve: list[list[tuple[float, int]]] = [[(0.0, mem[r])] for r in range(n)]
     arrivals: dict[tuple, tuple[float, float]] = {}  # (block, src, dst) -> (start, end)
     barrier: dict = {}  # multi-device block / tied all-reduce key -> ranks arrived
-    tied_seen = [dict() for _ in range(n)]  # rank -> {ranks tuple: tied all-reduces passed}
+    # rank -> {ranks tuple: tied all-reduces passed}
+    tied_seen: list[dict[tuple[int, ...], int]] = [dict() for _ in range(n)]
     events: list[Event] = []
     p2p = cost.p2p_time
     dp_ranks_cache: dict[int, list[int]] = {}
@@ -125,7 +126,7 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
     span: dict = {}
     for r in range(n):
         for ins in streams[r]:
-            if ins.op in ("F", "B", "I", "W"):
+            if ins.op in COMPUTE_OPS:
                 span[ins.block] = span.get(ins.block, 0) + 1
 
     remaining = n
@@ -140,22 +141,26 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
             while pc[r] < len(stream):
                 ins = stream[pc[r]]
                 op = ins.op
-                if op == "SEND":
+                if op == Op.SEND:
+                    assert ins.block is not None
                     start = max(clock[r], send_free[r])
-                    end = start + p2p(ins.nbytes, r, ins.peer)
+                    end = start + p2p(ins.nbytes, r, cast(int, ins.peer))
                     send_free[r] = end
                     arrivals[(ins.block, r, ins.peer)] = (start, end)
-                    events.append(Event(r, "send", "SEND", f"{ins.block}>{ins.peer}", start, end, ins.nbytes, ins.block.micro_batch, ins.block.segment))
+                    events.append(Event(r, "send", "SEND", f"{ins.block}>{ins.peer}", start, end, ins.nbytes,
+                                        ins.block.micro_batch, ins.block.segment))
                     pc[r] += 1
-                elif op == "RECV":
+                elif op == Op.RECV:
                     a = arrivals.get((ins.block, ins.peer, r))
                     if a is None:
                         break
-                    events.append(Event(r, "recv", "RECV", f"{ins.block}<{ins.peer}", a[0], a[1], ins.nbytes, ins.block.micro_batch, ins.block.segment))
+                    assert ins.block is not None
+                    events.append(Event(r, "recv", "RECV", f"{ins.block}<{ins.peer}", a[0], a[1], ins.nbytes,
+                                        ins.block.micro_batch, ins.block.segment))
                     if a[1] > clock[r]:
                         clock[r] = a[1]
                     pc[r] += 1
-                elif op == "ALLREDUCE" and ins.ranks:
+                elif op == Op.ALLREDUCE and ins.ranks:
                     key = ("tied", ins.ranks, tied_seen[r].get(ins.ranks, 0))
                     arrived = barrier.setdefault(key, [])
                     if r not in arrived:
@@ -167,12 +172,13 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
                     start = max(max(clock[h], coll_pending[h]) for h in holders)
                     end = start + cost.collective_time("allreduce", ins.nbytes, list(ins.ranks))
                     for h in holders:
-                        events.append(Event(h, "collective", "ALLREDUCE", "allreduce tied", start, end, ins.nbytes, -1, -1))
+                        events.append(Event(h, "collective", "ALLREDUCE", "allreduce tied", start, end, ins.nbytes,
+                                            -1, -1))
                         clock[h] = end
                         coll_free[h] = max(coll_free[h], end)
                         tied_seen[h][ins.ranks] = tied_seen[h].get(ins.ranks, 0) + 1
                         pc[h] += 1
-                elif op == "ALLTOALL":
+                elif op == Op.ALLTOALL:
                     start = clock[r]
                     group = dp_group(r) if ins.group == plan.dp else [r + k * n for k in range(max(1, ins.group))]
                     end = start + cost.collective_time("alltoall", ins.nbytes, group)
@@ -182,14 +188,15 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
                                         blk.micro_batch if blk is not None else -1,
                                         ins.segment if ins.segment is not None else -1))
                     pc[r] += 1
-                elif op == "ALLREDUCE":
+                elif op == Op.ALLREDUCE:
                     start = max(clock[r], coll_free[r])
                     end = start + cost.collective_time("allreduce", ins.nbytes, dp_group(r))
                     coll_free[r] = end
                     coll_pending[r] = max(coll_pending[r], end)
-                    events.append(Event(r, "collective", "ALLREDUCE", f"allreduce s{ins.segment}", start, end, ins.nbytes, -1, ins.segment if ins.segment is not None else -1))
+                    events.append(Event(r, "collective", "ALLREDUCE", f"allreduce s{ins.segment}", start, end,
+                                        ins.nbytes, -1, ins.segment if ins.segment is not None else -1))
                     pc[r] += 1
-                elif op == "OPTIM":
+                elif op == Op.OPTIM:
                     start = max(clock[r], coll_pending[r])
                     end = start + cost.optimizer_time(ins.nbytes)
                     events.append(Event(r, "compute", "OPTIM", "optimizer", start, end, ins.nbytes, -1, -1))

@@ -34,7 +34,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -59,7 +59,7 @@ class Backend:
         use_gpu: one GPU per actor (``num_gpus=1``).
     """
 
-    name: str
+    name: Literal["gloo", "nccl"]
     use_gpu: bool
 
     def bundle(self) -> dict[str, float]:

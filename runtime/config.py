@@ -26,17 +26,15 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from engine.crossover import MODES, CrossoverError
+from engine.crossover import Mode as ModeChoice
 from runtime.runner import LaunchError
+from runtime.worker.config import OPTIMIZERS, P2P_MATCHING
+from runtime.worker.config import OptimizerName as OptimizerChoice
+from runtime.worker.config import P2PMatching as P2PChoice
 
 #: ``device``: ``"auto"`` (NCCL on GPUs when the cluster has one per rank, else gloo on CPU),
 #: ``"cpu"`` or ``"cuda"``.
 DeviceChoice = Literal["auto", "cpu", "cuda"]
-#: the workers' optimizer (``runtime.worker.OPTIMIZERS``).
-OptimizerChoice = Literal["adam", "adama", "sgd"]
-#: the workers' point-to-point matching (``runtime.worker.P2P_MATCHING``).
-P2PChoice = Literal["auto", "tags", "ordered"]
-#: how co-located jobs share the devices (``engine.crossover.MODES``).
-ModeChoice = Literal["crossover", "uncoordinated", "sequential"]
 
 __all__ = ["CrossoverConfig", "DeviceChoice", "LaunchConfig", "ModeChoice", "OptimizerChoice", "P2PChoice",
            "per_job"]
@@ -130,8 +128,6 @@ class LaunchConfig(_ClusterConfig):
         if self.optimizer is not None:
             check_optimizer(self.optimizer)
         if self.p2p_matching is not None:
-            from runtime.worker import P2P_MATCHING
-
             if self.p2p_matching not in P2P_MATCHING:
                 raise LaunchError(f"unknown p2p_matching {self.p2p_matching!r}; use one of "
                                   f"{_choices(P2P_MATCHING)}", kind="setup")
@@ -143,8 +139,6 @@ def check_optimizer(name: str) -> str:
     Raises:
         LaunchError: (``kind="setup"``) an unknown optimizer, naming the accepted ones.
     """
-    from runtime.worker import OPTIMIZERS
-
     if name not in OPTIMIZERS:
         raise LaunchError(f"unknown optimizer {name!r}; use one of {_choices(OPTIMIZERS)}", kind="setup")
     return name

@@ -58,7 +58,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 from engine.errors import TesselError
 from runtime import cluster as _cluster
@@ -66,6 +66,7 @@ from runtime.config import LaunchConfig, check_optimizer
 from runtime.launch_result import LaunchResult, finish_times, merge_moe_metrics, merge_timeline
 from runtime.runner import LaunchError, Runner, as_plan
 from runtime.session import StepReport, TrainingCallback, TrainingSession, restore_checkpoint, resume_point
+from runtime.worker.config import OptimizerName, WorkerConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.io import Plan
@@ -97,13 +98,11 @@ def _start_workers(worker_cls: type, plan_dict: dict, ws: int, config: LaunchCon
         backend = _cluster.choose_backend(ws, config.device)
 
         def args_for_rank(r: int, addr: str, port: int):
-            kw = {"backend": backend.name, "seed": seed, "lr": lr, "optimizer": optimizer,
-                  "fail_at": _fail_at_for(fail_at, r)}
-            if backend.use_gpu:   # NCCL: CUDA tensors (the actor sees its one GPU as cuda:0)
-                kw["device"] = "cuda"
-            if p2p:
-                kw["p2p_matching"] = p2p
-            return ((plan_dict, r, ws, addr, port), kw)
+            wc = WorkerConfig(backend=backend.name, seed=seed, lr=lr,
+                              optimizer=cast(OptimizerName, optimizer), fail_at=_fail_at_for(fail_at, r),
+                              # NCCL: CUDA tensors (the actor sees its one GPU as cuda:0)
+                              device="cuda" if backend.use_gpu else None, p2p_matching=p2p or "auto")
+            return ((plan_dict, r, ws, addr, port), {"config": wc})
 
         pool = _cluster.create_actors(worker_cls, ws, backend, args_for_rank, timeout=max(config.step_timeout, 60.0))
     except _cluster.ClusterError as e:

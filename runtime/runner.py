@@ -67,7 +67,7 @@ def as_plan(plan: Any, *, caller: str = "launch") -> Plan:
     raise TypeError(f"{caller}() takes a Plan, a plan dict or a path, got {type(plan).__name__}")
 
 
-#: StageWorker.step's error message (runtime/worker.py).
+#: StageWorker.step's error message (runtime/worker/errors.py).
 _WORKER_ERR = re.compile(r"^rank (?P<rank>\d+) \(pipeline rank (?P<pp>\d+), replica (?P<dp>\d+)\) failed at step "
                          r"(?P<step>\d+), instruction (?P<index>\d+) \((?P<ins>[^)]*)\): (?P<detail>.*)$")
 

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Any, Literal
 
+# the co-location modes of :func:`runtime.crossover.launch_crossover`: one definition (planner and runtime)
+from engine.crossover import MODES
 from runtime.crossover.token import ComputeToken
 
 __all__ = ["MODES", "CrossoverActor"]
-
-#: Co-location modes of :func:`runtime.crossover.launch_crossover`.
-from engine.crossover import MODES  # noqa: E402 - the one definition (planner and runtime)
 
 
 class CrossoverActor:
@@ -60,7 +60,7 @@ class CrossoverActor:
     """
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, jobs: list[dict], *,
-                 mode: str = "crossover", backend: str = "gloo", timeout_s: float = 300.0,
+                 mode: str = "crossover", backend: Literal["gloo", "nccl"] = "gloo", timeout_s: float = 300.0,
                  token_timeout: float | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown co-location mode {mode!r}; use one of {', '.join(MODES)}")
@@ -97,11 +97,11 @@ class CrossoverActor:
         import torch
         import torch.distributed as dist
 
-        from runtime.worker import StageWorker
+        from runtime.worker import StageWorker, WorkerConfig
 
         torch.set_num_threads(1)
         if not dist.is_initialized():
-            kw = {}
+            kw: dict[str, Any] = {}
             if self.backend == "nccl":   # one GPU per actor (Ray sets CUDA_VISIBLE_DEVICES): bind it
                 torch.cuda.set_device(0)
                 kw["device_id"] = torch.device("cuda", 0)
@@ -111,10 +111,10 @@ class CrossoverActor:
         infos = []
         for j, spec in enumerate(self.jobs):
             start, sync = self._hooks(j)
-            w = StageWorker(spec["plan"], self.rank, self.world_size, self.master_addr, self.master_port,
-                            backend=self.backend, seed=int(spec.get("seed", 0)), lr=float(spec.get("lr", 1e-3)),
-                            optimizer=spec.get("optimizer"), timeout_s=self.timeout_s, fail_at=spec.get("fail_at"),
-                            on_compute_start=start, on_sync_start=sync, owns_process_group=False)
+            cfg = WorkerConfig(backend=self.backend, seed=int(spec.get("seed", 0)), lr=float(spec.get("lr", 1e-3)),
+                               optimizer=spec.get("optimizer"), timeout_s=self.timeout_s, fail_at=spec.get("fail_at"),
+                               on_compute_start=start, on_sync_start=sync, owns_process_group=False)
+            w = StageWorker(spec["plan"], self.rank, self.world_size, self.master_addr, self.master_port, cfg)
             try:
                 info = w.setup()
             except Exception as e:

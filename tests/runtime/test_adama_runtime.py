@@ -31,10 +31,10 @@ _RUNS: dict = {}
 
 # ----------------------------------------------------------------------------- task (runs in a pool process)
 def _run_task(task: dict) -> dict:
-    from runtime.worker import StageWorker
+    from runtime.worker import StageWorker, WorkerConfig
 
     w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
-                    optimizer=task["optimizer"], timeout_s=60.0)
+                    config=WorkerConfig(optimizer=task["optimizer"], timeout_s=60.0))
     try:
         info = w.setup()
         if task.get("load") is not None:
@@ -260,11 +260,11 @@ def test_unknown_optimizer_is_refused_with_the_valid_names(tmp_path):
     from runtime import LaunchError, launch
     from runtime.config import LaunchConfig
     from runtime.reference import reference_losses
-    from runtime.worker import StageWorker, WorkerError
+    from runtime.worker import StageWorker, WorkerConfig, WorkerError
 
     plan = make_plan("gpt2-tiny", devices=1, micro_batches=2, schedule="1f1b", device_type="cpu",
                      micro_batch_size=MBS, seq_len=SEQ).plan
-    w = StageWorker(plan.to_dict(), 0, 1, "127.0.0.1", 1, optimizer="lamb")
+    w = StageWorker(plan.to_dict(), 0, 1, "127.0.0.1", 1, config=WorkerConfig(optimizer="lamb"))
     with pytest.raises(WorkerError, match="unknown optimizer 'lamb'; use one of 'adam', 'adama', 'sgd'"):
         w.setup()
     with pytest.raises(LaunchError, match="unknown optimizer 'lamb'; use one of 'adam', 'adama', 'sgd'"):

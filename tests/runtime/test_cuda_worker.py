@@ -101,9 +101,10 @@ def test_launcher_passes_the_device_to_its_workers(monkeypatch, backend, p2p):
     with pytest.raises(launcher.LaunchError, match="stop here"):
         launcher.launch(_plan(2, "1f1b"), LaunchConfig(steps=1, p2p_matching=p2p))
     for r, (args, kw) in enumerate(seen["args"]):
-        assert args[1] == r and args[2] == 2 and kw["backend"] == backend
-        assert kw.get("device") == ("cuda" if backend == "nccl" else None)
-        assert kw.get("p2p_matching") == p2p
+        cfg = kw["config"]   # a runtime.worker.WorkerConfig; unset options keep their defaults
+        assert args[1] == r and args[2] == 2 and cfg.backend == backend
+        assert cfg.device == ("cuda" if backend == "nccl" else None)
+        assert cfg.p2p_matching == (p2p or "auto")
     with pytest.raises(launcher.LaunchError, match="unknown p2p_matching 'fifo'"):
         launcher.launch(_plan(2, "1f1b"), LaunchConfig(steps=1, p2p_matching="fifo"))
 
@@ -114,7 +115,7 @@ def test_module_to_moves_the_inner_graph_module_and_keeps_slots_linked():
     registered on the outer one too, a plain tensor constant on the inner one), to ``meta``."""
     from torch import nn
 
-    from runtime.device import module_to as _module_to
+    from runtime.worker.device import module_to as _module_to
 
     inner = nn.Module()
     inner.w = nn.Parameter(torch.ones(3))
@@ -150,8 +151,8 @@ def test_retargeted_stages_run_on_another_device():
     """The traced graphs create tensors with ``device=cpu`` (GPT-2's position ``arange``,
     ``_assert_tensor_metadata``): moved to another device (``meta`` stands in for a GPU) the stage
     forward fails until :func:`runtime.stage.retarget_device` rewrites those arguments."""
-    from runtime.device import module_to as _module_to
     from runtime.stage import build_stages, retarget_device
+    from runtime.worker.device import module_to as _module_to
 
     st = build_stages(_plan(2, "1f1b"), seed=0)
     meta = torch.device("meta")
@@ -185,8 +186,8 @@ class _FakeWork:
 
 
 def test_poll_completion_and_the_cuda_send_waiter():
-    from runtime.send_waiter import SendWaiter as _SendWaiter
-    from runtime.send_waiter import poll_completion
+    from runtime.worker.send_waiter import SendWaiter as _SendWaiter
+    from runtime.worker.send_waiter import poll_completion
 
     w = _FakeWork(5)
     assert poll_completion(w, 5.0) >= 0 and w.calls == 6
@@ -214,10 +215,10 @@ def test_poll_completion_and_the_cuda_send_waiter():
 def _run_cuda_task(task: dict) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from runtime.worker import StageWorker
+    from runtime.worker import StageWorker, WorkerConfig
 
-    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"], backend="nccl",
-                    device=task["device"], timeout_s=60.0)
+    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
+                    config=WorkerConfig(backend="nccl", device=task["device"], timeout_s=60.0))
     try:
         info = w.setup()
         outs = [w.step(i, b) for i, b in enumerate(task["batches"])]

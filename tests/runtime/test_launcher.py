@@ -200,10 +200,9 @@ def test_fault_names_rank_and_instruction_and_cleans_up(plan, no_ray, tmp_path):
 class FakeWorker:
     """The StageWorker interface without a model: losses 5 - 0.1*step; ``fail_at`` = (step, mode)."""
 
-    def __init__(self, plan_dict, rank, world_size, master_addr, master_port, *, backend="gloo", seed=0,
-                 lr=1e-3, optimizer="adam", fail_at=None):
+    def __init__(self, plan_dict, rank, world_size, master_addr, master_port, config=None):
         self.rank, self.pp = rank, int(plan_dict["parallel"]["pp"])
-        self.fail_at = fail_at
+        self.fail_at = config.fail_at if config is not None else None
         self.w = torch.zeros(1)
 
     def setup(self):

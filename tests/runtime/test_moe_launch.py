@@ -39,10 +39,10 @@ _RUNS: dict = {}
 
 # ----------------------------------------------------------------------------- task (runs in a pool process)
 def _run_task(task: dict) -> dict:
-    from runtime.worker import StageWorker
+    from runtime.worker import StageWorker, WorkerConfig
 
     w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
-                    optimizer=task.get("optimizer"), timeout_s=60.0)
+                    config=WorkerConfig(optimizer=task.get("optimizer"), timeout_s=60.0))
     try:
         info = w.setup()
         outs = [w.step(i, b) for i, b in task["steps"]]

@@ -34,6 +34,8 @@ def _run_task(task: dict) -> dict:
     pipeline rank 0 does not post its SEND number ``drop_send`` (an inconsistent peer order);
     ``task["swap_on"]``: that rank alone believes pipeline rank 0 posts its first two SENDs the
     other way round (the same messages, in the wrong order)."""
+    import dataclasses
+
     import test_worker
 
     from runtime import worker as wmod
@@ -43,10 +45,10 @@ def _run_task(task: dict) -> dict:
     swap_on = task.get("swap_on")
 
     class _Configured(real):
-        def __init__(self, *args, **kw):
-            kw.setdefault("p2p_matching", task["p2p"])
-            kw.setdefault("prepost_receives", task.get("prepost", True))
-            super().__init__(*args, **kw)
+        def __init__(self, *args, config=None, **kw):
+            config = dataclasses.replace(config or wmod.WorkerConfig(), p2p_matching=task["p2p"],
+                                         prepost_receives=task.get("prepost", True))
+            super().__init__(*args, config=config, **kw)
 
         def _peer_streams(self, plan):
             streams = super()._peer_streams(plan)
@@ -100,7 +102,7 @@ def _check_ordered(out: dict, plan, world: int) -> None:
 # ----------------------------------------------------------------------------- the pair orders (no processes)
 def test_pair_order_of_1f1b_two_ranks():
     from engine.dependency import lower
-    from runtime.p2p_order import pair_send_orders, stream_messages
+    from runtime.worker.p2p_order import pair_send_orders, stream_messages
 
     plan = _plan(2, "1f1b")
     streams = lower(plan.schedule).streams
@@ -116,8 +118,8 @@ def test_pair_order_of_1f1b_two_ranks():
 
 def test_pair_order_follows_the_sender_and_refuses_mismatches():
     from engine.dependency import lower
-    from runtime.p2p_order import pair_send_orders
     from runtime.worker import WorkerError
+    from runtime.worker.p2p_order import pair_send_orders
 
     plan = _plan(2, "interleaved")   # 4 segments on 2 ranks: both directions carry both kinds
     streams = lower(plan.schedule).streams
@@ -236,7 +238,7 @@ def test_receives_out_of_sender_order_corrupt_training(pool):
 
 
 def test_matching_mode_errors(monkeypatch):
-    from runtime.worker import StageWorker, WorkerError
+    from runtime.worker import StageWorker, WorkerConfig, WorkerError
 
     plan = _plan(2, "1f1b")
     for kw, pattern in [({"p2p_matching": "fifo"}, "unknown p2p_matching 'fifo'"),
@@ -245,7 +247,7 @@ def test_matching_mode_errors(monkeypatch):
                         ({"backend": "nccl", "device": "cuda:99"}, "needs GPU 99, but this process sees"),
                         ({"device": "tpu"}, "device 'tpu'")]:
         with pytest.raises(WorkerError, match=pattern):
-            StageWorker(plan.to_dict(), 0, 2, "127.0.0.1", 1, **kw).setup()
+            StageWorker(plan.to_dict(), 0, 2, "127.0.0.1", 1, config=WorkerConfig(**kw)).setup()
     w = StageWorker(plan.to_dict(), 0, 2, "127.0.0.1", 1)
     monkeypatch.setenv("TESSEL_P2P", "ordered")      # auto mode reads it (tests, launches on a local Ray)
     w._resolve_device_and_matching()
@@ -258,7 +260,8 @@ def test_matching_mode_errors(monkeypatch):
     assert w.p2p_mode == "tags" and w._sync is None and not w._cuda   # gloo default: unchanged
     monkeypatch.setenv("TESSEL_P2P", "tags")
     with pytest.raises(WorkerError, match="p2p_matching 'tags' needs gloo"):
-        StageWorker(plan.to_dict(), 0, 2, "127.0.0.1", 1, backend="nccl", device="cuda")._resolve_device_and_matching()
+        StageWorker(plan.to_dict(), 0, 2, "127.0.0.1", 1,
+                    config=WorkerConfig(backend="nccl", device="cuda"))._resolve_device_and_matching()
 
 
 if __name__ == "__main__":  # pragma: no cover

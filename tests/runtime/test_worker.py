@@ -28,10 +28,10 @@ MBS, SEQ, M = 2, 32, 4
 
 # ----------------------------------------------------------------------------- task (runs in a pool process)
 def _run_task(task: dict) -> dict:
-    from runtime.worker import StageWorker
+    from runtime.worker import StageWorker, WorkerConfig
 
     w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
-                    timeout_s=task.get("pg_timeout", 60.0), fail_at=task.get("fail_at"))
+                    config=WorkerConfig(timeout_s=task.get("pg_timeout", 60.0), fail_at=task.get("fail_at")))
     try:
         info = w.setup()
         bufs = w.receive_buffers()

@@ -1,7 +1,7 @@
 """Ordered point-to-point matching: which messages each pipeline rank sends to each other, in order.
 
 NCCL matches a communicator's sends and receives by posting order, not by tag, so under ordered
-matching (``runtime.worker.StageWorker(p2p_matching="ordered")``, the default with NCCL) the
+matching (``runtime.worker.StageWorker(config=WorkerConfig(p2p_matching="ordered"))``, the default with NCCL) the
 receiver of a one-directional pair group must post its receives in exactly its sender's order.
 These pure functions derive that order from the lowered instruction streams
 (``engine.dependency.lower``) and check that both sides agree. A message is
@@ -14,9 +14,16 @@ torch.distributed ``isend``/``irecv``.
 
 from __future__ import annotations
 
-from runtime.errors import WorkerError
+from typing import TYPE_CHECKING, Sequence
 
-__all__ = ["pair_send_orders", "stream_messages"]
+from runtime.worker.errors import WorkerError
+
+if TYPE_CHECKING:
+    from engine.dependency import Instruction
+
+__all__ = ["check_own_stream", "pair_send_orders", "stream_messages"]
+
+Message = tuple[int, int, int, int]
 
 
 def _describe_message(msg: tuple) -> str:
@@ -111,3 +118,24 @@ def pair_send_orders(streams, counts) -> dict[tuple[int, int], list[tuple[int, i
                                   "matching would deliver messages into the wrong buffers")
             orders[(a, b)] = sent
     return orders
+
+
+def check_own_stream(stream: Sequence[Instruction], me: int, pair_orders: dict[tuple[int, int], list[Message]],
+                     counts: Sequence[tuple[int, int]]) -> None:
+    """Ordered matching: this rank's real ``stream`` sends exactly the order its peers were told
+    (``pair_orders``, from :func:`pair_send_orders` of every rank's stream) and receives the same
+    messages. ``me``: this pipeline rank. Raises :class:`WorkerError` naming the first difference."""
+    peers = {ins.peer for ins in stream if ins.op in ("SEND", "RECV") and ins.peer is not None}
+    peers |= {b for a, b in pair_orders if a == me} | {a for a, b in pair_orders if b == me}
+    for p in sorted(peers):
+        mine = stream_messages(stream, p, "SEND", counts)
+        told = pair_orders.get((me, p), [])
+        if mine != told:
+            diff = _first_mismatch(mine, told) or "the same messages in another order"
+            raise WorkerError(f"pipeline rank {me}'s stream sends to pipeline rank {p} not in the order its peers "
+                              f"derived from the plan: {diff}")
+        got = stream_messages(stream, p, "RECV", counts)
+        bad = _first_mismatch(pair_orders.get((p, me), []), got)
+        if bad:
+            raise WorkerError(f"point-to-point pair pipeline rank {p} -> pipeline rank {me}: {bad} "
+                              f"(pipeline rank {me}'s own stream)")

@@ -1,0 +1,78 @@
+"""A stage worker's pre-allocated receive buffers, one per (boundary, micro-batch, tensor)
+(``docs/runtime-worker.md``, "What a rank does in setup")."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from engine.dependency import Instruction, Op
+
+__all__ = ["ReceiveBuffers", "Message"]
+
+#: A point-to-point message: ``(boundary, direction, micro_batch, tensor_index)``; direction 0 =
+#: activations of boundary ``b`` (segment ``b`` -> ``b + 1``), 1 = input gradients travelling back.
+Message = tuple[int, int, int, int]
+
+
+class ReceiveBuffers:
+    """Receive buffers allocated once from a stream's RECV instructions; the sender writes
+    straight into them every step (the same tensor objects).
+
+    Args:
+        stream: this rank's instructions; each ``RECV`` of an ``F`` block gets the activation
+            buffers of boundary ``segment - 1`` ... of its micro-batch, each of a backward block the
+            gradient buffers (tensors with ``requires_grad``) of boundary ``segment - 1``.
+        boundaries: per boundary, the tensors' metadata (``runtime.stage`` boundary metas).
+        empty: allocates an uninitialised tensor for one metadata (on the worker's device).
+    """
+
+    def __init__(self, stream: Sequence[Instruction], boundaries: Sequence[Sequence[Any]],
+                 empty: Callable[[Any], torch.Tensor]):
+        self.act: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.grad: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for ins in stream:
+            if ins.op != Op.RECV or ins.block is None:
+                continue
+            pb = ins.block
+            if pb.kind == "F":
+                b = pb.segment
+                self.act[(b, pb.micro_batch)] = [empty(meta) for meta in boundaries[b]]
+            else:
+                b = pb.segment - 1
+                self.grad[(b, pb.micro_batch)] = [empty(meta) for meta in boundaries[b] if meta.requires_grad]
+
+    def all(self) -> list[list[torch.Tensor]]:
+        """Every buffer list, activations first."""
+        return list(self.act.values()) + list(self.grad.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all buffers."""
+        return sum(t.numel() * t.element_size() for bufs in self.all() for t in bufs)
+
+    @property
+    def count(self) -> int:
+        """Number of buffer tensors."""
+        return sum(len(v) for v in self.all())
+
+    def storage_ptrs(self) -> set[int]:
+        """``data_ptr`` of every buffer's storage (not counted as activations)."""
+        return {t.untyped_storage().data_ptr() for bufs in self.all() for t in bufs}
+
+    def message(self, msg: Message) -> torch.Tensor:
+        """The buffer of one message ``(boundary, direction, micro_batch, tensor)``."""
+        b, direction, j, k = msg
+        return (self.act if direction == 0 else self.grad)[(b, j)][k]
+
+    def by_name(self) -> dict[str, torch.Tensor]:
+        """The buffers by name (``"act b1 mb0 t0"``, ``"grad b1 mb0 t0"``)."""
+        out = {}
+        for (b, j), bufs in sorted(self.act.items()):
+            for k, t in enumerate(bufs):
+                out[f"act b{b} mb{j} t{k}"] = t
+        for (b, j), bufs in sorted(self.grad.items()):
+            for k, t in enumerate(bufs):
+                out[f"grad b{b} mb{j} t{k}"] = t
+        return out

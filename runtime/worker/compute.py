@@ -1,0 +1,143 @@
+"""The compute instructions of a stage worker: stage forward (``F``), full backward (``B``) and
+the zero-bubble split backward (``I`` input gradients, ``W`` weight gradients), with the CE loss,
+the MoE aux losses and activation accounting (``docs/runtime-worker.md``, "What a rank does in a
+step")."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from runtime.worker.metrics import metric_floats
+from runtime.worker.step_state import StepState
+
+if TYPE_CHECKING:
+    from runtime.worker.stage_worker import StageWorker
+
+__all__ = ["backward", "backward_input", "backward_weight", "forward"]
+
+
+def forward(w: StageWorker, s: int, j: int, st: StepState) -> None:
+    """``F`` of segment ``s``, micro-batch ``j``: inputs are the model inputs (segment 0), the
+    receive buffers (previous segment elsewhere) or the local previous segment's detached outputs;
+    keeps the context its backward needs and counts the saved activations."""
+    if s == 0:
+        ins: tuple = (st.model_inputs[j],)
+    else:
+        src = w.buffers.act.get((s - 1, j))
+        if src is None:                       # previous segment ran on this rank
+            src = st.outputs.pop((s - 1, j))
+        ins = tuple(t.detach().requires_grad_(True) if meta.requires_grad else t.detach()
+                    for t, meta in zip(src, w.boundaries[s - 1]))
+    meter = w.meter
+    if w.config.track_activations and s not in meter.per_segment:
+        with meter.hooks():   # the step's first forward of this segment: count what it saves
+            outs, loss, aux = _run_stage(w, s, j, ins, st)
+        meter.add((s, j), segment=s)
+    else:
+        outs, loss, aux = _run_stage(w, s, j, ins, st)
+        if w.config.track_activations:   # static shapes: every micro-batch saves what the first did
+            meter.add((s, j), nbytes=meter.per_segment[s])
+    if s != w.last_segment:
+        st.outputs[(s, j)] = outs
+    st.ctx[(s, j)] = (ins, outs, loss, aux)
+
+
+def _run_stage(w: StageWorker, s: int, j: int, ins: tuple, st: StepState) -> tuple[Any, Any, Any]:
+    """Run segment ``s`` on micro-batch ``j``: ``(outputs, scaled CE loss or None, scaled MoE aux
+    loss or None)``; scale ``1/m`` (``1/(dp*m)`` with AdamA, whose folded gradients are the
+    single-process ``grad(loss / (dp * m))``)."""
+    outs = w.modules[s](*ins)
+    aux = _collect_moe(w, s, j, st)
+    if s != w.last_segment:
+        return outs, None, aux
+    logits = outs[0]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), st.targets[j].reshape(-1))
+    st.losses[j] = float(loss.detach())
+    return outs, loss * w.loss_scale, aux
+
+
+def _collect_moe(w: StageWorker, s: int, j: int, st: StepState) -> torch.Tensor | None:
+    """After segment ``s``'s forward of micro-batch ``j``: the sum of its MoE layers' aux
+    (load-balancing) losses times the loss scale (``None`` without MoE layers), and their
+    routing metrics into ``st.moe``. Drops the layers' references to the routing tensors."""
+    layers = w.moe_layers.get(s)
+    if not layers:
+        return None
+    auxes = []
+    for _, layer in layers:
+        if layer.last_aux_loss is not None:
+            auxes.append(layer.last_aux_loss)
+        if layer.last_metrics:
+            st.moe.append(metric_floats(layer.last_metrics))
+        layer.last_aux_loss, layer.last_gate_output = None, None
+    if not auxes:
+        return None
+    aux = torch.stack(auxes).sum()
+    st.aux[(s, j)] = float(aux.detach())
+    return aux * w.loss_scale
+
+
+def _roots(w: StageWorker, s: int, j: int, st: StepState) -> tuple[list, list | None]:
+    """(tensors, grad_tensors) the backward of (s, j) starts from."""
+    _ins, outs, loss, aux = st.ctx[(s, j)]
+    if s == w.last_segment:
+        return [loss if aux is None else loss + aux], None
+    grads = w.buffers.grad.get((s, j))
+    if grads is None:                          # next segment ran on this rank
+        grads = st.in_grads.pop((s + 1, j))
+    tensors = [o for o, meta in zip(outs, w.boundaries[s]) if meta.requires_grad]
+    grads = list(grads)
+    if aux is not None:   # the stage's MoE aux loss is a second root of its backward
+        tensors.append(aux)
+        grads.append(torch.ones_like(aux))
+    return tensors, grads
+
+
+def _diff_inputs(w: StageWorker, s: int, ins: tuple) -> list:
+    if s == 0:
+        return []
+    return [x for x, meta in zip(ins, w.boundaries[s - 1]) if meta.requires_grad]
+
+
+def backward(w: StageWorker, s: int, j: int, st: StepState) -> None:
+    """``B``: ``torch.autograd.backward`` from the received (or local) output gradients (the
+    scaled loss on the last segment); keeps the input gradients to send."""
+    tensors, grads = _roots(w, s, j, st)
+    ins = st.ctx.pop((s, j))[0]
+    torch.autograd.backward(tensors, grads)
+    w.meter.free((s, j))
+    if s > 0:
+        st.in_grads[(s, j)] = [x.grad if x.grad is not None else torch.zeros_like(x)
+                               for x in _diff_inputs(w, s, ins)]
+
+
+def backward_input(w: StageWorker, s: int, j: int, st: StepState) -> None:
+    """``I``: input gradients only (``torch.distributed.pipelining``'s ``stage_backward_input``);
+    a segment without differentiable inputs leaves the whole backward to its ``W``."""
+    from torch.distributed.pipelining._backward import stage_backward_input
+    tensors, grads = _roots(w, s, j, st)
+    xs = _diff_inputs(w, s, st.ctx[(s, j)][0])
+    if not xs:   # nothing to send (segment 0): W runs the whole backward
+        st.wstate[(s, j)] = ("full", tensors, grads)
+        return
+    dinputs, groups = stage_backward_input(tensors, grads, xs, iter(w.seg_params[s]))
+    st.wstate[(s, j)] = ("groups", groups)
+    st.in_grads[(s, j)] = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, dinputs)]
+
+
+def backward_weight(w: StageWorker, s: int, j: int, st: StepState) -> None:
+    """``W``: weight gradients (``stage_backward_weight``), or the full backward after a no-op ``I``;
+    with AdamA the segment's folded parameters are folded explicitly (no hooks fire here)."""
+    from torch.distributed.pipelining._backward import stage_backward_weight
+    state = st.wstate.pop((s, j))
+    if state[0] == "full":
+        torch.autograd.backward(state[1], state[2])
+    else:
+        stage_backward_weight(iter(w.seg_params[s]), state[1])
+        if w.opt.adama:   # stage_backward_weight assigns .grad without firing the fold hooks
+            w.opt.fold(w.opt.folded[s])
+    st.ctx.pop((s, j), None)
+    w.meter.free((s, j))

@@ -1,0 +1,73 @@
+"""Forward-only evaluation of a stage worker (GPipe forward order over the pipeline ranks;
+``docs/runtime-worker.md``, "Evaluation")."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from runtime.worker.stage_worker import StageWorker
+
+__all__ = ["evaluate_loss"]
+
+
+def evaluate_loss(w: StageWorker, model_inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+    """Run every micro-batch through this rank's segments (receiving and sending boundary
+    activations) and return the summed mean cross-entropy of the micro-batches (0 where this rank
+    does not hold the last segment). Raises ``RuntimeError`` naming the rank, chained to the cause."""
+    total = 0.0
+    pending: list[tuple[Any, torch.Tensor]] = []
+    try:
+        for j in range(len(model_inputs)):
+            prev: tuple | None = None
+            for s in range(w.S):
+                if w.seg_rank[s] != w.pp_rank:
+                    prev = None
+                    continue
+                ins = _stage_inputs(w, s, j, model_inputs, prev)
+                outs = w.modules[s](*ins)
+                if s == w.last_segment:
+                    logits = outs[0]
+                    total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                   targets[j].reshape(-1)))
+                elif w.seg_rank[s + 1] != w.pp_rank:
+                    dst = w.p2p.world(w.seg_rank[s + 1])
+                    for q, t in enumerate(outs):
+                        t = t.contiguous()
+                        pending.append((w.p2p.eval_send(t, dst, s, j % w.m, q), t))
+                    prev = None
+                else:
+                    prev = outs
+            # wait this micro-batch's sends before the next one reuses the tags
+            for wk, _ in pending:
+                wk.wait(w.timeout)
+            pending.clear()
+    except Exception as e:
+        raise RuntimeError(f"rank {w.rank} (pipeline rank {w.pp_rank}, replica {w.dp_index}) "
+                           f"failed in evaluate: {type(e).__name__}: {e}") from e
+    finally:
+        for s in w.segments:   # routing of the last forward: not part of training
+            for _, layer in w.moe_layers[s]:
+                layer.last_aux_loss, layer.last_gate_output, layer.last_metrics = None, None, {}
+        for layer in w.ep_layers:
+            layer.comm_log.clear()
+    return total
+
+
+def _stage_inputs(w: StageWorker, s: int, j: int, model_inputs: list[torch.Tensor], prev: tuple | None) -> tuple:
+    """Segment ``s``'s inputs for micro-batch ``j``: token ids, the local previous segment's
+    outputs, or activations received into the buffers of slot ``j % m`` (fresh ones if none)."""
+    if s == 0:
+        return (model_inputs[j],)
+    if w.seg_rank[s - 1] == w.pp_rank and prev is not None:
+        return prev
+    bufs = w.buffers.act.get((s - 1, j % w.m))
+    if bufs is None:
+        bufs = [w._empty(meta) for meta in w.boundaries[s - 1]]
+    src = w.p2p.world(w.seg_rank[s - 1])
+    for wk in w.p2p.eval_recv(bufs, src, s - 1, j % w.m):
+        wk.wait(w.timeout)
+    return tuple(bufs)

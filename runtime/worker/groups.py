@@ -1,0 +1,119 @@
+"""Every process group of a stage worker, built in one place: the default group, data-parallel
+(DP), expert-parallel (EP), tied-weight and ordered point-to-point pair groups
+(``docs/runtime-worker.md``, "What a rank does in setup")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ProcessGroups", "build_groups", "init_default_group"]
+
+
+def init_default_group(backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
+                       timeout_s: float, device: torch.device | None) -> None:
+    """``init_process_group`` over TCP unless this process already has a default group
+    (``device``: bind NCCL to that GPU, ``None`` on CPU)."""
+    if dist.is_initialized():
+        return
+    kw: dict[str, Any] = {"device_id": device} if device is not None else {}
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s), **kw)
+
+
+@dataclass
+class ProcessGroups:
+    """This rank's groups (``None``: not needed)."""
+
+    dp: Any = None
+    """The DP group: this pipeline rank's ``dp`` replicas (``dp > 1``)."""
+    ep: Any = None
+    """The EP group: the same ranks as :attr:`dp`, a separate group so an all-to-all never queues
+    behind a posted all-reduce (MoE models with ``dp > 1``)."""
+    tied: list[tuple[int, Any, tuple[int, ...]]] = field(default_factory=list)
+    """Per tied group this rank holds a copy of: ``(index in the model's tied groups, group over
+    this replica's holders or None when one rank holds every copy, holders' pipeline ranks)``."""
+    pairs: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """Ordered matching: ``(sender, receiver)`` world ranks -> one-directional 2-rank group, for
+    the pairs including this rank."""
+
+
+def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Sequence[Sequence[tuple[int, str]]],
+                 seg_rank: dict[int, int], pair_orders: dict[tuple[int, int], Any] | None,
+                 device: torch.device, timeout: timedelta) -> ProcessGroups:
+    """Create the worker's groups. Every rank calls ``dist.new_group`` for every group in the same
+    order (DP, then EP, then tied, then pairs), as torch.distributed requires.
+
+    Args:
+        rank: this global rank (``dp_index * pp + pp_rank``).
+        pp, dp: pipeline ranks and replicas.
+        expert_parallel: create the EP groups.
+        tied: the model's tied groups, ``[(segment, parameter name), ...]`` each.
+        seg_rank: segment -> pipeline rank running its forward.
+        pair_orders: ordered matching: ``(sender, receiver)`` pipeline ranks -> messages (the
+            pairs with training traffic); ``None``: tag matching, no pair groups.
+        device: where the pair groups' connection messages live.
+        timeout: for the pair groups' connection messages.
+    """
+    pp_rank, dp_index = rank % pp, rank // pp
+    out = ProcessGroups()
+    if dp > 1:
+        for p in range(pp):
+            g = dist.new_group([d * pp + p for d in range(dp)])
+            if p == pp_rank:
+                out.dp = g
+    if expert_parallel:
+        for p in range(pp):
+            g = dist.new_group([d * pp + p for d in range(dp)])
+            if p == pp_rank:
+                out.ep = g
+    for i, group in enumerate(tied):
+        pranks = sorted({seg_rank[s] for s, _ in group})
+        for d in range(dp):
+            granks = [d * pp + r for r in pranks]
+            g = dist.new_group(granks) if len(granks) > 1 else None
+            if d == dp_index and pp_rank in pranks:
+                out.tied.append((i, g, tuple(pranks)))
+    if pair_orders is not None:
+        out.pairs = _pair_groups(rank, pp, dp, seg_rank, pair_orders)
+        _connect_pairs(rank, out.pairs, device, timeout)
+    return out
+
+
+def _pair_groups(rank: int, pp: int, dp: int, seg_rank: dict[int, int],
+                 pair_orders: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
+    """One 2-rank group per ORDERED pair of world ranks with traffic (training SEND/RECV in every
+    replica, plus evaluation's forward boundaries), each carrying messages from its first rank to
+    its second only; created by every rank for every pair, in sorted order."""
+    pairs = set(pair_orders)
+    for s in range(len(seg_rank) - 1):   # evaluate()'s forward traffic
+        a, b = seg_rank[s], seg_rank[s + 1]
+        if a != b:
+            pairs.add((a, b))
+    world_pairs = sorted((d * pp + a, d * pp + b) for d in range(dp) for a, b in pairs)
+    mine = {}
+    for src, dst in world_pairs:
+        g = dist.new_group([src, dst])
+        if rank in (src, dst):
+            mine[(src, dst)] = g
+    return mine
+
+
+def _connect_pairs(rank: int, pairs: dict[tuple[int, int], Any], device: torch.device, timeout: timedelta) -> None:
+    """Connect each pair group with one 1-element message, pairs in sorted order (deadlock-free:
+    the smallest unfinished pair always has both ranks waiting on it), so NCCL communicators
+    created lazily at a group's first send/receive exist before a step posts its receives."""
+    one = torch.zeros(1, device=device)
+    for (src, dst), g in sorted(pairs.items()):
+        if src == rank:
+            w = dist.isend(one, dst, group=g, tag=0)
+        else:
+            w = dist.irecv(torch.empty_like(one), src, group=g, tag=0)
+        if w is not None:   # None only for a rank outside the group, which this is not
+            w.wait(timeout)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)

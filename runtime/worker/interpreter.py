@@ -1,0 +1,130 @@
+"""The instruction interpreter of a stage worker: one handler per :class:`engine.dependency.Op`,
+dispatched through :data:`HANDLERS` (``docs/runtime-worker.md``, "What a rank does in a step")."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from engine.dependency import Instruction, Op
+from engine.timeline import Event
+from runtime.worker import compute
+from runtime.worker.errors import WorkerError
+from runtime.worker.step_state import StepState
+
+if TYPE_CHECKING:
+    from engine.schedule import Block
+    from runtime.worker.stage_worker import StageWorker
+
+__all__ = ["HANDLERS", "execute"]
+
+Handler = Callable[["StageWorker", Instruction, StepState], None]
+
+_COMPUTE = {Op.F: compute.forward, Op.B: compute.backward, Op.I: compute.backward_input,
+            Op.W: compute.backward_weight}
+
+
+def _compute(w: StageWorker, ins: Instruction, st: StepState) -> None:
+    """``F``/``B``/``I``/``W``: run the block, then (CUDA) wait its kernels; one compute event,
+    plus one ``ALLTOALL`` event per expert-parallel all-to-all it ran."""
+    b = ins.block
+    assert b is not None
+    s, j = b.segment, b.micro_batch
+    start = st.now()
+    _COMPUTE[Op(ins.op)](w, s, j, st)
+    if w._sync is not None:   # CUDA: stamp the kernels' completion, not their launch
+        w._sync()
+    st.events.append(Event(w.rank, "compute", ins.op, str(b), start, st.now(), 0, j, s))
+    if w.ep_layers:
+        _record_all_to_alls(w, b, st)
+
+
+def _record_all_to_alls(w: StageWorker, block: Block, st: StepState) -> None:
+    """One measured ``ALLTOALL`` event per all-to-all that ran inside ``block``'s compute
+    (``ExpertParallelMoE.comm_log``, wall times on the step's clock), in start order."""
+    recs = []
+    for layer in w.ep_layers:
+        recs.extend(layer.comm_log)
+        layer.comm_log.clear()
+    for r in sorted(recs, key=lambda r: r["start"]):
+        st.events.append(Event(w.rank, "collective", "ALLTOALL", f"a2a {block}", r["start"] - st.t0,
+                               r["end"] - st.t0, int(r["bytes_total"]), block.micro_batch, block.segment))
+
+
+def _send(w: StageWorker, ins: Instruction, st: StepState) -> None:
+    """``SEND``: post the ``isend``s of a block's boundary tensors (activations after F, input
+    gradients after B/I); the send waiter stamps their completion."""
+    b = ins.block
+    assert b is not None and ins.peer is not None and st.sends is not None
+    s, j = b.segment, b.micro_batch
+    if b.kind == "F":
+        tensors = [t.detach() for t in st.outputs.pop((s, j))]
+        boundary, direction = s, 0
+    else:
+        tensors = st.in_grads.pop((s, j))
+        boundary, direction = s - 1, 1
+    dst = w.p2p.world(ins.peer)
+    start = st.now()
+    sent = [t.contiguous() for t in tensors]
+    works = w.p2p.send(sent, dst, boundary, direction, j)
+    ev = Event(w.rank, "send", "SEND", f"{b}>{dst}", start, -1.0, sum(t.numel() * t.element_size() for t in sent), j, s)
+    st.events.append(ev)
+    st.sends.add(works, sent, ev)
+
+
+def _recv(w: StageWorker, ins: Instruction, st: StepState) -> None:
+    """``RECV``: wait the receive (posted at the step's start, or now) into its buffers."""
+    pb = ins.block
+    assert pb is not None
+    start = st.now()
+    bufs, works, src = w.p2p.take_recv(ins, st)
+    for wk in works:
+        wk.wait(w.timeout)
+    if w._sync is not None:   # CUDA: wait() only orders the compute stream after the transfer
+        w._sync()
+    st.events.append(Event(w.rank, "recv", "RECV", f"{pb}<{src}", start, st.now(),
+                           sum(t.numel() * t.element_size() for t in bufs), pb.micro_batch, pb.segment))
+
+
+def _allreduce(w: StageWorker, ins: Instruction, st: StepState) -> None:
+    """``ALLREDUCE``: post a segment's DP all-reduce, or (``segment=None``) run the tied-weight one."""
+    if ins.segment is None:   # the tied-weight all-reduce across pipeline ranks (wte / lm_head)
+        w.grad_sync.finish(st)   # DP averages first: they write the tied copies' .grad
+        w.grad_sync.tied_allreduce(st, tuple(ins.ranks))
+    else:
+        w.grad_sync.post_allreduce(ins.segment, st)
+
+
+def _alltoall(w: StageWorker, ins: Instruction, st: StepState) -> None:
+    """``ALLTOALL``: a marker; the all-to-all ran inside its block's compute, which recorded it."""
+
+
+def _optim(w: StageWorker, ins: Instruction, st: StepState) -> None:
+    """``OPTIM``: wait the all-reduces, reduce the tied groups no instruction handled, step the
+    optimizer and advance every MoE gate (DTS temperature, hard switch)."""
+    w.grad_sync.finish(st)
+    w.grad_sync.tied_allreduce(st, None)   # groups no ALLREDUCE instruction handled (older plans)
+    start = st.now()
+    w.opt.step(w.expert_params, w.ep)
+    for s in w.segments:   # gates count optimizer updates (DTS temperature, hard switch)
+        for _, layer in w.moe_layers[s]:
+            layer.gate.advance()
+    if w._sync is not None:
+        w._sync()
+    nbytes = sum(p.numel() * p.element_size() for ps in w.seg_params.values() for p in ps)
+    st.events.append(Event(w.rank, "compute", "OPTIM", "optimizer", start, st.now(), nbytes, -1, -1))
+
+
+#: The handler of each instruction op.
+HANDLERS: dict[Op, Handler] = {
+    Op.F: _compute, Op.B: _compute, Op.I: _compute, Op.W: _compute,
+    Op.SEND: _send, Op.RECV: _recv, Op.ALLREDUCE: _allreduce, Op.ALLTOALL: _alltoall, Op.OPTIM: _optim,
+}
+
+
+def execute(w: StageWorker, ins: Instruction, st: StepState) -> None:
+    """Run one instruction. Raises :class:`WorkerError` for an op without a handler."""
+    try:
+        handler = HANDLERS[Op(ins.op)]
+    except (ValueError, KeyError):
+        raise WorkerError(f"unknown instruction {ins.op!r}") from None
+    handler(w, ins, st)
