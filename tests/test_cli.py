@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,33 @@ def test_search_infeasible_memory_limit_is_one_sentence(tmp_path):
     p = tessel("search", "--placement", "v", "--devices", "4", "--memory-limit", "0.5", "-o", str(tmp_path),
                check=False)
     assert p.returncode == 2 and "smallest feasible limit is 1" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_user_model_mistakes_are_one_sentence(tmp_path):
+    """A user's model that torch.export cannot capture, and a callable returning no module, end
+    in one message and exit 2 (CaptureError and ModelBuildError are TesselErrors), never a traceback."""
+    (tmp_path / "user_models.py").write_text(
+        "import torch\n"
+        "class Branchy(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = torch.nn.Embedding(16, 8)\n"
+        "    def forward(self, x):\n"
+        "        h = self.emb(x)\n"
+        "        if h.sum().item() > 0:   # data-dependent control flow: torch.export refuses it\n"
+        "            h = h * 2\n"
+        "        return h\n"
+        "def branchy():\n"
+        "    return Branchy()\n"
+        "def not_a_model():\n"
+        "    return 42\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for name, needle in (("user_models:branchy", "cannot capture"), ("user_models:not_a_model", "returned int")):
+        p = subprocess.run([sys.executable, "-m", "apps.cli", "plan", "--model", name, "--devices", "2",
+                            "--micro-batches", "2", "-o", str(tmp_path / "out"), "--json"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert p.returncode == 2, p.stderr
+        assert "Traceback" not in p.stderr
+        assert needle in p.stderr
+        err = last_json(p)
+        assert err["ok"] is False and needle in err["error"]

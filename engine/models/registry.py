@@ -22,14 +22,21 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from engine.errors import TesselError
+
 from . import hf as _hf
 from .gpt import GPT, GPTConfig
 
-__all__ = ["ModelBundle", "ModelNotFoundError", "build_model", "list_models", "register_model"]
+__all__ = ["ModelBuildError", "ModelBundle", "ModelNotFoundError", "build_model", "list_models", "register_model"]
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(TesselError, ValueError):
     """Unknown model name; the message lists the valid names and the ``module:callable`` form."""
+
+
+class ModelBuildError(TesselError, TypeError):
+    """A user's ``module:callable`` returned something other than an ``nn.Module`` or a
+    ``(module, example_inputs)`` tuple."""
 
 
 @dataclass
@@ -206,7 +213,7 @@ def build_model(name: str, *, batch_size: int = 1, seq_len: int | None = None,
     Raises:
         ModelNotFoundError: unknown name, or a ``module:callable`` that cannot be imported.
         ValueError: ``seq_len`` exceeds the model's position table, or ``batch_size < 1``.
-        TypeError: a user callable returned something other than a module or
+        ModelBuildError: (a TypeError) a user callable returned something other than a module or
             ``(module, example_inputs)``.
     """
     if batch_size < 1:
@@ -255,7 +262,7 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
     elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
         module, inputs = result
     else:
-        raise TypeError(f"{name} returned {type(result).__name__}; expected an nn.Module or "
+        raise ModelBuildError(f"{name} returned {type(result).__name__}; expected an nn.Module or "
                         f"(module, example_inputs)")
     module = module.to(device=device, dtype=dtype)
     seq = seq_len
