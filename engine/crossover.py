@@ -59,7 +59,7 @@ import bisect
 import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -76,32 +76,11 @@ _TOKEN_OPS = ("F", "B", "I", "W")
 
 
 class CrossoverError(TesselError, ValueError):
-    """Jobs that cannot be co-located (a pipeline plan, different device counts, bad mode...), or a
-    co-located launch that failed (``runtime.crossover.launch_crossover``: setup, or some jobs).
+    """Jobs that cannot be co-located (a pipeline plan, different device counts, bad mode...).
 
-    The one co-location error of planner and runtime. The optional attributes are set by the
-    runtime (``None`` otherwise) and describe the first failed job:
-
-    Attributes:
-        job: index of the (first) failed job, or ``None`` when not job-specific.
-        result: the partial ``runtime.crossover.CrossoverResult`` (every job's progress and
-            error), or ``None``.
-        rank, step, instruction, kind, checkpoint: as in ``runtime.launcher.LaunchError`` (the
-            failing rank, step, instruction; ``"raised"``/``"died"``/``"hung"``/``"setup"``/
-            ``"cluster"``; the last checkpoint kept).
+    The runtime raises its subclass :class:`runtime.runner.CrossoverLaunchError` (also a
+    ``LaunchError``) when a co-located launch fails, so ``except CrossoverError`` catches both.
     """
-
-    def __init__(self, message: str, *, job: int | None = None, result: Any = None, rank: int | None = None,
-                 step: int | None = None, instruction: str | None = None, kind: str | None = None,
-                 checkpoint: str | None = None):
-        super().__init__(message)
-        self.job = job
-        self.result = result
-        self.rank = rank
-        self.step = step
-        self.instruction = instruction
-        self.kind = kind
-        self.checkpoint = checkpoint
 
 
 @dataclass(frozen=True)

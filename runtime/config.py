@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from engine.crossover import MODES, CrossoverError
+from engine.crossover import MODES
 from engine.crossover import Mode as ModeChoice
-from runtime.runner import LaunchError
+from runtime.runner import CrossoverLaunchError, LaunchError
 from runtime.worker.config import OPTIMIZERS, P2P_MATCHING
 from runtime.worker.config import OptimizerName as OptimizerChoice
 from runtime.worker.config import P2PMatching as P2PChoice
@@ -148,11 +148,11 @@ def per_job(value: Any, n: int, what: str) -> list:
     """``value`` for each of ``n`` jobs: a scalar repeated, or a list/tuple of exactly ``n``.
 
     Raises:
-        CrossoverError: (``kind="setup"``) a sequence of another length (names the field ``what``).
+        CrossoverLaunchError: (``kind="setup"``) a sequence of another length (names the field ``what``).
     """
     if isinstance(value, (list, tuple)):
         if len(value) != n:
-            raise CrossoverError(f"{what} has {len(value)} entries but there are {n} jobs", kind="setup")
+            raise CrossoverLaunchError(f"{what} has {len(value)} entries but there are {n} jobs", kind="setup")
         return list(value)
     return [value] * n
 
@@ -197,7 +197,7 @@ class CrossoverConfig(_ClusterConfig):
     """First steps of each job left out of the throughput (still trained; >= 0)."""
 
     raise_on_failure: bool = True
-    """Raise ``CrossoverError`` when a job failed (else return the result with the job's ``error``)."""
+    """Raise ``CrossoverLaunchError`` when a job failed (else return the result with the job's ``error``)."""
 
     names: Sequence[str] | None = None
     """The jobs' names in messages and results (default: the plan file's name, or
@@ -210,37 +210,37 @@ class CrossoverConfig(_ClusterConfig):
         """Check the fields that need neither the plans nor their number.
 
         Raises:
-            CrossoverError: (``kind="setup"``) an unknown ``mode``, ``warmup_steps < 0``.
+            CrossoverLaunchError: (``kind="setup"``) an unknown ``mode``, ``warmup_steps < 0``.
         """
         if self.mode not in MODES:
-            raise CrossoverError(f"unknown co-location mode {self.mode!r}; use one of {', '.join(MODES)}",
+            raise CrossoverLaunchError(f"unknown co-location mode {self.mode!r}; use one of {', '.join(MODES)}",
                                  kind="setup")
         if self.warmup_steps < 0:
-            raise CrossoverError(f"warmup_steps must be >= 0, got {self.warmup_steps}", kind="setup")
+            raise CrossoverLaunchError(f"warmup_steps must be >= 0, got {self.warmup_steps}", kind="setup")
 
     def steps_per_job(self, n: int) -> list[int]:
         """:attr:`steps` for each of ``n`` jobs.
 
         Raises:
-            CrossoverError: a list of another length, or a value below 1.
+            CrossoverLaunchError: a list of another length, or a value below 1.
         """
         steps = [int(s) for s in per_job(self.steps, n, "steps")]
         if any(s < 1 for s in steps):
-            raise CrossoverError(f"steps must be at least 1, got {self.steps}", kind="setup")
+            raise CrossoverLaunchError(f"steps must be at least 1, got {self.steps}", kind="setup")
         return steps
 
     def checkpoint_dirs_per_job(self, n: int) -> list[Path | None]:
         """:attr:`checkpoint_dirs` for each of ``n`` jobs.
 
         Raises:
-            CrossoverError: a list of another length, or a folder named twice.
+            CrossoverLaunchError: a list of another length, or a folder named twice.
         """
         dirs = [None] * n if self.checkpoint_dirs is None else per_job(list(self.checkpoint_dirs), n,
                                                                       "checkpoint_dirs")
         out = [Path(d) if d is not None else None for d in dirs]
         resolved = [d.resolve() for d in out if d is not None]
         if len(set(resolved)) != len(resolved):
-            raise CrossoverError("every job needs its own checkpoint folder; checkpoint_dirs repeats one",
+            raise CrossoverLaunchError("every job needs its own checkpoint folder; checkpoint_dirs repeats one",
                                  kind="setup")
         return out
 
@@ -248,10 +248,10 @@ class CrossoverConfig(_ClusterConfig):
         """:attr:`fail_at` checked against ``n`` jobs.
 
         Raises:
-            CrossoverError: a job index outside ``0..n-1``.
+            CrossoverLaunchError: a job index outside ``0..n-1``.
         """
         fail_at = dict(self.fail_at or {})
         for j in fail_at:
             if not 0 <= int(j) < n:
-                raise CrossoverError(f"fail_at names job {j}, but there are {n} jobs", kind="setup")
+                raise CrossoverLaunchError(f"fail_at names job {j}, but there are {n} jobs", kind="setup")
         return fail_at

@@ -19,6 +19,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from engine.crossover import CrossoverError
 from engine.errors import TesselError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,6 +48,24 @@ class LaunchError(TesselError):
         self.instruction = instruction
         self.kind = kind
         self.checkpoint = checkpoint
+
+
+class CrossoverLaunchError(LaunchError, CrossoverError):
+    """A co-located launch failed (:func:`runtime.crossover.launch_crossover`): bad plans (before
+    Ray starts), setup, or one or more jobs. Both a :class:`LaunchError` and the planner's
+    :class:`engine.crossover.CrossoverError`.
+
+    Attributes (besides :class:`LaunchError`'s ``rank``, ``step``, ``instruction``, ``kind``,
+    ``checkpoint``, which describe the first failed job):
+        job: index of the (first) failed job, or ``None`` when not job-specific.
+        result: the partial ``runtime.crossover.CrossoverResult`` (every job's progress and
+            error), or ``None``.
+    """
+
+    def __init__(self, message: str, *, job: int | None = None, result: Any = None, **kw: Any):
+        super().__init__(message, **kw)
+        self.job = job
+        self.result = result
 
 
 def as_plan(plan: Any, *, caller: str = "launch") -> Plan:

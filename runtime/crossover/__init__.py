@@ -13,7 +13,9 @@ checkpoints; only timing changes.
 - :mod:`runtime.crossover.result`: its :class:`CrossoverResult` / :class:`CrossoverJobResult`.
 
 ``MODES`` and ``CrossoverError`` are :mod:`engine.crossover`'s (one definition for planner and
-runtime). The launcher's names are loaded lazily (importing the token does not import Ray).
+runtime); a failed co-located launch raises its subclass ``CrossoverLaunchError``
+(:mod:`runtime.runner`, also a ``LaunchError``). The launcher's names are loaded lazily
+(importing the token does not import Ray).
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from runtime.crossover.token import (
     TokenInterval,
     overlapping_intervals,
 )
+from runtime.runner import CrossoverLaunchError
 
 __all__ = [
     "MODES",
     "ComputeToken",
     "CrossoverConfig",
     "CrossoverError",
+    "CrossoverLaunchError",
     "CrossoverJobResult",
     "CrossoverResult",
     "TokenError",

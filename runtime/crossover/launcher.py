@@ -38,11 +38,11 @@ a step releases it in ``finally``, and the failed job's surviving ranks wait in 
 all-reduce, on their own process group, without it). A rank that HANGS inside its compute
 section keeps its device's token: the other jobs' steps on that device then fail with a token
 timeout after ``step_timeout`` instead of waiting forever. An actor that dies takes every job's
-rank on it down. At the end every actor is killed, the
-placement group removed and Ray shut down (when this call started it); then
-:class:`engine.crossover.CrossoverError` (the one co-location error of planner and runtime) is
-raised naming the failed job(s), with the partial :class:`CrossoverResult` attached (or, with
-``raise_on_failure=False``, the result is returned with each failed job's ``error``).
+rank on it down. At the end every actor is killed, the placement group removed and Ray shut down
+(when this call started it); then :class:`runtime.runner.CrossoverLaunchError` (a ``LaunchError``
+and the planner's :class:`engine.crossover.CrossoverError`) is raised naming the failed job(s),
+with the partial :class:`CrossoverResult` attached (or, with ``raise_on_failure=False``, the
+result is returned with each failed job's ``error``).
 
 Each job trains through its own :class:`runtime.session.TrainingSession` (the single-plan
 launcher's steps, evaluation, checkpoints and resume checks); progress goes to the ``callbacks``
@@ -71,11 +71,11 @@ from runtime.config import CrossoverConfig, per_job
 from runtime.crossover.actor import CrossoverActor
 from runtime.crossover.result import CrossoverJobResult, CrossoverResult, job_label, job_timeline, run_timeline
 from runtime.crossover.token import TokenInterval
-from runtime.runner import LaunchError, Runner, as_plan
+from runtime.runner import CrossoverLaunchError, LaunchError, Runner, as_plan
 from runtime.session import StepReport, TrainingCallback, TrainingSession, restore_checkpoint, resume_point
 
-__all__ = ["MODES", "CrossoverConfig", "CrossoverError", "CrossoverJobResult", "CrossoverResult", "job_label",
-           "launch_crossover"]
+__all__ = ["MODES", "CrossoverConfig", "CrossoverError", "CrossoverLaunchError", "CrossoverJobResult",
+           "CrossoverResult", "job_label", "launch_crossover"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def _check_plans(loaded: list, names: list[str]) -> int:
     """The common world size (every job's ``dp``) of pure data-parallel plans.
 
     Raises:
-        CrossoverError: a pipeline plan, different world sizes, a model without ``seq_len``.
+        CrossoverLaunchError: a pipeline plan, different world sizes, a model without ``seq_len``.
         runtime.stage.RuntimeNotSupported: a plan the runtime cannot execute.
     """
     from runtime.stage import check_executable
@@ -121,18 +121,18 @@ def _check_plans(loaded: list, names: list[str]) -> int:
         pp, dp = par.pp, par.dp
         pp = max(pp, plan.schedule.placement.num_devices)
         if pp != 1:
-            raise CrossoverError(
+            raise CrossoverLaunchError(
                 f"job {j} ({names[j]}) has pp = {pp}; co-location runs pure data-parallel plans (pp = 1) only, "
                 "because a pipeline stage waits for its neighbours inside its compute, which a per-device "
                 "compute token could deadlock. Plan it with dp = devices", job=j, kind="setup")
         if ws is None:
             ws = dp
         elif dp != ws:
-            raise CrossoverError(
+            raise CrossoverLaunchError(
                 f"co-located jobs must use the same devices: job 0 ({names[0]}) has dp = {ws} but job {j} "
                 f"({names[j]}) has dp = {dp}; plan them for the same number of devices", job=j, kind="setup")
         if (plan.model.seq_len or 0) <= 0:
-            raise CrossoverError(f"job {j} ({names[j]}): the plan's model has no seq_len; the runtime trains "
+            raise CrossoverLaunchError(f"job {j} ({names[j]}): the plan's model has no seq_len; the runtime trains "
                                  "language models on token sequences", job=j, kind="setup")
     assert ws is not None
     return ws
@@ -142,7 +142,7 @@ def _resolve(plans: Sequence[Any], config: CrossoverConfig) -> _Jobs:
     """Load and check the plans and resolve every per-job setting of ``config``.
 
     Raises:
-        CrossoverError: (``kind="setup"``) see :func:`launch_crossover`.
+        CrossoverLaunchError: (``kind="setup"``) see :func:`launch_crossover`.
     """
     from runtime.worker import OPTIMIZERS
 
@@ -150,7 +150,7 @@ def _resolve(plans: Sequence[Any], config: CrossoverConfig) -> _Jobs:
     plans_in = list(plans)
     n = len(plans_in)
     if n < 1:
-        raise CrossoverError("launch_crossover needs at least one plan", kind="setup")
+        raise CrossoverLaunchError("launch_crossover needs at least one plan", kind="setup")
     loaded = [as_plan(p, caller="launch_crossover") for p in plans_in]
     names = [str(x) for x in per_job(list(config.names), n, "names")] if config.names is not None else \
         [_job_name(a, p, j) for j, (a, p) in enumerate(zip(plans_in, loaded))]
@@ -164,8 +164,8 @@ def _resolve(plans: Sequence[Any], config: CrossoverConfig) -> _Jobs:
     for j, (o, plan) in enumerate(zip(per_job(config.optimizer, n, "optimizer"), loaded)):
         o = str(o or plan.parallel.optimizer)
         if o not in OPTIMIZERS:
-            raise CrossoverError(f"job {j}: unknown optimizer {o!r}; use one of {', '.join(map(repr, OPTIMIZERS))}",
-                                 job=j, kind="setup")
+            raise CrossoverLaunchError(f"job {j}: unknown optimizer {o!r}; use one of "
+                                       f"{', '.join(map(repr, OPTIMIZERS))}", job=j, kind="setup")
         opts.append(o)
     return _Jobs(loaded=loaded, names=names, ws=ws, steps=steps_j, seeds=seeds, lrs=lrs, data_seeds=dseeds,
                  optimizers=opts, ckdirs=config.checkpoint_dirs_per_job(n), fail_at=config.fail_at_per_job(n))
@@ -177,8 +177,8 @@ def _resume_all(js: _Jobs, resume: bool) -> tuple[list[CrossoverJobResult], list
                                optimizer=js.optimizers[j], dp=js.ws) for j in range(js.n)]
     cks: list[_ckpt.Checkpoint | None] = [None] * js.n
     for j in range(js.n):
-        def error(msg: str, *, _j: int = j, **kw: Any) -> CrossoverError:
-            return CrossoverError(msg, job=_j, kind="setup", **kw)
+        def error(msg: str, *, _j: int = j, **kw: Any) -> CrossoverLaunchError:
+            return CrossoverLaunchError(msg, job=_j, kind="setup", **kw)
 
         cks[j], jobs[j].checkpoint = resume_point(
             js.ckdirs[j], resume=resume, plan=js.loaded[j], world_size=js.ws, steps=js.steps[j],
@@ -192,7 +192,7 @@ def _start_actors(js: _Jobs, config: CrossoverConfig) -> tuple[_cluster.ActorPoo
     """One :class:`CrossoverActor` per device, each with every job's worker spec.
 
     Raises:
-        CrossoverError: (``kind="cluster"``) the cluster cannot host the jobs.
+        CrossoverLaunchError: (``kind="cluster"``) the cluster cannot host the jobs.
     """
     import ray
 
@@ -215,7 +215,7 @@ def _start_actors(js: _Jobs, config: CrossoverConfig) -> tuple[_cluster.ActorPoo
         actor_cls = ray.remote(max_concurrency=js.n + 2)(CrossoverActor)  # type: ignore[call-overload]
         pool = _cluster.create_actors(actor_cls, ws, backend, args_for_rank, timeout=max(step_timeout, 60.0))
     except _cluster.ClusterError as e:
-        raise CrossoverError(str(e), kind="cluster") from e
+        raise CrossoverLaunchError(str(e), kind="cluster") from e
     return pool, backend
 
 
@@ -348,7 +348,7 @@ def _throughput(jobs: list[CrossoverJobResult], concurrent: bool, phase_starts: 
     return total_tokens, wall, origin
 
 
-def _failure(result: CrossoverResult) -> CrossoverError | None:
+def _failure(result: CrossoverResult) -> CrossoverLaunchError | None:
     """The error naming the failed jobs (and the completed ones), or ``None`` when all completed."""
     jobs = result.jobs
     failed = [job for job in jobs if not job.ok]
@@ -359,7 +359,7 @@ def _failure(result: CrossoverResult) -> CrossoverError | None:
     msg = "; ".join(f"job {job.index} ({job.name}) failed: {job.error}" for job in failed)
     if done_jobs:
         msg += "; " + ", ".join(done_jobs)
-    return CrossoverError(msg, job=first.index, result=result, rank=first.failed_rank, step=first.failed_step,
+    return CrossoverLaunchError(msg, job=first.index, result=result, rank=first.failed_rank, step=first.failed_step,
                           kind=first.kind or "raised", checkpoint=first.checkpoint)
 
 
@@ -367,7 +367,7 @@ def _setup(pool: _cluster.ActorPool, js: _Jobs, cks: list[_ckpt.Checkpoint | Non
     """Every actor's ``setup()``, then each resumed job's checkpoint.
 
     Raises:
-        CrossoverError: a rank failed or hung.
+        CrossoverLaunchError: a rank failed or hung.
     """
     try:
         Runner(pool).call("setup", [()] * js.ws, timeout=timeout, step=None, what="setup")
@@ -375,7 +375,7 @@ def _setup(pool: _cluster.ActorPool, js: _Jobs, cks: list[_ckpt.Checkpoint | Non
             if ck is not None:
                 restore_checkpoint(Runner(pool), ck, js.ws, timeout=timeout, job=j, rng=False)
     except LaunchError as e:
-        raise CrossoverError(f"setting up the co-located jobs failed: {e}", rank=e.rank, kind=e.kind) from e
+        raise CrossoverLaunchError(f"setting up the co-located jobs failed: {e}", rank=e.rank, kind=e.kind) from e
 
 
 def launch_crossover(
@@ -398,7 +398,7 @@ def launch_crossover(
         the :class:`CrossoverResult`.
 
     Raises:
-        CrossoverError: invalid plans or configuration (before Ray starts: ``pp > 1``, different
+        CrossoverLaunchError: invalid plans or configuration (before Ray starts: ``pp > 1``, different
             world sizes, an unknown mode/optimizer, shared checkpoint folders...), a setup failure,
             or a failed job (after the other jobs finished; ``.job``, ``.rank`` and ``.result``
             set) unless ``config.raise_on_failure`` is off.
