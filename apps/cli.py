@@ -2,12 +2,15 @@
 
 Every subcommand takes ``--json`` and then prints one JSON object (its result) as the last
 line of stdout. A user mistake ends in one clear sentence on stderr (and ``{"ok": false,
-"error": ...}`` with ``--json``) and exit status 2, never a traceback.
+"error": ...}`` with ``--json``) and exit status 2, never a traceback. Library code reports through
+``logging`` (loggers ``engine.*`` and ``runtime.*``): warnings are shown, ``--verbose`` adds the
+informational messages (checkpoints written, validation losses, ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from apps import cmd_demo, cmd_launch, cmd_models, cmd_plan, cmd_search, cmd_serve, cmd_show
@@ -27,8 +30,22 @@ def build_parser() -> argparse.ArgumentParser:
         mod.add_arguments(sp)
         sp.add_argument("--json", action="store_true",
                         help="print one JSON object (the result) as the last line of stdout")
+        sp.add_argument("-v", "--verbose", action="store_true",
+                        help="also show the library's informational log messages on stderr")
         sp.set_defaults(_module=mod)
     return p
+
+
+def _configure_logging(*, verbose: bool) -> None:
+    """Send the ``engine`` and ``runtime`` loggers to stderr as ``[tessel] message`` lines
+    (WARNING and above; INFO too with ``verbose``)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[tessel] %(message)s"))
+    for name in ("engine", "runtime", "apps"):
+        log = logging.getLogger(name)
+        log.handlers[:] = [handler]
+        log.setLevel(logging.INFO if verbose else logging.WARNING)
+        log.propagate = False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.errors import TesselError
 
     args = build_parser().parse_args(argv)
+    _configure_logging(verbose=args.verbose)
     try:
         result = args._module.run(args)
     except (TesselError, ValueError, FileNotFoundError) as e:

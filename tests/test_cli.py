@@ -165,3 +165,26 @@ def test_user_model_mistakes_are_one_sentence(tmp_path):
         assert needle in p.stderr
         err = last_json(p)
         assert err["ok"] is False and needle in err["error"]
+
+
+def test_verbose_shows_library_info_logs(capsys):
+    """Library code logs (no print): the CLI shows its warnings always and its INFO lines with --verbose."""
+    import logging
+
+    from apps.cli import main
+
+    try:
+        assert main(["models"]) == 0
+        logging.getLogger("runtime.session").info("checkpoint /x (quiet)")
+        logging.getLogger("runtime.session").warning("something to see")
+        err = capsys.readouterr().err
+        assert "[tessel] something to see" in err and "quiet" not in err
+        assert main(["models", "--verbose"]) == 0
+        logging.getLogger("runtime.session").info("checkpoint /x (verbose)")
+        assert "[tessel] checkpoint /x (verbose)" in capsys.readouterr().err
+    finally:
+        for name in ("engine", "runtime", "apps"):
+            log = logging.getLogger(name)
+            log.handlers[:] = []
+            log.setLevel(logging.NOTSET)
+            log.propagate = True
