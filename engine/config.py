@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, get_args
 
+from engine.envelope import FieldReader
 from engine.errors import PlanFormatError
 
 OptimizerKind = Literal["adam", "adama"]
@@ -29,26 +30,13 @@ OptimizerKind = Literal["adam", "adama"]
 OPTIMIZER_KINDS: tuple[str, ...] = get_args(OptimizerKind)
 
 
-def _type_name(typ: type | tuple[type, ...]) -> str:
-    types = typ if isinstance(typ, tuple) else (typ,)
-    return "/".join("null" if t is type(None) else t.__name__ for t in types)
-
-
-def _check(value: Any, typ: type | tuple[type, ...], path: str) -> Any:
-    """``value`` if it is a ``typ`` (a bool is not an int); else :class:`PlanFormatError` naming ``path``."""
-    types = typ if isinstance(typ, tuple) else (typ,)
-    if isinstance(value, bool) and bool not in types:
-        ok = False
-    else:
-        ok = isinstance(value, types)
-    if not ok:
-        raise PlanFormatError(f"field '{path}' should be {_type_name(typ)}, got {type(value).__name__}")
-    return value
+#: Field access for the plan's ``model`` / ``parallel`` sections: messages ``field 'a.b' ...``.
+_FIELDS = FieldReader(PlanFormatError, style="field")
 
 
 def _section(d: Any, path: str) -> dict:
     if not isinstance(d, dict):
-        raise PlanFormatError(f"field '{path}' should be dict, got {type(d).__name__}")
+        raise _FIELDS.fail(path, f" should be dict, got {type(d).__name__}")
     return d
 
 
@@ -139,9 +127,8 @@ class ModelRef:
                 type (the message names the field path, e.g. ``model.seq_len``).
         """
         d = _section(d, path)
-        if "name" not in d:
-            raise PlanFormatError(f"missing field '{path}.name'")
-        kw = {k: _check(d[k], t, f"{path}.{k}") for k, t in cls._TYPES.items() if k in d}
+        _FIELDS.need(d, "name", cls._TYPES["name"], f"{path}.name")
+        kw = {k: _FIELDS.need(d, k, t, f"{path}.{k}") for k, t in cls._TYPES.items() if k in d}
         extra = {k: v for k, v in d.items() if k not in cls._TYPES}
         return cls(**kw, extra=extra, json_keys=tuple(d))
 
@@ -218,11 +205,11 @@ class ParallelConfig:
                 one of ``adam``, ``adama`` (the message names the field path, e.g. ``parallel.pp``).
         """
         d = _section(d, path)
-        kw: dict[str, Any] = {k: _check(d[k], int, f"{path}.{k}") for k in cls._INTS if k in d}
+        kw: dict[str, Any] = {k: _FIELDS.need(d, k, int, f"{path}.{k}") for k in cls._INTS if k in d}
         if "devices" in d:
-            _check(d["devices"], int, f"{path}.devices")
+            _FIELDS.need(d, "devices", int, f"{path}.devices")
         if "optimizer" in d:
-            opt = _check(d["optimizer"], str, f"{path}.optimizer")
+            opt = _FIELDS.need(d, "optimizer", str, f"{path}.optimizer")
             if opt not in OPTIMIZER_KINDS:
                 raise PlanFormatError(f"field '{path}.optimizer' is {opt!r}; expected one of "
                                       f"{', '.join(map(repr, OPTIMIZER_KINDS))}")

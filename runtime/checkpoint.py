@@ -11,7 +11,7 @@ of the step, see ``runtime.data.ByteCorpus.train_batch``)::
     ...
     rng.pt             the launcher's own RNG states
 
-Both headers go through :class:`engine.io.envelope.Envelope` (``meta.json``: format and version
+Both headers go through :class:`engine.envelope.Envelope` (``meta.json``: format and version
 required; a rank state: format required, version optional since rank states written before it
 had none).
 
@@ -43,8 +43,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from engine.envelope import Envelope
 from engine.errors import TesselError
-from engine.io.envelope import Envelope
 
 CHECKPOINT_FORMAT = "tessel-checkpoint"
 CHECKPOINT_VERSION = 1

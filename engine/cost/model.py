@@ -19,7 +19,7 @@ from engine.cost.devices import (
     get_link,
 )
 from engine.cost.profiler import ProfileTable, signature
-from engine.io.envelope import Envelope, join_path
+from engine.envelope import Envelope, join_path
 
 COST_FORMAT = "tessel-cost-model"
 COST_VERSION = 1

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from engine.cost.devices import CostModelError
+from engine.envelope import Envelope
 from engine.io.atomic import atomic_write_text
-from engine.io.envelope import Envelope
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,7 @@
-"""Plan I/O: the versioned JSON envelope, plan and placement JSON, Chrome/Perfetto traces,
-torch pipelining CSV."""
+"""Plan I/O: plan and placement JSON (their envelope is :mod:`engine.envelope`), Chrome/Perfetto
+traces, torch pipelining CSV."""
 
 from engine.io.atomic import atomic_write_text
-from engine.io.envelope import Envelope, FieldReader
 from engine.io.placement_json import (
     PLACEMENT_FORMAT,
     PLACEMENT_VERSION,
@@ -16,7 +15,7 @@ from engine.io.torch_csv import read_torch_csv, read_torch_csv_text, schedule_to
 from engine.io.trace import timeline_to_trace, write_trace
 
 __all__ = [
-    "atomic_write_text", "Envelope", "FieldReader", "Plan", "load_plan", "save_plan", "PLAN_FORMAT", "PLAN_VERSION",
+    "atomic_write_text", "Plan", "load_plan", "save_plan", "PLAN_FORMAT", "PLAN_VERSION",
     "PLACEMENT_FORMAT", "PLACEMENT_VERSION", "placement_to_dict", "placement_from_dict", "load_placement",
     "save_placement", "timeline_to_trace", "write_trace", "read_torch_csv", "read_torch_csv_text",
     "schedule_to_csv_text", "write_torch_csv",

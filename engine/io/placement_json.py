@@ -5,7 +5,7 @@ A placement document holds ``name``, ``num_devices``, ``static_memory`` (bytes p
 ``deps`` (indices into ``blocks``, or names like ``"0F"`` when written by hand), ``output``
 (``{"shape", "dtype"}`` or ``null``)) and, when set, ``grad_memory``/``grad_transient`` (bytes
 per segment). A placement file (``tessel search --placement``) wraps it in the envelope
-``{"format": "tessel-placement", "version": 1, ...}`` (:mod:`engine.io.envelope`); a plan embeds
+``{"format": "tessel-placement", "version": 1, ...}`` (:mod:`engine.envelope`); a plan embeds
 the same fields without the header under its ``placement`` key (the plan's header covers it, and
 plan files and plan hashes stay what they were).
 
@@ -21,9 +21,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from engine.envelope import Envelope
 from engine.errors import PlacementError
 from engine.io.atomic import atomic_write_text
-from engine.io.envelope import Envelope
 from engine.placement import BLOCK_KINDS, BlockSpec, Placement, TensorSpec
 
 __all__ = [

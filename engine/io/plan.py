@@ -16,9 +16,9 @@ from typing import Any
 
 from engine import __version__
 from engine.config import ModelRef, ParallelConfig
+from engine.envelope import Envelope
 from engine.errors import PlacementError, PlanFormatError
 from engine.io.atomic import atomic_write_text
-from engine.io.envelope import Envelope
 from engine.io.placement_json import placement_from_dict, placement_to_dict
 from engine.placement import Placement
 from engine.schedule import Schedule, parse_action

@@ -43,8 +43,9 @@ def join_path(path: str, key: str | int) -> str:
 
 
 def type_name(typ: type | tuple[type, ...]) -> str:
-    """``int`` -> ``"int"``; ``(int, float)`` -> ``"int/float"`` (for messages)."""
-    return typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+    """``int`` -> ``"int"``; ``(int, float)`` -> ``"int/float"``; ``NoneType`` -> ``"null"`` (for messages)."""
+    types = typ if isinstance(typ, tuple) else (typ,)
+    return "/".join("null" if t is type(None) else t.__name__ for t in types)
 
 
 def _is_instance(value: Any, typ: type | tuple[type, ...]) -> bool:
