@@ -34,20 +34,21 @@ OPTIMIZER_KINDS: tuple[str, ...] = get_args(OptimizerKind)
 _FIELDS = FieldReader(PlanFormatError, style="field")
 
 
-def _section(d: Any, path: str) -> dict:
+def _section(d: Any, path: str, fields: FieldReader) -> dict:
     if not isinstance(d, dict):
-        raise _FIELDS.fail(path, f" should be dict, got {type(d).__name__}")
+        raise fields.fail(path, f" should be dict, got {type(d).__name__}")
     return d
 
 
 def _write(obj: Any, values: dict[str, Any]) -> dict[str, Any]:
     """The JSON section of ``obj`` (a config dataclass with ``extra`` and ``json_keys``) from its
     field ``values`` in canonical order: every field and extra key when built in code, else the
-    keys it was read with, in their order, then fields changed from their defaults since."""
+    keys it was read with, in their order, then fields changed since the load (from their
+    defaults, or from the value ``from_dict`` implied for a key the section lacked)."""
     keys: tuple[str, ...] | None = obj.json_keys
     if keys is None:
         return {**values, **{k: v for k, v in obj.extra.items() if k not in values}}
-    defaults = {f.name: f.default for f in fields(obj)}
+    at_load = {**{f.name: f.default for f in fields(obj)}, **getattr(obj, "implied", {})}
     out: dict[str, Any] = {}
     for k in keys:
         if k in values:
@@ -55,7 +56,7 @@ def _write(obj: Any, values: dict[str, Any]) -> dict[str, Any]:
         elif k in obj.extra:
             out[k] = obj.extra[k]
     for k, v in values.items():
-        if k not in out and k in defaults and v != defaults[k]:
+        if k not in out and k in at_load and v != at_load[k]:
             out[k] = v
     for k, v in obj.extra.items():
         out.setdefault(k, v)
@@ -119,16 +120,21 @@ class ModelRef:
         return _write(self, values)
 
     @classmethod
-    def from_dict(cls, d: Any, path: str = "model") -> ModelRef:
+    def from_dict(cls, d: Any, path: str = "model", fields: FieldReader = _FIELDS) -> ModelRef:
         """Read a JSON section ``model``.
+
+        Args:
+            d: the parsed section.
+            path: its path in the enclosing document (for messages).
+            fields: the reader whose error class and source prefix the messages use (a plan's
+                :class:`~engine.envelope.FieldReader`; default: no source prefix).
 
         Raises:
             PlanFormatError: ``d`` is not a dict, ``name`` is missing, or a field has the wrong
                 type (the message names the field path, e.g. ``model.seq_len``).
         """
-        d = _section(d, path)
-        _FIELDS.need(d, "name", cls._TYPES["name"], f"{path}.name")
-        kw = {k: _FIELDS.need(d, k, t, f"{path}.{k}") for k, t in cls._TYPES.items() if k in d}
+        d = _section(d, path, fields)
+        kw = {k: fields.need(d, k, t, f"{path}.{k}") for k, t in cls._TYPES.items() if k in d or k == "name"}
         extra = {k: v for k, v in d.items() if k not in cls._TYPES}
         return cls(**kw, extra=extra, json_keys=tuple(d))
 
@@ -153,6 +159,8 @@ class ParallelConfig:
         extra: keys of the JSON section this version does not know, written back unchanged.
         json_keys: the keys of the JSON section this was read from, in order (``None`` when built
             in code: ``to_dict`` then writes every field); not part of equality.
+        implied: degrees the section lacked and :meth:`from_dict` filled in (a plan's
+            ``micro_batches`` from its schedule); ``to_dict`` writes them only once changed.
 
     ``devices`` (``dp * tp * pp``) is derived; the JSON section records it too.
     """
@@ -166,6 +174,7 @@ class ParallelConfig:
     optimizer: OptimizerKind = "adam"
     extra: dict[str, Any] = field(default_factory=dict)
     json_keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
+    implied: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     _INTS: ClassVar[tuple[str, ...]] = ("dp", "tp", "pp", "virtual_stages", "micro_batches", "micro_batch_size")
 
@@ -197,26 +206,36 @@ class ParallelConfig:
         return _write(self, values)
 
     @classmethod
-    def from_dict(cls, d: Any, path: str = "parallel") -> ParallelConfig:
+    def from_dict(cls, d: Any, path: str = "parallel", fields: FieldReader = _FIELDS, *,
+                  implied: dict[str, int] | None = None) -> ParallelConfig:
         """Read a JSON section ``parallel`` (``devices`` is derived and not read back).
+
+        Args:
+            d: the parsed section.
+            path: its path in the enclosing document (for messages).
+            fields: the reader whose error class and source prefix the messages use.
+            implied: values for degrees the section lacks (a plan implies ``micro_batches`` from
+                its schedule); they are not written back unless changed (:attr:`implied`).
 
         Raises:
             PlanFormatError: ``d`` is not a dict, a degree is not an int, or ``optimizer`` is not
                 one of ``adam``, ``adama`` (the message names the field path, e.g. ``parallel.pp``).
         """
-        d = _section(d, path)
-        kw: dict[str, Any] = {k: _FIELDS.need(d, k, int, f"{path}.{k}") for k in cls._INTS if k in d}
+        d = _section(d, path, fields)
+        kw: dict[str, Any] = {k: fields.need(d, k, int, f"{path}.{k}") for k in cls._INTS if k in d}
+        implied = {k: v for k, v in (implied or {}).items() if k in cls._INTS and k not in d}
+        kw.update(implied)
         if "devices" in d:
-            _FIELDS.need(d, "devices", int, f"{path}.devices")
+            fields.need(d, "devices", int, f"{path}.devices")
         if "optimizer" in d:
-            opt = _FIELDS.need(d, "optimizer", str, f"{path}.optimizer")
+            opt = fields.need(d, "optimizer", str, f"{path}.optimizer")
             if opt not in OPTIMIZER_KINDS:
-                raise PlanFormatError(f"field '{path}.optimizer' is {opt!r}; expected one of "
-                                      f"{', '.join(map(repr, OPTIMIZER_KINDS))}")
+                raise fields.fail(f"{path}.optimizer", f" is {opt!r}; expected one of "
+                                  f"{', '.join(map(repr, OPTIMIZER_KINDS))}")
             kw["optimizer"] = opt
         known = set(cls._INTS) | {"devices", "optimizer"}
         extra = {k: v for k, v in d.items() if k not in known}
-        return cls(**kw, extra=extra, json_keys=tuple(d))
+        return cls(**kw, extra=extra, json_keys=tuple(d), implied=implied)
 
 
 __all__ = ["OPTIMIZER_KINDS", "ModelRef", "OptimizerKind", "ParallelConfig"]

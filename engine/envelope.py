@@ -11,8 +11,8 @@ with the field path (e.g. ``schedule.orders[1][4]``). Every error is an instance
 caller's own error class (``PlanFormatError``, ``PlacementError``, ``CostModelError``,
 ``CheckpointError``), all :class:`~engine.errors.TesselError` subclasses.
 
-Messages come in two styles (the formats' historical wording, kept because users and tests
-read them):
+Messages come in two styles (plans keep their historical wording, which users and tests read;
+the other formats share the ``"path"`` style):
 
 * ``"field"``: ``"{source}: missing field 'schedule.orders'"``,
   ``"{source}: field 'version' is 2, but this Tessel reads version 1"`` (plans);
@@ -31,7 +31,7 @@ from engine.errors import TesselError
 
 E = TypeVar("E", bound=TesselError)
 
-__all__ = ["Envelope", "FieldReader", "join_path", "type_name"]
+__all__ = ["Envelope", "FieldReader", "is_instance", "join_path", "type_name"]
 
 
 def join_path(path: str, key: str | int) -> str:
@@ -48,7 +48,7 @@ def type_name(typ: type | tuple[type, ...]) -> str:
     return "/".join("null" if t is type(None) else t.__name__ for t in types)
 
 
-def _is_instance(value: Any, typ: type | tuple[type, ...]) -> bool:
+def is_instance(value: Any, typ: type | tuple[type, ...]) -> bool:
     """``isinstance`` where a JSON boolean is never a number (``True`` is not an ``int``)."""
     types = typ if isinstance(typ, tuple) else (typ,)
     if isinstance(value, bool) and bool not in types:
@@ -101,7 +101,7 @@ class FieldReader(Generic[E]):
         if not isinstance(obj, dict) or key not in obj:
             raise self.missing(path)
         value = obj[key]
-        if not _is_instance(value, typ):
+        if not is_instance(value, typ):
             raise self.fail(path, f" should be {type_name(typ)}, got {type(value).__name__}")
         return value
 
@@ -114,7 +114,7 @@ class FieldReader(Generic[E]):
         value = obj.get(key)
         if value is None:
             return default
-        if not _is_instance(value, typ):
+        if not is_instance(value, typ):
             raise self.fail(path, f" should be {type_name(typ)}, got {type(value).__name__}")
         return value
 

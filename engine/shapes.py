@@ -62,6 +62,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from engine.envelope import is_instance
 from engine.errors import PlacementError
 from engine.io.placement_json import parse_blocks
 from engine.placement import BlockSpec, Placement, TensorSpec, pipeline_placement
@@ -453,11 +454,11 @@ def custom_placement(
         PlacementError: a malformed field (the message names it, e.g. ``blocks[3].devices``), or
             what :class:`~engine.placement.Placement` rejects (cycle, backward without forward...).
     """
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+    if not is_instance(num_devices, int) or num_devices < 1:
         raise PlacementError(f"num_devices must be a positive integer, got {num_devices!r}")
     specs = parse_blocks(num_devices, blocks)
     static = list(static_memory)
     for j, x in enumerate(static):
-        if isinstance(x, bool) or not isinstance(x, int):
+        if not is_instance(x, int):
             raise PlacementError(f"static_memory[{j}] must be an integer, got {x!r}")
     return Placement(num_devices, specs, name=str(name), static_memory=tuple(static))

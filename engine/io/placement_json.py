@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from engine.envelope import Envelope
+from engine.envelope import Envelope, is_instance
 from engine.errors import PlacementError
 from engine.io.atomic import atomic_write_text
 from engine.placement import BLOCK_KINDS, BlockSpec, Placement, TensorSpec
@@ -45,11 +45,11 @@ _BLOCK_FIELDS = {"kind", "segment", "devices", "duration", "memory", "deps", "ou
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return is_instance(x, int)
 
 
 def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return is_instance(x, (int, float))
 
 
 def parse_blocks(num_devices: int, blocks: Any, where: str = "blocks") -> tuple[BlockSpec, ...]:

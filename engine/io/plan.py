@@ -10,7 +10,7 @@ or a malformed file raises :class:`~engine.errors.PlanFormatError` naming the fi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,13 +103,7 @@ class Plan:
         fields = PLAN_ENVELOPE.reader(source)
         need = fields.need
         PLAN_ENVELOPE.check(d, source)
-        model_d = need(d, "model", dict, "model")
-        parallel_d = need(d, "parallel", dict, "parallel")
-        try:
-            model = ModelRef.from_dict(model_d, "model")
-            parallel = ParallelConfig.from_dict(parallel_d, "parallel")
-        except PlanFormatError as e:
-            raise PlanFormatError(f"{source}: {e}") from None
+        model = ModelRef.from_dict(need(d, "model", dict, "model"), "model", fields)
         segments = need(d, "segments", list, "segments")
         pl_d = need(d, "placement", dict, "placement")
         try:
@@ -131,8 +125,9 @@ class Plan:
                     raise fields.fail(f"schedule.orders[{r}][{i}]", f": {e}") from None
             orders.append(order)
         schedule = Schedule(placement, m, orders, str(sd.get("name", "custom")), dict(sd.get("meta") or {}))
-        if "micro_batches" not in parallel_d:  # the readers' default before typed plans: the schedule's
-            parallel = replace(parallel, micro_batches=m)
+        # a section without micro_batches means the schedule's (the readers' default before typed plans)
+        parallel = ParallelConfig.from_dict(need(d, "parallel", dict, "parallel"), "parallel", fields,
+                                            implied={"micro_batches": m})
         for i, seg in enumerate(segments):
             moe = seg.get("moe") if isinstance(seg, dict) else None
             if moe is None:

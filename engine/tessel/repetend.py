@@ -245,8 +245,8 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
         for i in range(K):
             if sc.memory[i] < 0:
                 w = model.new_bool_var(f"w{i}")
-                model.add(ends[i] >= P).OnlyEnforceIf(w)
-                model.add(ends[i] <= P).OnlyEnforceIf(w.Not())
+                model.add(ends[i] >= P).only_enforce_if(w)
+                model.add(ends[i] <= P).only_enforce_if(w.negated())
                 wrap[i] = w
 
         def event(i):  # position of block i's memory event in the window
@@ -266,8 +266,8 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
                     if j == c:
                         continue
                     x = model.new_bool_var(f"x{d}_{j}_{c}")
-                    model.add(event(j) <= starts[c]).OnlyEnforceIf(x)
-                    model.add(event(j) >= starts[c] + 1).OnlyEnforceIf(x.Not())
+                    model.add(event(j) <= starts[c]).only_enforce_if(x)
+                    model.add(event(j) >= starts[c] + 1).only_enforce_if(x.negated())
                     terms.append(sc.memory[j] * x)
                 model.add(peak >= base + sc.memory[c] + sum(terms))
             if memory_cap is not None:

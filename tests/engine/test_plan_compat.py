@@ -67,6 +67,18 @@ def test_missing_micro_batches_default_to_the_schedules():
     assert Plan.from_dict(d).parallel.micro_batches == 4
 
 
+def test_an_implied_micro_batch_count_is_not_written_back():
+    """A plan without ``parallel.micro_batches`` saves without it (so its checkpoint hash, which
+    hashes the plan document, stays the same) until the count is changed."""
+    from dataclasses import replace
+
+    d = json.loads((DATA / "plan_v1_gpt2_tiny_1f1b.json").read_text())
+    del d["parallel"]["micro_batches"]
+    plan = Plan.from_dict(d)
+    assert plan.to_dict()["parallel"] == d["parallel"]
+    assert replace(plan.parallel, micro_batches=8).to_dict()["micro_batches"] == 8
+
+
 @pytest.mark.parametrize("section, key, value, needle", [
     ("parallel", "pp", "2", "field 'parallel.pp' should be int, got str"),
     ("parallel", "dp", True, "field 'parallel.dp' should be int, got bool"),
