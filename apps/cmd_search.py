@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from apps.output import table
+from engine.shapes import SHAPES
 
 HELP = "search a schedule for a placement (V, X, M, NN, K, interleaved or a JSON file) with Tessel"
 
@@ -33,7 +34,8 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="v",
-                   help="shape: v, x, m (mshape), nn, k, interleaved; or a placement JSON file")
+                   help="a shape (" + "; ".join(f"{s.name}: {s.description}" for s in SHAPES.values())
+                   + "; 'mshape' is m) or a placement JSON file")
     p.add_argument("--devices", type=int, default=4, help="devices of the shape (default 4)")
     p.add_argument("--micro-batches", type=int, default=16, help="micro-batches per step (default 16)")
     p.add_argument("--memory-limit", type=float, default=None,

@@ -271,9 +271,9 @@ def job_profile(plan, name: str = "A") -> JobProfile:
     from engine.planner import resimulate  # local: planner imports heavy modules
 
     par = plan.parallel
-    pp = max(par.pp, plan.placement.num_devices)
+    pp = max(par.pp, plan.placement.num_devices)   # pipeline ranks: a placement on several devices is one
     tp, dp = par.tp, par.dp
-    if pp != 1 or plan.placement.num_devices != 1:
+    if pp != 1:
         raise CrossoverError(
             f"job {name}: its plan has pp={pp} (a pipeline); co-located crossover jobs must be purely "
             f"data-parallel: plan it with pp=1 (devices = dp)")

@@ -38,8 +38,8 @@ Units and conventions (shared by every constructor):
 Block order in :attr:`Placement.blocks` is a topological order of the chain (its index is the
 "chain position" the generic schedulers break ties with).
 
-Every shape is one :class:`ShapeSpec` in :data:`SHAPES` (constructor, segment count, model
-parts for :func:`engine.shape_costs.model_shape_placement`, description): adding a shape
+Every shape is one :class:`ShapeSpec` in :data:`SHAPES` (constructor, description, model
+parts for :func:`engine.shape_costs.model_shape_placement`): adding a shape
 touches that one registry.
 
 Custom placements come from :func:`custom_placement` (a list of dicts) or a JSON file
@@ -353,10 +353,9 @@ class ShapeSpec:
 
     Attributes:
         name: canonical name (lower case), the key in :data:`SHAPES`.
-        build: the constructor ``(n, **kw) -> Placement`` (``n`` devices).
-        segments: ``n -> `` segments of one micro-batch on ``n`` devices (default keywords;
-            the interleaved shape with ``virtual_stages=2``).
-        description: one line for listings.
+        build: the constructor ``(n, **kw) -> Placement`` (``n`` devices; its
+            ``num_segments`` is the shape's segment count).
+        description: one line for listings (``tessel search --help``).
         model_parts: ``n -> `` how many parts a captured sequential model is cut into for
             this shape (:func:`engine.shape_costs.model_shape_placement`); segment ``s`` runs
             part ``s % model_parts(n)`` (X holds two replicas). ``None``: the shape cannot hold
@@ -366,7 +365,6 @@ class ShapeSpec:
 
     name: str
     build: Callable[..., Placement]
-    segments: Callable[[int], int]
     description: str
     model_parts: Callable[[int], int] | None = None
     no_model: str = ""
@@ -374,14 +372,14 @@ class ShapeSpec:
 
 #: Canonical shape name -> :class:`ShapeSpec`, in listing order.
 SHAPES: dict[str, ShapeSpec] = {s.name: s for s in (
-    ShapeSpec("v", v_shape, lambda n: n, "plain pipeline (1F1B)", lambda n: n),
-    ShapeSpec("x", x_shape, lambda n: 2 * n, "two opposite V chains (Chimera-like)", lambda n: n),
-    ShapeSpec("m", m_shape, lambda n: n + 1, "all-device block, a V, mirrored", lambda n: n + 1),
-    ShapeSpec("nn", nn_shape, lambda n: n + 2, "all-device blocks at the start and middle of a V", lambda n: n + 2),
-    ShapeSpec("k", k_shape, lambda n: n + 1, "two V branches on halves joined by a loss block", None,
+    ShapeSpec("v", v_shape, "plain pipeline (1F1B)", lambda n: n),
+    ShapeSpec("x", x_shape, "two opposite V chains (Chimera-like)", lambda n: n),
+    ShapeSpec("m", m_shape, "all-device block, a V, mirrored", lambda n: n + 1),
+    ShapeSpec("nn", nn_shape, "all-device blocks at the start and middle of a V", lambda n: n + 2),
+    ShapeSpec("k", k_shape, "two V branches on halves joined by a loss block", None,
               "the K shape needs a model with two independent branches joined by a loss; "
               "a sequential transformer has none: search K in abstract units (no --model)"),
-    ShapeSpec("interleaved", interleaved_shape, lambda n: 2 * n, "interleaved pipeline (virtual stages)",
+    ShapeSpec("interleaved", interleaved_shape, "interleaved pipeline (virtual stages)",
               lambda n: 2 * n),
 )}
 
