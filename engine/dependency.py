@@ -65,7 +65,6 @@ class Op(StrEnum):
 
 
 COMPUTE_OPS = (Op.F, Op.B, Op.I, Op.W)
-INSTRUCTION_OPS = tuple(Op)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +94,7 @@ class Instruction:
             whose group is this rank's replicas.
     """
 
-    op: str   # an Op value (plain strings compare equal)
+    op: Op | str   # lower() emits Op; hand-built streams (tests) may pass the plain string, which compares equal
     block: Block | None = None
     peer: int | None = None
     tensor: TensorSpec | None = None
