@@ -8,12 +8,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from engine.dependency import Instruction, Op
+from runtime.worker.p2p_order import Message
 
-__all__ = ["ReceiveBuffers", "Message"]
-
-#: A point-to-point message: ``(boundary, direction, micro_batch, tensor_index)``; direction 0 =
-#: activations of boundary ``b`` (segment ``b`` -> ``b + 1``), 1 = input gradients travelling back.
-Message = tuple[int, int, int, int]
+__all__ = ["ReceiveBuffers"]
 
 
 class ReceiveBuffers:
@@ -21,9 +18,11 @@ class ReceiveBuffers:
     straight into them every step (the same tensor objects).
 
     Args:
-        stream: this rank's instructions; each ``RECV`` of an ``F`` block gets the activation
-            buffers of boundary ``segment - 1`` ... of its micro-batch, each of a backward block the
-            gradient buffers (tensors with ``requires_grad``) of boundary ``segment - 1``.
+        stream: this rank's instructions. A ``RECV``'s block is the PRODUCER of what arrives:
+            a ``RECV`` of an ``F`` block of segment ``s`` gets the activation buffers of boundary
+            ``s`` (segment ``s`` -> ``s + 1``) of its micro-batch; a ``RECV`` of a backward
+            (``B``/``I``) block of segment ``s`` gets the gradient buffers (the boundary tensors
+            with ``requires_grad``) of boundary ``s - 1``.
         boundaries: per boundary, the tensors' metadata (``runtime.stage`` boundary metas).
         empty: allocates an uninitialised tensor for one metadata (on the worker's device).
     """

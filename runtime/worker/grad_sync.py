@@ -58,24 +58,24 @@ class GradientSync:
                 if n:
                     self.flat_grads[s] = torch.zeros(n, dtype=torch.float32, device=device)
 
-    def post_allreduce(self, s: int | None, st: StepState) -> None:
+    def post_allreduce(self, s: int, st: StepState) -> None:
         """``ALLREDUCE`` of segment ``s``: copy its gradients (AdamA: the tied copies' gradients
-        after the ``m | v`` views) into the flat buffer and post the SUM all-reduce over the DP group."""
+        after the ``m | v`` views) into the flat buffer and post the SUM all-reduce over the DP
+        group (a zero-length event without a DP group or gradients to reduce)."""
         start = st.now()
-        ev = Event(self.rank, "collective", "ALLREDUCE", f"allreduce s{s}", start, -1.0, 0, -1,
-                   s if s is not None else -1)
+        ev = Event(self.rank, "collective", "ALLREDUCE", f"allreduce s{s}", start, -1.0, 0, -1, s)
         st.events.append(ev)
         if self.opt.adama:
-            flat = self.opt.flat_states.get(s) if s is not None else None
-            if flat is None or self.dp_group is None or s is None:
+            flat = self.opt.flat_states.get(s)
+            if flat is None or self.dp_group is None:
                 ev.end = start
                 return
             self.opt.optimizer.begin_step(self.opt.folded[s])   # replica 0: decay what got no gradient
             flatten_grads(flat, self.opt.unfolded[s], 2 * self.opt.folded_numel(s))
             self._post_flat(flat, s, ev, st)
             return
-        flat = self.flat_grads.get(s) if s is not None else None
-        if flat is None or self.dp_group is None or s is None:
+        flat = self.flat_grads.get(s)
+        if flat is None or self.dp_group is None:
             ev.end = start
             return
         flatten_grads(flat, self.dp_params[s], 0)

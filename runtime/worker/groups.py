@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessGroups", "build_groups", "init_default_group"]
+__all__ = ["ProcessGroups", "build_groups", "connect_pairs", "init_default_group"]
 
 
 def init_default_group(backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
@@ -43,10 +43,10 @@ class ProcessGroups:
 
 
 def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Sequence[Sequence[tuple[int, str]]],
-                 seg_rank: dict[int, int], pair_orders: dict[tuple[int, int], Any] | None,
-                 device: torch.device, timeout: timedelta) -> ProcessGroups:
+                 seg_rank: dict[int, int], pair_orders: dict[tuple[int, int], Any] | None) -> ProcessGroups:
     """Create the worker's groups. Every rank calls ``dist.new_group`` for every group in the same
-    order (DP, then EP, then tied, then pairs), as torch.distributed requires.
+    order (DP, then EP, then tied, then pairs), as torch.distributed requires. The pair groups are
+    not connected here: the worker checks its own stream first, then calls :func:`connect_pairs`.
 
     Args:
         rank: this global rank (``dp_index * pp + pp_rank``).
@@ -56,8 +56,6 @@ def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Se
         seg_rank: segment -> pipeline rank running its forward.
         pair_orders: ordered matching: ``(sender, receiver)`` pipeline ranks -> messages (the
             pairs with training traffic); ``None``: tag matching, no pair groups.
-        device: where the pair groups' connection messages live.
-        timeout: for the pair groups' connection messages.
     """
     pp_rank, dp_index = rank % pp, rank // pp
     out = ProcessGroups()
@@ -80,7 +78,6 @@ def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Se
                 out.tied.append((i, g, tuple(pranks)))
     if pair_orders is not None:
         out.pairs = _pair_groups(rank, pp, dp, seg_rank, pair_orders)
-        _connect_pairs(rank, out.pairs, device, timeout)
     return out
 
 
@@ -103,10 +100,11 @@ def _pair_groups(rank: int, pp: int, dp: int, seg_rank: dict[int, int],
     return mine
 
 
-def _connect_pairs(rank: int, pairs: dict[tuple[int, int], Any], device: torch.device, timeout: timedelta) -> None:
-    """Connect each pair group with one 1-element message, pairs in sorted order (deadlock-free:
-    the smallest unfinished pair always has both ranks waiting on it), so NCCL communicators
-    created lazily at a group's first send/receive exist before a step posts its receives."""
+def connect_pairs(rank: int, pairs: dict[tuple[int, int], Any], device: torch.device, timeout: timedelta) -> None:
+    """Connect each pair group (:attr:`ProcessGroups.pairs`) with one 1-element message, pairs in
+    sorted order (deadlock-free: the smallest unfinished pair always has both ranks waiting on
+    it), so NCCL communicators created lazily at a group's first send/receive exist before a step
+    posts its receives. Blocks until every peer of this rank has called it."""
     one = torch.zeros(1, device=device)
     for (src, dst), g in sorted(pairs.items()):
         if src == rank:

@@ -19,8 +19,9 @@ __all__ = ["HANDLERS", "execute"]
 
 Handler = Callable[["StageWorker", Instruction, StepState], None]
 
-_COMPUTE = {Op.F: compute.forward, Op.B: compute.backward, Op.I: compute.backward_input,
-            Op.W: compute.backward_weight}
+#: The compute function of each compute op (``Op`` is a ``StrEnum``: a plain-string op finds its entry too).
+_COMPUTE: dict[str, Callable[["StageWorker", int, int, StepState], None]] = {
+    Op.F: compute.forward, Op.B: compute.backward, Op.I: compute.backward_input, Op.W: compute.backward_weight}
 
 
 def _compute(w: StageWorker, ins: Instruction, st: StepState) -> None:
@@ -30,7 +31,7 @@ def _compute(w: StageWorker, ins: Instruction, st: StepState) -> None:
     assert b is not None
     s, j = b.segment, b.micro_batch
     start = st.now()
-    _COMPUTE[Op(ins.op)](w, s, j, st)
+    _COMPUTE[ins.op](w, s, j, st)
     if w._sync is not None:   # CUDA: stamp the kernels' completion, not their launch
         w._sync()
     st.events.append(Event(w.rank, "compute", ins.op, str(b), start, st.now(), 0, j, s))
@@ -114,8 +115,9 @@ def _optim(w: StageWorker, ins: Instruction, st: StepState) -> None:
     st.events.append(Event(w.rank, "compute", "OPTIM", "optimizer", start, st.now(), nbytes, -1, -1))
 
 
-#: The handler of each instruction op.
-HANDLERS: dict[Op, Handler] = {
+#: The handler of each instruction op (keyed by :class:`Op`, a ``StrEnum``: a plain-string op
+#: such as ``"SEND"`` finds the same handler).
+HANDLERS: dict[str, Handler] = {
     Op.F: _compute, Op.B: _compute, Op.I: _compute, Op.W: _compute,
     Op.SEND: _send, Op.RECV: _recv, Op.ALLREDUCE: _allreduce, Op.ALLTOALL: _alltoall, Op.OPTIM: _optim,
 }
@@ -123,8 +125,7 @@ HANDLERS: dict[Op, Handler] = {
 
 def execute(w: StageWorker, ins: Instruction, st: StepState) -> None:
     """Run one instruction. Raises :class:`WorkerError` for an op without a handler."""
-    try:
-        handler = HANDLERS[Op(ins.op)]
-    except (ValueError, KeyError):
-        raise WorkerError(f"unknown instruction {ins.op!r}") from None
+    handler = HANDLERS.get(ins.op)
+    if handler is None:
+        raise WorkerError(f"unknown instruction {ins.op!r}")
     handler(w, ins, st)

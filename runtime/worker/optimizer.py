@@ -29,6 +29,7 @@ class WorkerOptimizer:
     Attributes:
         optimizer: the ``torch.optim`` optimizer, ``None`` without parameters.
         adama: the optimizer is AdamA.
+        dp: replicas.
         folded, unfolded: AdamA: segment -> parameters folded per micro-batch / tied copies folded
             once per step (empty otherwise).
         flat_states: AdamA with ``dp > 1``: segment -> flat ``[m | v | tied gradients]`` buffer.
@@ -38,6 +39,7 @@ class WorkerOptimizer:
     def __init__(self, name: str, lr: float, seg_params: dict[int, list[torch.nn.Parameter]], tied_ids: set[int],
                  dp: int, device: torch.device):
         self.adama = name == "adama"
+        self.dp = dp
         self.folded: dict[int, list] = {s: [] for s in seg_params}
         self.unfolded: dict[int, list] = {s: [] for s in seg_params}
         self.flat_states: dict[int, torch.Tensor] = {}
@@ -99,10 +101,14 @@ class WorkerOptimizer:
                         st[key] = view
                 o += k
 
-    def begin_replica_step(self) -> None:
-        """AdamA data parallelism, replicas ``r > 0``: zero ``m``/``v`` of the folded parameters and
-        mark them not fresh (replica 0 alone carries ``b1*m``/``b2*v``; the SUM all-reduce adds
-        the replicas' folded gradients to it). Edits ``optimizer.state`` directly."""
+    def begin_replica_step(self, dp_index: int) -> None:
+        """At the start of a step. AdamA data parallelism, replicas ``dp_index > 0``: zero
+        ``m``/``v`` of the folded parameters and mark them not fresh (replica 0 alone carries
+        ``b1*m``/``b2*v``; the SUM all-reduce adds the replicas' folded gradients to it). Edits
+        ``optimizer.state`` directly. A no-op otherwise (not AdamA, ``dp == 1``, replica 0, or
+        no parameters)."""
+        if not self.adama or self.dp <= 1 or dp_index == 0 or self.optimizer is None:
+            return
         for ps in self.folded.values():
             for p in ps:
                 st = self.optimizer.state[p]

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from engine.dependency import Instruction, Op
-from runtime.worker.buffers import Message, ReceiveBuffers
+from runtime.worker.buffers import ReceiveBuffers
 from runtime.worker.errors import WorkerError
-from runtime.worker.p2p_order import _describe_message
+from runtime.worker.p2p_order import Message, describe_message
 from runtime.worker.step_state import StepState
 
 __all__ = ["OrderedMatching", "P2PMatcher", "TagMatching"]
@@ -159,7 +159,7 @@ class OrderedMatching(P2PMatcher):
                 break
         st.cursor[src] = i
         if (src, msg) not in st.owork:
-            raise WorkerError(f"rank {self.rank} expects {_describe_message(msg)} from rank {src}, which is not "
+            raise WorkerError(f"rank {self.rank} expects {describe_message(msg)} from rank {src}, which is not "
                               f"in rank {src}'s send order (or was received already)")
 
     def post_all(self, stream: Sequence[Instruction], st: StepState) -> None:

@@ -21,19 +21,23 @@ from runtime.worker.errors import WorkerError
 if TYPE_CHECKING:
     from engine.dependency import Instruction
 
-__all__ = ["check_own_stream", "pair_send_orders", "stream_messages"]
+__all__ = ["Message", "check_own_stream", "describe_message", "pair_send_orders", "stream_messages"]
 
+#: A point-to-point message: ``(boundary, direction, micro_batch, tensor_index)``; direction 0 =
+#: activations of boundary ``b`` (segment ``b`` -> ``b + 1``), 1 = input gradients travelling back.
 Message = tuple[int, int, int, int]
 
 
-def _describe_message(msg: tuple) -> str:
+def describe_message(msg: Message) -> str:
+    """A message in words, for error messages (``"activation tensor 0 of boundary 1 (segment 1
+    -> 2), micro-batch 3"``)."""
     b, direction, j, k = msg
     if direction == 0:
         return f"activation tensor {k} of boundary {b} (segment {b} -> {b + 1}), micro-batch {j}"
     return f"input gradient tensor {k} of boundary {b} (segment {b + 1} -> {b}), micro-batch {j}"
 
 
-def stream_messages(stream, peer: int, op: str, counts) -> list[tuple[int, int, int, int]]:
+def stream_messages(stream, peer: int, op: str, counts) -> list[Message]:
     """The point-to-point messages a stream sends to (``op="SEND"``) or receives from
     (``op="RECV"``) pipeline rank ``peer``, in stream order.
 
@@ -52,7 +56,7 @@ def stream_messages(stream, peer: int, op: str, counts) -> list[tuple[int, int, 
     Raises:
         WorkerError: an instruction's boundary outside ``counts``.
     """
-    out: list[tuple[int, int, int, int]] = []
+    out: list[Message] = []
     for ins in stream:
         if ins.op != op or ins.peer != peer:
             continue
@@ -75,14 +79,14 @@ def _first_mismatch(sent: list, expected: list) -> str | None:
     extra, missing = have - need, need - have
     for m in sent:
         if extra[m] > 0:
-            return f"the sender sends the {_describe_message(m)}, which the receiver does not expect"
+            return f"the sender sends the {describe_message(m)}, which the receiver does not expect"
     for m in expected:
         if missing[m] > 0:
-            return f"the receiver expects the {_describe_message(m)}, which the sender does not send"
+            return f"the receiver expects the {describe_message(m)}, which the sender does not send"
     return None  # pragma: no cover - Counter inequality implies one of the two
 
 
-def pair_send_orders(streams, counts) -> dict[tuple[int, int], list[tuple[int, int, int, int]]]:
+def pair_send_orders(streams, counts) -> dict[tuple[int, int], list[Message]]:
     """For ordered point-to-point matching: per ordered pair of pipeline ranks with traffic, the
     messages in the order the sender posts them, checked against what the receiver expects.
 
@@ -101,7 +105,7 @@ def pair_send_orders(streams, counts) -> dict[tuple[int, int], list[tuple[int, i
         WorkerError: for some pair the receiver's expected messages differ from the sender's
             (as multisets); the message names the pair and the first differing message.
     """
-    orders: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    orders: dict[tuple[int, int], list[Message]] = {}
     n = len(streams)
     for a in range(n):
         for b in range(n):

@@ -21,7 +21,7 @@ from runtime.worker.device import module_to, resolve_device
 from runtime.worker.errors import WorkerError
 from runtime.worker.evaluation import evaluate_loss
 from runtime.worker.grad_sync import GradientSync, TiedCopies
-from runtime.worker.groups import ProcessGroups, build_groups, init_default_group
+from runtime.worker.groups import ProcessGroups, build_groups, connect_pairs, init_default_group
 from runtime.worker.lowering import local_stream
 from runtime.worker.metrics import ActivationMeter, rss
 from runtime.worker.moe import expert_parallelize
@@ -53,16 +53,12 @@ class StageWorker:
         cfg = config if config is not None else WorkerConfig()
         self.config = cfg
         self.plan_dict = plan_dict
-        self.device_name = cfg.device if cfg.device is not None else ("cuda" if cfg.backend == "nccl" else "cpu")
         self.rank = int(rank)
         self.world_size = int(world_size)
         self.master_addr = str(master_addr)
         self.master_port = int(master_port)
-        self.backend: str = cfg.backend
-        self.optimizer_name: str | None = cfg.optimizer
-        self.timeout_s = float(cfg.timeout_s)
-        self.timeout = timedelta(seconds=self.timeout_s)
-        self.fail_at = tuple(cfg.fail_at) if cfg.fail_at is not None else None
+        self.optimizer_name: str | None = cfg.optimizer   # resolved against the plan in setup()
+        self.timeout = timedelta(seconds=float(cfg.timeout_s))
         self._ready = False
         self.device = torch.device("cpu")
         self._cuda = False
@@ -119,8 +115,8 @@ class StageWorker:
         t0 = time.perf_counter()
         torch.set_num_threads(1)
         plan = self._check_plan()
-        init_default_group(self.backend, self.master_addr, self.master_port, self.rank, self.world_size,
-                           self.timeout_s, self.device if self._cuda else None)
+        init_default_group(self.config.backend, self.master_addr, self.master_port, self.rank, self.world_size,
+                           float(self.config.timeout_s), self.device if self._cuda else None)
         tied_bytes, removed = self._build_stages(plan)
         self.moe_layers = {s: [(n, m) for n, m in self.modules[s].named_modules() if isinstance(m, MoEFeedForward)]
                            for s in self.segments}
@@ -139,21 +135,22 @@ class StageWorker:
         # averaged over replicas (Adam/SGD), or AdamA's folded grad(loss_j / (dp * m))
         self.loss_scale = 1.0 / (self.dp * self.m) if self.optimizer_name == "adama" else 1.0 / self.m
         self._build_stream(plan, tied_bytes)
+        if self.p2p_mode == "ordered":   # after this rank's checks: a rank whose stream fails them raises, not blocks
+            connect_pairs(self.rank, self.groups.pairs, self.device, self.timeout)
         self._build_exchange()
         self._build_optimizer()
         static_ptrs = {p.untyped_storage().data_ptr() for p in params} | self.buffers.storage_ptrs()
         self.meter = ActivationMeter(static_ptrs)
-        self.buffer_bytes = self.buffers.nbytes
         self._ready = True
         return {
             "rank": self.rank, "pp_rank": self.pp_rank, "dp_index": self.dp_index,
             "segments": list(self.segments), "params": sum(p.numel() for p in params),
             "param_bytes": sum(p.numel() * p.element_size() for p in params),
-            "buffer_bytes": self.buffer_bytes, "num_buffers": self.buffers.count,
+            "buffer_bytes": self.buffers.nbytes, "num_buffers": self.buffers.count,
             "stream_length": len(self.stream), "tied": [[list(x) for x in g] for g in self.tied],
             "removed": removed, "boundaries": [[m.to_dict() for m in b] for b in self.boundaries],
             "optimizer": self.optimizer_name, "setup_time": time.perf_counter() - t0, "rss": rss(),
-            "device": str(self.device), "backend": self.backend, "p2p_matching": self.p2p_mode,
+            "device": str(self.device), "backend": self.config.backend, "p2p_matching": self.p2p_mode,
             "p2p_pairs": [list(k) for k in sorted(self.groups.pairs)],
             "moe_layers": {s: [n for n, _ in self.moe_layers[s]] for s in self.segments if self.moe_layers[s]},
             "expert_parallel": self.ep,
@@ -195,7 +192,9 @@ class StageWorker:
         """Check the config's ``backend``/``device``/``p2p_matching``/``sync_timing`` and set
         ``self.device``, ``self._cuda``, ``self.p2p_mode`` and ``self._sync``
         (:func:`runtime.worker.device.resolve_device`; its errors)."""
-        r = resolve_device(self.backend, self.device_name, self.config.p2p_matching, self.config.sync_timing)
+        cfg = self.config
+        device_name = cfg.device if cfg.device is not None else ("cuda" if cfg.backend == "nccl" else "cpu")
+        r = resolve_device(cfg.backend, device_name, cfg.p2p_matching, cfg.sync_timing)
         self.device = r.device
         self._cuda = r.device.type == "cuda"
         self.p2p_mode = r.p2p_mode
@@ -203,8 +202,9 @@ class StageWorker:
 
     def _build_stages(self, plan: Any) -> tuple[list[int], list]:
         """Build the stage modules (``runtime.stage.build_stages``), keep this rank's, create every
-        process group (:func:`runtime.worker.groups.build_groups`) and split the MoE layers over
-        the EP group. Returns the tied groups' bytes per copy and the pruned parameters."""
+        process group (:func:`runtime.worker.groups.build_groups`; the ordered pair groups are
+        connected later, after :meth:`_build_stream`'s checks) and split the MoE layers over the
+        EP group. Returns the tied groups' bytes per copy and the pruned parameters."""
         from runtime.stage import build_stages
 
         pl = plan.schedule.placement
@@ -237,9 +237,7 @@ class StageWorker:
                 "micro-batches through the all-to-all; use optimizer 'adam' or 'sgd', or dp = 1")
         self.groups: ProcessGroups = build_groups(
             rank=self.rank, pp=self.pp, dp=self.dp, expert_parallel=expert_parallel, tied=self.tied,
-            seg_rank=self.seg_rank, pair_orders=self._pair_orders if ordered else None, device=self.device,
-            timeout=self.timeout)
-        self.dp_group = self.groups.dp
+            seg_rank=self.seg_rank, pair_orders=self._pair_orders if ordered else None)
         self.ep = self.dp if expert_parallel else 1
         if expert_parallel:
             expert_parallelize(self.modules, self.dp, self.groups.ep)
@@ -293,7 +291,7 @@ class StageWorker:
         tied_ids = {id(p) for tc in self.tied_local for p in tc.params}
         self.opt = WorkerOptimizer(self.optimizer_name, float(self.config.lr), self.seg_params, tied_ids, self.dp,
                                    self.device)
-        self.grad_sync = GradientSync(self.rank, self.dp, self.dp_group, self.opt, self.dp_params, self.tied_local,
+        self.grad_sync = GradientSync(self.rank, self.dp, self.groups.dp, self.opt, self.dp_params, self.tied_local,
                                       self.device, self._sync, self.timeout)
 
     def _empty(self, meta: Any) -> torch.Tensor:
@@ -341,12 +339,21 @@ class StageWorker:
                 micro-batch ``j`` the ``j``-th ``mbs`` rows of those; inputs ``[:, :-1]``, targets ``[:, 1:]``.
 
         Returns:
-            ``losses`` (per micro-batch mean cross-entropy, nats/token, on the rank holding the last
-            segment, else ``[]``), ``events`` (``Event.to_dict()`` per executed instruction), ``rank``,
-            ``pp_rank``, ``dp_index``, ``step``, ``time`` (s), ``start`` (``perf_counter`` origin of
-            the events), ``peak_memory``/``memory`` (RSS bytes), ``activation_memory``/
-            ``peak_activation_memory``, ``peak_grad_memory``; MoE ranks add ``aux_losses`` and ``moe``;
-            CUDA adds ``device_memory``/``peak_device_memory`` (``docs/runtime-worker.md``, "Instrumentation").
+            ``losses``: per micro-batch mean cross-entropy (nats/token, NOT divided by ``m``) in
+            micro-batch order on the rank holding the last segment, else ``[]``; ``events``:
+            ``Event.to_dict()`` per executed instruction; ``rank``, ``pp_rank``, ``dp_index``,
+            ``step``; ``time`` (s); ``start`` (``time.perf_counter()`` at the step's start, the
+            origin of the events' times); ``peak_memory`` (bytes, max process RSS sampled after
+            every instruction); ``memory`` (``[[t, rss_bytes], ...]``, ``t`` in s from ``start``);
+            ``activation_memory`` (``[[t, bytes], ...]``) and ``peak_activation_memory`` (bytes,
+            tensor accounting); ``peak_grad_memory`` (bytes of parameter gradients held, sampled
+            with ``track_activations`` after every instruction that can grow them, ``B``/``I``/``W``/
+            ``ALLREDUCE``: the whole segment with Adam/SGD, only the tied copies with AdamA).
+            Ranks whose segments hold MoE layers add ``aux_losses`` (per micro-batch, the sum of
+            their layers' weighted aux losses, unscaled) and ``moe`` (routing metrics); the events
+            then include one ``ALLTOALL`` per all-to-all. On CUDA also ``device_memory``
+            (``[[t, bytes], ...]``, ``torch.cuda.memory_allocated`` after every instruction) and
+            ``peak_device_memory`` (bytes). Details: ``docs/runtime-worker.md``, "Instrumentation".
 
         Raises:
             StepError: (a ``RuntimeError``) ``"rank R (pipeline rank P, replica D) failed at step
@@ -383,7 +390,7 @@ class StageWorker:
         mean = torch.tensor([total / len(model_inputs)], dtype=torch.float64,
                             device=self.device if self._cuda else None)
         if self.dp > 1:
-            dist.all_reduce(mean, group=self.dp_group)
+            dist.all_reduce(mean, group=self.groups.dp)
             mean /= self.dp
         return float(mean)
 

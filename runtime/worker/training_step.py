@@ -28,6 +28,7 @@ def run_step(w: StageWorker, step: int, model_inputs: list[torch.Tensor], target
     """:meth:`StageWorker.step` after the batch was split: run the stream, wait the sends and
     all-reduces, and assemble the result. Raises :class:`~runtime.worker.errors.StepError`."""
     cfg = w.config
+    fail_at = tuple(cfg.fail_at) if cfg.fail_at is not None else None
     if cfg.on_compute_start is not None:
         cfg.on_compute_start(step)
     st = StepState(model_inputs, targets)
@@ -37,15 +38,14 @@ def run_step(w: StageWorker, step: int, model_inputs: list[torch.Tensor], target
     st.start_clock()
     where = f"rank {w.rank} (pipeline rank {w.pp_rank}, replica {w.dp_index})"
     mem = MemorySampler(w.meter, w.device if w._cuda else None)
-    if w.adama and w.dp > 1 and w.dp_index > 0 and w.optimizer is not None:
-        w.opt.begin_replica_step()
+    w.opt.begin_replica_step(w.dp_index)   # AdamA replicas > 0 start m, v from zero
     st.sends = SendWaiter(st.now, w.timeout, device=w.device if w._cuda else None)
     try:
         if cfg.prepost_receives:
             w.p2p.post_all(w.stream, st)
         for idx, ins in enumerate(w.stream):
             try:
-                if w.fail_at is not None and (int(step), idx) == w.fail_at:
+                if fail_at is not None and (int(step), idx) == fail_at:
                     raise RuntimeError("deliberate failure requested by fail_at")
                 execute(w, ins, st)
                 if idx == w._sync_index and cfg.on_sync_start is not None:

@@ -1,7 +1,7 @@
 """Ordered point-to-point matching of the stage worker, on CPU with gloo (runs everywhere).
 
 NCCL ignores message tags: it matches a communicator's sends and receives by posting order and
-runs them in order on one stream. ``StageWorker(p2p_matching="ordered")`` (the default with NCCL)
+runs them in order on one stream. ``WorkerConfig(p2p_matching="ordered")`` (the default with NCCL)
 therefore gives every ordered pair of ranks with traffic its own one-directional 2-rank group and
 posts each pair's receives in the SENDER's stream order with a constant tag. Gloo honours that
 order too, so the whole ordered path (pair groups, order derivation, receive posting, evaluate)
