@@ -15,11 +15,11 @@ from typing import Any, TextIO
 
 from runtime.session import StepReport, TrainingCallback
 
-__all__ = ["LineProgress", "TqdmProgress", "moe_postfix"]
+__all__ = ["LineProgress", "TqdmProgress"]
 
 
-def moe_postfix(gates: dict) -> dict[str, str]:
-    """Short progress-bar fields of ``runtime.launcher.merge_moe_metrics``' result."""
+def _moe_postfix(gates: dict) -> dict[str, str]:
+    """Short progress-bar fields of ``runtime.launch_result.merge_moe_metrics``' result."""
     out = {}
     if "temperature" in gates:
         out["tau"] = f"{gates['temperature']:.3f}"
@@ -53,7 +53,7 @@ class TqdmProgress(TrainingCallback):
             return
         post = {"loss": f"{report.loss:.4f}", "tok_s": f"{report.tokens_per_second:,.0f}"}
         if report.gates is not None:
-            post.update(moe_postfix(report.gates))
+            post.update(_moe_postfix(report.gates))
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(1)
 

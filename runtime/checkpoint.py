@@ -175,6 +175,13 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step count of a checkpoint directory from its name (``.../step_000020`` -> 20), or
+    ``None`` when the name is not ``step_N`` (the directory itself is not read)."""
+    m = _STEP_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def _fsync_path(p: Path) -> None:
     try:
         fd = os.open(p, os.O_RDONLY)
@@ -295,9 +302,9 @@ def list_checkpoints(checkpoint_dir: str | os.PathLike) -> list[Path]:
         return []
     found = []
     for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and (p / "meta.json").is_file():
-            found.append((int(m.group(1)), p))
+        step = checkpoint_step(p)
+        if step is not None and p.is_dir() and (p / "meta.json").is_file():
+            found.append((step, p))
     return [p for _, p in sorted(found)]
 
 
@@ -352,4 +359,4 @@ def load_checkpoint(path: str | os.PathLike, *, plan: Any = None, world_size: in
 
 __all__ = ["Checkpoint", "CheckpointError", "capture_rng", "restore_rng", "plan_hash", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "clean_temporaries", "step_dir_name",
-           "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "RANK_STATE_FORMAT", "RANK_STATE_VERSION"]
+           "checkpoint_step", "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "RANK_STATE_FORMAT", "RANK_STATE_VERSION"]

@@ -34,7 +34,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -261,6 +261,30 @@ def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_
     return ActorPool(actors, pg, backend, addr, port)
 
 
+def start_actors(worker_cls: type, world_size: int, device: str, make_args: Callable[[Backend], Any], *,
+                 step_timeout: float, error: Callable[..., Exception]) -> tuple[ActorPool, Backend]:
+    """Both launchers' start: :func:`choose_backend`, then :func:`create_actors` with a timeout of
+    ``max(step_timeout, 60)`` seconds.
+
+    Args:
+        worker_cls: as in :func:`create_actors`.
+        world_size: ranks (actors).
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"`` (:func:`choose_backend`).
+        make_args: ``make_args(backend)`` is the ``args_for_rank`` of :func:`create_actors`.
+        step_timeout: the launch's per-call timeout, seconds.
+        error: the launcher's error class, called as ``error(message, kind="cluster")``.
+
+    Raises:
+        the ``error``: a :class:`ClusterError` (no fitting cluster, resources not reserved), chained.
+    """
+    try:
+        backend = choose_backend(world_size, device)
+        pool = create_actors(worker_cls, world_size, backend, make_args(backend), timeout=max(step_timeout, 60.0))
+    except ClusterError as e:
+        raise error(str(e), kind="cluster") from e
+    return pool, backend
+
+
 def shutdown_ray(owned: bool) -> None:
     """``ray.shutdown()`` if this launch started/connected Ray (``owned``), and wait briefly for
     the local cluster's processes to exit (up to 10 s)."""
@@ -297,4 +321,4 @@ def _is_ray_process(p) -> bool:
 
 
 __all__ = ["Backend", "ActorPool", "ClusterError", "TINY_CPU", "init_ray", "choose_backend", "free_port",
-           "reserve", "rendezvous_address", "create_actors", "shutdown_ray"]
+           "reserve", "rendezvous_address", "create_actors", "start_actors", "shutdown_ray"]

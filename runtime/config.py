@@ -25,19 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from engine.crossover import MODES
-from engine.crossover import Mode as ModeChoice
+from engine.crossover import MODES, Mode
 from runtime.runner import CrossoverLaunchError, LaunchError
-from runtime.worker.config import OPTIMIZERS, P2P_MATCHING
-from runtime.worker.config import OptimizerName as OptimizerChoice
-from runtime.worker.config import P2PMatching as P2PChoice
+from runtime.worker.config import OPTIMIZERS, P2P_MATCHING, OptimizerName, P2PMatching
 
 #: ``device``: ``"auto"`` (NCCL on GPUs when the cluster has one per rank, else gloo on CPU),
 #: ``"cpu"`` or ``"cuda"``.
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 
-__all__ = ["CrossoverConfig", "DeviceChoice", "LaunchConfig", "ModeChoice", "OptimizerChoice", "P2PChoice",
-           "per_job"]
+__all__ = ["CrossoverConfig", "DeviceChoice", "LaunchConfig", "check_optimizer", "per_job"]
 
 
 def _choices(values: Sequence[str]) -> str:
@@ -57,20 +53,31 @@ class _ClusterConfig:
     ``"cuda"`` (co-located jobs: gloo only, the crossover actor runs no CUDA tensors yet)."""
 
     step_timeout: float = 120.0
-    """Seconds a rank may take for one call (``step``, ``evaluate``, ...) before the job is declared
-    hung; setup and checkpoint calls get at least 60 s. Co-located jobs: also the process-group
-    timeout and the longest a step may wait for the compute token."""
+    """Seconds (> 0) a rank may take for one call (``step``, ``evaluate``, ...) before the job is
+    declared hung; setup and checkpoint calls get at least 60 s. Co-located jobs: also the
+    process-group timeout and the longest a step may wait for the compute token."""
 
     checkpoint_every: int = 0
-    """Write a checkpoint every this many steps (0: only at the end; the final step is always
+    """Write a checkpoint every this many steps (>= 0; 0: only at the end; the final step is always
     checkpointed when there is a checkpoint folder)."""
 
     keep_checkpoints: int | None = 2
-    """Newest checkpoints kept (per job); ``None``: all."""
+    """Newest checkpoints kept (per job; >= 1); ``None``: all."""
 
     resume: bool = False
     """Continue from the newest checkpoint in the checkpoint folder (from step 0 if there is none);
     the steps already in the checkpoint count towards ``steps``."""
+
+    def _check_cluster(self, error: type[LaunchError]) -> None:
+        """Raise ``error(kind="setup")`` for a cluster field out of range (see :meth:`LaunchConfig.validate`)."""
+        if not self.step_timeout > 0:  # also NaN
+            raise error(f"step_timeout must be a positive number of seconds, got {self.step_timeout}", kind="setup")
+        if self.checkpoint_every < 0:
+            raise error(f"checkpoint_every must be >= 0 (0: checkpoint only at the end), got {self.checkpoint_every}",
+                        kind="setup")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise error(f"keep_checkpoints must be at least 1 (None keeps every checkpoint), got "
+                        f"{self.keep_checkpoints}", kind="setup")
 
 
 @dataclass(kw_only=True)
@@ -86,7 +93,7 @@ class LaunchConfig(_ClusterConfig):
     """Folder for ``step_N`` checkpoints (atomic, ``runtime.checkpoint``); ``None`` writes none."""
 
     eval_every: int = 0
-    """Evaluate the fixed validation batch every this many steps (0: only at the end)."""
+    """Evaluate the fixed validation batch every this many steps (>= 0; 0: only at the end)."""
 
     seed: int = 0
     """Model initialisation / worker RNG seed."""
@@ -94,12 +101,12 @@ class LaunchConfig(_ClusterConfig):
     lr: float = 1e-3
     """Learning rate (dimensionless)."""
 
-    optimizer: OptimizerChoice | None = None
+    optimizer: OptimizerName | None = None
     """The workers' optimizer: ``"adam"``, ``"adama"`` (AdamA, Adam accumulation) or ``"sgd"``;
     ``None``: the plan's ``parallel.optimizer`` (``"adam"`` when absent). Resuming needs the
     optimizer the checkpoint was written with."""
 
-    p2p_matching: P2PChoice | None = None
+    p2p_matching: P2PMatching | None = None
     """The workers' point-to-point matching, ``"auto"``, ``"tags"`` (gloo only) or ``"ordered"``,
     passed to the workers only when given; ``None``: the worker's ``"auto"`` (the environment
     variable ``TESSEL_P2P`` of the worker's process when set, else ordered with NCCL, tags with
@@ -109,7 +116,7 @@ class LaunchConfig(_ClusterConfig):
     """Write the measured Perfetto trace of the last step here (``None``: none)."""
 
     keep_timelines: int = 8
-    """Measured timelines of the last this many steps kept in ``LaunchResult.timelines`` (the input
+    """Measured timelines of the last this many steps (>= 0; 0: none) kept in ``LaunchResult.timelines`` (the input
     of ``engine.cost.calibrate.calibrate``)."""
 
     fail_at: tuple[int, int, int] | dict[int, tuple[int, int]] | None = None
@@ -120,11 +127,19 @@ class LaunchConfig(_ClusterConfig):
         """Check the fields that need no plan (the launcher calls this before Ray starts).
 
         Raises:
-            LaunchError: (``kind="setup"``) ``steps < 1``, an unknown ``optimizer`` or
-                ``p2p_matching``; the message names the field and the accepted values.
+            LaunchError: (``kind="setup"``) ``steps < 1``, ``step_timeout <= 0``,
+                ``checkpoint_every < 0``, ``keep_checkpoints < 1``, ``eval_every < 0``,
+                ``keep_timelines < 0``, an unknown ``optimizer`` or ``p2p_matching``; the message
+                names the field and the accepted values.
         """
         if self.steps < 1:
             raise LaunchError(f"steps must be at least 1, got {self.steps}", kind="setup")
+        self._check_cluster(LaunchError)
+        if self.eval_every < 0:
+            raise LaunchError(f"eval_every must be >= 0 (0: evaluate only at the end), got {self.eval_every}",
+                              kind="setup")
+        if self.keep_timelines < 0:
+            raise LaunchError(f"keep_timelines must be >= 0 (0: keep none), got {self.keep_timelines}", kind="setup")
         if self.optimizer is not None:
             check_optimizer(self.optimizer)
         if self.p2p_matching is not None:
@@ -170,7 +185,7 @@ class CrossoverConfig(_ClusterConfig):
     """Steps per job (one number for all, or one per job; each >= 1); with ``resume`` the steps in a
     job's checkpoint count."""
 
-    mode: ModeChoice = "crossover"
+    mode: Mode = "crossover"
     """``"crossover"`` (per-device compute token), ``"uncoordinated"`` (no token) or
     ``"sequential"`` (one job after the other)."""
 
@@ -179,7 +194,7 @@ class CrossoverConfig(_ClusterConfig):
     must differ. ``None``: no checkpoints."""
 
     eval_every: int | None = 0
-    """Validation loss every this many steps (0: only at the end; ``None``: never)."""
+    """Validation loss every this many steps (>= 0; 0: only at the end; ``None``: never)."""
 
     seed: int | Sequence[int] = 0
     """Model initialisation seed (one, or one per job)."""
@@ -190,7 +205,7 @@ class CrossoverConfig(_ClusterConfig):
     lr: float | Sequence[float] = 1e-3
     """Learning rate (one, or one per job)."""
 
-    optimizer: OptimizerChoice | None | Sequence[OptimizerChoice | None] = None
+    optimizer: OptimizerName | None | Sequence[OptimizerName | None] = None
     """``"adam"``, ``"adama"``, ``"sgd"`` or ``None`` (the plan's), one or one per job."""
 
     warmup_steps: int = 0
@@ -210,13 +225,19 @@ class CrossoverConfig(_ClusterConfig):
         """Check the fields that need neither the plans nor their number.
 
         Raises:
-            CrossoverLaunchError: (``kind="setup"``) an unknown ``mode``, ``warmup_steps < 0``.
+            CrossoverLaunchError: (``kind="setup"``) an unknown ``mode``, ``warmup_steps < 0``,
+                ``step_timeout <= 0``, ``checkpoint_every < 0``, ``keep_checkpoints < 1``,
+                ``eval_every < 0``; the message names the field.
         """
         if self.mode not in MODES:
             raise CrossoverLaunchError(f"unknown co-location mode {self.mode!r}; use one of {', '.join(MODES)}",
                                  kind="setup")
         if self.warmup_steps < 0:
             raise CrossoverLaunchError(f"warmup_steps must be >= 0, got {self.warmup_steps}", kind="setup")
+        self._check_cluster(CrossoverLaunchError)
+        if self.eval_every is not None and self.eval_every < 0:
+            raise CrossoverLaunchError(f"eval_every must be >= 0 (0: only at the end; None: never), got "
+                                       f"{self.eval_every}", kind="setup")
 
     def steps_per_job(self, n: int) -> list[int]:
         """:attr:`steps` for each of ``n`` jobs.

@@ -94,20 +94,18 @@ def _start_workers(worker_cls: type, plan_dict: dict, ws: int, config: LaunchCon
         LaunchError: (``kind="cluster"``) the cluster cannot host the plan.
     """
     seed, lr, fail_at, p2p = config.seed, config.lr, config.fail_at, config.p2p_matching
-    try:
-        backend = _cluster.choose_backend(ws, config.device)
 
+    def make_args(backend: _cluster.Backend):
         def args_for_rank(r: int, addr: str, port: int):
             wc = WorkerConfig(backend=backend.name, seed=seed, lr=lr,
                               optimizer=cast(OptimizerName, optimizer), fail_at=_fail_at_for(fail_at, r),
                               # NCCL: CUDA tensors (the actor sees its one GPU as cuda:0)
                               device="cuda" if backend.use_gpu else None, p2p_matching=p2p or "auto")
             return ((plan_dict, r, ws, addr, port), {"config": wc})
+        return args_for_rank
 
-        pool = _cluster.create_actors(worker_cls, ws, backend, args_for_rank, timeout=max(config.step_timeout, 60.0))
-    except _cluster.ClusterError as e:
-        raise LaunchError(str(e), kind="cluster") from e
-    return pool, backend
+    return _cluster.start_actors(worker_cls, ws, config.device, make_args, step_timeout=config.step_timeout,
+                                 error=LaunchError)
 
 
 @dataclass
@@ -220,9 +218,8 @@ def launch(
     steps = config.steps
     global_bs = dp * m * mbs
     tokens_per_step = global_bs * seq_len
-    optimizer: str | None = config.optimizer
-    optimizer = str(optimizer or par.optimizer)
-    check_optimizer(optimizer)
+    # config.optimizer was checked by config.validate(); the plan's optimizer is checked here
+    optimizer: str = config.optimizer or check_optimizer(str(par.optimizer))
     ck, last_ck = resume_point(config.checkpoint_dir, resume=config.resume, plan=plan, world_size=ws, steps=steps,
                                optimizer=optimizer, error=lambda msg, **kw: LaunchError(msg, kind="setup", **kw))
     if config.resume and config.checkpoint_dir is not None and ck is None:
@@ -280,15 +277,16 @@ def launch(
 
 
 def _notice(callbacks: Sequence[TrainingCallback], message: str) -> None:
-    """``message`` to the log and every callback's ``on_notice``."""
-    logger.info("%s", message)
+    """``message`` to every callback's ``on_notice`` (the CLI prints it there; logged at DEBUG only, so
+    a verbose CLI does not show it twice)."""
+    logger.debug("%s", message)
     for cb in callbacks:
         cb.on_notice(message)
 
 
-def _end(callbacks: Sequence[TrainingCallback], job: int | None = None) -> None:
+def _end(callbacks: Sequence[TrainingCallback]) -> None:
     for cb in callbacks:
-        cb.on_end(job=job)
+        cb.on_end(job=None)
 
 
-__all__ = ["launch", "LaunchConfig", "LaunchResult", "LaunchError", "merge_moe_metrics"]
+__all__ = ["launch", "LaunchResult", "LaunchError", "merge_moe_metrics"]

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.io import Plan
     from runtime.cluster import ActorPool
 
-__all__ = ["LaunchError", "Runner", "as_plan", "describe_failure", "is_comm_error"]
+__all__ = ["CrossoverLaunchError", "LaunchError", "Runner", "as_plan"]
 
 
 class LaunchError(TesselError):
@@ -94,7 +94,7 @@ _COMM_WORDS = ("connection closed", "connection reset", "gloo", "nccl", "timed o
                "peer", "socket", "recv", "send")
 
 
-def describe_failure(exc: BaseException) -> tuple[str, str | None, str]:
+def _describe_failure(exc: BaseException) -> tuple[str, str | None, str]:
     """(kind, instruction, text) of a Ray error from a rank."""
     import ray.exceptions as rex
 
@@ -125,7 +125,7 @@ def describe_failure(exc: BaseException) -> tuple[str, str | None, str]:
     return "raised", instr, f"{type(cause).__name__}: {first}"[:500]
 
 
-def is_comm_error(text: str) -> bool:
+def _is_comm_error(text: str) -> bool:
     """Whether a failure's text reads like a communication error (a peer's closed connection...)."""
     t = text.lower()
     return any(w in t for w in _COMM_WORDS)
@@ -182,13 +182,13 @@ class Runner:
         return f"; the last checkpoint {self.checkpoint} is kept" if self.checkpoint else ""
 
     def _failure_error(self, failures: list[tuple[int, BaseException]], step: int | None, what: str) -> LaunchError:
-        described = [(r, *describe_failure(e)) for r, e in failures]
+        described = [(r, *_describe_failure(e)) for r, e in failures]
 
         def priority(item: tuple[int, str, str | None, str]) -> tuple[int, int]:
             r, kind, instr, text = item
             if kind == "died":
                 return (0, r)
-            if instr is not None or not is_comm_error(text):
+            if instr is not None or not _is_comm_error(text):
                 return (1, r)
             return (2, r)
 

@@ -55,7 +55,7 @@ class StepReport:
         tokens_per_step: tokens in one global batch.
         job: the co-located job's index, or ``None`` for a single-plan launch.
         name: the co-located job's name, or ``None``.
-        gates: the step's MoE gate metrics (``runtime.launcher.merge_moe_metrics``), or ``None``.
+        gates: the step's MoE gate metrics (``runtime.launch_result.merge_moe_metrics``), or ``None``.
         token_wait: co-located jobs: seconds the job's ranks waited for the compute token so far
             (summed over steps, mean over ranks); 0 otherwise.
     """
@@ -322,7 +322,7 @@ class TrainingSession:
                                      keep=self.keep_checkpoints)
         self.runner.checkpoint = str(path)
         for old in _ckpt.list_checkpoints(self.checkpoint_dir):
-            if int(old.name.split("_")[1]) > done:
+            if (_ckpt.checkpoint_step(old) or 0) > done:
                 shutil.rmtree(old, ignore_errors=True)
         logger.info("checkpoint %s", path)
         return str(path)

@@ -14,8 +14,8 @@ checkpoints; only timing changes.
 
 ``MODES`` and ``CrossoverError`` are :mod:`engine.crossover`'s (one definition for planner and
 runtime); a failed co-located launch raises its subclass ``CrossoverLaunchError``
-(:mod:`runtime.runner`, also a ``LaunchError``). The launcher's names are loaded lazily
-(importing the token does not import Ray).
+(:mod:`runtime.runner`, also a ``LaunchError``). The launcher's names, ``CrossoverConfig`` and
+``CrossoverLaunchError`` are loaded lazily (importing the token imports neither Ray nor torch).
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.crossover import MODES, CrossoverError
-from runtime.config import CrossoverConfig
 from runtime.crossover.token import (
     ComputeToken,
     TokenError,
     TokenInterval,
     overlapping_intervals,
 )
-from runtime.runner import CrossoverLaunchError
 
 __all__ = [
     "MODES",
@@ -46,16 +44,25 @@ __all__ = [
     "overlapping_intervals",
 ]
 
-_LAZY = {"launch_crossover", "CrossoverResult", "CrossoverJobResult"}
+#: Lazily loaded names and their modules (``runtime.config`` imports ``runtime.worker``, i.e. torch).
+_LAZY = {
+    "launch_crossover": "runtime.crossover.launcher",
+    "CrossoverResult": "runtime.crossover.result",
+    "CrossoverJobResult": "runtime.crossover.result",
+    "CrossoverConfig": "runtime.config",
+    "CrossoverLaunchError": "runtime.runner",
+}
 
 if TYPE_CHECKING:  # pragma: no cover
+    from runtime.config import CrossoverConfig
     from runtime.crossover.launcher import launch_crossover
     from runtime.crossover.result import CrossoverJobResult, CrossoverResult
+    from runtime.runner import CrossoverLaunchError
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from runtime.crossover import launcher
+        import importlib
 
-        return getattr(launcher, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'runtime.crossover' has no attribute {name!r}")

@@ -64,18 +64,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.crossover import MODES, CrossoverError
 from runtime import checkpoint as _ckpt
 from runtime import cluster as _cluster
-from runtime.config import CrossoverConfig, per_job
+from runtime.config import CrossoverConfig, check_optimizer, per_job
 from runtime.crossover.actor import CrossoverActor
 from runtime.crossover.result import CrossoverJobResult, CrossoverResult, job_label, job_timeline, run_timeline
 from runtime.crossover.token import TokenInterval
 from runtime.runner import CrossoverLaunchError, LaunchError, Runner, as_plan
 from runtime.session import StepReport, TrainingCallback, TrainingSession, restore_checkpoint, resume_point
 
-__all__ = ["MODES", "CrossoverConfig", "CrossoverError", "CrossoverLaunchError", "CrossoverJobResult",
-           "CrossoverResult", "job_label", "launch_crossover"]
+__all__ = ["CrossoverJobResult", "CrossoverResult", "launch_crossover"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +142,6 @@ def _resolve(plans: Sequence[Any], config: CrossoverConfig) -> _Jobs:
     Raises:
         CrossoverLaunchError: (``kind="setup"``) see :func:`launch_crossover`.
     """
-    from runtime.worker import OPTIMIZERS
-
     config.validate()
     plans_in = list(plans)
     n = len(plans_in)
@@ -162,11 +158,10 @@ def _resolve(plans: Sequence[Any], config: CrossoverConfig) -> _Jobs:
         [int(s) for s in per_job(list(config.data_seeds), n, "data_seeds")]
     opts = []
     for j, (o, plan) in enumerate(zip(per_job(config.optimizer, n, "optimizer"), loaded)):
-        o = str(o or plan.parallel.optimizer)
-        if o not in OPTIMIZERS:
-            raise CrossoverLaunchError(f"job {j}: unknown optimizer {o!r}; use one of "
-                                       f"{', '.join(map(repr, OPTIMIZERS))}", job=j, kind="setup")
-        opts.append(o)
+        try:
+            opts.append(check_optimizer(str(o or plan.parallel.optimizer)))
+        except LaunchError as e:
+            raise CrossoverLaunchError(f"job {j}: {e}", job=j, kind="setup") from None
     return _Jobs(loaded=loaded, names=names, ws=ws, steps=steps_j, seeds=seeds, lrs=lrs, data_seeds=dseeds,
                  optimizers=opts, ckdirs=config.checkpoint_dirs_per_job(n), fail_at=config.fail_at_per_job(n))
 
@@ -197,11 +192,10 @@ def _start_actors(js: _Jobs, config: CrossoverConfig) -> tuple[_cluster.ActorPoo
     import ray
 
     ws, step_timeout, fail_at = js.ws, config.step_timeout, js.fail_at
-    try:
-        backend = _cluster.choose_backend(ws, config.device)
-        job_specs = [{"plan": js.loaded[j].to_dict(), "seed": js.seeds[j], "lr": js.lrs[j],
-                      "optimizer": js.optimizers[j]} for j in range(js.n)]
+    job_specs = [{"plan": js.loaded[j].to_dict(), "seed": js.seeds[j], "lr": js.lrs[j],
+                  "optimizer": js.optimizers[j]} for j in range(js.n)]
 
+    def make_args(backend: _cluster.Backend):
         def args_for_rank(r: int, addr: str, port: int):
             specs = []
             for j, s in enumerate(job_specs):
@@ -211,12 +205,11 @@ def _start_actors(js: _Jobs, config: CrossoverConfig) -> tuple[_cluster.ActorPoo
             return ((r, ws, addr, port, specs),
                     {"mode": config.mode, "backend": backend.name, "timeout_s": step_timeout,
                      "token_timeout": step_timeout})
+        return args_for_rank
 
-        actor_cls = ray.remote(max_concurrency=js.n + 2)(CrossoverActor)  # type: ignore[call-overload]
-        pool = _cluster.create_actors(actor_cls, ws, backend, args_for_rank, timeout=max(step_timeout, 60.0))
-    except _cluster.ClusterError as e:
-        raise CrossoverLaunchError(str(e), kind="cluster") from e
-    return pool, backend
+    actor_cls = ray.remote(max_concurrency=js.n + 2)(CrossoverActor)  # type: ignore[call-overload]
+    return _cluster.start_actors(actor_cls, ws, config.device, make_args, step_timeout=step_timeout,
+                                 error=CrossoverLaunchError)
 
 
 class _TimedPhase:
@@ -272,9 +265,9 @@ def _run_job(session: TrainingSession, job: CrossoverJobResult, phase: _TimedPha
     """Job ``session.job``'s step loop (in its driver thread); failures are recorded in ``job``."""
     j = job.index
     began = False
-    for cb in callbacks:
-        cb.on_start(start_step=job.start_step, steps=job.steps, job=j)
     try:
+        for cb in callbacks:
+            cb.on_start(start_step=job.start_step, steps=job.steps, job=j)
         for k, step in enumerate(range(job.start_step, job.steps)):
             if k == min(warmup_steps, job.steps - job.start_step - 1):
                 phase.begin()
@@ -289,7 +282,7 @@ def _run_job(session: TrainingSession, job: CrossoverJobResult, phase: _TimedPha
                 job._t_last = out.t1
                 for res in results:
                     job._events.append((float(res.get("start", out.t0)),
-                                        {"rank": res["rank"], "events": res.get("events", [])}, step))
+                                        {"rank": res["rank"], "events": res.get("events", [])}))
             job.timeline = job_timeline(results, session.world_size)
             report = StepReport(step=step, steps=job.steps, loss=out.loss, seconds=out.seconds,
                                 tokens_per_step=job.tokens_per_step, job=j, name=job.name, token_wait=job.token_wait)
@@ -307,7 +300,8 @@ def _run_job(session: TrainingSession, job: CrossoverJobResult, phase: _TimedPha
         for cb in callbacks:
             cb.on_end(job=j)
         if job.error is not None:
-            logger.warning("job %d (%s) failed: %s", j, job.name, job.error)
+            # INFO: the failure is also raised (or returned in the result), where the caller reports it
+            logger.info("job %d (%s) failed: %s", j, job.name, job.error)
 
 
 def _token_records(pool: _cluster.ActorPool) -> tuple[list[TokenInterval], list[int]]:

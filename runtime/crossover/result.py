@@ -15,9 +15,6 @@ from runtime.crossover.token import TokenInterval, overlapping_intervals
 
 __all__ = ["CrossoverJobResult", "CrossoverResult", "job_label", "job_timeline", "run_timeline"]
 
-#: ``engine.timeline.Event`` carries the job's name (co-located timelines) where it has the field.
-_EVENT_HAS_JOB = "job" in getattr(Event, "__dataclass_fields__", {})
-
 
 def job_label(j: int) -> str:
     """The short label of job ``j`` on co-located timelines: ``A``, ``B``, ... (``J26``... after ``Z``),
@@ -73,7 +70,7 @@ class CrossoverJobResult:
     # internal: perf_counter stamps of the timed phase, step results kept for the run's timeline
     _t_first: float | None = field(default=None, repr=False)
     _t_last: float | None = field(default=None, repr=False)
-    _events: list[tuple[float, dict, int]] = field(default_factory=list, repr=False)
+    _events: list[tuple[float, dict]] = field(default_factory=list, repr=False)  # (rank's step start, result)
 
     @property
     def ok(self) -> bool:
@@ -111,8 +108,8 @@ class CrossoverResult:
         max_holders: per device, the most jobs that were inside a compute section at once (-1 for
             an actor that could not be asked, e.g. one that died).
         timeline: all jobs' measured events of the timed phase on one Timeline (``rank`` = device,
-            names prefixed with the job's label, ``"A 0F0"``, and ``Event.job`` = the label where
-            the Event has that field; seconds from the timed phase's start), or ``None``.
+            names prefixed with the job's label, ``"A 0F0"``, and ``Event.job`` = the label;
+            seconds from the timed phase's start), or ``None``.
         elapsed: seconds of the whole call; ``setup_time``: until every worker was set up.
     """
 
@@ -173,14 +170,11 @@ def run_timeline(jobs: list[CrossoverJobResult], origin: float, ws: int) -> Time
     """Every job's timed events on one Timeline (``rank`` = device, names prefixed with the label)."""
     events = []
     for job in jobs:
-        for start, res, _step in job._events:
+        for start, res in job._events:
             off = start - origin
             for e in res.get("events", []):
-                ev = Event(int(res["rank"]), e["stream"], e["op"], f"{job.label} {e['name']}",
-                           e["start"] + off, max(e["end"], e["start"]) + off, e.get("nbytes", 0),
-                           e.get("micro_batch", -1), e.get("segment", -1))
-                if _EVENT_HAS_JOB:
-                    ev.job = job.label
-                events.append(ev)
+                events.append(Event(int(res["rank"]), e["stream"], e["op"], f"{job.label} {e['name']}",
+                                    e["start"] + off, max(e["end"], e["start"]) + off, e.get("nbytes", 0),
+                                    e.get("micro_batch", -1), e.get("segment", -1), job=job.label))
         job._events = []
     return Timeline(events, [[(0.0, 0)] for _ in range(ws)], ws, [], source="measured") if events else None

@@ -171,6 +171,26 @@ def test_resume_with_another_plan_is_refused_before_starting(straight, tmp_path)
         launch(other, LaunchConfig(steps=6, checkpoint_dir=d / "ckpt", resume=True))
 
 
+@pytest.mark.parametrize("field,value", [
+    ("keep_checkpoints", 0), ("keep_checkpoints", -1), ("checkpoint_every", -1), ("eval_every", -2),
+    ("keep_timelines", -1), ("step_timeout", 0), ("step_timeout", -5.0), ("step_timeout", float("nan")),
+])
+def test_out_of_range_settings_are_refused_before_ray_starts(plan, field, value):
+    """Values that would silently do something else (keep every checkpoint, never time out, ...)
+    are a setup error naming the field, for one plan and (where the field exists) co-located jobs."""
+    from runtime.config import CrossoverConfig
+    from runtime.runner import CrossoverLaunchError
+
+    with pytest.raises(LaunchError, match=field) as info:
+        launch(plan, LaunchConfig(steps=1, **{field: value}))
+    assert info.value.kind == "setup"
+    if field != "keep_timelines":
+        with pytest.raises(CrossoverLaunchError, match=field) as cinfo:
+            CrossoverConfig(**{field: value}).validate()
+        assert cinfo.value.kind == "setup"
+    LaunchConfig(keep_checkpoints=None, checkpoint_every=0, eval_every=0, keep_timelines=0).validate()  # the limits
+
+
 @pytest.mark.timeout(300)
 def test_fault_names_rank_and_instruction_and_cleans_up(plan, no_ray, tmp_path):
     t0 = time.perf_counter()
