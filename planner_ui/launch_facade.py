@@ -12,6 +12,7 @@ thread (a Panel periodic callback), never the other way round.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -55,7 +56,8 @@ class LaunchJob:
         **launch_kw: fields of :class:`runtime.config.LaunchConfig` (``address``, ``device``,
             ``step_timeout``, ``seed``, ``lr``, ``checkpoint_dir``...) besides ``steps``; the
             job's per-step callback feeds :attr:`losses` (``progress`` and ``on_step``, the
-            launcher's former arguments, are ignored).
+            launcher's former arguments, are ignored). Any other name stops the run with
+            :class:`LaunchNotPossible` in :attr:`error` (checked in the job's thread, before Ray starts).
 
     Attributes (written by the job's thread, read by anyone):
         losses: ``[(step, loss)]`` as each step finishes (loss in nats per token).
@@ -97,6 +99,10 @@ class LaunchJob:
             from runtime.launcher import launch
             from runtime.session import StepCallback
 
+            known = sorted(f.name for f in dataclasses.fields(LaunchConfig) if f.name != "steps")
+            unknown = sorted(set(self.launch_kw) - set(known))
+            if unknown:
+                raise LaunchNotPossible(f"unknown launch setting {unknown[0]!r}; use one of {', '.join(known)}")
             config = LaunchConfig(steps=self.steps, **self.launch_kw)
             if self.keep_ray:
                 ensure_ray(config.address)

@@ -73,3 +73,15 @@ def test_launch_streams_losses_and_sets_the_measured_timeline(tiny):
     tr = json.loads(export.measured_trace_json())
     assert tr["metadata"]["measured"] is True
     assert sum(1 for e in tr["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "F") == 2 * 2
+
+
+def test_an_unknown_launch_setting_is_named_before_ray_starts(tiny):
+    """A misspelt ``launch_kw`` key stops the job with a sentence naming it (not a bare TypeError)."""
+    from planner_ui.launch_facade import LaunchJob, LaunchNotPossible
+
+    job = LaunchJob(tiny.plan, steps=1, step_timout=30).start()
+    assert job.join(timeout=120), "the job did not stop"
+    assert isinstance(job.error, LaunchNotPossible)
+    msg = job.error_message()
+    assert msg.startswith("unknown launch setting 'step_timout'; use one of ") and "step_timeout" in msg
+    assert job.result is None
