@@ -89,7 +89,7 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {self.path} has no state for rank {rank} ({f.name} is missing)")
         d = torch.load(f, map_location=map_location, weights_only=False)
         try:
-            return RANK_STATE_ENVELOPE.check(d, f"checkpoint {self.path}", path=f.name)
+            return RANK_STATE_ENVELOPE.check(d, f"checkpoint file {f}")
         except CheckpointError as e:
             raise CheckpointError(f"{e} (not a Tessel rank state)") from None
 
@@ -336,7 +336,7 @@ def load_checkpoint(path: str | os.PathLike, *, plan: Any = None, world_size: in
         meta = json.loads((p / "meta.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {p}: meta.json is unreadable ({e})") from None
-    CHECKPOINT_ENVELOPE.check(meta, f"checkpoint {p}", path="meta.json")
+    CHECKPOINT_ENVELOPE.check(meta, f"checkpoint file {p / 'meta.json'}")
     try:
         ck = Checkpoint(p, int(meta["step"]), str(meta["plan_hash"]), int(meta["world_size"]), meta)
     except (KeyError, TypeError, ValueError) as e:
