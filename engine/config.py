@@ -84,6 +84,14 @@ class ModelRef:
         dtype: parameter/activation dtype of the captured model (``float32``, ``bfloat16``,
             ``float16``); ``None`` when not recorded.
         num_params: parameters of the whole model (count, not bytes); ``None`` when not recorded.
+        task: what the model is trained on, with which loss and data (``tasks.get_task``):
+            ``causal-lm``, ``masked-lm``, ``seq2seq``, ``image-classification`` or a user's
+            ``module:callable``; ``None`` (a plan written before tasks existed) means ``causal-lm``.
+        split: how the runtime cuts the model into pipeline stages: ``tracer``
+            (``torch.distributed.pipelining.pipeline`` over ``torch.export``) or ``module``
+            (torchtitan's manual split: a copy of the model keeping the stage's layers, for
+            ``nn.Sequential`` models); ``None`` (older plans): chosen at launch
+            (``engine.split.choose_split``).
         extra: keys of the JSON section this version does not know (e.g. ``forward``/``backward``
             time units of ``tessel search`` on an abstract placement), written back unchanged.
         json_keys: the keys of the JSON section this was read from, in order (``None`` when built
@@ -98,13 +106,21 @@ class ModelRef:
     seq_len: int | None = None
     dtype: str | None = None
     num_params: int | None = None
+    task: str | None = None
+    split: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     json_keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
 
     _TYPES: ClassVar[dict[str, type | tuple[type, ...]]] = {
         "name": str, "source": (str, type(None)), "config": (dict, type(None)),
         "micro_batch_size": int, "batch_size": (int, type(None)), "seq_len": (int, type(None)),
-        "dtype": (str, type(None)), "num_params": (int, type(None))}
+        "dtype": (str, type(None)), "num_params": (int, type(None)), "task": (str, type(None)),
+        "split": (str, type(None))}
+
+    @property
+    def task_name(self) -> str:
+        """The plan's task, ``causal-lm`` where the plan does not record one."""
+        return self.task or "causal-lm"
 
     def recorded(self, key: str) -> bool:
         """Whether the JSON section has ``key`` (always true for a field of one built in code)."""
@@ -116,7 +132,8 @@ class ModelRef:
         """The JSON section ``model`` (see the module docstring for which keys)."""
         values = {"name": self.name, "source": self.source, "config": self.config,
                   "micro_batch_size": self.micro_batch_size, "batch_size": self.batch_size,
-                  "seq_len": self.seq_len, "dtype": self.dtype, "num_params": self.num_params}
+                  "seq_len": self.seq_len, "dtype": self.dtype, "num_params": self.num_params,
+                  "task": self.task, "split": self.split}
         return _write(self, values)
 
     @classmethod

@@ -31,6 +31,7 @@ from engine.models.moe.comm import (
 from engine.placement import Placement
 from engine.schedule import Schedule
 from engine.simulate import simulate
+from engine.split import choose_split
 from engine.timeline import Timeline
 from engine.transform import (
     PARAM_STATE_FACTOR,
@@ -108,6 +109,7 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
 def make_plan(
     model: str | ModelBundle,
     *,
+    task: str | None = None,
     devices: int = 4,
     micro_batches: int = 8,
     schedule: str = "1f1b",
@@ -128,6 +130,8 @@ def make_plan(
 
     Args:
         model: a registry name (``gpt2``, ``gpt3-175b``, ``module:callable``...) or a built bundle.
+        task: the training task recorded in the plan (``causal-lm``, ``masked-lm``, ``seq2seq``,
+            ``image-classification``, ``module:callable``; :mod:`tasks`); ``None``: the model's own.
         devices: total devices; the pipeline degree is ``devices / (dp * tp)``.
         micro_batches: ``m`` per step.
         schedule: ``gpipe``, ``1f1b``, ``interleaved`` or ``zb-h1``.
@@ -179,7 +183,9 @@ def make_plan(
     if not isinstance(tdtype, torch.dtype):
         raise TransformError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
     bundle = model if isinstance(model, ModelBundle) else build_model(model, batch_size=micro_batch_size,
-                                                                      seq_len=seq_len, dtype=tdtype)
+                                                                      seq_len=seq_len, dtype=tdtype, task=task)
+    if task is not None:
+        bundle.task = task
     # MoE expert parallelism over the data-parallel group: experts must split evenly over dp
     moe_layers = find_moe_layers(bundle.module, max(1, bundle.batch_size * (bundle.seq_len or 1)))
     check_expert_parallel(moe_layers, dp, bundle.name)
@@ -242,7 +248,8 @@ def make_plan(
         model=ModelRef(name=bundle.name, source=bundle.source, config=bundle.config,
                        micro_batch_size=micro_batch_size, batch_size=micro_batch_size * micro_batches * dp,
                        seq_len=bundle.seq_len, dtype=graph.graph.get("dtype", "float32"),
-                       num_params=graph.graph.get("num_params")),
+                       num_params=graph.graph.get("num_params"), task=bundle.task,
+                       split=choose_split(bundle.module)),
         parallel=replace(config, optimizer=cast(OptimizerKind, optimizer)),
         segments=seg_dicts,
         schedule=sched,

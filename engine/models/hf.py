@@ -45,6 +45,23 @@ HF_SPECS: dict[str, tuple[str, str, dict[str, Any], int, str]] = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None), 128,
         "HF Llama, 4 layers, hidden 64, 4 heads / 2 KV heads (GQA), byte vocab 256"),
+    "mixtral-tiny": ("MixtralForCausalLM", "MixtralConfig", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None), 128,
+        "HF Mixtral, 4 layers, hidden 64, 4 heads / 2 KV heads, 4 experts top-2 (sparse MoE in every "
+        "layer), byte vocab 256"),
+    "bert-tiny": ("BertForMaskedLM", "BertConfig", dict(
+        vocab_size=260, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=128, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0), 128,
+        "HF BERT masked LM, 4 layers, hidden 64, 4 heads, vocab 260 (bytes + [MASK] = 259), task masked-lm"),
+    "t5-tiny": ("T5ForConditionalGeneration", "T5Config", dict(
+        vocab_size=300, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=None), 128,
+        "HF T5 encoder-decoder, 2+2 layers, d_model 64, 4 heads, vocab 300 (bytes + sentinels from 299 "
+        "down), task seq2seq (span corruption)"),
     "llama-7b": ("LlamaForCausalLM", "LlamaConfig", dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
@@ -55,21 +72,82 @@ HF_SPECS: dict[str, tuple[str, str, dict[str, Any], int, str]] = {
 _CLASSES: dict[str, type] = {}
 
 
+def _cache_kw(hf_cls: type) -> dict[str, Any]:
+    """``use_cache=False`` where the HF forward takes it (decoders), nothing elsewhere (BERT)."""
+    import inspect
+    params = inspect.signature(hf_cls.forward).parameters
+    return {"use_cache": False} if "use_cache" in params else {}
+
+
 class _LogitsOnly:
-    """Mixin: ``forward(input_ids [B, T] int64) -> logits [B, T, vocab]``."""
+    """Mixin: ``forward(input_ids [B, T] int64) -> logits [B, T, vocab]`` (causal and masked LMs)."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # noqa: D401
         parent: Any = super()  # the HF class this mixin is combined with (logits_only_class)
-        return parent.forward(input_ids=input_ids, use_cache=False).logits
+        return parent.forward(input_ids=input_ids, **self._tessel_forward_kw).logits
+
+
+class _Seq2SeqLogitsOnly:
+    """Mixin: ``forward(input_ids [B, T] int64, decoder_input_ids [B, T'] int64) -> logits
+    [B, T', vocab]`` (encoder-decoder models such as T5)."""
+
+    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:  # noqa: D401
+        parent: Any = super()
+        return parent.forward(input_ids=input_ids, decoder_input_ids=decoder_input_ids, use_cache=False).logits
+
+
+class _ImageLogitsOnly:
+    """Mixin: ``forward(pixel_values [B, C, H, W] float) -> logits [B, classes]`` (image classifiers)."""
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # noqa: D401
+        parent: Any = super()
+        return parent.forward(pixel_values=pixel_values).logits
+
+
+def input_names(hf_cls: type) -> tuple[str, ...]:
+    """The positional inputs of the logits-only form of ``hf_cls``: ``("input_ids",)``,
+    ``("input_ids", "decoder_input_ids")`` (encoder-decoder) or ``("pixel_values",)``."""
+    import inspect
+    if getattr(hf_cls, "main_input_name", "input_ids") == "pixel_values":
+        return ("pixel_values",)
+    if "decoder_input_ids" in inspect.signature(hf_cls.forward).parameters:
+        return ("input_ids", "decoder_input_ids")
+    return ("input_ids",)
 
 
 def logits_only_class(hf_cls: type) -> type:
-    """The transparent logits-only subclass of an HF causal-LM class (cached)."""
+    """The transparent logits-only subclass of an HF model class (cached); its ``forward`` takes
+    :func:`input_names` positionally and returns ``.logits``. An already logits-only class is
+    returned as is."""
+    if hf_cls.__name__.endswith("LogitsOnly"):
+        return hf_cls
     name = f"{hf_cls.__name__}LogitsOnly"
     if name not in _CLASSES:
-        _CLASSES[name] = type(name, (_LogitsOnly, hf_cls), {"__module__": __name__,
-                                                             "__qualname__": name})
+        mixin = {("input_ids",): _LogitsOnly, ("input_ids", "decoder_input_ids"): _Seq2SeqLogitsOnly,
+                 ("pixel_values",): _ImageLogitsOnly}[input_names(hf_cls)]
+        _CLASSES[name] = type(name, (mixin, hf_cls), {"__module__": __name__, "__qualname__": name,
+                                                      "_tessel_forward_kw": _cache_kw(hf_cls)})
     return _CLASSES[name]
+
+
+def is_hf_model(module: Any) -> bool:
+    """``module`` is a ``transformers.PreTrainedModel`` (without importing transformers if it is
+    not loaded yet)."""
+    import sys
+    tr = sys.modules.get("transformers")
+    return tr is not None and isinstance(module, tr.PreTrainedModel)
+
+
+def hf_task(hf_cls: type) -> str:
+    """The built-in task an HF model class trains on: ``seq2seq`` (encoder-decoder),
+    ``image-classification`` (pixel inputs), ``masked-lm`` (``...ForMaskedLM``), else ``causal-lm``."""
+    names = input_names(hf_cls)
+    if names == ("pixel_values",):
+        return "image-classification"
+    if len(names) == 2:
+        return "seq2seq"
+    base = hf_cls.__name__.removesuffix("LogitsOnly")
+    return "masked-lm" if base.endswith("ForMaskedLM") else "causal-lm"
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: lets pickle find the generated classes

@@ -51,6 +51,8 @@ class ModelBundle:
         config: JSON-able model configuration.
         batch_size, seq_len: shape of the example inputs (``seq_len`` None when not a sequence
             model).
+        task: the task the model trains on (``causal-lm``, ``masked-lm``, ``seq2seq``,
+            ``image-classification`` or a user's ``module:callable``; see :mod:`tasks`).
     """
 
     module: nn.Module
@@ -60,6 +62,7 @@ class ModelBundle:
     config: dict = field(default_factory=dict)
     batch_size: int = 1
     seq_len: int | None = None
+    task: str = "causal-lm"
 
     def capture(self, **kwargs: Any):
         """Shortcut for ``engine.graph.capture(self, **kwargs)`` -> OpGraph."""
@@ -76,6 +79,7 @@ class _Spec:
     default_seq_len: int
     vocab_size: Callable[[dict], int]
     max_seq_len: Callable[[dict], int | None]
+    task: str = "causal-lm"
 
 
 _REGISTRY: dict[str, _Spec] = {}
@@ -84,7 +88,8 @@ _REGISTRY: dict[str, _Spec] = {}
 def register_model(name: str, builder: Callable[..., tuple[nn.Module, dict]], *,
                    description: str, default_seq_len: int, source: str = "zoo",
                    vocab_size: Callable[[dict], int] = lambda c: int(c["vocab_size"]),
-                   max_seq_len: Callable[[dict], int | None] = lambda c: None) -> None:
+                   max_seq_len: Callable[[dict], int | None] = lambda c: None,
+                   task: str = "causal-lm") -> None:
     """Add a named language model to the registry.
 
     Args:
@@ -94,16 +99,19 @@ def register_model(name: str, builder: Callable[..., tuple[nn.Module, dict]], *,
         default_seq_len: sequence length when ``build_model(seq_len=None)``.
         vocab_size / max_seq_len: read them from the config dict (for example inputs and the
             ``seq_len`` check).
+        task: the built-in task it trains on (its example inputs follow the task: token ids
+            ``[B, T]``; seq2seq adds decoder ids ``[B, T']``; images ``[B, 1, 8, 8]``).
     """
     _REGISTRY[name] = _Spec(name, description, source, builder, default_seq_len, vocab_size,
-                            max_seq_len)
+                            max_seq_len, task)
 
 
 for _name, (_arch, _cfgcls, _kw, _seq, _desc) in _hf.HF_SPECS.items():
     register_model(_name, (lambda n: lambda device, dtype: _hf.build_hf(n, device=device,
                                                                        dtype=dtype))(_name),
                    description=_desc, default_seq_len=_seq, source="hf",
-                   vocab_size=_hf.vocab_size, max_seq_len=_hf.max_positions)
+                   vocab_size=_hf.vocab_size, max_seq_len=_hf.max_positions,
+                   task={"BertForMaskedLM": "masked-lm", "T5ForConditionalGeneration": "seq2seq"}.get(_arch, "causal-lm"))
 
 
 def _build_tessel_gpt(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
@@ -170,6 +178,19 @@ register_model("gpt2-small-cpu", _build_gpt2_small_cpu,
                max_seq_len=_hf.max_positions)
 
 
+def _build_digits_cnn(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+    from .cnn import digits_cnn
+    with torch.device(device):
+        m = digits_cnn()
+    return m.to(dtype=dtype), {"architecture": "digits_cnn", "num_classes": 10, "image": [1, 8, 8]}
+
+
+register_model("cnn-digits", _build_digits_cnn,
+               description="small CNN (nn.Sequential: 2 conv, max-pool, 2 linear) classifying scikit-learn's "
+                           "load_digits 8x8 images into 10 classes (~44k params), task image-classification",
+               default_seq_len=0, source="zoo", vocab_size=lambda c: 0, task="image-classification")
+
+
 def list_models() -> dict[str, str]:
     """Built-in model names -> one-line descriptions (plus the ``module:callable`` form)."""
     out = {n: s.description for n, s in _REGISTRY.items()}
@@ -195,7 +216,7 @@ def _token_ids(batch: int, seq: int, vocab: int, device: Any) -> torch.Tensor:
 
 def build_model(name: str, *, batch_size: int = 1, seq_len: int | None = None,
                 device: str | torch.device = "meta",
-                dtype: torch.dtype = torch.float32) -> ModelBundle:
+                dtype: torch.dtype = torch.float32, task: str | None = None) -> ModelBundle:
     """Build model ``name`` and example inputs.
 
     Args:
@@ -205,6 +226,9 @@ def build_model(name: str, *, batch_size: int = 1, seq_len: int | None = None,
             2048 for gpt3-175b / llama-7b, 128 for the tiny models).
         device: ``"meta"`` (default: shapes only, no memory) or a real device.
         dtype: floating-point dtype of parameters.
+        task: the task (``causal-lm``, ``masked-lm``, ``seq2seq``, ``image-classification``,
+            ``module:callable``); ``None``: the model's own (built-in) or :func:`infer_task`
+            (user code). It decides the example inputs of a user model that returns none.
 
     Returns:
         :class:`ModelBundle`; built-in models take ``(input_ids,)`` int64 ``[batch, seq]``
@@ -220,22 +244,39 @@ def build_model(name: str, *, batch_size: int = 1, seq_len: int | None = None,
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if ":" in name and name not in _REGISTRY:
         return _build_user(name, batch_size=batch_size, seq_len=seq_len, device=device,
-                           dtype=dtype)
+                           dtype=dtype, task=task)
     spec = _REGISTRY.get(name)
     if spec is None:
         raise _not_found(name)
     module, config = spec.builder(device=device, dtype=dtype)
+    if spec.task == "image-classification":
+        shape = tuple(config.get("image", (1, 8, 8)))
+        images = torch.zeros((batch_size, *shape), dtype=dtype, device=device)
+        return ModelBundle(module=module, example_inputs=(images,), name=name, source=spec.source,
+                           config=config, batch_size=batch_size, seq_len=None, task=task or spec.task)
     seq = seq_len or spec.default_seq_len
     limit = spec.max_seq_len(config)
     if limit is not None and seq > limit:
         raise ValueError(f"seq_len={seq} exceeds {name}'s maximum of {limit} positions")
-    inputs = (_token_ids(batch_size, seq, spec.vocab_size(config), device),)
+    inputs = example_token_inputs(spec.task, batch_size, seq, spec.vocab_size(config), device)
     return ModelBundle(module=module, example_inputs=inputs, name=name, source=spec.source,
-                       config=config, batch_size=batch_size, seq_len=seq)
+                       config=config, batch_size=batch_size, seq_len=seq, task=task or spec.task)
+
+
+def example_token_inputs(task: str, batch: int, seq: int, vocab: int, device: Any) -> tuple:
+    """Example inputs of a text task: ``(input_ids [batch, seq],)``, plus ``decoder_input_ids
+    [batch, T']`` for ``seq2seq`` (``T'`` = the span-corruption target length,
+    :func:`tasks.span.span_corruption_lengths`)."""
+    ids = _token_ids(batch, seq, vocab, device)
+    if task != "seq2seq":
+        return (ids,)
+    from tasks.span import span_corruption_lengths
+    _, tgt = span_corruption_lengths(seq)
+    return (ids, _token_ids(batch, tgt, vocab, device))
 
 
 def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
-                dtype: torch.dtype) -> ModelBundle:
+                dtype: torch.dtype, task: str | None = None) -> ModelBundle:
     mod_name, _, attr = name.partition(":")
     try:
         mod = importlib.import_module(mod_name)
@@ -265,13 +306,27 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
         raise ModelBuildError(f"{name} returned {type(result).__name__}; expected an nn.Module or "
                         f"(module, example_inputs)")
     module = module.to(device=device, dtype=dtype)
+    if _hf.is_hf_model(module):   # transparent: same module tree, forward returns logits
+        module.__class__ = _hf.logits_only_class(type(module))
+        if getattr(module.config, "use_cache", None):
+            module.config.use_cache = False
+    if inputs is not None and not isinstance(inputs, tuple):
+        inputs = tuple(inputs) if isinstance(inputs, list) else (inputs,)
+    task = task or infer_task(module, inputs)
     seq = seq_len
     if inputs is None:
-        seq = seq_len or 128
-        vocab = getattr(getattr(module, "config", None), "vocab_size", None) or 2
-        inputs = (_token_ids(batch_size, seq, int(vocab), device),)
-    elif not isinstance(inputs, tuple):
-        inputs = tuple(inputs) if isinstance(inputs, list) else (inputs,)
+        if task == "image-classification":
+            raise ModelBuildError(f"{name} returned only a module for an image task; return "
+                                  "(module, example_inputs) with example images [batch, C, H, W]")
+        if ":" in task:
+            from tasks import TaskContext, get_task
+            ctx = TaskContext(seq_len=seq_len, vocab_size=_vocab(module), model_name=name)
+            inputs = tuple(get_task(task, ctx).example_inputs(batch_size))
+            if torch.device(device).type == "meta":
+                inputs = tuple(t.to("meta") for t in inputs)
+        else:
+            seq = seq_len or 128
+            inputs = example_token_inputs(task, batch_size, seq, _vocab(module) or 2, device)
     first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
     if first is not None and first.dim() >= 1:
         batch_size = int(first.shape[0])
@@ -283,4 +338,22 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
         import json
         config["config"] = json.loads(json.dumps(cfg.to_dict(), default=str))
     return ModelBundle(module=module, example_inputs=inputs, name=name, source="user",
-                       config=config, batch_size=batch_size, seq_len=seq)
+                       config=config, batch_size=batch_size, seq_len=seq, task=task)
+
+
+def _vocab(module: nn.Module) -> int | None:
+    v = getattr(getattr(module, "config", None), "vocab_size", None)
+    return int(v) if v else None
+
+
+def infer_task(module: nn.Module, inputs: tuple | None) -> str:
+    """The built-in task a user's model most likely trains on: an HF model's by its class
+    (:func:`engine.models.hf.hf_task`); else ``image-classification`` when the first example
+    input is a float tensor with 3+ dimensions, else ``causal-lm`` (token ids). ``tessel plan
+    --task`` overrides it."""
+    if _hf.is_hf_model(module):
+        return _hf.hf_task(type(module))
+    first = next((t for t in inputs or () if isinstance(t, torch.Tensor)), None)
+    if first is not None and first.is_floating_point() and first.dim() >= 3:
+        return "image-classification"
+    return "causal-lm"

@@ -58,7 +58,7 @@ def test_built_in_code_writes_every_field_in_the_v1_order():
     assert list(par.to_dict()) == ["dp", "tp", "pp", "virtual_stages", "micro_batches", "micro_batch_size",
                                    "devices", "optimizer"]
     assert list(ModelRef("m").to_dict()) == ["name", "source", "config", "micro_batch_size", "batch_size",
-                                             "seq_len", "dtype", "num_params"]
+                                             "seq_len", "dtype", "num_params", "task", "split"]
 
 
 def test_missing_micro_batches_default_to_the_schedules():

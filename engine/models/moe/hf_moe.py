@@ -1,0 +1,79 @@
+"""Hugging Face sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE style).
+
+transformers 5 writes these blocks as ``block.gate`` (a top-k router: ``gate(x [N, H]) ->
+(router_logits [N, E], top_k_weights [N, k], top_k_index [N, k])``) and ``block.experts`` (the
+experts' weights stacked in 3-D parameters, ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``,
+called as ``experts(x [N, H], top_k_index, top_k_weights) -> [N, H]``). Every token runs through
+exactly ``k`` experts (no capacity limit, no dropped tokens).
+
+:func:`hf_moe_blocks` finds them so the planner counts their experts' FLOPs and plans expert
+parallelism for them, and the runtime keeps them eager inside traced stages and splits their
+experts over the data-parallel replicas.
+
+Source: transformers ``models/mixtral/modeling_mixtral.py`` (``MixtralSparseMoeBlock``,
+``MixtralTopKRouter``, ``MixtralExperts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["HFMoEBlock", "hf_moe_blocks", "is_hf_moe_block"]
+
+
+@dataclass(frozen=True)
+class HFMoEBlock:
+    """Shape of one HF sparse MoE block.
+
+    Attributes:
+        path: module path (``model.layers.3.mlp``).
+        num_experts: ``E``.
+        top_k: experts per token ``k``.
+        hidden: model width ``H``.
+        intermediate: expert FFN width ``I``.
+        expert_param_bytes: bytes of all ``E`` experts' parameters.
+        dtype_bytes: bytes per parameter element.
+    """
+
+    path: str
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    expert_param_bytes: int
+    dtype_bytes: int
+
+    def forward_flops(self, tokens: int) -> float:
+        """Experts' forward FLOPs for ``tokens`` tokens: each token runs ``k`` SwiGLU experts, two
+        matmuls ``H -> 2I`` and one ``I -> H``: ``2 * tokens * k * (H*2I + I*H)`` (plus the router's
+        ``2 * tokens * H * E``)."""
+        per_token = 2 * self.top_k * (self.hidden * 2 * self.intermediate + self.intermediate * self.hidden)
+        return float(tokens * (per_token + 2 * self.hidden * self.num_experts))
+
+
+def is_hf_moe_block(m: nn.Module) -> bool:
+    """``m`` has a router ``gate`` and an ``experts`` child holding 3-D ``gate_up_proj`` and
+    ``down_proj`` parameters (the transformers 5 sparse MoE block layout)."""
+    experts = getattr(m, "experts", None)
+    gate = getattr(m, "gate", None)
+    if not isinstance(experts, nn.Module) or not isinstance(gate, nn.Module):
+        return False
+    gu = getattr(experts, "gate_up_proj", None)
+    dn = getattr(experts, "down_proj", None)
+    return isinstance(gu, nn.Parameter) and isinstance(dn, nn.Parameter) and gu.dim() == 3 and dn.dim() == 3
+
+
+def hf_moe_blocks(model: nn.Module) -> list[HFMoEBlock]:
+    """Every HF sparse MoE block of ``model`` in module order (works on the meta device)."""
+    out = []
+    for path, m in model.named_modules():
+        if not is_hf_moe_block(m):
+            continue
+        gu, dn = m.experts.gate_up_proj, m.experts.down_proj
+        e, two_i, h = (int(x) for x in gu.shape)
+        k = int(getattr(m, "top_k", None) or getattr(m.gate, "top_k", 1))
+        nbytes = sum(p.numel() * p.element_size() for p in m.experts.parameters())
+        out.append(HFMoEBlock(path, e, k, h, two_i // 2, int(nbytes), int(gu.element_size())))
+    return out
