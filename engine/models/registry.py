@@ -106,12 +106,14 @@ def register_model(name: str, builder: Callable[..., tuple[nn.Module, dict]], *,
                             max_seq_len, task)
 
 
+_HF_TASKS = {"BertForMaskedLM": "masked-lm", "T5ForConditionalGeneration": "seq2seq"}
+
 for _name, (_arch, _cfgcls, _kw, _seq, _desc) in _hf.HF_SPECS.items():
     register_model(_name, (lambda n: lambda device, dtype: _hf.build_hf(n, device=device,
                                                                        dtype=dtype))(_name),
                    description=_desc, default_seq_len=_seq, source="hf",
                    vocab_size=_hf.vocab_size, max_seq_len=_hf.max_positions,
-                   task={"BertForMaskedLM": "masked-lm", "T5ForConditionalGeneration": "seq2seq"}.get(_arch, "causal-lm"))
+                   task=_HF_TASKS.get(_arch, "causal-lm"))
 
 
 def _build_tessel_gpt(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
