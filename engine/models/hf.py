@@ -75,12 +75,15 @@ _CLASSES: dict[str, type] = {}
 def _cache_kw(hf_cls: type) -> dict[str, Any]:
     """``use_cache=False`` where the HF forward takes it (decoders), nothing elsewhere (BERT)."""
     import inspect
-    params = inspect.signature(hf_cls.forward).parameters
+    forward: Any = hf_cls.forward
+    params = inspect.signature(forward).parameters
     return {"use_cache": False} if "use_cache" in params else {}
 
 
 class _LogitsOnly:
     """Mixin: ``forward(input_ids [B, T] int64) -> logits [B, T, vocab]`` (causal and masked LMs)."""
+
+    _tessel_forward_kw: dict[str, Any] = {}   # set per class by logits_only_class
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # noqa: D401
         parent: Any = super()  # the HF class this mixin is combined with (logits_only_class)
@@ -110,7 +113,8 @@ def input_names(hf_cls: type) -> tuple[str, ...]:
     import inspect
     if getattr(hf_cls, "main_input_name", "input_ids") == "pixel_values":
         return ("pixel_values",)
-    if "decoder_input_ids" in inspect.signature(hf_cls.forward).parameters:
+    forward: Any = hf_cls.forward
+    if "decoder_input_ids" in inspect.signature(forward).parameters:
         return ("input_ids", "decoder_input_ids")
     return ("input_ids",)
 

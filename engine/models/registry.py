@@ -310,8 +310,9 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
     module = module.to(device=device, dtype=dtype)
     if _hf.is_hf_model(module):   # transparent: same module tree, forward returns logits
         module.__class__ = _hf.logits_only_class(type(module))
-        if getattr(module.config, "use_cache", None):
-            module.config.use_cache = False
+        hf_config: Any = module.config
+        if getattr(hf_config, "use_cache", None):
+            hf_config.use_cache = False
     if inputs is not None and not isinstance(inputs, tuple):
         inputs = tuple(inputs) if isinstance(inputs, list) else (inputs,)
     task = task or infer_task(module, inputs)

@@ -17,6 +17,7 @@ Source: transformers ``models/mixtral/modeling_mixtral.py`` (``MixtralSparseMoeB
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -71,9 +72,10 @@ def hf_moe_blocks(model: nn.Module) -> list[HFMoEBlock]:
     for path, m in model.named_modules():
         if not is_hf_moe_block(m):
             continue
-        gu, dn = m.experts.gate_up_proj, m.experts.down_proj
+        gu = m.experts.gate_up_proj
         e, two_i, h = (int(x) for x in gu.shape)
-        k = int(getattr(m, "top_k", None) or getattr(m.gate, "top_k", 1))
+        k_attr: Any = getattr(m, "top_k", None) or getattr(m.gate, "top_k", 1)
+        k = int(k_attr)
         nbytes = sum(p.numel() * p.element_size() for p in m.experts.parameters())
         out.append(HFMoEBlock(path, e, k, h, two_i // 2, int(nbytes), int(gu.element_size())))
     return out
