@@ -75,7 +75,8 @@ _CLASSES: dict[str, type] = {}
 def _cache_kw(hf_cls: type) -> dict[str, Any]:
     """``use_cache=False`` where the HF forward takes it (decoders), nothing elsewhere (BERT)."""
     import inspect
-    forward: Any = hf_cls.forward
+    cls_any: Any = hf_cls
+    forward = cls_any.forward
     params = inspect.signature(forward).parameters
     return {"use_cache": False} if "use_cache" in params else {}
 
@@ -113,7 +114,8 @@ def input_names(hf_cls: type) -> tuple[str, ...]:
     import inspect
     if getattr(hf_cls, "main_input_name", "input_ids") == "pixel_values":
         return ("pixel_values",)
-    forward: Any = hf_cls.forward
+    cls_any: Any = hf_cls
+    forward = cls_any.forward
     if "decoder_input_ids" in inspect.signature(forward).parameters:
         return ("input_ids", "decoder_input_ids")
     return ("input_ids",)
