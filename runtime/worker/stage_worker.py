@@ -401,7 +401,8 @@ class StageWorker:
         ``{"rank", "pp_rank", "dp_index", "segments": {segment: {param name: tensor}},
         "optimizer": torch optimizer state_dict or None}``. Parameter names are the original
         model's; tied copies appear under each holder's name; with expert parallelism each replica
-        saves only its own experts, under their GLOBAL names, so
+        saves only its own experts, under their GLOBAL names (HF MoE blocks: the rows ``[d*E/dp,
+        (d+1)*E/dp)`` of each 3-D expert weight under the unsplit name, listed in ``expert_slices``), so
         :func:`~runtime.worker.state.merge_model_state` of all ranks' states is the unsplit model's
         ``state_dict``. Every tensor is a CPU tensor, also on CUDA. Raises :class:`WorkerError`
         before setup.

@@ -139,6 +139,25 @@ def _uneven_case(rank: int, res: dict) -> None:
         ep.comm_log.clear()
 
 
+def _ids(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10 + rank)
+    return torch.randint(0, 64, (2, 5 + rank), generator=g)   # [B, T]: a different length per rank
+
+
+def _model_case(rank: int, res: dict) -> None:
+    """A 2-layer MixtralModel (attention, norms, two MoE blocks) under the worker's split."""
+    from runtime.expert_parallel import is_expert_param
+    from runtime.worker.moe import expert_parallelize
+
+    model = _model()
+    expert_parallelize({0: model}, WORLD, None)
+    h = model(input_ids=_ids(rank)).last_hidden_state
+    h.pow(2).mean().backward()
+    res["h"] = h.detach().clone()
+    res["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    res["expert"] = sorted(n for n, p in model.named_parameters() if is_expert_param(p))
+
+
 def _state_case(rank: int, res: dict) -> None:
     import torch.distributed as dist
 
@@ -181,6 +200,7 @@ def _worker(rank, store_path, out_dir):
                                 world_size=WORLD, timeout=datetime.timedelta(seconds=30))
         _block_case(rank, res.setdefault("block", {}))
         _uneven_case(rank, res.setdefault("uneven", {}))
+        _model_case(rank, res.setdefault("model", {}))
         _state_case(rank, res.setdefault("state", {}))
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
@@ -311,6 +331,25 @@ def test_uneven_routing_with_zero_size_splits(results, case):
     if case == "other_rank":   # rank 0 sent all 12 assignments (12 rows x 32 float32) to rank 1
         assert results[0]["uneven"][case]["bytes"][:2] == [12 * 32 * 4, 0]
         assert results[1]["uneven"][case]["bytes"][:2] == [0, 12 * 32 * 4]
+
+
+def test_mixtral_model_outputs_and_grads_equal_the_unsplit_model(results):
+    """Each rank's last hidden state equals the unsplit model's on that rank's batch; the summed
+    replicated gradients and the concatenated expert gradients equal the unsplit model's gradients
+    of the sum of both ranks' losses."""
+    model = _model()
+    total = 0.0
+    for r, res in enumerate(results):
+        h = model(input_ids=_ids(r)).last_hidden_state
+        _close(res["model"]["h"], h.detach())
+        total = total + h.pow(2).mean()
+    total.backward()
+    expert = set(results[0]["model"]["expert"])
+    assert len(expert) == 4   # gate_up_proj and down_proj of both layers
+    for name, p in model.named_parameters():
+        parts = [res["model"]["grads"][name] for res in results]
+        got = torch.cat(parts) if name in expert else sum(parts)
+        _close(got, p.grad)
 
 
 def test_checkpoint_merge_and_reload_round_trip(results):
