@@ -24,7 +24,7 @@ from runtime.worker.grad_sync import GradientSync, TiedCopies
 from runtime.worker.groups import ProcessGroups, build_groups, connect_pairs, init_default_group
 from runtime.worker.lowering import local_stream
 from runtime.worker.metrics import ActivationMeter, rss
-from runtime.worker.moe import expert_parallelize
+from runtime.worker.moe import expert_parallel_layers, expert_parallelize, has_moe
 from runtime.worker.optimizer import WorkerOptimizer
 from runtime.worker.p2p import OrderedMatching, P2PMatcher, TagMatching
 from runtime.worker.p2p_order import check_own_stream, pair_send_orders
@@ -120,7 +120,8 @@ class StageWorker:
         tied_bytes, removed = self._build_stages(plan)
         self.moe_layers = {s: [(n, m) for n, m in self.modules[s].named_modules() if isinstance(m, MoEFeedForward)]
                            for s in self.segments}
-        self.ep_layers = [m for s in self.segments for _, m in self.moe_layers[s] if isinstance(m, ExpertParallelMoE)]
+        # ExpertParallelMoE layers and the HFExpertParallel experts of HF MoE blocks (their comm_log)
+        self.ep_layers: list[Any] = expert_parallel_layers(self.modules)
         if self._cuda:
             from runtime.stage import retarget_device
             for s in self.segments:
@@ -222,7 +223,7 @@ class StageWorker:
         self.seg_rank = {s: pl.spec("F", s).devices[0] for s in range(self.S)}
         self.segments = sorted(s for s in range(self.S) if self.seg_rank[s] == self.pp_rank)
         self.modules = {s: stages.modules[s] for s in self.segments}
-        model_has_moe = any(isinstance(x, MoEFeedForward) for m in stages.modules.values() for x in m.modules())
+        model_has_moe = has_moe(stages.modules)   # MoEFeedForward layers or HF sparse MoE blocks
         tied_bytes = []   # bytes of one copy of each tied group (for the tied ALLREDUCE instructions)
         for group in self.tied:
             s0, n0 = group[0]
@@ -400,7 +401,8 @@ class StageWorker:
         ``{"rank", "pp_rank", "dp_index", "segments": {segment: {param name: tensor}},
         "optimizer": torch optimizer state_dict or None}``. Parameter names are the original
         model's; tied copies appear under each holder's name; with expert parallelism each replica
-        saves only its own experts, under their GLOBAL names, so
+        saves only its own experts, under their GLOBAL names (HF MoE blocks: the rows ``[d*E/dp,
+        (d+1)*E/dp)`` of each 3-D expert weight under the unsplit name, listed in ``expert_slices``), so
         :func:`~runtime.worker.state.merge_model_state` of all ranks' states is the unsplit model's
         ``state_dict``. Every tensor is a CPU tensor, also on CUDA. Raises :class:`WorkerError`
         before setup.

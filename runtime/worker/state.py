@@ -13,15 +13,36 @@ from runtime.worker.errors import WorkerError
 if TYPE_CHECKING:
     from runtime.worker.stage_worker import StageWorker
 
-__all__ = ["load_worker_state", "merge_model_state", "worker_state"]
+__all__ = ["expert_slices", "load_worker_state", "merge_model_state", "worker_state"]
+
+
+def expert_slices(module: torch.nn.Module) -> dict[str, list[int]]:
+    """``{state_dict key: [first expert, end expert, E]}`` for each expert-sliced parameter of
+    ``module`` (the 3-D weights of :class:`~runtime.expert_parallel_hf.HFExpertParallel`), under
+    every key ``module.state_dict()`` gives it; ``{}`` without such parameters."""
+    from runtime.expert_parallel_hf import HFExpertParallel
+
+    owned: dict[int, list[int]] = {}
+    for m in module.modules():
+        if isinstance(m, HFExpertParallel):
+            for name, (lo, hi, e) in m.shard_info().items():
+                owned[id(getattr(m, name))] = [lo, hi, e]
+    if not owned:
+        return {}
+    return {k: owned[id(v)] for k, v in module.state_dict(keep_vars=True).items() if id(v) in owned}
 
 
 def worker_state(w: StageWorker) -> dict:
     """:meth:`StageWorker.state_dict`: ``{"rank", "pp_rank", "dp_index", "segments": {segment:
-    {param name: CPU tensor}}, "optimizer": CPU state_dict or None}``."""
+    {param name: CPU tensor}}, "optimizer": CPU state_dict or None, "expert_slices": {param name:
+    [first expert, end expert, E]}}``; ``expert_slices`` names the entries that hold only this
+    replica's rows ``[first, end)`` of an ``[E, ...]`` expert parameter (HF MoE blocks under
+    expert parallelism; empty otherwise)."""
     segs = {s: {k: cpu_copy(v) for k, v in w.modules[s].state_dict().items()} for s in w.segments}
     opt = w.opt.state_dict(compact=w._cuda)
-    return {"rank": w.rank, "pp_rank": w.pp_rank, "dp_index": w.dp_index, "segments": segs, "optimizer": opt}
+    slices = {k: v for s in w.segments for k, v in expert_slices(w.modules[s]).items()}
+    return {"rank": w.rank, "pp_rank": w.pp_rank, "dp_index": w.dp_index, "segments": segs, "optimizer": opt,
+            "expert_slices": slices}
 
 
 def load_worker_state(w: StageWorker, sd: dict) -> None:
@@ -44,14 +65,43 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
             expert parallelism all replicas, so that every expert is present).
 
     Returns:
-        ``{name: tensor}``, the union of the ranks' segment entries. Entries held by several
-        ranks (replicated parameters of the replicas, tied copies such as ``wte``/``lm_head``
-        under their own names) are taken from the lowest rank; replicas hold identical values.
-        Load it with ``model.load_state_dict(state)`` into the plan's model.
+        ``{name: tensor}``, the union of the ranks' segment entries, in the first holder's key
+        order. Entries held by several ranks (replicated parameters of the replicas, tied copies
+        such as ``wte``/``lm_head`` under their own names) are taken from the lowest rank;
+        replicas hold identical values. Expert-sliced entries (a state's ``expert_slices``: HF MoE
+        experts ``[E/dp, ...]`` per replica) are concatenated along dim 0 in expert order into the
+        full ``[E, ...]`` tensor. Load it with ``model.load_state_dict(state)`` into the plan's model.
+
+    Raises:
+        WorkerError: the states miss some rows of an expert-sliced entry (not every replica given)
+            or hold overlapping slices of it.
     """
     out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[int, tuple[int, int, torch.Tensor]]] = {}
     for sd in sorted(states, key=lambda d: int(d.get("rank", 0))):
+        sliced = sd.get("expert_slices") or {}
         for _seg, entries in sorted(sd["segments"].items(), key=lambda kv: int(kv[0])):
             for k, v in entries.items():
                 out.setdefault(k, v)
+                if k in sliced:
+                    lo, hi, e = (int(x) for x in sliced[k])
+                    pieces.setdefault(k, {}).setdefault(lo, (hi, e, v))
+    for k, by_lo in pieces.items():
+        e = next(iter(by_lo.values()))[1]
+        at, parts = 0, []
+        for lo in sorted(by_lo):
+            hi, _, v = by_lo[lo]
+            if lo != at:
+                raise WorkerError(f"cannot merge {k}: the states hold experts {_ranges(by_lo)} of {e}, not a "
+                                  f"partition of 0..{e - 1}; pass the states of every replica")
+            parts.append(v)
+            at = hi
+        if at != e:
+            raise WorkerError(f"cannot merge {k}: the states hold experts {_ranges(by_lo)} of {e}; pass the "
+                              f"states of every replica")
+        out[k] = torch.cat(parts, dim=0)
     return out
+
+
+def _ranges(by_lo: dict[int, tuple[int, int, torch.Tensor]]) -> str:
+    return ", ".join(f"{lo}..{by_lo[lo][0] - 1}" for lo in sorted(by_lo))
