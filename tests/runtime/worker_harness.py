@@ -39,6 +39,7 @@ def cached_build_stages(plan, *, seed: int = 0):
     parallelism swaps them in place), and the RNG state the real build leaves behind restored.
     The first build of every split is the real ``build_stages``; a worker that finished its task
     no longer uses the objects."""
+    from engine.models.moe.hf_moe import is_hf_moe_block
     from engine.models.moe.layer import MoEFeedForward
     from runtime import stage
 
@@ -50,9 +51,12 @@ def cached_build_stages(plan, *, seed: int = 0):
         init = {i: {k: v.clone() for k, v in m.state_dict().items()} for i, m in st.modules.items()}
         moe = [(i, name, m) for i, sm in st.modules.items() for name, m in sm.named_modules()
                if type(m) is MoEFeedForward]
-        _STAGE_CACHE[key] = (st, init, moe, torch.get_rng_state())
+        hf = [(m, m.experts) for sm in st.modules.values() for m in sm.modules() if is_hf_moe_block(m)]
+        _STAGE_CACHE[key] = (st, init, moe, hf, torch.get_rng_state())
         return st
-    st, init, moe, rng = hit
+    st, init, moe, hf, rng = hit
+    for block, experts in hf:   # a worker's expert parallelism replaced them in place
+        block.experts = experts
     stage.check_executable(plan)
     for i, name, layer in moe:
         parent_name, _, attr = name.rpartition(".")
