@@ -123,10 +123,10 @@ def traceable_experts(model: nn.Module, implementation: str = "grouped_mm") -> I
         if cfg is None or getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
             continue
         switched.append(path)
-        if id(cfg) in seen:
-            continue
-        seen.add(id(cfg))
-        saved.append((cfg, cfg._experts_implementation))
+        if id(cfg) not in seen:
+            seen.add(id(cfg))
+            saved.append((cfg, cfg._experts_implementation))
+    for cfg, _ in saved:
         cfg._experts_implementation = implementation
     try:
         yield switched
