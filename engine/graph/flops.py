@@ -247,8 +247,59 @@ def _sdpa_flops(args: tuple, kwargs: dict) -> float | None:
     return 2.0 * b * sq * sk * (dqk + dv)
 
 
+def _concrete_int(v: Any) -> int:
+    """An ``int`` for a size that may be symbolic: its value when the shape environment knows one
+    (a backed size), else the upper bound of its value range (an unbacked, data-dependent size
+    such as the row count of ``x[torch.where(idx == e)]`` in an expert loop: the most rows it can
+    have), else 1."""
+    if isinstance(v, int):
+        return v
+    node = getattr(v, "node", None)
+    hint = getattr(node, "hint", None)
+    if hint is not None:
+        return int(hint)
+    env, expr = getattr(node, "shape_env", None), getattr(node, "expr", None)
+    if env is not None and expr is not None:
+        try:
+            upper = env.bound_sympy(expr).upper
+            if upper.is_finite:
+                return int(upper)
+        except Exception:  # an expression the range analysis cannot bound
+            pass
+    return 1
+
+
+def _concrete(v: Any) -> Any:
+    """``v`` with every tensor of symbolic shape replaced by a meta tensor of :func:`_concrete_int`
+    sizes (FLOP formulas only read shapes) and symbolic ints by ints."""
+    if isinstance(v, torch.Tensor):
+        if all(isinstance(d, int) for d in v.shape):
+            return v
+        return torch.empty([_concrete_int(d) for d in v.shape], dtype=v.dtype, device="meta")
+    if isinstance(v, torch.SymInt):
+        return _concrete_int(v)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_concrete(x) for x in v) if isinstance(v, list) else tuple(_concrete(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _concrete(x) for k, x in v.items()}
+    return v
+
+
+def _symbolic(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return not all(isinstance(d, int) for d in v.shape)
+    if isinstance(v, (list, tuple)):
+        return any(_symbolic(x) for x in v)
+    if isinstance(v, dict):
+        return any(_symbolic(x) for x in v.values())
+    return isinstance(v, torch.SymInt)
+
+
 def count_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> float:
     """Forward FLOPs of one op call.
+
+    Data-dependent (unbacked) sizes, e.g. the tokens an expert loop routes to one expert, count
+    at their upper bound (:func:`_concrete_int`); an estimate, exact only for dense routing.
 
     Args:
         target: the FX node target (an ``OpOverload`` such as ``torch.ops.aten.mm.default``).
@@ -260,6 +311,8 @@ def count_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> float:
         FLOPs as a float (multiply-add = 2). Never raises: an unknown formula falls back to
         numel(output).
     """
+    if _symbolic(args) or _symbolic(kwargs) or _symbolic(out):
+        args, kwargs, out = _concrete(tuple(args)), _concrete(dict(kwargs)), _concrete(out)
     kind = op_kind(target)
     if kind in ("view", "movement", "embedding", "hop"):
         return 0.0

@@ -6,6 +6,8 @@
   gradient: differentiable tensors only), and through a plan save/load.
 - Grouped matmuls (Mixtral experts, transformers 5 ``grouped_mm``/``batched_mm``): FLOPs
   within 10% of the hand count ``tokens*k*(2*H*2I + 2*I*H) + 2*tokens*H*E``.
+- A user's expert loop (data-dependent row counts) captures and counts each expert at its row
+  bound (``N * k``), the documented estimate.
 - Hugging Face MoE blocks are MoE layers: ``dp=2`` plans expert parallelism for mixtral-tiny as
   for the built-in gpt-moe-tiny.
 """
@@ -199,3 +201,32 @@ def test_dp2_plans_expert_parallelism(name):
 def test_expert_parallel_needs_dp_dividing_the_experts():
     with pytest.raises(TransformError, match=r"4 experts .*dp=3.*use dp in \{1, 2, 4\}"):
         _plan("mixtral-tiny", 3, devices=3)
+
+
+class _LoopMoE(torch.nn.Module):
+    """A user's expert loop: each expert runs on the rows routed to it (data-dependent sizes)."""
+
+    def __init__(self, h=8, i=16, e=4, k=2):
+        super().__init__()
+        self.k = k
+        self.gate = torch.nn.Linear(h, e, bias=False)
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(h, i), torch.nn.ReLU(), torch.nn.Linear(i, h)) for _ in range(e))
+
+    def forward(self, x):
+        w, idx = self.gate(x).softmax(-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for j, ex in enumerate(self.experts):
+            tok, slot = torch.where(idx == j)
+            out = out.index_add(0, tok, ex(x[tok]) * w[tok, slot, None])
+        return out
+
+
+def test_expert_loop_with_data_dependent_rows_is_counted_at_its_bound():
+    n, h, i, e, k = 32, 8, 16, 4, 2
+    g = capture(torch.nn.Sequential(_LoopMoE(h, i, e, k)), (torch.randn(n, h),), name="loop")
+    linears = [d["flops"] for _, d in g.nodes(data=True) if str(d.get("target")) == "aten.linear.default"
+               and ".experts." in "." + str(d.get("module_path")) + "."]
+    # each expert sees at most n*k rows (the torch.where over the [n, k] routing table)
+    assert sorted(set(linears)) == [2 * n * k * h * i]
+    assert len(linears) == 2 * e
