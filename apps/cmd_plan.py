@@ -80,10 +80,15 @@ def run(args: argparse.Namespace) -> dict:
     rows = [[f"rank {d}", fmt_ms(m['makespan'] * (1 - b)), f"{b:.1%}", fmt_gib(p)]
             for d, (b, p) in enumerate(zip(m["bubble_ratios"], m["peak_memory"]))]
     print(table(["pipeline rank", "busy", "bubble", "peak memory"], rows))
+    stages = stage_rows(res.plan)
+    print(stage_table(stages))
     print(f"makespan {fmt_ms(m['makespan'])}, bubble ratio {m['bubble_ratio']:.1%}, "
           f"{m['tokens_per_second']:,.0f} tokens/s predicted")
     comm = collective_summary(res)
     for line in comm["lines"]:
+        print(line)
+    moe = moe_flops(res)
+    for line in moe["lines"]:
         print(line)
     for w in res.warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -95,8 +100,83 @@ def run(args: argparse.Namespace) -> dict:
         "peak_memory": m["peak_memory"], "tokens_per_second": m["tokens_per_second"],
         "segments": len(res.plan.segments), "ops": g.number_of_nodes(), "parallel": par.to_dict(),
         "timings": res.timings, "elapsed": elapsed, "peak_rss": rss, "warnings": res.warnings,
-        "alltoalls": comm["alltoalls"], "tied_weights": res.plan.tied_weights,
+        "alltoalls": comm["alltoalls"], "tied_weights": res.plan.tied_weights, "stages": stages,
+        "moe_flops": moe["flops"],
     }
+
+
+def moe_flops(res) -> dict:
+    """Forward FLOPs of each MoE layer of a planned model (router + experts, one micro-batch on
+    one rank, from the captured graph: the ops whose module path is inside the layer), as
+    ``flops`` (``{path: FLOPs}``) and a summary line (empty for dense models)."""
+    layers = [ml for seg in res.plan.segments for ml in seg.get("moe") or []]
+    if not layers:
+        return {"flops": {}, "lines": []}
+    g = res.graph
+    per: dict[str, float] = {str(ml["path"]): 0.0 for ml in layers}
+    for _, d in g.nodes(data=True):
+        mp = str(d.get("module_path") or "")
+        for path in per:
+            if mp == path or mp.startswith(path + "."):
+                per[path] += float(d.get("flops", 0.0) or 0.0)
+                break
+    first = layers[0]
+    vals = list(per.values())
+    line = (f"MoE layers: {len(layers)} ({first.get('gate', '?')}, {first['num_experts']} experts), forward FLOPs "
+            f"per layer per micro-batch (router + experts): {min(vals) / 1e6:,.3f}"
+            + (f"..{max(vals) / 1e6:,.3f}" if max(vals) > min(vals) * 1.0005 else "") + " MFLOPs")
+    return {"flops": per, "lines": [line]}
+
+
+def stage_rows(plan) -> list[dict]:
+    """One dict per pipeline stage (segment) of ``plan``: ``stage``, ``rank`` (the pipeline rank
+    running its forward), ``first_layer``/``last_layer`` (module paths) and ``num_layers``,
+    ``params`` (parameter count on one device: parameter bytes / bytes per element of the plan's
+    dtype; under expert parallelism the rank's own experts only), ``flops`` (forward FLOPs per
+    micro-batch on one tensor-parallel rank), ``forward_ms``/``backward_ms``
+    (one micro-batch), ``activation_bytes`` (kept for backward per micro-batch) and
+    ``boundary_bytes`` (sent to the next stage per micro-batch, every tensor crossing the cut; 0
+    for the last). Works on loaded plans (a plan without ``boundary_bytes`` uses its ``output``
+    tensors)."""
+    from engine.placement import TensorSpec, dtype_bytes
+
+    try:
+        elem = dtype_bytes(str(plan.model.dtype or "float32"))
+    except ValueError:
+        elem = 4
+    pl = plan.placement
+    rows = []
+    for seg in plan.segments:
+        i = int(seg["index"])
+        layers = [str(x) for x in seg.get("layers") or []]
+        boundary = seg.get("boundary_bytes")
+        if boundary is None:
+            out = seg.get("output")
+            boundary = TensorSpec.from_dict(out).nbytes if out else 0
+        rank = pl.spec("F", i).devices[0] if pl.has("F", i) else None
+        rows.append({
+            "stage": i, "rank": rank, "first_layer": layers[0] if layers else "",
+            "last_layer": layers[-1] if layers else "", "num_layers": len(layers),
+            "params": int(seg.get("param_bytes", 0)) // elem,
+            "flops": float(seg.get("flops", 0.0)),
+            "forward_ms": float(seg.get("forward_time", 0.0)) * 1e3,
+            "backward_ms": float(seg.get("backward_time", 0.0)) * 1e3,
+            "activation_bytes": int(seg.get("activation_bytes", 0)), "boundary_bytes": int(boundary),
+        })
+    return rows
+
+
+def stage_table(stages: list[dict]) -> str:
+    """The per-stage table of :func:`stage_rows` as plain text (the CLI's table style)."""
+    rows = []
+    for r in stages:
+        span = r["first_layer"] if r["num_layers"] <= 1 else f"{r['first_layer']}..{r['last_layer']}"
+        rows.append([f"stage {r['stage']}", "" if r["rank"] is None else str(r["rank"]), span, f"{r['params']:,}",
+                     f"{r['flops'] / 1e6:,.2f}", f"{r['forward_ms']:,.3f}", f"{r['backward_ms']:,.3f}",
+                     _fmt_bytes(r["activation_bytes"]),
+                     _fmt_bytes(r["boundary_bytes"]) if r["boundary_bytes"] else "-"])
+    return table(["stage", "rank", "layers (first..last)", "parameters", "MFLOPs fwd", "forward ms", "backward ms",
+                  "activations", "boundary out"], rows)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -52,26 +52,38 @@ class TensorSpec:
     Attributes:
         shape: tensor shape, e.g. ``(micro_batch, seq, hidden)``.
         dtype: dtype name, e.g. ``"float32"``.
+        parts: the other tensors sent with it across the same boundary (e.g. a Llama stage
+            boundary: the hidden state ``[B, T, H]`` with ``parts`` = the attention mask and the
+            rotary cos/sin tables); they count in :attr:`nbytes`. Empty for one tensor.
     """
 
     shape: tuple[int, ...]
     dtype: str = "float32"
+    parts: tuple["TensorSpec", ...] = ()
 
     @property
     def nbytes(self) -> int:
-        """Size in bytes."""
-        return prod(self.shape) * dtype_bytes(self.dtype)
+        """Size in bytes: this tensor plus its :attr:`parts`."""
+        return prod(self.shape) * dtype_bytes(self.dtype) + sum(p.nbytes for p in self.parts)
+
+    def tensors(self) -> list["TensorSpec"]:
+        """Every tensor crossing the boundary, this one first, each without ``parts``."""
+        return [TensorSpec(self.shape, self.dtype)] + [t for p in self.parts for t in p.tensors()]
 
     def to_dict(self) -> dict:
-        """JSON form ``{"shape": [ints], "dtype": str}``."""
-        return {"shape": list(self.shape), "dtype": self.dtype}
+        """JSON form ``{"shape": [ints], "dtype": str}``, plus ``"parts": [...]`` when there are parts."""
+        d: dict = {"shape": list(self.shape), "dtype": self.dtype}
+        if self.parts:
+            d["parts"] = [p.to_dict() for p in self.parts]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TensorSpec":
-        """Inverse of :meth:`to_dict` (``dtype`` defaults to ``"float32"``); raises ``KeyError``,
-        ``TypeError`` or ``ValueError`` on malformed input (validated callers:
+        """Inverse of :meth:`to_dict` (``dtype`` defaults to ``"float32"``, ``parts`` to none); raises
+        ``KeyError``, ``TypeError`` or ``ValueError`` on malformed input (validated callers:
         :func:`engine.io.placement_json.parse_blocks`)."""
-        return cls(tuple(int(x) for x in d["shape"]), str(d.get("dtype", "float32")))
+        parts = tuple(cls.from_dict(p) for p in d.get("parts") or ())
+        return cls(tuple(int(x) for x in d["shape"]), str(d.get("dtype", "float32")), parts)
 
 
 @dataclass(frozen=True)

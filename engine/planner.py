@@ -28,6 +28,7 @@ from engine.models.moe.comm import (
     moe_segment_collectives,
     segment_moe_layers,
 )
+from engine.models.moe.hf_moe import traceable_experts
 from engine.placement import Placement
 from engine.schedule import Schedule
 from engine.simulate import simulate
@@ -92,7 +93,7 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
         forward=[s.forward_time for s in segments], backward=[s.backward_time for s in segments],
         activation_bytes=[s.activation_bytes for s in segments], forward_only=forward_only,
         outputs=[s.output for s in segments],
-        input_grads=[segments[i - 1].output if i > 0 else None for i in range(len(segments))],
+        input_grads=[segments[i - 1].output_grad if i > 0 else None for i in range(len(segments))],
     )
     static = [0] * config.pp
     for s in segments:
@@ -189,7 +190,9 @@ def make_plan(
     # MoE expert parallelism over the data-parallel group: experts must split evenly over dp
     moe_layers = find_moe_layers(bundle.module, max(1, bundle.batch_size * (bundle.seq_len or 1)))
     check_expert_parallel(moe_layers, dp, bundle.name)
-    graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
+    # HF MoE blocks: capture their experts with a traceable implementation (same math and FLOPs)
+    with traceable_experts(bundle.module):
+        graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
     timings["capture"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

@@ -71,6 +71,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             "param_bytes": sum(lc.param_bytes for lc in chunk),
             "max_param_bytes": max((lc.max_param_bytes for lc in chunk), default=0),
             "output": chunk[-1].output,
+            "grad": chunk[-1].grad,
         })
     probe = spec.build(n)
     n_seg = probe.num_segments
@@ -93,7 +94,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         act.append(a)
         outs.append(out)
         prev = part_of(s) - 1
-        grads.append(parts[prev]["output"] if prev >= 0 else None)
+        grads.append(parts[prev]["grad"] if prev >= 0 else None)
         devs = probe.spec("F", s).devices
         for d in devs:
             static[d] += p["param_bytes"] * (1 if forward_only else PARAM_STATE_FACTOR) // len(devs)
@@ -107,4 +108,5 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
     for p in parts:
         p["backward_time"] = cost.backward_factor * p["forward_time"]
         p["output"] = p["output"].to_dict() if p["output"] else None
+        p["grad"] = p["grad"].to_dict() if p["grad"] else None
     return pl, parts

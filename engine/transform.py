@@ -93,9 +93,16 @@ class Segment:
         forward_time: seconds of forward per micro-batch, TP all-reduces included.
         backward_time: seconds of full backward per micro-batch, TP all-reduces included.
         tp_comm_time: seconds of the forward TP all-reduces (included in ``forward_time``).
-        output: the boundary tensor sent to the next segment (``None`` for the last).
+        output: the boundary tensors sent to the next segment (``None`` for the last): the main
+            one (the hidden state) with every other tensor crossing the cut as
+            :attr:`TensorSpec.parts <engine.placement.TensorSpec.parts>`; its ``nbytes`` is the
+            bytes of the forward send (see :func:`boundary_spec`).
         max_param_bytes: bytes of its largest parameter tensor on one TP rank (the transient
             gradient of one backward, see :func:`gradient_bytes`).
+        output_grad: the gradients the next segment's backward sends back: the differentiable
+            boundary tensors only (floating point and computed from parameters; masks, position
+            ids and rotary tables have none). ``None`` for the last segment or when nothing
+            crossing the cut has a gradient.
     """
 
     index: int
@@ -109,14 +116,24 @@ class Segment:
     output: TensorSpec | None = None
     meta: dict = field(default_factory=dict)
     max_param_bytes: int = 0
+    output_grad: TensorSpec | None = None
+
+    @property
+    def boundary_bytes(self) -> int:
+        """Bytes its forward sends to the next segment per micro-batch (all boundary tensors)."""
+        return self.output.nbytes if self.output else 0
 
     def to_dict(self) -> dict:
+        """The plan JSON form: ``output`` lists every boundary tensor (``parts``), and
+        ``boundary_bytes`` / ``output_grad`` say what crosses the cut forward / backward."""
         return {
             "index": self.index, "layers": self.layers, "flops": self.flops, "param_bytes": self.param_bytes,
             "max_param_bytes": self.max_param_bytes,
             "activation_bytes": self.activation_bytes, "forward_time": self.forward_time,
             "backward_time": self.backward_time, "tp_comm_time": self.tp_comm_time,
             "output": self.output.to_dict() if self.output else None,
+            "boundary_bytes": self.boundary_bytes,
+            "output_grad": self.output_grad.to_dict() if self.output_grad else None,
         }
 
 
@@ -148,6 +165,7 @@ class LayerCost:
     tp_comm_time: float
     output: TensorSpec | None
     max_param_bytes: int = 0
+    grad: TensorSpec | None = None
 
 
 def _largest_param_bytes(node: dict) -> int:
@@ -203,15 +221,53 @@ def layer_costs(graph, cost, tp: int = 1) -> list[LayerCost]:
             pbytes += node.get("param_bytes", 0) // k
             pmax = max(pmax, _largest_param_bytes(node) // k)
             act += node.get("saved_bytes", 0) // k
-        bt = ls.boundary_tensors[0] if ls.boundary_tensors else None
-        output = TensorSpec(tuple(bt["shape"]), bt["dtype"]) if bt else None
+        output, grad = boundary_spec(graph, ls)
         comm = 0.0
         if tp > 1:
             n_ar = 2 if _is_block(ls.name) else (1 if pbytes else 0)
-            nbytes = output.nbytes if output else ls.output_bytes
+            # the Megatron all-reduces are of the layer's hidden state (the first boundary tensor)
+            nbytes = TensorSpec(output.shape, output.dtype).nbytes if output else ls.output_bytes
             comm = n_ar * cost.collective_time("allreduce", nbytes, list(range(tp)))
-        out.append(LayerCost(ls.name, t + comm, flops, pbytes, act, comm, output, pmax))
+        out.append(LayerCost(ls.name, t + comm, flops, pbytes, act, comm, output, pmax, grad))
     return out
+
+
+_FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def boundary_spec(graph, summary) -> tuple[TensorSpec | None, TensorSpec | None]:
+    """What a pipeline cut after one layer sends: ``(forward, gradient)``.
+
+    ``forward`` holds EVERY tensor produced up to the layer and consumed after it (the layer
+    summary's ``boundary_tensors``, each once): the first (the hidden state) as the spec's
+    shape/dtype and the others as its ``parts``, so ``forward.nbytes`` equals the summary's
+    ``boundary_bytes`` (e.g. GPT-2: hidden ``[B, T, H]`` + causal mask ``[B, 1, T, T]`` bool;
+    Llama: hidden + mask + rotary cos/sin ``[B, T, head_dim]`` x2; T5: hidden + position bias
+    ``[B, heads, T, T]`` + mask, and the encoder output in the decoder).
+
+    ``gradient`` holds the boundary tensors whose gradient the backward sends back: floating
+    point and not computed from graph inputs only (the graph node attribute ``input_only``;
+    masks, position ids and rotary tables have none); ``None`` when there is none.
+
+    Args:
+        graph: the :class:`~engine.graph.OpGraph`.
+        summary: one of its :meth:`~engine.graph.OpGraph.layer_summaries`.
+
+    Returns:
+        ``(forward, gradient)``, both ``None`` after the last layer.
+    """
+    specs = [TensorSpec(tuple(int(x) for x in bt["shape"]), str(bt["dtype"])) for bt in summary.boundary_tensors]
+    if not specs:
+        return None, None
+    nodes = list(getattr(summary, "boundary_nodes", []) or [])
+    diff = []
+    for i, sp in enumerate(specs):
+        producer = graph.nodes[nodes[i]] if i < len(nodes) and nodes[i] in graph.nodes else {}
+        if sp.dtype in _FLOAT_DTYPES and not producer.get("input_only", False):
+            diff.append(sp)
+    fwd = TensorSpec(specs[0].shape, specs[0].dtype, tuple(specs[1:]))
+    grad = TensorSpec(diff[0].shape, diff[0].dtype, tuple(diff[1:])) if diff else None
+    return fwd, grad
 
 
 def balanced_partition(weights: Sequence[float], k: int, *, fits=None) -> list[tuple[int, int]]:
@@ -332,6 +388,7 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
             forward_time=fwd, backward_time=bwd, tp_comm_time=comm,
             output=part[-1].output if idx < k - 1 else None,
             max_param_bytes=max((lc.max_param_bytes for lc in part), default=0),
+            output_grad=part[-1].grad if idx < k - 1 else None,
         ))
     return segments, warnings
 

@@ -7,7 +7,10 @@ kind            forward FLOPs                                          saved for
 ==============  =====================================================  ===========================
 ``matmul``      ``torch.utils.flop_counter`` registry formula          activation (non-parameter)
                 (mm, addmm, bmm, baddbmm, _scaled_mm); 2·M·N·K for     tensor inputs
-                linear / matmul / einsum / dot / mv
+                linear / matmul / einsum / dot / mv; grouped
+                matmuls (``_grouped_mm``, ``grouped_mm``,
+                transformers' ``grouped_mm_fallback``): the sum of
+                2·M_g·N·K over the groups (:func:`grouped_mm_flops`)
 ``conv``        ``flop_counter.conv_flop_count`` (2·N·Cout·∏out·Cin/g  activation tensor inputs
                 ·∏kernel)
 ``attention``   registry formula for the fused ``_scaled_dot_product_*  activation inputs + output
@@ -41,12 +44,12 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch.utils import flop_counter as _fc
 
-__all__ = ["op_kind", "op_name", "count_flops", "saves_inputs", "saves_output",
+__all__ = ["op_kind", "op_name", "count_flops", "grouped_mm_flops", "saves_inputs", "saves_output",
            "dropout_saved_bytes", "target_str", "VIEW_OPS"]
 
 VIEW_OPS = frozenset("""
@@ -65,8 +68,13 @@ empty_strided linspace randint randn rand masked_select nonzero take embedding_d
 _unsafe_index select_scatter slice_scatter zero_ bernoulli bernoulli_ resize_
 """.split())
 
+#: grouped matmuls: one matmul per group (expert) in one op. ``aten._grouped_mm`` (and its public
+#: ``torch.nn.functional.grouped_mm``), fp8 ``_scaled_grouped_mm``, and transformers'
+#: ``transformers::grouped_mm_fallback`` custom op (Mixtral/Qwen-MoE experts with
+#: ``experts_implementation="grouped_mm"`` where the aten kernel is unavailable, e.g. on CPU)
+GROUPED_MM_OPS = frozenset("_grouped_mm grouped_mm _scaled_grouped_mm grouped_mm_fallback".split())
 MATMUL_OPS = frozenset("mm addmm bmm baddbmm matmul linear einsum _scaled_mm addbmm dot mv addmv "
-                       "vdot inner outer ger bilinear".split())
+                       "vdot inner outer ger bilinear".split()) | GROUPED_MM_OPS
 CONV_OPS = frozenset("convolution _convolution conv1d conv2d conv3d conv_transpose1d "
                      "conv_transpose2d conv_transpose3d cudnn_convolution convolution_overrideable "
                      "_slow_conv2d_forward".split())
@@ -161,8 +169,50 @@ def _tensors(vals: Iterable[Any]) -> list[torch.Tensor]:
     return out
 
 
+def grouped_mm_flops(a_shape: Sequence[int], b_shape: Sequence[int]) -> float:
+    """Forward FLOPs of one grouped matmul ``out = grouped_mm(a, b, offs)``: the sum over groups
+    ``g`` of ``2 * M_g * K_g * N_g``.
+
+    The group offsets ``offs`` are data (the router's token counts per expert), unknown when the
+    graph is traced, but the sum over groups only needs the total along the offset dimension, so
+    the count is exact for every routing. Layouts (PyTorch ``aten._grouped_mm``, "2d/3d" forms;
+    transformers' ``grouped_mm_fallback`` is the 2d x 3d form):
+
+    - ``a [M_total, K]``, ``b [G, K, N]`` (rows of ``a`` split by ``offs``, e.g. tokens sorted by
+      expert x per-expert weights): ``2 * M_total * K * N``;
+    - ``a [G, M, K]``, ``b [G, K, N]`` (a batched matmul): ``2 * G * M * K * N``;
+    - ``a [M, K_total]``, ``b [K_total, N]`` (``K`` split by ``offs``, out ``[G, M, N]``; the
+      weight gradient of the first form): ``2 * M * K_total * N``;
+    - ``a [G, M, K]``, ``b [K, N_total]`` (``N`` split by ``offs``): ``2 * M * K * N_total``.
+
+    Args:
+        a_shape, b_shape: shapes of the two operands (2-D or 3-D).
+
+    Returns:
+        FLOPs (multiply-add = 2).
+
+    Raises:
+        ValueError: an operand that is neither 2-D nor 3-D.
+    """
+    a, b = [int(x) for x in a_shape], [int(x) for x in b_shape]
+    if len(a) not in (2, 3) or len(b) not in (2, 3):
+        raise ValueError(f"grouped_mm takes 2-D or 3-D operands, got shapes {a} and {b}")
+    if len(a) == 2 and len(b) == 3:
+        return 2.0 * a[0] * a[1] * b[2]
+    if len(a) == 3 and len(b) == 3:
+        return 2.0 * a[0] * a[1] * a[2] * b[2]
+    if len(a) == 2:  # 2d x 2d: K split into groups
+        return 2.0 * a[0] * a[1] * b[1]
+    return 2.0 * a[1] * a[2] * b[1]  # 3d x 2d: N split into groups
+
+
 def _matmul_flops(name: str, args: tuple, kwargs: dict, out: Any) -> float | None:
     t = _tensors(args)
+    if name in GROUPED_MM_OPS and len(t) >= 2:
+        try:
+            return grouped_mm_flops(t[0].shape, t[1].shape)
+        except ValueError:
+            return None
     if name == "linear" and t:
         return 2.0 * _numel(out) * t[0].shape[-1]
     if name == "matmul" and len(t) >= 2:
@@ -197,8 +247,59 @@ def _sdpa_flops(args: tuple, kwargs: dict) -> float | None:
     return 2.0 * b * sq * sk * (dqk + dv)
 
 
+def _concrete_int(v: Any) -> int:
+    """An ``int`` for a size that may be symbolic: its value when the shape environment knows one
+    (a backed size), else the upper bound of its value range (an unbacked, data-dependent size
+    such as the row count of ``x[torch.where(idx == e)]`` in an expert loop: the most rows it can
+    have), else 1."""
+    if isinstance(v, int):
+        return v
+    node = getattr(v, "node", None)
+    hint = getattr(node, "hint", None)
+    if hint is not None:
+        return int(hint)
+    env, expr = getattr(node, "shape_env", None), getattr(node, "expr", None)
+    if env is not None and expr is not None:
+        try:
+            upper = env.bound_sympy(expr).upper
+            if upper.is_finite:
+                return int(upper)
+        except Exception:  # an expression the range analysis cannot bound
+            pass
+    return 1
+
+
+def _concrete(v: Any) -> Any:
+    """``v`` with every tensor of symbolic shape replaced by a meta tensor of :func:`_concrete_int`
+    sizes (FLOP formulas only read shapes) and symbolic ints by ints."""
+    if isinstance(v, torch.Tensor):
+        if all(isinstance(d, int) for d in v.shape):
+            return v
+        return torch.empty([_concrete_int(d) for d in v.shape], dtype=v.dtype, device="meta")
+    if isinstance(v, torch.SymInt):
+        return _concrete_int(v)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_concrete(x) for x in v) if isinstance(v, list) else tuple(_concrete(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _concrete(x) for k, x in v.items()}
+    return v
+
+
+def _symbolic(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return not all(isinstance(d, int) for d in v.shape)
+    if isinstance(v, (list, tuple)):
+        return any(_symbolic(x) for x in v)
+    if isinstance(v, dict):
+        return any(_symbolic(x) for x in v.values())
+    return isinstance(v, torch.SymInt)
+
+
 def count_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> float:
     """Forward FLOPs of one op call.
+
+    Data-dependent (unbacked) sizes, e.g. the tokens an expert loop routes to one expert, count
+    at their upper bound (:func:`_concrete_int`); an estimate, exact only for dense routing.
 
     Args:
         target: the FX node target (an ``OpOverload`` such as ``torch.ops.aten.mm.default``).
@@ -210,6 +311,8 @@ def count_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> float:
         FLOPs as a float (multiply-add = 2). Never raises: an unknown formula falls back to
         numel(output).
     """
+    if _symbolic(args) or _symbolic(kwargs) or _symbolic(out):
+        args, kwargs, out = _concrete(tuple(args)), _concrete(dict(kwargs)), _concrete(out)
     kind = op_kind(target)
     if kind in ("view", "movement", "embedding", "hop"):
         return 0.0

@@ -113,6 +113,13 @@ def parse_blocks(num_devices: int, blocks: Any, where: str = "blocks") -> tuple[
             dtype = out.get("dtype", "float32")
             if not isinstance(dtype, str):
                 raise PlacementError(f"{at}.output.dtype must be a dtype name, got {dtype!r}")
+            parts = out.get("parts")
+            if parts is not None and not (isinstance(parts, (list, tuple)) and all(
+                    isinstance(p, dict) and isinstance(p.get("shape"), (list, tuple))
+                    and all(_is_int(x) and x >= 0 for x in p["shape"]) and isinstance(p.get("dtype", ""), str)
+                    and "parts" not in p for p in parts)):
+                raise PlacementError(f"{at}.output.parts must be a list of {{\"shape\": [ints], \"dtype\": str}}, "
+                                     f"got {parts!r}")
             try:
                 out = TensorSpec.from_dict(out)
                 out.nbytes  # noqa: B018 - checks the dtype name
@@ -146,7 +153,7 @@ def parse_blocks(num_devices: int, blocks: Any, where: str = "blocks") -> tuple[
 
 
 def _tensor_to_dict(t: TensorSpec | None) -> dict | None:
-    return {"shape": list(t.shape), "dtype": t.dtype} if t is not None else None
+    return t.to_dict() if t is not None else None
 
 
 def placement_to_dict(placement: Placement, *, header: bool = True) -> dict:

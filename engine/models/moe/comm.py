@@ -30,6 +30,12 @@ top-2 ``ceil(f * 2 N / E)`` (k = 2), DTS-Gate ``N`` in its dense phase (no dropp
 ``capacity(N, sparse_capacity_factor)`` in its sparse phase (``N`` with the default
 ``None``). A DTS plan uses the phase of the gate at planning time (dense for a fresh model),
 as the captured graph does.
+
+Hugging Face sparse MoE blocks (Mixtral, Qwen-MoE style, :mod:`engine.models.moe.hf_moe`) route
+every token to exactly ``k`` experts with no capacity limit; under expert parallelism
+(``runtime.expert_parallel_hf``) each rank sends its ``N * k`` (token, expert) rows with a
+variable-size all-to-all, so one all-to-all's send buffer is ``N * k * hidden * element_size``
+(:attr:`MoELayer.rows` = ``N * k``; ``capacity`` records the balanced load ``ceil(N k / E)``).
 """
 from __future__ import annotations
 
@@ -39,9 +45,11 @@ from typing import Iterable, Sequence
 from torch import nn
 
 from .gates import BaseGate, DTSGate, SwitchGate, Top2Gate
+from .hf_moe import HFMoEBlock, hf_moe_blocks
 from .layer import MoEFeedForward
 
-__all__ = ["MoELayer", "all_to_all_bytes", "gate_capacity", "find_moe_layers", "segment_moe_layers",
+__all__ = ["MoELayer", "all_to_all_bytes", "gate_capacity", "find_moe_layers", "hf_moe_layer", "HF_GATE",
+           "segment_moe_layers",
            "check_expert_parallel", "valid_ep_degrees", "moe_segment_collectives", "expert_param_bytes_per_rank"]
 
 
@@ -105,9 +113,12 @@ class MoELayer:
         capacity: ``C`` for one micro-batch on one rank (:func:`gate_capacity`).
         hidden: token feature size.
         element_size: bytes per value of the dispatched tensor.
-        gate: ``"switch"``, ``"top2"``, ``"dts"`` (the layer's ``gate_kind``).
+        gate: ``"switch"``, ``"top2"``, ``"dts"`` (the layer's ``gate_kind``), ``"hf-topk"``
+            (a Hugging Face sparse MoE block, :data:`HF_GATE`).
         expert_param_bytes: parameter bytes of ALL experts of the layer (each rank holds
             ``1/ep`` of them under expert parallelism).
+        rows: rows of one rank's all-to-all send buffer when it is not the padded ``[E, C]``
+            (HF blocks: ``N * k``, the variable all-to-all); ``None``: ``E * C``.
     """
 
     path: str
@@ -117,23 +128,63 @@ class MoELayer:
     element_size: int = 4
     gate: str = "switch"
     expert_param_bytes: int = 0
+    rows: int | None = None
 
     def all_to_all_bytes(self, ep: int) -> int:
-        """``bytes_total`` of one all-to-all of this layer over ``ep`` ranks (:func:`all_to_all_bytes`)."""
-        return all_to_all_bytes(self.num_experts, self.capacity, self.hidden, ep, self.element_size)["bytes_total"]
+        """``bytes_total`` of one all-to-all of this layer over ``ep`` ranks: :func:`all_to_all_bytes`
+        (``E * C * hidden * element_size``), or ``rows * hidden * element_size`` when :attr:`rows`
+        is set.
+
+        Raises:
+            ValueError: the experts do not divide by ``ep`` or a non-positive size.
+        """
+        if self.rows is None:
+            return all_to_all_bytes(self.num_experts, self.capacity, self.hidden, ep, self.element_size)["bytes_total"]
+        all_to_all_bytes(self.num_experts, 1, self.hidden, ep, self.element_size)  # the same checks
+        return int(self.rows) * self.hidden * self.element_size
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON form; ``rows`` only when set (plans of the built-in MoE are unchanged)."""
+        d = asdict(self)
+        if self.rows is None:
+            d.pop("rows")
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoELayer":
         """Inverse of :meth:`to_dict`. Raises KeyError/TypeError/ValueError on a malformed dict."""
+        rows = d.get("rows")
         return cls(str(d["path"]), int(d["num_experts"]), int(d["capacity"]), int(d["hidden"]),
-                   int(d.get("element_size", 4)), str(d.get("gate", "switch")), int(d.get("expert_param_bytes", 0)))
+                   int(d.get("element_size", 4)), str(d.get("gate", "switch")), int(d.get("expert_param_bytes", 0)),
+                   None if rows is None else int(rows))
+
+
+#: ``MoELayer.gate`` of a Hugging Face sparse MoE block (top-k routing, no capacity limit)
+HF_GATE = "hf-topk"
+
+
+def hf_moe_layer(block: HFMoEBlock, num_tokens: int) -> MoELayer:
+    """The :class:`MoELayer` of an HF sparse MoE block for ``num_tokens`` tokens per rank.
+
+    Every token goes to ``k`` experts (no dropping): the all-to-all sends ``rows = N * k`` rows of
+    ``hidden`` values (``runtime.expert_parallel_hf``); ``capacity`` is the balanced per-expert
+    load ``ceil(N * k / E)`` (informational: the bytes follow ``rows``).
+
+    Raises:
+        ValueError: ``num_tokens < 1``.
+    """
+    n = int(num_tokens)
+    if n < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    rows = n * block.top_k
+    return MoELayer(block.path, block.num_experts, -(-rows // block.num_experts), block.hidden,
+                    block.dtype_bytes, HF_GATE, block.expert_param_bytes, rows)
 
 
 def find_moe_layers(module: nn.Module, num_tokens: int) -> list[MoELayer]:
-    """Every :class:`~engine.models.moe.layer.MoEFeedForward` of ``module`` (module order).
+    """Every MoE layer of ``module`` in module order: the built-in
+    :class:`~engine.models.moe.layer.MoEFeedForward` layers and Hugging Face sparse MoE blocks
+    (:func:`~engine.models.moe.hf_moe.hf_moe_blocks`, as :func:`hf_moe_layer`).
 
     Works on meta-device models (only shapes and dtypes are read).
 
@@ -141,8 +192,12 @@ def find_moe_layers(module: nn.Module, num_tokens: int) -> list[MoELayer]:
         module: the model.
         num_tokens: tokens of one micro-batch on one rank (``micro_batch_size * seq_len``).
     """
+    hf = {b.path: b for b in hf_moe_blocks(module)}
     out = []
     for name, m in module.named_modules():
+        if name in hf:
+            out.append(hf_moe_layer(hf[name], num_tokens))
+            continue
         if not isinstance(m, MoEFeedForward):
             continue
         gate = m.gate

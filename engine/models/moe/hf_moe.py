@@ -16,12 +16,13 @@ Source: transformers ``models/mixtral/modeling_mixtral.py`` (``MixtralSparseMoeB
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from torch import nn
 
-__all__ = ["HFMoEBlock", "hf_moe_blocks", "is_hf_moe_block"]
+__all__ = ["HFMoEBlock", "hf_moe_blocks", "is_hf_moe_block", "traceable_experts", "TRACEABLE_EXPERTS"]
 
 
 @dataclass(frozen=True)
@@ -79,3 +80,56 @@ def hf_moe_blocks(model: nn.Module) -> list[HFMoEBlock]:
         nbytes = sum(p.numel() * p.element_size() for p in m.experts.parameters())
         out.append(HFMoEBlock(path, e, k, h, two_i // 2, int(nbytes), int(gu.element_size())))
     return out
+
+
+#: experts implementations of transformers 5 that torch.export can trace with fake tensors (the
+#: default ``"eager"`` loops over the experts hit by the router: data-dependent control flow)
+TRACEABLE_EXPERTS = ("grouped_mm", "batched_mm")
+
+
+@contextlib.contextmanager
+def traceable_experts(model: nn.Module, implementation: str = "grouped_mm") -> Iterator[list[str]]:
+    """Run the HF MoE blocks of ``model`` with a traceable experts implementation inside the block.
+
+    transformers 5's default ``"eager"`` experts loop (``for expert_idx in expert_hit``) depends on
+    the routing, so ``torch.export`` with fake tensors cannot trace it; ``"grouped_mm"`` (one
+    grouped matmul per projection over the tokens sorted by expert) computes the same function
+    with the same FLOPs (every token through its ``k`` experts) and traces. Each experts module's
+    ``config._experts_implementation`` that is ``"eager"`` or unset is switched for the block and
+    restored on exit; other implementations are kept.
+
+    Args:
+        model: any module (no HF MoE blocks: nothing changes).
+        implementation: ``"grouped_mm"`` or ``"batched_mm"``.
+
+    Yields:
+        The paths of the blocks whose experts were switched.
+
+    Raises:
+        ValueError: ``implementation`` is not traceable.
+
+    Source: transformers ``integrations/moe.py`` (``use_experts_implementation``).
+    """
+    if implementation not in TRACEABLE_EXPERTS:
+        raise ValueError(f"experts implementation {implementation!r} is not traceable; use one of "
+                         f"{', '.join(TRACEABLE_EXPERTS)}")
+    saved: list[tuple[Any, Any]] = []
+    switched: list[str] = []
+    seen: set[int] = set()
+    for path, m in model.named_modules():
+        if not is_hf_moe_block(m):
+            continue
+        cfg = getattr(m.experts, "config", None)
+        if cfg is None or getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
+            continue
+        switched.append(path)
+        if id(cfg) not in seen:
+            seen.add(id(cfg))
+            saved.append((cfg, cfg._experts_implementation))
+    for cfg, _ in saved:
+        cfg._experts_implementation = implementation
+    try:
+        yield switched
+    finally:
+        for cfg, old in reversed(saved):
+            cfg._experts_implementation = old
