@@ -464,6 +464,47 @@ def _split(model: nn.Module, example: tuple, segment_layers: list[list[str]], na
         return dict(split_sequential(model, segment_layers)), "module"
 
 
+def _share_tied_copies(m: StageModule, tie_sets: list[set[str]]) -> int:
+    """Make the copies of one tied parameter inside one stage the same ``Parameter`` again
+    (``pipeline()`` can give T5's ``encoder.embed_tokens.weight`` and ``decoder.embed_tokens.weight``,
+    one tensor in the model, separate copies in stage 0), so their gradients accumulate in one
+    tensor as in the unsplit model. Returns how many names were re-pointed."""
+    n = 0
+    for names in tie_sets:
+        members = [(name, p) for name, p in m.named_parameters(remove_duplicate=False) if name in names]
+        if len({id(p) for _, p in members}) < 2:
+            continue
+        keep = members[0][1]
+        for name, p in members[1:]:
+            if p is keep:
+                continue
+            if not torch.equal(p, keep):
+                raise TesselError(f"tied parameter copies {members[0][0]} and {name} differ after the split")
+            owner_path, _, leaf = name.rpartition(".")
+            owner = m.get_submodule(owner_path) if owner_path else m
+            owner._parameters[leaf] = keep
+            if not owner_path and isinstance(m, TracedStage):
+                m.inner._parameters[leaf] = keep
+            n += 1
+    return n
+
+
+def _keep_buffers_non_persistent(model: nn.Module, modules: dict[int, StageModule]) -> int:
+    """Mark the stages' buffers non-persistent where the model's are (``pipeline()`` registers every
+    buffer it moves as persistent, e.g. Llama's ``model.rotary_emb.inv_freq``), so a stage's
+    ``state_dict`` keys stay a subset of the unsplit model's. Returns how many were marked."""
+    transient = {f"{path}.{b}" if path else b for path, m in model.named_modules()
+                 for b in m._non_persistent_buffers_set}
+    n = 0
+    for sm in modules.values():
+        for path, m in sm.named_modules():
+            for b in list(m._buffers):
+                if (f"{path}.{b}" if path else b) in transient and b not in m._non_persistent_buffers_set:
+                    m._non_persistent_buffers_set.add(b)
+                    n += 1
+    return n
+
+
 def _seq_len(bundle) -> int:
     """The bundle's sequence length; for a user model without one, the token-id input's length;
     0 for inputs that are not sequences (images)."""
@@ -517,6 +558,9 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     method = getattr(plan.model, "split", None) or choose_split(model)
     modules, method = _split(model, example, segment_layers, plan.model.name, method)
     eager = _restore_eager_moe(model, modules)
+    _keep_buffers_non_persistent(model, modules)
+    for m in modules.values():
+        _share_tied_copies(m, tie_sets)
 
     # ---- probe: one real micro-batch forward and backward through the chain
     records = []
@@ -603,9 +647,24 @@ def _run_with_codegen(modules) -> int:
     for m in modules:
         for sub in m.modules():
             if isinstance(sub, InterpreterModule):
+                _rename_self_nodes(sub)
                 sub._run_with_interpreter = False
                 n += 1
     return n
+
+
+def _rename_self_nodes(sub) -> int:
+    """Rename FX nodes called ``self`` (the result of calling a child module named ``self``, as in
+    BERT's ``attention.self``): the generated code would assign to ``self`` and then fail on the
+    next ``self.output(...)`` ("'Tensor' object has no attribute 'output'"). Returns how many."""
+    renamed = 0
+    for node in sub.graph.nodes:
+        if node.name == "self":
+            node._rename("self_value")
+            renamed += 1
+    if renamed and sub.graph_module is not None:
+        sub.graph_module.recompile()
+    return renamed
 
 
 def retarget_device(module: nn.Module, device: torch.device | str) -> int:
