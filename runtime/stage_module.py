@@ -57,7 +57,7 @@ class SequentialStage(StageModule):
         return x if isinstance(x, tuple) else (x,)
 
 
-def sequential_segments(model: nn.Sequential, segment_layers: Sequence[Sequence[str]]) -> list[list[str]]:
+def sequential_segments(model: nn.Module, segment_layers: Sequence[Sequence[str]]) -> list[list[str]]:
     """Child names of each segment (see the module docstring).
 
     Raises:
@@ -90,7 +90,7 @@ def sequential_segments(model: nn.Sequential, segment_layers: Sequence[Sequence[
     return out
 
 
-def split_sequential(model: nn.Sequential, segment_layers: Sequence[Sequence[str]]) -> dict[int, SequentialStage]:
+def split_sequential(model: nn.Module, segment_layers: Sequence[Sequence[str]]) -> dict[int, SequentialStage]:
     """Segment index -> :class:`SequentialStage` holding deep copies of that segment's children
     (``model`` is left untouched; a module shared by two children of one stage stays shared, one
     shared across stages becomes one copy per stage: a tied parameter).

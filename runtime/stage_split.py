@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
@@ -90,19 +90,19 @@ def _inline_call(gm: fx.GraphModule, node: fx.Node, body_node: fx.Node, body: fx
     if len(placeholders) != len(args):
         return False
     stack = node.meta.get("nn_module_stack")
-    env: dict[fx.Node, object] = dict(zip(placeholders, args))
+    env: dict[fx.Node, Any] = dict(zip(placeholders, args))
 
-    def lookup(x: fx.Node) -> object:
+    def lookup(x: fx.Node) -> Any:
         return env[x]
 
-    def detached(v: object) -> object:
+    def detached(v: Any) -> Any:
         if detach and isinstance(v, fx.Node) and isinstance(v.meta.get("val"), torch.Tensor):
             d = g.call_function(torch.ops.aten.detach.default, (v,))
             d.meta = {"val": v.meta["val"], **({"nn_module_stack": dict(stack)} if stack else {})}
             return d
         return v
 
-    outs: object = None
+    outs: Any = None
     with g.inserting_before(node):
         for b in body.graph.nodes:
             if b.op == "placeholder":
@@ -126,7 +126,7 @@ def _inline_call(gm: fx.GraphModule, node: fx.Node, body_node: fx.Node, body: fx
             user.replace_all_uses_with(outs[user.args[1]])
             g.erase_node(user)
     if node.users:
-        node.replace_all_uses_with(outs)   # type: ignore[arg-type]
+        node.replace_all_uses_with(outs)
     g.erase_node(node)
     if not body_node.users:
         g.erase_node(body_node)
