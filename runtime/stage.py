@@ -559,8 +559,6 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     modules, method = _split(model, example, segment_layers, plan.model.name, method)
     eager = _restore_eager_moe(model, modules)
     _keep_buffers_non_persistent(model, modules)
-    for m in modules.values():
-        _share_tied_copies(m, tie_sets)
 
     # ---- probe: one real micro-batch forward and backward through the chain
     records = []
@@ -611,6 +609,8 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
                 if not owner_path and isinstance(m, TracedStage):
                     m.inner._parameters.pop(leaf, None)
                 removed.append((i, name))
+    for m in modules.values():   # after the pruning: unused leftover copies are gone
+        _share_tied_copies(m, tie_sets)
     tied: list[list[tuple[int, str]]] = []
     for names in tie_sets:
         members = [(i, n) for i, m in modules.items() for n, _ in m.named_parameters() if n in names]
