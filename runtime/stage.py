@@ -2,18 +2,33 @@
 
 :func:`build_stages` builds the plan's model on the CPU with real float32 weights
 (``torch.manual_seed(seed)`` first, so every rank and the single-process reference get identical
-weights), splits it with PyTorch's tracer-based ``torch.distributed.pipelining.pipeline`` at the
-first layer of every segment after the first (``SplitPoint.BEGINNING``) and returns one
-:class:`StageModule` per segment (segment ``i`` = pipe stage ``i``), plus what a worker needs to
-run them across processes:
+weights; ``build_model(name, batch_size=micro_batch_size, seq_len=seq_len, task=plan.model.task)``)
+and cuts it into one :class:`StageModule` per segment (segment ``i`` = pipe stage ``i``) with one
+of two methods, ``plan.model.split`` (``None``: :func:`engine.split.choose_split`; the method used
+is recorded as :attr:`PipelineStages.split`):
+
+- ``"tracer"`` (:class:`TracedStage`): PyTorch's ``torch.distributed.pipelining.pipeline`` with
+  our ``split_policy`` (:mod:`runtime.stage_split`): the exported graph is cut at the plan's layers
+  exactly as the planner attributed ops to layers, giving exactly one stage per segment;
+- ``"module"`` (:class:`runtime.stage_module.SequentialStage`): torchtitan's manual split of an
+  ``nn.Sequential``: each stage holds its children under their original names and runs them
+  eagerly (:mod:`runtime.stage_module`).
+
+If the tracer cannot export the model and the model is an ``nn.Sequential``, the module split is
+used instead (and the other way round); if neither works, :class:`StageSplitError` names the
+layer (module path and class) that failed in one sentence.
+
+What a worker needs to run the stages across processes:
 
 - **Chain interface.** ``pipeline()`` may route a value from stage ``i`` straight to stage
   ``j > i + 1`` (GPT-2's boolean attention mask goes from stage 0 to every block). Our instruction
   streams (``engine.dependency.lower``) only move tensors between consecutive segments, so each
   :class:`StageModule` takes the values live at its input boundary and returns the values live
   at its output boundary, passing skip values through. ``forward(*boundary_in) -> tuple``;
-  stage 0 takes the model inputs (``input_ids`` int64 ``[micro_batch, seq]``) and the last
-  stage returns ``(logits [micro_batch, seq, vocab],)``.
+  stage 0 takes all model inputs (``input_ids`` int64 ``[micro_batch, seq]``; T5's
+  ``(input_ids, decoder_input_ids [micro_batch, seq'])``; images ``[micro_batch, 1, 8, 8]``) and
+  the last stage returns exactly one tensor, ``(logits,)`` of any rank (``[micro_batch, seq,
+  vocab]``, ``[micro_batch, classes]``).
 - **Boundary metadata** (:class:`TensorMeta`): shape, dtype and whether a gradient flows back
   across the boundary, found by running one real micro-batch forward and backward through the
   chain at build time. Receive buffers are allocated from it once (static shapes; the
@@ -31,21 +46,25 @@ run them across processes:
   checkpointed.
 
 - **MoE layers.** The model's own eager :class:`~engine.models.moe.layer.MoEFeedForward`
-  layers replace their traced graphs inside the stages (:func:`_restore_eager_moe`), so they
-  produce their aux loss and routing metrics, follow their gates' update counters (DTS-Gate
-  temperature) and keep the gate buffers in the stage's ``state_dict``; a segment boundary
-  inside an MoE layer is refused.
+  layers and Hugging Face sparse MoE blocks (:func:`engine.models.moe.hf_moe.is_hf_moe_block`,
+  e.g. Mixtral's ``model.layers.3.mlp``) replace their traced graphs inside traced stages
+  (:func:`_restore_eager_moe`), so they produce their aux loss and routing metrics, follow their
+  gates' update counters (DTS-Gate temperature), keep the gate buffers in the stage's
+  ``state_dict``, and a worker can swap their experts for an expert-parallel version; a segment
+  boundary inside an MoE layer is refused.
 
 Limits: tensor parallelism (``tp > 1``) is planned but not executed (:class:`RuntimeNotSupported`).
 The exported graphs freeze the train/eval mode they were traced in (dropout stays as traced);
 the built-in byte-level models have dropout 0, so this only matters for user models with dropout.
 
-Sources: torch.distributed.pipelining (``pipeline``, ``SplitPoint``, ``Pipe.get_stage_module``),
-https://pytorch.org/docs/stable/distributed.pipelining.html.
+Sources: torch.distributed.pipelining (``pipeline``, ``split_policy``, ``Pipe.get_stage_module``),
+https://pytorch.org/docs/stable/distributed.pipelining.html; torchtitan
+``torchtitan/distributed/pipeline.py`` (the module split).
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -54,9 +73,13 @@ import torch
 from torch import fx, nn
 
 from engine.errors import TesselError
+from runtime.stage_types import StageModule, StageSplitError
 
-__all__ = ["TensorMeta", "StageModule", "PipelineStages", "RuntimeNotSupported", "build_stages",
-           "build_stage_modules", "tied_groups", "boundary_specs", "check_executable", "retarget_device"]
+__all__ = ["TensorMeta", "StageModule", "TracedStage", "PipelineStages", "RuntimeNotSupported", "StageSplitError",
+           "build_stages", "build_stage_modules", "tied_groups", "boundary_specs", "check_executable",
+           "retarget_device"]
+
+log = logging.getLogger(__name__)
 
 
 class RuntimeNotSupported(TesselError, NotImplementedError):
@@ -94,12 +117,9 @@ class TensorMeta:
                 "requires_grad": self.requires_grad}
 
 
-class StageModule(nn.Module):
-    """One segment of the split model with a chain interface.
-
-    ``forward(*boundary_in) -> tuple(boundary_out)``: the inputs are the values live at the
-    segment's input boundary (stage 0: the model inputs), the outputs those live at its output
-    boundary (last stage: ``(logits,)``). Parameters keep their original fully qualified names
+class TracedStage(StageModule):
+    """One segment of the traced (``pipeline()``) split with the chain interface of
+    :class:`StageModule`. Parameters keep their original fully qualified names
     (``transformer.h.2.attn.c_attn.weight``), so ``state_dict()`` keys match the unsplit model.
 
     Attributes:
@@ -127,7 +147,7 @@ class StageModule(nn.Module):
         self._node = node
         self._produced = produced   # value node -> output index (None: the whole result)
 
-    def train(self, mode: bool = True) -> "StageModule":
+    def train(self, mode: bool = True) -> "TracedStage":
         super().train(mode)
         self.inner.train(mode)
         return self
@@ -157,14 +177,17 @@ class PipelineStages:
 
     Attributes:
         modules: segment index -> :class:`StageModule` (all segments; a worker keeps its own).
+        split: the method that built them, ``"tracer"`` or ``"module"`` (see the module docstring).
         boundaries: ``boundaries[s]`` describes the outputs of segment ``s`` = inputs of segment
             ``s + 1`` (``s`` in ``0 .. S-2``), one :class:`TensorMeta` per tensor, for one micro-batch.
-        inputs: metas of the model inputs (segment 0's inputs).
-        output: meta of the logits (the last segment's single output).
+        inputs: metas of every model input (segment 0's inputs, e.g. ``input_ids`` and T5's
+            ``decoder_input_ids``).
+        output: meta of the logits (the last segment's single output, any rank).
         tied: tied-parameter groups, each a list of ``(segment, parameter name)`` across which
             gradients must be summed (only groups with 2+ members).
         removed: ``(segment, parameter name)`` of unused leftover parameters that were removed.
-        micro_batch_size, seq_len: the static micro-batch shape the stages were traced with.
+        micro_batch_size, seq_len: the static micro-batch shape the stages were built for
+            (``seq_len`` 0 for models without a sequence, such as image classifiers).
     """
 
     modules: dict[int, StageModule]
@@ -175,6 +198,7 @@ class PipelineStages:
     removed: list[tuple[int, str]] = field(default_factory=list)
     micro_batch_size: int = 1
     seq_len: int = 1
+    split: str = "tracer"
 
 
 def check_executable(plan) -> None:
@@ -284,9 +308,11 @@ def _route(pipe, S: int):
     return live, stage_node, produced
 
 
-def _restore_eager_moe(model: nn.Module, modules: dict[int, "StageModule"]) -> list[nn.Module]:
-    """Put the model's own (eager) :class:`~engine.models.moe.layer.MoEFeedForward` layers back
-    into the traced stages, in place of the graphs ``pipeline()`` traced for them.
+def _restore_eager_moe(model: nn.Module, modules: dict[int, StageModule]) -> list[nn.Module]:
+    """Put the model's own (eager) MoE layers back into the traced stages, in place of the graphs
+    ``pipeline()`` traced for them: :class:`~engine.models.moe.layer.MoEFeedForward` and Hugging
+    Face sparse MoE blocks (:func:`engine.models.moe.hf_moe.is_hf_moe_block`; Mixtral's
+    ``MixtralSparseMoeBlock``, called as ``mlp(hidden_states [B, T, H]) -> [B, T, H]``).
 
     The exported graph of an MoE layer freezes what is Python state of the eager layer: DTS-Gate's
     temperature and dense/sparse phase (they follow the optimizer-update counter), and it drops
@@ -296,7 +322,9 @@ def _restore_eager_moe(model: nn.Module, modules: dict[int, "StageModule"]) -> l
     parameters get the traced copies' values (identical, same names), its buffers come with it
     (so they are in the stage's ``state_dict``), and after every forward it holds
     ``last_aux_loss``/``last_metrics`` for the worker. A worker can then replace it by an
-    expert-parallel layer (:class:`runtime.expert_parallel.ExpertParallelMoE`).
+    expert-parallel layer (:class:`runtime.expert_parallel.ExpertParallelMoE`), or an HF block's
+    ``experts`` by an expert-parallel version. Only traced stages (those with ``inner``) are
+    searched; the module split keeps every layer eager anyway.
 
     Returns:
         the eager layers now inside the stages.
@@ -305,15 +333,18 @@ def _restore_eager_moe(model: nn.Module, modules: dict[int, "StageModule"]) -> l
         RuntimeNotSupported: a segment boundary falls inside an MoE layer, or the traced parent
             does not call the layer as one submodule with one tensor argument.
     """
+    from engine.models.moe.hf_moe import is_hf_moe_block
     from engine.models.moe.layer import MoEFeedForward
 
     restored: list[nn.Module] = []
     for name, layer in model.named_modules():
-        if not isinstance(layer, MoEFeedForward):
+        if not (isinstance(layer, MoEFeedForward) or is_hf_moe_block(layer)):
             continue
         parent_name, _, attr = name.rpartition(".")
         callers = []
         for i, sm in modules.items():
+            if not isinstance(sm, TracedStage):
+                continue
             try:
                 parent = sm.get_submodule(parent_name) if parent_name else sm.inner
             except AttributeError:
@@ -329,6 +360,9 @@ def _restore_eager_moe(model: nn.Module, modules: dict[int, "StageModule"]) -> l
                 f"the MoE layer {name} is called from segments {[c[0] for c in callers]}; put a whole "
                 "MoE layer into one segment")
         i, sm, parent, (call,) = callers[0]
+        if any(u.op == "call_function" and u.target is operator.getitem for u in call.users):
+            raise RuntimeNotSupported(f"segment {i} uses the MoE layer {name}'s result as a tuple; the runtime "
+                                      "needs a layer returning one tensor")
         if len(call.args) != 1 or call.kwargs:
             raise RuntimeNotSupported(f"segment {i} calls the MoE layer {name} with {len(call.args)} arguments "
                                       f"and kwargs {sorted(call.kwargs)}; the runtime needs layer(x)")
@@ -347,64 +381,184 @@ def _restore_eager_moe(model: nn.Module, modules: dict[int, "StageModule"]) -> l
     return restored
 
 
+def _failure_sentence(name: str, model: nn.Module, e: BaseException) -> str:
+    """One sentence: which layer (module path and class) ``torch.export`` failed in, why, what to do."""
+    from engine.graph.capture import trace_failure
+
+    f = trace_failure(e, model)
+    what = (f"layer '{f.module_path or '<root>'}' ({f.module_type})" if f.module_type
+            else f"the top-level forward of {type(model).__name__}")
+    if f.kind == "data-dependent":
+        why = f"data-dependent control flow{f.where}"
+        todo = ("remove the data-dependent branch (or express it with torch.where / torch.cond) "
+                "or make the model an nn.Sequential")
+    else:
+        why = f"{type(e).__name__}{f.where}: {f.first.rstrip('.')}"
+        todo = ("make that layer exportable (torch.export.export(model, example_inputs, strict=False) "
+                "must succeed) or make the model an nn.Sequential")
+    return (f"cannot split {name!r} into stages: {what} cannot be traced by torch.export ({why}), and the "
+            f"model is not an nn.Sequential that the module split could cut; {todo}")
+
+
+def _trace_split(model: nn.Module, example: tuple, segment_layers: list[list[str]], name: str
+                 ) -> dict[int, StageModule]:
+    """The tracer split: ``pipeline(model, mb_args=example, split_policy=...)`` (see
+    :mod:`runtime.stage_split`) and one :class:`TracedStage` per segment.
+
+    Raises:
+        StageSplitError: ``torch.export`` fails (the message names the layer), or ``pipeline()``
+            fails after tracing.
+        RuntimeNotSupported: the split graph does not fit the chain interface.
+    """
+    from torch.distributed.pipelining import pipeline
+
+    from runtime.stage_split import segment_split_policy
+
+    S = len(segment_layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            pipe = pipeline(model, mb_args=example, split_policy=segment_split_policy(model, segment_layers))
+        except StageSplitError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every tracing failure becomes one sentence
+            cause = e.__cause__ if "cannot capture your model" in str(e) and e.__cause__ is not None else None
+            if cause is not None:
+                raise StageSplitError(_failure_sentence(name, model, cause)) from cause
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+            raise StageSplitError(
+                f"cannot split {name!r} into stages: torch.distributed.pipelining.pipeline failed after tracing "
+                f"the model ({type(e).__name__}: {first}); report this model, or make it an nn.Sequential "
+                "that the module split can cut") from e
+    if pipe.num_stages != S:
+        raise RuntimeNotSupported(f"pipeline() made {pipe.num_stages} stages of {name!r}, but the plan has "
+                                  f"{S} segments")
+    live, stage_node, produced = _route(pipe, S)
+    modules: dict[int, StageModule] = {
+        i: TracedStage(pipe.get_stage_module(i), i, live[i], live[i + 1], stage_node[i], produced[i])
+        for i in range(S)}
+    for m in modules.values():
+        m.train()
+    _run_with_codegen(modules.values())
+    return modules
+
+
+def _split(model: nn.Module, example: tuple, segment_layers: list[list[str]], name: str,
+           method: str) -> tuple[dict[int, StageModule], str]:
+    """Cut ``model`` with ``method`` (``"tracer"`` / ``"module"``), falling back to the other one
+    where it applies; returns the stages and the method used."""
+    from runtime.stage_module import split_sequential
+
+    sequential = isinstance(model, nn.Sequential)
+    if method == "module":
+        if sequential:
+            return dict(split_sequential(model, segment_layers)), "module"
+        log.warning("%s is a %s, not an nn.Sequential: using the tracer split instead of the module split",
+                    name, type(model).__name__)
+    try:
+        return _trace_split(model, example, segment_layers, name), "tracer"
+    except StageSplitError as e:
+        if not sequential:
+            raise
+        log.warning("the tracer split of %s failed (%s); using the module split", name, e)
+        return dict(split_sequential(model, segment_layers)), "module"
+
+
+def _share_tied_copies(m: StageModule, tie_sets: list[set[str]]) -> int:
+    """Make the copies of one tied parameter inside one stage the same ``Parameter`` again
+    (``pipeline()`` can give T5's ``encoder.embed_tokens.weight`` and ``decoder.embed_tokens.weight``,
+    one tensor in the model, separate copies in stage 0), so their gradients accumulate in one
+    tensor as in the unsplit model. Returns how many names were re-pointed."""
+    n = 0
+    for names in tie_sets:
+        members = [(name, p) for name, p in m.named_parameters(remove_duplicate=False) if name in names]
+        if len({id(p) for _, p in members}) < 2:
+            continue
+        keep = members[0][1]
+        for name, p in members[1:]:
+            if p is keep:
+                continue
+            if not torch.equal(p, keep):
+                raise TesselError(f"tied parameter copies {members[0][0]} and {name} differ after the split")
+            owner_path, _, leaf = name.rpartition(".")
+            owner = m.get_submodule(owner_path) if owner_path else m
+            owner._parameters[leaf] = keep
+            if not owner_path and isinstance(m, TracedStage):
+                m.inner._parameters[leaf] = keep
+            n += 1
+    return n
+
+
+def _keep_buffers_non_persistent(model: nn.Module, modules: dict[int, StageModule]) -> int:
+    """Mark the stages' buffers non-persistent where the model's are (``pipeline()`` registers every
+    buffer it moves as persistent, e.g. Llama's ``model.rotary_emb.inv_freq``), so a stage's
+    ``state_dict`` keys stay a subset of the unsplit model's. Returns how many were marked."""
+    transient = {f"{path}.{b}" if path else b for path, m in model.named_modules()
+                 for b in m._non_persistent_buffers_set}
+    n = 0
+    for sm in modules.values():
+        for path, m in sm.named_modules():
+            for b in list(m._buffers):
+                if (f"{path}.{b}" if path else b) in transient and b not in m._non_persistent_buffers_set:
+                    m._non_persistent_buffers_set.add(b)
+                    n += 1
+    return n
+
+
+def _seq_len(bundle) -> int:
+    """The bundle's sequence length; for a user model without one, the token-id input's length;
+    0 for inputs that are not sequences (images)."""
+    if bundle.seq_len:
+        return int(bundle.seq_len)
+    x = bundle.example_inputs[0] if bundle.example_inputs else None
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
+        return int(x.shape[-1])
+    return 0
+
+
 def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     """Build, split and probe the plan's model (see the module docstring).
 
     Args:
-        plan: an :class:`engine.io.Plan` (``plan.model.name``, ``micro_batch_size``, ``seq_len``;
-            ``plan.segments[i]["layers"]``).
+        plan: an :class:`engine.io.Plan` (``plan.model.name``, ``task``, ``split``,
+            ``micro_batch_size``, ``seq_len``; ``plan.segments[i]["layers"]``).
         seed: ``torch.manual_seed(seed)`` right before the model is built.
 
     Returns:
         :class:`PipelineStages`. Parameter ``.grad`` fields are ``None`` on return.
 
     Raises:
-        RuntimeNotSupported: ``tp > 1``, multi-device blocks, a non-chain placement, or a split
-            the chain interface cannot express.
-        TesselError: the model name is unknown (``ModelNotFoundError``) or cannot be traced.
+        RuntimeNotSupported: ``tp > 1``, multi-device blocks, a non-chain placement, a segment
+            without layers, or a split the chain interface cannot express.
+        StageSplitError: neither split method can cut the model (one sentence naming the layer).
+        TesselError: the model name is unknown (``ModelNotFoundError``).
     """
-    from torch.distributed.pipelining import SplitPoint, pipeline
-
     from engine.models import build_model
+    from engine.split import choose_split
 
     check_executable(plan)
     S = len(plan.segments)
     mbs = plan.model.micro_batch_size
-    seq = plan.model.seq_len
     torch.manual_seed(seed)
-    bundle = build_model(plan.model.name, batch_size=mbs, seq_len=seq, device="cpu", dtype=torch.float32)
+    bundle = build_model(plan.model.name, batch_size=mbs, seq_len=plan.model.seq_len, device="cpu",
+                         dtype=torch.float32, task=getattr(plan.model, "task", None))
     model = bundle.module.float().train()
-    seq = int(bundle.seq_len or bundle.example_inputs[0].shape[-1])
+    seq = _seq_len(bundle)
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     tie_sets = [set(v) for v in aliases.values() if len(v) > 1]
 
     segs = sorted(plan.segments, key=lambda s: int(s["index"]))
-    split_spec = {}
-    for s in segs[1:]:
+    for s in segs:
         if not s.get("layers"):
             raise RuntimeNotSupported(f"segment {s['index']} lists no layers; cannot find where to split")
-        split_spec[s["layers"][0]] = SplitPoint.BEGINNING
-    example = bundle.example_inputs
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            pipe = pipeline(model, mb_args=example, split_spec=split_spec)
-        except Exception as e:  # tracing errors are long; keep the cause
-            raise TesselError(f"could not split {plan.model.name} at {list(split_spec)} with "
-                              f"torch.distributed.pipelining.pipeline: {type(e).__name__}: {e}") from e
-    if pipe.num_stages != S:
-        raise RuntimeNotSupported(
-            f"splitting at {list(split_spec)} gave {pipe.num_stages} stages, but the plan has {S} segments "
-            "(a split layer may not be called in the model's forward)")
-    live, stage_node, produced = _route(pipe, S)
-    modules = {i: StageModule(pipe.get_stage_module(i), i, live[i], live[i + 1], stage_node[i], produced[i])
-               for i in range(S)}
-    for m in modules.values():
-        m.train()
-    _run_with_codegen(modules.values())
+    segment_layers = [[str(x) for x in s["layers"]] for s in segs]
+    example = tuple(bundle.example_inputs)
+    method = getattr(plan.model, "split", None) or choose_split(model)
+    modules, method = _split(model, example, segment_layers, plan.model.name, method)
     eager = _restore_eager_moe(model, modules)
+    _keep_buffers_non_persistent(model, modules)
 
     # ---- probe: one real micro-batch forward and backward through the chain
     records = []
@@ -415,10 +569,11 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
         outs = modules[i](*ins)
         records.append((ins, outs))
         vals = outs
-    logits = vals[0]
-    if len(vals) != 1 or not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-        raise RuntimeNotSupported(f"the last stage returns {len(vals)} value(s); the runtime needs logits "
-                                  "[micro_batch, seq, vocab]")
+    logits = vals[0] if len(vals) == 1 else None
+    if not isinstance(logits, torch.Tensor):
+        raise RuntimeNotSupported(
+            f"the last stage of {plan.model.name!r} returns {len(vals)} value(s) "
+            f"({', '.join(type(v).__name__ for v in vals)}); the runtime needs exactly one tensor (the logits)")
     torch.autograd.backward(logits.float().square().mean())
     for i in range(S - 1, 0, -1):
         ins_next = records[i][0]
@@ -451,9 +606,11 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
                 owner_path, _, leaf = name.rpartition(".")
                 owner = m.get_submodule(owner_path) if owner_path else m
                 delattr(owner, leaf)
-                if not owner_path:
+                if not owner_path and isinstance(m, TracedStage):
                     m.inner._parameters.pop(leaf, None)
                 removed.append((i, name))
+    for m in modules.values():   # after the pruning: unused leftover copies are gone
+        _share_tied_copies(m, tie_sets)
     tied: list[list[tuple[int, str]]] = []
     for names in tie_sets:
         members = [(i, n) for i, m in modules.items() for n, _ in m.named_parameters() if n in names]
@@ -468,7 +625,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     for layer in eager:   # drop the probe's routing (it holds the probe's autograd graph)
         for attr, value in (("last_aux_loss", None), ("last_metrics", {}), ("last_gate_output", None)):
             setattr(layer, attr, value)
-    return PipelineStages(modules, boundaries, inputs, output, sorted(tied), removed, mbs, seq)
+    return PipelineStages(modules, boundaries, inputs, output, sorted(tied), removed, mbs, seq, method)
 
 
 def _run_with_codegen(modules) -> int:
@@ -490,9 +647,24 @@ def _run_with_codegen(modules) -> int:
     for m in modules:
         for sub in m.modules():
             if isinstance(sub, InterpreterModule):
+                _rename_self_nodes(sub)
                 sub._run_with_interpreter = False
                 n += 1
     return n
+
+
+def _rename_self_nodes(sub) -> int:
+    """Rename FX nodes called ``self`` (the result of calling a child module named ``self``, as in
+    BERT's ``attention.self``): the generated code would assign to ``self`` and then fail on the
+    next ``self.output(...)`` ("'Tensor' object has no attribute 'output'"). Returns how many."""
+    renamed = 0
+    for node in sub.graph.nodes:
+        if node.name == "self":
+            node._rename("self_value")
+            renamed += 1
+    if renamed and sub.graph_module is not None:
+        sub.graph_module.recompile()
+    return renamed
 
 
 def retarget_device(module: nn.Module, device: torch.device | str) -> int:

@@ -49,6 +49,7 @@ import operator
 import re
 import traceback
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
@@ -59,12 +60,11 @@ from torch import nn
 from engine.errors import TesselError
 
 from .flops import count_flops, dropout_saved_bytes, op_kind, op_name, saves_inputs, saves_output, target_str
+from .layering import ROOT_LAYER, Layering, attach_layers, module_of
 from .opgraph import OpGraph
 
-__all__ = ["capture", "CaptureError"]
+__all__ = ["capture", "CaptureError", "TraceFailure", "trace_failure"]
 
-ROOT_LAYER = "<root>"
-_CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
 class CaptureError(TesselError, RuntimeError):
@@ -147,7 +147,32 @@ def _module_names(model: nn.Module) -> dict[int, str]:
     return names
 
 
-def _capture_error(e: BaseException, model: nn.Module, name: str) -> CaptureError:
+@dataclass(frozen=True)
+class TraceFailure:
+    """Where and why ``torch.export`` failed on a model (see :func:`trace_failure`).
+
+    Attributes:
+        module_path: path of the innermost module of the model whose ``forward`` was running
+            (``"blocks.1"``; ``"<root>"`` for the model itself; ``None``: top-level code only).
+        module_type: that module's class name (``None`` when ``module_path`` is).
+        where: ``" at file:line in fn(): `source`"`` of the failing user code, or ``""``.
+        first: the first line of PyTorch's message.
+        kind: ``"data-dependent"`` (control flow on tensor values), ``"shape"`` or ``"other"``.
+        hint: what to try, one clause.
+    """
+
+    module_path: str | None
+    module_type: str | None
+    where: str
+    first: str
+    kind: str
+    hint: str
+
+
+def trace_failure(e: BaseException, model: nn.Module) -> TraceFailure:
+    """Find the module (path, class) and source line where tracing ``model`` raised ``e``, from
+    the traceback (the innermost frame whose ``self`` is a module of ``model``) and PyTorch's
+    "The following call raised this error" note."""
     names = _module_names(model)
     mod_path, mod_type, user = None, None, None
     torch_dir = torch.__file__.rsplit("/", 1)[0]
@@ -156,7 +181,7 @@ def _capture_error(e: BaseException, model: nn.Module, name: str) -> CaptureErro
         if isinstance(self_, nn.Module) and id(self_) in names:
             mod_path, mod_type = names[id(self_)], type(self_).__name__
         fn = frame.f_code.co_filename
-        if not fn.startswith(torch_dir) and "/engine/graph/" not in fn:
+        if not fn.startswith(torch_dir) and "/engine/graph/" not in fn and "/runtime/stage" not in fn:
             user = (fn, lineno, frame.f_code.co_name)
     msg = str(e)
     m = re.search(r"The following call raised this error:\s*\n\s*File \"([^\"]+)\", line (\d+), "
@@ -169,77 +194,36 @@ def _capture_error(e: BaseException, model: nn.Module, name: str) -> CaptureErro
     first = next((ln.strip() for ln in msg.splitlines() if ln.strip()), type(e).__name__)
     low = (type(e).__name__ + msg).lower()
     if "data-dependent" in low or "datadependent" in low or "guardondatadependent" in low:
+        kind = "data-dependent"
         hint = ("remove data-dependent Python control flow (if/while on tensor values, .item(), "
                 ".tolist(), bool(tensor)) or express it with torch.where / torch.cond; the "
                 "capture already uses strict=False and meta/fake tensors, so values are unknown")
     elif re.search(r"shape|size|dim|mismatch|expected", low):
+        kind = "shape"
         hint = ("pass example inputs with the right shapes and dtypes (e.g. int64 token ids "
                 "[batch, seq] for language models) and check the model runs eagerly on them")
     else:
+        kind = "other"
         hint = ("check that model(*example_inputs) runs eagerly on meta tensors; export uses "
                 "strict=False already; avoid Python side effects, data-dependent control flow "
                 "and non-tensor outputs")
-    module_txt = (f"module '{mod_path or '<root>'}' ({mod_type})" if mod_type
+    return TraceFailure(mod_path if mod_type else None, mod_type, where, first, kind, hint)
+
+
+def _capture_error(e: BaseException, model: nn.Module, name: str) -> CaptureError:
+    f = trace_failure(e, model)
+    module_txt = (f"module '{f.module_path or '<root>'}' ({f.module_type})" if f.module_type
                   else "the model's top-level code")
-    text = (f"cannot capture {name!r}: {type(e).__name__} in {module_txt}{where}.\n"
-            f"  torch.export says: {first}\n  try: {hint}.")
-    return CaptureError(text, module_path=mod_path, cause=e)
+    text = (f"cannot capture {name!r}: {type(e).__name__} in {module_txt}{f.where}.\n"
+            f"  torch.export says: {f.first}\n  try: {f.hint}.")
+    return CaptureError(text, module_path=f.module_path, cause=e)
 
 
 # ---------------------------------------------------------------------------------------------
 # layer assignment
 # ---------------------------------------------------------------------------------------------
-class _Layering:
-    """Maps module paths to layer names (see module docstring)."""
-
-    def __init__(self, model: nn.Module):
-        self.mods = dict(model.named_modules(remove_duplicate=False))
-        self.backbone: set[str] = set()
-        for path, m in self.mods.items():
-            if isinstance(m, _CONTAINERS):
-                parts = path.split(".") if path else []
-                self.backbone.add(path)
-                self.backbone.update(".".join(parts[:i]) for i in range(len(parts)))
-        self._cache: dict[str, str | None] = {}
-
-    def norm(self, p: str) -> str:
-        if p in self.mods:
-            return p
-        q = re.sub(r"@\d+$", "", p)
-        q = re.sub(r"^L\['self'\]\.?|^L__self__\.?", "", q)
-        q = re.sub(r"\[(\d+)\]", r".\1", q)
-        q = re.sub(r"\['([^']+)'\]", r".\1", q)
-        return q.replace("._modules.", ".").strip(".")
-
-    def layer_of(self, path: str) -> str | None:
-        if path in self._cache:
-            return self._cache[path]
-        res = None
-        if path:
-            parts = path.split(".")
-            prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-            for pre in prefixes:
-                parent = pre.rsplit(".", 1)[0] if "." in pre else ""
-                if isinstance(self.mods.get(parent), _CONTAINERS):
-                    res = pre
-                    break
-            else:
-                res = next((pre for pre in prefixes if pre not in self.backbone), None)
-        self._cache[path] = res
-        return res
-
-
-def _module_of(node: torch.fx.Node, lay: _Layering, model: nn.Module) -> tuple[str, str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return "", type(model).__name__
-    path, typ = list(stack.values())[-1]
-    path = lay.norm(str(path))
-    mod = lay.mods.get(path)
-    if mod is not None:
-        return path, type(mod).__name__
-    tname = typ.__name__ if isinstance(typ, type) else str(typ).rsplit(".", 1)[-1]
-    return path, tname
+_Layering = Layering      # the names this module used before engine.graph.layering existed
+_module_of = module_of
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,38 +539,8 @@ def _assign_layers(g: OpGraph, module_layer: dict[str, str | None]) -> None:
     order = list(g.nodes)
     pos = {n: i for i, n in enumerate(order)}
     ops = [n for n in order if g.nodes[n]["op"] == "call_function"]
-    layer: dict[str, str | None] = {n: module_layer.get(n) for n in ops}
+    layer_of: dict[str, str] = attach_layers(ops, module_layer, g.predecessors, g.successors)
     first: dict[str, int] = {}
-    for n in ops:
-        ln = layer[n]
-        if ln is not None:
-            first.setdefault(ln, pos[n])
-    # forward: latest producer layer
-    for n in ops:
-        if layer[n] is None:
-            cands = [lp for p in g.predecessors(n) if (lp := layer.get(p)) is not None]
-            if cands:
-                layer[n] = max(cands, key=lambda x: first.get(x, 1 << 60))
-    # backward: earliest consumer layer
-    for n in reversed(ops):
-        if layer[n] is None:
-            cands = [lc for c in g.successors(n) if (lc := layer.get(c)) is not None]
-            if cands:
-                layer[n] = min(cands, key=lambda x: first.get(x, 1 << 60))
-    # dead code (no path to any layered op): the layer of the neighbour in program order
-    prev = None
-    for n in ops:
-        if layer[n] is None:
-            layer[n] = prev
-        prev = layer[n] or prev
-    nxt = None
-    for n in reversed(ops):
-        if layer[n] is None:
-            layer[n] = nxt or ROOT_LAYER
-        nxt = layer[n]
-    # every op has a layer now: the same mapping, typed without None
-    layer_of: dict[str, str] = {n: ln for n, ln in layer.items() if ln is not None}
-    first = {}
     for n in ops:
         first.setdefault(layer_of[n], pos[n])
     q = nx.DiGraph()

@@ -131,8 +131,11 @@ def logits_only_class(hf_cls: type) -> type:
     if name not in _CLASSES:
         mixin = {("input_ids",): _LogitsOnly, ("input_ids", "decoder_input_ids"): _Seq2SeqLogitsOnly,
                  ("pixel_values",): _ImageLogitsOnly}[input_names(hf_cls)]
-        _CLASSES[name] = type(name, (mixin, hf_cls), {"__module__": __name__, "__qualname__": name,
-                                                      "_tessel_forward_kw": _cache_kw(hf_cls)})
+        ns: dict[str, Any] = {"__module__": __name__, "__qualname__": name, "_tessel_forward_kw": _cache_kw(hf_cls)}
+        can_set = getattr(hf_cls, "_can_set_experts_implementation", None)
+        if callable(can_set):   # transformers reads the class's *module source* for this: ask the HF class
+            ns["_can_set_experts_implementation_cached_value"] = bool(can_set())
+        _CLASSES[name] = type(name, (mixin, hf_cls), ns)
     return _CLASSES[name]
 
 
