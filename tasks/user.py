@@ -129,9 +129,12 @@ class UserTask(Task):
                             f"inputs in order), got {names!r}")
         self.input_names = tuple(names)
         unit = getattr(obj, "unit", "samples")
-        if unit not in ("tokens", "samples"):
+        if unit == "tokens":
+            self.unit: Unit = "tokens"
+        elif unit == "samples":
+            self.unit = "samples"
+        else:
             raise TaskError(f"user task {name!r}: unit must be 'tokens' or 'samples', got {unit!r}")
-        self.unit: Unit = unit
 
     def _batch(self, what: str, got: Any, rows: int) -> tuple[torch.Tensor, ...]:
         if isinstance(got, list):
