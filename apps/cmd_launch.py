@@ -1,7 +1,9 @@
 """Train a plan on Ray actors (one per rank; gloo on CPU, NCCL on GPUs) for some steps and
 compare the measured step with the prediction: per-rank step time, loss, validation loss,
 tokens/s, a measured Perfetto trace next to the predicted one, and atomic checkpoints that
-``--resume`` continues from.
+``--resume`` continues from. The data and loss are the plan's task (``--task`` overrides it:
+``causal-lm``, ``masked-lm``, ``seq2seq``, ``image-classification`` or ``package.module:callable``);
+throughput is reported in the task's unit (tokens/s, samples/s).
 
 Several plans (``tessel launch a.json b.json --crossover``) are co-located on the same actors with
 the CrossoverScheduler (``runtime.crossover``): pure data-parallel plans (pp = 1) of the same
@@ -47,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=10,
                    help="validation loss every N steps; 0: only at the end (default 10)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
+    p.add_argument("--task", default=None,
+                   help="train on this task instead of the plan's: causal-lm, masked-lm, seq2seq, "
+                        "image-classification, or package.module:callable (see `tasks.user`)")
+    p.add_argument("--data-seed", type=int, default=0,
+                   help="seed of the task's data split and batches (default 0)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--step-timeout", type=float, default=120.0,
                    help="seconds a rank may take for one step before the job counts as hung (default 120)")
@@ -74,8 +81,10 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
     pp = res.pp
     say = lambda *a: print(*a, file=out)  # noqa: E731
     ran = len(res.losses)
+    shape = f"{plan.model.micro_batch_size} x {plan.model.seq_len} tokens" if plan.model.seq_len \
+        else f"{plan.model.micro_batch_size} samples"
     say(f"{plan.model.name}: {res.world_size} ranks (dp={res.dp}, pp={pp}), schedule {plan.schedule.name}, "
-        f"{par.micro_batches} micro-batches of {plan.model.micro_batch_size} x {plan.model.seq_len} tokens, "
+        f"task {res.task}, {par.micro_batches} micro-batches of {shape}, "
         f"{res.backend} on {'GPUs' if res.backend == 'nccl' else 'CPU'}; steps {res.start_step}..{res.steps - 1} "
         f"in {res.elapsed:.1f} s (setup {res.setup_time:.1f} s)")
     rows = []
@@ -93,8 +102,9 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
         say("validation loss " + ", ".join(f"{v:.4f} after {s} steps" for s, v in res.val_losses))
     if res.moe:
         say(moe_summary(res))
-    say(f"{res.tokens_per_second:,.0f} tokens/s measured ({res.tokens_per_step:,} tokens per step), "
-        f"{pred_tps:,.0f} tokens/s predicted; step makespan {fmt_ms(res.measured_makespan)} measured vs "
+    unit = res.unit
+    say(f"{res.units_per_second:,.0f} {unit}/s measured ({res.units_per_step:,} {unit} per step), "
+        f"{pred_tps:,.0f} {unit}/s predicted; step makespan {fmt_ms(res.measured_makespan)} measured vs "
         f"{fmt_ms(res.predicted_makespan)} predicted")
     predicted_trace = plan_dir / "trace.json"
     traces = dict(res.trace_paths)
@@ -106,7 +116,8 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
         say(f"checkpoint {res.checkpoint} (continue with --resume)")
     d = res.to_dict()
     d["trace_paths"] = traces
-    d["predicted_tokens_per_second"] = pred_tps
+    d["predicted_tokens_per_second"] = pred_tps if unit == "tokens" else 0.0
+    d["predicted_units_per_second"] = pred_tps
     d["loss_start"] = res.losses[0] if ran else None
     d["loss_end"] = res.losses[-1] if ran else None
     d["val_loss"] = res.val_losses[-1][1] if res.val_losses else None
@@ -253,6 +264,8 @@ def run(args: argparse.Namespace) -> dict:
 
     mode = _mode(args)
     if mode is not None:
+        if args.task is not None:
+            raise ValueError("--task applies to a single-plan launch; co-located jobs train the plans' own tasks")
         return run_crossover(args, mode)
     plan_path = Path(args.plan[0])
     plan = load_plan(plan_path)
@@ -262,7 +275,7 @@ def run(args: argparse.Namespace) -> dict:
     config = LaunchConfig(steps=args.steps, address=args.address, checkpoint_dir=ckdir,
                           checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, resume=args.resume,
                           seed=args.seed, lr=args.lr, step_timeout=args.step_timeout, trace_path=trace,
-                          device=args.device, optimizer=args.optimizer,
+                          device=args.device, optimizer=args.optimizer, task=args.task, data_seed=args.data_seed,
                           keep_timelines=min(args.steps, 64) if args.calibrate else 8)
     res = launch(plan, config, callbacks=[TqdmProgress()] if _show_progress(args) else [])
     out = report(plan, res, plan_dir=plan_dir)

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual-stages", type=int, default=None, help="segments per device for interleaved (default 2)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (model default)")
+    p.add_argument("--task", default=None,
+                   help="training task recorded in the plan: causal-lm, masked-lm, seq2seq, image-classification "
+                        "or package.module:callable (default: the model's own)")
     p.add_argument("--dtype", default="float32",
                    help="parameter/activation dtype: float32, bfloat16, float16 (default float32)")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's capacity)")
@@ -57,7 +60,7 @@ def run(args: argparse.Namespace) -> dict:
         args.model, devices=args.devices, micro_batches=args.micro_batches, schedule=args.schedule,
         device_type=args.device_type, dp=args.dp, tp=args.tp, virtual_stages=args.virtual_stages,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, memory_limit=limit,
-        optimizer=args.optimizer, profile=args.profile,
+        optimizer=args.optimizer, profile=args.profile, task=args.task,
         progress=progress,
     )
     out = Path(args.output)

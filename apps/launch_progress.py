@@ -1,8 +1,8 @@
 """The CLI's progress display of a launch, as ``runtime.session.TrainingCallback`` objects.
 
 - :class:`TqdmProgress`: ``tessel launch plan.json`` / ``tessel demo``: a tqdm bar on stderr with
-  the loss, tokens/s and (MoE models) the gate metrics of the last step; notices (e.g. resuming
-  found no checkpoint) as ``[tessel] ...`` lines.
+  the loss, throughput in the task's unit (tok/s, samples/s) and (MoE models) the gate metrics
+  of the last step; notices (e.g. resuming found no checkpoint) as ``[tessel] ...`` lines.
 - :class:`LineProgress`: ``tessel launch a.json b.json --crossover``: one
   ``[tessel crossover] job J (name) step S: ...`` line per step of each job on stderr.
 """
@@ -51,7 +51,8 @@ class TqdmProgress(TrainingCallback):
     def on_step(self, report: StepReport) -> None:
         if self.bar is None:
             return
-        post = {"loss": f"{report.loss:.4f}", "tok_s": f"{report.tokens_per_second:,.0f}"}
+        key = "tok_s" if report.unit == "tokens" else "samples_s"
+        post = {"loss": f"{report.loss:.4f}", key: f"{report.units_per_second:,.0f}"}
         if report.gates is not None:
             post.update(_moe_postfix(report.gates))
         self.bar.set_postfix(post, refresh=False)

@@ -98,6 +98,16 @@ class LaunchConfig(_ClusterConfig):
     seed: int = 0
     """Model initialisation / worker RNG seed."""
 
+    task: str | None = None
+    """The task to train on (:mod:`tasks`: ``causal-lm``, ``masked-lm``, ``seq2seq``,
+    ``image-classification`` or a user's ``package.module:callable``), overriding the plan's
+    ``model.task``; ``None``: the plan's (causal-lm when it records none). The batches are the
+    task's ``train_batch(step, dp * m * micro_batch_size)`` and throughput counts its unit."""
+
+    data_seed: int = 0
+    """Seed of the task's data (its file split and every batch): a batch depends only on
+    ``(data_seed, step)``."""
+
     lr: float = 1e-3
     """Learning rate (dimensionless)."""
 
@@ -129,8 +139,9 @@ class LaunchConfig(_ClusterConfig):
         Raises:
             LaunchError: (``kind="setup"``) ``steps < 1``, ``step_timeout <= 0``,
                 ``checkpoint_every < 0``, ``keep_checkpoints < 1``, ``eval_every < 0``,
-                ``keep_timelines < 0``, an unknown ``optimizer`` or ``p2p_matching``; the message
-                names the field and the accepted values.
+                ``keep_timelines < 0``, an unknown ``optimizer`` or ``p2p_matching``, a ``task`` that
+                is neither a built-in task nor ``module:callable``; the message names the field and
+                the accepted values.
         """
         if self.steps < 1:
             raise LaunchError(f"steps must be at least 1, got {self.steps}", kind="setup")
@@ -146,6 +157,13 @@ class LaunchConfig(_ClusterConfig):
             if self.p2p_matching not in P2P_MATCHING:
                 raise LaunchError(f"unknown p2p_matching {self.p2p_matching!r}; use one of "
                                   f"{_choices(P2P_MATCHING)}", kind="setup")
+        if self.task is not None:
+            from tasks import TaskError, check_task_name
+
+            try:
+                check_task_name(self.task)
+            except TaskError as e:
+                raise LaunchError(str(e), kind="setup") from e
 
 
 def check_optimizer(name: str) -> str:

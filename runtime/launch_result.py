@@ -23,12 +23,13 @@ class LaunchResult:
             steps done before it too).
         start_step: the first step run by this launch (0, or the resumed checkpoint's step).
         losses: training loss of each step run by this launch (``losses[i]`` is step
-            ``start_step + i``), nats per token, mean over the global batch.
+            ``start_step + i``), the task's loss (nats per token for text), mean over the global batch.
         val_losses: ``[(steps_completed, loss)]`` on the fixed validation batch.
         step_times: seconds of each step, dispatch to the last rank's result (driver clock).
-        tokens_per_step: tokens in one global batch (dp * micro_batches * micro_batch_size * seq_len).
+        tokens_per_step: tokens in one global batch (dp * micro_batches * micro_batch_size * seq_len
+            for causal-lm; the task's count; 0 for a task counted in samples).
         tokens_per_second: tokens / second over this launch's steps, the first one excluded
-            (warm-up) when more than one ran.
+            (warm-up) when more than one ran (0 for a task counted in samples).
         timeline: the measured Timeline of the last step (``source="measured"``), or ``None``.
         timelines: the measured Timelines of the last ``keep_timelines`` steps, oldest first (the
             input of ``engine.cost.calibrate.calibrate``); not in :meth:`to_dict`.
@@ -48,6 +49,10 @@ class LaunchResult:
         setup_time: seconds from Ray start until every rank finished ``setup()``.
         moe: per step of this launch, the MoE gate metrics (see the module docstring) with
             ``step``; empty for models without MoE layers (and then left out of :meth:`to_dict`).
+        task: the task trained (``causal-lm``, ..., or ``module:callable``).
+        unit: what the task's throughput counts, ``"tokens"`` or ``"samples"``.
+        units_per_step: units (:attr:`unit`) in one global batch (the last step's).
+        units_per_second: units / second, measured like ``tokens_per_second``.
     """
 
     steps: int
@@ -76,6 +81,10 @@ class LaunchResult:
     setup_time: float = 0.0
     moe: list[dict] = field(default_factory=list)
     timelines: list[Timeline] = field(default_factory=list)
+    task: str = "causal-lm"
+    unit: str = "tokens"
+    units_per_step: int = 0
+    units_per_second: float = 0.0
 
     @property
     def final_loss(self) -> float | None:

@@ -5,16 +5,22 @@
 placement group with one bundle per rank (``runtime.cluster``), starts a
 ``runtime.worker.StageWorker`` per rank, and then for every step:
 
-1. builds the global batch ``ByteCorpus(seq_len).train_batch(step, dp * m * micro_batch_size)``
-   (a pure function of the step, so the step is the data position) and hands the same tensor
-   (one ``ray.put``) to every rank; DP replica ``d`` (ranks ``d*pp .. d*pp+pp-1``; rank r is
-   pipeline rank ``r % pp``) trains on rows ``[d*m*mbs, (d+1)*m*mbs)`` of it (the worker slices);
+1. builds the global batch ``task.train_batch(step, dp * m * micro_batch_size)`` of the plan's
+   task (:mod:`tasks`; ``LaunchConfig.task`` overrides ``plan.model.task``; causal-lm reads
+   the CPython sources as bytes), a tuple ``(*inputs, *targets)`` that is a pure function of
+   ``(data_seed, step)``, so the step is the data position, and hands the same tuple (one
+   ``ray.put``) to every rank; DP replica ``d`` (ranks ``d*pp .. d*pp+pp-1``; rank r is pipeline
+   rank ``r % pp``) trains on rows ``[d*m*mbs, (d+1)*m*mbs)`` of every tensor (the worker slices);
 2. calls ``step(step, batch)`` on every rank and waits for all of them (at most ``step_timeout``
    seconds): the step's loss is the mean of the per-micro-batch losses reported by the last
    pipeline stage of every replica (= the mean over the global batch, since micro-batches are
    equal-sized);
-3. every ``eval_every`` steps evaluates a fixed validation batch, and every ``checkpoint_every``
-   steps writes an atomic checkpoint (``runtime.checkpoint``).
+3. every ``eval_every`` steps evaluates a fixed validation batch (``task.val_batch(0, ...)``),
+   and every ``checkpoint_every`` steps writes an atomic checkpoint (``runtime.checkpoint``).
+
+Throughput is counted in the task's unit (``task.count``): tokens for the text tasks
+(``tokens_per_second``), samples for image classification (``units_per_second`` with
+``unit="samples"``; ``tokens_per_second`` is then 0).
 
 Steps, evaluation, checkpoints and resuming are the job's :class:`runtime.session.TrainingSession`
 (shared with the co-located launcher); the actor calls go through :class:`runtime.runner.Runner`.
@@ -117,8 +123,7 @@ class _Loop:
     recent: list[list[dict]] = field(default_factory=list)  # the ranks' results of the last keep_timelines steps
 
 
-def _train(session: TrainingSession, callbacks: Sequence[TrainingCallback], *, dp: int, keep_timelines: int,
-           tokens_per_step: int) -> _Loop:
+def _train(session: TrainingSession, callbacks: Sequence[TrainingCallback], *, dp: int, keep_timelines: int) -> _Loop:
     """Run the session's steps, reporting each to ``callbacks``, evaluating and checkpointing."""
     loop = _Loop()
     for step in range(session.start_step, session.steps):
@@ -132,7 +137,8 @@ def _train(session: TrainingSession, callbacks: Sequence[TrainingCallback], *, d
         if gates is not None:
             loop.moe.append({"step": step, **gates})
         report = StepReport(step=step, steps=session.steps, loss=out.loss, seconds=out.seconds,
-                            tokens_per_step=tokens_per_step, gates=gates)
+                            tokens_per_step=out.units if out.unit == "tokens" else 0, gates=gates,
+                            unit=out.unit, units_per_step=out.units)
         for cb in callbacks:
             cb.on_step(report)
         session.after_step(step + 1)
@@ -193,7 +199,8 @@ def launch(
     Raises:
         LaunchError: a rank raised, died or hung, or setup failed (message names rank, step and
             instruction; the last checkpoint is kept; actors are killed and Ray shut down);
-            ``steps < 1``, an unknown optimizer or p2p matching, or ``resume`` from a checkpoint
+            ``steps < 1``, an unknown optimizer or p2p matching, an unknown task or one that does
+            not fit the model (``tasks.TaskError``'s sentence), or ``resume`` from a checkpoint
             written with another optimizer (all before Ray starts).
         CheckpointError: ``resume`` with a checkpoint of another plan or world size.
         runtime.stage.RuntimeNotSupported: the plan uses tensor parallelism or multi-device blocks.
@@ -210,14 +217,10 @@ def launch(
     ws = dp * pp
     m = par.micro_batches
     mbs = plan.model.micro_batch_size
-    seq_len = plan.model.seq_len or 0
-    if seq_len <= 0:
-        raise LaunchError("the plan's model has no seq_len; the runtime trains language models on token sequences",
-                          kind="setup")
     config.validate()
+    plan, task = _plan_task(plan, config)
     steps = config.steps
     global_bs = dp * m * mbs
-    tokens_per_step = global_bs * seq_len
     # config.optimizer was checked by config.validate(); the plan's optimizer is checked here
     optimizer: str = config.optimizer or check_optimizer(str(par.optimizer))
     ck, last_ck = resume_point(config.checkpoint_dir, resume=config.resume, plan=plan, world_size=ws, steps=steps,
@@ -228,8 +231,6 @@ def launch(
         from runtime.worker import StageWorker
 
         worker_cls = StageWorker
-    from runtime.data import ByteCorpus
-
     owned = False
     pool = None
     started = False
@@ -245,7 +246,7 @@ def launch(
             restore_checkpoint(runner, ck, ws, timeout=slow)
         setup_time = time.perf_counter() - t_start
         session = TrainingSession(
-            runner=runner, plan=plan, world_size=ws, corpus=ByteCorpus(seq_len=seq_len), global_batch=global_bs,
+            runner=runner, plan=plan, world_size=ws, corpus=task, global_batch=global_bs,
             steps=steps, start_step=ck.step if ck is not None else 0, step_timeout=config.step_timeout,
             checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
             eval_every=config.eval_every, keep_checkpoints=config.keep_checkpoints, seed=config.seed,
@@ -255,17 +256,21 @@ def launch(
         for cb in callbacks:
             cb.on_start(start_step=session.start_step, steps=steps)
         started = True
-        loop = _train(session, callbacks, dp=dp, keep_timelines=config.keep_timelines,
-                      tokens_per_step=tokens_per_step)
+        loop = _train(session, callbacks, dp=dp, keep_timelines=config.keep_timelines)
         started = False
         _end(callbacks)
         measured = _measure(plan, loop, ws=ws, pp=pp, steps=steps, backend=backend.name, trace_path=config.trace_path)
         clean = True
-        timed = session.step_times[1:] if len(session.step_times) > 1 else session.step_times
-        tps = tokens_per_step * len(timed) / sum(timed) if timed and sum(timed) > 0 else 0.0
+        skip = 1 if len(session.step_times) > 1 else 0   # the first step warms up
+        timed, units = session.step_times[skip:], session.step_units[skip:]
+        ups = sum(units) / sum(timed) if timed and sum(timed) > 0 else 0.0
+        per_step = session.step_units[-1] if session.step_units else 0
+        tokens = session.unit == "tokens"
         return LaunchResult(
             steps=steps, start_step=session.start_step, losses=session.losses, val_losses=session.val_losses,
-            step_times=session.step_times, tokens_per_step=tokens_per_step, tokens_per_second=tps,
+            step_times=session.step_times, tokens_per_step=per_step if tokens else 0,
+            tokens_per_second=ups if tokens else 0.0, task=task.name, unit=session.unit,
+            units_per_step=per_step, units_per_second=ups,
             checkpoint=runner.checkpoint, backend=backend.name, optimizer=optimizer, world_size=ws, dp=dp, pp=pp,
             elapsed=time.perf_counter() - t_start, setup_time=setup_time, moe=loop.moe, **measured)
     finally:
@@ -274,6 +279,28 @@ def launch(
         if pool is not None:
             pool.close(graceful=clean)
         _cluster.shutdown_ray(owned)
+
+
+def _plan_task(plan: Plan, config: LaunchConfig) -> tuple[Plan, Any]:
+    """The plan the workers get (``model.task`` set to ``config.task`` when it overrides the plan's)
+    and its task (:func:`tasks.task_for_plan`, data seed ``config.data_seed``).
+
+    Raises:
+        LaunchError: (``kind="setup"``) the task is unknown or does not fit the model.
+    """
+    from dataclasses import replace
+
+    from tasks import TaskError, task_for_plan
+
+    if config.task is not None and config.task != plan.model.task:
+        from engine.io import Plan as _Plan
+
+        plan = _Plan.from_dict(plan.to_dict(), source="plan")
+        plan.model = replace(plan.model, task=config.task)
+    try:
+        return plan, task_for_plan(plan, seed=config.data_seed)
+    except TaskError as e:
+        raise LaunchError(str(e), kind="setup") from e
 
 
 def _notice(callbacks: Sequence[TrainingCallback], message: str) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,20 +87,36 @@ def moe_metrics(model: nn.Module) -> dict[str, float]:
     return out
 
 
-def lm_objective(model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One micro-batch's training objective terms: ``(ce, aux)``.
+def lm_objective(model: nn.Module, batch: Any, task: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One micro-batch's training objective terms: ``(loss, aux)``.
 
     Args:
-        model: maps token ids ``[B, T]`` to logits ``[B, T, V]``.
-        batch: int64 ``[B, T + 1]``; inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``.
+        model: maps the task's inputs to its output (token ids ``[B, T]`` to logits ``[B, T, V]``
+            for causal LM); a tuple/list output counts by its first element.
+        batch: int64 ``[B, T + 1]`` (causal LM: inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``),
+            or a task's micro-batch tuple ``(*inputs, *targets)`` (``task.num_inputs`` inputs;
+            one input without a task).
+        task: a :class:`tasks.base.Task` whose ``loss(output, *targets)`` is the loss; ``None``:
+            next-token cross-entropy (the original objective).
 
     Returns:
-        ``ce``: mean next-token cross-entropy (nats/token, computed in float32); ``aux``: the sum
-        of the MoE layers' weighted aux losses of this forward, ``None`` for dense models. The
-        objective is ``ce + aux`` (see the module docstring for the scaling over micro-batches).
+        ``loss``: the task's loss (mean next-token cross-entropy, nats/token in float32, without a
+        task); ``aux``: the sum of the MoE layers' weighted aux losses of this forward, ``None``
+        for dense models. The objective is ``loss + aux`` (see the module docstring for the
+        scaling over micro-batches).
     """
-    logits = model(batch[:, :-1])
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+    if isinstance(batch, torch.Tensor):
+        inputs: tuple = (batch[:, :-1],)
+        targets: tuple = (batch[:, 1:],)
+    else:
+        k = task.num_inputs if task is not None else 1
+        inputs, targets = tuple(batch[:k]), tuple(batch[k:])
+    out = model(*inputs)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    if task is not None:
+        return task.loss(out, *targets), moe_aux_loss(model)
+    ce = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets[0].reshape(-1))
     return ce, moe_aux_loss(model)
 
 #: Registry-style names accepted by :func:`train_moe` -> gate (None = dense baseline).

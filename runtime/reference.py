@@ -32,6 +32,12 @@ and advances its gates after ``OPTIM``, so the two agree; with expert parallelis
 replica ``d``'s gate routes exactly the rows of micro-batch ``d*m + j`` here (same capacity,
 same aux). The reported losses are the CE alone (aux separately in :func:`reference_run`).
 DTS-Gate samples Gumbel noise, so its runs match only in distribution, not bit for bit.
+
+Tasks (:mod:`tasks`): the loss of a micro-batch is the plan's task's ``loss(model(*inputs),
+*targets)`` (``plan.model.task``, causal-lm when the plan records none; ``task=`` overrides it),
+exactly what the pipelined worker's last stage computes, so the reference exists for every model
+and task. A batch is the task's tuple ``(*inputs, *targets)`` (``task.train_batch(step, dp * m *
+micro_batch_size)``), or, for causal-lm, the legacy int64 ``[rows, seq_len + 1]``.
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ class ReferenceRun:
     """What :func:`reference_run` trained.
 
     Attributes:
-        losses: per batch, the ``dp * m`` micro-batch cross-entropies (nats/token) before that
-            batch's optimizer step, in global order (see :func:`reference_losses`).
+        losses: per batch, the ``dp * m`` micro-batch task losses (cross-entropy in nats/token for
+            the text tasks) before that batch's optimizer step, in global order (see :func:`reference_losses`).
         aux_losses: per batch, the ``dp * m`` micro-batch MoE aux losses (sum over layers,
             unscaled); empty lists for models without MoE layers.
         moe: per batch, the routing metrics averaged over micro-batches and MoE layers
@@ -66,40 +72,47 @@ class ReferenceRun:
 
 
 def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: str = "adam",
-                     optimizer_kw: dict | None = None) -> list[list[float]]:
+                     optimizer_kw: dict | None = None, task: str | None = None) -> list[list[float]]:
     """Train the plan's model in one process and return the per micro-batch losses.
 
     Args:
         plan: an :class:`engine.io.Plan` (uses ``model.name``, ``model.micro_batch_size``,
             ``model.seq_len``, ``parallel.dp`` and the schedule's ``m``).
-        batches: global batches, each int64 ``[dp * m * micro_batch_size, seq_len + 1]`` (the
-            same tensors given to :meth:`runtime.worker.StageWorker.step`).
+        batches: global batches (the same given to :meth:`runtime.worker.StageWorker.step`): each
+            the task's tuple ``(*inputs, *targets)`` with first dimension ``dp * m *
+            micro_batch_size``, or (causal-lm) int64 ``[dp * m * micro_batch_size, seq_len + 1]``.
         seed: model initialisation seed.
         lr: learning rate; ``optimizer``: ``"adam"`` (``torch.optim.Adam`` defaults), ``"adama"``
             (:class:`runtime.adama.AdamA` defaults, see the module docstring) or ``"sgd"``.
         optimizer_kw: extra keyword arguments of the optimizer (e.g. ``betas``, ``weight_decay``);
             the runtime's workers use the defaults.
+        task: a task name overriding ``plan.model.task`` (as ``tessel launch --task`` does).
 
     Returns:
-        For every batch, ``dp * m`` floats: the mean cross-entropy (nats/token) of each
-        micro-batch BEFORE that batch's optimizer step, in global order (replica 0's ``m``
+        For every batch, ``dp * m`` floats: the task's loss (mean cross-entropy, nats/token, for
+        the text tasks) of each micro-batch BEFORE that batch's optimizer step, in global order (replica 0's ``m``
         micro-batches, then replica 1's, ...). Compare with the concatenation of the
         ``losses`` the last-segment ranks return, ordered by replica.
 
     Raises:
         ValueError: a batch of the wrong shape or an unknown optimizer.
+        tasks.TaskError: the task cannot be built for the model.
     """
-    return reference_run(plan, batches, seed=seed, lr=lr, optimizer=optimizer, optimizer_kw=optimizer_kw).losses
+    return reference_run(plan, batches, seed=seed, lr=lr, optimizer=optimizer, optimizer_kw=optimizer_kw,
+                         task=task).losses
 
 
 def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: str = "adam",
-                  optimizer_kw: dict | None = None) -> ReferenceRun:
+                  optimizer_kw: dict | None = None, task: str | None = None) -> ReferenceRun:
     """:func:`reference_losses` with the aux losses, the routing metrics and the trained model.
 
     Same arguments and errors as :func:`reference_losses`; returns a :class:`ReferenceRun`.
     """
     from engine.models import build_model
     from runtime.moe_train import advance_gates, has_moe, lm_objective, moe_metrics
+    from runtime.worker.batches import as_batch_tuple
+    from runtime.worker.errors import WorkerError
+    from tasks import task_for_plan
 
     if optimizer not in ("adam", "adama", "sgd"):
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of 'adam', 'adama', 'sgd'")
@@ -108,10 +121,14 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
     m = int(plan.schedule.num_micro_batches)
     n = dp * m
     torch.manual_seed(seed)
+    task_name = task or plan.model.task
     bundle = build_model(plan.model.name, batch_size=mbs, seq_len=plan.model.seq_len, device="cpu",
-                         dtype=torch.float32)
+                         dtype=torch.float32, task=task_name)
     model = bundle.module.float().train()
     seq = int(bundle.seq_len or bundle.example_inputs[0].shape[-1])
+    with torch.random.fork_rng(devices=[]):   # a user task may draw at construction: keep the model's RNG stream
+        the_task = task_for_plan(plan, task=task_name, module=bundle.module, config=bundle.config)
+    k = the_task.num_inputs
     kw = dict(optimizer_kw or {})
     unfolded: list = []
     opt: torch.optim.Optimizer
@@ -124,14 +141,18 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
     is_moe = has_moe(model)
     run = ReferenceRun(model=model)
     for i, batch in enumerate(batches):
-        if batch.dim() != 2 or tuple(batch.shape) != (n * mbs, seq + 1):
+        if isinstance(batch, torch.Tensor) and (batch.dim() != 2 or tuple(batch.shape) != (n * mbs, seq + 1)):
             raise ValueError(f"batch {i} has shape {list(batch.shape)}, expected [{n * mbs}, {seq + 1}] "
                              f"(dp={dp}, m={m}, micro_batch_size={mbs}, seq_len={seq})")
-        batch = batch.long()
+        try:
+            full = as_batch_tuple(batch, num_inputs=k, rows_needed=n * mbs,
+                                  dims=f"dp={dp}, m={m}, micro_batch_size={mbs}")
+        except WorkerError as e:
+            raise ValueError(f"batch {i}: {e}") from e
         losses, auxes, metrics = [], [], []
         for j in range(n):
-            rows = batch[j * mbs:(j + 1) * mbs]
-            loss, aux = lm_objective(model, rows)
+            rows = tuple(t[j * mbs:(j + 1) * mbs] for t in full)
+            loss, aux = lm_objective(model, rows, the_task)
             ((loss if aux is None else loss + aux) / n).backward()
             losses.append(float(loss.detach()))
             if aux is not None:

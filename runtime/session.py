@@ -7,8 +7,10 @@ role of the trainer in nanotron / torchtitan:
 - :func:`resume_point`: the checkpoint to resume from (validated against the plan, world size,
   step count and optimizer before Ray starts) and the last checkpoint on disk;
 - :func:`restore_checkpoint`: every rank's state (and RNG) loaded from it, one rank at a time;
-- :meth:`TrainingSession.run_step`: one step on every rank (the loss is the mean of the
-  per-micro-batch losses the ranks report = the mean over the global batch);
+- :meth:`TrainingSession.run_step`: one step on every rank: the global batch is the data
+  source's ``train_batch(step, global_batch)`` (the plan's task, :class:`tasks.base.Task`, or a
+  ``ByteCorpus``); the loss is the mean of the per-micro-batch losses the ranks report = the mean
+  over the global batch; the step's throughput counts the task's unit (tokens or samples);
 - :meth:`TrainingSession.evaluate` / :meth:`TrainingSession.save` on their cadence
   (:meth:`TrainingSession.after_step`): the fixed validation batch, and atomic checkpoints
   (``runtime.checkpoint``) with the pruning of stale ones;
@@ -29,18 +31,34 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from runtime import checkpoint as _ckpt
 
 if TYPE_CHECKING:  # pragma: no cover
-    from runtime.data import ByteCorpus
     from runtime.runner import Runner
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepCallback", "StepOutcome", "StepReport", "TrainingCallback", "TrainingSession", "resume_point",
-           "restore_checkpoint"]
+__all__ = ["DataSource", "StepCallback", "StepOutcome", "StepReport", "TrainingCallback", "TrainingSession",
+           "batch_units", "resume_point", "restore_checkpoint"]
+
+
+class DataSource(Protocol):
+    """Where a session's batches come from: a :class:`tasks.base.Task` (tuples ``(*inputs,
+    *targets)``) or a ``ByteCorpus`` (legacy causal-lm tensors ``[rows, seq_len + 1]``)."""
+
+    def train_batch(self, step: int, rows: int) -> Any: ...
+
+    def val_batch(self, index: int, rows: int) -> Any: ...
+
+
+def batch_units(data: Any, batch: Any) -> tuple[str, int]:
+    """``(unit, count)`` of a global batch drawn from ``data``: a task's ``unit`` and
+    ``count(*targets)``; for a legacy ``[rows, seq_len + 1]`` tensor ``("tokens", rows * seq_len)``."""
+    if hasattr(data, "count") and hasattr(data, "num_inputs") and not hasattr(batch, "shape"):
+        return str(data.unit), int(data.count(*tuple(batch)[data.num_inputs:]))
+    return "tokens", int(batch.shape[0] * (batch.shape[1] - 1))
 
 
 @dataclass
@@ -50,14 +68,17 @@ class StepReport:
     Attributes:
         step: the step index just run (0-based; ``step + 1`` steps are done).
         steps: the step index the job stops at.
-        loss: training loss, nats per token, mean over the global batch (NaN when no rank reported).
+        loss: training loss (the task's; nats per token for text), mean over the global batch (NaN
+            when no rank reported).
         seconds: the step's seconds, dispatch to the last rank's result (driver clock).
-        tokens_per_step: tokens in one global batch.
+        tokens_per_step: tokens in one global batch (0 for a task counted in samples).
         job: the co-located job's index, or ``None`` for a single-plan launch.
         name: the co-located job's name, or ``None``.
         gates: the step's MoE gate metrics (``runtime.launch_result.merge_moe_metrics``), or ``None``.
         token_wait: co-located jobs: seconds the job's ranks waited for the compute token so far
             (summed over steps, mean over ranks); 0 otherwise.
+        unit: what the task's throughput counts, ``"tokens"`` or ``"samples"``.
+        units_per_step: units in this step's global batch (``None``: ``tokens_per_step``).
     """
 
     step: int
@@ -69,11 +90,19 @@ class StepReport:
     name: str | None = None
     gates: dict | None = None
     token_wait: float = 0.0
+    unit: str = "tokens"
+    units_per_step: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
         """Tokens per second of this step (0 when it took no time)."""
         return self.tokens_per_step / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def units_per_second(self) -> float:
+        """Units (:attr:`unit`) per second of this step (0 when it took no time)."""
+        n = self.units_per_step if self.units_per_step is not None else self.tokens_per_step
+        return n / self.seconds if self.seconds > 0 else 0.0
 
 
 class TrainingCallback:
@@ -109,12 +138,15 @@ class StepCallback(TrainingCallback):
 @dataclass
 class StepOutcome:
     """One step as :meth:`TrainingSession.run_step` ran it: the ranks' results (rank order), the
-    loss (nats/token), and the ``time.perf_counter`` stamps of its dispatch and last result."""
+    loss (nats/token for text), the ``time.perf_counter`` stamps of its dispatch and last result,
+    and the units (tokens or samples, ``unit``) its global batch held."""
 
     results: list[dict]
     loss: float
     t0: float
     t1: float
+    units: int = 0
+    unit: str = "tokens"
 
     @property
     def seconds(self) -> float:
@@ -198,7 +230,8 @@ class TrainingSession:
     Attributes (inputs):
         runner: calls the job's actors (its ``checkpoint`` is kept current, for failure messages).
         plan: the job's plan (checkpoints record its hash); ``world_size``: ranks.
-        corpus: the job's ``ByteCorpus``; ``global_batch``: sequences per step (all replicas).
+        corpus: the job's data (:class:`DataSource`: the plan's task, or a ``ByteCorpus``);
+            ``global_batch``: samples per step (all replicas).
         steps: the step index to stop at; ``start_step``: the first step (resume).
         step_timeout: seconds per call; checkpoint calls get at least 60 s.
         job: the co-located job's index (first argument of every actor call), or ``None``.
@@ -211,14 +244,15 @@ class TrainingSession:
             checkpoint's included), written into each checkpoint.
 
     Attributes (outputs):
-        losses, step_times: per step run by this session (nats/token; seconds).
+        losses, step_times, step_units: per step run by this session (the task's loss, nats/token
+            for text; seconds; units of the global batch, :attr:`unit`).
         val_losses: ``[(steps_completed, loss)]``.
     """
 
     runner: Runner
     plan: Any
     world_size: int
-    corpus: ByteCorpus
+    corpus: DataSource
     global_batch: int
     steps: int
     start_step: int = 0
@@ -236,6 +270,8 @@ class TrainingSession:
     losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    step_units: list[int] = field(default_factory=list)
+    unit: str = "tokens"
     _val_ref: Any = field(default=None, repr=False)
 
     @property
@@ -249,14 +285,16 @@ class TrainingSession:
 
     def run_step(self, step: int) -> StepOutcome:
         """Run ``step`` on every rank: the global batch ``corpus.train_batch(step, global_batch)``
-        (one ``ray.put``; each replica slices its rows) to every rank, and wait for all.
+        (one ``ray.put``; each replica slices its rows of every tensor) to every rank, and wait for all.
 
         Raises:
             LaunchError: a rank raised, died or hung.
         """
         import ray
 
-        batch_ref = ray.put(self.corpus.train_batch(step, self.global_batch))  # every rank gets the global batch
+        batch = self.corpus.train_batch(step, self.global_batch)
+        self.unit, units = batch_units(self.corpus, batch)
+        batch_ref = ray.put(batch)  # every rank gets the global batch
         t0 = time.perf_counter()
         results = self.runner.call("step", [(*self._prefix, step, batch_ref)] * self.world_size,
                                    timeout=self.step_timeout, step=step, what="step")
@@ -266,9 +304,10 @@ class TrainingSession:
         self.losses.append(loss)
         self.history.append([step, loss])
         self.step_times.append(t1 - t0)
+        self.step_units.append(units)
         logger.debug("%sstep %d: loss %.4f, %.3f s", "" if self.job is None else f"job {self.job} ", step, loss,
                      t1 - t0)
-        return StepOutcome(results, loss, t0, t1)
+        return StepOutcome(results, loss, t0, t1, units, self.unit)
 
     def after_step(self, done: int) -> None:
         """Evaluate and checkpoint after ``done`` completed steps when the cadence (or the last

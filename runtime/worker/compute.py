@@ -1,14 +1,13 @@
 """The compute instructions of a stage worker: stage forward (``F``), full backward (``B``) and
-the zero-bubble split backward (``I`` input gradients, ``W`` weight gradients), with the CE loss,
-the MoE aux losses and activation accounting (``docs/runtime-worker.md``, "What a rank does in a
-step")."""
+the zero-bubble split backward (``I`` input gradients, ``W`` weight gradients), with the task's
+loss (``StageWorker.task.loss``: cross-entropy for the language tasks), the MoE aux losses and
+activation accounting (``docs/runtime-worker.md``, "What a rank does in a step")."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from runtime.worker.metrics import metric_floats
 from runtime.worker.step_state import StepState
@@ -20,11 +19,12 @@ __all__ = ["backward", "backward_input", "backward_weight", "forward"]
 
 
 def forward(w: StageWorker, s: int, j: int, st: StepState) -> None:
-    """``F`` of segment ``s``, micro-batch ``j``: inputs are the model inputs (segment 0), the
-    receive buffers (previous segment elsewhere) or the local previous segment's detached outputs;
-    keeps the context its backward needs and counts the saved activations."""
+    """``F`` of segment ``s``, micro-batch ``j``: inputs are the model inputs (segment 0: the
+    task's input tensors of the micro-batch, in ``task.input_names`` order), the receive buffers
+    (previous segment elsewhere) or the local previous segment's detached outputs; keeps
+    the context its backward needs and counts the saved activations."""
     if s == 0:
-        ins: tuple = (st.model_inputs[j],)
+        ins: tuple = tuple(st.model_inputs[j])
     else:
         src = w.buffers.act.get((s - 1, j))
         if src is None:                       # previous segment ran on this rank
@@ -46,15 +46,14 @@ def forward(w: StageWorker, s: int, j: int, st: StepState) -> None:
 
 
 def _run_stage(w: StageWorker, s: int, j: int, ins: tuple, st: StepState) -> tuple[Any, Any, Any]:
-    """Run segment ``s`` on micro-batch ``j``: ``(outputs, scaled CE loss or None, scaled MoE aux
-    loss or None)``; scale ``1/m`` (``1/(dp*m)`` with AdamA, whose folded gradients are the
-    single-process ``grad(loss / (dp * m))``)."""
+    """Run segment ``s`` on micro-batch ``j``: ``(outputs, scaled task loss or None, scaled MoE aux
+    loss or None)``; the last segment's loss is ``task.loss(outputs[0], *targets_j)``; scale
+    ``1/m`` (``1/(dp*m)`` with AdamA, whose folded gradients are the single-process ``grad(loss / (dp * m))``)."""
     outs = w.modules[s](*ins)
     aux = _collect_moe(w, s, j, st)
     if s != w.last_segment:
         return outs, None, aux
-    logits = outs[0]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), st.targets[j].reshape(-1))
+    loss = w.task.loss(outs[0], *st.targets[j])
     st.losses[j] = float(loss.detach())
     return outs, loss * w.loss_scale, aux
 

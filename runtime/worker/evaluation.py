@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from runtime.worker.stage_worker import StageWorker
@@ -14,10 +13,12 @@ if TYPE_CHECKING:
 __all__ = ["evaluate_loss"]
 
 
-def evaluate_loss(w: StageWorker, model_inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+def evaluate_loss(w: StageWorker, model_inputs: list[tuple[torch.Tensor, ...]],
+                  targets: list[tuple[torch.Tensor, ...]]) -> float:
     """Run every micro-batch through this rank's segments (receiving and sending boundary
-    activations) and return the summed mean cross-entropy of the micro-batches (0 where this rank
-    does not hold the last segment). Raises ``RuntimeError`` naming the rank, chained to the cause."""
+    activations) and return the sum over micro-batches of the task's loss
+    (``w.task.loss(output, *targets_j)``; 0 where this rank does not hold the last segment).
+    Raises ``RuntimeError`` naming the rank, chained to the cause."""
     total = 0.0
     pending: list[tuple[Any, torch.Tensor]] = []
     try:
@@ -30,9 +31,7 @@ def evaluate_loss(w: StageWorker, model_inputs: list[torch.Tensor], targets: lis
                 ins = _stage_inputs(w, s, j, model_inputs, prev)
                 outs = w.modules[s](*ins)
                 if s == w.last_segment:
-                    logits = outs[0]
-                    total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                   targets[j].reshape(-1)))
+                    total += float(w.task.loss(outs[0], *targets[j]))
                 elif w.seg_rank[s + 1] != w.pp_rank:
                     dst = w.p2p.world(w.seg_rank[s + 1])
                     for q, t in enumerate(outs):
@@ -57,11 +56,12 @@ def evaluate_loss(w: StageWorker, model_inputs: list[torch.Tensor], targets: lis
     return total
 
 
-def _stage_inputs(w: StageWorker, s: int, j: int, model_inputs: list[torch.Tensor], prev: tuple | None) -> tuple:
-    """Segment ``s``'s inputs for micro-batch ``j``: token ids, the local previous segment's
+def _stage_inputs(w: StageWorker, s: int, j: int, model_inputs: list[tuple[torch.Tensor, ...]],
+                  prev: tuple | None) -> tuple:
+    """Segment ``s``'s inputs for micro-batch ``j``: the task's model inputs, the local previous segment's
     outputs, or activations received into the buffers of slot ``j % m`` (fresh ones if none)."""
     if s == 0:
-        return (model_inputs[j],)
+        return tuple(model_inputs[j])
     if w.seg_rank[s - 1] == w.pp_rank and prev is not None:
         return prev
     bufs = w.buffers.act.get((s - 1, j % w.m))

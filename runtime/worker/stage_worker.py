@@ -14,7 +14,7 @@ import torch.distributed as dist
 from engine.dependency import COMPUTE_OPS, Instruction, Op, lower
 from engine.models.moe.layer import MoEFeedForward
 from runtime.expert_parallel import ExpertParallelMoE, is_expert_param
-from runtime.worker.batches import split_batch
+from runtime.worker.batches import MicroBatch, split_batch
 from runtime.worker.buffers import ReceiveBuffers
 from runtime.worker.config import OPTIMIZERS, WorkerConfig
 from runtime.worker.device import module_to, resolve_device
@@ -115,6 +115,7 @@ class StageWorker:
         t0 = time.perf_counter()
         torch.set_num_threads(1)
         plan = self._check_plan()
+        self.task = self._resolve_task(plan)
         init_default_group(self.config.backend, self.master_addr, self.master_port, self.rank, self.world_size,
                            float(self.config.timeout_s), self.device if self._cuda else None)
         tied_bytes, removed = self._build_stages(plan)
@@ -188,6 +189,14 @@ class StageWorker:
         if self._cuda:
             torch.cuda.set_device(self.device)
         return plan
+
+    def _resolve_task(self, plan: Any) -> Any:
+        """The plan's task (``plan.model.task``, :func:`tasks.task_for_plan`): its ``loss`` is the last
+        segment's loss and its ``num_inputs`` how many leading batch tensors are model inputs. The
+        data seed does not matter here (the driver draws the batches). Raises ``tasks.TaskError``."""
+        from tasks import task_for_plan
+
+        return task_for_plan(plan, seed=0)
 
     def _resolve_device_and_matching(self) -> None:
         """Check the config's ``backend``/``device``/``p2p_matching``/``sync_timing`` and set
@@ -320,28 +329,34 @@ class StageWorker:
         return sum(p.grad.numel() * p.grad.element_size() for ps in self.seg_params.values() for p in ps
                    if p.grad is not None)
 
-    def _split_batch(self, batch: torch.Tensor, per_replica: int | None = None
-                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """This replica's ``(inputs, targets)`` micro-batches (:func:`runtime.worker.batches.split_batch`).
+    def _split_batch(self, batch: Any, per_replica: int | None = None
+                     ) -> tuple[list[MicroBatch], list[MicroBatch]]:
+        """This replica's ``(inputs, targets)`` micro-batches, tuples of tensors each
+        (:func:`runtime.worker.batches.split_batch` with the task's ``num_inputs``).
         Raises :class:`WorkerError` before setup or for a batch of the wrong shape."""
         if not self._ready:
             raise WorkerError("call setup() before step()/evaluate()")
         return split_batch(batch, dp=self.dp, dp_index=self.dp_index, mbs=self.mbs, seq_len=self.seq_len,
-                           per_replica=per_replica, device=self.device if self._cuda else None)
+                           per_replica=per_replica, device=self.device if self._cuda else None,
+                           num_inputs=self.task.num_inputs)
 
     # ------------------------------------------------------------------ step, evaluate, checkpoints
-    def step(self, step: int, batch: torch.Tensor) -> dict:
+    def step(self, step: int, batch: Any) -> dict:
         """Run one training step (all ``m`` micro-batches of this replica, then the optimizer).
 
         Args:
             step: step number (only used for ``fail_at`` and the result).
-            batch: the GLOBAL batch, int64 ``[dp * m * micro_batch_size, seq_len + 1]``, identical
-                on every rank; replica ``d`` takes rows ``d*m*mbs .. (d+1)*m*mbs - 1`` and its
-                micro-batch ``j`` the ``j``-th ``mbs`` rows of those; inputs ``[:, :-1]``, targets ``[:, 1:]``.
+            batch: the GLOBAL batch, identical on every rank: the plan's task's tuple
+                ``(*inputs, *targets)`` (``task.train_batch(step, dp * m * micro_batch_size)``), every
+                tensor with first dimension ``dp * m * micro_batch_size``; or, for causal-lm, the
+                legacy int64 ``[dp * m * micro_batch_size, seq_len + 1]`` (inputs ``[:, :-1]``,
+                targets ``[:, 1:]``). Replica ``d`` takes rows ``d*m*mbs .. (d+1)*m*mbs - 1`` of every
+                tensor and its micro-batch ``j`` the ``j``-th ``mbs`` rows of those.
 
         Returns:
-            ``losses``: per micro-batch mean cross-entropy (nats/token, NOT divided by ``m``) in
-            micro-batch order on the rank holding the last segment, else ``[]``; ``events``:
+            ``losses``: per micro-batch the task's loss (``task.loss``; mean cross-entropy in
+            nats/token for the language tasks; NOT divided by ``m``) in micro-batch order on the
+            rank holding the last segment, else ``[]``; ``events``:
             ``Event.to_dict()`` per executed instruction; ``rank``, ``pp_rank``, ``dp_index``,
             ``step``; ``time`` (s); ``start`` (``time.perf_counter()`` at the step's start, the
             origin of the events' times); ``peak_memory`` (bytes, max process RSS sampled after
@@ -365,15 +380,16 @@ class StageWorker:
         return run_step(self, step, model_inputs, targets)
 
     @torch.no_grad()
-    def evaluate(self, batch: torch.Tensor) -> float | None:
+    def evaluate(self, batch: Any) -> float | None:
         """Forward-only loss on a global batch.
 
         Args:
-            batch: int64 ``[dp * k * micro_batch_size, seq_len + 1]`` for any ``k >= 1``, the same on
+            batch: a global batch as in :meth:`step` (a task tuple or the legacy causal-lm tensor)
+                with first dimension ``dp * k * micro_batch_size`` for any ``k >= 1``, the same on
                 every rank (replica ``d`` takes its ``k`` micro-batches as in :meth:`step`).
 
         Returns:
-            On ranks holding the last segment: the mean cross-entropy (nats/token) over all
+            On ranks holding the last segment: the mean task loss (nats/token for text) over all
             ``dp * k`` micro-batches (averaged across replicas with an all-reduce); ``None`` elsewhere.
 
         Raises:

@@ -18,10 +18,11 @@ __all__ = ["StepState"]
 class StepState:
     """What one step's instructions hand each other (keys ``(segment, micro_batch)`` unless said)."""
 
-    model_inputs: list[torch.Tensor]
-    """Token ids per micro-batch of this replica, ``[mbs, seq_len]``."""
-    targets: list[torch.Tensor]
-    """Next-token targets per micro-batch, ``[mbs, seq_len]``."""
+    model_inputs: list[tuple[torch.Tensor, ...]]
+    """Per micro-batch of this replica, the task's model inputs (``task.input_names`` order),
+    each ``[mbs, ...]`` (causal-lm: ``(input_ids [mbs, seq_len],)``)."""
+    targets: list[tuple[torch.Tensor, ...]]
+    """Per micro-batch, the task's targets, each ``[mbs, ...]`` (causal-lm: ``(labels [mbs, seq_len],)``)."""
     outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     """Stage outputs awaiting SEND or the next local stage."""
     ctx: dict[tuple[int, int], tuple] = field(default_factory=dict)
@@ -31,7 +32,7 @@ class StepState:
     wstate: dict[tuple[int, int], tuple] = field(default_factory=dict)
     """What ``W`` needs after ``I``."""
     losses: dict[int, float] = field(default_factory=dict)
-    """Micro-batch -> mean cross-entropy (nats/token)."""
+    """Micro-batch -> the task's loss (mean cross-entropy, nats/token, for the language tasks)."""
     aux: dict[tuple[int, int], float] = field(default_factory=dict)
     """Unscaled MoE aux loss of each forward."""
     moe: list[dict] = field(default_factory=list)

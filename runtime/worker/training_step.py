@@ -24,7 +24,8 @@ __all__ = ["run_step"]
 _GRAD_OPS = (Op.B, Op.I, Op.W, Op.ALLREDUCE)
 
 
-def run_step(w: StageWorker, step: int, model_inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> dict:
+def run_step(w: StageWorker, step: int, model_inputs: list[tuple[torch.Tensor, ...]],
+             targets: list[tuple[torch.Tensor, ...]]) -> dict:
     """:meth:`StageWorker.step` after the batch was split: run the stream, wait the sends and
     all-reduces, and assemble the result. Raises :class:`~runtime.worker.errors.StepError`."""
     cfg = w.config
