@@ -135,7 +135,10 @@ def backward_weight(w: StageWorker, s: int, j: int, st: StepState) -> None:
     if state[0] == "full":
         torch.autograd.backward(state[1], state[2])
     else:
-        stage_backward_weight(iter(w.seg_params[s]), state[1])
+        # retain_graph: torch's parameter groups can share graph nodes (T5's position bias feeds
+        # every block; BERT's head); the first group's pass would free what the next one needs.
+        # The graph is released when the context is dropped right below.
+        stage_backward_weight(iter(w.seg_params[s]), state[1], retain_graph=True)
         if w.opt.adama:   # stage_backward_weight assigns .grad without firing the fold hooks
             w.opt.fold(w.opt.folded[s])
     st.ctx.pop((s, j), None)
