@@ -84,10 +84,25 @@ def _reference(plan, dp: int):
 @pytest.mark.parametrize("world,dp", LAYOUTS, ids=["pp2", "dp2xpp2"])
 @pytest.mark.parametrize("model", MODELS)
 def test_family_trains_like_one_process(pool, model, world, dp, schedule):
-    from runtime.worker import merge_model_state
-
     plan = _plan(model, schedule, world, dp)
     assert plan.model.split == ("module" if model == "cnn-digits" else "tracer")
+    _check_training(pool, plan, world, dp)
+
+
+@pytest.mark.parametrize("model,task,schedule", [("user_hf_models:llama", "causal-lm", "1f1b"),
+                                                 ("user_hf_models:bert", "masked-lm", "zb-h1")])
+def test_a_raw_hf_model_from_user_code_trains(pool, model, task, schedule):
+    """A transformers model returned as is by the user's callable: the task is inferred from its
+    class and recorded, and it trains like one process."""
+    plan = _plan(model, schedule, 2, 1)
+    assert (plan.model.task, plan.model.split, plan.model.source) == (task, "tracer", "user")
+    _check_training(pool, plan, 2, 1)
+
+
+def _check_training(pool, plan, world: int, dp: int) -> None:
+    from runtime.worker import merge_model_state
+
+    model, schedule = plan.model.name, plan.schedule.name
     out = pool.run_ok("test_model_families:_run_task",
                       {"plan": plan.to_dict(), "batches": _batches(plan, dp)}, world=world)
     holders = sorted((p["info"]["dp_index"], r) for r, p in out.items() if p["losses"][0])
