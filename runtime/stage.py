@@ -188,6 +188,10 @@ class PipelineStages:
         removed: ``(segment, parameter name)`` of unused leftover parameters that were removed.
         micro_batch_size, seq_len: the static micro-batch shape the stages were built for
             (``seq_len`` 0 for models without a sequence, such as image classifiers).
+        aliases: the unsplit model's names of one shared parameter, one sorted list per parameter
+            with 2+ names (T5's ``shared.weight`` / ``encoder.embed_tokens.weight`` / ...; BERT's
+            ``cls.predictions.bias`` / ``cls.predictions.decoder.bias``); a stage holds such a
+            parameter under one or some of them, and the merged checkpoint restores every name.
     """
 
     modules: dict[int, StageModule]
@@ -199,6 +203,7 @@ class PipelineStages:
     micro_batch_size: int = 1
     seq_len: int = 1
     split: str = "tracer"
+    aliases: list[list[str]] = field(default_factory=list)
 
 
 def check_executable(plan) -> None:
@@ -625,7 +630,8 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     for layer in eager:   # drop the probe's routing (it holds the probe's autograd graph)
         for attr, value in (("last_aux_loss", None), ("last_metrics", {}), ("last_gate_output", None)):
             setattr(layer, attr, value)
-    return PipelineStages(modules, boundaries, inputs, output, sorted(tied), removed, mbs, seq, method)
+    return PipelineStages(modules, boundaries, inputs, output, sorted(tied), removed, mbs, seq, method,
+                          sorted(sorted(t) for t in tie_sets))
 
 
 def _run_with_codegen(modules) -> int:

@@ -228,6 +228,7 @@ class StageWorker:
         # every rank checks every pair alike, before any collective call
         self._pair_orders = pair_send_orders(self._peer_streams(plan), self._counts) if ordered else {}
         self.tied = stages.tied
+        self.aliases = stages.aliases
         removed = [list(x) for x in stages.removed]
         self.seg_rank = {s: pl.spec("F", s).devices[0] for s in range(self.S)}
         self.segments = sorted(s for s in range(self.S) if self.seg_rank[s] == self.pp_rank)

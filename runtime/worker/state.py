@@ -37,12 +37,13 @@ def worker_state(w: StageWorker) -> dict:
     {param name: CPU tensor}}, "optimizer": CPU state_dict or None, "expert_slices": {param name:
     [first expert, end expert, E]}}``; ``expert_slices`` names the entries that hold only this
     replica's rows ``[first, end)`` of an ``[E, ...]`` expert parameter (HF MoE blocks under
-    expert parallelism; empty otherwise)."""
+    expert parallelism; empty otherwise); ``aliases``: the unsplit model's names of each shared
+    parameter (:attr:`runtime.stage.PipelineStages.aliases`), for :func:`merge_model_state`."""
     segs = {s: {k: cpu_copy(v) for k, v in w.modules[s].state_dict().items()} for s in w.segments}
     opt = w.opt.state_dict(compact=w._cuda)
     slices = {k: v for s in w.segments for k, v in expert_slices(w.modules[s]).items()}
     return {"rank": w.rank, "pp_rank": w.pp_rank, "dp_index": w.dp_index, "segments": segs, "optimizer": opt,
-            "expert_slices": slices}
+            "expert_slices": slices, "aliases": [list(g) for g in getattr(w, "aliases", [])]}
 
 
 def load_worker_state(w: StageWorker, sd: dict) -> None:
@@ -70,7 +71,10 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
         such as ``wte``/``lm_head`` under their own names) are taken from the lowest rank;
         replicas hold identical values. Expert-sliced entries (a state's ``expert_slices``: HF MoE
         experts ``[E/dp, ...]`` per replica) are concatenated along dim 0 in expert order into the
-        full ``[E, ...]`` tensor. Load it with ``model.load_state_dict(state)`` into the plan's model.
+        full ``[E, ...]`` tensor. A parameter the unsplit model shares under several names (a
+        state's ``aliases``: T5's ``shared.weight`` and its embeddings, BERT's head bias) appears
+        under every one of them, so ``model.load_state_dict(state)`` (strict) loads it into the
+        plan's model.
 
     Raises:
         WorkerError: the states miss some rows of an expert-sliced entry (not every replica given)
@@ -78,7 +82,9 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
     """
     out: dict[str, torch.Tensor] = {}
     pieces: dict[str, dict[int, tuple[int, int, torch.Tensor]]] = {}
+    alias_groups: list[list[str]] = []
     for sd in sorted(states, key=lambda d: int(d.get("rank", 0))):
+        alias_groups += [list(g) for g in sd.get("aliases") or [] if list(g) not in alias_groups]
         sliced = sd.get("expert_slices") or {}
         for _seg, entries in sorted(sd["segments"].items(), key=lambda kv: int(kv[0])):
             for k, v in entries.items():
@@ -100,6 +106,11 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
             raise WorkerError(f"cannot merge {k}: the states hold experts {_ranges(by_lo)} of {e}; pass the "
                               f"states of every replica")
         out[k] = torch.cat(parts, dim=0)
+    for names in alias_groups:
+        held = next((n for n in names if n in out), None)
+        if held is not None:
+            for n in names:
+                out.setdefault(n, out[held])
     return out
 
 
