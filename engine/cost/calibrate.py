@@ -20,8 +20,11 @@ module takes the measured :class:`~engine.timeline.Timeline` of one or more step
   step clocks (the launcher starts every rank's step together), so this assumes the ranks'
   step starts are aligned to well under a transfer time;
 
-collectives keep the plan's cost model (a measured all-reduce includes the time its ranks wait
-for each other, so it does not isolate the collective's cost).
+- a collective's own time: a measured all-reduce on one rank includes the time that rank waits
+  for the others, so the collective itself is timed on the rank that arrived last, from its start
+  to its end (the same aligned step clocks); its excess over the cost model's
+  ``collective_time`` becomes a fixed per-collective overhead (the software path: gloo's
+  rendezvous, the gradient copy into the flat buffer, Python).
 
 This is the calibration step of profile-guided planners: FlexFlow's execution simulator
 (Jia et al., "Beyond Data and Model Parallelism for Deep Neural Networks", SysML 2019, sec. 5)
@@ -68,6 +71,8 @@ class Calibration:
             transfer of that size (see the module docstring); empty if none was measured.
         samples: measured compute events used.
         steps: measured timelines (steps) used.
+        collectives: ``[(kind, nbytes, group size, seconds), ...]``: each measured collective's
+            own time (on the rank that arrived last, see the module docstring).
     """
 
     block_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
@@ -75,6 +80,7 @@ class Calibration:
     samples: int = 0
     steps: int = 0
     p2p_seconds: dict[int, float] = field(default_factory=dict)
+    collectives: list[tuple[str, int, int, float]] = field(default_factory=list)
 
     def block_time(self, segment: int, kind: str, default: float) -> float:
         """Measured seconds of a ``kind`` block of ``segment``, else ``default``."""
@@ -85,6 +91,7 @@ class Calibration:
         return {"blocks": [[s, k, t] for (s, k), t in sorted(self.block_seconds.items())],
                 "optimizer_seconds_per_byte": self.optimizer_seconds_per_byte,
                 "p2p": [[n, t] for n, t in sorted(self.p2p_seconds.items())],
+                "collectives": [list(c) for c in self.collectives],
                 "samples": self.samples, "steps": self.steps}
 
     @classmethod
@@ -98,8 +105,9 @@ class Calibration:
             blocks = {(int(s), str(k)): float(t) for s, k, t in d.get("blocks", [])}
             spb = d.get("optimizer_seconds_per_byte")
             p2p = {int(n): float(t) for n, t in d.get("p2p", [])}
+            colls = [(str(k), int(n), int(g), float(t)) for k, n, g, t in d.get("collectives", [])]
             return cls(blocks, None if spb is None else float(spb), int(d.get("samples", 0)), int(d.get("steps", 0)),
-                       p2p)
+                       p2p, colls)
         except (TypeError, ValueError) as e:
             raise CostModelError(f"malformed calibration: {e}; expected blocks=[[segment, kind, seconds], ...]") from e
 
@@ -124,7 +132,9 @@ def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[in
     per_byte: list[float] = []
     per_size: dict[int, list[float]] = {}
     samples = 0
+    collectives: list[tuple[str, int, int, float]] = []
     for tl in tls:
+        collectives += _collective_times(tl)
         produced = {(e.rank, e.name): e.end for e in tl.events if e.stream == "compute"}
         for e in tl.events:
             if e.op == "RECV" and "<" in e.name:
@@ -147,12 +157,27 @@ def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[in
                              "of training steps, e.g. LaunchResult.timeline")
     return Calibration({k: trimmed_mean(v) for k, v in per_block.items()},
                        statistics.median(per_byte) if per_byte else None, samples, len(tls),
-                       {n: statistics.median(v) for n, v in per_size.items()})
+                       {n: statistics.median(v) for n, v in per_size.items()}, collectives)
+
+
+def _collective_times(tl: Timeline) -> list[tuple[str, int, int, float]]:
+    """Each collective of one measured step seen on 2+ ranks (events with the same op and name):
+    ``(kind, nbytes, ranks, seconds)`` with the seconds of the rank that started it last."""
+    groups: dict[tuple[str, str], list] = {}
+    for e in tl.events:
+        if e.stream == "collective" and e.op == "ALLREDUCE" and e.end >= e.start:
+            groups.setdefault((e.op, e.name), []).append(e)
+    out = []
+    for (op, _name), evs in groups.items():
+        if len({e.rank for e in evs}) < 2:
+            continue
+        last = max(evs, key=lambda e: e.start)
+        out.append((op.lower(), int(max(e.nbytes for e in evs)), len({e.rank for e in evs}), last.end - last.start))
+    return out
 
 
 class CalibratedCost:
-    """A cost model with the calibrated optimizer rate and point-to-point overhead; collectives
-    are delegated to the base model.
+    """A cost model with the calibrated optimizer rate, point-to-point and collective overheads.
 
     Implements the simulator's ``CommCost`` protocol (:mod:`engine.simulate`).
 
@@ -166,6 +191,9 @@ class CalibratedCost:
         p2p_overhead: seconds added to every transfer between different ranks: the median over
             measured transfer sizes of measured time minus the base model's ``p2p_time``
             (never negative).
+        collective_overhead: seconds added to every collective among 2+ ranks: the median of the
+            measured collectives' own time minus the base model's ``collective_time`` (never
+            negative).
     """
 
     def __init__(self, base, calibration: Calibration):
@@ -173,20 +201,23 @@ class CalibratedCost:
         self.calibration = calibration
         extra = [t - base.p2p_time(n, 0, 1) for n, t in calibration.p2p_seconds.items()]
         self.p2p_overhead = max(0.0, statistics.median(extra)) if extra else 0.0
+        cex = [t - base.collective_time(k, n, list(range(g))) for k, n, g, t in calibration.collectives]
+        self.collective_overhead = max(0.0, statistics.median(cex)) if cex else 0.0
 
     def p2p_time(self, nbytes: int, src: int, dst: int) -> float:
         t = self.base.p2p_time(nbytes, src, dst)
         return t + self.p2p_overhead if src != dst else t
 
     def collective_time(self, kind: str, nbytes: int, ranks: list[int]) -> float:
-        return self.base.collective_time(kind, nbytes, ranks)
+        t = self.base.collective_time(kind, nbytes, ranks)
+        return t + self.collective_overhead if kind == "allreduce" and len(set(ranks)) > 1 else t
 
     def optimizer_time(self, param_bytes: int) -> float:
         spb = self.calibration.optimizer_seconds_per_byte
         return self.base.optimizer_time(param_bytes) if spb is None else spb * max(0, int(param_bytes))
 
     def __getattr__(self, name: str):   # everything else (to_dict, node_of, ...) is the base model's
-        if name in ("base", "calibration", "p2p_overhead") or name.startswith("__"):
+        if name in ("base", "calibration", "p2p_overhead", "collective_overhead") or name.startswith("__"):
             raise AttributeError(name)   # not set yet (copy/pickle): no recursion into self.base
         return getattr(self.base, name)
 

@@ -130,3 +130,23 @@ def test_p2p_overhead_is_measured_from_producer_end_to_arrival():
     assert cc.p2p_overhead == pytest.approx(0.004 - base.p2p_time(nbytes, 0, 1))
     assert cc.p2p_time(nbytes, 0, 1) == pytest.approx(0.004)
     assert cc.p2p_time(nbytes, 1, 1) == 0.0      # no transfer to itself
+
+
+def test_collective_overhead_is_timed_on_the_rank_that_arrived_last():
+    """Rank 0 posts the all-reduce at 1.0 s and waits for rank 1, which posts it at 1.5 s; both
+    finish at 1.503 s. The collective's own time is rank 1's 3 ms, not rank 0's 503 ms; a
+    collective seen on one rank only is not a sample."""
+    nbytes = 1 << 16
+    events = [Event(0, "compute", "B", "0B0", 0.0, 1.0, 0, 0, 0),
+              Event(1, "compute", "B", "1B0", 0.0, 1.5, 0, 0, 1),
+              Event(0, "collective", "ALLREDUCE", "allreduce tied", 1.0, 1.503, nbytes, -1, -1),
+              Event(1, "collective", "ALLREDUCE", "allreduce tied", 1.5, 1.503, nbytes, -1, -1),
+              Event(1, "collective", "ALLREDUCE", "allreduce s1", 1.6, 1.7, nbytes, -1, 1)]
+    cal = calibrate(Timeline(events, [[(0.0, 0)], [(0.0, 0)]], 2))
+    assert cal.collectives == [("allreduce", nbytes, 2, pytest.approx(0.003))]
+    assert Calibration.from_dict(cal.to_dict()).collectives == cal.collectives
+    base = CostModel.for_device("cpu")
+    cc = CalibratedCost(base, cal)
+    assert cc.collective_overhead == pytest.approx(0.003 - base.collective_time("allreduce", nbytes, [0, 1]))
+    assert cc.collective_time("allreduce", nbytes, [0, 1]) == pytest.approx(0.003)
+    assert cc.collective_time("allreduce", nbytes, [1]) == base.collective_time("allreduce", nbytes, [1])
