@@ -46,57 +46,85 @@ from engine.models.moe.gates import BaseGate
 from engine.models.moe.layer import ExpertMLP, MoEFeedForward
 
 __all__ = [
-    "AllToAll",
     "ExpertParallelMoE",
+    "VariableAllToAll",
     "all_to_all",
     "all_to_all_bytes",
     "allreduce_replicated_grads",
     "expert_parallelize",
     "gloo_supports_all_to_all",
     "is_expert_param",
+    "variable_all_to_all",
 ]
 
 _EXPERT_ATTR = "_tessel_expert_parallel"
 
 
-def _record(log: list | None, phase: str, t: torch.Tensor, world: int, start: float, end: float) -> None:
+def _record(log: list | None, phase: str, sent: torch.Tensor, send_splits: list[int], rank: int,
+            start: float, end: float) -> None:
     if log is None:
         return
-    total = t.numel() * t.element_size()
+    row = sent[0].numel() * sent.element_size() if sent.shape[0] else 0
+    total = sent.shape[0] * row
     log.append({"op": "all_to_all", "phase": phase, "bytes_total": total,
-                # this rank's chunk for itself stays local: only (P-1)/P crosses the wire
-                "bytes": total * (world - 1) // world, "seconds": end - start,
-                "start": start, "end": end})
+                "bytes": total - send_splits[rank] * row,   # the rows for this rank stay local
+                "seconds": end - start, "start": start, "end": end})
 
 
-def _a2a(x: torch.Tensor, group) -> tuple[torch.Tensor, float, float]:
+def _a2a(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group
+         ) -> tuple[torch.Tensor, float, float]:
     x = x.contiguous()
-    out = torch.empty_like(x)
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     t0 = time.perf_counter()
-    dist.all_to_all_single(out, x, group=group)
+    dist.all_to_all_single(out, x, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
     return out, t0, time.perf_counter()
 
 
-class AllToAll(torch.autograd.Function):
-    """Differentiable equal-split ``all_to_all_single`` along dim 0.
+class VariableAllToAll(torch.autograd.Function):
+    """Differentiable ``all_to_all_single`` with split sizes along dim 0.
 
-    Chunk ``q`` of rank ``r``'s input (``x.shape[0] / P`` rows) becomes chunk ``r`` of rank
-    ``q``'s output. Backward applies the same all-to-all to the gradient. ``log`` (a list or
-    None) receives one record per collective (see :func:`all_to_all`).
+    Rank ``r`` sends rows ``[sum(send[:q]), sum(send[:q+1]))`` of its input to rank ``q`` and
+    receives ``recv[q]`` rows from each rank ``q`` (in rank order). The backward sends the gradient
+    back the same way with ``send``/``recv`` swapped (the inverse permutation of rows); with equal
+    splits that is the same all-to-all. ``log`` (a list or None) receives one record per
+    collective (see :func:`all_to_all`).
     """
 
     @staticmethod
-    def forward(ctx, x, group, log):
-        ctx.group, ctx.log = group, log
-        out, t0, t1 = _a2a(x, group)
-        _record(log, "forward", x, dist.get_world_size(group), t0, t1)
+    def forward(ctx, x, send_splits, recv_splits, group, log):
+        ctx.send, ctx.recv, ctx.group, ctx.log = send_splits, recv_splits, group, log
+        out, t0, t1 = _a2a(x, send_splits, recv_splits, group)
+        _record(log, "forward", x, send_splits, dist.get_rank(group), t0, t1)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out, t0, t1 = _a2a(grad, ctx.group)
-        _record(ctx.log, "backward", grad, dist.get_world_size(ctx.group), t0, t1)
-        return out, None, None
+        out, t0, t1 = _a2a(grad, ctx.recv, ctx.send, ctx.group)
+        _record(ctx.log, "backward", grad, ctx.recv, dist.get_rank(ctx.group), t0, t1)
+        return out, None, None, None, None
+
+
+def variable_all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group=None,
+                        log: list | None = None) -> torch.Tensor:
+    """Autograd-aware variable all-to-all of ``x`` along dim 0 over ``group``.
+
+    Args:
+        x: ``[sum(send_splits), ...]``.
+        send_splits: rows for each rank of the group (``P`` ints, zeros allowed).
+        recv_splits: rows coming from each rank (``P`` ints; rank ``q``'s ``send_splits[r]``).
+        group: process group (None = default group).
+        log: optional list receiving one record per collective (forward and backward).
+
+    Returns:
+        ``[sum(recv_splits), ...]``.
+
+    Raises:
+        ValueError: ``x.shape[0] != sum(send_splits)``.
+    """
+    if x.shape[0] != sum(send_splits):
+        raise ValueError(f"variable all-to-all: {x.shape[0]} rows, but the send splits "
+                         f"{send_splits} sum to {sum(send_splits)}")
+    return VariableAllToAll.apply(x, list(send_splits), list(recv_splits), group, log)
 
 
 def all_to_all(x: torch.Tensor, group=None, log: list | None = None) -> torch.Tensor:
@@ -116,7 +144,8 @@ def all_to_all(x: torch.Tensor, group=None, log: list | None = None) -> torch.Te
     if x.shape[0] % p:
         raise ValueError(f"all_to_all: first dimension {x.shape[0]} is not divisible by the "
                          f"group size {p}")
-    return AllToAll.apply(x, group, log)
+    splits = [x.shape[0] // p] * p
+    return VariableAllToAll.apply(x, splits, splits, group, log)
 
 
 def gloo_supports_all_to_all() -> bool:

@@ -52,7 +52,6 @@ all-to-all.
 
 from __future__ import annotations
 
-import time
 from typing import Any, cast
 
 import torch
@@ -60,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.errors import TesselError
-from runtime.expert_parallel import _EXPERT_ATTR
+from runtime.expert_parallel import _EXPERT_ATTR, VariableAllToAll, variable_all_to_all
 
 __all__ = ["HFExpertParallel", "HFExpertParallelError", "VariableAllToAll", "hf_expert_parallelize",
            "variable_all_to_all"]
@@ -68,71 +67,6 @@ __all__ = ["HFExpertParallel", "HFExpertParallelError", "VariableAllToAll", "hf_
 
 class HFExpertParallelError(TesselError, ValueError):
     """An HF MoE block cannot be split over the expert-parallel group."""
-
-
-def _record(log: list | None, phase: str, sent: torch.Tensor, send_splits: list[int], rank: int,
-            start: float, end: float) -> None:
-    if log is None:
-        return
-    row = sent[0].numel() * sent.element_size() if sent.shape[0] else 0
-    total = sent.shape[0] * row
-    log.append({"op": "all_to_all", "phase": phase, "bytes_total": total,
-                "bytes": total - send_splits[rank] * row,   # the rows for this rank stay local
-                "seconds": end - start, "start": start, "end": end})
-
-
-def _a2a_var(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Any
-             ) -> tuple[torch.Tensor, float, float]:
-    x = x.contiguous()
-    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    t0 = time.perf_counter()
-    dist.all_to_all_single(out, x, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
-    return out, t0, time.perf_counter()
-
-
-class VariableAllToAll(torch.autograd.Function):
-    """Differentiable ``all_to_all_single`` with split sizes along dim 0.
-
-    Rank ``r`` sends rows ``[sum(send[:q]), sum(send[:q+1]))`` of its input to rank ``q`` and
-    receives ``recv[q]`` rows from each rank ``q`` (in rank order). The backward sends the gradient
-    back the same way with ``send``/``recv`` swapped (the inverse permutation of rows).
-    """
-
-    @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group, log):
-        ctx.send, ctx.recv, ctx.group, ctx.log = send_splits, recv_splits, group, log
-        out, t0, t1 = _a2a_var(x, send_splits, recv_splits, group)
-        _record(log, "forward", x, send_splits, dist.get_rank(group), t0, t1)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out, t0, t1 = _a2a_var(grad, ctx.recv, ctx.send, ctx.group)
-        _record(ctx.log, "backward", grad, ctx.recv, dist.get_rank(ctx.group), t0, t1)
-        return out, None, None, None, None
-
-
-def variable_all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Any = None,
-                        log: list | None = None) -> torch.Tensor:
-    """Autograd-aware variable all-to-all of ``x`` along dim 0 over ``group``.
-
-    Args:
-        x: ``[sum(send_splits), ...]``.
-        send_splits: rows for each rank of the group (``P`` ints, zeros allowed).
-        recv_splits: rows coming from each rank (``P`` ints; rank ``q``'s ``send_splits[r]``).
-        group: process group (None = default group).
-        log: optional list receiving one record per collective (forward and backward).
-
-    Returns:
-        ``[sum(recv_splits), ...]``.
-
-    Raises:
-        HFExpertParallelError: ``x.shape[0] != sum(send_splits)``.
-    """
-    if x.shape[0] != sum(send_splits):
-        raise HFExpertParallelError(f"variable all-to-all: {x.shape[0]} rows, but the send splits "
-                                    f"{send_splits} sum to {sum(send_splits)}")
-    return VariableAllToAll.apply(x, send_splits, recv_splits, group, log)
 
 
 def _exchange_counts(send_counts: torch.Tensor, group: Any) -> list[int]:
