@@ -510,17 +510,6 @@ def _keep_buffers_non_persistent(model: nn.Module, modules: dict[int, StageModul
     return n
 
 
-def _seq_len(bundle) -> int:
-    """The bundle's sequence length; for a user model without one, the token-id input's length;
-    0 for inputs that are not sequences (images)."""
-    if bundle.seq_len:
-        return int(bundle.seq_len)
-    x = bundle.example_inputs[0] if bundle.example_inputs else None
-    if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
-        return int(x.shape[-1])
-    return 0
-
-
 def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     """Build, split and probe the plan's model (see the module docstring).
 
@@ -546,9 +535,9 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     mbs = plan.model.micro_batch_size
     torch.manual_seed(seed)
     bundle = build_model(plan.model.name, batch_size=mbs, seq_len=plan.model.seq_len, device="cpu",
-                         dtype=torch.float32, task=getattr(plan.model, "task", None))
+                         dtype=torch.float32, task=plan.model.task)
     model = bundle.module.float().train()
-    seq = _seq_len(bundle)
+    seq = int(bundle.seq_len or 0)   # 0: not a sequence model (images)
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -560,7 +549,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
             raise RuntimeNotSupported(f"segment {s['index']} lists no layers; cannot find where to split")
     segment_layers = [[str(x) for x in s["layers"]] for s in segs]
     example = tuple(bundle.example_inputs)
-    method = getattr(plan.model, "split", None) or choose_split(model)
+    method = plan.model.split or choose_split(model)
     modules, method = _split(model, example, segment_layers, plan.model.name, method)
     eager = _restore_eager_moe(model, modules)
     _keep_buffers_non_persistent(model, modules)

@@ -199,6 +199,8 @@ def segment_split_policy(model: nn.Module, segment_layers: Sequence[Sequence[str
     """
     from torch.distributed.pipelining._IR import aten_pipe_split_alias
 
+    from engine.graph.layering import is_assertion
+
     S = len(segment_layers)
 
     def policy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -208,7 +210,6 @@ def segment_split_policy(model: nn.Module, segment_layers: Sequence[Sequence[str
                 g.erase_node(n)
         inlined = inline_wrapped_regions(gm)
         seg = segment_of_nodes(g, model, segment_layers)
-        from engine.graph.layering import is_assertion
         for n in g.nodes:         # assertions follow the value they check
             if n in seg and n.op == "call_function" and is_assertion(n):
                 seg[n] = max([seg[a] for a in n.all_input_nodes if a in seg], default=seg[n])
