@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.gpt import GPT, GPTConfig, lm_loss
 from runtime.data import ByteCorpus
+from tasks.text import split_rows, token_loss
 
 logger = logging.getLogger(__name__)
 
@@ -106,18 +106,17 @@ def lm_objective(model: nn.Module, batch: Any, task: Any = None) -> tuple[torch.
         scaling over micro-batches).
     """
     if isinstance(batch, torch.Tensor):
-        inputs: tuple = (batch[:, :-1],)
-        targets: tuple = (batch[:, 1:],)
+        ids, labels = split_rows(batch)
+        inputs: tuple = (ids,)
+        targets: tuple = (labels,)
     else:
         k = task.num_inputs if task is not None else 1
         inputs, targets = tuple(batch[:k]), tuple(batch[k:])
     out = model(*inputs)
     if isinstance(out, (tuple, list)):
         out = out[0]
-    if task is not None:
-        return task.loss(out, *targets), moe_aux_loss(model)
-    ce = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), targets[0].reshape(-1))
-    return ce, moe_aux_loss(model)
+    loss = task.loss(out, *targets) if task is not None else token_loss(out, targets[0])
+    return loss, moe_aux_loss(model)
 
 #: Registry-style names accepted by :func:`train_moe` -> gate (None = dense baseline).
 TINY_MODELS = {"gpt-dense-tiny": None, "gpt-moe-tiny": "switch", "gpt-moe-tiny-top2": "top2",

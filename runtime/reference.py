@@ -125,7 +125,6 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
     bundle = build_model(plan.model.name, batch_size=mbs, seq_len=plan.model.seq_len, device="cpu",
                          dtype=torch.float32, task=task_name)
     model = bundle.module.float().train()
-    seq = int(bundle.seq_len or bundle.example_inputs[0].shape[-1])
     with torch.random.fork_rng(devices=[]):   # a user task may draw at construction: keep the model's RNG stream
         the_task = task_for_plan(plan, task=task_name, module=bundle.module, config=bundle.config)
     k = the_task.num_inputs
@@ -141,12 +140,9 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
     is_moe = has_moe(model)
     run = ReferenceRun(model=model)
     for i, batch in enumerate(batches):
-        if isinstance(batch, torch.Tensor) and (batch.dim() != 2 or tuple(batch.shape) != (n * mbs, seq + 1)):
-            raise ValueError(f"batch {i} has shape {list(batch.shape)}, expected [{n * mbs}, {seq + 1}] "
-                             f"(dp={dp}, m={m}, micro_batch_size={mbs}, seq_len={seq})")
         try:
-            full = as_batch_tuple(batch, num_inputs=k, rows_needed=n * mbs,
-                                  dims=f"dp={dp}, m={m}, micro_batch_size={mbs}")
+            full = as_batch_tuple(batch, num_inputs=k, rows_needed=n * mbs, seq_len=bundle.seq_len,
+                                  dims=f"dp={dp}, m={m}, micro_batch_size={mbs}, seq_len={bundle.seq_len}")
         except WorkerError as e:
             raise ValueError(f"batch {i}: {e}") from e
         losses, auxes, metrics = [], [], []

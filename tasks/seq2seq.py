@@ -28,7 +28,7 @@ import torch
 from tasks import _seed
 from tasks.base import Task, TaskContext, TaskError, Unit
 from tasks.span import MEAN_SPAN, NOISE_DENSITY, _lengths, span_corruption_lengths
-from tasks.text import _seq_len, _token_loss, byte_corpus
+from tasks.text import _seq_len, byte_corpus, token_loss
 
 __all__ = ["SpanCorruption", "DECODER_START_ID"]
 
@@ -119,7 +119,7 @@ class SpanCorruption(Task):
 
     def loss(self, output: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (nats/token) of logits ``[rows, T', V]`` against ``labels [rows, T']``."""
-        return _token_loss(output, targets[0])
+        return token_loss(output, targets[0])
 
     def count(self, *targets: torch.Tensor) -> int:
         """Encoder tokens: ``rows * T``."""

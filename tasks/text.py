@@ -28,7 +28,7 @@ from tasks import _seed
 from tasks.base import Task, TaskContext, TaskError, Unit
 from tasks.corpus import ByteCorpus, DataError
 
-__all__ = ["CausalLM", "MaskedLM", "byte_corpus", "split_rows", "MASK_PROB", "IGNORE_INDEX"]
+__all__ = ["CausalLM", "MaskedLM", "byte_corpus", "split_rows", "token_loss", "MASK_PROB", "IGNORE_INDEX"]
 
 MASK_PROB = 0.15
 """Share of positions selected for prediction (BERT's ``masked_lm_prob``)."""
@@ -57,7 +57,7 @@ def split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def _token_loss(logits: torch.Tensor, labels: torch.Tensor, **kw) -> torch.Tensor:
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, **kw) -> torch.Tensor:
     """Mean cross-entropy of logits ``[..., V]`` against int64 labels ``[...]`` (float32)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), **kw)
 
@@ -102,7 +102,7 @@ class CausalLM(Task):
 
     def loss(self, output: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (nats/token) of logits ``[rows, T, V]`` against ``labels [rows, T]``."""
-        return _token_loss(output, targets[0])
+        return token_loss(output, targets[0])
 
 
 class MaskedLM(Task):
@@ -158,4 +158,4 @@ class MaskedLM(Task):
     def loss(self, output: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (nats/token) of logits ``[rows, T, V]`` over the selected positions
         of ``labels [rows, T]`` (``ignore_index=-100``)."""
-        return _token_loss(output, targets[0], ignore_index=IGNORE_INDEX)
+        return token_loss(output, targets[0], ignore_index=IGNORE_INDEX)

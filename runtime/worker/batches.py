@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from runtime.worker.errors import WorkerError
+from tasks.text import split_rows
 
 __all__ = ["MicroBatch", "as_batch_tuple", "split_batch"]
 
@@ -32,8 +33,7 @@ def _legacy(batch: torch.Tensor, *, rows_needed: int | None, mult: int, seq_len:
         cols = "seq_len + 1" if seq_len is None else seq_len + 1
         want = f"[{rows_needed if rows_needed else 'dp*k*micro_batch_size'}, {cols}]"
         raise WorkerError(f"the global batch has shape {list(batch.shape)}, expected {want} ({dims})")
-    batch = batch.long()
-    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+    return split_rows(batch.long())
 
 
 def as_batch_tuple(batch: Any, *, num_inputs: int, rows_needed: int | None = None, mult: int = 1,
