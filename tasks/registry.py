@@ -91,8 +91,9 @@ def task_for_plan(plan: Any, *, seed: int = 0, task: str | None = None, module: 
         seed: the data seed.
         task: a task name overriding the plan's.
         module, config: the built model (and its registry config) to read the vocabulary from;
-            ``None``: the model is built on the ``meta`` device (no weights) when the task needs
-            the vocabulary (every task but ``causal-lm`` and ``image-classification``).
+            ``None``: from the configuration the plan records (``plan.model.config``), else the
+            model is built on the ``meta`` device (no weights) when the task needs the vocabulary
+            (every task but ``causal-lm`` and ``image-classification``).
 
     Raises:
         TaskError: see :func:`get_task`.
@@ -101,7 +102,9 @@ def task_for_plan(plan: Any, *, seed: int = 0, task: str | None = None, module: 
     vocab = None
     if module is not None:
         vocab = model_vocab_size(module, config)
-    elif name not in ("causal-lm", "image-classification"):
+    else:   # the plan records the model's configuration (HF config, zoo config)
+        vocab = model_vocab_size(None, plan.model.config)
+    if vocab is None and module is None and name not in ("causal-lm", "image-classification"):
         check_task_name(name)
         from engine.models import build_model
 
