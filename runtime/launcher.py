@@ -293,10 +293,7 @@ def _plan_task(plan: Plan, config: LaunchConfig) -> tuple[Plan, Any]:
     from tasks import TaskError, task_for_plan
 
     if config.task is not None and config.task != plan.model.task:
-        from engine.io import Plan as _Plan
-
-        plan = _Plan.from_dict(plan.to_dict(), source="plan")
-        plan.model = replace(plan.model, task=config.task)
+        plan = replace(plan, model=replace(plan.model, task=config.task))
     try:
         return plan, task_for_plan(plan, seed=config.data_seed)
     except TaskError as e:
