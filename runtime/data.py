@@ -6,8 +6,6 @@ may not import ``runtime``); this module keeps the names importable from ``runti
 
 from __future__ import annotations
 
-import sysconfig  # noqa: F401 - tests patch runtime.data.sysconfig.get_paths (the same module object)
-
 from tasks.corpus import ByteCorpus, DataError, stdlib_root
 
 __all__ = ["ByteCorpus", "DataError", "stdlib_root"]

@@ -78,7 +78,6 @@ def test_missing_or_empty_folder_is_a_clear_error(tmp_path):
 
 
 def test_missing_stdlib_is_a_clear_error(monkeypatch, tmp_path):
-    import runtime.data as data
-    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path / "gone")})
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path / "gone")})
     with pytest.raises(DataError, match="standard library"):
         ByteCorpus()
