@@ -43,7 +43,7 @@ def worker_state(w: StageWorker) -> dict:
     opt = w.opt.state_dict(compact=w._cuda)
     slices = {k: v for s in w.segments for k, v in expert_slices(w.modules[s]).items()}
     return {"rank": w.rank, "pp_rank": w.pp_rank, "dp_index": w.dp_index, "segments": segs, "optimizer": opt,
-            "expert_slices": slices, "aliases": [list(g) for g in getattr(w, "aliases", [])]}
+            "expert_slices": slices, "aliases": [list(g) for g in w.aliases]}
 
 
 def load_worker_state(w: StageWorker, sd: dict) -> None:

@@ -168,7 +168,7 @@ def _state_case(rank: int, res: dict) -> None:
     full = {k: v.clone() for k, v in model.state_dict().items()}
     expert_parallelize({0: model}, WORLD, None)
     stub = types.SimpleNamespace(modules={0: model}, segments=[0], rank=rank, pp_rank=0, dp_index=rank,
-                                 _cuda=False, opt=types.SimpleNamespace(state_dict=lambda compact: None))
+                                 _cuda=False, aliases=[], opt=types.SimpleNamespace(state_dict=lambda compact: None))
     own = worker_state(stub)
     res["state"] = own
     states: list = [None] * WORLD
