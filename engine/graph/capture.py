@@ -220,13 +220,6 @@ def _capture_error(e: BaseException, model: nn.Module, name: str) -> CaptureErro
 
 
 # ---------------------------------------------------------------------------------------------
-# layer assignment
-# ---------------------------------------------------------------------------------------------
-_Layering = Layering      # the names this module used before engine.graph.layering existed
-_module_of = module_of
-
-
-# ---------------------------------------------------------------------------------------------
 # capture
 # ---------------------------------------------------------------------------------------------
 def capture(model: Any, example_inputs: tuple | Any = None, *, name: str | None = None,
@@ -313,7 +306,7 @@ def _build(ep: "torch.export.ExportedProgram", model: nn.Module, name: str) -> O
     for t in params.values():
         dt_bytes[_dtype_str(t.dtype)] += t.numel() * t.element_size()
 
-    lay = _Layering(model)
+    lay = Layering(model)
     g = OpGraph()
     folded: dict[str, dict[str, Any]] = {}   # param/buffer/constant placeholder -> descriptor
     subgraphs: dict[str, str] = {}            # get_attr node -> submodule name
@@ -355,7 +348,7 @@ def _build(ep: "torch.export.ExportedProgram", model: nn.Module, name: str) -> O
         val = node.meta.get("val")
         kind = op_kind(node.target)
         tstr = target_str(node.target)
-        mpath, mtype = _module_of(node, lay, model)
+        mpath, mtype = module_of(node, lay, model)
         module_layer[node.name] = lay.layer_of(mpath)
 
         act_inputs: list[str] = []
