@@ -90,7 +90,8 @@ class ModelRef:
         split: how the runtime cuts the model into pipeline stages: ``tracer``
             (``torch.distributed.pipelining.pipeline`` over ``torch.export``) or ``module``
             (torchtitan's manual split: a copy of the model keeping the stage's layers, for
-            ``nn.Sequential`` models); ``None`` (older plans): chosen at launch
+            ``nn.Sequential`` models) or ``layers`` (eager decoder stages for tensor parallelism:
+            Llama-family and the in-project GPT); ``None`` (older plans): chosen at launch
             (``engine.split.choose_split``).
         extra: keys of the JSON section this version does not know (e.g. ``forward``/``backward``
             time units of ``tessel search`` on an abstract placement), written back unchanged.

@@ -252,7 +252,7 @@ def make_plan(
                        micro_batch_size=micro_batch_size, batch_size=micro_batch_size * micro_batches * dp,
                        seq_len=bundle.seq_len, dtype=graph.graph.get("dtype", "float32"),
                        num_params=graph.graph.get("num_params"), task=bundle.task,
-                       split=choose_split(bundle.module)),
+                       split=choose_split(bundle.module, tp)),
         parallel=replace(config, optimizer=cast(OptimizerKind, optimizer)),
         segments=seg_dicts,
         schedule=sched,

@@ -11,6 +11,11 @@ Two well-kept anchors cut a model into pipeline stages (``runtime.stage.build_st
   runs them eagerly. It needs a model whose forward is the composition of its layers in order,
   which an ``nn.Sequential`` is by definition (a CNN, an MLP); nothing is traced, so dropout,
   batch norm and any Python in the layers behave exactly as in the unsplit model.
+- ``"layers"``: torchtitan's manual split of a decoder-only LM (Hugging Face Llama-family models
+  and the in-project GPT): each stage is a copy of the model keeping its embedding (first
+  stage), its run of decoder blocks, and its final norm and LM head (last stage), run eagerly.
+  Tensor parallelism needs it (``parallelize_module`` shards the blocks' ``nn.Linear``
+  projections, which tracing would flatten into graph ops); plans with ``tp > 1`` use it.
 
 Source: torch.distributed.pipelining (``pipeline``, ``SplitPoint``); torchtitan
 ``torchtitan/distributed/pipeline.py``.
@@ -22,15 +27,34 @@ from typing import Literal, get_args
 
 from torch import nn
 
-__all__ = ["SplitMethod", "SPLIT_METHODS", "choose_split"]
+__all__ = ["SplitMethod", "SPLIT_METHODS", "choose_split", "supports_layer_split"]
 
-SplitMethod = Literal["tracer", "module"]
+SplitMethod = Literal["tracer", "module", "layers"]
 """How the runtime builds a plan's stages (see the module docstring)."""
 
 SPLIT_METHODS: tuple[str, ...] = get_args(SplitMethod)
 
 
-def choose_split(module: nn.Module) -> SplitMethod:
-    """``"module"`` for an ``nn.Sequential`` model (its layers run in order, so a stage is a slice
-    of them), ``"tracer"`` for every other model."""
+def choose_split(module: nn.Module, tp: int = 1) -> SplitMethod:
+    """``"layers"`` with tensor parallelism (``tp > 1``) for a decoder-only LM the layer split
+    supports (the runtime refuses the plan otherwise, naming the model); else ``"module"`` for an
+    ``nn.Sequential`` model (its layers run in order, so a stage is a slice of them), ``"tracer"``
+    for every other model."""
+    if tp > 1 and supports_layer_split(module):
+        return "layers"
     return "module" if isinstance(module, nn.Sequential) else "tracer"
+
+
+def supports_layer_split(module: nn.Module) -> bool:
+    """Whether the ``"layers"`` split can cut ``module``: the in-project GPT, or a Hugging Face
+    causal LM with ``model.embed_tokens`` (an ``nn.Embedding``), ``model.layers`` (an
+    ``nn.ModuleList``), ``model.norm``, ``model.rotary_emb`` and an ``nn.Linear`` ``lm_head``."""
+    from engine.models.gpt import GPT
+
+    if isinstance(module, GPT):
+        return True
+    inner = getattr(module, "model", None)
+    return (isinstance(getattr(module, "lm_head", None), nn.Linear) and isinstance(inner, nn.Module)
+            and isinstance(getattr(inner, "layers", None), nn.ModuleList)
+            and isinstance(getattr(inner, "embed_tokens", None), nn.Embedding)
+            and hasattr(inner, "norm") and hasattr(inner, "rotary_emb"))

@@ -450,10 +450,15 @@ def _trace_split(model: nn.Module, example: tuple, segment_layers: list[list[str
 
 def _split(model: nn.Module, example: tuple, segment_layers: list[list[str]], name: str,
            method: str) -> tuple[dict[int, StageModule], str]:
-    """Cut ``model`` with ``method`` (``"tracer"`` / ``"module"``), falling back to the other one
-    where it applies; returns the stages and the method used."""
+    """Cut ``model`` with ``method`` (``"tracer"`` / ``"module"``, falling back to the other one
+    where it applies; ``"layers"``: eager decoder stages, :mod:`runtime.stage_layers`, no
+    fallback); returns the stages and the method used."""
     from runtime.stage_module import split_sequential
 
+    if method == "layers":
+        from runtime.stage_layers import split_layers
+
+        return split_layers(model, segment_layers, name), "layers"
     sequential = isinstance(model, nn.Sequential)
     if method == "module":
         if sequential:

@@ -51,7 +51,16 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: ``[B, T, C] -> [B, T, C]``."""
+    """Multi-head causal self-attention: ``[B, T, C] -> [B, T, C]``.
+
+    The fused projection ``c_attn`` (``C -> 3C``) lays its outputs out per head, Megatron-LM's
+    layout: head ``h`` owns the rows ``[h*3*hd, (h+1)*3*hd)`` of ``c_attn.weight``, holding its
+    query, key and value (``hd = C / n_head``). Heads are found with ``view(B, T, -1, 3*hd)``, so a
+    column-parallel ``c_attn`` (``torch.distributed.tensor.parallel.ColwiseParallel``: a contiguous
+    row block of the weight per rank) gives each rank whole heads, and the row-parallel ``c_proj``
+    takes their ``[B, T, C/tp]`` output: the module runs unchanged under tensor parallelism
+    (Shoeybi et al., "Megatron-LM", 2019, section 3: attention heads split across ranks).
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -61,17 +70,17 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.n_head, self.n_embd, self.dropout = cfg.n_head, cfg.n_embd, cfg.dropout
+        self.head_dim = cfg.n_embd // cfg.n_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        hd = c // self.n_head
-        q = q.view(b, t, self.n_head, hd).transpose(1, 2)
-        k = k.view(b, t, self.n_head, hd).transpose(1, 2)
-        v = v.view(b, t, self.n_head, hd).transpose(1, 2)
+        b, t, _ = x.shape
+        hd = self.head_dim
+        # per-head [q | k | v] (Megatron's layout); -1 heads: all of them, or this rank's under TP
+        qkv = self.c_attn(x).view(b, t, -1, 3 * hd).transpose(1, 2)
+        q, k, v = qkv.split(hd, dim=3)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -1,0 +1,153 @@
+"""The ``"layers"`` split: eager decoder stages that tensor parallelism can shard.
+
+torchtitan's way of building pipeline stages (``torchtitan/distributed/pipeline.py``,
+``pipeline_module_split``): every stage is a deep copy of the whole model from which the parts
+the stage does not own are removed, and the model's own eager modules run its layers. Nothing is
+traced, so each transformer block stays an ``nn.Module`` whose ``nn.Linear`` projections
+``torch.distributed.tensor.parallel.parallelize_module`` can shard (:mod:`runtime.tensor_parallel`);
+the traced split (:mod:`runtime.stage_split`) flattens them into graph ops with frozen head counts.
+
+Two decoder-only families are supported (:func:`layer_split_family`):
+
+- ``"hf-decoder"``: Hugging Face causal LMs built as ``model.embed_tokens``, ``model.layers``,
+  ``model.norm``, ``model.rotary_emb`` and ``lm_head`` (Llama, Mistral, Qwen2, ...): a stage calls
+  the model's own ``model(input_ids=...)`` (first stage) or ``model(inputs_embeds=hidden)`` with
+  only its own decoder layers left in ``model.layers`` (their original indices kept, so parameter
+  names equal the unsplit model's), ``model.norm`` replaced by ``nn.Identity`` except on the last
+  stage; the causal mask and rotary tables are recomputed by each stage from the hidden state,
+  so only ``hidden [micro_batch, seq, hidden]`` crosses a boundary.
+- ``"tessel-gpt"``: the in-project :class:`engine.models.gpt.GPT` (``transformer.wte``, ``wpe``,
+  ``h``, ``ln_f``, ``lm_head``).
+
+Chain interface (:class:`runtime.stage_types.StageModule`): the first stage takes the token ids
+``[micro_batch, seq]`` (int64), a middle stage the hidden state ``[micro_batch, seq, hidden]``, and
+the last stage returns ``(logits [micro_batch, seq, vocab],)``. Every stage returns a tuple.
+
+Sources: torchtitan ``pipeline_module_split`` (delete what a stage does not own, keep FQNs);
+transformers' ``LlamaModel.forward`` (``inputs_embeds``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from runtime.stage_types import StageModule
+
+__all__ = ["HFDecoderStage", "GPTStage", "layer_split_family", "layer_split_refusal", "split_layers"]
+
+
+def layer_split_family(model: nn.Module) -> str | None:
+    """``"hf-decoder"``, ``"tessel-gpt"``, or ``None`` when the layer split cannot cut ``model``
+    (:func:`engine.split.supports_layer_split`)."""
+    from engine.models.gpt import GPT
+    from engine.split import supports_layer_split
+
+    if not supports_layer_split(model):
+        return None
+    return "tessel-gpt" if isinstance(model, GPT) else "hf-decoder"
+
+
+def layer_split_refusal(model: nn.Module, name: str) -> str:
+    """The sentence saying why ``model`` (called ``name``) has no layer split."""
+    return (f"model {name!r} ({type(model).__name__}) cannot be split into eager decoder stages: the layer "
+            "split (needed for tensor parallelism) supports Hugging Face decoder-only LMs laid out as "
+            "model.embed_tokens / model.layers / model.norm / lm_head (Llama, Mistral, Qwen2) and the "
+            "in-project GPT (tessel-gpt); use tp=1 for this model")
+
+
+def _keep_children(container: nn.Module, keep: Sequence[str]) -> None:
+    """Keep only the children named in ``keep`` (their original names: ``"2"``, ``"3"``), in order."""
+    container._modules = OrderedDict((k, container._modules[k]) for k in container._modules if k in set(keep))
+
+
+class HFDecoderStage(StageModule):
+    """One stage of a Hugging Face decoder-only causal LM (see the module docstring).
+
+    Args:
+        model: the whole (logits-only) model; it is deep-copied, then pruned to this stage.
+        layers: the stage's decoder-layer indices (``model.layers.{i}``), ascending.
+        first, last: the stage holds the embedding / the final norm and ``lm_head``.
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        m = copy.deepcopy(model)
+        base = m.model
+        _keep_children(base.layers, [str(i) for i in layers])
+        if not first:
+            base.embed_tokens = None
+        if not last:
+            base.norm = nn.Identity()
+        self.model = base
+        self.lm_head = m.lm_head if last else None
+        self.first, self.last = first, last
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        kw = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        h = self.model(**kw, use_cache=False).last_hidden_state
+        return (self.lm_head(h),) if self.last else (h,)
+
+
+class GPTStage(StageModule):
+    """One stage of the in-project :class:`engine.models.gpt.GPT` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        m = copy.deepcopy(model)
+        tr = m.transformer
+        _keep_children(tr.h, [str(i) for i in layers])
+        for part in (("wte", "wpe", "drop") if not first else ()) + (("ln_f",) if not last else ()):
+            del tr[part]
+        self.transformer = tr
+        self.lm_head = m.lm_head if last else None
+        self.first, self.last = first, last
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        tr = self.transformer
+        if self.first:
+            pos = torch.arange(x.shape[1], dtype=torch.long, device=x.device)
+            x = tr["drop"](tr["wte"](x) + tr["wpe"](pos))
+        for block in tr["h"]:
+            x = block(x)
+        if self.last:
+            return (self.lm_head(tr["ln_f"](x)),)
+        return (x,)
+
+
+def _block_index(layer: str, prefix: str) -> int | None:
+    if layer.startswith(prefix):
+        rest = layer[len(prefix):].split(".", 1)[0]
+        if rest.isdigit():
+            return int(rest)
+    return None
+
+
+def split_layers(model: nn.Module, segment_layers: list[list[str]], name: str) -> dict[int, StageModule]:
+    """Cut ``model`` into one eager stage per segment (the plan's ``segments[i]["layers"]``).
+
+    Raises:
+        runtime.stage_types.StageSplitError: the model is not of a supported family, or a segment's
+            layers are not a contiguous run of decoder blocks in model order (the embedding on the
+            first segment, the final norm and head on the last).
+    """
+    from runtime.stage_types import StageSplitError
+
+    family = layer_split_family(model)
+    if family is None:
+        raise StageSplitError(layer_split_refusal(model, name))
+    prefix, cls = (("model.layers.", HFDecoderStage) if family == "hf-decoder"
+                   else ("transformer.h.", GPTStage))
+    S = len(segment_layers)
+    blocks = [[i for i in (_block_index(x, prefix) for x in lays) if i is not None] for lays in segment_layers]
+    flat = [i for b in blocks for i in b]
+    n_blocks = len(model.model.layers) if family == "hf-decoder" else len(model.transformer.h)
+    if flat != list(range(n_blocks)):
+        raise StageSplitError(
+            f"the layer split of {name!r} needs each segment to hold a contiguous run of its {n_blocks} "
+            f"decoder blocks in model order; the plan's segments hold blocks {blocks}")
+    return {i: cls(model, blocks[i], first=i == 0, last=i == S - 1) for i in range(S)}

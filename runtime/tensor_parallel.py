@@ -1,0 +1,198 @@
+"""Tensor parallelism inside a pipeline stage, with ``torch.distributed.tensor`` (DTensor).
+
+A stage of a ``tp > 1`` plan is an eager decoder stage (:mod:`runtime.stage_layers`) run by the
+``tp`` ranks of its tensor-parallel group; :func:`apply_tensor_parallel` shards it over their
+1-D :class:`~torch.distributed.device_mesh.DeviceMesh` with
+``torch.distributed.tensor.parallel.parallelize_module``, Megatron-LM style, as torchtitan's
+``apply_tp`` does:
+
+- attention: query/key/value projections column-parallel (``ColwiseParallel``: each rank computes
+  whole heads, ``[B, T, H] -> [B, T, H/tp]``), the output projection row-parallel
+  (``RowwiseParallel``: partial sums all-reduced, ``[B, T, H/tp] -> [B, T, H]``);
+- MLP: up (and gate) projections column-parallel, down projection row-parallel;
+- the token embedding vocab-parallel (``RowwiseParallel(input_layouts=Replicate())`` on an
+  ``nn.Embedding``: each rank owns ``vocab/tp`` rows, the lookups are all-reduced);
+- the LM head column-parallel over the vocabulary, its logits all-gathered
+  (``ColwiseParallel(output_layouts=Replicate())``), so the task's loss sees ``[B, T, vocab]``.
+
+Everything else (norms, position embeddings, biases of row-parallel layers) stays replicated: every
+rank of the group computes it on the same replicated activations, and DTensor's backward
+all-reduces the input gradients of the column-parallel layers, so those gradients agree on every
+rank. Activations between blocks and across pipeline boundaries are replicated ``[B, T, H]``
+tensors; tensor rank ``t`` of one stage exchanges them with tensor rank ``t`` of the next.
+
+Hugging Face models publish their plan (``config.base_model_tp_plan``, e.g. Llama's
+``{"layers.*.self_attn.q_proj": "colwise", ...}``); it is used as is, with ``"colwise"`` and
+``"rowwise"`` mapped to torch's styles. The in-project GPT's plan is :data:`GPT_TP_PLAN` (its fused
+``c_attn`` holds whole heads per row block, :class:`engine.models.gpt.CausalSelfAttention`).
+
+Sources: PyTorch, "Tensor Parallelism" (``torch.distributed.tensor.parallel``); torchtitan
+``torchtitan/models/llama3/infra/parallelize.py`` (``apply_tp``); Shoeybi et al., "Megatron-LM"
+(2019), section 3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.errors import TesselError
+
+__all__ = ["GPT_TP_PLAN", "TensorParallelError", "apply_tensor_parallel", "local_tensor", "shard_dims",
+           "stage_tp_plan", "to_local_state", "from_local_state"]
+
+#: The in-project GPT's plan: module path pattern -> style name (``engine.models.gpt``).
+GPT_TP_PLAN = {
+    "transformer.h.*.attn.c_attn": "colwise",
+    "transformer.h.*.attn.c_proj": "rowwise",
+    "transformer.h.*.mlp.c_fc": "colwise",
+    "transformer.h.*.mlp.c_proj": "rowwise",
+}
+
+
+class TensorParallelError(TesselError):
+    """A stage cannot be sharded over the plan's tensor-parallel degree (one sentence says why)."""
+
+
+def _styles():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}, Replicate
+
+
+def _family_plan(stage: nn.Module) -> tuple[dict[str, str], str, str, dict[str, int]]:
+    """(block plan, embedding path, head path, sizes that must divide by tp) of a stage."""
+    from runtime.stage_layers import GPTStage, HFDecoderStage
+
+    if isinstance(stage, GPTStage):
+        from engine.models.gpt import CausalSelfAttention
+
+        heads = [m.n_head for m in stage.modules() if isinstance(m, CausalSelfAttention)]
+        return dict(GPT_TP_PLAN), "transformer.wte", "lm_head", {"attention heads": heads[0]} if heads else {}
+    if isinstance(stage, HFDecoderStage):
+        cfg = stage.model.config
+        plan = getattr(cfg, "base_model_tp_plan", None) or {}
+        if not plan:
+            raise TensorParallelError(
+                f"{type(stage.model).__name__} publishes no tensor-parallel plan (config.base_model_tp_plan); "
+                "use tp=1 for this model")
+        sizes = {"attention heads": int(cfg.num_attention_heads),
+                 "key/value heads": int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)}
+        return ({f"model.{k}": v for k, v in plan.items()}, "model.embed_tokens", "lm_head", sizes)
+    raise TensorParallelError(f"a {type(stage).__name__} stage cannot be tensor-parallel: build the plan's stages "
+                              "with the layer split (plan.model.split = 'layers')")
+
+
+def stage_tp_plan(stage: nn.Module, tp: int) -> dict[str, Any]:
+    """The ``parallelize_module`` plan of one eager decoder stage for ``tp`` ranks: module path
+    (``*`` matches one level) -> ``ColwiseParallel``/``RowwiseParallel`` instance.
+
+    Raises:
+        TensorParallelError: the model publishes no plan, its plan uses a style other than
+            ``colwise``/``rowwise`` (e.g. Mixtral's ``packed_colwise`` experts; the entry is named),
+            or its heads do not divide by ``tp``.
+    """
+    block_plan, embed, head, sizes = _family_plan(stage)
+    for what, n in sizes.items():
+        if n % tp:
+            raise TensorParallelError(f"the model has {n} {what}, which tp={tp} does not divide; tensor "
+                                      "parallelism splits whole heads across ranks, pick a tp that divides it")
+    styles, Replicate = _styles()
+    out: dict[str, Any] = {}
+    for path, style in block_plan.items():
+        if style not in styles:
+            raise TensorParallelError(f"the model's tensor-parallel plan shards {path!r} as {style!r}; the runtime "
+                                      "executes 'colwise' and 'rowwise' layers only, use tp=1 for this model")
+        out[path] = styles[style]()
+    if _has(stage, embed):
+        out[embed] = styles["rowwise"](input_layouts=Replicate())
+    if _has(stage, head):
+        out[head] = styles["colwise"](output_layouts=Replicate())
+    return out
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        return module.get_submodule(path) is not None
+    except AttributeError:
+        return False
+
+
+def apply_tensor_parallel(stage: nn.Module, mesh) -> dict[str, int]:
+    """Shard ``stage`` in place over the 1-D tensor-parallel ``mesh`` (``parallelize_module`` with
+    :func:`stage_tp_plan`); re-ties parameters the stage shared before (GPT's ``wte``/``lm_head`` in
+    a one-stage plan: both become ``Shard(0)`` over the vocabulary, so one DTensor serves both).
+
+    Returns:
+        ``{parameter name: sharded dim}`` of every sharded parameter (:func:`shard_dims`).
+
+    Raises:
+        TensorParallelError: see :func:`stage_tp_plan`.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = mesh.size()
+    plan = stage_tp_plan(stage, tp)
+    names: dict[int, list[str]] = {}
+    for name, p in stage.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    shared = [v for v in names.values() if len(v) > 1]
+    parallelize_module(stage, mesh, plan)
+    for group in shared:
+        keep = stage.get_parameter(group[0])
+        for name in group[1:]:
+            owner_path, _, leaf = name.rpartition(".")
+            owner = stage.get_submodule(owner_path) if owner_path else stage
+            other = owner._parameters[leaf]
+            if getattr(other, "placements", None) != getattr(keep, "placements", None):
+                raise TensorParallelError(f"parameters {group[0]} and {name} are one tied tensor but tensor "
+                                          "parallelism shards them differently; place them on different stages")
+            owner._parameters[leaf] = keep
+    return shard_dims(stage)
+
+
+def shard_dims(module: nn.Module) -> dict[str, int]:
+    """``{state_dict key: dim}`` of every DTensor parameter of ``module`` sharded on one dim."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    out: dict[str, int] = {}
+    for k, v in module.state_dict(keep_vars=True).items():
+        if isinstance(v, DTensor):
+            dims = [p.dim for p in v.placements if isinstance(p, Shard)]
+            if dims:
+                out[k] = int(dims[0])
+    return out
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (``to_local()``), or ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def to_local_state(state: Any) -> Any:
+    """``state`` (a nested dict/list of tensors, e.g. a module's or optimizer's ``state_dict``) with
+    every DTensor replaced by its local shard, for checkpoints (plain tensors, ``weights_only``)."""
+    if isinstance(state, dict):
+        return {k: to_local_state(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_local_state(v) for v in state)
+    return local_tensor(state) if isinstance(state, torch.Tensor) else state
+
+
+def from_local_state(state: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_local_state` for a module ``state_dict``: each entry whose counterpart in
+    ``like`` (``module.state_dict(keep_vars=True)``) is a DTensor becomes a DTensor with the same mesh
+    and placements around the saved local shard."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in state.items():
+        ref = like.get(k)
+        if isinstance(ref, DTensor) and not isinstance(v, DTensor):
+            v = DTensor.from_local(v.to(ref.device), ref.device_mesh, ref.placements, run_check=False)
+        out[k] = v
+    return out
