@@ -9,8 +9,9 @@ placement group with one bundle per rank (``runtime.cluster``), starts a
    task (:mod:`tasks`; ``LaunchConfig.task`` overrides ``plan.model.task``; causal-lm reads
    the CPython sources as bytes), a tuple ``(*inputs, *targets)`` that is a pure function of
    ``(data_seed, step)``, so the step is the data position, and hands the same tuple (one
-   ``ray.put``) to every rank; DP replica ``d`` (ranks ``d*pp .. d*pp+pp-1``; rank r is pipeline
-   rank ``r % pp``) trains on rows ``[d*m*mbs, (d+1)*m*mbs)`` of every tensor (the worker slices);
+   ``ray.put``) to every rank; DP replica ``d`` (ranks ``d*tp*pp .. (d+1)*tp*pp-1``; rank r is
+   pipeline rank ``r % pp`` and tensor rank ``(r // pp) % tp``) trains on rows
+   ``[d*m*mbs, (d+1)*m*mbs)`` of every tensor (the worker slices);
 2. calls ``step(step, batch)`` on every rank and waits for all of them (at most ``step_timeout``
    seconds): the step's loss is the mean of the per-micro-batch losses reported by the last
    pipeline stage of every replica (= the mean over the global batch, since micro-batches are
@@ -213,8 +214,8 @@ def launch(
     dp, pp = par.dp, par.pp
     from runtime.stage import check_executable
 
-    check_executable(plan)  # RuntimeNotSupported (a TesselError) before any Ray work: tp > 1, multi-device blocks
-    ws = dp * pp
+    check_executable(plan)  # RuntimeNotSupported (a TesselError) before any Ray work: multi-device blocks, ...
+    ws = dp * par.tp * pp   # one actor per (replica, tensor rank, pipeline rank)
     m = par.micro_batches
     mbs = plan.model.micro_batch_size
     config.validate()

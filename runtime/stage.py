@@ -53,7 +53,8 @@ What a worker needs to run the stages across processes:
   ``state_dict``, and a worker can swap their experts for an expert-parallel version; a segment
   boundary inside an MoE layer is refused.
 
-Limits: tensor parallelism (``tp > 1``) is planned but not executed (:class:`RuntimeNotSupported`).
+Tensor parallelism (``tp > 1``) uses the third method, ``"layers"`` (:mod:`runtime.stage_layers`:
+eager decoder stages that :mod:`runtime.tensor_parallel` shards with DTensor).
 The exported graphs freeze the train/eval mode they were traced in (dropout stays as traced);
 the built-in byte-level models have dropout 0, so this only matters for user models with dropout.
 
@@ -83,7 +84,8 @@ log = logging.getLogger(__name__)
 
 
 class RuntimeNotSupported(TesselError, NotImplementedError):
-    """The plan uses something the runtime does not execute (tensor parallelism, multi-device blocks)."""
+    """The plan uses something the runtime does not execute (multi-device blocks, non-chain
+    placements, tensor parallelism on a model without the layer split)."""
 
 
 @dataclass(frozen=True)
@@ -209,15 +211,20 @@ class PipelineStages:
 def check_executable(plan) -> None:
     """Raise :class:`RuntimeNotSupported` unless the runtime can execute ``plan``.
 
-    The runtime executes pipeline and data parallelism over a chain of segments where each
+    The runtime executes pipeline, data and tensor parallelism over a chain of segments where each
     block (F/B/I/W) runs on one pipeline rank: the plain (V), interleaved and zero-bubble
-    placements and any Tessel schedule over them.
+    placements and any Tessel schedule over them. Tensor parallelism (``tp > 1``: every pipeline
+    rank is a group of ``tp`` ranks sharding its stages with DTensor, :mod:`runtime.tensor_parallel`)
+    needs the layer split (``plan.model.split == "layers"``: a Llama-family or in-project GPT
+    decoder, :mod:`runtime.stage_layers`).
     """
     tp = plan.parallel.tp
-    if tp > 1:
+    if tp > 1 and plan.model.split != "layers":
         raise RuntimeNotSupported(
-            f"the plan uses tensor parallelism (tp={tp}): the runtime executes pipeline and data "
-            "parallelism; tensor parallelism is planned only")
+            f"the plan uses tensor parallelism (tp={tp}) but its stages are built with the "
+            f"{plan.model.split or 'default'!r} split; tensor parallelism runs on eager decoder stages (split "
+            "'layers'), which `tessel plan --tp` records for Llama-family models and tessel-gpt; "
+            f"{plan.model.name!r} is not one of them, so plan it with --tp 1")
     pl = plan.schedule.placement
     S = pl.num_segments
     if S != len(plan.segments):

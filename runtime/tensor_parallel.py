@@ -40,7 +40,7 @@ from torch import nn
 
 from engine.errors import TesselError
 
-__all__ = ["GPT_TP_PLAN", "TensorParallelError", "apply_tensor_parallel", "local_tensor", "shard_dims",
+__all__ = ["GPT_TP_PLAN", "TensorParallelError", "apply_tensor_parallel", "local_grad", "local_tensor", "shard_dims",
            "stage_tp_plan", "to_local_state", "from_local_state"]
 
 #: The in-project GPT's plan: module path pattern -> style name (``engine.models.gpt``).
@@ -171,6 +171,23 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (``to_local()``), or ``t`` itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """``p.grad`` as this rank's shard laid out like ``p`` (``None`` without a gradient).
+
+    DTensor may return a gradient with other placements than its parameter: a vocab-parallel
+    embedding (``Shard(0)`` weight) gets a ``Replicate()`` gradient from its backward. It is
+    redistributed to the parameter's placements first (from ``Replicate`` a local slice, no
+    communication) and stored back in ``p.grad``, so flat all-reduce buffers, tied sums and the
+    optimizer all see shards of the parameter's shape."""
+    g = p.grad
+    if g is None or local_tensor(p) is p:
+        return g
+    if tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(p.device_mesh, p.placements)
+        p.grad = g
+    return g.to_local()
 
 
 def to_local_state(state: Any) -> Any:

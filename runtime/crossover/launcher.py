@@ -117,6 +117,10 @@ def _check_plans(loaded: list, names: list[str]) -> int:
         check_executable(plan)
         par = plan.parallel
         pp, dp = par.pp, par.dp
+        if par.tp > 1:
+            raise CrossoverLaunchError(
+                f"job {j} ({names[j]}) has tp = {par.tp}; co-location runs pure data-parallel plans (tp = 1, "
+                "pp = 1) only. Plan it with dp = devices", job=j, kind="setup")
         pp = max(pp, plan.schedule.placement.num_devices)
         if pp != 1:
             raise CrossoverLaunchError(

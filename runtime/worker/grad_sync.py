@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from engine.timeline import Event
+from runtime.tensor_parallel import local_grad, local_tensor
 from runtime.worker.optimizer import WorkerOptimizer
 from runtime.worker.step_state import StepState
 
@@ -54,7 +55,7 @@ class GradientSync:
         self.flat_grads: dict[int, torch.Tensor] = {}
         if dp > 1 and not opt.adama:
             for s, ps in dp_params.items():
-                n = sum(p.numel() for p in ps)
+                n = sum(local_tensor(p).numel() for p in ps)
                 if n:
                     self.flat_grads[s] = torch.zeros(n, dtype=torch.float32, device=device)
 
@@ -135,14 +136,11 @@ class GradientSync:
             buf.zero_()
             for p in tc.params:
                 if p.grad is not None:
-                    buf.add_(p.grad)
+                    buf.add_(local_grad(p))
             if tc.group is not None:
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=tc.group)
             for p in tc.params:
-                if p.grad is None:
-                    p.grad = buf.clone()
-                else:
-                    p.grad.copy_(buf)
+                set_local_grad(p, buf)
             if self.sync is not None:
                 self.sync()
             st.events.append(Event(self.rank, "collective", "ALLREDUCE", f"allreduce tied {tc.label}", start,
@@ -150,25 +148,39 @@ class GradientSync:
 
 
 def flatten_grads(flat: torch.Tensor, params: Sequence[torch.nn.Parameter], offset: int) -> None:
-    """Copy each parameter's ``.grad`` (zeros where ``None``) into consecutive slices of ``flat``."""
+    """Copy each parameter's ``.grad`` (zeros where ``None``) into consecutive slices of ``flat``
+    (a tensor-parallel parameter: its local shard, :func:`runtime.tensor_parallel.local_tensor`)."""
     o = offset
     for p in params:
-        n = p.numel()
-        if p.grad is None:
+        n = local_tensor(p).numel()
+        g = local_grad(p)
+        if g is None:
             flat[o:o + n].zero_()
         else:
-            flat[o:o + n].copy_(p.grad.reshape(-1))
+            flat[o:o + n].copy_(g.reshape(-1))
         o += n
 
 
 def unflatten_grads(flat: torch.Tensor, params: Sequence[torch.nn.Parameter], offset: int) -> None:
-    """Write consecutive slices of ``flat`` (from ``offset``) into each parameter's ``.grad``."""
+    """Write consecutive slices of ``flat`` (from ``offset``) into each parameter's ``.grad`` (its
+    local shard for a tensor-parallel parameter)."""
     o = offset
     for p in params:
-        n = p.numel()
-        g = flat[o:o + n].view_as(p)
-        if p.grad is None:
-            p.grad = g.clone()
-        else:
-            p.grad.copy_(g)
+        lp = local_tensor(p)
+        n = lp.numel()
+        set_local_grad(p, flat[o:o + n].view_as(lp))
         o += n
+
+
+def set_local_grad(p: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set ``p.grad`` (its local shard, for a DTensor ``p``) to a copy of ``value``."""
+    g = local_grad(p)
+    if g is not None:
+        g.copy_(value)
+        return
+    if local_tensor(p) is p:
+        p.grad = value.clone()
+    else:
+        from torch.distributed.tensor import DTensor
+
+        p.grad = DTensor.from_local(value.clone(), p.device_mesh, p.placements, run_check=False)

@@ -1,6 +1,11 @@
 """Every process group of a stage worker, built in one place: the default group, data-parallel
-(DP), expert-parallel (EP), tied-weight and ordered point-to-point pair groups
-(``docs/runtime-worker.md``, "What a rank does in setup")."""
+(DP), expert-parallel (EP), tensor-parallel (TP, a DeviceMesh), tied-weight and ordered
+point-to-point pair groups (``docs/runtime-worker.md``, "What a rank does in setup").
+
+Rank layout: global rank ``r = (dp_index * tp + tp_rank) * pp + pp_rank``. ``r // pp`` is the rank's
+*pipeline replica*: the ``pp`` ranks that exchange activations and gradients point to point (tensor
+rank ``t`` of a stage talks to tensor rank ``t`` of the next, the activations being replicated
+across a TP group); with ``tp = 1`` it is the data-parallel replica, as before."""
 
 from __future__ import annotations
 
@@ -40,52 +45,70 @@ class ProcessGroups:
     pairs: dict[tuple[int, int], Any] = field(default_factory=dict)
     """Ordered matching: ``(sender, receiver)`` world ranks -> one-directional 2-rank group, for
     the pairs including this rank."""
+    tp_mesh: Any = None
+    """The 1-D ``DeviceMesh`` of this rank's tensor-parallel group (``tp > 1``): the ``tp`` ranks
+    running the same pipeline rank of the same data-parallel replica."""
 
 
 def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Sequence[Sequence[tuple[int, str]]],
-                 seg_rank: dict[int, int], pair_orders: dict[tuple[int, int], Any] | None) -> ProcessGroups:
+                 seg_rank: dict[int, int], pair_orders: dict[tuple[int, int], Any] | None, tp: int = 1,
+                 device_type: str = "cpu") -> ProcessGroups:
     """Create the worker's groups. Every rank calls ``dist.new_group`` for every group in the same
-    order (DP, then EP, then tied, then pairs), as torch.distributed requires. The pair groups are
-    not connected here: the worker checks its own stream first, then calls :func:`connect_pairs`.
+    order (DP, then EP, then tied, then pairs, then the TP mesh), as torch.distributed requires. The
+    pair groups are not connected here: the worker checks its own stream first, then calls
+    :func:`connect_pairs`.
 
     Args:
-        rank: this global rank (``dp_index * pp + pp_rank``).
-        pp, dp: pipeline ranks and replicas.
+        rank: this global rank (``(dp_index * tp + tp_rank) * pp + pp_rank``, module docstring).
+        pp, dp: pipeline ranks and data-parallel replicas; tp: tensor-parallel degree.
+        device_type: ``"cpu"`` or ``"cuda"`` (the TP ``DeviceMesh``).
         expert_parallel: create the EP groups.
         tied: the model's tied groups, ``[(segment, parameter name), ...]`` each.
         seg_rank: segment -> pipeline rank running its forward.
         pair_orders: ordered matching: ``(sender, receiver)`` pipeline ranks -> messages (the
             pairs with training traffic); ``None``: tag matching, no pair groups.
     """
-    pp_rank, dp_index = rank % pp, rank // pp
+    pp_rank, replica = rank % pp, rank // pp
+    tp_rank = replica % tp
     out = ProcessGroups()
     if dp > 1:
         for p in range(pp):
-            g = dist.new_group([d * pp + p for d in range(dp)])
-            if p == pp_rank:
-                out.dp = g
+            for t in range(tp):
+                g = dist.new_group([(d * tp + t) * pp + p for d in range(dp)])
+                if (p, t) == (pp_rank, tp_rank):
+                    out.dp = g
     if expert_parallel:
         for p in range(pp):
-            g = dist.new_group([d * pp + p for d in range(dp)])
-            if p == pp_rank:
-                out.ep = g
+            for t in range(tp):
+                g = dist.new_group([(d * tp + t) * pp + p for d in range(dp)])
+                if (p, t) == (pp_rank, tp_rank):
+                    out.ep = g
     for i, group in enumerate(tied):
         pranks = sorted({seg_rank[s] for s, _ in group})
-        for d in range(dp):
-            granks = [d * pp + r for r in pranks]
+        for v in range(dp * tp):
+            granks = [v * pp + r for r in pranks]
             g = dist.new_group(granks) if len(granks) > 1 else None
-            if d == dp_index and pp_rank in pranks:
+            if v == replica and pp_rank in pranks:
                 out.tied.append((i, g, tuple(pranks)))
     if pair_orders is not None:
-        out.pairs = _pair_groups(rank, pp, dp, seg_rank, pair_orders)
+        out.pairs = _pair_groups(rank, pp, dp * tp, seg_rank, pair_orders)
+    if tp > 1:   # a 1-D mesh over our own group (init_device_mesh would cache meshes across worlds)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        for d in range(dp):
+            for p in range(pp):
+                ranks = [(d * tp + t) * pp + p for t in range(tp)]
+                g = dist.new_group(ranks)
+                if (d, p) == (replica // tp, pp_rank):
+                    out.tp_mesh = DeviceMesh.from_group(g, device_type, mesh=ranks, mesh_dim_names=("tp",))
     return out
 
 
 def _pair_groups(rank: int, pp: int, dp: int, seg_rank: dict[int, int],
                  pair_orders: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
     """One 2-rank group per ORDERED pair of world ranks with traffic (training SEND/RECV in every
-    replica, plus evaluation's forward boundaries), each carrying messages from its first rank to
-    its second only; created by every rank for every pair, in sorted order."""
+    pipeline replica, ``dp`` of them, plus evaluation's forward boundaries), each carrying messages
+    from its first rank to its second only; created by every rank for every pair, in sorted order."""
     pairs = set(pair_orders)
     for s in range(len(seg_rank) - 1):   # evaluate()'s forward traffic
         a, b = seg_rank[s], seg_rank[s + 1]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from runtime.tensor_parallel import local_grad, local_tensor
 from runtime.worker.device import cpu_copy
 from runtime.worker.errors import WorkerError
 
@@ -128,6 +129,9 @@ class WorkerOptimizer:
             return
         if self.adama:   # tied copies: their summed gradient is folded once per step
             self.optimizer.fold([p for ps in self.unfolded.values() for p in ps])
+        for g in self.optimizer.param_groups:   # tensor parallelism: gradients laid out like their parameter
+            for p in g["params"]:
+                local_grad(p)
         if ep > 1:   # each expert got every replica's grad(loss / m): average it
             for p in expert_params:
                 if p.grad is not None:
@@ -140,20 +144,34 @@ class WorkerOptimizer:
         (CUDA) or AdamA (``m``, ``v`` may be views into the flat buffers): tensor-wise CPU clones."""
         if self.optimizer is None:
             return None
-        if self.adama or compact:
+        if self.adama or compact or self._sharded():
+            # tensor-parallel states (DTensors) are saved as this rank's local shards
             sd = self.optimizer.state_dict()
-            return {"state": {k: {kk: cpu_copy(vv) if isinstance(vv, torch.Tensor) else copy.deepcopy(vv)
-                                  for kk, vv in v.items()} for k, v in sd["state"].items()},
+            return {"state": {k: {kk: cpu_copy(local_tensor(vv)) if isinstance(vv, torch.Tensor)
+                                  else copy.deepcopy(vv) for kk, vv in v.items()} for k, v in sd["state"].items()},
                     "param_groups": copy.deepcopy(sd["param_groups"])}
         return copy.deepcopy(self.optimizer.state_dict())
 
+    def _sharded(self) -> bool:
+        return any(local_tensor(p) is not p for g in self.optimizer.param_groups for p in g["params"])
+
     def load_state_dict(self, sd: dict | None) -> None:
-        """Load :meth:`state_dict` output (``None``: nothing); AdamA re-binds the flat buffers."""
+        """Load :meth:`state_dict` output (``None``: nothing); AdamA re-binds the flat buffers; the
+        states of tensor-parallel parameters become DTensors again, placed like their parameter."""
         if self.optimizer is None or sd is None:
             return
         self.optimizer.load_state_dict(sd)
         if self.adama:
             self.bind_flat_states()
+        if self._sharded():
+            from torch.distributed.tensor import DTensor
+
+            for p, state in self.optimizer.state.items():
+                if local_tensor(p) is p:
+                    continue
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local_tensor(p).shape:
+                        state[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False)
 
     def remove_hooks(self) -> None:
         """Remove the AdamA folding hooks (idempotent)."""

@@ -30,6 +30,7 @@ from runtime.worker.p2p import OrderedMatching, P2PMatcher, TagMatching
 from runtime.worker.p2p_order import check_own_stream, pair_send_orders
 from runtime.worker.state import load_worker_state, worker_state
 from runtime.worker.training_step import run_step
+from runtime.tensor_parallel import apply_tensor_parallel, local_tensor
 
 __all__ = ["StageWorker"]
 
@@ -39,8 +40,9 @@ class StageWorker:
 
     Args:
         plan_dict: ``Plan.to_dict()`` (JSON-able; the worker rebuilds the plan in :meth:`setup`).
-        rank: global rank ``0 .. world_size-1`` (= ``dp_index * pp + pp_rank``).
-        world_size: ``dp * pp``.
+        rank: global rank ``0 .. world_size-1`` (= ``(dp_index * tp + tp_rank) * pp + pp_rank``,
+            :mod:`runtime.worker.groups`).
+        world_size: ``dp * tp * pp``.
         master_addr, master_port: TCP rendezvous of ``init_process_group``.
         config: the worker's options (:class:`~runtime.worker.config.WorkerConfig`; ``None``: defaults).
 
@@ -129,6 +131,8 @@ class StageWorker:
                 module_to(self.modules[s], self.device)
                 retarget_device(self.modules[s], self.device)   # traced factory calls say device=cpu
         self.seg_params = {s: [p for p in self.modules[s].parameters()] for s in self.segments}
+        # this rank's bytes: a tensor-parallel parameter (DTensor) counts its local shard
+        self._local_params = [local_tensor(p) for s in self.segments for p in self.seg_params[s]]
         # expert parameters (each owned by one replica) stay out of the data-parallel all-reduce
         self.dp_params = {s: [p for p in self.seg_params[s] if not is_expert_param(p)] for s in self.segments}
         self.expert_params = [p for s in self.segments for p in self.seg_params[s] if is_expert_param(p)]
@@ -141,13 +145,14 @@ class StageWorker:
             connect_pairs(self.rank, self.groups.pairs, self.device, self.timeout)
         self._build_exchange()
         self._build_optimizer()
-        static_ptrs = {p.untyped_storage().data_ptr() for p in params} | self.buffers.storage_ptrs()
+        static_ptrs = {p.untyped_storage().data_ptr() for p in self._local_params} | self.buffers.storage_ptrs()
         self.meter = ActivationMeter(static_ptrs)
         self._ready = True
         return {
-            "rank": self.rank, "pp_rank": self.pp_rank, "dp_index": self.dp_index,
-            "segments": list(self.segments), "params": sum(p.numel() for p in params),
-            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "rank": self.rank, "pp_rank": self.pp_rank, "dp_index": self.dp_index, "tp_rank": self.tp_rank,
+            "segments": list(self.segments), "params": sum(p.numel() for p in self._local_params),
+            "param_bytes": sum(p.numel() * p.element_size() for p in self._local_params),
+            "tensor_parallel": {s: dict(d) for s, d in self.tp_dims.items()},
             "buffer_bytes": self.buffers.nbytes, "num_buffers": self.buffers.count,
             "stream_length": len(self.stream), "tied": [[list(x) for x in g] for g in self.tied],
             "removed": removed, "boundaries": [[m.to_dict() for m in b] for b in self.boundaries],
@@ -172,18 +177,24 @@ class StageWorker:
         pl = plan.schedule.placement
         self.pp = pl.num_devices
         self.dp = plan.parallel.dp
-        if self.world_size != self.dp * self.pp:
-            raise WorkerError(f"world_size {self.world_size} != dp * pp = {self.dp} * {self.pp}; "
-                              "start one worker per (replica, pipeline rank)")
+        self.tp = plan.parallel.tp
+        if self.world_size != self.dp * self.tp * self.pp:
+            raise WorkerError(f"world_size {self.world_size} != dp * tp * pp = {self.dp} * {self.tp} * {self.pp}; "
+                              "start one worker per (replica, tensor rank, pipeline rank)")
         if not 0 <= self.rank < self.world_size:
             raise WorkerError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
         self._resolve_device_and_matching()
         name = self.optimizer_name if self.optimizer_name is not None else plan.parallel.optimizer
         if name not in OPTIMIZERS:
             raise WorkerError(f"unknown optimizer {name!r}; use one of {', '.join(map(repr, OPTIMIZERS))}")
+        if name == "adama" and self.tp > 1:
+            raise WorkerError("optimizer 'adama' with tensor parallelism (tp > 1) is not supported; "
+                              "use optimizer 'adam' or 'sgd', or tp = 1")
         self.optimizer_name = name
         self.pp_rank = self.rank % self.pp
-        self.dp_index = self.rank // self.pp
+        self.replica = self.rank // self.pp   # pipeline replica: the ranks exchanging p2p (groups.py)
+        self.dp_index = self.replica // self.tp
+        self.tp_rank = self.replica % self.tp
         self.m = int(plan.schedule.num_micro_batches)
         self.S = pl.num_segments
         if self._cuda:
@@ -248,7 +259,13 @@ class StageWorker:
                 "micro-batches through the all-to-all; use optimizer 'adam' or 'sgd', or dp = 1")
         self.groups: ProcessGroups = build_groups(
             rank=self.rank, pp=self.pp, dp=self.dp, expert_parallel=expert_parallel, tied=self.tied,
-            seg_rank=self.seg_rank, pair_orders=self._pair_orders if ordered else None)
+            seg_rank=self.seg_rank, pair_orders=self._pair_orders if ordered else None, tp=self.tp,
+            device_type=self.device.type)
+        # tensor parallelism: shard each local stage over this rank's TP group (DTensor)
+        self.tp_dims: dict[int, dict[str, int]] = {}
+        if self.groups.tp_mesh is not None:
+            for s in self.segments:
+                self.tp_dims[s] = apply_tensor_parallel(self.modules[s], self.groups.tp_mesh)
         self.ep = self.dp if expert_parallel else 1
         if expert_parallel:
             expert_parallelize(self.modules, self.dp, self.groups.ep)
@@ -293,7 +310,7 @@ class StageWorker:
             group = self.tied[i]
             mine = [named[(s, n)] for s, n in group if (s, n) in named]
             label = "+".join(f"s{s}:{n}" for s, n in group)
-            self.tied_local.append(TiedCopies(g, mine, torch.zeros_like(mine[0]), label, pranks))
+            self.tied_local.append(TiedCopies(g, mine, torch.zeros_like(local_tensor(mine[0])), label, pranks))
 
     def _build_optimizer(self) -> None:
         """The optimizer (:class:`~runtime.worker.optimizer.WorkerOptimizer`) and the gradient
@@ -327,8 +344,8 @@ class StageWorker:
         return self.buffers.by_name()
 
     def _grad_bytes(self) -> int:
-        return sum(p.grad.numel() * p.grad.element_size() for ps in self.seg_params.values() for p in ps
-                   if p.grad is not None)
+        return sum(local_tensor(p.grad).numel() * p.grad.element_size() for ps in self.seg_params.values()
+                   for p in ps if p.grad is not None)
 
     def _split_batch(self, batch: Any, per_replica: int | None = None
                      ) -> tuple[list[MicroBatch], list[MicroBatch]]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
+from runtime.tensor_parallel import from_local_state, local_tensor
 from runtime.worker.device import cpu_copy
 from runtime.worker.errors import WorkerError
 
@@ -37,13 +38,16 @@ def worker_state(w: StageWorker) -> dict:
     {param name: CPU tensor}}, "optimizer": CPU state_dict or None, "expert_slices": {param name:
     [first expert, end expert, E]}}``; ``expert_slices`` names the entries that hold only this
     replica's rows ``[first, end)`` of an ``[E, ...]`` expert parameter (HF MoE blocks under
-    expert parallelism; empty otherwise); ``aliases``: the unsplit model's names of each shared
+    expert parallelism; empty otherwise); ``tp_shards`` ``{param name: [dim, tp_rank, tp]}`` names the
+    entries that hold only this tensor rank's shard (tensor parallelism saves each rank's local shard,
+    no collective); ``aliases``: the unsplit model's names of each shared
     parameter (:attr:`runtime.stage.PipelineStages.aliases`), for :func:`merge_model_state`."""
-    segs = {s: {k: cpu_copy(v) for k, v in w.modules[s].state_dict().items()} for s in w.segments}
+    segs = {s: {k: cpu_copy(local_tensor(v)) for k, v in w.modules[s].state_dict().items()} for s in w.segments}
     opt = w.opt.state_dict(compact=w._cuda)
     slices = {k: v for s in w.segments for k, v in expert_slices(w.modules[s]).items()}
+    shards = {k: [dim, w.tp_rank, w.tp] for s in w.segments for k, dim in w.tp_dims.get(s, {}).items()}
     return {"rank": w.rank, "pp_rank": w.pp_rank, "dp_index": w.dp_index, "segments": segs, "optimizer": opt,
-            "expert_slices": slices, "aliases": [list(g) for g in w.aliases]}
+            "expert_slices": slices, "tp_shards": shards, "aliases": [list(g) for g in w.aliases]}
 
 
 def load_worker_state(w: StageWorker, sd: dict) -> None:
@@ -54,7 +58,8 @@ def load_worker_state(w: StageWorker, sd: dict) -> None:
         raise WorkerError(f"the checkpoint holds segments {sorted(segs)}, but rank {w.rank} runs "
                           f"{w.segments}")
     for s in w.segments:
-        w.modules[s].load_state_dict(segs[s])
+        mod = w.modules[s]
+        mod.load_state_dict(from_local_state(segs[s], mod.state_dict(keep_vars=True)))
     w.opt.load_state_dict(sd.get("optimizer"))
 
 
@@ -71,27 +76,39 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
         such as ``wte``/``lm_head`` under their own names) are taken from the lowest rank;
         replicas hold identical values. Expert-sliced entries (a state's ``expert_slices``: HF MoE
         experts ``[E/dp, ...]`` per replica) are concatenated along dim 0 in expert order into the
-        full ``[E, ...]`` tensor. A parameter the unsplit model shares under several names (a
+        full ``[E, ...]`` tensor. Tensor-parallel entries (a state's ``tp_shards``: ``[dim, tp_rank,
+        tp]``) are concatenated along ``dim`` in tensor-rank order (DTensor's ``Shard(dim)`` layout,
+        even shards). A parameter the unsplit model shares under several names (a
         state's ``aliases``: T5's ``shared.weight`` and its embeddings, BERT's head bias) appears
         under every one of them, so ``model.load_state_dict(state)`` (strict) loads it into the
         plan's model.
 
     Raises:
         WorkerError: the states miss some rows of an expert-sliced entry (not every replica given)
-            or hold overlapping slices of it.
+            or hold overlapping slices of it, or miss a tensor rank's shard of a tensor-parallel entry.
     """
     out: dict[str, torch.Tensor] = {}
     pieces: dict[str, dict[int, tuple[int, int, torch.Tensor]]] = {}
     alias_groups: list[list[str]] = []
+    shards: dict[str, tuple[int, int, dict[int, torch.Tensor]]] = {}
     for sd in sorted(states, key=lambda d: int(d.get("rank", 0))):
         alias_groups += [list(g) for g in sd.get("aliases") or [] if list(g) not in alias_groups]
         sliced = sd.get("expert_slices") or {}
+        tp_sharded = sd.get("tp_shards") or {}
         for _seg, entries in sorted(sd["segments"].items(), key=lambda kv: int(kv[0])):
             for k, v in entries.items():
                 out.setdefault(k, v)
                 if k in sliced:
                     lo, hi, e = (int(x) for x in sliced[k])
                     pieces.setdefault(k, {}).setdefault(lo, (hi, e, v))
+                if k in tp_sharded:
+                    dim, t, tp = (int(x) for x in tp_sharded[k])
+                    shards.setdefault(k, (dim, tp, {}))[2].setdefault(t, v)
+    for k, (dim, tp, by_rank) in shards.items():
+        if sorted(by_rank) != list(range(tp)):
+            raise WorkerError(f"cannot merge {k}: the states hold tensor-parallel shards {sorted(by_rank)} of "
+                              f"{tp}; pass the states of every tensor rank")
+        out[k] = torch.cat([by_rank[t] for t in range(tp)], dim=dim)
     for k, by_lo in pieces.items():
         e = next(iter(by_lo.values()))[1]
         at, parts = 0, []

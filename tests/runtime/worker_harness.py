@@ -18,6 +18,7 @@ deliberately no ``tests/runtime/__init__.py`` (it would shadow the real ``runtim
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import queue
 import socket
@@ -43,8 +44,10 @@ def cached_build_stages(plan, *, seed: int = 0):
     from engine.models.moe.layer import MoEFeedForward
     from runtime import stage
 
+    if plan.parallel.tp > 1:   # tensor parallelism shards the stages in place: build them afresh
+        return stage._real_build_stages(plan, seed=seed)
     key = (plan.model.name, plan.model.micro_batch_size, plan.model.seq_len, seed,
-           tuple(tuple(s["layers"]) for s in plan.segments), plan.parallel.tp)
+           tuple(tuple(s["layers"]) for s in plan.segments), plan.parallel.tp, plan.model.split)
     hit = _STAGE_CACHE.get(key)
     if hit is None:
         st = stage._real_build_stages(plan, seed=seed)
@@ -91,7 +94,19 @@ def _pool_main(slot: int, tasks, results) -> None:
             if name not in fns:
                 mod, _, fn = name.partition(":")
                 fns[name] = getattr(importlib.import_module(mod), fn)
-            results.put((task["id"], task["rank"], "ok", fns[name](task)))
+            value = fns[name](task)
+            if task.get("fresh_process"):   # tensors as bytes: shared-memory handles die with this process
+                buf = io.BytesIO()
+                torch.save(value, buf)
+                value = buf.getvalue()
+            results.put((task["id"], task["rank"], "ok", value))
+            if task.get("fresh_process"):
+                # DTensor caches sharding decisions per DeviceMesh, and a mesh of the next world compares
+                # equal to this one's while naming other process groups: a tensor-parallel task leaves
+                # its process, as a Ray actor does, and the pool starts a new one
+                results.close()
+                results.join_thread()
+                os._exit(0)
         except BaseException as e:  # noqa: BLE001 - report everything to the parent
             results.put((task["id"], task["rank"], "error", f"{e}\n{traceback.format_exc()}"))
             # like a launcher killing a failed actor: exiting closes this rank's sockets, so
@@ -145,7 +160,7 @@ class WorkerPool:
         """
         if world > len(self.procs):
             raise ValueError(f"the pool has {len(self.procs)} processes, the task needs {world}")
-        for i in range(world):
+        for i in range(len(self.procs)):
             if not self.procs[i].is_alive():
                 self.procs[i].join()
                 self._start(i)
@@ -172,8 +187,11 @@ class WorkerPool:
                 why = f"process(es) of rank(s) {dead} died" if dead else f"no result within {timeout}s (hang)"
                 pytest.fail(f"ranks {missing} did not finish: {why}; the pool was killed")
         for r, (status, _) in out.items():
-            if status != "ok":          # the process exits after reporting; let it finish exiting
+            if status != "ok" or task.get("fresh_process"):   # the process exits after reporting; let it finish
                 self.procs[r].join(timeout=15)
+        if task.get("fresh_process"):
+            out = {r: (st, torch.load(io.BytesIO(p), weights_only=False) if st == "ok" else p)
+                   for r, (st, p) in out.items()}
         if not expect_errors:
             errors = {r: p for r, (s, p) in out.items() if s != "ok"}
             assert not errors, "\n".join(f"rank {r}: {p}" for r, p in errors.items())
