@@ -83,7 +83,8 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
     ran = len(res.losses)
     shape = f"{plan.model.micro_batch_size} x {plan.model.seq_len} tokens" if plan.model.seq_len \
         else f"{plan.model.micro_batch_size} samples"
-    say(f"{plan.model.name}: {res.world_size} ranks (dp={res.dp}, pp={pp}), schedule {plan.schedule.name}, "
+    tp = f", tp={par.tp}" if par.tp > 1 else ""
+    say(f"{plan.model.name}: {res.world_size} ranks (dp={res.dp}{tp}, pp={pp}), schedule {plan.schedule.name}, "
         f"task {res.task}, {par.micro_batches} micro-batches of {shape}, "
         f"{res.backend} on {'GPUs' if res.backend == 'nccl' else 'CPU'}; steps {res.start_step}..{res.steps - 1} "
         f"in {res.elapsed:.1f} s (setup {res.setup_time:.1f} s)")

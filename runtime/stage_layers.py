@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ def layer_split_refusal(model: nn.Module, name: str) -> str:
             "in-project GPT (tessel-gpt); use tp=1 for this model")
 
 
-def _keep_children(container: nn.Module, keep: Sequence[str]) -> None:
+def _keep_children(container: Any, keep: Sequence[str]) -> None:
     """Keep only the children named in ``keep`` (their original names: ``"2"``, ``"3"``), in order."""
     container._modules = OrderedDict((k, container._modules[k]) for k in container._modules if k in set(keep))
 
@@ -76,15 +76,15 @@ class HFDecoderStage(StageModule):
 
     def __init__(self, model: nn.Module, layers: Sequence[int], first: bool, last: bool):
         super().__init__()
-        m = copy.deepcopy(model)
-        base = m.model
+        m: Any = copy.deepcopy(model)
+        base: Any = m.model
         _keep_children(base.layers, [str(i) for i in layers])
         if not first:
             base.embed_tokens = None
         if not last:
             base.norm = nn.Identity()
         self.model = base
-        self.lm_head = m.lm_head if last else None
+        self.lm_head: Any = m.lm_head if last else None
         self.first, self.last = first, last
 
     def forward(self, x: torch.Tensor) -> tuple:
@@ -98,17 +98,17 @@ class GPTStage(StageModule):
 
     def __init__(self, model: nn.Module, layers: Sequence[int], first: bool, last: bool):
         super().__init__()
-        m = copy.deepcopy(model)
-        tr = m.transformer
+        m: Any = copy.deepcopy(model)
+        tr: Any = m.transformer
         _keep_children(tr.h, [str(i) for i in layers])
         for part in (("wte", "wpe", "drop") if not first else ()) + (("ln_f",) if not last else ()):
             del tr[part]
         self.transformer = tr
-        self.lm_head = m.lm_head if last else None
+        self.lm_head: Any = m.lm_head if last else None
         self.first, self.last = first, last
 
     def forward(self, x: torch.Tensor) -> tuple:
-        tr = self.transformer
+        tr: Any = self.transformer
         if self.first:
             pos = torch.arange(x.shape[1], dtype=torch.long, device=x.device)
             x = tr["drop"](tr["wte"](x) + tr["wpe"](pos))
@@ -127,7 +127,7 @@ def _block_index(layer: str, prefix: str) -> int | None:
     return None
 
 
-def split_layers(model: nn.Module, segment_layers: list[list[str]], name: str) -> dict[int, StageModule]:
+def split_layers(model: Any, segment_layers: list[list[str]], name: str) -> dict[int, StageModule]:
     """Cut ``model`` into one eager stage per segment (the plan's ``segments[i]["layers"]``).
 
     Raises:

@@ -63,7 +63,7 @@ def _styles():
     return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}, Replicate
 
 
-def _family_plan(stage: nn.Module) -> tuple[dict[str, str], str, str, dict[str, int]]:
+def _family_plan(stage: Any) -> tuple[dict[str, str], str, str, dict[str, int]]:
     """(block plan, embedding path, head path, sizes that must divide by tp) of a stage."""
     from runtime.stage_layers import GPTStage, HFDecoderStage
 
@@ -181,11 +181,12 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     redistributed to the parameter's placements first (from ``Replicate`` a local slice, no
     communication) and stored back in ``p.grad``, so flat all-reduce buffers, tied sums and the
     optimizer all see shards of the parameter's shape."""
-    g = p.grad
+    g: Any = p.grad
+    d: Any = p
     if g is None or local_tensor(p) is p:
         return g
-    if tuple(g.placements) != tuple(p.placements):
-        g = g.redistribute(p.device_mesh, p.placements)
+    if tuple(g.placements) != tuple(d.placements):
+        g = g.redistribute(d.device_mesh, d.placements)
         p.grad = g
     return g.to_local()
 

@@ -135,8 +135,9 @@ class GradientSync:
             buf = tc.buf
             buf.zero_()
             for p in tc.params:
-                if p.grad is not None:
-                    buf.add_(local_grad(p))
+                g = local_grad(p)
+                if g is not None:
+                    buf.add_(g)
             if tc.group is not None:
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=tc.group)
             for p in tc.params:
@@ -183,4 +184,5 @@ def set_local_grad(p: torch.nn.Parameter, value: torch.Tensor) -> None:
     else:
         from torch.distributed.tensor import DTensor
 
-        p.grad = DTensor.from_local(value.clone(), p.device_mesh, p.placements, run_check=False)
+        d: Any = p
+        p.grad = DTensor.from_local(value.clone(), d.device_mesh, d.placements, run_check=False)

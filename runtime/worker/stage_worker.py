@@ -14,6 +14,7 @@ import torch.distributed as dist
 from engine.dependency import COMPUTE_OPS, Instruction, Op, lower
 from engine.models.moe.layer import MoEFeedForward
 from runtime.expert_parallel import ExpertParallelMoE, is_expert_param
+from runtime.tensor_parallel import apply_tensor_parallel, local_tensor
 from runtime.worker.batches import MicroBatch, split_batch
 from runtime.worker.buffers import ReceiveBuffers
 from runtime.worker.config import OPTIMIZERS, WorkerConfig
@@ -30,7 +31,6 @@ from runtime.worker.p2p import OrderedMatching, P2PMatcher, TagMatching
 from runtime.worker.p2p_order import check_own_stream, pair_send_orders
 from runtime.worker.state import load_worker_state, worker_state
 from runtime.worker.training_step import run_step
-from runtime.tensor_parallel import apply_tensor_parallel, local_tensor
 
 __all__ = ["StageWorker"]
 
@@ -136,7 +136,6 @@ class StageWorker:
         # expert parameters (each owned by one replica) stay out of the data-parallel all-reduce
         self.dp_params = {s: [p for p in self.seg_params[s] if not is_expert_param(p)] for s in self.segments}
         self.expert_params = [p for s in self.segments for p in self.seg_params[s] if is_expert_param(p)]
-        params = [p for s in self.segments for p in self.seg_params[s]]
         # loss scale of a micro-batch (CE and MoE aux): the optimizer sees sum_j grad(loss_j / m)
         # averaged over replicas (Adam/SGD), or AdamA's folded grad(loss_j / (dp * m))
         self.loss_scale = 1.0 / (self.dp * self.m) if self.optimizer_name == "adama" else 1.0 / self.m
