@@ -204,7 +204,8 @@ def launch(
             not fit the model (``tasks.TaskError``'s sentence), or ``resume`` from a checkpoint
             written with another optimizer (all before Ray starts).
         CheckpointError: ``resume`` with a checkpoint of another plan or world size.
-        runtime.stage.RuntimeNotSupported: the plan uses tensor parallelism or multi-device blocks.
+        runtime.stage.RuntimeNotSupported: the plan uses multi-device blocks, a non-chain placement, or
+            tensor parallelism on a model without the layer split.
         engine.errors.PlanFormatError: a malformed plan file.
     """
     config = config if config is not None else LaunchConfig()

@@ -534,7 +534,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
         :class:`PipelineStages`. Parameter ``.grad`` fields are ``None`` on return.
 
     Raises:
-        RuntimeNotSupported: ``tp > 1``, multi-device blocks, a non-chain placement, a segment
+        RuntimeNotSupported: ``tp > 1`` without the layer split, multi-device blocks, a non-chain placement, a segment
             without layers, or a split the chain interface cannot express.
         StageSplitError: neither split method can cut the model (one sentence naming the layer).
         TesselError: the model name is unknown (``ModelNotFoundError``).

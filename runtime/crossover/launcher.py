@@ -401,7 +401,7 @@ def launch_crossover(
             or a failed job (after the other jobs finished; ``.job``, ``.rank`` and ``.result``
             set) unless ``config.raise_on_failure`` is off.
         runtime.checkpoint.CheckpointError: ``resume`` from a checkpoint of another plan.
-        runtime.stage.RuntimeNotSupported: a plan the runtime cannot execute (``tp > 1``).
+        runtime.stage.RuntimeNotSupported: a plan the runtime cannot execute.
     """
     config = config if config is not None else CrossoverConfig()
     t_start = time.perf_counter()

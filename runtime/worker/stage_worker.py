@@ -111,8 +111,8 @@ class StageWorker:
             WorkerError: ``world_size != dp * pp``, a rank outside it, an unknown optimizer, a bad
                 device / backend / ``p2p_matching`` combination, or (ordered matching) a pair whose
                 receiver expects other messages than its sender sends.
-            RuntimeNotSupported: ``tp > 1``, a placement the runtime cannot execute, or a backend
-                other than gloo and nccl.
+            RuntimeNotSupported: ``tp > 1`` without the layer split, a placement the runtime cannot
+                execute, or a backend other than gloo and nccl.
         """
         t0 = time.perf_counter()
         torch.set_num_threads(1)

@@ -1,0 +1,78 @@
+"""The layer split (``runtime.stage_layers``): eager decoder stages equal the unsplit model.
+
+For a Llama-style HF model and the in-project GPT, at 2 and 4 segments: the stage chain's logits
+and every parameter gradient equal the unsplit model's (they run the same eager modules, so
+exactly), the stages' state-dict keys are the unsplit model's, only the hidden state crosses a
+boundary, and a plan whose segments are not contiguous runs of blocks is refused in one sentence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+
+def _plan(model: str, devices: int):
+    from engine.planner import make_plan
+
+    plan = make_plan(model, devices=devices, micro_batches=devices, schedule="1f1b", device_type="cpu",
+                     micro_batch_size=2, seq_len=16).plan
+    return dataclasses.replace(plan, model=dataclasses.replace(plan.model, split="layers"))
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("model", ["llama-tiny", "tessel-gpt"])
+def test_layer_stages_equal_the_unsplit_model(model, devices):
+    from engine.models import build_model
+    from runtime.stage import build_stages
+
+    plan = _plan(model, devices)
+    st = build_stages(plan, seed=0)
+    assert st.split == "layers" and len(st.modules) == devices
+    assert all(len(b) == 1 and b[0].shape == (2, 16, b[0].shape[-1]) for b in st.boundaries)   # hidden only
+    torch.manual_seed(0)
+    ref = build_model(model, batch_size=2, seq_len=16, device="cpu", dtype=torch.float32).module.float().train()
+    keys = [k for m in st.modules.values() for k in m.state_dict()]
+    assert sorted(set(keys)) == sorted(ref.state_dict())
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    want = ref(ids)
+    want.square().mean().backward()
+    vals, records = (ids,), []
+    for i in range(devices):
+        ins = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in vals)
+        vals = st.modules[i](*ins)
+        records.append((ins, vals))
+    assert torch.equal(vals[0], want)
+    vals[0].square().mean().backward()
+    for i in range(devices - 1, 0, -1):
+        records[i - 1][1][0].backward(records[i][0][0].grad)
+    grads = {n: p.grad for m in st.modules.values() for n, p in m.named_parameters()}
+    for group in st.tied:   # tied copies (GPT's wte / lm_head): the unsplit model's gradient is their sum
+        total = sum(grads[n] for _, n in group)
+        grads.update({n: total for _, n in group})
+    for n, p in ref.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_segments_that_are_not_runs_of_blocks_are_refused():
+    from engine.models import build_model
+    from runtime.stage_layers import split_layers
+    from runtime.stage_types import StageSplitError
+
+    model = build_model("tessel-gpt", batch_size=2, seq_len=16, device="cpu").module
+    with pytest.raises(StageSplitError, match=r"contiguous run of its 4 decoder blocks.*\[\[0, 2\], \[1, 3\]\]"):
+        split_layers(model, [["transformer.h.0", "transformer.h.2"], ["transformer.h.1", "transformer.h.3"]],
+                     "tessel-gpt")
+
+
+def test_merging_tensor_parallel_shards_needs_every_tensor_rank():
+    from runtime.worker import merge_model_state
+    from runtime.worker.errors import WorkerError
+
+    w = torch.arange(8.0).view(4, 2)
+    states = [{"rank": t, "segments": {0: {"w": w[:, t:t + 1]}}, "tp_shards": {"w": [1, t, 2]}} for t in range(2)]
+    assert torch.equal(merge_model_state(states)["w"], w)
+    with pytest.raises(WorkerError, match=r"tensor-parallel shards \[0\] of 2"):
+        merge_model_state(states[:1])
