@@ -213,7 +213,8 @@ def check_executable(plan) -> None:
 
     The runtime executes pipeline, data and tensor parallelism over a chain of segments where each
     block (F/B/I/W) runs on one pipeline rank: the plain (V), interleaved and zero-bubble
-    placements and any Tessel schedule over them. Tensor parallelism (``tp > 1``: every pipeline
+    placements, Tessel's M and NN shapes (all-device blocks in a chain: each runs as a tensor-parallel
+    group over its device set) and any Tessel schedule over them. Tensor parallelism (``tp > 1``: every pipeline
     rank is a group of ``tp`` ranks sharding its stages with DTensor, :mod:`runtime.tensor_parallel`)
     needs the layer split (``plan.model.split == "layers"``: a Llama-family or in-project GPT
     decoder, :mod:`runtime.stage_layers`).
@@ -230,10 +231,18 @@ def check_executable(plan) -> None:
     if S != len(plan.segments):
         raise RuntimeNotSupported(f"the placement has {S} segments but the plan lists {len(plan.segments)}")
     for b in pl.blocks:
-        if len(b.devices) != 1:
+        if len(b.devices) == 1:
+            continue
+        if plan.model.split != "layers":
             raise RuntimeNotSupported(
-                f"block {b.segment}{b.kind} runs on devices {list(b.devices)}: the runtime executes "
-                "blocks on one pipeline rank each (multi-device blocks need tensor parallelism)")
+                f"block {b.segment}{b.kind} runs on devices {list(b.devices)}: the runtime executes a block on "
+                "several devices as a tensor-parallel group over them, which needs the layer split (eager "
+                f"decoder stages: Llama-family models and tessel-gpt); {plan.model.name!r} is planned with the "
+                f"{plan.model.split or 'default'!r} split; place the block on one device")
+        if tp > 1:
+            raise RuntimeNotSupported(
+                f"block {b.segment}{b.kind} runs on devices {list(b.devices)} and the plan also has tp={tp}: a "
+                "multi-device block is itself tensor-parallel over its devices; plan it with tp=1")
     for s in range(S):
         if not pl.has("F", s):
             raise RuntimeNotSupported(f"segment {s} has no forward block")
@@ -244,10 +253,10 @@ def check_executable(plan) -> None:
                 f"segment {s}'s forward depends on blocks {list(deps)}; the runtime executes a chain "
                 "F0 -> F1 -> ... (each segment's forward follows the previous one)")
         for k in ("B", "I", "W"):
-            if pl.has(k, s) and pl.spec(k, s).devices != pl.spec("F", s).devices:
+            if pl.has(k, s) and tuple(pl.spec(k, s).devices) != tuple(pl.spec("F", s).devices):
                 raise RuntimeNotSupported(
-                    f"block {s}{k} runs on device {pl.spec(k, s).devices[0]} but {s}F on "
-                    f"{pl.spec('F', s).devices[0]}: a segment's backward must run where its forward ran")
+                    f"block {s}{k} runs on devices {list(pl.spec(k, s).devices)} but {s}F on "
+                    f"{list(pl.spec('F', s).devices)}: a segment's backward must run where its forward ran")
     if pl.forward_only:
         return
     grad = "I" if pl.split_backward else "B"

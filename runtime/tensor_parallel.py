@@ -40,7 +40,7 @@ from torch import nn
 
 from engine.errors import TesselError
 
-__all__ = ["GPT_TP_PLAN", "TensorParallelError", "apply_tensor_parallel", "local_grad", "local_tensor", "shard_dims",
+__all__ = ["GPT_TP_PLAN", "TensorParallelError", "apply_tensor_parallel", "local_grad", "local_tensor", "shard_dims", "shard_view",
            "stage_tp_plan", "to_local_state", "from_local_state"]
 
 #: The in-project GPT's plan: module path pattern -> style name (``engine.models.gpt``).
@@ -189,6 +189,22 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
         g = g.redistribute(d.device_mesh, d.placements)
         p.grad = g
     return g.to_local()
+
+
+def shard_view(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The slice of ``full`` (shaped like ``p``'s global shape) that ``p``'s local shard covers
+    (``torch.chunk`` along its ``Shard`` dim, DTensor's layout); ``full`` itself for a plain tensor."""
+    from torch.distributed.tensor import Shard
+
+    if local_tensor(p) is p:
+        return full
+    d: Any = p
+    view = full
+    for mesh_dim, placement in enumerate(d.placements):
+        if isinstance(placement, Shard):
+            k = d.device_mesh.size(mesh_dim)
+            view = view.chunk(k, dim=placement.dim)[d.device_mesh.get_local_rank(mesh_dim)]
+    return view
 
 
 def to_local_state(state: Any) -> Any:

@@ -1,5 +1,7 @@
 """Forward-only evaluation of a stage worker (GPipe forward order over the pipeline ranks;
-``docs/runtime-worker.md``, "Evaluation")."""
+``docs/runtime-worker.md``, "Evaluation"). A segment on several devices (a tensor-parallel block)
+runs on each of them; its first device sends its output to the next segment's devices outside
+its set, as ``engine.dependency.lower`` does in training."""
 
 from __future__ import annotations
 
@@ -21,25 +23,28 @@ def evaluate_loss(w: StageWorker, model_inputs: list[tuple[torch.Tensor, ...]],
     Raises ``RuntimeError`` naming the rank, chained to the cause."""
     total = 0.0
     pending: list[tuple[Any, torch.Tensor]] = []
+    devs = w.seg_devices
     try:
         for j in range(len(model_inputs)):
             prev: tuple | None = None
             for s in range(w.S):
-                if w.seg_rank[s] != w.pp_rank:
+                if w.pp_rank not in devs[s]:
                     prev = None
                     continue
                 ins = _stage_inputs(w, s, j, model_inputs, prev)
                 outs = w.modules[s](*ins)
                 if s == w.last_segment:
                     total += float(w.task.loss(outs[0], *targets[j]))
-                elif w.seg_rank[s + 1] != w.pp_rank:
-                    dst = w.p2p.world(w.seg_rank[s + 1])
-                    for q, t in enumerate(outs):
-                        t = t.contiguous()
-                        pending.append((w.p2p.eval_send(t, dst, s, j % w.m, q), t))
-                    prev = None
-                else:
-                    prev = outs
+                    continue
+                if w.pp_rank == devs[s][0]:   # the segment's first device sends to the next one's others
+                    for d in devs[s + 1]:
+                        if d in devs[s]:
+                            continue
+                        dst = w.p2p.world(d)
+                        for q, t in enumerate(outs):
+                            t = t.contiguous()
+                            pending.append((w.p2p.eval_send(t, dst, s, j % w.m, q), t))
+                prev = outs
             # wait this micro-batch's sends before the next one reuses the tags
             for wk, _ in pending:
                 wk.wait(w.timeout)
@@ -62,12 +67,12 @@ def _stage_inputs(w: StageWorker, s: int, j: int, model_inputs: list[tuple[torch
     outputs, or activations received into the buffers of slot ``j % m`` (fresh ones if none)."""
     if s == 0:
         return tuple(model_inputs[j])
-    if w.seg_rank[s - 1] == w.pp_rank and prev is not None:
+    if w.pp_rank in w.seg_devices[s - 1] and prev is not None:
         return prev
     bufs = w.buffers.act.get((s - 1, j % w.m))
     if bufs is None:
         bufs = [w._empty(meta) for meta in w.boundaries[s - 1]]
-    src = w.p2p.world(w.seg_rank[s - 1])
+    src = w.p2p.world(w.seg_devices[s - 1][0])
     for wk in w.p2p.eval_recv(bufs, src, s - 1, j % w.m):
         wk.wait(w.timeout)
     return tuple(bufs)

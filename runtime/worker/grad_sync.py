@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from engine.timeline import Event
-from runtime.tensor_parallel import local_grad, local_tensor
+from runtime.tensor_parallel import local_grad, local_tensor, shard_view
 from runtime.worker.optimizer import WorkerOptimizer
 from runtime.worker.step_state import StepState
 
@@ -28,7 +28,8 @@ class TiedCopies:
     params: list[torch.nn.Parameter]
     """The local copies."""
     buf: torch.Tensor
-    """Pre-allocated sum of the copies' gradients (one copy's shape)."""
+    """Pre-allocated sum of the copies' gradients (one copy's full shape; a tensor-parallel copy
+    contributes its shard to its slice, :func:`runtime.tensor_parallel.shard_view`)."""
     label: str
     """``"s0:transformer.wte.weight+s3:lm_head.weight"``."""
     pranks: tuple[int, ...]
@@ -134,14 +135,14 @@ class GradientSync:
             start = st.now()
             buf = tc.buf
             buf.zero_()
-            for p in tc.params:
+            for p in tc.params:   # a sharded copy adds its shard into its slice: one full gradient per copy
                 g = local_grad(p)
                 if g is not None:
-                    buf.add_(g)
+                    shard_view(buf, p).add_(g)
             if tc.group is not None:
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=tc.group)
             for p in tc.params:
-                set_local_grad(p, buf)
+                set_local_grad(p, shard_view(buf, p))
             if self.sync is not None:
                 self.sync()
             st.events.append(Event(self.rank, "collective", "ALLREDUCE", f"allreduce tied {tc.label}", start,

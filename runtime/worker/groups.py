@@ -48,11 +48,15 @@ class ProcessGroups:
     tp_mesh: Any = None
     """The 1-D ``DeviceMesh`` of this rank's tensor-parallel group (``tp > 1``): the ``tp`` ranks
     running the same pipeline rank of the same data-parallel replica."""
+    block_meshes: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    """Multi-device blocks: device set (pipeline ranks) -> 1-D ``DeviceMesh`` over those ranks of this
+    rank's pipeline replica, for the sets that include this rank (a segment on several devices runs
+    as a tensor-parallel group over them)."""
 
 
 def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Sequence[Sequence[tuple[int, str]]],
                  seg_rank: dict[int, int], pair_orders: dict[tuple[int, int], Any] | None, tp: int = 1,
-                 device_type: str = "cpu") -> ProcessGroups:
+                 device_type: str = "cpu", seg_devices: dict[int, tuple[int, ...]] | None = None) -> ProcessGroups:
     """Create the worker's groups. Every rank calls ``dist.new_group`` for every group in the same
     order (DP, then EP, then tied, then pairs, then the TP mesh), as torch.distributed requires. The
     pair groups are not connected here: the worker checks its own stream first, then calls
@@ -62,6 +66,8 @@ def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Se
         rank: this global rank (``(dp_index * tp + tp_rank) * pp + pp_rank``, module docstring).
         pp, dp: pipeline ranks and data-parallel replicas; tp: tensor-parallel degree.
         device_type: ``"cpu"`` or ``"cuda"`` (the TP ``DeviceMesh``).
+        seg_devices: segment -> its device set (pipeline ranks); default ``(seg_rank[s],)``. Tied
+            groups span every device of their segments; each multi-device set gets a mesh.
         expert_parallel: create the EP groups.
         tied: the model's tied groups, ``[(segment, parameter name), ...]`` each.
         seg_rank: segment -> pipeline rank running its forward.
@@ -83,8 +89,9 @@ def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Se
                 g = dist.new_group([(d * tp + t) * pp + p for d in range(dp)])
                 if (p, t) == (pp_rank, tp_rank):
                     out.ep = g
+    devices = seg_devices if seg_devices is not None else {s: (r,) for s, r in seg_rank.items()}
     for i, group in enumerate(tied):
-        pranks = sorted({seg_rank[s] for s, _ in group})
+        pranks = sorted({d for s, _ in group for d in devices[s]})
         for v in range(dp * tp):
             granks = [v * pp + r for r in pranks]
             g = dist.new_group(granks) if len(granks) > 1 else None
@@ -92,9 +99,15 @@ def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Se
                 out.tied.append((i, g, tuple(pranks)))
     if pair_orders is not None:
         out.pairs = _pair_groups(rank, pp, dp * tp, seg_rank, pair_orders)
-    if tp > 1:   # a 1-D mesh over our own group (init_device_mesh would cache meshes across worlds)
-        from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh
 
+    for dset in sorted({d for d in devices.values() if len(d) > 1}):
+        for v in range(dp * tp):
+            ranks = [v * pp + d for d in dset]
+            g = dist.new_group(ranks)
+            if v == replica and pp_rank in dset:
+                out.block_meshes[dset] = DeviceMesh.from_group(g, device_type, mesh=ranks, mesh_dim_names=("tp",))
+    if tp > 1:   # a 1-D mesh over our own group (init_device_mesh would cache meshes across worlds)
         for d in range(dp):
             for p in range(pp):
                 ranks = [(d * tp + t) * pp + p for t in range(tp)]

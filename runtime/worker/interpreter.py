@@ -57,11 +57,13 @@ def _send(w: StageWorker, ins: Instruction, st: StepState) -> None:
     b = ins.block
     assert b is not None and ins.peer is not None and st.sends is not None
     s, j = b.segment, b.micro_batch
+    # get, not pop: a block may send to several ranks (a multi-device consumer) and also feed a
+    # local consumer, which takes the tensors after the sends (they follow the block in the stream)
     if b.kind == "F":
-        tensors = [t.detach() for t in st.outputs.pop((s, j))]
+        tensors = [t.detach() for t in st.outputs[(s, j)]]
         boundary, direction = s, 0
     else:
-        tensors = st.in_grads.pop((s, j))
+        tensors = st.in_grads[(s, j)]
         boundary, direction = s - 1, 1
     dst = w.p2p.world(ins.peer)
     start = st.now()

@@ -240,8 +240,10 @@ class StageWorker:
         self.tied = stages.tied
         self.aliases = stages.aliases
         removed = [list(x) for x in stages.removed]
-        self.seg_rank = {s: pl.spec("F", s).devices[0] for s in range(self.S)}
-        self.segments = sorted(s for s in range(self.S) if self.seg_rank[s] == self.pp_rank)
+        # a segment runs on its forward's device set: several pipeline ranks = a tensor-parallel block
+        self.seg_devices = {s: tuple(pl.spec("F", s).devices) for s in range(self.S)}
+        self.seg_rank = {s: d[0] for s, d in self.seg_devices.items()}
+        self.segments = sorted(s for s in range(self.S) if self.pp_rank in self.seg_devices[s])
         self.modules = {s: stages.modules[s] for s in self.segments}
         model_has_moe = has_moe(stages.modules)   # MoEFeedForward layers or HF sparse MoE blocks
         tied_bytes = []   # bytes of one copy of each tied group (for the tied ALLREDUCE instructions)
@@ -259,12 +261,17 @@ class StageWorker:
         self.groups: ProcessGroups = build_groups(
             rank=self.rank, pp=self.pp, dp=self.dp, expert_parallel=expert_parallel, tied=self.tied,
             seg_rank=self.seg_rank, pair_orders=self._pair_orders if ordered else None, tp=self.tp,
-            device_type=self.device.type)
-        # tensor parallelism: shard each local stage over this rank's TP group (DTensor)
+            device_type=self.device.type, seg_devices=self.seg_devices)
+        # tensor parallelism: shard each local stage over this rank's TP group, or a multi-device
+        # segment over the mesh of its device set (DTensor)
         self.tp_dims: dict[int, dict[str, int]] = {}
-        if self.groups.tp_mesh is not None:
-            for s in self.segments:
-                self.tp_dims[s] = apply_tensor_parallel(self.modules[s], self.groups.tp_mesh)
+        for s in self.segments:
+            mesh = self.groups.block_meshes.get(self.seg_devices[s], self.groups.tp_mesh)
+            if mesh is not None:
+                self.tp_dims[s] = apply_tensor_parallel(self.modules[s], mesh)
+        # per local segment: (this rank's shard index, shards) of its tensor-parallel parameters
+        self.seg_shard = {s: ((self.seg_devices[s].index(self.pp_rank), len(self.seg_devices[s]))
+                              if len(self.seg_devices[s]) > 1 else (self.tp_rank, self.tp)) for s in self.segments}
         self.ep = self.dp if expert_parallel else 1
         if expert_parallel:
             expert_parallelize(self.modules, self.dp, self.groups.ep)
@@ -309,7 +316,8 @@ class StageWorker:
             group = self.tied[i]
             mine = [named[(s, n)] for s, n in group if (s, n) in named]
             label = "+".join(f"s{s}:{n}" for s, n in group)
-            self.tied_local.append(TiedCopies(g, mine, torch.zeros_like(local_tensor(mine[0])), label, pranks))
+            self.tied_local.append(TiedCopies(g, mine, torch.zeros(mine[0].shape, dtype=mine[0].dtype, device=self.device),
+                                              label, pranks))
 
     def _build_optimizer(self) -> None:
         """The optimizer (:class:`~runtime.worker.optimizer.WorkerOptimizer`) and the gradient

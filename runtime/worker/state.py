@@ -38,14 +38,15 @@ def worker_state(w: StageWorker) -> dict:
     {param name: CPU tensor}}, "optimizer": CPU state_dict or None, "expert_slices": {param name:
     [first expert, end expert, E]}}``; ``expert_slices`` names the entries that hold only this
     replica's rows ``[first, end)`` of an ``[E, ...]`` expert parameter (HF MoE blocks under
-    expert parallelism; empty otherwise); ``tp_shards`` ``{param name: [dim, tp_rank, tp]}`` names the
-    entries that hold only this tensor rank's shard (tensor parallelism saves each rank's local shard,
+    expert parallelism; empty otherwise); ``tp_shards`` ``{param name: [dim, shard index, shards]}``
+    names the entries that hold only this rank's shard (tensor rank of ``tp``, or the rank's place in
+    a multi-device block's device set) (tensor parallelism saves each rank's local shard,
     no collective); ``aliases``: the unsplit model's names of each shared
     parameter (:attr:`runtime.stage.PipelineStages.aliases`), for :func:`merge_model_state`."""
     segs = {s: {k: cpu_copy(local_tensor(v)) for k, v in w.modules[s].state_dict().items()} for s in w.segments}
     opt = w.opt.state_dict(compact=w._cuda)
     slices = {k: v for s in w.segments for k, v in expert_slices(w.modules[s]).items()}
-    shards = {k: [dim, w.tp_rank, w.tp] for s in w.segments for k, dim in w.tp_dims.get(s, {}).items()}
+    shards = {k: [dim, *w.seg_shard[s]] for s in w.segments for k, dim in w.tp_dims.get(s, {}).items()}
     return {"rank": w.rank, "pp_rank": w.pp_rank, "dp_index": w.dp_index, "segments": segs, "optimizer": opt,
             "expert_slices": slices, "tp_shards": shards, "aliases": [list(g) for g in w.aliases]}
 

@@ -1,0 +1,112 @@
+"""A Tessel plan for a captured model on a placement shape: what ``tessel search --model`` writes.
+
+:func:`model_search_plan` captures the model, builds the shape's placement with the model's real
+costs and memory (:func:`engine.shape_costs.model_shape_placement`), runs the Tessel search
+(:func:`engine.tessel.tessel_search`) and returns an ordinary :class:`~engine.io.Plan`: the model
+reference (task, micro-batch shape, and the stage split the runtime needs: ``layers`` when a
+segment runs on several devices, since such a block is tensor-parallel over them), the segments
+with their layers, the searched schedule and the predicted metrics. ``tessel launch`` trains it.
+
+Source: Tessel (Lin et al., HPCA 2024), sections III-IV (placement, repetend search, completion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine.errors import TesselError
+
+__all__ = ["SearchPlan", "model_search_plan"]
+
+
+@dataclass
+class SearchPlan:
+    """What :func:`model_search_plan` found.
+
+    Attributes:
+        plan: the plan (``Plan``), ready for ``save_plan`` and ``tessel launch``.
+        result: the :class:`engine.tessel.SearchResult` (period, bounds, timings).
+        timeline: the simulated timeline of the searched schedule (seconds, bytes).
+        placement: the model-aware placement searched.
+        cost: the :class:`engine.cost.CostModel` used.
+        variant: ``name -> Placement`` of the same model on the V (split backward) and interleaved
+            placements, for :func:`engine.compare.compare_baselines`.
+    """
+
+    plan: Any
+    result: Any
+    timeline: Any
+    placement: Any
+    cost: Any
+    variant: Callable[[str], Any]
+
+
+def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, *, micro_batch_size: int = 1,
+                      seq_len: int | None = None, device_type: str = "h100", memory_limit: float | None = None,
+                      split_backward: bool = False, forward_only: bool = False, cost: Any = None,
+                      **search_kw: Any) -> SearchPlan:
+    """Search ``shape`` on ``devices`` devices for ``model`` and return the plan.
+
+    Args:
+        model: a registry name or ``module:callable`` (:func:`engine.models.build_model`).
+        shape: ``v``, ``x``, ``m``, ``nn`` or ``interleaved`` (:data:`engine.shapes.SHAPES`).
+        devices: devices (the pipeline ranks of the placement).
+        micro_batches: ``m``, placement instances per step.
+        micro_batch_size, seq_len: the micro-batch shape the model is captured (and trained) with.
+        device_type: the cost model's device (``h100``, ``a100``, ``cpu``); ignored with ``cost``.
+        memory_limit: bytes per device (static memory included), ``None`` for no limit.
+        split_backward: split each ``B`` into ``I`` and ``W``.
+        forward_only: inference placement.
+        cost: a :class:`~engine.cost.CostModel` to use instead of ``device_type``'s.
+        search_kw: passed to :func:`engine.tessel.tessel_search` (``time_limit``, ``seed``, ...).
+
+    Raises:
+        TesselError: an unknown model or shape, a shape the model cannot fill, or an infeasible
+            memory limit (:class:`engine.tessel.InfeasibleMemoryError`).
+    """
+    from engine.config import ModelRef, ParallelConfig
+    from engine.cost import CostModel
+    from engine.dependency import lower
+    from engine.graph import capture
+    from engine.io import Plan
+    from engine.models import build_model
+    from engine.shape_costs import model_shape_placement
+    from engine.simulate import simulate
+    from engine.split import choose_split, supports_layer_split
+    from engine.tessel import tessel_search
+
+    bundle = build_model(model, batch_size=micro_batch_size, seq_len=seq_len)
+    graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
+    cost = cost if cost is not None else CostModel.for_device(device_type)
+    kw = {"split_backward": split_backward, "forward_only": forward_only}
+    pl, parts = model_shape_placement(graph, cost, shape, devices, **kw)
+
+    def variant(name: str):
+        if name == "interleaved":
+            return model_shape_placement(graph, cost, "interleaved", devices, forward_only=forward_only)[0]
+        return model_shape_placement(graph, cost, "v", devices, split_backward=True)[0]
+
+    res = tessel_search(pl, micro_batches, memory_limit=memory_limit, **search_kw)
+    timeline = simulate(lower(res.schedule), cost)
+    multi = any(len(b.devices) > 1 for b in pl.blocks)
+    if multi and supports_layer_split(bundle.module):
+        split = "layers"   # an all-device block is tensor-parallel: eager decoder stages
+    elif multi:
+        raise TesselError(
+            f"the {pl.name} placement runs segments on several devices, which the runtime executes as "
+            f"tensor-parallel blocks of eager decoder stages; {bundle.name!r} has no such split (Llama-family "
+            "models and tessel-gpt do), so search it in abstract units (no --model) or on the V shape")
+    else:
+        split = choose_split(bundle.module)
+    metrics = {**timeline.metrics(), **res.summary()}
+    tokens = micro_batch_size * (bundle.seq_len or 1) * micro_batches * (2 if pl.name == "X" else 1)
+    metrics["tokens_per_step"] = tokens
+    metrics["tokens_per_second"] = tokens / metrics["makespan"] if metrics.get("makespan") else 0.0
+    ref = ModelRef(name=bundle.name, source=bundle.source, config=bundle.config, micro_batch_size=micro_batch_size,
+                   batch_size=micro_batch_size * micro_batches, seq_len=bundle.seq_len, task=bundle.task, split=split)
+    parallel = ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": pl.num_devices, "micro_batches": micro_batches,
+                                         "devices": pl.num_devices, "optimizer": "adam"})
+    plan = Plan(model=ref, parallel=parallel, segments=[{"index": i, **p} for i, p in enumerate(parts)],
+                schedule=res.schedule, cost=cost.to_dict(), metrics=metrics, meta={"memory_unit": "bytes"})
+    return SearchPlan(plan, res, timeline, pl, cost, variant)

@@ -1,0 +1,81 @@
+"""Tessel's placements with all-device blocks train exactly like one process.
+
+The M shape (an all-device block, then a pipeline, mirrored in the backward) and the NN shape
+(all-device blocks at the start and in the middle of a pipeline), searched by Tessel with the
+model's real costs (``engine.search_plan.model_search_plan``) for a Llama-style model and a
+GPT-2-style model (``tessel-gpt``, whose tied ``wte``/``lm_head`` end up one sharded over every
+device and one whole on the last stage) on 2 ranks: each all-device segment runs as a
+tensor-parallel group over its devices (DTensor), the boundary between it and the one-device
+stages is lowered by the engine (``engine.dependency.lower``: no send where the activation is
+already replicated, a send from the one-device stage to every other device of the block), and 3
+Adam steps over gloo equal the single-process reference (``runtime.reference.reference_run``):
+every micro-batch loss (rtol 1e-4) and every parameter (merged from the ranks' shards;
+``test_tensor_parallel.assert_params_match``).
+
+There is deliberately no ``tests/runtime/__init__.py`` (see ``test_worker.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_tensor_parallel import STEPS, assert_params_match
+from worker_harness import WorkerPool
+
+MBS, SEQ, M = 2, 16, 4
+
+
+def _run_task(task: dict) -> dict:
+    from runtime.worker import StageWorker, WorkerConfig
+
+    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
+                    config=WorkerConfig(timeout_s=60.0))
+    try:
+        info = w.setup()
+        steps = [w.step(i, b) for i, b in enumerate(task["batches"])]
+        return {"info": info, "losses": [s["losses"] for s in steps], "state": w.state_dict(),
+                "stream": [str(i) for i in w.stream]}
+    finally:
+        w.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(2)
+    yield p
+    p.close()
+
+
+def _search_plan(model: str, shape: str, devices: int = 2):
+    from engine.search_plan import model_search_plan
+
+    return model_search_plan(model, shape, devices, M, micro_batch_size=MBS, seq_len=SEQ, device_type="cpu",
+                             time_limit=10).plan
+
+
+@pytest.mark.parametrize("shape", ["m", "nn"])
+@pytest.mark.parametrize("model", ["llama-tiny", "tessel-gpt"])
+def test_all_device_placements_train_like_one_process(pool, model, shape):
+    from runtime.reference import reference_run
+    from runtime.worker import merge_model_state
+    from tasks import task_for_plan
+
+    plan = _search_plan(model, shape)
+    pl = plan.schedule.placement
+    assert plan.model.split == "layers" and pl.name == shape.upper()
+    multi = sorted(b.segment for b in pl.blocks if b.kind == "F" and len(b.devices) > 1)
+    assert multi == ([0] if shape == "m" else [0, 2])
+    task = task_for_plan(plan, seed=0)
+    batches = [tuple(task.train_batch(i, M * MBS)) for i in range(STEPS)]
+    out = pool.run_ok("test_placements_train:_run_task",
+                      {"plan": plan.to_dict(), "batches": batches, "fresh_process": True}, world=2)
+    for p in out.values():   # every rank runs the all-device segments
+        assert set(multi) <= set(p["info"]["segments"])
+        assert all(p["info"]["tensor_parallel"][s] for s in multi), "all-device segments are sharded"
+    ref = reference_run(plan, batches, seed=0, lr=1e-3)
+    holder = next(r for r, p in out.items() if p["losses"][0])
+    for step in range(STEPS):
+        assert torch.allclose(torch.tensor(out[holder]["losses"][step]), torch.tensor(ref.losses[step]),
+                              rtol=1e-4, atol=0), f"{model} {shape} step {step}"
+    merged = merge_model_state(p["state"] for p in out.values())
+    assert_params_match(merged, ref.model, f"{model} {shape}")
