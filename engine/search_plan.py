@@ -79,8 +79,8 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     bundle = build_model(model, batch_size=micro_batch_size, seq_len=seq_len)
     graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
     cost = cost if cost is not None else CostModel.for_device(device_type)
-    kw = {"split_backward": split_backward, "forward_only": forward_only}
-    pl, parts = model_shape_placement(graph, cost, shape, devices, **kw)
+    pl, parts = model_shape_placement(graph, cost, shape, devices, split_backward=split_backward,
+                                      forward_only=forward_only)
 
     def variant(name: str):
         if name == "interleaved":

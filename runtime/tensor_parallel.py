@@ -40,7 +40,8 @@ from torch import nn
 
 from engine.errors import TesselError
 
-__all__ = ["GPT_TP_PLAN", "TensorParallelError", "apply_tensor_parallel", "local_grad", "local_tensor", "shard_dims", "shard_view",
+__all__ = ["GPT_TP_PLAN", "TensorParallelError", "apply_tensor_parallel", "local_grad", "local_tensor", "shard_dims",
+           "shard_view",
            "stage_tp_plan", "to_local_state", "from_local_state"]
 
 #: The in-project GPT's plan: module path pattern -> style name (``engine.models.gpt``).

@@ -316,8 +316,8 @@ class StageWorker:
             group = self.tied[i]
             mine = [named[(s, n)] for s, n in group if (s, n) in named]
             label = "+".join(f"s{s}:{n}" for s, n in group)
-            self.tied_local.append(TiedCopies(g, mine, torch.zeros(mine[0].shape, dtype=mine[0].dtype, device=self.device),
-                                              label, pranks))
+            full = torch.zeros(mine[0].shape, dtype=mine[0].dtype, device=self.device)   # global shape
+            self.tied_local.append(TiedCopies(g, mine, full, label, pranks))
 
     def _build_optimizer(self) -> None:
         """The optimizer (:class:`~runtime.worker.optimizer.WorkerOptimizer`) and the gradient
