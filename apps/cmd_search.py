@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-device limit: activation units (abstract) or GiB (with --model); default none")
     p.add_argument("--model", default=None, help="use this model's real costs (e.g. gpt2); default abstract units")
     p.add_argument("--device-type", default="h100", help="cost table with --model (default h100)")
+    p.add_argument("--micro-batch-size", type=_positive_int, default=1,
+                   help="samples per micro-batch the model is captured and trained with (--model; default 1)")
+    p.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="sequence length with --model (default: the model's)")
     p.add_argument("--split-backward", action="store_true", help="split B into I (input grad) and W (weight grad)")
     p.add_argument("--inference", action="store_true", help="forward-only placement")
     p.add_argument("--objective", default="throughput", choices=["throughput", "latency"],
@@ -77,24 +81,19 @@ def _placements(args):
             return make_shape("v", args.devices, activation=_HALF, split_backward=True)
 
         return pl, variant, _HALF, {"name": "abstract", "source": "units", "forward": 1.0, "backward": 2.0}, None, []
-    from engine.cost import CostModel
-    from engine.graph import capture
-    from engine.models import build_model
-    from engine.shape_costs import model_shape_placement
+    return None, None, 1, None, None, []
 
-    bundle = build_model(args.model)
-    graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
-    cost = CostModel.for_device(args.device_type)
-    pl, parts = model_shape_placement(graph, cost, args.placement, args.devices, **kw)
 
-    def variant(name: str):
-        if name == "interleaved":
-            return model_shape_placement(graph, cost, "interleaved", args.devices, forward_only=args.inference)[0]
-        return model_shape_placement(graph, cost, "v", args.devices, split_backward=True)[0]
+def _model_search(args, limit):
+    """``tessel search --model``: :func:`engine.search_plan.model_search_plan` (a launchable plan)."""
+    from engine.search_plan import model_search_plan
 
-    model = {"name": bundle.name, "source": bundle.source, "config": bundle.config, "seq_len": bundle.seq_len,
-             "micro_batch_size": 1}
-    return pl, variant, 1, model, cost, parts
+    return model_search_plan(
+        args.model, args.placement, args.devices, args.micro_batches, micro_batch_size=args.micro_batch_size,
+        seq_len=args.seq_len, device_type=args.device_type, memory_limit=limit,
+        split_backward=args.split_backward, forward_only=args.inference, time_limit=args.time_limit,
+        seed=args.seed, objective=args.objective, progress_bar=not args.json and sys.stderr.isatty(),
+        completion_stall=args.completion_stall, max_window_micro_batches=args.max_window)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -106,35 +105,46 @@ def run(args: argparse.Namespace) -> dict:
     from engine.simulate import simulate
     from engine.tessel import InfeasibleMemoryError, tessel_search
 
-    pl, variant, mem_scale, model, cost, parts = _placements(args)
+    from_file = Path(args.placement).suffix == ".json" or Path(args.placement).is_file()
+    use_model = args.model is not None and not from_file
+    pl, variant, mem_scale, model, cost, parts = _placements(args) if not use_model else (None,) * 6
+    mem_scale = mem_scale or 1
     gib = 2**30 if args.model else 1
     limit = args.memory_limit * gib * mem_scale if args.memory_limit is not None else None
     unit = "GiB" if args.model else "units"
+    searched = None
     try:
-        res = tessel_search(pl, args.micro_batches, memory_limit=limit, time_limit=args.time_limit, seed=args.seed,
-                            objective=args.objective, progress_bar=not args.json and sys.stderr.isatty(),
-                            completion_stall=args.completion_stall, max_window_micro_batches=args.max_window)
+        if use_model:
+            searched = _model_search(args, limit)
+            res, pl, cost, variant = searched.result, searched.placement, searched.cost, searched.variant
+        else:
+            res = tessel_search(pl, args.micro_batches, memory_limit=limit, time_limit=args.time_limit,
+                                seed=args.seed, objective=args.objective,
+                                progress_bar=not args.json and sys.stderr.isatty(),
+                                completion_stall=args.completion_stall, max_window_micro_batches=args.max_window)
     except InfeasibleMemoryError as e:  # restate in the user's units
         raise TesselError(
             f"--memory-limit {args.memory_limit:g} {unit} is infeasible: device {e.device} needs more even with one "
             f"micro-batch at a time; the smallest feasible limit is {e.smallest / mem_scale / gib:.4g} {unit}"
         ) from None
     tess = measure(res.schedule, limit, cost)
-    tessel_tl = simulate(lower(res.schedule), cost)
+    tessel_tl = searched.timeline if searched is not None else simulate(lower(res.schedule), cost)
     rows = [tess] + compare_baselines(pl, args.micro_batches, memory_limit=limit, cost=cost, variant=variant)
 
     def unit_mem(x):
         return None if x is None else x / mem_scale / gib
 
     out = Path(args.output)
-    metrics = {**tessel_tl.metrics(), **res.summary()}
-    plan = Plan(model=ModelRef.from_dict(model),
-                parallel=ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": pl.num_devices,
-                                                   "micro_batches": args.micro_batches, "devices": pl.num_devices,
-                                                   "optimizer": "adam"}),
-                segments=[{"index": i, **p} for i, p in enumerate(parts)], schedule=res.schedule,
-                cost=cost.to_dict() if cost else {}, metrics=metrics,
-                meta={"memory_unit": "bytes" if args.model else f"1/{mem_scale} activation unit"})
+    if searched is not None:
+        plan = searched.plan
+    else:
+        plan = Plan(model=ModelRef.from_dict(model),
+                    parallel=ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": pl.num_devices,
+                                                       "micro_batches": args.micro_batches,
+                                                       "devices": pl.num_devices, "optimizer": "adam"}),
+                    segments=[{"index": i, **p} for i, p in enumerate(parts)], schedule=res.schedule,
+                    cost=cost.to_dict() if cost else {}, metrics={**tessel_tl.metrics(), **res.summary()},
+                    meta={"memory_unit": f"1/{mem_scale} activation unit"})
     plan_path = save_plan(plan, out / "plan.json")
     trace_path = write_trace(tessel_tl, out / "trace.json", metadata={"schedule": "tessel", "placement": pl.name})
     try:

@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine.errors import TesselError
-
 __all__ = ["SearchPlan", "model_search_plan"]
 
 
@@ -64,6 +62,10 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     Raises:
         TesselError: an unknown model or shape, a shape the model cannot fill, or an infeasible
             memory limit (:class:`engine.tessel.InfeasibleMemoryError`).
+
+    A placement with multi-device blocks records ``split="layers"`` where the model has the layer
+    split (:func:`engine.split.supports_layer_split`); other models keep their usual split and
+    ``runtime.stage.check_executable`` refuses to launch them, naming the block.
     """
     from engine.config import ModelRef, ParallelConfig
     from engine.cost import CostModel
@@ -90,15 +92,9 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     res = tessel_search(pl, micro_batches, memory_limit=memory_limit, **search_kw)
     timeline = simulate(lower(res.schedule), cost)
     multi = any(len(b.devices) > 1 for b in pl.blocks)
-    if multi and supports_layer_split(bundle.module):
-        split = "layers"   # an all-device block is tensor-parallel: eager decoder stages
-    elif multi:
-        raise TesselError(
-            f"the {pl.name} placement runs segments on several devices, which the runtime executes as "
-            f"tensor-parallel blocks of eager decoder stages; {bundle.name!r} has no such split (Llama-family "
-            "models and tessel-gpt do), so search it in abstract units (no --model) or on the V shape")
-    else:
-        split = choose_split(bundle.module)
+    # an all-device block runs tensor-parallel over its devices, on eager decoder stages; a model
+    # without them is still planned, and the runtime refuses its launch naming the block
+    split = "layers" if multi and supports_layer_split(bundle.module) else choose_split(bundle.module)
     metrics = {**timeline.metrics(), **res.summary()}
     tokens = micro_batch_size * (bundle.seq_len or 1) * micro_batches * (2 if pl.name == "X" else 1)
     metrics["tokens_per_step"] = tokens
