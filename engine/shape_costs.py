@@ -8,7 +8,10 @@ and activations are divided by ``n`` and it pays an all-reduce of its output.
 
 Segment-to-part mapping (:attr:`engine.shapes.ShapeSpec.model_parts`): V, M, NN and interleaved
 number their segments in model order (segment ``s`` is part ``s``); X holds two replicas of the
-model (segment ``s`` is part ``s mod n``). K needs a model with two independent branches, which
+model (segment ``s`` is part ``s mod n``). M follows the model where it can: a model of leading
+layers (the embedding), transformer blocks and trailing layers (final norm, LM head) gets
+:func:`engine.shapes.m_model_shape`, the embedding and the head each on all devices (tensor-
+parallel, vocab-parallel) and the blocks balanced over a V between them (``n + 2`` segments). K needs a model with two independent branches, which
 a sequential transformer is not (its ``model_parts`` is ``None``).
 """
 
@@ -19,12 +22,13 @@ from typing import Any
 
 from engine.errors import TesselError
 from engine.placement import Placement, TensorSpec
-from engine.shapes import SHAPES, find_shape
+from engine.shapes import SHAPES, find_shape, m_model_shape
 from engine.transform import (
     PARAM_STATE_FACTOR,
     balanced_partition,
     check_optimizer,
     gradient_bytes,
+    is_block_layer,
     layer_costs,
 )
 
@@ -59,8 +63,17 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         usable = [s.name for s in SHAPES.values() if s.model_parts is not None]
         raise TesselError(f"unknown shape {shape!r} for a model; use one of {', '.join(usable)}")
     layers = layer_costs(graph, cost, 1)
-    k = spec.model_parts(n)
-    ranges = balanced_partition([lc.forward_time for lc in layers], k)
+    times = [lc.forward_time for lc in layers]
+    build = spec.build
+    around = _around_blocks([lc.name for lc in layers]) if spec.name == "m" else None
+    if around is not None and around[1] - around[0] >= n:
+        # the model's M: embedding and head each on all devices, the blocks between them a V
+        lo, hi = around
+        ranges = [(0, lo)] + [(lo + i, lo + j) for i, j in balanced_partition(times[lo:hi], n)] + [(hi, len(layers))]
+        k, build = n + 2, m_model_shape
+    else:
+        k = spec.model_parts(n)
+        ranges = balanced_partition(times, k)
     parts: list[dict[str, Any]] = []
     for i, j in ranges:
         chunk = layers[i:j]
@@ -73,7 +86,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             "output": chunk[-1].output,
             "grad": chunk[-1].grad,
         })
-    probe = spec.build(n)
+    probe = build(n)
     n_seg = probe.num_segments
 
     def part_of(s: int) -> int:
@@ -101,7 +114,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         buf, tr = gradient_bytes(optimizer, p["param_bytes"], p["max_param_bytes"])
         grad_buf.append(buf // len(devs))
         grad_tr.append(tr // len(devs))
-    pl = spec.build(n, forward_times=fwd, backward_times=bwd, activation_bytes=act, outputs=outs,
+    pl = build(n, forward_times=fwd, backward_times=bwd, activation_bytes=act, outputs=outs,
                     input_grads=grads, split_backward=split_backward, forward_only=forward_only, static_memory=static)
     if not forward_only:
         pl = replace(pl, grad_memory=tuple(grad_buf), grad_transient=tuple(grad_tr))
@@ -110,3 +123,13 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         p["output"] = p["output"].to_dict() if p["output"] else None
         p["grad"] = p["grad"].to_dict() if p["grad"] else None
     return pl, parts
+
+
+def _around_blocks(names: list[str]) -> tuple[int, int] | None:
+    """``(first block, one past the last block)`` of a model's layer list when it is leading layers
+    (the embedding), a run of transformer blocks, then trailing layers (final norm, LM head), each
+    part non-empty; ``None`` otherwise."""
+    idx = [i for i, name in enumerate(names) if is_block_layer(name)]
+    if not idx or idx != list(range(idx[0], idx[-1] + 1)) or idx[0] == 0 or idx[-1] == len(names) - 1:
+        return None
+    return idx[0], idx[-1] + 1

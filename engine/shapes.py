@@ -68,7 +68,7 @@ from engine.io.placement_json import parse_blocks
 from engine.placement import BlockSpec, Placement, TensorSpec, pipeline_placement
 
 __all__ = [
-    "v_shape", "x_shape", "m_shape", "nn_shape", "k_shape", "interleaved_shape",
+    "v_shape", "x_shape", "m_shape", "m_model_shape", "nn_shape", "k_shape", "interleaved_shape",
     "ShapeSpec", "make_shape", "find_shape", "SHAPES", "shape_names", "custom_placement",
 ]
 
@@ -297,6 +297,31 @@ def m_shape(n: int, **kw) -> Placement:
     _check_devices("M", n)
     devs = [tuple(range(n))] + [(i,) for i in range(n)]
     preds: list[list[int]] = [[]] + [[s - 1] for s in range(1, n + 1)]
+    return _build("M", n, devs, preds, **kw)
+
+
+@_common_doc
+def m_model_shape(n: int, **kw) -> Placement:
+    """The M shape as a language model fills it: the embedding and the LM head on ALL devices (both
+    vocab-parallel, e.g. mT5's 250k-token table), a V of transformer blocks between them. Name ``"M"``.
+
+    Segments: ``0`` (embedding) on ALL devices; ``1..n``, segment ``i`` on device ``i - 1``;
+    ``n + 1`` (final norm, LM head and loss) on ALL devices. Chain: ``F0(all) -> F1 -> ... -> Fn ->
+    F(n+1)(all) -> B(n+1)(all) -> Bn -> ... -> B1 -> B0(all)``. Against the plain V, whose first and
+    last stages also carry the embedding and the head (slower, more memory: where 1F1B loses),
+    the large layers are split over every device. Built by
+    :func:`engine.shape_costs.model_shape_placement` for ``"m"`` when the model has transformer
+    blocks between its embedding and its head.
+
+    Source: Tessel (HPCA 2024), Fig. 2 (M) and its model-derived placements (section VI).
+    {common_args}
+    Raises:
+        PlacementError: ``n < 2`` or a per-segment list of the wrong length (``n + 2`` segments).
+    """
+    _check_devices("M", n)
+    every = tuple(range(n))
+    devs = [every] + [(i,) for i in range(n)] + [every]
+    preds: list[list[int]] = [[]] + [[s - 1] for s in range(1, n + 2)]
     return _build("M", n, devs, preds, **kw)
 
 

@@ -137,9 +137,10 @@ class Segment:
         }
 
 
-def _is_block(layer: str) -> bool:
+def is_block_layer(layer: str) -> bool:
     """A ModuleList element (``...h.3``, ``...layers.3``) is a transformer block."""
     return layer.rsplit(".", 1)[-1].isdigit()
+
 
 
 def _tp_divisor(node: dict, tp: int) -> int:
@@ -224,7 +225,7 @@ def layer_costs(graph, cost, tp: int = 1) -> list[LayerCost]:
         output, grad = boundary_spec(graph, ls)
         comm = 0.0
         if tp > 1:
-            n_ar = 2 if _is_block(ls.name) else (1 if pbytes else 0)
+            n_ar = 2 if is_block_layer(ls.name) else (1 if pbytes else 0)
             # the Megatron all-reduces are of the layer's hidden state (the first boundary tensor)
             nbytes = TensorSpec(output.shape, output.dtype).nbytes if output else ls.output_bytes
             comm = n_ar * cost.collective_time("allreduce", nbytes, list(range(tp)))

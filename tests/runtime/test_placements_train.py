@@ -1,10 +1,11 @@
 """Tessel's placements with all-device blocks train exactly like one process.
 
-The M shape (an all-device block, then a pipeline, mirrored in the backward) and the NN shape
-(all-device blocks at the start and in the middle of a pipeline), searched by Tessel with the
-model's real costs (``engine.search_plan.model_search_plan``) for a Llama-style model and a
-GPT-2-style model (``tessel-gpt``, whose tied ``wte``/``lm_head`` end up one sharded over every
-device and one whole on the last stage) on 2 ranks: each all-device segment runs as a
+The M shape as a language model fills it (the embedding and the final norm + LM head each on all
+devices, vocab-parallel, a pipeline of blocks between them: ``engine.shapes.m_model_shape``) and
+the NN shape (all-device blocks at the start and in the middle of a pipeline), searched by Tessel
+with the model's real costs (``engine.search_plan.model_search_plan``) for a Llama-style model and
+a GPT-2-style model (``tessel-gpt``, whose tied ``wte``/``lm_head`` are then two copies sharded over
+all devices in different segments, or, in NN, one sharded copy and one whole) on 2 ranks: each all-device segment runs as a
 tensor-parallel group over its devices (DTensor), the boundary between it and the one-device
 stages is lowered by the engine (``engine.dependency.lower``: no send where the activation is
 already replicated, a send from the one-device stage to every other device of the block), and 3
@@ -64,7 +65,7 @@ def test_all_device_placements_train_like_one_process(pool, model, shape):
     pl = plan.schedule.placement
     assert plan.model.split == "layers" and pl.name == shape.upper()
     multi = sorted(b.segment for b in pl.blocks if b.kind == "F" and len(b.devices) > 1)
-    assert multi == ([0] if shape == "m" else [0, 2])
+    assert multi == ([0, 3] if shape == "m" else [0, 2])   # M: embedding and head on all devices
     task = task_for_plan(plan, seed=0)
     batches = [tuple(task.train_batch(i, M * MBS)) for i in range(STEPS)]
     out = pool.run_ok("test_placements_train:_run_task",
