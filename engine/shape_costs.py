@@ -11,8 +11,9 @@ number their segments in model order (segment ``s`` is part ``s``); X holds two 
 model (segment ``s`` is part ``s mod n``). M follows the model where it can: a model of leading
 layers (the embedding), transformer blocks and trailing layers (final norm, LM head) gets
 :func:`engine.shapes.m_model_shape`, the embedding and the head each on all devices (tensor-
-parallel, vocab-parallel) and the blocks balanced over a V between them (``n + 2`` segments). K needs a model with two independent branches, which
-a sequential transformer is not (its ``model_parts`` is ``None``).
+parallel, vocab-parallel) and the blocks balanced over a V between them (``n + 2`` segments).
+K needs a model with two independent branches, which a sequential transformer is not (its
+``model_parts`` is ``None``).
 """
 
 from __future__ import annotations
