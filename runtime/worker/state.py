@@ -46,7 +46,8 @@ def worker_state(w: StageWorker) -> dict:
     segs = {s: {k: cpu_copy(local_tensor(v)) for k, v in w.modules[s].state_dict().items()} for s in w.segments}
     opt = w.opt.state_dict(compact=w._cuda)
     slices = {k: v for s in w.segments for k, v in expert_slices(w.modules[s]).items()}
-    shards = {k: [dim, *w.seg_shard[s]] for s in w.segments for k, dim in w.tp_dims.get(s, {}).items()}
+    tp_dims = getattr(w, "tp_dims", {})   # absent on workers built without tensor parallelism (test stubs)
+    shards = {k: [dim, *w.seg_shard[s]] for s in w.segments for k, dim in tp_dims.get(s, {}).items()}
     return {"rank": w.rank, "pp_rank": w.pp_rank, "dp_index": w.dp_index, "segments": segs, "optimizer": opt,
             "expert_slices": slices, "tp_shards": shards, "aliases": [list(g) for g in w.aliases]}
 

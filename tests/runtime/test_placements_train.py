@@ -7,9 +7,9 @@ with the model's real costs (``engine.search_plan.model_search_plan``) for a Lla
 a GPT-2-style model (``tessel-gpt``, whose tied ``wte``/``lm_head`` are then two copies sharded over
 all devices in different segments, or, in NN, one sharded copy and one whole) on 2 ranks: each
 all-device segment runs as a tensor-parallel group over its devices (DTensor), the boundary
-between it and the one-device stages is lowered by the engine (``engine.dependency.lower``: no send where the activation is
-already replicated, a send from the one-device stage to every other device of the block), and 3
-Adam steps over gloo equal the single-process reference (``runtime.reference.reference_run``):
+between it and the one-device stages is lowered by the engine (``engine.dependency.lower``: no
+send where the activation is already replicated, a send from the one-device stage to every other
+device of the block), and 3 Adam steps over gloo equal the single-process reference (``runtime.reference.reference_run``):
 every micro-batch loss (rtol 1e-4) and every parameter (merged from the ranks' shards;
 ``test_tensor_parallel.assert_params_match``).
 
