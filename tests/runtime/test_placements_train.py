@@ -9,7 +9,8 @@ all devices in different segments, or, in NN, one sharded copy and one whole) on
 all-device segment runs as a tensor-parallel group over its devices (DTensor), the boundary
 between it and the one-device stages is lowered by the engine (``engine.dependency.lower``: no
 send where the activation is already replicated, a send from the one-device stage to every other
-device of the block), and 3 Adam steps over gloo equal the single-process reference (``runtime.reference.reference_run``):
+device of the block), and 3 Adam steps over gloo equal the single-process reference
+(``runtime.reference.reference_run``):
 every micro-batch loss (rtol 1e-4) and every parameter (merged from the ranks' shards;
 ``test_tensor_parallel.assert_params_match``).
 
