@@ -282,6 +282,26 @@ class Placement:
         """Seconds of compute one micro-batch puts on ``device``."""
         return sum(self.blocks[i].duration for i in self.blocks_on(device))
 
+    def chains(self) -> list[list[int]]:
+        """The segments grouped into forward chains, in segment order: a chain starts at a segment
+        whose forward depends on no block and continues while the next segment's forward depends
+        on exactly the previous one's (``[[0, 1, ..., S-1]]`` for V, M, NN; two chains for X, whose
+        placement instance carries one micro-batch through each model replica). Segments joined
+        otherwise (K's loss block) end the list at the first segment that fits no chain, which
+        :func:`runtime.stage.check_executable` then names."""
+        out: list[list[int]] = []
+        for s in range(self.num_segments):
+            if not self.has("F", s):
+                break
+            deps = tuple(self.spec("F", s).deps)
+            if not deps:
+                out.append([s])
+            elif out and deps == (self.index("F", s - 1),) and out[-1][-1] == s - 1:
+                out[-1].append(s)
+            else:
+                break
+        return out
+
     def with_durations(self, durations: Sequence[float]) -> "Placement":
         """A copy with new per-block durations (same order as :attr:`blocks`)."""
         return replace(self, blocks=tuple(replace(b, duration=float(t))

@@ -63,13 +63,13 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
         TesselError: an unknown model or shape, a shape the model cannot fill, or an infeasible
             memory limit (:class:`engine.tessel.InfeasibleMemoryError`).
 
-    A placement with multi-device blocks records ``split="layers"`` where the model has the layer
-    split (:func:`engine.split.supports_layer_split`); other models keep their usual split and
+    A placement with multi-device blocks or model replicas (X) records ``split="layers"`` where the
+    model has the layer split (:func:`engine.split.supports_layer_split`); other models keep their usual split and
     ``runtime.stage.check_executable`` refuses to launch them, naming the block.
     """
     from engine.config import ModelRef, ParallelConfig
     from engine.cost import CostModel
-    from engine.dependency import lower
+    from engine.dependency import TiedGroup, lower
     from engine.graph import capture
     from engine.io import Plan
     from engine.models import build_model
@@ -90,11 +90,21 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
         return model_shape_placement(graph, cost, "v", devices, split_backward=True)[0]
 
     res = tessel_search(pl, micro_batches, memory_limit=memory_limit, **search_kw)
-    timeline = simulate(lower(res.schedule), cost)
+    segments = [{"index": i, **p} for i, p in enumerate(parts)]
+    tied: list[TiedGroup] = []
+    if pl.num_segments > len(parts):   # X: a second model replica; its stage k repeats part k
+        k = len(parts)
+        segments += [{**segments[s % k], "index": s, "replica_of": s % k} for s in range(k, pl.num_segments)]
+        # the replicas' gradients are summed per part at the step (Chimera's stage-pair all-reduce)
+        tied = [TiedGroup(((i, f"part {i}"), (i + k, f"part {i}")), int(parts[i]["param_bytes"])) for i in range(k)]
+    timeline = simulate(lower(res.schedule, tied=tied), cost)
     multi = any(len(b.devices) > 1 for b in pl.blocks)
-    # an all-device block runs tensor-parallel over its devices, on eager decoder stages; a model
-    # without them is still planned, and the runtime refuses its launch naming the block
-    split = "layers" if multi and supports_layer_split(bundle.module) else choose_split(bundle.module)
+    replicas = len(pl.chains()) > 1
+    # an all-device block runs tensor-parallel over its devices, and X's second model replica is a
+    # copy of the first's stages: both on eager decoder stages; a model without them is still
+    # planned, and the runtime refuses its launch in one sentence
+    needs_layers = multi or replicas
+    split = "layers" if needs_layers and supports_layer_split(bundle.module) else choose_split(bundle.module)
     metrics = {**timeline.metrics(), **res.summary()}
     tokens = micro_batch_size * (bundle.seq_len or 1) * micro_batches * (2 if pl.name == "X" else 1)
     metrics["tokens_per_step"] = tokens
@@ -103,6 +113,6 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
                    batch_size=micro_batch_size * micro_batches, seq_len=bundle.seq_len, task=bundle.task, split=split)
     parallel = ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": pl.num_devices, "micro_batches": micro_batches,
                                          "devices": pl.num_devices, "optimizer": "adam"})
-    plan = Plan(model=ref, parallel=parallel, segments=[{"index": i, **p} for i, p in enumerate(parts)],
-                schedule=res.schedule, cost=cost.to_dict(), metrics=metrics, meta={"memory_unit": "bytes"})
+    plan = Plan(model=ref, parallel=parallel, segments=segments, schedule=res.schedule, cost=cost.to_dict(),
+                metrics=metrics, meta={"memory_unit": "bytes"}, tied_weights=[g.to_dict() for g in tied])
     return SearchPlan(plan, res, timeline, pl, cost, variant)

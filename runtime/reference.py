@@ -118,7 +118,8 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of 'adam', 'adama', 'sgd'")
     mbs = plan.model.micro_batch_size
     dp = plan.parallel.dp
-    m = int(plan.schedule.num_micro_batches)
+    # data micro-batches per replica: X's placement instance carries one through each model replica
+    m = int(plan.schedule.num_micro_batches) * len(plan.schedule.placement.chains() or [0])
     n = dp * m
     torch.manual_seed(seed)
     task_name = task or plan.model.task

@@ -194,6 +194,8 @@ class PipelineStages:
             with 2+ names (T5's ``shared.weight`` / ``encoder.embed_tokens.weight`` / ...; BERT's
             ``cls.predictions.bias`` / ``cls.predictions.decoder.bias``); a stage holds such a
             parameter under one or some of them, and the merged checkpoint restores every name.
+        chains: the placement's forward chains (:meth:`engine.placement.Placement.chains`): one for
+            every shape but X, whose second chain holds copies of the first chain's stages.
     """
 
     modules: dict[int, StageModule]
@@ -206,6 +208,7 @@ class PipelineStages:
     seq_len: int = 1
     split: str = "tracer"
     aliases: list[list[str]] = field(default_factory=list)
+    chains: list[list[int]] = field(default_factory=list)
 
 
 def check_executable(plan) -> None:
@@ -246,30 +249,49 @@ def check_executable(plan) -> None:
     for s in range(S):
         if not pl.has("F", s):
             raise RuntimeNotSupported(f"segment {s} has no forward block")
-        deps = pl.spec("F", s).deps
-        want = () if s == 0 else (pl.index("F", s - 1),)
-        if tuple(deps) != want:
-            raise RuntimeNotSupported(
-                f"segment {s}'s forward depends on blocks {list(deps)}; the runtime executes a chain "
-                "F0 -> F1 -> ... (each segment's forward follows the previous one)")
         for k in ("B", "I", "W"):
             if pl.has(k, s) and tuple(pl.spec(k, s).devices) != tuple(pl.spec("F", s).devices):
                 raise RuntimeNotSupported(
                     f"block {s}{k} runs on devices {list(pl.spec(k, s).devices)} but {s}F on "
                     f"{list(pl.spec('F', s).devices)}: a segment's backward must run where its forward ran")
+    chains = pl.chains()
+    covered = sum(len(c) for c in chains)
+    if covered != S:
+        deps = [f"{pl.blocks[i].segment}{pl.blocks[i].kind}" for i in pl.spec("F", covered).deps]
+        raise RuntimeNotSupported(
+            f"block {covered}F depends on {deps or 'no block'}: the runtime executes chains F(s-1) -> F(s) of "
+            "segments (one, or several model replicas as in the X shape); branches joined by a block (the K "
+            "shape) are planned and searched but not executed yet")
+    if len(chains) > 1:
+        _check_replicas(plan, chains)
     if pl.forward_only:
         return
     grad = "I" if pl.split_backward else "B"
-    for s in range(S):
-        if not pl.has(grad, s) or (grad == "I" and not pl.has("W", s)):
-            raise RuntimeNotSupported(f"segment {s} lacks its backward block(s); the runtime needs "
-                                      f"{'I and W' if grad == 'I' else 'B'} for every segment")
-        deps = tuple(pl.spec(grad, s).deps)
-        want = (pl.index("F", S - 1),) if s == S - 1 else (pl.index(grad, s + 1),)
-        if deps != want:
+    for chain in chains:
+        last = chain[-1]
+        for s in chain:
+            if not pl.has(grad, s) or (grad == "I" and not pl.has("W", s)):
+                raise RuntimeNotSupported(f"segment {s} lacks its backward block(s); the runtime needs "
+                                          f"{'I and W' if grad == 'I' else 'B'} for every segment")
+            deps = tuple(pl.spec(grad, s).deps)
+            want = (pl.index("F", last),) if s == last else (pl.index(grad, s + 1),)
+            if deps != want:
+                raise RuntimeNotSupported(
+                    f"block {s}{grad} depends on blocks {list(deps)}; the runtime executes the backward chain "
+                    f"{last}{grad} -> ... -> {chain[0]}{grad} after {last}F")
+
+
+def _check_replicas(plan, chains: list[list[int]]) -> None:
+    """Several forward chains must be replicas of one model (the X shape, Chimera): equally long,
+    segment ``k`` of every chain holding the layers of segment ``k`` of the first."""
+    layers = {int(s["index"]): [str(x) for x in s.get("layers") or []] for s in plan.segments}
+    first = chains[0]
+    for chain in chains[1:]:
+        if len(chain) != len(first) or any(layers.get(a) != layers.get(b) for a, b in zip(first, chain)):
             raise RuntimeNotSupported(
-                f"block {s}{grad} depends on blocks {list(deps)}; the runtime executes the backward chain "
-                f"{S - 1}{grad} -> ... -> 0{grad} after {S - 1}F")
+                f"the placement has {len(chains)} forward chains ({chains}); the runtime executes several chains "
+                "only as replicas of the model (the X shape: segment k of every chain holds the layers of "
+                f"segment k of the first), and segments {chain} do not replicate {first}")
 
 
 def _route(pipe, S: int):
@@ -552,7 +574,8 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     from engine.split import choose_split
 
     check_executable(plan)
-    S = len(plan.segments)
+    chains = plan.schedule.placement.chains()
+    S = len(chains[0])   # the first chain; other chains (X: a second model replica) are copies of it
     mbs = plan.model.micro_batch_size
     torch.manual_seed(seed)
     bundle = build_model(plan.model.name, batch_size=mbs, seq_len=plan.model.seq_len, device="cpu",
@@ -568,7 +591,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     for s in segs:
         if not s.get("layers"):
             raise RuntimeNotSupported(f"segment {s['index']} lists no layers; cannot find where to split")
-    segment_layers = [[str(x) for x in s["layers"]] for s in segs]
+    segment_layers = [[str(x) for x in s["layers"]] for s in segs][:S]
     example = tuple(bundle.example_inputs)
     method = plan.model.split or choose_split(model)
     modules, method = _split(model, example, segment_layers, plan.model.name, method)
@@ -640,8 +663,42 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     for layer in eager:   # drop the probe's routing (it holds the probe's autograd graph)
         for attr, value in (("last_aux_loss", None), ("last_metrics", {}), ("last_gate_output", None)):
             setattr(layer, attr, value)
+    if len(chains) > 1:
+        modules, boundaries, tied = _replicate_chains(modules, boundaries, tied, chains)
     return PipelineStages(modules, boundaries, inputs, output, sorted(tied), removed, mbs, seq, method,
-                          sorted(sorted(t) for t in tie_sets))
+                          sorted(sorted(t) for t in tie_sets), chains)
+
+
+def _replicate_chains(modules: dict[int, StageModule], boundaries: list[list[TensorMeta]],
+                      tied: list[list[tuple[int, str]]], chains: list[list[int]]):
+    """Copy the first chain's stages into every other chain (model replicas, the X shape): segment
+    ``k`` of chain ``c`` is ``c * L + k``, a deep copy of segment ``k`` (same weights). Boundaries are
+    repeated per chain (a chain's end has no outgoing boundary: ``[]``). Every parameter becomes tied
+    across its copies (their gradients are summed at the optimizer step, so the replicas stay
+    equal: Chimera's per-stage gradient all-reduce), tied groups of the model (GPT's ``wte`` /
+    ``lm_head``) across all their copies."""
+    import copy
+
+    L = len(chains[0])
+    out = dict(modules)
+    for c in range(1, len(chains)):
+        for k in range(L):
+            try:
+                out[c * L + k] = copy.deepcopy(modules[k])
+            except Exception as e:   # traced graphs keep fake tensors in their metadata
+                raise RuntimeNotSupported(
+                    f"the placement runs {len(chains)} model replicas (the X shape), made by copying the first "
+                    f"replica's stages, and a {type(modules[k]).__name__} stage cannot be copied ({type(e).__name__}); "
+                    "plan it with the layer split (Llama-family models and tessel-gpt: `tessel search --model` "
+                    "records it) or search another shape") from None
+    bounds = [list(boundaries[k]) if k < L - 1 else [] for _c in range(len(chains)) for k in range(L)][:-1]
+    grouped = {m for g in tied for m in g}
+    groups = [sorted((s + c * L, n) for c in range(len(chains)) for s, n in g) for g in tied]
+    for k in range(L):
+        for n, _ in modules[k].named_parameters():
+            if (k, n) not in grouped:
+                groups.append([(k + c * L, n) for c in range(len(chains))])
+    return out, bounds, groups
 
 
 def _run_with_codegen(modules) -> int:

@@ -23,8 +23,8 @@ def forward(w: StageWorker, s: int, j: int, st: StepState) -> None:
     task's input tensors of the micro-batch, in ``task.input_names`` order), the receive buffers
     (previous segment elsewhere) or the local previous segment's detached outputs; keeps
     the context its backward needs and counts the saved activations."""
-    if s == 0:
-        ins: tuple = tuple(st.model_inputs[j])
+    if s in w.input_segments:
+        ins: tuple = tuple(st.model_inputs[w.data_index(s, j)])
     else:
         src = w.buffers.act.get((s - 1, j))
         if src is None:                       # previous segment ran on this rank
@@ -40,21 +40,23 @@ def forward(w: StageWorker, s: int, j: int, st: StepState) -> None:
         outs, loss, aux = _run_stage(w, s, j, ins, st)
         if w.config.track_activations:   # static shapes: every micro-batch saves what the first did
             meter.add((s, j), nbytes=meter.per_segment[s])
-    if s != w.last_segment:
+    if s not in w.loss_segments:
         st.outputs[(s, j)] = outs
     st.ctx[(s, j)] = (ins, outs, loss, aux)
 
 
 def _run_stage(w: StageWorker, s: int, j: int, ins: tuple, st: StepState) -> tuple[Any, Any, Any]:
     """Run segment ``s`` on micro-batch ``j``: ``(outputs, scaled task loss or None, scaled MoE aux
-    loss or None)``; the last segment's loss is ``task.loss(outputs[0], *targets_j)``; scale
+    loss or None)``; a chain's last segment's loss is ``task.loss(outputs[0], *targets_d)`` for its data
+    micro-batch ``d = w.data_index(s, j)`` (X: each model replica carries its own micro-batch); scale
     ``1/m`` (``1/(dp*m)`` with AdamA, whose folded gradients are the single-process ``grad(loss / (dp * m))``)."""
     outs = w.modules[s](*ins)
     aux = _collect_moe(w, s, j, st)
-    if s != w.last_segment:
+    if s not in w.loss_segments:
         return outs, None, aux
-    loss = w.task.loss(outs[0], *st.targets[j])
-    st.losses[j] = float(loss.detach())
+    d = w.data_index(s, j)
+    loss = w.task.loss(outs[0], *st.targets[d])
+    st.losses[d] = float(loss.detach())
     return outs, loss * w.loss_scale, aux
 
 
@@ -82,7 +84,7 @@ def _collect_moe(w: StageWorker, s: int, j: int, st: StepState) -> torch.Tensor 
 def _roots(w: StageWorker, s: int, j: int, st: StepState) -> tuple[list, list | None]:
     """(tensors, grad_tensors) the backward of (s, j) starts from."""
     _ins, outs, loss, aux = st.ctx[(s, j)]
-    if s == w.last_segment:
+    if s in w.loss_segments:
         return [loss if aux is None else loss + aux], None
     grads = w.buffers.grad.get((s, j))
     if grads is None:                          # next segment ran on this rank
@@ -96,7 +98,7 @@ def _roots(w: StageWorker, s: int, j: int, st: StepState) -> tuple[list, list | 
 
 
 def _diff_inputs(w: StageWorker, s: int, ins: tuple) -> list:
-    if s == 0:
+    if s in w.input_segments:
         return []
     return [x for x, meta in zip(ins, w.boundaries[s - 1]) if meta.requires_grad]
 
@@ -108,7 +110,7 @@ def backward(w: StageWorker, s: int, j: int, st: StepState) -> None:
     ins = st.ctx.pop((s, j))[0]
     torch.autograd.backward(tensors, grads)
     w.meter.free((s, j))
-    if s > 0:
+    if s not in w.input_segments:
         st.in_grads[(s, j)] = [x.grad if x.grad is not None else torch.zeros_like(x)
                                for x in _diff_inputs(w, s, ins)]
 

@@ -27,13 +27,13 @@ def evaluate_loss(w: StageWorker, model_inputs: list[tuple[torch.Tensor, ...]],
     try:
         for j in range(len(model_inputs)):
             prev: tuple | None = None
-            for s in range(w.S):
+            for s in w.chains[0]:   # model replicas (X) are identical: evaluate the first
                 if w.pp_rank not in devs[s]:
                     prev = None
                     continue
                 ins = _stage_inputs(w, s, j, model_inputs, prev)
                 outs = w.modules[s](*ins)
-                if s == w.last_segment:
+                if s in w.loss_segments:
                     total += float(w.task.loss(outs[0], *targets[j]))
                     continue
                 if w.pp_rank == devs[s][0]:   # the segment's first device sends to the next one's others
@@ -65,7 +65,7 @@ def _stage_inputs(w: StageWorker, s: int, j: int, model_inputs: list[tuple[torch
                   prev: tuple | None) -> tuple:
     """Segment ``s``'s inputs for micro-batch ``j``: the task's model inputs, the local previous segment's
     outputs, or activations received into the buffers of slot ``j % m`` (fresh ones if none)."""
-    if s == 0:
+    if s in w.input_segments:
         return tuple(model_inputs[j])
     if w.pp_rank in w.seg_devices[s - 1] and prev is not None:
         return prev

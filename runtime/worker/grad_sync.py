@@ -129,24 +129,37 @@ class GradientSync:
             t = st.now()
             st.events.append(Event(self.rank, "collective", "ALLREDUCE", "allreduce tied", t, t, 0, -1, -1))
             return
+        start = st.now()
+        buckets: dict[int, list[int]] = {}   # one all-reduce per process group, every group of its holders
         for i in todo:
             st.tied_done.add(i)
             tc = self.tied[i]
-            start = st.now()
-            buf = tc.buf
-            buf.zero_()
+            tc.buf.zero_()
             for p in tc.params:   # a sharded copy adds its shard into its slice: one full gradient per copy
                 g = local_grad(p)
                 if g is not None:
-                    shard_view(buf, p).add_(g)
-            if tc.group is not None:
-                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=tc.group)
-            for p in tc.params:
-                set_local_grad(p, shard_view(buf, p))
+                    shard_view(tc.buf, p).add_(g)
+            buckets.setdefault(id(tc.group), []).append(i)
+        for members in buckets.values():
+            group = self.tied[members[0]].group
+            bufs = [self.tied[i].buf for i in members]
+            if group is not None:
+                flat = torch.cat([b.reshape(-1) for b in bufs]) if len(bufs) > 1 else bufs[0].reshape(-1)
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+                if len(bufs) > 1:
+                    at = 0
+                    for b in bufs:
+                        b.copy_(flat[at:at + b.numel()].view_as(b))
+                        at += b.numel()
+            for i in members:
+                for p in self.tied[i].params:
+                    set_local_grad(p, shard_view(self.tied[i].buf, p))
             if self.sync is not None:
                 self.sync()
-            st.events.append(Event(self.rank, "collective", "ALLREDUCE", f"allreduce tied {tc.label}", start,
-                                   st.now(), buf.numel() * buf.element_size(), -1, -1))
+            label = self.tied[members[0]].label + (f" (+{len(members) - 1} more)" if len(members) > 1 else "")
+            st.events.append(Event(self.rank, "collective", "ALLREDUCE", f"allreduce tied {label}", start,
+                                   st.now(), sum(b.numel() * b.element_size() for b in bufs), -1, -1))
+            start = st.now()
 
 
 def flatten_grads(flat: torch.Tensor, params: Sequence[torch.nn.Parameter], offset: int) -> None:

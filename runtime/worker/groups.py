@@ -41,7 +41,8 @@ class ProcessGroups:
     behind a posted all-reduce (MoE models with ``dp > 1``)."""
     tied: list[tuple[int, Any, tuple[int, ...]]] = field(default_factory=list)
     """Per tied group this rank holds a copy of: ``(index in the model's tied groups, group over
-    this replica's holders or None when one rank holds every copy, holders' pipeline ranks)``."""
+    this replica's holders or None when one rank holds every copy, holders' pipeline ranks)``;
+    tied groups with the same holders share one process group."""
     pairs: dict[tuple[int, int], Any] = field(default_factory=dict)
     """Ordered matching: ``(sender, receiver)`` world ranks -> one-directional 2-rank group, for
     the pairs including this rank."""
@@ -90,11 +91,14 @@ def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Se
                 if (p, t) == (pp_rank, tp_rank):
                     out.ep = g
     devices = seg_devices if seg_devices is not None else {s: (r,) for s, r in seg_rank.items()}
+    by_ranks: dict[tuple[int, ...], Any] = {}   # one group per holder set: X ties every parameter pairwise
     for i, group in enumerate(tied):
         pranks = sorted({d for s, _ in group for d in devices[s]})
         for v in range(dp * tp):
-            granks = [v * pp + r for r in pranks]
-            g = dist.new_group(granks) if len(granks) > 1 else None
+            granks = tuple(v * pp + r for r in pranks)
+            if len(granks) > 1 and granks not in by_ranks:
+                by_ranks[granks] = dist.new_group(list(granks))
+            g = by_ranks.get(granks)
             if v == replica and pp_rank in pranks:
                 out.tied.append((i, g, tuple(pranks)))
     if pair_orders is not None:

@@ -138,7 +138,8 @@ class StageWorker:
         self.expert_params = [p for s in self.segments for p in self.seg_params[s] if is_expert_param(p)]
         # loss scale of a micro-batch (CE and MoE aux): the optimizer sees sum_j grad(loss_j / m)
         # averaged over replicas (Adam/SGD), or AdamA's folded grad(loss_j / (dp * m))
-        self.loss_scale = 1.0 / (self.dp * self.m) if self.optimizer_name == "adama" else 1.0 / self.m
+        n_data = self.m * len(self.chains)   # data micro-batches per replica and step (X: two per instance)
+        self.loss_scale = 1.0 / (self.dp * n_data) if self.optimizer_name == "adama" else 1.0 / n_data
         self._build_stream(plan, tied_bytes)
         if self.p2p_mode == "ordered":   # after this rank's checks: a rank whose stream fails them raises, not blocks
             connect_pairs(self.rank, self.groups.pairs, self.device, self.timeout)
@@ -238,6 +239,10 @@ class StageWorker:
         # every rank checks every pair alike, before any collective call
         self._pair_orders = pair_send_orders(self._peer_streams(plan), self._counts) if ordered else {}
         self.tied = stages.tied
+        self.chains = stages.chains or [list(range(self.S))]
+        self.chain_of = {s: c for c, chain in enumerate(self.chains) for s in chain}
+        self.input_segments = {chain[0] for chain in self.chains}
+        self.loss_segments = {chain[-1] for chain in self.chains}
         self.aliases = stages.aliases
         removed = [list(x) for x in stages.removed]
         # a segment runs on its forward's device set: several pipeline ranks = a tensor-parallel block
@@ -337,13 +342,19 @@ class StageWorker:
 
     @property
     def last_segment(self) -> int:
-        """The model's last segment (it computes the loss)."""
-        return self.S - 1
+        """The first chain's last segment (it computes the loss; every chain's last segment does,
+        :attr:`loss_segments`)."""
+        return self.chains[0][-1]
 
     @property
     def has_loss(self) -> bool:
         """This rank runs the last segment."""
-        return self.last_segment in self.modules
+        return any(s in self.modules for s in self.loss_segments)
+
+    def data_index(self, s: int, j: int) -> int:
+        """The data micro-batch that placement instance ``j`` carries through segment ``s``: ``j`` on the
+        first chain, ``c * m + j`` on chain ``c`` (the X shape's second model replica)."""
+        return self.chain_of[s] * self.m + j
 
     def receive_buffers(self) -> dict[str, torch.Tensor]:
         """The pre-allocated receive buffers by name (``"act b1 mb0 t0"``, ``"grad b1 mb0 t0"``);
@@ -401,7 +412,7 @@ class StageWorker:
                 S, instruction I (INS): ..."`` chained to the cause.
             WorkerError: not set up, or a batch of the wrong shape.
         """
-        model_inputs, targets = self._split_batch(batch, per_replica=self.m)
+        model_inputs, targets = self._split_batch(batch, per_replica=self.m * len(self.chains))
         return run_step(self, step, model_inputs, targets)
 
     @torch.no_grad()

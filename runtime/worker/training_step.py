@@ -72,6 +72,7 @@ def run_step(w: StageWorker, step: int, model_inputs: list[tuple[torch.Tensor, .
     out = {
         "rank": w.rank, "pp_rank": w.pp_rank, "dp_index": w.dp_index, "step": int(step),
         "losses": [st.losses[j] for j in sorted(st.losses)] if w.has_loss else [],
+        "loss_micro_batches": sorted(st.losses) if w.has_loss else [],
         "events": [e.to_dict() for e in st.events], "time": st.now(), "start": st.t0,
         **mem.result(),
     }

@@ -36,6 +36,7 @@ def _run_task(task: dict) -> dict:
         info = w.setup()
         steps = [w.step(i, b) for i, b in enumerate(task["batches"])]
         return {"info": info, "losses": [s["losses"] for s in steps], "state": w.state_dict(),
+                "loss_micro_batches": [s["loss_micro_batches"] for s in steps],
                 "stream": [str(i) for i in w.stream]}
     finally:
         w.shutdown()
@@ -55,7 +56,7 @@ def _search_plan(model: str, shape: str, devices: int = 2):
                              time_limit=10).plan
 
 
-@pytest.mark.parametrize("shape", ["m", "nn"])
+@pytest.mark.parametrize("shape", ["m", "nn", "x"])
 @pytest.mark.parametrize("model", ["llama-tiny", "tessel-gpt"])
 def test_all_device_placements_train_like_one_process(pool, model, shape):
     from runtime.reference import reference_run
@@ -64,20 +65,25 @@ def test_all_device_placements_train_like_one_process(pool, model, shape):
 
     plan = _search_plan(model, shape)
     pl = plan.schedule.placement
-    assert plan.model.split == "layers" and pl.name == shape.upper()
+    assert pl.name == shape.upper()
     multi = sorted(b.segment for b in pl.blocks if b.kind == "F" and len(b.devices) > 1)
-    assert multi == ([0, 3] if shape == "m" else [0, 2])   # M: embedding and head on all devices
+    assert multi == {"m": [0, 3], "nn": [0, 2], "x": []}[shape]   # M: embedding and head on all devices
+    assert plan.model.split == "layers"
+    n_data = M * len(pl.chains())   # X: each placement instance carries a micro-batch through each replica
     task = task_for_plan(plan, seed=0)
-    batches = [tuple(task.train_batch(i, M * MBS)) for i in range(STEPS)]
+    batches = [tuple(task.train_batch(i, n_data * MBS)) for i in range(STEPS)]
     out = pool.run_ok("test_placements_train:_run_task",
                       {"plan": plan.to_dict(), "batches": batches, "fresh_process": True}, world=2)
     for p in out.values():   # every rank runs the all-device segments
         assert set(multi) <= set(p["info"]["segments"])
         assert all(p["info"]["tensor_parallel"][s] for s in multi), "all-device segments are sharded"
     ref = reference_run(plan, batches, seed=0, lr=1e-3)
-    holder = next(r for r, p in out.items() if p["losses"][0])
-    for step in range(STEPS):
-        assert torch.allclose(torch.tensor(out[holder]["losses"][step]), torch.tensor(ref.losses[step]),
+    for step in range(STEPS):   # every data micro-batch's loss, from whichever rank ends its chain
+        got = {}
+        for p in out.values():
+            got.update(zip(p["loss_micro_batches"][step], p["losses"][step]))
+        assert sorted(got) == list(range(n_data))
+        assert torch.allclose(torch.tensor([got[d] for d in range(n_data)]), torch.tensor(ref.losses[step]),
                               rtol=1e-4, atol=0), f"{model} {shape} step {step}"
     merged = merge_model_state(p["state"] for p in out.values())
     assert_params_match(merged, ref.model, f"{model} {shape}")
