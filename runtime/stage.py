@@ -273,11 +273,11 @@ def check_executable(plan) -> None:
             if not pl.has(grad, s) or (grad == "I" and not pl.has("W", s)):
                 raise RuntimeNotSupported(f"segment {s} lacks its backward block(s); the runtime needs "
                                           f"{'I and W' if grad == 'I' else 'B'} for every segment")
-            deps = tuple(pl.spec(grad, s).deps)
+            bdeps = tuple(pl.spec(grad, s).deps)
             want = (pl.index("F", last),) if s == last else (pl.index(grad, s + 1),)
-            if deps != want:
+            if bdeps != want:
                 raise RuntimeNotSupported(
-                    f"block {s}{grad} depends on blocks {list(deps)}; the runtime executes the backward chain "
+                    f"block {s}{grad} depends on blocks {list(bdeps)}; the runtime executes the backward chain "
                     f"{last}{grad} -> ... -> {chain[0]}{grad} after {last}F")
 
 
