@@ -25,10 +25,12 @@ class ReceiveBuffers:
             with ``requires_grad``) of boundary ``s - 1``.
         boundaries: per boundary, the tensors' metadata (``runtime.stage`` boundary metas).
         empty: allocates an uninitialised tensor for one metadata (on the worker's device).
+        grad_boundary: for a ``RECV`` of the backward of segment ``c``, the producer segment whose
+            output gradients it carries to this rank (default ``c - 1``: a chain).
     """
 
     def __init__(self, stream: Sequence[Instruction], boundaries: Sequence[Sequence[Any]],
-                 empty: Callable[[Any], torch.Tensor]):
+                 empty: Callable[[Any], torch.Tensor], grad_boundary: Callable[[int], int] | None = None):
         self.act: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.grad: dict[tuple[int, int], list[torch.Tensor]] = {}
         for ins in stream:
@@ -39,7 +41,7 @@ class ReceiveBuffers:
                 b = pb.segment
                 self.act[(b, pb.micro_batch)] = [empty(meta) for meta in boundaries[b]]
             else:
-                b = pb.segment - 1
+                b = grad_boundary(pb.segment) if grad_boundary is not None else pb.segment - 1
                 self.grad[(b, pb.micro_batch)] = [empty(meta) for meta in boundaries[b] if meta.requires_grad]
 
     def all(self) -> list[list[torch.Tensor]]:

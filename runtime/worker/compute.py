@@ -19,18 +19,24 @@ __all__ = ["backward", "backward_input", "backward_weight", "forward"]
 
 
 def forward(w: StageWorker, s: int, j: int, st: StepState) -> None:
-    """``F`` of segment ``s``, micro-batch ``j``: inputs are the model inputs (segment 0: the
-    task's input tensors of the micro-batch, in ``task.input_names`` order), the receive buffers
-    (previous segment elsewhere) or the local previous segment's detached outputs; keeps
-    the context its backward needs and counts the saved activations."""
+    """``F`` of segment ``s``, micro-batch ``j``: inputs are the model inputs (a segment no forward
+    feeds: the task's input tensors of the micro-batch, in ``task.input_names`` order, or the ones
+    the plan gives it, ``w.seg_inputs``), else the outputs of its producers (``w.preds[s]``, in
+    order: the previous segment of a chain; K's loss block: both branches' ends), each from the
+    receive buffers (producer elsewhere) or the producer's local detached outputs; keeps the
+    context its backward needs and counts the saved activations."""
     if s in w.input_segments:
-        ins: tuple = tuple(st.model_inputs[w.data_index(s, j)])
+        row = st.model_inputs[w.data_index(s, j)]
+        ins: tuple = tuple(row[k] for k in w.seg_inputs[s]) if s in w.seg_inputs else tuple(row)
     else:
-        src = w.buffers.act.get((s - 1, j))
-        if src is None:                       # previous segment ran on this rank
-            src = st.outputs.pop((s - 1, j))
-        ins = tuple(t.detach().requires_grad_(True) if meta.requires_grad else t.detach()
-                    for t, meta in zip(src, w.boundaries[s - 1]))
+        parts: list = []
+        for p in w.preds[s]:
+            src = w.buffers.act.get((p, j))
+            if src is None:                       # the producer ran on this rank
+                src = st.outputs.pop((p, j))
+            parts.extend(t.detach().requires_grad_(True) if meta.requires_grad else t.detach()
+                         for t, meta in zip(src, w.boundaries[p]))
+        ins = tuple(parts)
     meter = w.meter
     if w.config.track_activations and s not in meter.per_segment:
         with meter.hooks():   # the step's first forward of this segment: count what it saves
@@ -87,8 +93,11 @@ def _roots(w: StageWorker, s: int, j: int, st: StepState) -> tuple[list, list | 
     if s in w.loss_segments:
         return [loss if aux is None else loss + aux], None
     grads = w.buffers.grad.get((s, j))
-    if grads is None:                          # next segment ran on this rank
-        grads = st.in_grads.pop((s + 1, j))
+    if grads is None:                          # the consumer ran on this rank: its slice for s
+        c = w.succ[s]
+        assert c is not None   # only loss segments have no consumer
+        lo, hi = w.grad_slices[c][s]
+        grads = st.in_grads[(c, j)][lo:hi]
     tensors = [o for o, meta in zip(outs, w.boundaries[s]) if meta.requires_grad]
     grads = list(grads)
     if aux is not None:   # the stage's MoE aux loss is a second root of its backward
@@ -100,7 +109,7 @@ def _roots(w: StageWorker, s: int, j: int, st: StepState) -> tuple[list, list | 
 def _diff_inputs(w: StageWorker, s: int, ins: tuple) -> list:
     if s in w.input_segments:
         return []
-    return [x for x, meta in zip(ins, w.boundaries[s - 1]) if meta.requires_grad]
+    return [x for x, meta in zip(ins, w.in_metas[s]) if meta.requires_grad]
 
 
 def backward(w: StageWorker, s: int, j: int, st: StepState) -> None:

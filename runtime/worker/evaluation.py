@@ -26,25 +26,24 @@ def evaluate_loss(w: StageWorker, model_inputs: list[tuple[torch.Tensor, ...]],
     devs = w.seg_devices
     try:
         for j in range(len(model_inputs)):
-            prev: tuple | None = None
+            outs_of: dict[int, tuple] = {}
             for s in w.chains[0]:   # model replicas (X) are identical: evaluate the first
                 if w.pp_rank not in devs[s]:
-                    prev = None
                     continue
-                ins = _stage_inputs(w, s, j, model_inputs, prev)
-                outs = w.modules[s](*ins)
+                outs = w.modules[s](*_stage_inputs(w, s, j, model_inputs, outs_of))
                 if s in w.loss_segments:
                     total += float(w.task.loss(outs[0], *targets[j]))
                     continue
-                if w.pp_rank == devs[s][0]:   # the segment's first device sends to the next one's others
-                    for d in devs[s + 1]:
+                c = w.succ[s]
+                if w.pp_rank == devs[s][0] and c is not None:   # the first device sends to the consumer's others
+                    for d in devs[c]:
                         if d in devs[s]:
                             continue
                         dst = w.p2p.world(d)
                         for q, t in enumerate(outs):
                             t = t.contiguous()
                             pending.append((w.p2p.eval_send(t, dst, s, j % w.m, q), t))
-                prev = outs
+                outs_of[s] = outs
             # wait this micro-batch's sends before the next one reuses the tags
             for wk, _ in pending:
                 wk.wait(w.timeout)
@@ -62,17 +61,23 @@ def evaluate_loss(w: StageWorker, model_inputs: list[tuple[torch.Tensor, ...]],
 
 
 def _stage_inputs(w: StageWorker, s: int, j: int, model_inputs: list[tuple[torch.Tensor, ...]],
-                  prev: tuple | None) -> tuple:
-    """Segment ``s``'s inputs for micro-batch ``j``: the task's model inputs, the local previous segment's
-    outputs, or activations received into the buffers of slot ``j % m`` (fresh ones if none)."""
+                  outs_of: dict[int, tuple]) -> tuple:
+    """Segment ``s``'s inputs for micro-batch ``j``: the task's model inputs (those the plan gives it),
+    or each producer's outputs (``w.preds[s]``): local, or received into the buffers of slot
+    ``j % m`` (fresh ones if none)."""
     if s in w.input_segments:
-        return tuple(model_inputs[j])
-    if w.pp_rank in w.seg_devices[s - 1] and prev is not None:
-        return prev
-    bufs = w.buffers.act.get((s - 1, j % w.m))
-    if bufs is None:
-        bufs = [w._empty(meta) for meta in w.boundaries[s - 1]]
-    src = w.p2p.world(w.seg_devices[s - 1][0])
-    for wk in w.p2p.eval_recv(bufs, src, s - 1, j % w.m):
-        wk.wait(w.timeout)
-    return tuple(bufs)
+        row = model_inputs[j]
+        return tuple(row[k] for k in w.seg_inputs[s]) if s in w.seg_inputs else tuple(row)
+    parts: list = []
+    for p in w.preds[s]:
+        if w.pp_rank in w.seg_devices[p] and p in outs_of:
+            parts.extend(outs_of[p])
+            continue
+        bufs = w.buffers.act.get((p, j % w.m))
+        if bufs is None:
+            bufs = [w._empty(meta) for meta in w.boundaries[p]]
+        src = w.p2p.world(w.seg_devices[p][0])
+        for wk in w.p2p.eval_recv(bufs, src, p, j % w.m):
+            wk.wait(w.timeout)
+        parts.extend(bufs)
+    return tuple(parts)

@@ -62,9 +62,10 @@ def _send(w: StageWorker, ins: Instruction, st: StepState) -> None:
     if b.kind == "F":
         tensors = [t.detach() for t in st.outputs[(s, j)]]
         boundary, direction = s, 0
-    else:
-        tensors = st.in_grads[(s, j)]
-        boundary, direction = s - 1, 1
+    else:   # the slice of this block's input gradients that belongs to the producer on the peer
+        boundary, direction = w.grad_producer(s, ins.peer), 1
+        lo, hi = w.grad_slices[s][boundary]
+        tensors = st.in_grads[(s, j)][lo:hi]
     dst = w.p2p.world(ins.peer)
     start = st.now()
     sent = [t.contiguous() for t in tensors]

@@ -38,6 +38,9 @@ class P2PMatcher:
         self.buffers = buffers
         self.m = num_micro_batches
         self.max_tensors = max_tensors
+        #: for a RECV of segment ``c``'s backward: the producer whose output gradients it carries
+        #: (set by the worker from the placement's DAG; a chain's is ``c - 1``)
+        self.grad_boundary: Any = lambda c: c - 1
 
     def world(self, pp_rank: int) -> int:
         """The global rank of pipeline rank ``pp_rank`` in this rank's replica."""
@@ -54,7 +57,8 @@ class P2PMatcher:
         j = pb.micro_batch
         if pb.kind == "F":
             return pb.segment, 0, j, self.buffers.act[(pb.segment, j)]
-        return pb.segment - 1, 1, j, self.buffers.grad[(pb.segment - 1, j)]
+        b = self.grad_boundary(pb.segment)
+        return b, 1, j, self.buffers.grad[(b, j)]
 
     def post_recv(self, ins: Instruction, st: StepState) -> Posted:
         """Post the ``irecv``s of a RECV instruction into its pre-allocated buffers."""

@@ -239,10 +239,7 @@ class StageWorker:
         # every rank checks every pair alike, before any collective call
         self._pair_orders = pair_send_orders(self._peer_streams(plan), self._counts) if ordered else {}
         self.tied = stages.tied
-        self.chains = stages.chains or [list(range(self.S))]
-        self.chain_of = {s: c for c, chain in enumerate(self.chains) for s in chain}
-        self.input_segments = {chain[0] for chain in self.chains}
-        self.loss_segments = {chain[-1] for chain in self.chains}
+        self._dataflow(plan)
         self.aliases = stages.aliases
         removed = [list(x) for x in stages.removed]
         # a segment runs on its forward's device set: several pipeline ranks = a tensor-parallel block
@@ -282,6 +279,48 @@ class StageWorker:
             expert_parallelize(self.modules, self.dp, self.groups.ep)
         return tied_bytes, removed
 
+    def _dataflow(self, plan: Any) -> None:
+        """The placement's forward DAG between segments: ``preds[s]`` (the segments whose outputs
+        ``s`` takes, in order), ``succ[s]`` (the one segment taking ``s``'s outputs, ``None`` for a
+        loss segment), the input and loss segments, the model inputs of each input segment
+        (``seg_inputs``: the plan segment's ``inputs`` indices, e.g. one tower's ids in K; default
+        all), each segment's input metas and, per consumer, which slice of its input gradients
+        belongs to which producer (``grad_slices``). A chain has ``preds[s] == [s - 1]``. Model
+        replicas (X) are chains too: ``chains``/``chain_of`` say which data micro-batch each carries."""
+        pl = plan.schedule.placement
+        self.preds = {s: [pl.blocks[i].segment for i in pl.spec("F", s).deps] for s in range(self.S)}
+        self.succ: dict[int, int | None] = {s: None for s in range(self.S)}
+        for c, ps in self.preds.items():
+            for p in ps:
+                self.succ[p] = c
+        self.input_segments = {s for s, ps in self.preds.items() if not ps}
+        self.loss_segments = {s for s, c in self.succ.items() if c is None}
+        chains = pl.chains()
+        self.chains = chains if len(chains) > 1 and sum(map(len, chains)) == self.S else [list(range(self.S))]
+        self.chain_of = {s: c for c, chain in enumerate(self.chains) for s in chain}
+        self.seg_inputs = {int(g["index"]): [int(k) for k in g["inputs"]] for g in plan.segments
+                           if g.get("inputs") is not None}
+        self.in_metas = {c: [m for p in ps for m in self.boundaries[p]] for c, ps in self.preds.items()}
+        self.grad_slices: dict[int, dict[int, tuple[int, int]]] = {}
+        for c, ps in self.preds.items():
+            at, sl = 0, {}
+            for p in ps:
+                k = sum(1 for m in self.boundaries[p] if m.requires_grad)
+                sl[p] = (at, at + k)
+                at += k
+            self.grad_slices[c] = sl
+
+    def grad_producer(self, c: int, pp_rank: int | None = None) -> int:
+        """The producer of segment ``c`` whose backward runs on pipeline rank ``pp_rank`` (this rank by
+        default): where ``c``'s backward sends, or from where this rank receives, input gradients.
+        Raises :class:`WorkerError` when none does."""
+        rank = self.pp_rank if pp_rank is None else pp_rank
+        for p in self.preds[c]:
+            if rank in self.seg_devices[p]:
+                return p
+        raise WorkerError(f"segment {c}'s backward sends input gradients to pipeline rank {rank}, which runs none "
+                          f"of its producers {self.preds[c]}")
+
     def _peer_streams(self, plan: Any) -> list[list[Instruction]]:
         """Every pipeline rank's stream as far as point-to-point goes: the order in which each rank
         posts its SENDs (and the RECVs it expects), ``engine.dependency.lower(plan.schedule, dp=dp)``.
@@ -305,7 +344,7 @@ class StageWorker:
                                  if self.stream[i].op == Op.ALLREDUCE), last_compute)
         if self.p2p_mode == "ordered":   # the real stream sends in the order its peers were told
             check_own_stream(self.stream, self.pp_rank, self._pair_orders, self._counts)
-        self.buffers = ReceiveBuffers(self.stream, self.boundaries, self._empty)
+        self.buffers = ReceiveBuffers(self.stream, self.boundaries, self._empty, grad_boundary=self.grad_producer)
         self._max_tensors = max([len(x) for x in self.boundaries] + [1])
 
     def _build_exchange(self) -> None:
@@ -315,6 +354,7 @@ class StageWorker:
                                                    self.groups.pairs, self._pair_orders)
         else:
             self.p2p = TagMatching(self.rank, self.pp, self.buffers, self.m, self._max_tensors)
+        self.p2p.grad_boundary = self.grad_producer
         named = {(s, n): p for s in self.segments for n, p in self.modules[s].named_parameters()}
         self.tied_local: list[TiedCopies] = []
         for i, g, pranks in self.groups.tied:
