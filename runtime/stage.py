@@ -69,6 +69,7 @@ import logging
 import operator
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -254,31 +255,52 @@ def check_executable(plan) -> None:
                 raise RuntimeNotSupported(
                     f"block {s}{k} runs on devices {list(pl.spec(k, s).devices)} but {s}F on "
                     f"{list(pl.spec('F', s).devices)}: a segment's backward must run where its forward ran")
+    preds: dict[int, list[int]] = {}
+    for s in range(S):
+        deps = [pl.blocks[i] for i in pl.spec("F", s).deps]
+        if any(d.kind != "F" for d in deps):
+            raise RuntimeNotSupported(f"block {s}F depends on a backward block; forwards may depend on forwards only")
+        preds[s] = [d.segment for d in deps]
+    succ: dict[int, list[int]] = {s: [] for s in range(S)}
+    for c, ps in preds.items():
+        for p in ps:
+            succ[p].append(c)
+    for p, cs in succ.items():
+        if len(cs) > 1:
+            raise RuntimeNotSupported(
+                f"segment {p}'s output feeds segments {cs}; the runtime sends a segment's outputs to one "
+                "consumer segment (chains, model replicas, branches joined by one block)")
+    sinks = [s for s in range(S) if not succ[s]]
+    sources = [s for s in range(S) if not preds[s]]
     chains = pl.chains()
-    covered = sum(len(c) for c in chains)
-    if covered != S:
-        deps = [f"{pl.blocks[i].segment}{pl.blocks[i].kind}" for i in pl.spec("F", covered).deps]
-        raise RuntimeNotSupported(
-            f"block {covered}F depends on {deps or 'no block'}: the runtime executes chains F(s-1) -> F(s) of "
-            "segments (one, or several model replicas as in the X shape); branches joined by a block (the K "
-            "shape) are planned and searched but not executed yet")
-    if len(chains) > 1:
+    if len(sinks) > 1:   # several losses: only model replicas (X), each a chain
+        if sum(len(c) for c in chains) != S:
+            raise RuntimeNotSupported(
+                f"the placement ends in segments {sinks}; several ends are executed only as model replicas "
+                "(the X shape: chains F(s-1) -> F(s) of equal layers)")
         _check_replicas(plan, chains)
+    elif len(sources) > 1:   # branches joined by a block (K): each branch starts from its own model inputs
+        given = {int(g["index"]) for g in plan.segments if g.get("inputs") is not None}
+        missing = [s for s in sources if s not in given]
+        if missing:
+            raise RuntimeNotSupported(
+                f"segments {sources} all start from the model's inputs; a placement whose branches are joined "
+                f"by a block needs each branch's model inputs (the plan segment field 'inputs'), which segments "
+                f"{missing} lack")
     if pl.forward_only:
         return
     grad = "I" if pl.split_backward else "B"
-    for chain in chains:
-        last = chain[-1]
-        for s in chain:
-            if not pl.has(grad, s) or (grad == "I" and not pl.has("W", s)):
-                raise RuntimeNotSupported(f"segment {s} lacks its backward block(s); the runtime needs "
-                                          f"{'I and W' if grad == 'I' else 'B'} for every segment")
-            bdeps = tuple(pl.spec(grad, s).deps)
-            want = (pl.index("F", last),) if s == last else (pl.index(grad, s + 1),)
-            if bdeps != want:
-                raise RuntimeNotSupported(
-                    f"block {s}{grad} depends on blocks {list(bdeps)}; the runtime executes the backward chain "
-                    f"{last}{grad} -> ... -> {chain[0]}{grad} after {last}F")
+    for s in range(S):
+        if not pl.has(grad, s) or (grad == "I" and not pl.has("W", s)):
+            raise RuntimeNotSupported(f"segment {s} lacks its backward block(s); the runtime needs "
+                                      f"{'I and W' if grad == 'I' else 'B'} for every segment")
+        bdeps = tuple(pl.spec(grad, s).deps)
+        want = (pl.index("F", s),) if not succ[s] else (pl.index(grad, succ[s][0]),)
+        if bdeps != want:
+            after = f"{s}F" if not succ[s] else f"{succ[s][0]}{grad}"
+            raise RuntimeNotSupported(
+                f"block {s}{grad} depends on blocks {list(bdeps)}; the runtime runs a segment's backward right "
+                f"after {after} (the forward mirrored)")
 
 
 def _check_replicas(plan, chains: list[list[int]]) -> None:
@@ -575,6 +597,8 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
 
     check_executable(plan)
     chains = plan.schedule.placement.chains()
+    if len(chains) < 2 or sum(map(len, chains)) != len(plan.segments):
+        chains = [list(range(len(plan.segments)))]   # one model: a chain, or branches joined by a block (K)
     S = len(chains[0])   # the first chain; other chains (X: a second model replica) are copies of it
     mbs = plan.model.micro_batch_size
     torch.manual_seed(seed)
@@ -598,34 +622,44 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     eager = _restore_eager_moe(model, modules)
     _keep_buffers_non_persistent(model, modules)
 
-    # ---- probe: one real micro-batch forward and backward through the chain
-    records = []
-    vals: tuple = tuple(example)
+    # ---- probe: one real micro-batch forward and backward through the placement's DAG (a chain:
+    # segment i takes segment i-1's outputs; K's loss block takes both branches' ends)
+    pl = plan.schedule.placement
+    preds = {i: [pl.blocks[k].segment for k in pl.spec("F", i).deps] for i in range(S)}
+    given = {int(g["index"]): [int(k) for k in g["inputs"]] for g in segs if g.get("inputs") is not None}
+    records: dict[int, tuple[tuple, tuple]] = {}
     for i in range(S):
+        if preds[i]:
+            vals: tuple = tuple(v for p in preds[i] for v in records[p][1])
+        else:
+            vals = tuple(example[k] for k in given[i]) if i in given else tuple(example)
         ins = tuple(v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
                     for v in vals)
-        outs = modules[i](*ins)
-        records.append((ins, outs))
-        vals = outs
+        records[i] = (ins, modules[i](*ins))
+    vals = records[S - 1][1]
     logits = vals[0] if len(vals) == 1 else None
     if not isinstance(logits, torch.Tensor):
         raise RuntimeNotSupported(
             f"the last stage of {plan.model.name!r} returns {len(vals)} value(s) "
             f"({', '.join(type(v).__name__ for v in vals)}); the runtime needs exactly one tensor (the logits)")
     torch.autograd.backward(logits.float().square().mean())
-    for i in range(S - 1, 0, -1):
-        ins_next = records[i][0]
-        outs = records[i - 1][1]
-        pairs = [(o, x.grad) for o, x in zip(outs, ins_next)
+    # each producer's outputs against the inputs of its consumer they became (consumers come later)
+    fed: dict[int, list[tuple[Any, Any]]] = {}
+    for c in range(S):
+        at = 0
+        for p in preds[c]:
+            outs = records[p][1]
+            fed[p] = list(zip(outs, records[c][0][at:at + len(outs)]))
+            at += len(outs)
+    for i in range(S - 1, -1, -1):
+        pairs = [(o, x.grad) for o, x in fed.get(i, [])
                  if isinstance(o, torch.Tensor) and o.requires_grad and x.grad is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     boundaries: list[list[TensorMeta]] = []
     for i in range(S - 1):
-        outs = records[i][1]
-        ins_next = records[i + 1][0]
         metas = []
-        for o, x in zip(outs, ins_next):
+        for o, x in fed.get(i, []):
             if not isinstance(o, torch.Tensor):
                 raise RuntimeNotSupported(f"segment {i} outputs a {type(o).__name__}; only tensors can be sent")
             metas.append(TensorMeta(tuple(o.shape), o.dtype,
