@@ -53,25 +53,28 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         ``max_param_bytes``.
 
     Raises:
-        TesselError: the K shape (needs a two-branch model), too few layers for the shape, or
-            an unknown optimizer.
+        TesselError: the K shape on a model that is not two branches joined by a head, too few
+            layers for the shape, or an unknown optimizer.
     """
     check_optimizer(optimizer)
     spec = find_shape(shape)
-    if spec is not None and spec.model_parts is None:
-        raise TesselError(spec.no_model)
-    if spec is None or spec.model_parts is None:
-        usable = [s.name for s in SHAPES.values() if s.model_parts is not None]
+    if spec is None:
+        usable = [s.name for s in SHAPES.values() if s.model_parts is not None or s.name == "k"]
         raise TesselError(f"unknown shape {shape!r} for a model; use one of {', '.join(usable)}")
     layers = layer_costs(graph, cost, 1)
     times = [lc.forward_time for lc in layers]
     build = spec.build
     around = _around_blocks([lc.name for lc in layers]) if spec.name == "m" else None
-    if around is not None and around[1] - around[0] >= n:
+    if spec.name == "k":   # a two-tower model: each tower over half of the devices, the join on all
+        ranges = _k_ranges([lc.name for lc in layers], times, n)
+        k = n + 1
+    elif around is not None and around[1] - around[0] >= n:
         # the model's M: embedding and head each on all devices, the blocks between them a V
         lo, hi = around
         ranges = [(0, lo)] + [(lo + i, lo + j) for i, j in balanced_partition(times[lo:hi], n)] + [(hi, len(layers))]
         k, build = n + 2, m_model_shape
+    elif spec.model_parts is None:
+        raise TesselError(spec.no_model)
     else:
         k = spec.model_parts(n)
         ranges = balanced_partition(times, k)
@@ -100,9 +103,10 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         p = parts[part_of(s)]
         f, a = p["forward_time"], p["activation_bytes"]
         out: TensorSpec | None = p["output"]
-        if s in all_dev:
+        if s in all_dev and p["param_bytes"]:   # tensor-parallel over all devices
             comm = cost.collective_time("allreduce", out.nbytes if out else 0, list(range(n)))
             f, a = f / n + comm, a // n
+        # (an all-device segment without parameters, K's loss, runs replicated: full time, no collective)
         fwd.append(f)
         bwd.append(cost.backward_factor * f)
         act.append(a)
@@ -134,3 +138,38 @@ def _around_blocks(names: list[str]) -> tuple[int, int] | None:
     if not idx or idx != list(range(idx[0], idx[-1] + 1)) or idx[0] == 0 or idx[-1] == len(names) - 1:
         return None
     return idx[0], idx[-1] + 1
+
+
+def _two_branches(names: list[str]) -> tuple[tuple[int, int], tuple[int, int], int] | None:
+    """``((a_lo, a_hi), (b_lo, b_hi), join_lo)`` when a model's layers are two branches (runs of
+    layers under two different top-level modules, e.g. ``text.*`` then ``code.*``) followed by
+    the layers joining them (e.g. ``head``); ``None`` otherwise."""
+    groups: list[tuple[str, int, int]] = []
+    for i, name in enumerate(names):
+        top = name.split(".", 1)[0]
+        if groups and groups[-1][0] == top:
+            groups[-1] = (top, groups[-1][1], i + 1)
+        else:
+            groups.append((top, i, i + 1))
+    if len(groups) < 3 or len({g[0] for g in groups}) != len(groups):
+        return None
+    (_, a_lo, a_hi), (_, b_lo, b_hi) = groups[0], groups[1]
+    return (a_lo, a_hi), (b_lo, b_hi), groups[2][1]
+
+
+def _k_ranges(names: list[str], times: list[float], n: int) -> list[tuple[int, int]]:
+    """Tessel's K shape as a two-tower model fills it: each tower balanced over half of the
+    devices (``engine.shapes.k_shape``: segments ``0..h-1`` and ``h..n-1``), the layers joining
+    them (the contrastive loss head) in segment ``n``, on all devices. Raises :class:`TesselError`
+    for a model that is not two branches and a join, or branches with fewer layers than ``n / 2``."""
+    split = _two_branches(names)
+    h = n // 2
+    if split is None:
+        raise TesselError(SHAPES["k"].no_model)
+    (a_lo, a_hi), (b_lo, b_hi), join = split
+    if min(a_hi - a_lo, b_hi - b_lo) < h:
+        raise TesselError(f"the K shape on {n} devices puts each branch on {h} devices, but the model's branches have "
+                          f"{a_hi - a_lo} and {b_hi - b_lo} layers; use fewer devices")
+    return ([(a_lo + i, a_lo + j) for i, j in balanced_partition(times[a_lo:a_hi], h)]
+            + [(b_lo + i, b_lo + j) for i, j in balanced_partition(times[b_lo:b_hi], h)]
+            + [(join, len(names))])

@@ -402,8 +402,8 @@ SHAPES: dict[str, ShapeSpec] = {s.name: s for s in (
     ShapeSpec("m", m_shape, "all-device block, a V, mirrored", lambda n: n + 1),
     ShapeSpec("nn", nn_shape, "all-device blocks at the start and middle of a V", lambda n: n + 2),
     ShapeSpec("k", k_shape, "two V branches on halves joined by a loss block", None,
-              "the K shape needs a model with two independent branches joined by a loss; "
-              "a sequential transformer has none: search K in abstract units (no --model)"),
+              "the K shape needs a model with two independent branches joined by a loss (e.g. "
+              "two-tower-tiny); a sequential transformer has none: search K in abstract units (no --model)"),
     ShapeSpec("interleaved", interleaved_shape, "interleaved pipeline (virtual stages)",
               lambda n: 2 * n),
 )}
