@@ -97,6 +97,10 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
         segments += [{**segments[s % k], "index": s, "replica_of": s % k} for s in range(k, pl.num_segments)]
         # the replicas' gradients are summed per part at the step (Chimera's stage-pair all-reduce)
         tied = [TiedGroup(((i, f"part {i}"), (i + k, f"part {i}")), int(parts[i]["param_bytes"])) for i in range(k)]
+    sources = [b.segment for b in pl.blocks if b.kind == "F" and not b.deps]
+    if pl.name == "K":   # each tower starts from its own model input (the text ids, the code ids)
+        for i, s in enumerate(sources):
+            segments[s] = {**segments[s], "inputs": [i]}
     timeline = simulate(lower(res.schedule, tied=tied), cost)
     multi = any(len(b.devices) > 1 for b in pl.blocks)
     replicas = len(pl.chains()) > 1

@@ -46,15 +46,23 @@ def choose_split(module: nn.Module, tp: int = 1) -> SplitMethod:
 
 
 def supports_layer_split(module: nn.Module) -> bool:
-    """Whether the ``"layers"`` split can cut ``module``: the in-project GPT, or a Hugging Face
+    """Whether the ``"layers"`` split can cut ``module``: the in-project GPT, the in-project two-tower
+    model, or a Hugging Face
     causal LM with ``model.embed_tokens`` (an ``nn.Embedding``), ``model.layers`` (an
     ``nn.ModuleList``), ``model.norm``, ``model.rotary_emb`` and an ``nn.Linear`` ``lm_head``."""
     from engine.models.gpt import GPT
 
-    if isinstance(module, GPT):
+    if isinstance(module, GPT) or _is_two_tower(module):
         return True
     inner = getattr(module, "model", None)
     return (isinstance(getattr(module, "lm_head", None), nn.Linear) and isinstance(inner, nn.Module)
             and isinstance(getattr(inner, "layers", None), nn.ModuleList)
             and isinstance(getattr(inner, "embed_tokens", None), nn.Embedding)
             and hasattr(inner, "norm") and hasattr(inner, "rotary_emb"))
+
+
+def _is_two_tower(module: nn.Module) -> bool:
+    """The in-project two-tower model (``engine.models.two_tower``): ``text`` and ``code`` towers of
+    blocks (``h``) and a ``head`` joining them."""
+    return all(isinstance(getattr(getattr(module, t, None), "h", None), nn.ModuleList) for t in ("text", "code")) \
+        and isinstance(getattr(module, "head", None), nn.Module)

@@ -18,6 +18,9 @@ Two decoder-only families are supported (:func:`layer_split_family`):
   so only ``hidden [micro_batch, seq, hidden]`` crosses a boundary.
 - ``"tessel-gpt"``: the in-project :class:`engine.models.gpt.GPT` (``transformer.wte``, ``wpe``,
   ``h``, ``ln_f``, ``lm_head``).
+- ``"two-tower"``: the in-project two-tower model (``text`` and ``code`` towers, then ``head``):
+  each stage a run of one tower, or the join; the stages form a DAG (Tessel's K shape), not a
+  chain: the join takes both towers' embeddings.
 
 Chain interface (:class:`runtime.stage_types.StageModule`): the first stage takes the token ids
 ``[micro_batch, seq]`` (int64), a middle stage the hidden state ``[micro_batch, seq, hidden]``, and
@@ -38,7 +41,8 @@ from torch import nn
 
 from runtime.stage_types import StageModule
 
-__all__ = ["HFDecoderStage", "GPTStage", "layer_split_family", "layer_split_refusal", "split_layers"]
+__all__ = ["HFDecoderStage", "GPTStage", "JoinStage", "TowerStage", "layer_split_family", "layer_split_refusal",
+           "split_layers", "split_two_towers"]
 
 
 def layer_split_family(model: nn.Module) -> str | None:
@@ -49,7 +53,9 @@ def layer_split_family(model: nn.Module) -> str | None:
 
     if not supports_layer_split(model):
         return None
-    return "tessel-gpt" if isinstance(model, GPT) else "hf-decoder"
+    if isinstance(model, GPT):
+        return "tessel-gpt"
+    return "two-tower" if hasattr(model, "text") and hasattr(model, "code") else "hf-decoder"
 
 
 def layer_split_refusal(model: nn.Module, name: str) -> str:
@@ -119,6 +125,77 @@ class GPTStage(StageModule):
         return (x,)
 
 
+class TowerStage(StageModule):
+    """A run of one tower of :class:`engine.models.two_tower.TwoTower` (``text`` or ``code``): the
+    first stage of a tower embeds the ids ``[micro_batch, seq]`` (``wte`` + ``wpe``), every stage
+    runs its blocks on ``[micro_batch, seq, hidden]``, the last one pools and projects
+    (``ln_f``, mean over the sequence, ``proj``) to ``[micro_batch, proj_dim]``."""
+
+    def __init__(self, model: nn.Module, tower: str, layers: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        m: Any = copy.deepcopy(model)
+        t: Any = getattr(m, tower)
+        _keep_children(t.h, [str(i) for i in layers])
+        for part in (("wte", "wpe") if not first else ()) + (("ln_f", "proj") if not last else ()):
+            delattr(t, part)
+        setattr(self, tower, t)
+        self.tower, self.first, self.last = tower, first, last
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        t: Any = getattr(self, self.tower)
+        if self.first:
+            x = t.wte(x) + t.wpe(torch.arange(x.shape[1], device=x.device))
+        for block in t.h:
+            x = block(x)
+        if self.last:
+            x = t.proj(t.ln_f(x).mean(dim=1))
+        return (x,)
+
+
+class JoinStage(StageModule):
+    """The layers joining a two-tower model's branches (``head``: the contrastive logits
+    ``[micro_batch, micro_batch]`` from both towers' ``[micro_batch, proj_dim]`` embeddings)."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]):
+        super().__init__()
+        for name in names:
+            self.add_module(name, copy.deepcopy(getattr(model, name)))
+        self.names = list(names)
+
+    def forward(self, *xs: torch.Tensor) -> tuple:
+        out: Any = xs
+        for name in self.names:
+            out = getattr(self, name)(*out) if isinstance(out, tuple) else getattr(self, name)(out)
+        return (out,)
+
+
+def split_two_towers(model: Any, segment_layers: list[list[str]], name: str) -> dict[int, StageModule]:
+    """Cut a two-tower model (children ``text``, ``code``, then the join, e.g. ``head``) into one eager
+    stage per segment: each segment a contiguous run of one tower's layers (``text.wte`` ..
+    ``text.h.0`` .. ``text.proj``), or the join's layers.
+
+    Raises:
+        runtime.stage_types.StageSplitError: a segment mixing towers, or towers not covered in order.
+    """
+    from runtime.stage_types import StageSplitError
+
+    out: dict[int, StageModule] = {}
+    for i, lays in enumerate(segment_layers):
+        tops = {x.split(".", 1)[0] for x in lays}
+        if len(tops) != 1:
+            raise StageSplitError(f"segment {i} of {name!r} holds layers of {sorted(tops)}; a two-tower stage holds "
+                                  "one tower's layers, or the layers joining them")
+        top = tops.pop()
+        if top in ("text", "code"):
+            blocks = [b for b in (_block_index(x, f"{top}.h.") for x in lays) if b is not None]
+            first = f"{top}.wte" in lays
+            last = f"{top}.proj" in lays
+            out[i] = TowerStage(model, top, blocks, first, last)
+        else:
+            out[i] = JoinStage(model, [top])
+    return out
+
+
 def _block_index(layer: str, prefix: str) -> int | None:
     if layer.startswith(prefix):
         rest = layer[len(prefix):].split(".", 1)[0]
@@ -140,6 +217,8 @@ def split_layers(model: Any, segment_layers: list[list[str]], name: str) -> dict
     family = layer_split_family(model)
     if family is None:
         raise StageSplitError(layer_split_refusal(model, name))
+    if family == "two-tower":
+        return split_two_towers(model, segment_layers, name)
     prefix, cls = (("model.layers.", HFDecoderStage) if family == "hf-decoder"
                    else ("transformer.h.", GPTStage))
     S = len(segment_layers)

@@ -269,7 +269,8 @@ class StageWorker:
         self.tp_dims: dict[int, dict[str, int]] = {}
         for s in self.segments:
             mesh = self.groups.block_meshes.get(self.seg_devices[s], self.groups.tp_mesh)
-            if mesh is not None:
+            # a multi-device segment without parameters (K's contrastive head) runs replicated
+            if mesh is not None and any(True for _ in self.modules[s].parameters()):
                 self.tp_dims[s] = apply_tensor_parallel(self.modules[s], mesh)
         # per local segment: (this rank's shard index, shards) of its tensor-parallel parameters
         self.seg_shard = {s: ((self.seg_devices[s].index(self.pp_rank), len(self.seg_devices[s]))
