@@ -157,7 +157,7 @@ def _without_key_bias(name: str, t: torch.Tensor, model) -> torch.Tensor:
     """``t`` without the key part of a GPT ``c_attn`` bias (per head ``[q | k | v]``, each ``head_dim``)."""
     if not name.endswith("attn.c_attn.bias"):
         return t
-    hd = model.config.n_embd // model.config.n_head
+    hd = model.get_submodule(name.rsplit(".", 2)[0]).head_dim   # the attention module owning c_attn
     per_head = t.view(-1, 3, hd)
     return per_head[:, [0, 2], :].reshape(-1)
 
