@@ -302,6 +302,22 @@ class Placement:
                 break
         return out
 
+    def replica_chains(self) -> list[list[int]]:
+        """The forward chains of the model replicas one placement instance carries: X's two chains
+        (each a model replica with its own data micro-batch) when :meth:`chains` covers every
+        segment with more than one chain; one group of all segments otherwise (V, M, NN, and K,
+        whose branches are joined by a block into one model)."""
+        chains = self.chains()
+        if len(chains) > 1 and sum(map(len, chains)) == self.num_segments:
+            return chains
+        return [list(range(self.num_segments))]
+
+    @property
+    def data_per_instance(self) -> int:
+        """Data micro-batches one placement instance trains on: one per model replica
+        (:meth:`replica_chains`; 2 for X, 1 otherwise)."""
+        return len(self.replica_chains())
+
     def with_durations(self, durations: Sequence[float]) -> "Placement":
         """A copy with new per-block durations (same order as :attr:`blocks`)."""
         return replace(self, blocks=tuple(replace(b, duration=float(t))

@@ -103,14 +103,14 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
             segments[s] = {**segments[s], "inputs": [i]}
     timeline = simulate(lower(res.schedule, tied=tied), cost)
     multi = any(len(b.devices) > 1 for b in pl.blocks)
-    replicas = len(pl.chains()) > 1
+    replicas = pl.data_per_instance > 1
     # an all-device block runs tensor-parallel over its devices, and X's second model replica is a
     # copy of the first's stages: both on eager decoder stages; a model without them is still
     # planned, and the runtime refuses its launch in one sentence
     needs_layers = multi or replicas
     split = "layers" if needs_layers and supports_layer_split(bundle.module) else choose_split(bundle.module)
     metrics = {**timeline.metrics(), **res.summary()}
-    tokens = micro_batch_size * (bundle.seq_len or 1) * micro_batches * (2 if pl.name == "X" else 1)
+    tokens = micro_batch_size * (bundle.seq_len or 1) * micro_batches * pl.data_per_instance
     metrics["tokens_per_step"] = tokens
     metrics["tokens_per_second"] = tokens / metrics["makespan"] if metrics.get("makespan") else 0.0
     ref = ModelRef(name=bundle.name, source=bundle.source, config=bundle.config, micro_batch_size=micro_batch_size,

@@ -222,7 +222,7 @@ def launch(
     config.validate()
     plan, task = _plan_task(plan, config)
     steps = config.steps
-    global_bs = dp * m * mbs * len(plan.schedule.placement.chains() or [0])   # X: two micro-batches per instance
+    global_bs = dp * m * mbs * plan.schedule.placement.data_per_instance   # X: two micro-batches per instance
     # config.optimizer was checked by config.validate(); the plan's optimizer is checked here
     optimizer: str = config.optimizer or check_optimizer(str(par.optimizer))
     ck, last_ck = resume_point(config.checkpoint_dir, resume=config.resume, plan=plan, world_size=ws, steps=steps,

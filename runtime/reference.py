@@ -119,7 +119,7 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
     mbs = plan.model.micro_batch_size
     dp = plan.parallel.dp
     # data micro-batches per replica: X's placement instance carries one through each model replica
-    m = int(plan.schedule.num_micro_batches) * len(plan.schedule.placement.chains() or [0])
+    m = int(plan.schedule.num_micro_batches) * plan.schedule.placement.data_per_instance
     n = dp * m
     torch.manual_seed(seed)
     task_name = task or plan.model.task

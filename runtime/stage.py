@@ -596,9 +596,7 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     from engine.split import choose_split
 
     check_executable(plan)
-    chains = plan.schedule.placement.chains()
-    if len(chains) < 2 or sum(map(len, chains)) != len(plan.segments):
-        chains = [list(range(len(plan.segments)))]   # one model: a chain, or branches joined by a block (K)
+    chains = plan.schedule.placement.replica_chains()   # one model (a chain, K's joined branches), or X's replicas
     S = len(chains[0])   # the first chain; other chains (X: a second model replica) are copies of it
     mbs = plan.model.micro_batch_size
     torch.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""Task names -> tasks (``causal-lm``, ``masked-lm``, ``seq2seq``, ``image-classification``, or a
+"""Task names -> tasks (``causal-lm``, ``masked-lm``, ``seq2seq``, ``image-classification``, ``contrastive``, or a
 user's ``package.module:callable``), and the task of a plan (:func:`task_for_plan`)."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ TASKS: dict[str, str] = {
                "sentinels at the top of the vocab); tokens",
     "image-classification": "scikit-learn's bundled load_digits 8x8 images, 10 classes (pixel_values [B, 1, 8, 8] -> "
                             "logits [B, 10]); samples",
+    "contrastive": "CPython docstrings matched to their function bodies (text_ids, code_ids [B, T] -> logits [B, B] "
+                   "of a two-tower model; symmetric InfoNCE); samples",
     "<module>:<callable>": "user code: a callable returning a task object (train_batch, val_batch, loss, "
                            "input_names; see tasks.user)",
 }
@@ -24,12 +26,13 @@ TASKS: dict[str, str] = {
 
 
 def _builtins() -> dict[str, Callable[[TaskContext], Task]]:
+    from tasks.contrastive import ContrastivePairs
     from tasks.digits import Digits
     from tasks.seq2seq import SpanCorruption
     from tasks.text import CausalLM, MaskedLM
 
     return {"causal-lm": CausalLM, "masked-lm": MaskedLM, "seq2seq": SpanCorruption,
-            "image-classification": Digits}
+            "image-classification": Digits, "contrastive": ContrastivePairs}
 
 
 def _unknown(name: str) -> TaskError:

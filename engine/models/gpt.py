@@ -34,6 +34,8 @@ class GPTConfig:
         dropout: dropout probability on embeddings, attention weights and residual branches.
         bias: whether Linear and LayerNorm layers have biases.
         tie_weights: share ``lm_head.weight`` with ``transformer.wte.weight``.
+        causal: causal (decoder) attention; ``False`` lets every position attend to every other
+            (an encoder, e.g. the towers of :mod:`engine.models.two_tower`).
     """
 
     vocab_size: int = 256
@@ -44,6 +46,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = True
+    causal: bool = True
 
     def to_dict(self) -> dict:
         """JSON-able dict of the fields."""
@@ -51,7 +54,7 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: ``[B, T, C] -> [B, T, C]``.
+    """Multi-head self-attention, causal unless ``GPTConfig.causal`` is off: ``[B, T, C] -> [B, T, C]``.
 
     The fused projection ``c_attn`` (``C -> 3C``) lays its outputs out per head, Megatron-LM's
     layout: head ``h`` owns the rows ``[h*3*hd, (h+1)*3*hd)`` of ``c_attn.weight``, holding its
@@ -70,6 +73,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.n_head, self.n_embd, self.dropout = cfg.n_head, cfg.n_embd, cfg.dropout
+        self.causal = cfg.causal
         self.head_dim = cfg.n_embd // cfg.n_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +83,7 @@ class CausalSelfAttention(nn.Module):
         qkv = self.c_attn(x).view(b, t, -1, 3 * hd).transpose(1, 2)
         q, k, v = qkv.split(hd, dim=3)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+                                           is_causal=self.causal)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.c_proj(y))
 

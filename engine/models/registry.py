@@ -193,6 +193,26 @@ register_model("cnn-digits", _build_digits_cnn,
                default_seq_len=0, source="zoo", vocab_size=lambda c: 0, task="image-classification")
 
 
+def two_tower_builder(**shape: int | float) -> Callable[..., tuple[nn.Module, dict]]:
+    """A builder of :class:`engine.models.two_tower.TwoTower` with ``TwoTowerConfig(**shape)``, for
+    :func:`register_model` (``two-tower-tiny`` and the benchmarks' larger two-tower models)."""
+    def build(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+        from .two_tower import TwoTower, TwoTowerConfig
+        cfg = TwoTowerConfig(**shape)  # type: ignore[arg-type]
+        with torch.device(device):
+            m = TwoTower(cfg)
+        return m.to(dtype=dtype), cfg.to_dict()
+    return build
+
+
+register_model("two-tower-tiny", two_tower_builder(n_layer=2, n_head=4, n_embd=64, proj_dim=32, block_size=128),
+               description="in-project two-tower model (engine.models.two_tower): a docstring tower and a code tower, "
+                           "2 bidirectional layers each, hidden 64, byte vocab 256, joined by a parameter-free "
+                           "contrastive head; task contrastive (CPython docstring / function-body pairs); fills "
+                           "Tessel's K placement",
+               default_seq_len=64, source="zoo", max_seq_len=lambda c: c["block_size"], task="contrastive")
+
+
 def list_models() -> dict[str, str]:
     """Built-in model names -> one-line descriptions (plus the ``module:callable`` form)."""
     out = {n: s.description for n, s in _REGISTRY.items()}
@@ -268,8 +288,11 @@ def build_model(name: str, *, batch_size: int = 1, seq_len: int | None = None,
 def example_token_inputs(task: str, batch: int, seq: int, vocab: int, device: Any) -> tuple:
     """Example inputs of a text task: ``(input_ids [batch, seq],)``, plus ``decoder_input_ids
     [batch, T']`` for ``seq2seq`` (``T'`` = the span-corruption target length,
-    :func:`tasks.span.span_corruption_lengths`)."""
+    :func:`tasks.span.span_corruption_lengths`); ``(text_ids, code_ids)``, ``[batch, seq]`` each, for
+    ``contrastive``."""
     ids = _token_ids(batch, seq, vocab, device)
+    if task == "contrastive":   # a two-tower model: the text ids and the code ids
+        return (ids, _token_ids(batch, seq, vocab, device))
     if task != "seq2seq":
         return (ids,)
     from tasks.span import span_corruption_lengths

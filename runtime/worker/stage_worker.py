@@ -296,8 +296,7 @@ class StageWorker:
                 self.succ[p] = c
         self.input_segments = {s for s, ps in self.preds.items() if not ps}
         self.loss_segments = {s for s, c in self.succ.items() if c is None}
-        chains = pl.chains()
-        self.chains = chains if len(chains) > 1 and sum(map(len, chains)) == self.S else [list(range(self.S))]
+        self.chains = pl.replica_chains()
         self.chain_of = {s: c for c, chain in enumerate(self.chains) for s in chain}
         self.seg_inputs = {int(g["index"]): [int(k) for k in g["inputs"]] for g in plan.segments
                            if g.get("inputs") is not None}

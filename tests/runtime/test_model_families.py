@@ -34,20 +34,7 @@ LAYOUTS = ((2, 1), (4, 2))        # (world size, dp): pp=2, then dp=2 x pp=2
 SCHEDULES = ("1f1b", "zb-h1")
 
 
-# ----------------------------------------------------------------------------- task (runs in a pool process)
-def _run_task(task: dict) -> dict:
-    from runtime.worker import StageWorker, WorkerConfig
-
-    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
-                    config=WorkerConfig(timeout_s=60.0))
-    try:
-        info = w.setup()
-        steps = [w.step(i, b) for i, b in enumerate(task["batches"])]
-        return {"info": info, "losses": [s["losses"] for s in steps], "state": w.state_dict()}
-    finally:
-        w.shutdown()
-
-
+# ----------------------------------------------------------------------------- the pool (worker_harness.train_task)
 @pytest.fixture(scope="module")
 def pool():
     p = WorkerPool(4)
@@ -105,7 +92,7 @@ def _check_training(pool, plan, world: int, dp: int) -> None:
     from runtime.worker import merge_model_state
 
     model, schedule = plan.model.name, plan.schedule.name
-    out = pool.run_ok("test_model_families:_run_task",
+    out = pool.run_ok("worker_harness:train_task",
                       {"plan": plan.to_dict(), "batches": _batches(plan, dp)}, world=world)
     holders = sorted((p["info"]["dp_index"], r) for r, p in out.items() if p["losses"][0])
     assert len(holders) == dp

@@ -27,21 +27,6 @@ from worker_harness import WorkerPool
 MBS, SEQ, M = 2, 16, 4
 
 
-def _run_task(task: dict) -> dict:
-    from runtime.worker import StageWorker, WorkerConfig
-
-    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
-                    config=WorkerConfig(timeout_s=60.0))
-    try:
-        info = w.setup()
-        steps = [w.step(i, b) for i, b in enumerate(task["batches"])]
-        return {"info": info, "losses": [s["losses"] for s in steps], "state": w.state_dict(),
-                "loss_micro_batches": [s["loss_micro_batches"] for s in steps],
-                "stream": [str(i) for i in w.stream]}
-    finally:
-        w.shutdown()
-
-
 @pytest.fixture(scope="module")
 def pool():
     p = WorkerPool(2)
@@ -69,10 +54,10 @@ def test_all_device_placements_train_like_one_process(pool, model, shape):
     multi = sorted(b.segment for b in pl.blocks if b.kind == "F" and len(b.devices) > 1)
     assert multi == {"m": [0, 3], "nn": [0, 2], "x": []}[shape]   # M: embedding and head on all devices
     assert plan.model.split == "layers"
-    n_data = M * len(pl.chains())   # X: each placement instance carries a micro-batch through each replica
+    n_data = M * pl.data_per_instance   # X: each placement instance carries a micro-batch through each replica
     task = task_for_plan(plan, seed=0)
     batches = [tuple(task.train_batch(i, n_data * MBS)) for i in range(STEPS)]
-    out = pool.run_ok("test_placements_train:_run_task",
+    out = pool.run_ok("worker_harness:train_task",
                       {"plan": plan.to_dict(), "batches": batches, "fresh_process": True}, world=2)
     for p in out.values():   # every rank runs the all-device segments
         assert set(multi) <= set(p["info"]["segments"])
@@ -87,3 +72,29 @@ def test_all_device_placements_train_like_one_process(pool, model, shape):
                               rtol=1e-4, atol=0), f"{model} {shape} step {step}"
     merged = merge_model_state(p["state"] for p in out.values())
     assert_params_match(merged, ref.model, f"{model} {shape}")
+
+
+def test_two_towers_on_the_k_placement_train_like_one_process(pool):
+    """Tessel's K shape on a two-tower model (``two-tower-tiny``: docstring and code towers, a
+    contrastive head): each tower on its own device, the parameter-free head on both (replicated),
+    the head's input gradients split between the two towers; 3 Adam steps on CPython docstring /
+    function-body pairs equal one process."""
+    from runtime.reference import reference_run
+    from runtime.worker import merge_model_state
+    from tasks import task_for_plan
+
+    plan = _search_plan("two-tower-tiny", "k")
+    pl = plan.schedule.placement
+    assert pl.name == "K" and plan.model.split == "layers" and plan.model.task == "contrastive"
+    assert [s.get("inputs") for s in plan.segments] == [[0], [1], None]
+    assert [list(pl.spec("F", s).devices) for s in range(3)] == [[0], [1], [0, 1]]
+    task = task_for_plan(plan, seed=0)
+    batches = [tuple(task.train_batch(i, M * MBS)) for i in range(STEPS)]
+    out = pool.run_ok("worker_harness:train_task",
+                      {"plan": plan.to_dict(), "batches": batches, "fresh_process": True}, world=2)
+    ref = reference_run(plan, batches, seed=0, lr=1e-3)
+    for p in out.values():   # the head runs on both ranks: each reports every micro-batch's loss
+        for step in range(STEPS):
+            assert torch.allclose(torch.tensor(p["losses"][step]), torch.tensor(ref.losses[step]), rtol=1e-4, atol=0)
+    assert out[0]["losses"][-1] != out[0]["losses"][0]
+    assert_params_match(merge_model_state(p["state"] for p in out.values()), ref.model, "two-tower K")

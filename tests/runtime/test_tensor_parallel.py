@@ -35,19 +35,6 @@ STEPS = 3
 MBS, SEQ, M = 2, 16, 4
 
 
-def _run_task(task: dict) -> dict:
-    from runtime.worker import StageWorker, WorkerConfig
-
-    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
-                    config=WorkerConfig(timeout_s=60.0))
-    try:
-        info = w.setup()
-        steps = [w.step(i, b) for i, b in enumerate(task["batches"])]
-        return {"info": info, "losses": [s["losses"] for s in steps], "state": w.state_dict()}
-    finally:
-        w.shutdown()
-
-
 @pytest.fixture(scope="module")
 def pool():
     p = WorkerPool(4)
@@ -79,7 +66,7 @@ def test_tensor_parallel_plan_trains_like_one_process(pool, model, dp, tp, pp, s
     assert (plan.parallel.tp, plan.parallel.pp, plan.model.split) == (tp, pp, "layers")
     batches = _batches(plan, dp)
     world = dp * tp * pp
-    out = pool.run_ok("test_tensor_parallel:_run_task",
+    out = pool.run_ok("worker_harness:train_task",
                       {"plan": plan.to_dict(), "batches": batches, "fresh_process": True}, world=world)
     assert sorted(p["info"]["tp_rank"] for p in out.values()) == sorted(list(range(tp)) * dp * pp)
     ref = reference_run(plan, batches, seed=0, lr=1e-3)

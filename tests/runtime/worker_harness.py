@@ -75,6 +75,24 @@ def cached_build_stages(plan, *, seed: int = 0):
     return st
 
 
+def train_task(task: dict) -> dict:
+    """A pool task (``"worker_harness:train_task"``): set up one ``StageWorker`` rank of ``task["plan"]``
+    (a ``Plan.to_dict()``), run ``w.step(i, batch)`` for each of ``task["batches"]`` and return its
+    ``info`` (setup's dict), ``losses`` and ``loss_micro_batches`` per step, final ``state``
+    (``state_dict()``) and ``stream`` (the instructions as strings)."""
+    from runtime.worker import StageWorker, WorkerConfig
+
+    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
+                    config=WorkerConfig(timeout_s=60.0))
+    try:
+        info = w.setup()
+        steps = [w.step(i, b) for i, b in enumerate(task["batches"])]
+        return {"info": info, "losses": [s["losses"] for s in steps], "state": w.state_dict(),
+                "loss_micro_batches": [s["loss_micro_batches"] for s in steps], "stream": [str(i) for i in w.stream]}
+    finally:
+        w.shutdown()
+
+
 def _pool_main(slot: int, tasks, results) -> None:
     torch.set_num_threads(1)
     import transformers  # noqa: F401

@@ -22,9 +22,9 @@ def _ctx(**kw) -> TaskContext:
 # ----------------------------------------------------------------------------- registry
 def test_unknown_task_names_the_valid_ones():
     with pytest.raises(TaskError, match=r"unknown task 'nope'; valid tasks: causal-lm, masked-lm, seq2seq, "
-                                        r"image-classification, or user code"):
+                                        r"image-classification, contrastive, or user code"):
         get_task("nope", _ctx())
-    assert set(TASKS) >= {"causal-lm", "masked-lm", "seq2seq", "image-classification"}
+    assert set(TASKS) >= {"causal-lm", "masked-lm", "seq2seq", "image-classification", "contrastive"}
 
 
 def test_units_and_inputs():
