@@ -128,7 +128,9 @@ class ContrastivePairs(Task):
     def _batch(self, files: tuple[str, ...], gen: torch.Generator, rows: int) -> tuple[torch.Tensor, ...]:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
-        text, code, ids = [], [], []
+        text: list[list[int]] = []
+        code: list[list[int]] = []
+        ids: list[int] = []
         while len(ids) < rows:
             f = int(torch.randint(0, len(files), (1,), generator=gen))
             pairs = function_pairs(files[f])
