@@ -1,10 +1,23 @@
 """Search panel: run a Tessel schedule search with live progress and cancel, without freezing the page.
 
-The user picks a placement (a Tessel shape ``v``/``x``/``m``/``nn``/``k``/``interleaved`` on
-``devices`` devices in abstract units, or the current plan's placement), the micro-batches, an
-optional per-device memory limit, a time limit and a seed, and presses Run.
-:func:`engine.tessel.tessel_search` then runs in a daemon ``threading.Thread`` and can be
-stopped with Cancel (:class:`engine.tessel.SearchControl`); the best schedule found so far is
+What is searched depends on the plan loaded in :class:`~planner_ui.state.PlanState`:
+
+* a model plan (``state.plan`` with a model and segments, not an abstract placement): the
+  Tessel shapes of THIS model (:func:`model_shape_options`: V, X, M, NN and interleaved for a
+  decoder LM, K only for a two-branch model such as ``two-tower-tiny``) on ``devices`` devices,
+  with the memory limit in GiB. The search is
+  :func:`engine.search_plan.model_search_plan` (capture, the shape's placement with the model's
+  costs from the plan's own cost model, the Tessel search) and its result, a launchable plan of
+  the same model (name, micro-batch size, sequence length, task), replaces the loaded plan: the
+  Model graph tab keeps its graph, the Gantt shows the searched schedule, the Launch tab trains it;
+* an abstract placement, no plan, or the ``abstract_units`` box ticked: a shape
+  ``v``/``x``/``m``/``nn``/``k``/``interleaved`` in abstract units (:func:`engine.shapes.make_shape`),
+  loaded as an abstract plan;
+* either way, :data:`CURRENT`: the loaded plan's own placement, re-scheduled.
+
+The user picks the placement, the micro-batches, an optional per-device memory limit, a time
+limit and a seed, and presses Run. The search then runs in a daemon ``threading.Thread`` and can
+be stopped with Cancel (:class:`engine.tessel.SearchControl`); the best schedule found so far is
 kept.
 
 Threads and Panel. Bokeh/Panel models must only be changed while holding the session's document
@@ -25,13 +38,14 @@ import contextlib
 import threading
 import time
 from dataclasses import replace
+from typing import Any, cast
 
 import panel as pn
 import param
 
 from engine.compare import ScheduleMetrics, compare_baselines, measure
 from engine.errors import TesselError
-from engine.shapes import make_shape, shape_names
+from engine.shapes import SHAPES, make_shape, shape_names
 from engine.tessel import (
     InfeasibleMemoryError,
     SearchCancelled,
@@ -48,22 +62,81 @@ CURRENT = "current plan's placement"
 _GIB = 2**30
 
 
+def is_model_plan(plan) -> bool:
+    """Whether ``plan`` is a plan of a model (a model name and segments), not an abstract placement."""
+    return bool(plan is not None and not plan.meta.get("abstract") and plan.segments and plan.model.name)
+
+
+def _plan_graph(plan, graph):
+    """``graph`` when it is the operator graph of ``plan``'s model (it holds every layer the plan's
+    segments name), else ``None`` (e.g. the graph of another model left by an import)."""
+    if graph is None or not hasattr(graph, "layers"):
+        return None
+    named = {layer for seg in plan.segments for layer in seg.get("layers", [])}
+    return graph if named and named <= set(graph.layers()) else None
+
+
+def model_shape_options(plan, graph, devices: int) -> tuple[list[str], dict[str, str]]:
+    """The Tessel shapes a model plan can be searched on with ``devices`` devices.
+
+    Args:
+        plan: a model plan (:func:`is_model_plan`); its cost model prices the placements.
+        graph: the model's captured :class:`~engine.graph.OpGraph` (``state.graph``), or ``None``.
+        devices: devices of the searched placement.
+
+    Returns:
+        ``(offered, refused)``: the shape names (in :data:`engine.shapes.SHAPES` order) whose
+        placement :func:`engine.shape_costs.model_shape_placement` builds from the model's layers,
+        and ``{shape: one-sentence reason}`` for the others (K on a model without two branches,
+        too few layers for the shape on that many devices). Without the model's graph every shape
+        is offered and the search itself refuses a shape the model cannot fill, in one sentence.
+        Cheap (milliseconds): no capture, no search.
+    """
+    graph = _plan_graph(plan, graph)
+    if graph is None:
+        return list(SHAPES), {}
+    from engine.cost import CostModel
+    from engine.shape_costs import model_shape_placement
+
+    cost = CostModel.from_dict(plan.cost) if plan.cost else CostModel.for_device("h100")
+    offered: list[str] = []
+    refused: dict[str, str] = {}
+    for name in SHAPES:
+        try:
+            model_shape_placement(graph, cost, name, int(devices))
+        except (TesselError, ValueError) as e:
+            refused[name] = str(e)
+        else:
+            offered.append(name)
+    return offered, refused
+
+
 class _Job:
     """What one search needs, prepared (and validated) on the UI thread."""
 
-    def __init__(self, placement, m, limit, time_limit, seed, *, base_plan, cost, variant, abstract, max_window=2):
-        self.placement = placement
+    def __init__(self, placement, m, limit, time_limit, seed, *, base_plan, cost, variant, abstract, max_window=2,
+                 model_shape=None, devices=None):
+        self.placement = placement        # the searched placement (None until a model shape's search builds it)
         self.m = m
         self.limit = limit                # in the placement's internal units (bytes or units)
         self.time_limit = time_limit
         self.seed = seed
         self.max_window = max_window      # most micro-batches per repetend window
-        self.base_plan = base_plan        # the model plan whose placement is searched, else None
+        self.base_plan = base_plan        # the model plan whose placement (or model) is searched, else None
         self.cost = cost                  # engine CostModel for simulation (None: free communication)
         self.variant = variant            # compare_baselines' variant for V placements, or None
         self.abstract = abstract
+        self.model_shape = model_shape    # a shape of base_plan's model (model_search_plan), else None
+        self.devices = devices            # devices of the model shape
         self.time_factor, self.time_unit = (1.0, "units") if abstract else (1e3, "ms")
         self.mem_factor, self.mem_unit = (1.0, "units") if abstract else (float(_GIB), "GiB")
+
+    @property
+    def label(self) -> str:
+        """What is searched, for the progress line (e.g. ``the M shape of llama-tiny on 2 devices``)."""
+        if self.model_shape is not None:
+            return f"the {self.model_shape.upper()} shape of {self.base_plan.model.name} on {self.devices} devices"
+        return f"{self.placement.name} on {self.placement.num_devices} devices"
 
     def t(self, seconds: float | None) -> str:
         return "-" if seconds is None else f"{seconds * self.time_factor:.4g} {self.time_unit}"
@@ -77,37 +150,51 @@ class SearchPanel(pn.viewable.Viewer):
 
     Construct with ``SearchPanel(state=state)``. Inputs are parameters (settable from code, shown
     as widgets): ``shape``, ``devices``, ``micro_batches``, ``memory_limit`` (``None`` = no limit;
-    abstract units for shapes, GiB for a model plan's placement), ``time_limit`` (s), ``seed``.
+    GiB for a model plan, abstract units otherwise), ``time_limit`` (s), ``seed``, ``max_window``,
+    ``abstract_units``.
+
+    With a model plan loaded, ``shape`` offers the shapes of that model on ``devices`` devices
+    (:attr:`offered_shapes`; :attr:`refused_shapes` says why the others are not, also shown under
+    the inputs) and :data:`CURRENT`; ``devices`` and ``micro_batches`` start from the plan's. With
+    no plan, an abstract plan, or ``abstract_units`` ticked, it offers every shape in abstract units
+    (and :data:`CURRENT` when a plan is loaded).
 
     Methods: :meth:`start` (background search), :meth:`cancel`, :meth:`run_search` (``wait=True``:
     synchronous, for tests and notebooks), :meth:`poll` (apply progress/outcome that arrived).
 
     Outputs: :attr:`result` (the last :class:`~engine.tessel.SearchResult`), :attr:`baselines`
-    (``ScheduleMetrics`` of GPipe/1F1B/... on the same placement), ``progress_text``,
-    ``result_text``, ``running``. The searched schedule is loaded into ``state`` (an abstract plan
-    for shapes; the model plan with the new schedule for the current plan's placement). Errors
-    (an infeasible memory limit, bad devices, ...) go to ``state.message`` with kind ``"error"``
-    and leave the plan unchanged.
+    (``ScheduleMetrics`` of GPipe/1F1B/... on the same placement), :attr:`searched_plan` (the
+    plan a model shape's search loaded, else ``None``), ``progress_text``, ``result_text``,
+    ``running``. The searched schedule is loaded into ``state``: the model's searched plan for a
+    model shape (``engine.search_plan.model_search_plan``), an abstract plan for an abstract shape,
+    the loaded plan with the new schedule for the current plan's placement. Errors (an infeasible
+    memory limit, bad devices, a shape the model cannot fill, ...) go to ``state.message`` with
+    kind ``"error"`` and leave the plan unchanged.
     """
 
     state = param.ClassSelector(class_=PlanState, doc="the shared planner state")
-    shape = param.Selector(default="m", objects=shape_names() + [CURRENT], doc="placement shape, or the current plan's")
+    shape: param.Selector = param.Selector(default="m", objects=shape_names() + [CURRENT],
+                           doc="placement shape (of the loaded model, or abstract), or the current plan's")
     devices = param.Integer(default=4, bounds=(1, 1024),
                             doc="devices of the shape (ignored for the current plan's placement)")
     micro_batches = param.Integer(default=8, bounds=(1, 100000), doc="micro-batches per step")
     memory_limit = param.Number(default=None, allow_None=True, bounds=(0, None),
-                                doc="per-device limit: abstract units (shapes) or GiB (a model plan); None = no limit")
+                                doc="per-device limit: GiB (a model plan) or abstract units; None = no limit")
     time_limit = param.Number(default=10.0, bounds=(0.1, 3600), doc="search time limit, seconds")
     seed = param.Integer(default=0, bounds=(0, None), doc="CP-SAT seed")
     max_window = param.Integer(default=2, bounds=(1, 8),
                                doc="most micro-batches per repetend window the search refines (the 1F1B policy's "
                                    "steady state, up to 3, always competes); 3-4 can shorten the period on M-like "
                                    "shapes but need a longer time limit (about 60 s)")
+    abstract_units = param.Boolean(default=False,
+                                   doc="search the shape in abstract units (no model) even when a model plan is "
+                                       "loaded; the result then replaces the model plan with an abstract one")
 
     running = param.Boolean(default=False, doc="a search is running")
     progress_text = param.String(default="", doc="best period so far vs lower bound, elapsed time")
     progress_value = param.Integer(default=0, doc="progress bar value, 0..100 (-1: indeterminate)")
     result_text = param.String(default="", doc="Markdown summary of the last search and the baselines")
+    shape_note = param.String(default="", doc="which shapes the loaded model offers and why not the others")
 
     poll_period_ms = param.Integer(default=250, bounds=(20, None), doc="how often the UI polls a running search")
 
@@ -118,6 +205,9 @@ class SearchPanel(pn.viewable.Viewer):
         self.result: SearchResult | None = None
         self.baselines: list[ScheduleMetrics] = []
         self.tessel_metrics: ScheduleMetrics | None = None
+        self.searched_plan = None
+        self.offered_shapes: list[str] = shape_names()
+        self.refused_shapes: dict[str, str] = {}
         # written by the search thread (plain attributes only), read by poll()
         self._progress: SearchProgress | None = None
         self._outcome: tuple | None = None
@@ -128,9 +218,12 @@ class SearchPanel(pn.viewable.Viewer):
         self._t0 = 0.0
         self._finish_lock = threading.Lock()
         self._periodic = None
-        self._update_shape_options()
-        self.state.param.watch(lambda *_: self._update_shape_options(), "plan")
+        self._plan_key: tuple | None = None
         self._build()
+        # a model plan already loaded: start from its devices and micro-batches unless given here
+        self._on_plan(keep=set(params) & {"devices", "micro_batches"})
+        self._st.param.watch(lambda *_: self._on_plan(), "plan")
+        self.param.watch(lambda *_: self._update_shape_options(), ["devices", "abstract_units"])
 
     # ------------------------------------------------------------------ widgets
     def _build(self) -> None:
@@ -147,33 +240,69 @@ class SearchPanel(pn.viewable.Viewer):
         self.seed_input = w.IntInput.from_param(self.param.seed, name="Seed", css_classes=["tessel-search-seed"])
         self.window_input = w.IntInput.from_param(self.param.max_window, name="Window micro-batches (refined up to)",
                                                   css_classes=["tessel-search-window"])
+        self.units_input = w.Checkbox.from_param(self.param.abstract_units, name="Abstract units (no model)",
+                                                 css_classes=["tessel-search-units"])
         self.run_button = w.Button(label="Run Tessel", color="primary", css_classes=["tessel-search-run"])
         self.cancel_button = w.Button(label="Cancel", color="warning", disabled=True,
                                       css_classes=["tessel-search-cancel"])
-        self.run_button.on_click(lambda _e: self.start())
-        self.cancel_button.on_click(lambda _e: self.cancel())
+        self.run_button.on_click(lambda _e: None if self.start() else None)
+        self.cancel_button.on_click(lambda _e: None if self.cancel() else None)
         self.progress_bar = pn.indicators.Progress(value=0, max=100, active=False, sizing_mode="stretch_width",
                                                    css_classes=["tessel-search-progress-bar"])
+        self.note_pane = pn.pane.Markdown(self.shape_note, css_classes=["tessel-search-note"])
         self.progress_pane = pn.pane.Markdown(self.progress_text, css_classes=["tessel-search-progress"])
         self.result_pane = pn.pane.Markdown(self.result_text, css_classes=["tessel-search-result"])
-        self.param.watch(self._sync_widgets, ["running", "progress_text", "progress_value", "result_text"])
+        self.param.watch(self._sync_widgets, ["running", "progress_text", "progress_value", "result_text",
+                                              "shape_note"])
         self.param.watch(self._on_shape, ["shape"])
-        self.state.param.watch(lambda *_: self._sync_units(), ["plan"])
-        self._sync_units()
+
+    @property
+    def last_progress(self) -> SearchProgress | None:
+        """The last :class:`~engine.tessel.SearchProgress` the running (or last) search reported
+        (best period and lower bound in seconds or units), ``None`` before its first report."""
+        return self._progress
+
+    @property
+    def _st(self) -> PlanState:
+        """``state``, typed (it is set in ``__init__``)."""
+        return cast(PlanState, self.state)
+
+    @property
+    def model_mode(self) -> bool:
+        """A shape searches the loaded model's placement (a model plan is loaded and
+        ``abstract_units`` is off); otherwise shapes are abstract."""
+        return is_model_plan(self._st.plan) and not self.abstract_units
 
     @property
     def memory_unit(self) -> str:
-        """Unit of ``memory_limit``: ``"GiB"`` for a model plan's placement, else ``"units"``."""
-        return "GiB" if self.shape == CURRENT and self.state.plan is not None and not self.state.abstract else "units"
+        """Unit of ``memory_limit``: ``"GiB"`` when a model is searched (a model shape, or the
+        current placement of a model plan), else ``"units"``."""
+        if not is_model_plan(self._st.plan):
+            return "units"
+        return "GiB" if self.shape == CURRENT or not self.abstract_units else "units"
+
+    def _on_plan(self, keep: set[str] | frozenset[str] = frozenset()) -> None:
+        """A new plan: start from a new model plan's devices and micro-batches (except those in
+        ``keep``), refresh the shapes."""
+        plan: Any = self._st.plan
+        key = (plan.model.name, plan.parallel.devices) if is_model_plan(plan) else None
+        if key is not None and key != self._plan_key:
+            start = {"devices": max(1, int(plan.parallel.devices)),
+                     "micro_batches": int(plan.schedule.num_micro_batches)}
+            self.param.update(**{k: v for k, v in start.items() if k not in keep})
+        self._plan_key = key
+        self._update_shape_options()
 
     def _on_shape(self, event) -> None:
-        if event.new == CURRENT and self.state.plan is not None:
-            self.micro_batches = self.state.schedule.num_micro_batches  # start from the plan's m
+        sched = self._st.schedule
+        if event.new == CURRENT and sched is not None:
+            self.micro_batches = sched.num_micro_batches  # start from the plan's m
         self._sync_units()
 
     def _sync_units(self) -> None:
         self.memory_input.name = f"Memory limit ({self.memory_unit}; blank: none)"
         self.devices_input.disabled = self.shape == CURRENT
+        self.units_input.disabled = not is_model_plan(self._st.plan)
 
     def _sync_widgets(self, *_events) -> None:
         self.run_button.disabled = self.running
@@ -182,16 +311,33 @@ class SearchPanel(pn.viewable.Viewer):
         self.progress_bar.value = max(-1, min(100, self.progress_value))
         self.progress_pane.object = self.progress_text
         self.result_pane.object = self.result_text
+        self.note_pane.object = self.shape_note
 
     def _update_shape_options(self) -> None:
-        opts = shape_names() + ([CURRENT] if self.state.plan is not None else [])
+        plan: Any = self._st.plan
+        if self.model_mode:
+            offered, refused = model_shape_options(plan, self._st.graph, self.devices)
+            note = (f"Shapes of {plan.model.name} on {self.devices} devices: "
+                    f"{', '.join(s.upper() for s in offered) or 'none'}.")
+            for name, why in refused.items():  # the engine's sentence, pointed at this tab's box for K
+                why = why.rstrip(".").replace("in abstract units (no --model)", "with Abstract units ticked")
+                note += f" {name.upper()} is not offered: {why}."
+        else:
+            offered, refused = shape_names(), {}
+            note = ("Shapes in abstract units (forward 1, backward 2 per block)."
+                    + (" Untick the box to search the loaded model's shapes." if is_model_plan(plan) else ""))
+        self.offered_shapes, self.refused_shapes = offered, refused
+        opts = offered + ([CURRENT] if plan is not None else [])
         self.param.shape.objects = opts
         if self.shape not in opts:
-            self.shape = opts[0]
+            self.shape = opts[0] if opts else CURRENT
+        self.shape_note = note
+        self._sync_units()
 
     def __panel__(self):
         return pn.Column(
-            pn.Row(self.shape_input, self.devices_input, self.mb_input),
+            pn.Row(self.shape_input, self.devices_input, self.mb_input, self.units_input),
+            self.note_pane,
             pn.Row(self.memory_input, self.time_input, self.seed_input, self.window_input),
             pn.Row(self.run_button, self.cancel_button),
             self.progress_bar, self.progress_pane, self.result_pane,
@@ -206,23 +352,34 @@ class SearchPanel(pn.viewable.Viewer):
         m = int(self.micro_batches)
         if m < 1:
             raise TesselError(f"micro-batches must be at least 1, got {m}")
+        limit_units = None if self.memory_limit is None else float(self.memory_limit)
+        max_window = int(self.max_window)
         if self.shape == CURRENT:
-            plan = self.state.plan
+            plan = self._st.plan
             if plan is None:
                 raise TesselError("no plan is loaded; pick a shape instead of the current plan's placement")
-            abstract = self.state.abstract
+            abstract = self._st.abstract
             placement = plan.placement
             cost = CostModel.from_dict(plan.cost) if plan.cost else None
             base = None if abstract else plan
+        elif self.model_mode:
+            model_plan: Any = self._st.plan
+            if self.shape in self.refused_shapes:
+                raise TesselError(self.refused_shapes[self.shape])
+            if not model_plan.cost:
+                raise TesselError(f"the plan of {model_plan.model.name} records no cost model; plan the model again to "
+                                  "search its shapes")
+            limit = None if limit_units is None else limit_units * _GIB
+            return _Job(None, m, limit, float(self.time_limit), int(self.seed), base_plan=model_plan,
+                        cost=CostModel.from_dict(model_plan.cost), variant=None, abstract=False, max_window=max_window,
+                        model_shape=self.shape, devices=int(self.devices))
         else:
             placement = make_shape(self.shape, int(self.devices))  # PlacementError: n < 2, odd n for NN/K
             abstract, cost, base = True, None, None
-        limit = None
-        if self.memory_limit is not None:
-            limit = float(self.memory_limit) * (1.0 if abstract else _GIB)
+        limit = None if limit_units is None else limit_units * (1.0 if abstract else _GIB)
         variant = abstract_v_variant(placement) if abstract else None
         return _Job(placement, m, limit, float(self.time_limit), int(self.seed), base_plan=base, cost=cost,
-                    variant=variant, abstract=abstract, max_window=int(self.max_window))
+                    variant=variant, abstract=abstract, max_window=max_window)
 
     # ------------------------------------------------------------------ running
     def start(self) -> bool:
@@ -247,8 +404,7 @@ class SearchPanel(pn.viewable.Viewer):
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._work, args=(job, self._control), name="tessel-search", daemon=True)
         self.param.update(running=True, progress_value=-1,
-                          progress_text=f"searching {job.placement.name} on {job.placement.num_devices} devices, "
-                                        f"{job.m} micro-batches...")
+                          progress_text=f"searching {job.label}, {job.m} micro-batches...")
         self._thread.start()
         self._start_polling()
         return True
@@ -256,6 +412,9 @@ class SearchPanel(pn.viewable.Viewer):
     def _work(self, job: _Job, control: SearchControl) -> None:
         """The search thread: plain attributes only (no param, no widgets, no state)."""
         try:
+            if job.model_shape is not None:
+                self._outcome = self._work_model(job, control)
+                return
             res = tessel_search(job.placement, job.m, memory_limit=job.limit, time_limit=job.time_limit,
                                 seed=job.seed, progress=self._on_progress, control=control,
                                 max_window_micro_batches=job.max_window)
@@ -271,11 +430,32 @@ class SearchPanel(pn.viewable.Viewer):
                 for r in base:
                     if r.schedule is None and r.name in ("interleaved", "zb-h1") and job.placement.name == "V":
                         r.note = "re-plans the model: use Add baselines in the Compare view"
-            self._outcome = ("ok", res, tess, base)
+            self._outcome = ("ok", res, tess, base, None)
         except BaseException as e:  # noqa: BLE001 - reported on the UI thread by poll()
             self._outcome = ("error", e)
         finally:
             self._done.set()
+
+    def _work_model(self, job: _Job, control: SearchControl) -> tuple:
+        """A model shape's search (in the search thread): ``model_search_plan`` with the loaded
+        plan's cost model and micro-batch shape, then the baselines on the same model placement
+        (the V variants from ``SearchPlan.variant``), all timed as schedules alone (like
+        ``tessel search --model``)."""
+        from engine.search_plan import model_search_plan
+
+        bp = job.base_plan
+        sp = model_search_plan(bp.model.name, job.model_shape, job.devices, job.m,
+                               micro_batch_size=bp.model.micro_batch_size, seq_len=bp.model.seq_len,
+                               cost=job.cost, memory_limit=job.limit, time_limit=job.time_limit, seed=job.seed,
+                               progress=self._on_progress, control=control, max_window_micro_batches=job.max_window)
+        job.placement = sp.placement
+        res = sp.result
+        tess = measure(res.schedule, job.limit, sp.cost)
+        try:
+            base = compare_baselines(sp.placement, job.m, memory_limit=job.limit, cost=sp.cost, variant=sp.variant)
+        except (TesselError, ValueError) as e:
+            base = [ScheduleMetrics("baselines", None, None, None, note=str(e))]
+        return ("ok", res, tess, base, _searched_model_plan(sp.plan, bp, job.limit, job.model_shape))
 
     def _on_progress(self, p: SearchProgress) -> None:
         self._progress = p  # one reference assignment: atomic
@@ -308,7 +488,8 @@ class SearchPanel(pn.viewable.Viewer):
             return
         frac = int(100 * min(1.0, elapsed / job.time_limit)) if job.time_limit > 0 else -1
         if p is None:
-            self.param.update(progress_value=frac, progress_text=f"searching... {elapsed:.1f} s elapsed")
+            what = "capturing the model and searching" if job.model_shape is not None else "searching"
+            self.param.update(progress_value=frac, progress_text=f"{what}... {elapsed:.1f} s elapsed")
             return
         gap = p.best_period / p.lower_bound - 1 if p.lower_bound > 0 else 0.0
         cancelling = " (cancelling...)" if self._control is not None and self._control.cancelled else ""
@@ -362,7 +543,7 @@ class SearchPanel(pn.viewable.Viewer):
             job, outcome = self._job, self._outcome
             elapsed = time.perf_counter() - self._t0
             try:
-                if outcome is None:
+                if outcome is None or job is None:
                     self._fail("the search ended without a result")
                 elif outcome[0] == "error":
                     self._fail_with(outcome[1], job)
@@ -386,19 +567,22 @@ class SearchPanel(pn.viewable.Viewer):
         else:
             self._fail(f"search failed: {type(e).__name__}: {e}")
 
-    def _apply(self, job: _Job, res: SearchResult, tess: ScheduleMetrics, base: list[ScheduleMetrics], *,
-               elapsed: float) -> None:
+    def _apply(self, job: _Job, res: SearchResult, tess: ScheduleMetrics, base: list[ScheduleMetrics],
+               model_plan=None, *, elapsed: float) -> None:
         sched = res.schedule
         if job.limit is not None:
             sched.meta["memory_limit"] = job.limit  # PlanState enforces it on later edits
         cancelled = self._control is not None and self._control.cancelled
         how = ("cancelled; best schedule so far" if cancelled
                else ("time limit hit; best schedule so far" if res.timed_out else "done"))
-        msg = (f"Tessel search {how}: period {job.t(res.period)}/micro-batch "
+        what = f" of {job.label}" if job.model_shape is not None else ""
+        msg = (f"Tessel search{what} {how}: period {job.t(res.period)}/micro-batch "
                f"(lower bound {job.t(res.period_lower_bound)}), "
                f"makespan {job.t(tess.makespan)}")
         try:
-            if job.base_plan is not None:
+            if model_plan is not None:
+                self._st.load(model_plan, message=msg, graph=_plan_graph(model_plan, self._st.graph))
+            elif job.base_plan is not None:
                 bp = job.base_plan
                 m = sched.num_micro_batches
                 model = bp.model
@@ -406,17 +590,21 @@ class SearchPanel(pn.viewable.Viewer):
                     model = replace(model, batch_size=model.micro_batch_size * m * bp.parallel.dp)
                 plan = replace(bp, schedule=sched, model=model, parallel=replace(bp.parallel, micro_batches=m),
                                meta={**bp.meta, "searched": "tessel"})
-                self.state.load(plan, message=msg, graph=self.state.graph)
+                self._st.load(plan, message=msg, graph=self._st.graph)
             else:
-                self.state.load(sched, message=msg)
+                self._st.load(sched, message=msg)
         except TesselError as e:
             self._fail(f"the searched schedule could not be loaded: {e}")
             return
-        self.state.message_kind = "success"
+        self._st.message_kind = "success"
         self.result, self.tessel_metrics, self.baselines = res, tess, base
+        self.searched_plan = self._st.plan if model_plan is not None else None
+        text = self._summary(job, res, tess, base)
+        if model_plan is not None:
+            text += "\n\n" + _model_plan_note(self._st, job.base_plan)
         self.param.update(progress_value=100,
                           progress_text=f"{how}: {res.steps} solver calls in {elapsed:.1f} s",
-                          result_text=self._summary(job, res, tess, base))
+                          result_text=text)
 
     @staticmethod
     def _summary(job: _Job, res: SearchResult, tess: ScheduleMetrics, base: list[ScheduleMetrics]) -> str:
@@ -424,7 +612,7 @@ class SearchPanel(pn.viewable.Viewer):
         lines = [
             (f"**Tessel**: period {job.t(res.period)}/micro-batch, lower bound {job.t(res.period_lower_bound)} "
              f"(gap {res.period_gap:.1%}{opt}); makespan {job.t(tess.makespan)}, bubble ratio {tess.bubble_ratio:.1%}, "
-             f"peak memory {job.mem(max(tess.peak_memory))}"),
+             f"peak memory {job.mem(max(tess.peak_memory or [0]))}"),
             "",
             "| schedule | makespan | bubble | peak memory | note |",
             "|---|---|---|---|---|",
@@ -435,12 +623,47 @@ class SearchPanel(pn.viewable.Viewer):
             else:
                 note = "over the memory limit" if r.over_limit else r.note
                 lines.append(f"| {r.name} | {job.t(r.makespan)} | {r.bubble_ratio:.1%} | "
-                             f"{job.mem(max(r.peak_memory))} | {note} |")
+                             f"{job.mem(max(r.peak_memory or [0]))} | {note} |")
         return "\n".join(lines)
 
     def _say(self, text: str, kind: str) -> None:
-        self.state.message_kind = kind
-        self.state.message = text
+        self._st.message_kind = kind
+        self._st.message = text
+
+
+def _searched_model_plan(plan, base_plan, limit: float | None, shape: str):
+    """The plan ``model_search_plan`` returned, as the loaded model plan's successor: its model
+    keeps the loaded plan's task and parameter count (the search captures the same model with the
+    same micro-batch size and sequence length, in float32), its memory capacity is the search's limit (else
+    the loaded plan's), and ``meta`` records the search."""
+    model = replace(plan.model, task=base_plan.model.task or plan.model.task, dtype=plan.model.dtype or "float32",
+                    num_params=plan.model.num_params or base_plan.model.num_params)
+    metrics: dict[str, Any] = dict(plan.metrics)
+    cap = limit if limit is not None else base_plan.metrics.get("memory_capacity")
+    if cap:
+        metrics["memory_capacity"] = cap
+    return replace(plan, model=model, metrics=metrics,
+                   meta={**plan.meta, "searched": "tessel", "shape": shape})
+
+
+def _model_plan_note(state: PlanState, base_plan) -> str:
+    """What the summary adds for a model shape's plan (loaded in ``state``, searched from
+    ``base_plan``): the Gantt's full step vs the schedules alone, what the search did not carry
+    over, and whether the Launch tab can train the plan (one sentence each)."""
+    plan: Any = state.plan
+    step = state.timeline.makespan if state.timeline is not None else 0.0
+    lines = [f"Makespans above are the schedules alone (as `tessel search --model` reports them); the Gantt's "
+             f"step of {state.fmt_time(step)} adds the gradient syncs and the optimizer step."]
+    if base_plan.parallel.optimizer != plan.parallel.optimizer:
+        lines.append(f"The search models the {plan.parallel.optimizer} optimizer's memory, not the loaded plan's "
+                     f"{base_plan.parallel.optimizer}.")
+    multi = any(len(b.devices) > 1 for b in plan.placement.blocks)
+    if multi and plan.model.split != "layers":
+        lines.append(f"{plan.model.name} has no layer split, so the Launch tab cannot run its all-device blocks "
+                     "(a tensor-parallel group each); this plan is a prediction only.")
+    else:
+        lines.append(f"The searched plan of {plan.model.name} is loaded: the Launch tab trains it.")
+    return "  \n".join(lines)
 
 
 def _measure(job: _Job, schedule) -> ScheduleMetrics:
@@ -477,4 +700,4 @@ def abstract_v_variant(placement):
     return variant
 
 
-__all__ = ["CURRENT", "SearchPanel", "abstract_v_variant"]
+__all__ = ["CURRENT", "SearchPanel", "abstract_v_variant", "is_model_plan", "model_shape_options"]
