@@ -35,6 +35,7 @@ from engine.simulate import simulate
 from engine.split import choose_split
 from engine.timeline import Timeline
 from engine.transform import (
+    LOSS_PARALLEL_TASKS,
     PARAM_STATE_FACTOR,
     ParallelConfig,
     Segment,
@@ -210,7 +211,8 @@ def make_plan(
                                     f"but --device-type is {device_type}")
             table = profile_ops(ops, device=local)
         cost = CostModel.for_device(device_type, profile=table, dtype=dtype)
-    segments, warnings = split_segments(graph, cost, config, memory_limit=memory_limit, optimizer=optimizer)
+    segments, warnings = split_segments(graph, cost, config, memory_limit=memory_limit, optimizer=optimizer,
+                                        loss_parallel=bundle.task in LOSS_PARALLEL_TASKS)
     warnings = warnings_pre + warnings
     seg_layers = [s.layers for s in segments]
     tied = tied_parameter_groups(bundle.module, seg_layers)

@@ -77,12 +77,13 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     from engine.simulate import simulate
     from engine.split import choose_split, supports_layer_split
     from engine.tessel import tessel_search
+    from engine.transform import LOSS_PARALLEL_TASKS
 
     bundle = build_model(model, batch_size=micro_batch_size, seq_len=seq_len)
     graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
     cost = cost if cost is not None else CostModel.for_device(device_type)
     pl, parts = model_shape_placement(graph, cost, shape, devices, split_backward=split_backward,
-                                      forward_only=forward_only)
+                                      forward_only=forward_only, loss_parallel=bundle.task in LOSS_PARALLEL_TASKS)
 
     def variant(name: str):
         if name == "interleaved":

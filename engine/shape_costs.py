@@ -35,7 +35,8 @@ from engine.transform import (
 
 
 def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bool = False,
-                          forward_only: bool = False, optimizer: str = "adam") -> tuple[Placement, list[dict]]:
+                          forward_only: bool = False, optimizer: str = "adam",
+                          loss_parallel: bool = False) -> tuple[Placement, list[dict]]:
     """The ``shape`` placement on ``n`` devices with the captured model's costs.
 
     Args:
@@ -46,6 +47,13 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         optimizer: ``adam`` or ``adama``: static memory is parameters + m + v (3x) either way; the
             gradient buffer / transient per segment follow :func:`engine.transform.gradient_bytes`
             (divided among the devices of an all-device segment, like its parameters).
+        loss_parallel: the task's loss takes vocab-sharded logits, so an all-device LM head pays
+            no all-gather of its logits (:func:`engine.transform.layer_costs`).
+
+    An all-device segment with parameters is tensor-parallel over its ``n`` devices and costs what
+    :func:`engine.transform.layer_costs` gives at ``tp = n`` (per-op sharding, Megatron's
+    all-reduces; backward = ``backward_factor`` x compute + the same communication), as a
+    ``tp = n`` stage of :func:`engine.planner.make_plan` does.
 
     Returns:
         ``(placement, parts)``: the placement (seconds, bytes) and per model part its ``layers``,
@@ -96,6 +104,15 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
     def part_of(s: int) -> int:
         return s % k  # X holds two replicas of the model; the other shapes have one segment per part
     all_dev = {b.segment for b in probe.blocks if len(b.devices) == n and n > 1}
+    # an all-device part with parameters is tensor-parallel over the n devices (per-rank costs);
+    # one without parameters (K's loss head) runs replicated: full time, no collective
+    tp_parts = {part_of(s) for s in all_dev if parts[part_of(s)]["param_bytes"]}
+    tp_layers = layer_costs(graph, cost, n, loss_parallel=loss_parallel) if tp_parts else []
+    for q in tp_parts:
+        chunk = tp_layers[ranges[q][0]:ranges[q][1]]
+        comm = sum(lc.tp_comm_time for lc in chunk)
+        parts[q].update(forward_time=sum(lc.forward_time for lc in chunk), tp_comm_time=comm,
+                        activation_bytes=sum(lc.activation_bytes for lc in chunk))
     fwd, bwd, act, outs, grads = [], [], [], [], []
     static = [0] * n
     grad_buf, grad_tr = [], []
@@ -103,12 +120,9 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         p = parts[part_of(s)]
         f, a = p["forward_time"], p["activation_bytes"]
         out: TensorSpec | None = p["output"]
-        if s in all_dev and p["param_bytes"]:   # tensor-parallel over all devices
-            comm = cost.collective_time("allreduce", out.nbytes if out else 0, list(range(n)))
-            f, a = f / n + comm, a // n
-        # (an all-device segment without parameters, K's loss, runs replicated: full time, no collective)
+        comm = p.get("tp_comm_time", 0.0)
         fwd.append(f)
-        bwd.append(cost.backward_factor * f)
+        bwd.append(cost.backward_factor * (f - comm) + comm)
         act.append(a)
         outs.append(out)
         prev = part_of(s) - 1
@@ -124,7 +138,8 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
     if not forward_only:
         pl = replace(pl, grad_memory=tuple(grad_buf), grad_transient=tuple(grad_tr))
     for p in parts:
-        p["backward_time"] = cost.backward_factor * p["forward_time"]
+        comm = p.setdefault("tp_comm_time", 0.0)
+        p["backward_time"] = cost.backward_factor * (p["forward_time"] - comm) + comm
         p["output"] = p["output"].to_dict() if p["output"] else None
         p["grad"] = p["grad"].to_dict() if p["grad"] else None
     return pl, parts

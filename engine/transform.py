@@ -143,13 +143,21 @@ def is_block_layer(layer: str) -> bool:
 
 
 
-def _tp_divisor(node: dict, tp: int) -> int:
-    """How many ways an op's work splits under TP: replicated norms/residuals get 1."""
+def _tp_divisor(node: dict, tp: int, vocab_layers: frozenset[str] = frozenset()) -> int:
+    """How many ways an op's work splits under TP, as the runtime shards a stage
+    (``runtime.tensor_parallel``): the projections inside transformer blocks and, of the other
+    layers, only the token embedding and the LM head (``vocab_layers``: vocab-parallel) split
+    ``tp`` ways; norms, residual adds in the block body, position embeddings and every other
+    layer run replicated (1)."""
     if tp == 1:
         return 1
-    if node.get("module_type", "") in _REPLICATED_MODULES:
+    mt = str(node.get("module_type", ""))
+    if mt in _REPLICATED_MODULES or mt.endswith(("LayerNorm", "RMSNorm")):
         return 1
-    if node.get("module_path", "") == node.get("layer", None):  # residual adds in the block body
+    layer = node.get("layer", None)
+    if not (layer is not None and is_block_layer(str(layer))):
+        return tp if layer in vocab_layers else 1
+    if node.get("module_path", "") == layer:  # residual adds in the block body
         return 1
     return tp
 
@@ -198,16 +206,43 @@ def _largest_param_bytes(node: dict) -> int:
     return min(best, int(node["param_bytes"])) if best else int(node["param_bytes"])
 
 
-def layer_costs(graph, cost, tp: int = 1) -> list[LayerCost]:
+LOSS_PARALLEL_TASKS = frozenset({"causal-lm", "masked-lm", "seq2seq"})
+"""The built-in tasks whose loss is a cross-entropy over the vocabulary, which the runtime computes
+on vocab-sharded logits (``tasks.Task.vocab_parallel_loss``; a test keeps the two in agreement)."""
+
+
+def _vocab_layers(graph, summaries) -> frozenset[str]:
+    """The layers the runtime shards over the vocabulary: the first non-block layer holding an
+    ``Embedding`` (the token embedding, before any position embedding) and a last layer holding a
+    ``Linear`` (the LM head, tied weights included)."""
+    def has(ls, mt: str) -> bool:
+        return any(graph.nodes[o].get("module_type") == mt for o in ls.ops)
+    out = [next((ls.name for ls in summaries if not is_block_layer(ls.name) and has(ls, "Embedding")), None)]
+    if summaries and not is_block_layer(summaries[-1].name) and has(summaries[-1], "Linear"):
+        out.append(summaries[-1].name)
+    return frozenset(x for x in out if x is not None)
+
+
+def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False) -> list[LayerCost]:
     """Forward time, FLOPs, parameter and activation bytes of every layer on one TP rank.
+
+    Tensor-parallel communication per layer (Megatron-LM, Shoeybi et al. 2019, section 3; its
+    forward all-reduces, the backward's are as many): a transformer block all-reduces its hidden
+    state twice (attention and MLP outputs), a vocab-parallel embedding once; the LM head (the
+    last layer) all-gathers its logits (``[B, T, vocab]``, counted as an all-reduce of them), or
+    with ``loss_parallel`` keeps them sharded and pays one all-reduce of its input hidden state
+    (its backward's input gradient; the softmax statistics of the loss are ``B*T`` floats).
 
     Args:
         graph: an :class:`~engine.graph.OpGraph`.
         cost: an :class:`~engine.cost.CostModel` (``op_time(node)``, ``collective_time(kind, nbytes, ranks)``).
         tp: tensor-parallel degree.
+        loss_parallel: the task's loss runs on vocab-sharded logits (:data:`LOSS_PARALLEL_TASKS`).
     """
     out = []
     summaries = graph.layer_summaries()
+    vocab = _vocab_layers(graph, summaries)
+    prev_hidden = 0
     for ls in summaries:
         t = 0.0
         flops = 0.0
@@ -216,7 +251,7 @@ def layer_costs(graph, cost, tp: int = 1) -> list[LayerCost]:
         act = 0
         for op in ls.ops:
             node = graph.nodes[op]
-            k = _tp_divisor(node, tp)
+            k = _tp_divisor(node, tp, vocab)
             t += cost.op_time(node, shard=k)
             flops += node.get("flops", 0.0) / k
             pbytes += node.get("param_bytes", 0) // k
@@ -224,11 +259,14 @@ def layer_costs(graph, cost, tp: int = 1) -> list[LayerCost]:
             act += node.get("saved_bytes", 0) // k
         output, grad = boundary_spec(graph, ls)
         comm = 0.0
+        hidden = TensorSpec(output.shape, output.dtype).nbytes if output else 0
         if tp > 1:
-            n_ar = 2 if is_block_layer(ls.name) else (1 if pbytes else 0)
-            # the Megatron all-reduces are of the layer's hidden state (the first boundary tensor)
-            nbytes = TensorSpec(output.shape, output.dtype).nbytes if output else ls.output_bytes
+            n_ar = 2 if is_block_layer(ls.name) else (1 if ls.name in vocab else 0)
+            # the Megatron all-reduces are of the layer's hidden state (the first boundary tensor);
+            # the last layer (the LM head) has none after it: its logits, or its input with loss parallel
+            nbytes = hidden if output else (prev_hidden if loss_parallel and prev_hidden else ls.output_bytes)
             comm = n_ar * cost.collective_time("allreduce", nbytes, list(range(tp)))
+        prev_hidden = hidden or prev_hidden
         out.append(LayerCost(ls.name, t + comm, flops, pbytes, act, comm, output, pmax, grad))
     return out
 
@@ -314,7 +352,7 @@ def balanced_partition(weights: Sequence[float], k: int, *, fits=None) -> list[t
 
 
 def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float | None = None,
-                   optimizer: str = "adam") -> tuple[list[Segment], list[str]]:
+                   optimizer: str = "adam", loss_parallel: bool = False) -> tuple[list[Segment], list[str]]:
     """Cut the graph into ``config.num_segments`` balanced segments.
 
     Args:
@@ -327,6 +365,7 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
             micro-batches of activations fit (1F1B's in-flight bound). ``None`` uses the cost
             model's device capacity.
         optimizer: ``adam`` or ``adama`` (:data:`OPTIMIZERS`).
+        loss_parallel: see :func:`layer_costs`.
 
     Returns:
         ``(segments, warnings)``; a warning says when no memory-feasible split exists and the
@@ -337,7 +376,7 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
     """
     config.check()
     check_optimizer(optimizer)
-    layers = layer_costs(graph, cost, config.tp)
+    layers = layer_costs(graph, cost, config.tp, loss_parallel=loss_parallel)
     k = config.num_segments
     if k > len(layers):
         raise TransformError(

@@ -12,8 +12,14 @@ A stage of a ``tp > 1`` plan is an eager decoder stage (:mod:`runtime.stage_laye
 - MLP: up (and gate) projections column-parallel, down projection row-parallel;
 - the token embedding vocab-parallel (``RowwiseParallel(input_layouts=Replicate())`` on an
   ``nn.Embedding``: each rank owns ``vocab/tp`` rows, the lookups are all-reduced);
-- the LM head column-parallel over the vocabulary, its logits all-gathered
-  (``ColwiseParallel(output_layouts=Replicate())``), so the task's loss sees ``[B, T, vocab]``.
+- the LM head column-parallel over the vocabulary. With loss parallel (torchtitan's
+  ``loss_parallel``; the task's ``vocab_parallel_loss``: a cross-entropy over the last dim) its
+  logits stay sharded, a ``DTensor`` ``[B, T, vocab]`` placed ``Shard(-1)``
+  (``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``), and the loss runs inside
+  ``torch.distributed.tensor.parallel.loss_parallel()``: each rank's softmax statistics over its
+  ``vocab/tp`` columns are all-reduced (``[B*T]`` floats), never the logits. Otherwise the logits
+  are all-gathered (``ColwiseParallel(output_layouts=Replicate())``) and the loss sees a plain
+  ``[B, T, vocab]`` tensor.
 
 Everything else (norms, position embeddings, biases of row-parallel layers) stays replicated: every
 rank of the group computes it on the same replicated activations, and DTensor's backward
@@ -40,7 +46,8 @@ from torch import nn
 
 from engine.errors import TesselError
 
-__all__ = ["GPT_TP_PLAN", "TensorParallelError", "apply_tensor_parallel", "local_grad", "local_tensor", "shard_dims",
+__all__ = ["GPT_TP_PLAN", "TensorParallelError", "apply_tensor_parallel", "has_lm_head", "local_grad", "local_tensor",
+           "shard_dims",
            "shard_view",
            "stage_tp_plan", "to_local_state", "from_local_state"]
 
@@ -62,6 +69,14 @@ def _styles():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}, Replicate
+
+
+def has_lm_head(stage: nn.Module) -> bool:
+    """Whether an eager decoder stage holds its model's LM head (the last stage)."""
+    try:
+        return _has(stage, _family_plan(stage)[2])
+    except TensorParallelError:
+        return False
 
 
 def _family_plan(stage: Any) -> tuple[dict[str, str], str, str, dict[str, int]]:
@@ -87,9 +102,10 @@ def _family_plan(stage: Any) -> tuple[dict[str, str], str, str, dict[str, int]]:
                               "with the layer split (plan.model.split = 'layers')")
 
 
-def stage_tp_plan(stage: nn.Module, tp: int) -> dict[str, Any]:
+def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False) -> dict[str, Any]:
     """The ``parallelize_module`` plan of one eager decoder stage for ``tp`` ranks: module path
-    (``*`` matches one level) -> ``ColwiseParallel``/``RowwiseParallel`` instance.
+    (``*`` matches one level) -> ``ColwiseParallel``/``RowwiseParallel`` instance. With
+    ``loss_parallel`` the LM head's logits stay vocab-sharded (see the module docstring).
 
     Raises:
         TensorParallelError: the model publishes no plan, its plan uses a style other than
@@ -111,7 +127,12 @@ def stage_tp_plan(stage: nn.Module, tp: int) -> dict[str, Any]:
     if _has(stage, embed):
         out[embed] = styles["rowwise"](input_layouts=Replicate())
     if _has(stage, head):
-        out[head] = styles["colwise"](output_layouts=Replicate())
+        if loss_parallel:
+            from torch.distributed.tensor import Shard
+
+            out[head] = styles["colwise"](output_layouts=Shard(-1), use_local_output=False)
+        else:
+            out[head] = styles["colwise"](output_layouts=Replicate())
     return out
 
 
@@ -122,10 +143,11 @@ def _has(module: nn.Module, path: str) -> bool:
         return False
 
 
-def apply_tensor_parallel(stage: nn.Module, mesh) -> dict[str, int]:
+def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False) -> dict[str, int]:
     """Shard ``stage`` in place over the 1-D tensor-parallel ``mesh`` (``parallelize_module`` with
-    :func:`stage_tp_plan`); re-ties parameters the stage shared before (GPT's ``wte``/``lm_head`` in
-    a one-stage plan: both become ``Shard(0)`` over the vocabulary, so one DTensor serves both).
+    :func:`stage_tp_plan`; ``loss_parallel``: the LM head's logits stay vocab-sharded); re-ties
+    parameters the stage shared before (GPT's ``wte``/``lm_head`` in a one-stage plan: both become
+    ``Shard(0)`` over the vocabulary, so one DTensor serves both).
 
     Returns:
         ``{parameter name: sharded dim}`` of every sharded parameter (:func:`shard_dims`).
@@ -136,7 +158,7 @@ def apply_tensor_parallel(stage: nn.Module, mesh) -> dict[str, int]:
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()
-    plan = stage_tp_plan(stage, tp)
+    plan = stage_tp_plan(stage, tp, loss_parallel=loss_parallel)
     names: dict[int, list[str]] = {}
     for name, p in stage.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)

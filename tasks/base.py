@@ -66,11 +66,18 @@ class Task(abc.ABC):
         input_names: names of the model's positional inputs, in order (``("input_ids",)``,
             ``("input_ids", "decoder_input_ids")``, ``("pixel_values",)``); their number is how
             many leading batch tensors are model inputs.
+        vocab_parallel_loss: the loss is ``torch.nn.functional.cross_entropy`` over the output's
+            last dimension (``reshape``/``float`` before it are fine), so it accepts logits sharded
+            over the vocabulary inside ``torch.distributed.tensor.parallel.loss_parallel()``: a
+            tensor-parallel LM head then never gathers ``[B, T, vocab]`` (torchtitan's loss
+            parallel). ``False`` (the default, and every user task): the head's logits are
+            all-gathered and the loss sees a plain tensor.
     """
 
     name: str = "task"
     unit: Unit = "samples"
     input_names: tuple[str, ...] = ("input",)
+    vocab_parallel_loss: bool = False
 
     @property
     def num_inputs(self) -> int:

@@ -59,6 +59,7 @@ class SpanCorruption(Task):
     name = "seq2seq"
     unit: Unit = "tokens"
     input_names = ("input_ids", "decoder_input_ids")
+    vocab_parallel_loss = True
 
     def __init__(self, ctx: TaskContext):
         self.seq_len = _seq_len(ctx, self.name)

@@ -82,6 +82,7 @@ class CausalLM(Task):
     name = "causal-lm"
     unit: Unit = "tokens"
     input_names = ("input_ids",)
+    vocab_parallel_loss = True
 
     def __init__(self, ctx: TaskContext):
         self.seq_len = _seq_len(ctx, self.name)
@@ -118,6 +119,7 @@ class MaskedLM(Task):
     name = "masked-lm"
     unit: Unit = "tokens"
     input_names = ("input_ids",)
+    vocab_parallel_loss = True
 
     def __init__(self, ctx: TaskContext):
         self.seq_len = _seq_len(ctx, self.name)

@@ -5,6 +5,7 @@ activation accounting (``docs/runtime-worker.md``, "What a rank does in a step")
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,7 +16,24 @@ from runtime.worker.step_state import StepState
 if TYPE_CHECKING:
     from runtime.worker.stage_worker import StageWorker
 
-__all__ = ["backward", "backward_input", "backward_weight", "forward"]
+__all__ = ["backward", "backward_input", "backward_weight", "forward", "loss_context", "loss_value"]
+
+
+def loss_context(w: StageWorker, s: int) -> contextlib.AbstractContextManager:
+    """``torch.distributed.tensor.parallel.loss_parallel()`` for a segment whose LM head keeps its
+    logits vocab-sharded (``w.loss_parallel_segments``): the task's cross-entropy and its backward
+    run on the shards, all-reducing only the softmax statistics; a no-op context otherwise."""
+    if s not in w.loss_parallel_segments:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def loss_value(loss: torch.Tensor) -> float:
+    """A loss as a float; a loss-parallel loss is a replicated ``DTensor`` (its local value)."""
+    to_local = getattr(loss, "to_local", None)
+    return float((to_local() if to_local is not None else loss).detach())
 
 
 def forward(w: StageWorker, s: int, j: int, st: StepState) -> None:
@@ -61,8 +79,9 @@ def _run_stage(w: StageWorker, s: int, j: int, ins: tuple, st: StepState) -> tup
     if s not in w.loss_segments:
         return outs, None, aux
     d = w.data_index(s, j)
-    loss = w.task.loss(outs[0], *st.targets[d])
-    st.losses[d] = float(loss.detach())
+    with loss_context(w, s):
+        loss = w.task.loss(outs[0], *st.targets[d])
+    st.losses[d] = loss_value(loss)
     return outs, loss * w.loss_scale, aux
 
 
@@ -117,7 +136,8 @@ def backward(w: StageWorker, s: int, j: int, st: StepState) -> None:
     scaled loss on the last segment); keeps the input gradients to send."""
     tensors, grads = _roots(w, s, j, st)
     ins = st.ctx.pop((s, j))[0]
-    torch.autograd.backward(tensors, grads)
+    with loss_context(w, s):
+        torch.autograd.backward(tensors, grads)
     w.meter.free((s, j))
     if s not in w.input_segments:
         st.in_grads[(s, j)] = [x.grad if x.grad is not None else torch.zeros_like(x)
@@ -133,7 +153,8 @@ def backward_input(w: StageWorker, s: int, j: int, st: StepState) -> None:
     if not xs:   # nothing to send (segment 0): W runs the whole backward
         st.wstate[(s, j)] = ("full", tensors, grads)
         return
-    dinputs, groups = stage_backward_input(tensors, grads, xs, iter(w.seg_params[s]))
+    with loss_context(w, s):
+        dinputs, groups = stage_backward_input(tensors, grads, xs, iter(w.seg_params[s]))
     st.wstate[(s, j)] = ("groups", groups)
     st.in_grads[(s, j)] = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, dinputs)]
 
@@ -144,12 +165,14 @@ def backward_weight(w: StageWorker, s: int, j: int, st: StepState) -> None:
     from torch.distributed.pipelining._backward import stage_backward_weight
     state = st.wstate.pop((s, j))
     if state[0] == "full":
-        torch.autograd.backward(state[1], state[2])
+        with loss_context(w, s):
+            torch.autograd.backward(state[1], state[2])
     else:
         # retain_graph: torch's parameter groups can share graph nodes (T5's position bias feeds
         # every block; BERT's head); the first group's pass would free what the next one needs.
         # The graph is released when the context is dropped right below.
-        stage_backward_weight(iter(w.seg_params[s]), state[1], retain_graph=True)
+        with loss_context(w, s):
+            stage_backward_weight(iter(w.seg_params[s]), state[1], retain_graph=True)
         if w.opt.adama:   # stage_backward_weight assigns .grad without firing the fold hooks
             w.opt.fold(w.opt.folded[s])
     st.ctx.pop((s, j), None)

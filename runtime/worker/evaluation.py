@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from runtime.worker.compute import loss_context, loss_value
+
 if TYPE_CHECKING:
     from runtime.worker.stage_worker import StageWorker
 
@@ -32,7 +34,8 @@ def evaluate_loss(w: StageWorker, model_inputs: list[tuple[torch.Tensor, ...]],
                     continue
                 outs = w.modules[s](*_stage_inputs(w, s, j, model_inputs, outs_of))
                 if s in w.loss_segments:
-                    total += float(w.task.loss(outs[0], *targets[j]))
+                    with loss_context(w, s):
+                        total += loss_value(w.task.loss(outs[0], *targets[j]))
                     continue
                 c = w.succ[s]
                 if w.pp_rank == devs[s][0] and c is not None:   # the first device sends to the consumer's others

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from engine.dependency import COMPUTE_OPS, Instruction, Op, lower
 from engine.models.moe.layer import MoEFeedForward
 from runtime.expert_parallel import ExpertParallelMoE, is_expert_param
-from runtime.tensor_parallel import apply_tensor_parallel, local_tensor
+from runtime.tensor_parallel import apply_tensor_parallel, has_lm_head, local_tensor
 from runtime.worker.batches import MicroBatch, split_batch
 from runtime.worker.buffers import ReceiveBuffers
 from runtime.worker.config import OPTIMIZERS, WorkerConfig
@@ -153,6 +153,7 @@ class StageWorker:
             "segments": list(self.segments), "params": sum(p.numel() for p in self._local_params),
             "param_bytes": sum(p.numel() * p.element_size() for p in self._local_params),
             "tensor_parallel": {s: dict(d) for s, d in self.tp_dims.items()},
+            "loss_parallel": sorted(self.loss_parallel_segments),
             "buffer_bytes": self.buffers.nbytes, "num_buffers": self.buffers.count,
             "stream_length": len(self.stream), "tied": [[list(x) for x in g] for g in self.tied],
             "removed": removed, "boundaries": [[m.to_dict() for m in b] for b in self.boundaries],
@@ -267,11 +268,16 @@ class StageWorker:
         # tensor parallelism: shard each local stage over this rank's TP group, or a multi-device
         # segment over the mesh of its device set (DTensor)
         self.tp_dims: dict[int, dict[str, int]] = {}
+        # loss parallel: a sharded LM head keeps its logits vocab-sharded when the task's loss takes them
+        self.loss_parallel_segments: set[int] = set()
         for s in self.segments:
             mesh = self.groups.block_meshes.get(self.seg_devices[s], self.groups.tp_mesh)
             # a multi-device segment without parameters (K's contrastive head) runs replicated
             if mesh is not None and any(True for _ in self.modules[s].parameters()):
-                self.tp_dims[s] = apply_tensor_parallel(self.modules[s], mesh)
+                lp = bool(self.task.vocab_parallel_loss) and s in self.loss_segments and has_lm_head(self.modules[s])
+                self.tp_dims[s] = apply_tensor_parallel(self.modules[s], mesh, loss_parallel=lp)
+                if lp:
+                    self.loss_parallel_segments.add(s)
         # per local segment: (this rank's shard index, shards) of its tensor-parallel parameters
         self.seg_shard = {s: ((self.seg_devices[s].index(self.pp_rank), len(self.seg_devices[s]))
                               if len(self.seg_devices[s]) > 1 else (self.tp_rank, self.tp)) for s in self.segments}

@@ -62,6 +62,8 @@ def test_all_device_placements_train_like_one_process(pool, model, shape):
     for p in out.values():   # every rank runs the all-device segments
         assert set(multi) <= set(p["info"]["segments"])
         assert all(p["info"]["tensor_parallel"][s] for s in multi), "all-device segments are sharded"
+        # M's all-device LM head computes the loss on vocab-sharded logits (loss parallel)
+        assert p["info"]["loss_parallel"] == ([3] if shape == "m" else [])
     ref = reference_run(plan, batches, seed=0, lr=1e-3)
     for step in range(STEPS):   # every data micro-batch's loss, from whichever rank ends its chain
         got = {}

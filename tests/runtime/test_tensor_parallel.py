@@ -72,6 +72,8 @@ def test_tensor_parallel_plan_trains_like_one_process(pool, model, dp, tp, pp, s
     ref = reference_run(plan, batches, seed=0, lr=1e-3)
     holders = {(p["info"]["dp_index"], p["info"]["tp_rank"]): r for r, p in out.items() if p["losses"][0]}
     assert sorted(holders) == [(d, t) for d in range(dp) for t in range(tp)]
+    for r in holders.values():   # loss parallel: the LM head's logits stay vocab-sharded on the last stage
+        assert out[r]["info"]["loss_parallel"] == [pp - 1]
     for t in range(tp):   # both tensor ranks of the last stage compute the same (replicated) loss
         got = [sum((out[holders[(d, t)]]["losses"][i] for d in range(dp)), []) for i in range(STEPS)]
         for step, (g, r) in enumerate(zip(got, ref.losses)):
