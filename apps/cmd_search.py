@@ -130,6 +130,9 @@ def run(args: argparse.Namespace) -> dict:
     tess = measure(res.schedule, limit, cost)
     tessel_tl = searched.timeline if searched is not None else simulate(lower(res.schedule), cost)
     rows = [tess] + compare_baselines(pl, args.micro_batches, memory_limit=limit, cost=cost, variant=variant)
+    if searched is not None and pl.name != "V":   # the yardstick: the same model on a plain pipeline
+        rows = [r for r in rows if r.makespan is not None or r.name not in ("interleaved", "zb-h1")]
+        rows += searched.v_baselines(limit)
 
     def unit_mem(x):
         return None if x is None else x / mem_scale / gib

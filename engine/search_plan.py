@@ -28,8 +28,9 @@ class SearchPlan:
         timeline: the simulated timeline of the searched schedule (seconds, bytes).
         placement: the model-aware placement searched.
         cost: the :class:`engine.cost.CostModel` used.
-        variant: ``name -> Placement`` of the same model on the V (split backward) and interleaved
-            placements, for :func:`engine.compare.compare_baselines`.
+        variant: ``name -> Placement`` of the same model for :func:`engine.compare.compare_baselines`:
+            ``"zb-h1"`` the V placement with the backward split into I and W, ``"interleaved"`` two
+            virtual stages per device, ``"v"`` the plain V placement.
     """
 
     plan: Any
@@ -38,6 +39,20 @@ class SearchPlan:
     placement: Any
     cost: Any
     variant: Callable[[str], Any]
+
+    def v_baselines(self, memory_limit: float | None = None) -> list:
+        """The predefined schedules on the same model's plain pipeline: GPipe and 1F1B on the V
+        placement, interleaved 1F1B and ZB-H1 on their variants, for the same data per step
+        (``m x data_per_instance`` micro-batches: X's instances carry two), simulated with the same
+        cost model; each :class:`engine.compare.ScheduleMetrics` named ``"<schedule> (V)"``
+        (seconds, bytes; ``memory_limit`` in bytes marks the rows above it)."""
+        from engine.compare import compare_baselines
+
+        m = self.result.schedule.num_micro_batches * self.placement.data_per_instance
+        rows = compare_baselines(self.variant("v"), m, memory_limit=memory_limit, cost=self.cost, variant=self.variant)
+        for r in rows:
+            r.name = f"{r.name} (V)"
+        return rows
 
 
 def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, *, micro_batch_size: int = 1,
@@ -88,6 +103,8 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     def variant(name: str):
         if name == "interleaved":
             return model_shape_placement(graph, cost, "interleaved", devices, forward_only=forward_only)[0]
+        if name == "v":
+            return model_shape_placement(graph, cost, "v", devices, forward_only=forward_only)[0]
         return model_shape_placement(graph, cost, "v", devices, split_backward=True)[0]
 
     res = tessel_search(pl, micro_batches, memory_limit=memory_limit, **search_kw)

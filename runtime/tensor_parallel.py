@@ -39,6 +39,7 @@ Sources: PyTorch, "Tensor Parallelism" (``torch.distributed.tensor.parallel``); 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -119,11 +120,14 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False) -> 
                                       "parallelism splits whole heads across ranks, pick a tp that divides it")
     styles, Replicate = _styles()
     out: dict[str, Any] = {}
+    names = [n for n, _ in stage.named_modules()]
     for path, style in block_plan.items():
         if style not in styles:
             raise TensorParallelError(f"the model's tensor-parallel plan shards {path!r} as {style!r}; the runtime "
                                       "executes 'colwise' and 'rowwise' layers only, use tp=1 for this model")
-        out[path] = styles[style]()
+        pattern = re.compile("^" + r"\.".join("[^.]+" if t == "*" else re.escape(t) for t in path.split(".")) + "$")
+        if any(pattern.match(n) for n in names):   # a stage without blocks (M's embedding, head) has none
+            out[path] = styles[style]()
     if _has(stage, embed):
         out[embed] = styles["rowwise"](input_layouts=Replicate())
     if _has(stage, head):

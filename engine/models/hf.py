@@ -62,6 +62,18 @@ HF_SPECS: dict[str, tuple[str, str, dict[str, Any], int, str]] = {
         num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=None), 128,
         "HF T5 encoder-decoder, 2+2 layers, d_model 64, 4 heads, vocab 300 (bytes + sentinels from 299 "
         "down), task seq2seq (span corruption)"),
+    "llama-32k-cpu": ("LlamaForCausalLM", "LlamaConfig", dict(
+        vocab_size=32000, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None), 128,
+        "HF Llama, 4 layers, hidden 128, 4 heads / 2 KV heads, Llama-2's vocabulary size 32000 (8.9M params, "
+        "8.2M of them in the embedding and LM head): a large-vocabulary model that trains on a CPU"),
+    "llama-250k": ("LlamaForCausalLM", "LlamaConfig", dict(
+        vocab_size=250112, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None), 1024,
+        "HF Llama with mT5-base's width and vocabulary: 12 layers, hidden 768, 12 heads, SwiGLU 2048, "
+        "vocab 250112 (0.47B params, 0.38B of them in the embedding and LM head; Tessel's M placement)"),
     "llama-7b": ("LlamaForCausalLM", "LlamaConfig", dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,

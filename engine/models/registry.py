@@ -205,6 +205,11 @@ def two_tower_builder(**shape: int | float) -> Callable[..., tuple[nn.Module, di
     return build
 
 
+register_model("two-tower-base", two_tower_builder(n_layer=12, n_head=12, n_embd=768, proj_dim=256, block_size=512),
+               description="in-project two-tower model with BERT-base towers: 12 bidirectional layers each, hidden "
+                           "768, 12 heads, byte vocab 256, 512 positions, a parameter-free contrastive head "
+                           "(~170M params); task contrastive; for planning Tessel's K placement",
+               default_seq_len=256, source="zoo", max_seq_len=lambda c: c["block_size"], task="contrastive")
 register_model("two-tower-tiny", two_tower_builder(n_layer=2, n_head=4, n_embd=64, proj_dim=32, block_size=128),
                description="in-project two-tower model (engine.models.two_tower): a docstring tower and a code tower, "
                            "2 bidirectional layers each, hidden 64, byte vocab 256, joined by a parameter-free "

@@ -411,3 +411,32 @@ def test_cli_launch_json_and_resume_errors(tmp_path):
     p = tessel("launch", str(tmp_path / "plan.json"), "--steps", "2", "--resume", "--json")
     assert p.returncode == 2 and "already reached step 2" in p.stderr
     assert json.loads(p.stdout.strip().splitlines()[-1])["ok"] is False
+
+
+@pytest.mark.timeout(400)
+def test_cli_search_with_a_model_writes_a_plan_that_launch_trains(tmp_path):
+    """``tessel search --model llama-tiny --placement m`` uses the model's costs, compares with the
+    same model's plain pipeline (the ``(V)`` rows), and ``tessel launch`` trains the written plan
+    (embedding and head tensor-parallel over both ranks) on Ray: losses fall, calibration works."""
+    import json
+
+    def tessel(*args):
+        return subprocess.run([sys.executable, "-m", "apps.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=350)
+
+    p = tessel("search", "--model", "llama-tiny", "--placement", "m", "--devices", "2", "--micro-batches", str(M),
+               "--micro-batch-size", str(MBS), "--seq-len", str(SEQ), "--device-type", "cpu", "--time-limit", "5",
+               "-o", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert {"1f1b (V)", "zb-h1 (V)", "gpipe (V)", "interleaved (V)"} <= set(res["baselines"])
+    assert "1f1b (V)" in p.stdout and "Traceback" not in p.stderr
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["model"]["name"] == "llama-tiny" and plan["model"]["split"] == "layers"
+    assert plan["metrics"]["tokens_per_second"] > 0
+    p = tessel("launch", str(tmp_path / "plan.json"), "--steps", "3", "--json", "--calibrate",
+               "--checkpoint-every", "0")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["steps"] == 3 and out["losses"][-1] < out["losses"][0]
+    assert out["calibration"]["predicted_makespan"] > 0
