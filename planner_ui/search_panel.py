@@ -219,9 +219,10 @@ class SearchPanel(pn.viewable.Viewer):
         self._finish_lock = threading.Lock()
         self._periodic = None
         self._plan_key: tuple | None = None
+        self._options_cache: tuple | None = None  # (graph, cost dict, model name, devices, offered, refused)
         self._build()
         # a model plan already loaded: start from its devices and micro-batches unless given here
-        self._on_plan(keep=set(params) & {"devices", "micro_batches"})
+        self._on_plan(keep=set(params) & {"devices", "micro_batches", "abstract_units"})
         self._st.param.watch(lambda *_: self._on_plan(), "plan")
         self.param.watch(lambda *_: self._update_shape_options(), ["devices", "abstract_units"])
 
@@ -282,13 +283,13 @@ class SearchPanel(pn.viewable.Viewer):
         return "GiB" if self.shape == CURRENT or not self.abstract_units else "units"
 
     def _on_plan(self, keep: set[str] | frozenset[str] = frozenset()) -> None:
-        """A new plan: start from a new model plan's devices and micro-batches (except those in
-        ``keep``), refresh the shapes."""
+        """A new plan: a new model plan's shapes are searched from its devices and micro-batches
+        (except the parameters in ``keep``); refresh the shapes."""
         plan: Any = self._st.plan
         key = (plan.model.name, plan.parallel.devices) if is_model_plan(plan) else None
         if key is not None and key != self._plan_key:
             start = {"devices": max(1, int(plan.parallel.devices)),
-                     "micro_batches": int(plan.schedule.num_micro_batches)}
+                     "micro_batches": int(plan.schedule.num_micro_batches), "abstract_units": False}
             self.param.update(**{k: v for k, v in start.items() if k not in keep})
         self._plan_key = key
         self._update_shape_options()
@@ -316,7 +317,12 @@ class SearchPanel(pn.viewable.Viewer):
     def _update_shape_options(self) -> None:
         plan: Any = self._st.plan
         if self.model_mode:
-            offered, refused = model_shape_options(plan, self._st.graph, self.devices)
+            graph, devices, c = self._st.graph, int(self.devices), self._options_cache
+            if c is not None and c[0] is graph and c[1] is plan.cost and c[2:4] == (plan.model.name, devices):
+                offered, refused = c[4], c[5]  # an edit of the same plan: the same shapes
+            else:
+                offered, refused = model_shape_options(plan, graph, devices)
+                self._options_cache = (graph, plan.cost, plan.model.name, devices, offered, refused)
             note = (f"Shapes of {plan.model.name} on {self.devices} devices: "
                     f"{', '.join(s.upper() for s in offered) or 'none'}.")
             for name, why in refused.items():  # the engine's sentence, pointed at this tab's box for K

@@ -152,6 +152,11 @@ def test_abstract_units_keep_the_abstract_shapes(llama):
     panel.param.update(shape="k", devices=4, micro_batches=8)
     assert panel.run_search(wait=True) is not None, st.message
     assert st.abstract and st.plan.placement.name == "K"
+    assert panel.units_input.disabled  # no model plan left to search
+    # a model plan loaded again: its own shapes, from its devices and micro-batches
+    st.load(llama.plan, graph=llama.graph)
+    assert panel.model_mode and not panel.abstract_units and not panel.units_input.disabled
+    assert panel.param.shape.objects == DECODER_SHAPES + [CURRENT] and (panel.devices, panel.micro_batches) == (2, 4)
 
 
 def test_without_the_graph_a_shape_the_model_cannot_fill_is_refused_in_one_sentence(llama):
