@@ -1,12 +1,20 @@
 """The served planner in headless Chromium: loads cleanly, draws the plan, edits, searches.
 
 Each test opens a fresh session (its own PlanState) of the app started by the ``app_url``
-fixture (gpt2-tiny, 2 devices, 4 micro-batches, 1F1B).
+fixture (gpt2-tiny, 2 devices, 4 micro-batches, 1F1B); the model-search test opens its own app
+(``llama_url``: llama-tiny on 2 CPU devices), searches the model's M shape and launches it on Ray.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -95,6 +103,38 @@ def _fill(page, css: str, value: str) -> None:
     box.press("Enter")
 
 
+def _shadow_text(page, css: str) -> str:
+    """The text of the Panel pane with css class ``css`` (rendered in its shadow root)."""
+    return page.locator(f".{css}").first.evaluate(SHADOW_TEXT_JS)
+
+
+#: Devices (rows) the Gantt draws block ``name`` on.
+BLOCK_DEVICES_JS = """(name) => {
+  for (const doc of Bokeh.documents) {
+    for (const m of doc.all_models) {
+      if (m.name !== "tessel-gantt-blocks") continue;
+      const d = m.data;
+      return d.name.map((n, i) => [n, d.device[i]]).filter(p => p[0] === name).map(p => Number(p[1]));
+    }
+  }
+  return [];
+}"""
+
+#: Rows of the Gantt's measured overlay when its legend ("measured") is shown, else -1.
+MEASURED_ROWS_JS = """() => {
+  if (!window.Bokeh) return -1;
+  for (const doc of Bokeh.documents) {
+    for (const m of doc.all_models) {
+      if (m.type !== "Legend" || !m.items.length) continue;
+      const item = m.items[0];
+      if (!item.label || item.label.value !== "measured") continue;
+      return m.visible ? item.renderers[0].data_source.data.name.length : -1;
+    }
+  }
+  return -1;
+}"""
+
+
 def test_app_loads_without_console_errors(page, app_url):
     errors = _open(page, app_url)
     page.wait_for_timeout(1500)
@@ -156,6 +196,8 @@ def test_search_panel_produces_a_schedule(page, app_url):
     _open(page, app_url)
     page.locator(".bk-tab").filter(has_text="Search").first.click()
     page.locator(".tessel-search-panel").first.wait_for(timeout=30_000)
+    # the app opens on a model plan: the abstract shapes are behind the "Abstract units" box
+    page.locator(".tessel-search-units input").first.check()
     page.locator(".tessel-search-shape select").select_option("m")
     _fill(page, "tessel-search-devices", "4")
     _fill(page, "tessel-search-micro-batches", "8")
@@ -188,3 +230,89 @@ def test_dragging_blocks_on_the_gantt(page, app_url):
     _wait_until(page, lambda: _makespan(page) != before)
     assert _makespan(page) != before
     assert "moved 0F1" in _message(page, "moved")
+
+
+# ----------------------------------------------------------------------------- a model's searched plan, launched
+@pytest.fixture(scope="module")
+def llama_url():
+    """URL of a ``tessel serve`` subprocess opened on llama-tiny (2 CPU devices, 4 micro-batches:
+    a model with the layer split, so its M plan launches); stopped by its process group at the end.
+    Its launches start and stop their own Ray cluster inside that process."""
+    root = Path(__file__).resolve().parents[2]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "serve", "--port", str(port), "--model", "llama-tiny",
+                             "--devices", "2", "--micro-batches", "4", "--device-type", "cpu"],
+                            cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"tessel serve (llama-tiny) exited with {proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            pytest.fail("tessel serve (llama-tiny) did not start listening within 120 s")
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+
+
+def test_searched_model_plan_is_drawn_launched_and_measured(page, llama_url):
+    errors = _open(page, llama_url)
+    page.locator(".bk-tab").filter(has_text="Search").first.click()
+    page.locator(".tessel-search-panel").first.wait_for(timeout=30_000)
+    # the model's shapes: no K for a decoder LM; devices and micro-batches start from the plan's
+    select = page.locator(".tessel-search-shape select").first
+    select.wait_for(timeout=30_000)
+    options = select.evaluate("el => Array.from(el.options).map(o => o.value)")
+    assert "m" in options and "k" not in options, options
+    assert "K is not offered" in _shadow_text(page, "tessel-search-note")
+    select.select_option("m")
+    _fill(page, "tessel-search-time", "5")
+    page.locator(".tessel-search-run button").click()
+    result = page.locator(".tessel-search-result").get_by_text(re.compile("period", re.I)).first
+    result.wait_for(timeout=60_000)
+    assert "the Launch tab trains it" in _shadow_text(page, "tessel-search-result")
+    assert "M shape of llama-tiny on 2 devices" in _message(page, "M shape of llama-tiny")
+    # the Gantt shows the searched schedule in ms: the embedding's forward on both devices;
+    # per device 4 micro-batches x (2 all-device segments + 1 pipeline segment) x (F + B), + 1 optimizer step
+    page.locator(".bk-tab").filter(has_text="Schedule").first.click()
+    page.get_by_text(re.compile(r"2 devices . 4 micro-batches")).first.wait_for(timeout=30_000)
+    assert re.match(r"[\d.]+ ms", _makespan(page))
+    page.wait_for_function(f"({BLOCK_COUNT_JS})() === {2 * (4 * 3 * 2 + 1)}", timeout=30_000)
+    assert sorted(page.evaluate(BLOCK_DEVICES_JS, "0F0")) == [0, 1]
+    # launch it: 2 steps on local Ray (gloo), then the measured timeline over the prediction
+    page.locator(".bk-tab").filter(has_text="Launch").first.click()
+    page.locator(".tessel-launch-run button").first.wait_for(state="visible", timeout=30_000)
+    _fill(page, "tessel-launch-steps", "2")
+    page.wait_for_timeout(500)
+    page.locator(".tessel-launch-run button").click()
+    assert "launching" in _message(page, "launching")  # the click reached the server: the launch started
+    _wait_until(page, lambda: not _message(page).startswith("launching"), timeout_ms=150_000)
+    assert "launch done" in _message(page), _message(page)
+    _wait_until(page, lambda: "done" in _shadow_text(page, "tessel-launch-status"))
+    status = _shadow_text(page, "tessel-launch-status")
+    assert "done" in status and "measured" in status, status
+    page.locator(".bk-tab").filter(has_text="Schedule").first.click()
+    page.locator(".tessel-measured-makespan").first.wait_for(timeout=30_000)
+    assert re.match(r"[\d.]+ ms", page.locator(".tessel-measured-makespan").first.inner_text())
+    page.wait_for_function(f"({MEASURED_ROWS_JS})() > 0", timeout=30_000)
+    assert page.evaluate(MEASURED_ROWS_JS) >= 2 * (4 * 3 * 2)
+    # no script errors; (Panel fetches the stylesheets of its loading spinner and of a changed alert
+    # from cdn.holoviz.org, which this offline machine cannot reach: those failed loads are not counted)
+    assert [e for e in errors if "Failed to load resource" not in e] == [], errors
