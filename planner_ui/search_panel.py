@@ -445,8 +445,9 @@ class SearchPanel(pn.viewable.Viewer):
     def _work_model(self, job: _Job, control: SearchControl) -> tuple:
         """A model shape's search (in the search thread): ``model_search_plan`` with the loaded
         plan's cost model and micro-batch shape, then the baselines on the same model placement
-        (the V variants from ``SearchPlan.variant``), all timed as schedules alone (like
-        ``tessel search --model``)."""
+        (interleaved and ZB-H1 on a V from ``SearchPlan.variant``) and, for another shape, on the
+        same model's plain pipeline (``SearchPlan.v_baselines``), all timed as schedules alone
+        (like ``tessel search --model``)."""
         from engine.search_plan import model_search_plan
 
         bp = job.base_plan
@@ -459,6 +460,9 @@ class SearchPanel(pn.viewable.Viewer):
         tess = measure(res.schedule, job.limit, sp.cost)
         try:
             base = compare_baselines(sp.placement, job.m, memory_limit=job.limit, cost=sp.cost, variant=sp.variant)
+            if sp.placement.name != "V":   # the yardstick, as `tessel search --model` prints it: the same model
+                base = [r for r in base if r.makespan is not None or r.name not in ("interleaved", "zb-h1")]
+                base += sp.v_baselines(job.limit)   # on a plain pipeline, rows "<schedule> (V)"
         except (TesselError, ValueError) as e:
             base = [ScheduleMetrics("baselines", None, None, None, note=str(e))]
         return ("ok", res, tess, base, _searched_model_plan(sp.plan, bp, job.limit, job.model_shape))

@@ -108,10 +108,13 @@ def test_m_search_loads_a_launchable_plan_of_the_same_model(llama):
     from runtime.stage import check_executable
 
     check_executable(plan)
-    # the summary: Tessel vs the baselines on the same placement, times in ms, memory in GiB
-    assert [b.name for b in panel.baselines] == ["gpipe", "1f1b", "interleaved", "zb-h1"]
-    assert "| gpipe |" in panel.result_text and " ms |" in panel.result_text and "GiB" in panel.result_text
-    assert "needs a plain pipeline (V); this is M" in panel.result_text
+    # the summary: Tessel vs the baselines on the same placement and on the model's plain pipeline
+    # (SearchPlan.v_baselines, as `tessel search --model` prints them), times in ms, memory in GiB
+    assert [b.name for b in panel.baselines] == ["gpipe", "1f1b", "gpipe (V)", "1f1b (V)", "interleaved (V)",
+                                                 "zb-h1 (V)"]
+    assert all(b.makespan is not None for b in panel.baselines)
+    assert "| gpipe |" in panel.result_text and "| zb-h1 (V) |" in panel.result_text
+    assert " ms |" in panel.result_text and "GiB" in panel.result_text
     assert "the Launch tab trains it" in panel.result_text
     assert st.message_kind == "success" and "M shape of llama-tiny on 2 devices" in st.message
     # the search reported progress through its callback
