@@ -96,7 +96,10 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
                      fmt_ms(res.measured_busy[r]), fmt_gib(res.peak_memory[r]) if r < len(res.peak_memory) else "-"])
     say(table(["pipeline rank", "predicted step", "measured step", "measured/predicted", "predicted busy",
                "measured busy", "peak RSS"], rows))
-    pred_tps = float(plan.metrics.get("tokens_per_second", 0.0) or 0.0)
+    # the task's units (tokens, samples) of one step over the plan's predicted step makespan
+    pred_mk = float(res.predicted_makespan or 0.0)
+    pred_tps = (res.units_per_step / pred_mk if pred_mk > 0 and not math.isnan(pred_mk)
+                else float(plan.metrics.get("tokens_per_second", 0.0) or 0.0))
     if ran:
         say(f"loss {res.losses[0]:.4f} (step {res.start_step}) -> {res.losses[-1]:.4f} (step {res.steps - 1})")
     if res.val_losses:

@@ -37,10 +37,12 @@ SPLIT_METHODS: tuple[str, ...] = get_args(SplitMethod)
 
 def choose_split(module: nn.Module, tp: int = 1) -> SplitMethod:
     """``"layers"`` with tensor parallelism (``tp > 1``) for a decoder-only LM the layer split
-    supports (the runtime refuses the plan otherwise, naming the model); else ``"module"`` for an
+    supports (the runtime refuses the plan otherwise, naming the model), and always for the
+    in-project two-tower model (its eager stages carry both towers' inputs along a pipeline, which
+    the traced split cannot); else ``"module"`` for an
     ``nn.Sequential`` model (its layers run in order, so a stage is a slice of them), ``"tracer"``
     for every other model."""
-    if tp > 1 and supports_layer_split(module):
+    if (tp > 1 and supports_layer_split(module)) or _is_two_tower(module):
         return "layers"
     return "module" if isinstance(module, nn.Sequential) else "tracer"
 

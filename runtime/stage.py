@@ -509,16 +509,17 @@ def _trace_split(model: nn.Module, example: tuple, segment_layers: list[list[str
 
 
 def _split(model: nn.Module, example: tuple, segment_layers: list[list[str]], name: str,
-           method: str) -> tuple[dict[int, StageModule], str]:
+           method: str, chain: bool = True) -> tuple[dict[int, StageModule], str]:
     """Cut ``model`` with ``method`` (``"tracer"`` / ``"module"``, falling back to the other one
     where it applies; ``"layers"``: eager decoder stages, :mod:`runtime.stage_layers`, no
-    fallback); returns the stages and the method used."""
+    fallback; ``chain``: the segments form a chain, not K's branches); returns the stages and the
+    method used."""
     from runtime.stage_module import split_sequential
 
     if method == "layers":
         from runtime.stage_layers import split_layers
 
-        return split_layers(model, segment_layers, name), "layers"
+        return split_layers(model, segment_layers, name, chain=chain), "layers"
     sequential = isinstance(model, nn.Sequential)
     if method == "module":
         if sequential:
@@ -616,14 +617,15 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
     segment_layers = [[str(x) for x in s["layers"]] for s in segs][:S]
     example = tuple(bundle.example_inputs)
     method = plan.model.split or choose_split(model)
-    modules, method = _split(model, example, segment_layers, plan.model.name, method)
+    pl = plan.schedule.placement
+    preds = {i: [pl.blocks[k].segment for k in pl.spec("F", i).deps] for i in range(S)}
+    chain = all(preds[i] == [i - 1] for i in range(1, S))
+    modules, method = _split(model, example, segment_layers, plan.model.name, method, chain)
     eager = _restore_eager_moe(model, modules)
     _keep_buffers_non_persistent(model, modules)
 
     # ---- probe: one real micro-batch forward and backward through the placement's DAG (a chain:
     # segment i takes segment i-1's outputs; K's loss block takes both branches' ends)
-    pl = plan.schedule.placement
-    preds = {i: [pl.blocks[k].segment for k in pl.spec("F", i).deps] for i in range(S)}
     given = {int(g["index"]): [int(k) for k in g["inputs"]] for g in segs if g.get("inputs") is not None}
     records: dict[int, tuple[tuple, tuple]] = {}
     for i in range(S):

@@ -18,9 +18,11 @@ Two decoder-only families are supported (:func:`layer_split_family`):
   so only ``hidden [micro_batch, seq, hidden]`` crosses a boundary.
 - ``"tessel-gpt"``: the in-project :class:`engine.models.gpt.GPT` (``transformer.wte``, ``wpe``,
   ``h``, ``ln_f``, ``lm_head``).
-- ``"two-tower"``: the in-project two-tower model (``text`` and ``code`` towers, then ``head``):
-  each stage a run of one tower, or the join; the stages form a DAG (Tessel's K shape), not a
-  chain: the join takes both towers' embeddings.
+- ``"two-tower"``: the in-project two-tower model (``text`` and ``code`` towers, then ``head``).
+  On Tessel's K shape each stage is a run of one tower, or the join, and the stages form a DAG:
+  the join takes both towers' embeddings (:class:`TowerStage`, :class:`JoinStage`). On a chain
+  (V, interleaved) a stage is any contiguous run of the layers ``text.*``, ``code.*``, ``head``
+  and carries both sides (:class:`TwoTowerRunStage`).
 
 Chain interface (:class:`runtime.stage_types.StageModule`): the first stage takes the token ids
 ``[micro_batch, seq]`` (int64), a middle stage the hidden state ``[micro_batch, seq, hidden]``, and
@@ -41,8 +43,8 @@ from torch import nn
 
 from runtime.stage_types import StageModule
 
-__all__ = ["HFDecoderStage", "GPTStage", "JoinStage", "TowerStage", "layer_split_family", "layer_split_refusal",
-           "split_layers", "split_two_towers"]
+__all__ = ["HFDecoderStage", "GPTStage", "JoinStage", "TowerStage", "TwoTowerRunStage", "layer_split_family",
+           "layer_split_refusal", "split_layers", "split_two_towers"]
 
 
 def layer_split_family(model: nn.Module) -> str | None:
@@ -169,17 +171,82 @@ class JoinStage(StageModule):
         return (out,)
 
 
-def split_two_towers(model: Any, segment_layers: list[list[str]], name: str) -> dict[int, StageModule]:
+class TwoTowerRunStage(StageModule):
+    """A contiguous run of a two-tower model's layers on a chain (a plain pipeline): the state
+    between stages is ``(text side, code side)``: at the start the ids ``[micro_batch, seq]`` of both
+    towers (int64), then each side's hidden state ``[micro_batch, seq, hidden]`` or, after its
+    ``proj``, its embedding ``[micro_batch, proj_dim]``; the ``head`` returns ``(logits [micro_batch,
+    micro_batch],)``. Each layer does what :class:`engine.models.two_tower.Tower` does at that point
+    (``wte``, ``+ wpe(positions)``, a block, ``ln_f``, the mean over positions then ``proj``), so the
+    chain equals the unsplit model."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[str]):
+        super().__init__()
+        self.steps: list[tuple[str, str]] = []   # (side, part): ("text", "wte"), ("code", "h.1"), ("head", "")
+        keep: dict[str, list[str]] = {"text": [], "code": []}
+        for lay in layers:
+            top, _, rest = lay.partition(".")
+            self.steps.append((top, rest))
+            if top in keep:
+                keep[top].append(rest)
+            else:
+                self.add_module(top, copy.deepcopy(getattr(model, top)))
+        for side, parts in keep.items():
+            if not parts:
+                continue
+            t: Any = copy.deepcopy(getattr(model, side))
+            _keep_children(t.h, [p.split(".", 1)[1] for p in parts if p.startswith("h.")])
+            for part in ("wte", "wpe", "ln_f", "proj"):
+                if part not in parts:
+                    delattr(t, part)
+            setattr(self, side, t)
+
+    def forward(self, *state: torch.Tensor) -> tuple:
+        if len(state) == 1:   # after the head: nothing runs on the logits
+            return state
+        sides = {"text": state[0], "code": state[1]}
+        for top, part in self.steps:
+            if top not in sides:   # the join
+                return (getattr(self, top)(sides["text"], sides["code"]),)
+            t: Any = getattr(self, top)
+            x = sides[top]
+            if part == "wte":
+                x = t.wte(x)
+            elif part == "wpe":
+                x = x + t.wpe(torch.arange(x.shape[1], device=x.device))
+            elif part == "ln_f":
+                x = t.ln_f(x)
+            elif part == "proj":
+                x = t.proj(x.mean(dim=1))
+            else:
+                x = t.h._modules[part.split(".", 1)[1]](x)
+            sides[top] = x
+        return (sides["text"], sides["code"])
+
+
+def split_two_towers(model: Any, segment_layers: list[list[str]], name: str, *,
+                     chain: bool = False) -> dict[int, StageModule]:
     """Cut a two-tower model (children ``text``, ``code``, then the join, e.g. ``head``) into one eager
-    stage per segment: each segment a contiguous run of one tower's layers (``text.wte`` ..
-    ``text.h.0`` .. ``text.proj``), or the join's layers.
+    stage per segment. On Tessel's K shape (``chain=False``) each segment is a contiguous run of
+    one tower's layers (``text.wte`` .. ``text.h.0`` .. ``text.proj``), or the join's layers; on a
+    chain (``chain=True``: V, interleaved) each segment is a :class:`TwoTowerRunStage` of any
+    contiguous run of the model's layers.
 
     Raises:
-        runtime.stage_types.StageSplitError: a segment mixing towers, or towers not covered in order.
+        runtime.stage_types.StageSplitError: (DAG) a segment mixing towers; (chain) segments that
+            do not cover the layers in model order.
     """
     from runtime.stage_types import StageSplitError
 
     out: dict[int, StageModule] = {}
+    if chain:
+        order = ([f"text.{p}" for p in _tower_parts(model.text)] + [f"code.{p}" for p in _tower_parts(model.code)]
+                 + [n for n, _ in model.named_children() if n not in ("text", "code")])
+        flat = [x for lays in segment_layers for x in lays]
+        if flat != order:
+            raise StageSplitError(f"the layer split of {name!r} on a pipeline needs the segments to hold its layers "
+                                  f"in model order {order}; they hold {segment_layers}")
+        return {i: TwoTowerRunStage(model, lays) for i, lays in enumerate(segment_layers)}
     for i, lays in enumerate(segment_layers):
         tops = {x.split(".", 1)[0] for x in lays}
         if len(tops) != 1:
@@ -196,6 +263,11 @@ def split_two_towers(model: Any, segment_layers: list[list[str]], name: str) -> 
     return out
 
 
+def _tower_parts(tower: nn.Module) -> list[str]:
+    """A tower's layers in forward order: ``wte``, ``wpe``, ``h.0`` .. ``h.{n-1}``, ``ln_f``, ``proj``."""
+    return ["wte", "wpe"] + [f"h.{i}" for i in range(len(tower.h))] + ["ln_f", "proj"]
+
+
 def _block_index(layer: str, prefix: str) -> int | None:
     if layer.startswith(prefix):
         rest = layer[len(prefix):].split(".", 1)[0]
@@ -204,8 +276,11 @@ def _block_index(layer: str, prefix: str) -> int | None:
     return None
 
 
-def split_layers(model: Any, segment_layers: list[list[str]], name: str) -> dict[int, StageModule]:
-    """Cut ``model`` into one eager stage per segment (the plan's ``segments[i]["layers"]``).
+def split_layers(model: Any, segment_layers: list[list[str]], name: str, *,
+                 chain: bool = True) -> dict[int, StageModule]:
+    """Cut ``model`` into one eager stage per segment (the plan's ``segments[i]["layers"]``);
+    ``chain``: the segments form a chain (each takes the previous one's outputs), not a DAG of
+    branches (K; only the two-tower model has one).
 
     Raises:
         runtime.stage_types.StageSplitError: the model is not of a supported family, or a segment's
@@ -218,7 +293,7 @@ def split_layers(model: Any, segment_layers: list[list[str]], name: str) -> dict
     if family is None:
         raise StageSplitError(layer_split_refusal(model, name))
     if family == "two-tower":
-        return split_two_towers(model, segment_layers, name)
+        return split_two_towers(model, segment_layers, name, chain=chain)
     prefix, cls = (("model.layers.", HFDecoderStage) if family == "hf-decoder"
                    else ("transformer.h.", GPTStage))
     S = len(segment_layers)

@@ -100,3 +100,27 @@ def test_two_towers_on_the_k_placement_train_like_one_process(pool):
             assert torch.allclose(torch.tensor(p["losses"][step]), torch.tensor(ref.losses[step]), rtol=1e-4, atol=0)
     assert out[0]["losses"][-1] != out[0]["losses"][0]
     assert_params_match(merge_model_state(p["state"] for p in out.values()), ref.model, "two-tower K")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_two_towers_on_a_plain_pipeline_train_like_one_process(pool, schedule):
+    """The same two-tower model on the plain V pipeline (Tessel's yardstick for K): eager stages
+    carrying both towers' sides (``runtime.stage_layers.TwoTowerRunStage``: the code ids ride along
+    the text tower's stage) equal one process for 3 Adam steps."""
+    from engine.planner import make_plan
+    from runtime.reference import reference_run
+    from runtime.worker import merge_model_state
+    from tasks import task_for_plan
+
+    plan = make_plan("two-tower-tiny", devices=2, micro_batches=M, schedule=schedule, device_type="cpu",
+                     micro_batch_size=MBS, seq_len=SEQ).plan
+    assert plan.model.split == "layers" and plan.model.task == "contrastive"
+    task = task_for_plan(plan, seed=0)
+    batches = [tuple(task.train_batch(i, M * MBS)) for i in range(STEPS)]
+    out = pool.run_ok("worker_harness:train_task", {"plan": plan.to_dict(), "batches": batches}, world=2)
+    ref = reference_run(plan, batches, seed=0, lr=1e-3)
+    last = [p for p in out.values() if p["losses"][0]]
+    assert len(last) == 1
+    for step in range(STEPS):
+        assert torch.allclose(torch.tensor(last[0]["losses"][step]), torch.tensor(ref.losses[step]), rtol=1e-4, atol=0)
+    assert_params_match(merge_model_state(p["state"] for p in out.values()), ref.model, f"two-tower V {schedule}")

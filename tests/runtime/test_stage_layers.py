@@ -76,3 +76,36 @@ def test_merging_tensor_parallel_shards_needs_every_tensor_rank():
     assert torch.equal(merge_model_state(states)["w"], w)
     with pytest.raises(WorkerError, match=r"tensor-parallel shards \[0\] of 2"):
         merge_model_state(states[:1])
+
+
+@pytest.mark.parametrize("cuts", [(6,), (1,), (7, 9), (2, 6, 12)], ids=["towers", "wte|wpe", "mid-code", "three"])
+def test_two_tower_chain_stages_equal_the_unsplit_model(cuts):
+    """A two-tower model on a plain pipeline: any cut of its layers (between a tower's ``wte`` and
+    ``wpe``, inside a tower, at the tower boundary, before the head) chained stage after stage gives
+    the unsplit model's logits and, backward, its gradients."""
+    from engine.models import build_model
+    from runtime.stage_layers import TwoTowerRunStage, split_two_towers
+    from runtime.stage_types import StageSplitError
+
+    torch.manual_seed(0)
+    m = build_model("two-tower-tiny", batch_size=3, seq_len=16, device="cpu").module
+    layers = ([f"text.{p}" for p in ("wte", "wpe", "h.0", "h.1", "ln_f", "proj")]
+              + [f"code.{p}" for p in ("wte", "wpe", "h.0", "h.1", "ln_f", "proj")] + ["head"])
+    bounds = [0, *cuts, len(layers)]
+    segs = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+    stages = split_two_towers(m, segs, "two-tower-tiny", chain=True)
+    assert all(isinstance(s, TwoTowerRunStage) for s in stages.values())
+    g = torch.Generator().manual_seed(1)
+    text, code = torch.randint(1, 256, (3, 16), generator=g), torch.randint(1, 256, (3, 16), generator=g)
+    state: tuple = (text, code)
+    for i in range(len(segs)):
+        state = stages[i](*state)
+    want = m(text, code)
+    assert len(state) == 1 and torch.allclose(state[0], want, rtol=1e-5, atol=1e-6)
+    state[0].square().sum().backward()
+    want.square().sum().backward()
+    got = {n: p.grad for s in stages.values() for n, p in s.named_parameters()}
+    for n, p in m.named_parameters():
+        assert torch.allclose(got[n], p.grad, rtol=1e-4, atol=1e-6), n
+    with pytest.raises(StageSplitError, match="in model order"):
+        split_two_towers(m, [layers[6:], layers[:6]], "two-tower-tiny", chain=True)
