@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from torch import nn
@@ -265,7 +265,7 @@ def split_two_towers(model: Any, segment_layers: list[list[str]], name: str, *,
 
 def _tower_parts(tower: nn.Module) -> list[str]:
     """A tower's layers in forward order: ``wte``, ``wpe``, ``h.0`` .. ``h.{n-1}``, ``ln_f``, ``proj``."""
-    return ["wte", "wpe"] + [f"h.{i}" for i in range(len(tower.h))] + ["ln_f", "proj"]
+    return ["wte", "wpe"] + [f"h.{i}" for i in range(len(cast(nn.ModuleList, tower.h)))] + ["ln_f", "proj"]
 
 
 def _block_index(layer: str, prefix: str) -> int | None:
