@@ -633,8 +633,11 @@ def build_stages(plan, *, seed: int = 0) -> PipelineStages:
             vals: tuple = tuple(v for p in preds[i] for v in records[p][1])
         else:
             vals = tuple(example[k] for k in given[i]) if i in given else tuple(example)
-        ins = tuple(v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
-                    for v in vals)
+        # a producer's output carries a gradient only where it does in training: computed from
+        # parameters (a rotary table or mask passed through a stage does not, so no stage may
+        # expect a gradient for it: interleaved Llama stages forward cos/sin untouched)
+        ins = tuple(v.detach().requires_grad_(v.is_floating_point() and (not preds[i] or v.requires_grad))
+                    if isinstance(v, torch.Tensor) else v for v in vals)
         records[i] = (ins, modules[i](*ins))
     vals = records[S - 1][1]
     logits = vals[0] if len(vals) == 1 else None

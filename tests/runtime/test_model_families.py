@@ -78,6 +78,16 @@ def test_family_trains_like_one_process(pool, model, world, dp, schedule):
     _check_training(pool, plan, world, dp)
 
 
+@pytest.mark.parametrize("model", ["llama-tiny", "t5-tiny"])
+def test_interleaved_family_trains_like_one_process(pool, model):
+    """Interleaved 1F1B (two virtual stages per rank): a Llama stage passes the rotary tables
+    and the mask through untouched, so no stage may expect a gradient for them; T5 forwards its
+    position bias and encoder states across four stages."""
+    plan = _plan(model, "interleaved", 2, 1)
+    assert len(plan.segments) == 4
+    _check_training(pool, plan, 2, 1)
+
+
 @pytest.mark.parametrize("model,task,schedule", [("user_hf_models:llama", "causal-lm", "1f1b"),
                                                  ("user_hf_models:bert", "masked-lm", "zb-h1")])
 def test_a_raw_hf_model_from_user_code_trains(pool, model, task, schedule):
