@@ -20,14 +20,21 @@ __all__ = ["backward", "backward_input", "backward_weight", "forward", "loss_con
 
 
 def loss_context(w: StageWorker, s: int) -> contextlib.AbstractContextManager:
-    """``torch.distributed.tensor.parallel.loss_parallel()`` for a segment whose LM head keeps its
-    logits vocab-sharded (``w.loss_parallel_segments``): the task's cross-entropy and its backward
-    run on the shards, all-reducing only the softmax statistics; a no-op context otherwise."""
+    """For a segment whose LM head keeps its logits vocab-sharded (``w.loss_parallel_segments``):
+    the task's cross-entropy and its backward run on the shards, all-reducing only the softmax
+    statistics (:class:`runtime.vocab_parallel_loss.VocabParallelCrossEntropy`, Megatron's
+    vocab-parallel loss, for plain ``F.cross_entropy``; ``torch.distributed.tensor.parallel.
+    loss_parallel()`` for any other use of the sharded logits); a no-op context otherwise."""
     if s not in w.loss_parallel_segments:
         return contextlib.nullcontext()
     from torch.distributed.tensor.parallel import loss_parallel
 
-    return loss_parallel()
+    from runtime.vocab_parallel_loss import VocabParallelCrossEntropy
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(loss_parallel())
+    stack.enter_context(VocabParallelCrossEntropy())
+    return stack
 
 
 def loss_value(loss: torch.Tensor) -> float:
