@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 PREDICTED = (("llama-250k", "m", 1, 1024), ("llama-250k", "x", 1, 1024), ("llama-250k", "nn", 1, 1024),
              ("two-tower-base", "k", 8, 256))
 #: (model, shape, micro-batch size, sequence length, micro-batches) of the measured part
-MEASURED = (("llama-32k-cpu", "m", 4, 64, 4), ("two-tower-tiny", "k", 16, 64, 4))
+MEASURED = (("llama-32k-cpu", "m", 4, 64, 4), ("two-tower-tiny", "k", 32, 64, 4))
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -174,7 +174,7 @@ def print_predicted(rows: list[dict]) -> None:
 def print_measured(rows: list[dict]) -> None:
     print("(b) measured on 2 CPU ranks: median step of the second half (meas), the plan calibrated on the first half "
           "(cal), uncalibrated plan (plan)")
-    head = (f"{'model':<15} {'schedule':<12} {'plan ms':>9} {'cal ms':>9} {'meas ms':>9} {'cal err':>8} "
+    head = (f"{'model':<15} {'schedule':<15} {'plan ms':>9} {'cal ms':>9} {'meas ms':>9} {'cal err':>8} "
             f"{'loss first -> last':>19}")
     print(head)
     print("-" * len(head))
@@ -182,11 +182,11 @@ def print_measured(rows: list[dict]) -> None:
         for name, r in c["runs"].items():
             label = f"{name} ({c['shape']})" if name == "tessel" else f"{name} (V)"
             if "error_message" in r:
-                print(f"{c['model']:<15} {label:<12} FAILED: {r['error_message']}")
+                print(f"{c['model']:<15} {label:<15} FAILED: {r['error_message']}")
                 continue
             err = f"{r['error']:+.1%}" if r.get("error") is not None else "-"
             loss = (f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}" if r.get("loss_first") is not None else "-")
-            print(f"{c['model']:<15} {label:<12} {_ms(r.get('planned_s')):>9} {_ms(r.get('calibrated_s')):>9} "
+            print(f"{c['model']:<15} {label:<15} {_ms(r.get('planned_s')):>9} {_ms(r.get('calibrated_s')):>9} "
                   f"{_ms(r.get('measured_s')):>9} {err:>8} {loss:>19}")
         ratio = f"{c['tessel_vs_best']:.2f}x" if c["tessel_vs_best"] else "-"
         print(f"  -> Tessel {c['shape']} vs the best predefined schedule ({c['best_baseline']}): {ratio} "
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", default="4,8", help="devices of the predicted part (default 4,8)")
     ap.add_argument("--micro-batches", default="8,16", help="micro-batches of the predicted part (default 8,16)")
     ap.add_argument("--shapes", default="m,k,x,nn", help="placements to run (default m,k,x,nn; measured: m,k)")
-    ap.add_argument("--steps", type=int, default=30, help="training steps per measured launch (default 30)")
+    ap.add_argument("--steps", type=int, default=40, help="training steps per measured launch (default 40)")
     ap.add_argument("--time-limit", type=float, default=20.0, help="Tessel search time limit, s (default 20)")
     args = ap.parse_args(argv)
     shapes = set(args.shapes.split(","))
