@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss"]
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "init_gpt2_weights", "lm_loss"]
 
 
 @dataclass
@@ -138,19 +138,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = cast(nn.Embedding, self.transformer.wte).weight
-        self.apply(self._init_weights)
-        for pn, p in self.named_parameters():  # GPT-2 scaled init of residual projections
-            if pn.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        init_gpt2_weights(self, cfg.n_layer)
 
     def num_params(self) -> int:
         """Number of parameters (tied weights counted once)."""
@@ -167,6 +155,20 @@ class GPT(nn.Module):
         for block in cast(nn.ModuleList, tr.h):
             x = block(x)
         return self.lm_head(cast(nn.LayerNorm, tr.ln_f)(x))
+
+
+def init_gpt2_weights(model: nn.Module, n_layer: int) -> None:
+    """GPT-2's initialisation (Radford et al., 2019, section 2.3; nanoGPT): every ``nn.Linear`` and
+    ``nn.Embedding`` weight from N(0, 0.02), biases zero, and the residual projections
+    (``*.c_proj.weight``) from N(0, 0.02 / sqrt(2 n_layer))."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    for pn, p in model.named_parameters():
+        if pn.endswith("c_proj.weight"):
+            nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,6 @@ similarity logits ``[B, B]`` (float): row ``i`` scores text ``i`` against every 
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import cast
 
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gpt import Block, GPTConfig
+from .gpt import Block, GPTConfig, init_gpt2_weights
 
 __all__ = ["TwoTowerConfig", "Tower", "ContrastiveHead", "TwoTower"]
 
@@ -127,19 +126,7 @@ class TwoTower(nn.Module):
         self.text = Tower(cfg)
         self.code = Tower(cfg)
         self.head = ContrastiveHead(cfg.temperature)
-        self.apply(self._init_weights)
-        for pn, p in self.named_parameters():  # GPT-2 scaled init of residual projections
-            if pn.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        init_gpt2_weights(self, cfg.n_layer)
 
     def forward(self, text_ids: torch.Tensor, code_ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.text(text_ids), self.code(code_ids))

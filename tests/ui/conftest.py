@@ -6,6 +6,7 @@ Tests skip, with the reason, when ``/usr/bin/chromium`` is missing (``make brows
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -42,28 +43,30 @@ def browser_type_launch_args(browser_type_launch_args):
             "args": CHROMIUM_ARGS, "headless": True}
 
 
-@pytest.fixture(scope="session")
-def app_url():
-    """URL of a ``tessel serve`` subprocess (stopped by its pid at the end of the session)."""
+@contextlib.contextmanager
+def served_app(*args: str):
+    """Run ``tessel serve --port P ARGS`` in a subprocess (its own process group) and yield its URL
+    once it listens; the group is stopped at the end. Fails the test when it exits or does not
+    listen within 120 s."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "serve", "--port", str(port), *APP_ARGS],
+    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "serve", "--port", str(port), *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    url = f"http://127.0.0.1:{port}/"
     deadline = time.time() + 120
     try:
         while time.time() < deadline:
             if proc.poll() is not None:
-                pytest.fail(f"tessel serve exited with {proc.returncode}: {proc.stdout.read()[-3000:]}")
+                pytest.fail(f"tessel serve {' '.join(args)} exited with {proc.returncode}: "
+                            f"{proc.stdout.read()[-3000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
                     break
             except OSError:
                 time.sleep(0.3)
         else:
-            pytest.fail("tessel serve did not start listening within 120 s")
-        yield url
+            pytest.fail(f"tessel serve {' '.join(args)} did not start listening within 120 s")
+        yield f"http://127.0.0.1:{port}/"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -74,3 +77,19 @@ def app_url():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def app_url():
+    """URL of a ``tessel serve`` subprocess on :data:`APP_ARGS` (stopped at the end of the session)."""
+    with served_app(*APP_ARGS) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def llama_url():
+    """URL of a ``tessel serve`` subprocess opened on llama-tiny (2 CPU devices, 4 micro-batches:
+    a model with the layer split, so its M plan launches); stopped by its process group at the end.
+    Its launches start and stop their own Ray cluster inside that process."""
+    with served_app("--model", "llama-tiny", "--devices", "2", "--micro-batches", "4", "--device-type", "cpu") as url:
+        yield url

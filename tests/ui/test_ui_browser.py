@@ -7,14 +7,7 @@ fixture (gpt2-tiny, 2 devices, 4 micro-batches, 1F1B); the model-search test ope
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -233,45 +226,7 @@ def test_dragging_blocks_on_the_gantt(page, app_url):
 
 
 # ----------------------------------------------------------------------------- a model's searched plan, launched
-@pytest.fixture(scope="module")
-def llama_url():
-    """URL of a ``tessel serve`` subprocess opened on llama-tiny (2 CPU devices, 4 micro-batches:
-    a model with the layer split, so its M plan launches); stopped by its process group at the end.
-    Its launches start and stop their own Ray cluster inside that process."""
-    root = Path(__file__).resolve().parents[2]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "apps.cli", "serve", "--port", str(port), "--model", "llama-tiny",
-                             "--devices", "2", "--micro-batches", "4", "--device-type", "cpu"],
-                            cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"tessel serve (llama-tiny) exited with {proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.3)
-        else:
-            pytest.fail("tessel serve (llama-tiny) did not start listening within 120 s")
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
-
-
+# (llama_url: tests/ui/conftest.py)
 def test_searched_model_plan_is_drawn_launched_and_measured(page, llama_url):
     errors = _open(page, llama_url)
     page.locator(".bk-tab").filter(has_text="Search").first.click()

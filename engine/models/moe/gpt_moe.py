@@ -14,15 +14,14 @@ Training loop contract::
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 from torch import nn
 
-from ..gpt import GPT, GPTConfig
-from .layer import ExpertMLP, MoEFeedForward
+from ..gpt import GPT, GPTConfig, init_gpt2_weights
+from .layer import MoEFeedForward
 
 __all__ = ["GPTMoEConfig", "GPTMoE"]
 
@@ -57,9 +56,7 @@ class GPTMoE(GPT):
                 mlp = MoEFeedForward(cfg.n_embd, cfg.ffn_mult * cfg.n_embd, cfg.num_experts,
                                      gate=cfg.gate, bias=cfg.bias, **cfg.gate_kw)
                 block.mlp = mlp
-                mlp.apply(self._init_weights)
-                for e in mlp.experts:
-                    nn.init.normal_(cast(ExpertMLP, e).c_proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                init_gpt2_weights(mlp, cfg.n_layer)   # the experts' c_proj get the residual scaling
 
     def moe_layers(self) -> list[MoEFeedForward]:
         """The MoE FFN modules in block order."""
