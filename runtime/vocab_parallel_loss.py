@@ -48,7 +48,7 @@ class _VocabParallelCE(torch.autograd.Function):
         width = e.shape[-1]
         owned = (target >= lo) & (target < lo + width)
         idx = (target - lo).clamp(0, width - 1)
-        stats = torch.empty(2, e.shape[0], dtype=e.dtype)
+        stats = torch.empty(2, e.shape[0], dtype=e.dtype, device=e.device)
         stats[1] = e.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * owned
         e.exp_()
         torch.sum(e, dim=-1, out=stats[0])
