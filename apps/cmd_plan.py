@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from apps.arg_types import LINK_HELP, link_name
 from apps.output import fmt_gib, fmt_ms, table
 
 HELP = "plan a model on N devices with a predefined schedule and write plan/trace/csv"
@@ -23,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
     p.add_argument("--device-type", default="h100", help="cost table: h100, a100, cpu (default h100)")
+    p.add_argument("--link", type=link_name, default=None, help=LINK_HELP)
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--virtual-stages", type=int, default=None, help="segments per device for interleaved (default 2)")
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> dict:
         args.model, devices=args.devices, micro_batches=args.micro_batches, schedule=args.schedule,
         device_type=args.device_type, dp=args.dp, tp=args.tp, virtual_stages=args.virtual_stages,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, memory_limit=limit,
-        optimizer=args.optimizer, profile=args.profile, task=args.task,
+        optimizer=args.optimizer, profile=args.profile, task=args.task, link=args.link,
         progress=progress,
     )
     out = Path(args.output)

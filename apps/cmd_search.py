@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from apps.arg_types import LINK_HELP, link_name
 from apps.output import table
 from engine.shapes import SHAPES
 
@@ -42,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-device limit: activation units (abstract) or GiB (with --model); default none")
     p.add_argument("--model", default=None, help="use this model's real costs (e.g. gpt2); default abstract units")
     p.add_argument("--device-type", default="h100", help="cost table with --model (default h100)")
+    p.add_argument("--link", type=link_name, default=None, help=LINK_HELP + " (with --model)")
     p.add_argument("--micro-batch-size", type=_positive_int, default=1,
                    help="samples per micro-batch the model is captured and trained with (--model; default 1)")
     p.add_argument("--seq-len", type=_positive_int, default=None,
@@ -90,7 +92,7 @@ def _model_search(args, limit):
 
     return model_search_plan(
         args.model, args.placement, args.devices, args.micro_batches, micro_batch_size=args.micro_batch_size,
-        seq_len=args.seq_len, device_type=args.device_type, memory_limit=limit,
+        seq_len=args.seq_len, device_type=args.device_type, memory_limit=limit, link=args.link,
         split_backward=args.split_backward, forward_only=args.inference, time_limit=args.time_limit,
         seed=args.seed, objective=args.objective, progress_bar=not args.json and sys.stderr.isatty(),
         completion_stall=args.completion_stall, max_window_micro_batches=args.max_window)

@@ -126,6 +126,7 @@ def make_plan(
     optimizer: str = "adam",
     cost: CostModel | None = None,
     profile: bool = False,
+    link: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """Plan a model end to end.
@@ -152,7 +153,11 @@ def make_plan(
             data-parallel replicas all-reduce m and v, 2x the parameter bytes, once per step).
             Recorded in ``plan.parallel.optimizer``; the predicted memory curves and peaks
             follow it.
-        cost: a prepared cost model (e.g. with profiled op times); overrides ``device_type``.
+        cost: a prepared cost model (e.g. with profiled op times); overrides ``device_type`` and ``link``.
+        link: the link between every pair of ranks (:func:`engine.cost.parse_link`: ``nvlink``,
+            ``infiniband``, ``emulated:1gbit`` for the emulated network, ``10gbit@5us``); ``None``:
+            the device's defaults (NVLink within a node and InfiniBand across for GPUs, loopback
+            for ``cpu``).
         profile: time every distinct op of the captured graph on this machine (cached, see
             :func:`engine.cost.profile_ops`) and use the measured times; ``device_type`` should then
             describe this machine (``cpu`` here).
@@ -210,7 +215,7 @@ def make_plan(
                 warnings_pre.append(f"op times were measured on this machine ({local}) "
                                     f"but --device-type is {device_type}")
             table = profile_ops(ops, device=local)
-        cost = CostModel.for_device(device_type, profile=table, dtype=dtype)
+        cost = CostModel.for_device(device_type, link=link, inter_link=link, profile=table, dtype=dtype)
     segments, warnings = split_segments(graph, cost, config, memory_limit=memory_limit, optimizer=optimizer,
                                         loss_parallel=bundle.task in LOSS_PARALLEL_TASKS)
     warnings = warnings_pre + warnings

@@ -58,7 +58,7 @@ class SearchPlan:
 def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, *, micro_batch_size: int = 1,
                       seq_len: int | None = None, device_type: str = "h100", memory_limit: float | None = None,
                       split_backward: bool = False, forward_only: bool = False, cost: Any = None,
-                      **search_kw: Any) -> SearchPlan:
+                      link: str | None = None, **search_kw: Any) -> SearchPlan:
     """Search ``shape`` on ``devices`` devices for ``model`` and return the plan.
 
     Args:
@@ -72,6 +72,8 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
         split_backward: split each ``B`` into ``I`` and ``W``.
         forward_only: inference placement.
         cost: a :class:`~engine.cost.CostModel` to use instead of ``device_type``'s.
+        link: the link between every pair of ranks (:func:`engine.cost.parse_link`); ``None``: the
+            device's defaults; ignored with ``cost``.
         search_kw: passed to :func:`engine.tessel.tessel_search` (``time_limit``, ``seed``, ...).
 
     Raises:
@@ -96,7 +98,7 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
 
     bundle = build_model(model, batch_size=micro_batch_size, seq_len=seq_len)
     graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
-    cost = cost if cost is not None else CostModel.for_device(device_type)
+    cost = cost if cost is not None else CostModel.for_device(device_type, link=link, inter_link=link)
     pl, parts = model_shape_placement(graph, cost, shape, devices, split_backward=split_backward,
                                       forward_only=forward_only, loss_parallel=bundle.task in LOSS_PARALLEL_TASKS)
 

@@ -188,3 +188,18 @@ def test_verbose_shows_library_info_logs(capsys):
             log.handlers[:] = []
             log.setLevel(logging.NOTSET)
             log.propagate = True
+
+
+def test_plan_on_a_named_link_and_a_wrong_link(tmp_path):
+    """``--link emulated:1gbit``: the plan's cost model carries the shaped loopback (a shared medium),
+    so its data-parallel all-reduce is predicted on it; a wrong spelling is one sentence, exit 2."""
+    common = ["plan", "--model", "gpt2-tiny", "--devices", "2", "--dp", "2", "--micro-batches", "1",
+              "--device-type", "cpu", "--seq-len", "32", "--json"]
+    fast = last_json(tessel(*common, "-o", str(tmp_path / "a")))
+    slow = last_json(tessel(*common, "--link", "emulated:10mbit", "-o", str(tmp_path / "b")))
+    plan = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert plan["cost"]["intra_link"] == {"name": "emulated:10mbit", "bandwidth": 1.25e6,
+                                          "latency": plan["cost"]["intra_link"]["latency"], "shared": True}
+    assert slow["makespan"] > 10 * fast["makespan"]
+    p = tessel("plan", "--model", "gpt2-tiny", "--link", "1gbps", "-o", str(tmp_path / "c"), check=False)
+    assert p.returncode == 2 and "argument --link: unknown link '1gbps'" in p.stderr and "Traceback" not in p.stderr

@@ -12,8 +12,11 @@ from engine.cost.devices import (
     DeviceSpec,
     LinkSpec,
     canonical_dtype,
+    emulated_link,
     get_device,
     get_link,
+    parse_link,
+    parse_rate,
 )
 from engine.cost.model import CostModel
 from engine.cost.profiler import ProfileTable, device_key, profile_ops, signature
@@ -21,6 +24,6 @@ from engine.cost.roofline import op_time, ridge_intensity
 
 __all__ = [
     "COLLECTIVES", "DEVICES", "LINKS", "CostModel", "CostModelError", "DeviceSpec", "LinkSpec",
-    "ProfileTable", "canonical_dtype", "collective_time", "device_key", "get_device", "get_link",
-    "op_time", "p2p_time", "profile_ops", "ridge_intensity", "signature",
+    "ProfileTable", "canonical_dtype", "collective_time", "device_key", "emulated_link", "get_device", "get_link",
+    "op_time", "p2p_time", "parse_link", "parse_rate", "profile_ops", "ridge_intensity", "signature",
 ]

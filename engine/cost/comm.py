@@ -10,7 +10,10 @@ bandwidth-optimal ring algorithms, as NCCL does for large messages:
 - broadcast:      n / bw + (p-1) alpha                 (pipelined ring/chain, as NCCL)
 - alltoall:       (p-1)/p * n / bw + (p-1) alpha       (pairwise exchange)
 
-with ``p`` the group size and ``bw`` the link bandwidth (bytes/s) per direction.
+with ``p`` the group size and ``bw`` the link bandwidth (bytes/s) per direction. On a shared
+medium (``LinkSpec.shared``: one bus every rank sends through, e.g. the emulated network's shaped
+loopback) the ``p`` ranks' concurrent sends queue on it, so ``bw`` is divided by ``p`` (a 2-rank
+all-reduce of ``n`` bytes moves ``2n`` bytes through the medium).
 
 ``n`` is always the *full* tensor size in bytes: the all-reduced buffer, the gathered
 (output) buffer of allgather, the input buffer of reducescatter, the broadcast buffer, and
@@ -87,6 +90,8 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: LinkSpec) -
         return 0.0
     n = float(nbytes)
     a, bw = link.latency, link.bandwidth
+    if link.shared:   # one medium: all p ranks' shares of the traffic pass through it one after another
+        bw = bw / p
     if k == "allreduce":
         return 2 * (p - 1) / p * n / bw + 2 * (p - 1) * a
     if k == "broadcast":

@@ -108,11 +108,17 @@ class LinkSpec:
         name: table key, e.g. ``"nvlink"``.
         bandwidth: per direction, bytes/s (the beta of the model is ``1/bandwidth``).
         latency: per message, seconds (alpha).
+        shared: every rank's traffic crosses this one medium (a bus; the emulated network of
+            ``benchmarks/emulated_network.py``: one namespace's loopback shaped by tc), so ranks
+            sending at once share ``bandwidth``: a collective's bytes are summed over its ranks
+            (:func:`engine.cost.comm.collective_time`). ``False``: each rank has its own
+            full-duplex link of ``bandwidth`` (NVLink, InfiniBand, a switched network).
     """
 
     name: str
     bandwidth: float
     latency: float
+    shared: bool = False
 
 
 GiB = 1 << 30
@@ -236,6 +242,83 @@ LINKS: dict[str, LinkSpec] = {
 }
 
 
+_RATE_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str | float) -> float:
+    """A link rate in bits per second from ``"1gbit"``, ``"10gbit"``, ``"800mbit"``, ``"1e9"`` (tc's
+    bit spelling, decimal prefixes k, m, g, t; a number is bits per second).
+
+    Raises:
+        CostModelError (a ValueError): not a positive rate in bits (tc's ``bps`` means bytes per
+            second and is refused); the message shows the accepted spellings.
+    """
+    import re
+
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)([kmgt]?)(?:bit)?", str(text).strip().lower())
+        value = float(m.group(1)) * _RATE_UNITS[m.group(2)] if m else float("nan")
+    if not value > 0:
+        raise CostModelError(f"link rate {text!r} is not a positive rate; write it as tc does, e.g. 1gbit, 10gbit, "
+                             "800mbit")
+    return value
+
+
+def _parse_seconds(text: str) -> float:
+    t = str(text).strip().lower()
+    for suf, mult in (("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9), ("s", 1.0)):
+        if t.endswith(suf):
+            try:
+                value = float(t[: -len(suf)]) * mult
+            except ValueError:
+                break
+            if value >= 0:
+                return value
+            break
+    raise CostModelError(f"link latency {text!r} is not a duration; write e.g. 5us, 1ms")
+
+
+def emulated_link(rate: str | float, latency: float | None = None) -> LinkSpec:
+    """The link of the emulated network (``benchmarks/emulated_network.py``): this machine's
+    loopback in a namespace shaped to ``rate`` (bits per second, ``"1gbit"``) by tc's token bucket.
+    One medium shared by every rank (``shared``); ``latency`` defaults to the loopback's own
+    (tbf adds no delay). Named ``"emulated:<rate>"``.
+
+    Raises:
+        CostModelError (a ValueError): a rate that is not positive.
+    """
+    bits = parse_rate(rate)
+    name = f"emulated:{rate}" if isinstance(rate, str) else f"emulated:{bits:g}bit"
+    return LinkSpec(name, bits / 8.0, LINKS["loopback"].latency if latency is None else float(latency), shared=True)
+
+
+def parse_link(text: str | LinkSpec) -> LinkSpec:
+    """A link from its spelling: a table name (:data:`LINKS`: ``nvlink``, ``pcie``, ``infiniband``,
+    ``loopback``), ``emulated:RATE`` (:func:`emulated_link`, e.g. ``emulated:1gbit``), or
+    ``RATE[@LATENCY]`` (a full-duplex link per rank, e.g. ``10gbit@5us``; latency 5 us by default).
+
+    Raises:
+        CostModelError (a ValueError): none of these; the message lists the forms.
+    """
+    if isinstance(text, LinkSpec):
+        return text
+    key = str(text).strip().lower()
+    if key in LINKS:
+        return LINKS[key]
+    if key.startswith("emulated:"):
+        return emulated_link(key.split(":", 1)[1])
+    rate, _, lat = key.partition("@")
+    try:
+        bits = parse_rate(rate)
+    except CostModelError:
+        raise CostModelError(f"unknown link {text!r}; use one of {sorted(LINKS)}, emulated:RATE (e.g. "
+                             "emulated:1gbit, the shaped loopback of benchmarks/emulated_network.py) or RATE[@LATENCY] "
+                             "(e.g. 10gbit@5us)") from None
+    return LinkSpec(key, bits / 8.0, _parse_seconds(lat) if lat else 5e-6)
+
+
 def _lookup(table: dict, name: str, what: str):
     key = str(name).strip().lower()
     if key not in table:
@@ -253,9 +336,10 @@ def get_device(name: str) -> DeviceSpec:
 
 
 def get_link(name: str) -> LinkSpec:
-    """The :class:`LinkSpec` called ``name`` (case-insensitive).
+    """The :class:`LinkSpec` called ``name`` (case-insensitive), or spelled as :func:`parse_link`
+    reads it (``emulated:1gbit``, ``10gbit@5us``).
 
     Raises:
-        CostModelError (a ValueError): unknown name; the message lists the valid names.
+        CostModelError (a ValueError): unknown name; the message lists the valid forms.
     """
-    return _lookup(LINKS, name, "link")
+    return parse_link(name)

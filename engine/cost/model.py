@@ -284,7 +284,7 @@ class CostModel:
             ld = need(d, key, path, dict)
             w = f"{path}.{key}"
             return LinkSpec(need(ld, "name", w, str), float(need(ld, "bandwidth", w, num)),
-                            float(need(ld, "latency", w, num)))
+                            float(need(ld, "latency", w, num)), bool(ld.get("shared", False)))
 
         profile = d.get("profile")
         return cls(

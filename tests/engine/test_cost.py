@@ -307,3 +307,41 @@ def test_profile_table_load_rejects_garbage(tmp_path):
     p.write_text(json.dumps({"format": "tessel-profile", "version": 7, "device_key": "k"}))
     with pytest.raises(ValueError, match="version"):
         ProfileTable.load(p)
+
+
+def test_links_from_their_spelling():
+    """Table names, the emulated network (a shared medium at the loopback's latency) and a
+    RATE@LATENCY link; wrong spellings are one sentence."""
+    from engine.cost import CostModelError, emulated_link, parse_link, parse_rate
+
+    assert parse_link("NVLink") is LINKS["nvlink"]
+    e = parse_link("emulated:1gbit")
+    assert e == emulated_link("1gbit") and e.shared and e.bandwidth == 125e6 and e.latency == LINKS["loopback"].latency
+    x = parse_link("10gbit@20us")
+    assert (x.bandwidth, x.shared) == (10e9 / 8, False) and x.latency == pytest.approx(20e-6)
+    assert parse_rate("800mbit") == 8e8 and parse_rate(1e9) == 1e9
+    for bad, msg in (("1gbps", "unknown link"), ("emulated:fast", "not a positive rate"), ("1gbit@soon", "duration")):
+        with pytest.raises(CostModelError, match=msg):
+            parse_link(bad)
+
+
+def test_a_shared_medium_carries_every_ranks_share():
+    """On a shared medium the p ranks' concurrent sends queue: a ring all-reduce of n bytes costs
+    2(p-1) n / bw (each rank's 2(p-1)/p n, p times) instead of 2(p-1)/p n / bw."""
+    shared = LinkSpec("bus", bandwidth=1e9, latency=1e-5, shared=True)
+    duplex = LinkSpec("duplex", bandwidth=1e9, latency=1e-5)
+    n = 8e6
+    for p in (2, 3, 4):
+        assert collective_time("allreduce", n, p, shared) == pytest.approx(2 * (p - 1) * n / 1e9 + 2 * (p - 1) * 1e-5)
+        assert collective_time("allgather", n, p, shared) == pytest.approx(
+            p * collective_time("allgather", n, p, duplex) - (p - 1) * (p - 1) * 1e-5)
+    assert p2p_time(n, shared) == p2p_time(n, duplex)
+
+
+def test_cost_models_keep_their_link_through_json():
+    cost = CostModel.for_device("cpu", link="emulated:1gbit", inter_link="emulated:1gbit")
+    again = CostModel.from_dict(cost.to_dict())
+    assert again.intra_link == cost.intra_link and again.inter_link.shared
+    old = cost.to_dict()
+    del old["intra_link"]["shared"]   # plans written before the field: a full-duplex link
+    assert CostModel.from_dict(old).intra_link.shared is False
