@@ -358,3 +358,32 @@ def allreduce_seconds(nbytes: int, world: int = 2, reps: int = 3) -> float:
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/emulated_network.py --rate 1gbit -- CMD ...``: run CMD inside a fresh
+    namespace shaped to the rate (deleted afterwards) and exit with its status; exit 2 with one
+    sentence where namespaces cannot be made here or the arguments are wrong."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="run a command on an emulated cluster link (a shaped loopback in a "
+                                             "fresh network namespace)")
+    ap.add_argument("--rate", default="1gbit", help="link rate in tc's spelling (default 1gbit)")
+    ap.add_argument("--burst", default="256kb", help="token bucket size (default 256kb; must exceed 64 KiB)")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
+    args = ap.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        ap.error("give the command to run after --, e.g. -- tessel launch out/plan.json --steps 20")
+    try:
+        with emulated_link(args.rate, burst=args.burst) as link:
+            print(f"[emulated link] {link.rate / 1e9:g} Gbit/s shared loopback in namespace {link.namespace}",
+                  file=sys.stderr, flush=True)
+            return run_command(cmd, link, timeout=24 * 3600).returncode
+    except (NetworkEmulationUnavailable, ValueError) as e:
+        print(f"emulated_network: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
