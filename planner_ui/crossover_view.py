@@ -8,10 +8,10 @@ are in the hover), and the jobs' gradient all-reduces in the thin lane under eac
 so the hand-over of the compute token in crossover mode reads as a staircase and the
 overlapping blocks of uncoordinated jobs stay visible. The header states the mode, makespan,
 steady-state round time, aggregate throughput, per-job throughput, the speedup over running
-the jobs one after the other (when the sequential prediction is known) and the co-located
-memory peak. A mode selector switches between the predictions of
-:func:`engine.crossover.compare_modes` (computed once; :meth:`CrossoverView.from_plans` builds
-them from plans).
+the jobs one after the other (when the sequential prediction is known), the co-located
+memory peak and, when given (``link``), the link the prediction is for. A mode selector
+switches between the predictions of :func:`engine.crossover.compare_modes` (computed once;
+:meth:`CrossoverView.from_plans` builds them from plans).
 
 Column data comes from :func:`crossover_columns` (pure, reuses
 :func:`planner_ui.sources.gantt_columns`), so the tests check it without a browser.
@@ -24,6 +24,7 @@ CSS hooks for browser tests (``css_classes``):
                                 ``.tessel-crossover-makespan``, ``.tessel-crossover-cycle``,
                                 ``.tessel-crossover-throughput``, ``.tessel-crossover-job``
                                 (one per job), ``.tessel-crossover-speedup``,
+                                ``.tessel-crossover-link`` (when the link is stated),
                                 ``.tessel-crossover-memory`` and ``.tessel-crossover-warning``
 ``tessel-crossover-mode-select``  RadioButtonGroup: crossover / uncoordinated / sequential
 ``tessel-crossover-plot``       the Bokeh pane of the Gantt figure
@@ -127,17 +128,18 @@ def fmt_rate(tps: float) -> str:
 
 
 def crossover_header_html(prediction: ColocatedPrediction | None,
-                          predictions: dict[str, ColocatedPrediction] | None = None) -> str:
+                          predictions: dict[str, ColocatedPrediction] | None = None, link: str = "") -> str:
     """Header HTML: mode, makespan, round time, aggregate and per-job throughput, speedup over
-    ``predictions["sequential"]`` (when given), memory peak and warnings (css classes in the
-    module doc)."""
+    ``predictions["sequential"]`` (when given), memory peak, the link the prediction is for
+    (``link``, a description; not shown when empty) and warnings (css classes in the module doc)."""
     if prediction is None:
         return ('<div class="tessel-crossover-summary">No co-located jobs: predict them with '
                 'engine.crossover.predict_colocated.</div>')
     p = prediction
     parts = [
         f'mode <b class="tessel-crossover-mode">{html.escape(p.mode)}</b>',
-        f'{len(p.jobs)} jobs &times; {p.steps} steps on {p.num_devices} devices',
+        f'{len(p.jobs)} jobs &times; {p.steps} steps on {p.num_devices} devices'
+        + (f' over <b class="tessel-crossover-link">{html.escape(link)}</b>' if link else ""),
         f'makespan <b class="tessel-crossover-makespan">{fmt_ms(p.makespan)}</b>',
         f'round <b class="tessel-crossover-cycle" title="steady state: every job one step">{fmt_ms(p.cycle_time)}</b>',
         f'aggregate <b class="tessel-crossover-throughput">{fmt_rate(p.aggregate_tokens_per_second)}</b>',
@@ -176,6 +178,7 @@ class CrossoverView(pn.viewable.Viewer):
         mode: the selected mode (``crossover``, ``uncoordinated``, ``sequential``); setting it
             shows ``predictions[mode]`` (a message when there is none).
         lanes: one sub-lane per job in each device row.
+        link: the link the prediction is for, as the header states it (``""``: not stated).
         width: figure width in px (``None`` stretches); height: px (``None``: from the devices).
 
     Construct with ``CrossoverView(prediction=p, predictions=compare_modes(plans))`` or
@@ -188,6 +191,7 @@ class CrossoverView(pn.viewable.Viewer):
     mode = param.Selector(default="crossover", objects=list(MODES), doc="the selected mode")
     message = param.String(default="", doc="why a mode cannot be shown")
     lanes = param.Boolean(default=True, doc="one sub-lane per job in each device row")
+    link = param.String(default="", doc="the link the prediction is for, stated in the header ('' = not stated)")
     width = param.Integer(default=None, allow_None=True, bounds=(200, None), doc="figure width, px (None: stretch)")
     height = param.Integer(default=None, allow_None=True, bounds=(120, None), doc="figure height, px")
 
@@ -211,7 +215,7 @@ class CrossoverView(pn.viewable.Viewer):
         self.refresh()
         self.param.watch(self._on_mode, ["mode"])
         self.param.watch(lambda _e: self.refresh(), ["prediction", "lanes"])
-        self.param.watch(lambda _e: self._sync_header(), ["predictions"])
+        self.param.watch(lambda *_e: self._sync_header(), ["predictions", "link"])
         self._layout = pn.Column(self._header, self._mode_select, self._plot_pane, self._alert,
                                  css_classes=["tessel-crossover"], sizing_mode="stretch_width")
 
@@ -309,7 +313,7 @@ class CrossoverView(pn.viewable.Viewer):
         self._sync_alert()
 
     def _sync_header(self) -> None:
-        self._header.object = crossover_header_html(self.prediction, self.predictions)
+        self._header.object = crossover_header_html(self.prediction, self.predictions, self.link)
 
     def _sync_alert(self) -> None:
         self._alert.object = self.message
