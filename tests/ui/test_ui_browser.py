@@ -2,7 +2,8 @@
 
 Each test opens a fresh session (its own PlanState) of the app started by the ``app_url``
 fixture (gpt2-tiny, 2 devices, 4 micro-batches, 1F1B); the model-search test opens its own app
-(``llama_url``: llama-tiny on 2 CPU devices), searches the model's M shape and launches it on Ray.
+(``llama_url``: llama-tiny on 2 CPU devices), searches the model's M shape and launches it on Ray;
+the co-location test opens one on a data-parallel plan file (``dp_url``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import served_app  # tests/ui/conftest.py (pytest puts its folder on sys.path)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -270,4 +272,46 @@ def test_searched_model_plan_is_drawn_launched_and_measured(page, llama_url):
     assert page.evaluate(MEASURED_ROWS_JS) >= 2 * (4 * 3 * 2)
     # no script errors; (Panel fetches the stylesheets of its loading spinner and of a changed alert
     # from cdn.holoviz.org, which this offline machine cannot reach: those failed loads are not counted)
+    assert [e for e in errors if "Failed to load resource" not in e] == [], errors
+
+
+# ----------------------------------------------------------------------------- co-location on a chosen link
+@pytest.fixture(scope="module")
+def dp_url(tmp_path_factory):
+    """URL of a ``tessel serve`` opened on a data-parallel plan file (gpt2-tiny, dp=2 on 2 CPU devices)."""
+    from engine.io import save_plan
+    from engine.planner import make_plan
+
+    path = tmp_path_factory.mktemp("colocate") / "dp2.json"
+    save_plan(make_plan("gpt2-tiny", devices=2, dp=2, micro_batches=1, device_type="cpu").plan, path)
+    with served_app("--plan", str(path)) as url:
+        yield url
+
+
+def _tokens_per_second(text: str) -> float:
+    """``"12.3 k tokens/s"`` (planner_ui.crossover_view.fmt_rate) -> 12300.0."""
+    m = re.match(r"([\d.]+) (k |M )?tokens/s", text.strip())
+    assert m, text
+    return float(m.group(1)) * {"k ": 1e3, "M ": 1e6}.get(m.group(2) or "", 1.0)
+
+
+def test_colocate_predicts_on_the_chosen_link(page, dp_url):
+    errors = _open(page, dp_url)
+    page.locator(".bk-tab").filter(has_text="Co-locate").first.click()
+    page.locator(".tessel-colocate-run button").first.wait_for(state="visible", timeout=30_000)
+    page.locator(".tessel-colocate-run button").click()
+    assert "on the plan's own link predicted" in _message(page, "predicted")
+    link = page.locator(".tessel-crossover-link").first
+    link.wait_for(timeout=30_000)
+    assert "plan's own link: loopback" in link.inner_text()
+    rate, speedup = page.locator(".tessel-crossover-throughput").first, page.locator(".tessel-crossover-speedup").first
+    own_rate, own_speedup = _tokens_per_second(rate.inner_text()), speedup.inner_text()
+    # emulated 1 Gbit/s: the all-reduce takes 2 x 0.9 MB / 125 MB/s ~ 14 ms (0.5 ms on loopback): throughput drops
+    page.locator(".tessel-colocate-link select").select_option(label="emulated 1 Gbit/s")
+    _wait_until(page, lambda: "emulated:1gbit" in link.inner_text())
+    assert "emulated:1gbit (1 Gbit/s shared by all ranks" in link.inner_text()
+    assert "on emulated:1gbit predicted" in _message(page, "emulated:1gbit")
+    assert _tokens_per_second(rate.inner_text()) < 0.8 * own_rate
+    assert speedup.inner_text() != own_speedup
+    # (Panel fetches an alert's changed stylesheet from cdn.holoviz.org, unreachable offline: not counted)
     assert [e for e in errors if "Failed to load resource" not in e] == [], errors
