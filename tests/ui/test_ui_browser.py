@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import served_app  # tests/ui/conftest.py (pytest puts its folder on sys.path)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -276,16 +275,7 @@ def test_searched_model_plan_is_drawn_launched_and_measured(page, llama_url):
 
 
 # ----------------------------------------------------------------------------- co-location on a chosen link
-@pytest.fixture(scope="module")
-def dp_url(tmp_path_factory):
-    """URL of a ``tessel serve`` opened on a data-parallel plan file (gpt2-tiny, dp=2 on 2 CPU devices)."""
-    from engine.io import save_plan
-    from engine.planner import make_plan
-
-    path = tmp_path_factory.mktemp("colocate") / "dp2.json"
-    save_plan(make_plan("gpt2-tiny", devices=2, dp=2, micro_batches=1, device_type="cpu").plan, path)
-    with served_app("--plan", str(path)) as url:
-        yield url
+# (dp_url: tests/ui/conftest.py)
 
 
 def _tokens_per_second(text: str) -> float:
