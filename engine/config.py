@@ -174,6 +174,14 @@ class ParallelConfig:
             per stage from its first backward to the step) or ``adama`` (AdamA: micro-batch
             gradients folded into Adam's states and freed); see
             :func:`engine.transform.gradient_bytes`. The runtime trains with it unless told otherwise.
+        transforms: CoCoNet's transformations applied to the plan (:mod:`engine.coconet`:
+            ``sharded-update``, ``overlap-grad-sync``, ``tp-split``, ``scatter-send``,
+            ``chunked-overlap``), in :data:`engine.coconet.TRANSFORMS` order; ``()`` for none (the
+            JSON section then has no ``transforms`` key).
+        grad_bucket_bytes: bytes per gradient bucket of ``overlap-grad-sync`` (PyTorch DDP's 25 MiB
+            by default; a multiple of 4, the float32 element).
+        overlap_chunks: chunks of ``chunked-overlap`` (the sequence of a row-parallel matmul split
+            this many ways).
         extra: keys of the JSON section this version does not know, written back unchanged.
         json_keys: the keys of the JSON section this was read from, in order (``None`` when built
             in code: ``to_dict`` then writes every field); not part of equality.
@@ -190,6 +198,9 @@ class ParallelConfig:
     micro_batches: int = 1
     micro_batch_size: int = 1
     optimizer: OptimizerKind = "adam"
+    transforms: tuple[str, ...] = ()
+    grad_bucket_bytes: int = 25 * 2**20
+    overlap_chunks: int = 4
     extra: dict[str, Any] = field(default_factory=dict)
     json_keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
     implied: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
@@ -210,10 +221,18 @@ class ParallelConfig:
         """Raise :class:`engine.transform.TransformError` if a degree is not a positive integer."""
         from engine.transform import TransformError  # local: engine.transform re-exports this class
 
-        for name in self._INTS:
+        for name in self._INTS + ("overlap_chunks",):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise TransformError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 4 or self.grad_bucket_bytes % 4:
+            raise TransformError(f"grad_bucket_bytes must be a positive multiple of 4 (float32 elements), got "
+                                 f"{self.grad_bucket_bytes!r}")
+        from engine.coconet import parse_transforms
+
+        if tuple(parse_transforms(self.transforms)) != tuple(self.transforms):
+            raise TransformError(f"transforms {list(self.transforms)} must be distinct names in the order of "
+                                 "engine.coconet.TRANSFORMS; build them with engine.coconet.parse_transforms")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON section ``parallel``: the degrees, ``devices`` and ``optimizer`` (see the
@@ -221,6 +240,12 @@ class ParallelConfig:
         values: dict[str, Any] = {k: getattr(self, k) for k in self._INTS}
         values["devices"] = self.devices
         values["optimizer"] = self.optimizer
+        if self.transforms:
+            values["transforms"] = list(self.transforms)
+            if "overlap-grad-sync" in self.transforms:
+                values["grad_bucket_bytes"] = self.grad_bucket_bytes
+            if "chunked-overlap" in self.transforms:
+                values["overlap_chunks"] = self.overlap_chunks
         return _write(self, values)
 
     @classmethod
@@ -251,7 +276,20 @@ class ParallelConfig:
                 raise fields.fail(f"{path}.optimizer", f" is {opt!r}; expected one of "
                                   f"{', '.join(map(repr, OPTIMIZER_KINDS))}")
             kw["optimizer"] = opt
-        known = set(cls._INTS) | {"devices", "optimizer"}
+        if "transforms" in d:
+            from engine.coconet import CoCoNetError, parse_transforms
+
+            names = fields.need(d, "transforms", list, f"{path}.transforms")
+            if not all(isinstance(x, str) for x in names):
+                raise fields.fail(f"{path}.transforms", f" should be a list of names, got {names!r}")
+            try:
+                kw["transforms"] = parse_transforms(names)
+            except CoCoNetError as e:
+                raise fields.fail(f"{path}.transforms", f": {e}") from None
+        for key in ("grad_bucket_bytes", "overlap_chunks"):
+            if key in d:
+                kw[key] = fields.need(d, key, int, f"{path}.{key}")
+        known = set(cls._INTS) | {"devices", "optimizer", "transforms", "grad_bucket_bytes", "overlap_chunks"}
         extra = {k: v for k, v in d.items() if k not in known}
         return cls(**kw, extra=extra, json_keys=tuple(d), implied=implied)
 

@@ -59,8 +59,11 @@ class Op(StrEnum):
     W = "W"                   #: zero-bubble weight-gradient backward
     SEND = "SEND"             #: post a point-to-point send of a block's boundary tensors
     RECV = "RECV"             #: wait for a block's boundary tensors from a peer
-    ALLREDUCE = "ALLREDUCE"   #: data-parallel (``segment``) or tied-weight (``ranks``) gradient all-reduce
+    ALLREDUCE = "ALLREDUCE"   #: data-parallel (``segment``, ``bucket``) or tied-weight (``ranks``) gradient all-reduce
     ALLTOALL = "ALLTOALL"     #: expert-parallel all-to-all marker (runs inside its block's compute)
+    REDUCESCATTER = "REDUCESCATTER"   #: sharded update: a segment's gradients reduced to each replica's 1/dp shard
+    ALLGATHER = "ALLGATHER"   #: sharded update: a segment's updated parameter shards gathered (after OPTIM);
+    #: scatter-send: a received 1/tp boundary slice gathered from the tensor group (``block`` set)
     OPTIM = "OPTIM"           #: optimizer step
 
 
@@ -92,6 +95,11 @@ class Instruction:
         ranks: pipeline ranks taking part in a cross-rank collective (tied-weight ALLREDUCE:
             every rank holding a copy, this one included); ``()`` for data-parallel collectives,
             whose group is this rank's replicas.
+        bucket: ``overlap-grad-sync``: the index of a data-parallel ALLREDUCE's gradient bucket
+            (:func:`engine.coconet.gradient_buckets`, posting order); ``None`` for a whole segment.
+        ready: ``overlap-grad-sync``: the fraction of the preceding compute block (the segment's
+            last backward) after which the bucket's gradients are final and its all-reduce may
+            start; ``1.0`` (after the block) otherwise.
     """
 
     op: Op | str   # lower() emits Op; hand-built streams (tests) may pass the plain string, which compares equal
@@ -106,6 +114,8 @@ class Instruction:
     hold: int = 0
     transient: int = 0
     ranks: tuple[int, ...] = ()
+    bucket: int | None = None
+    ready: float = 1.0
 
     def __str__(self) -> str:
         if self.op == Op.SEND:
@@ -115,7 +125,15 @@ class Instruction:
         if self.op == Op.ALLREDUCE:
             if self.ranks:
                 return f"ALLREDUCE tied weights with ranks {','.join(map(str, self.ranks))}"
+            if self.bucket is not None:
+                return f"ALLREDUCE grads of segment {self.segment} bucket {self.bucket}"
             return f"ALLREDUCE grads of segment {self.segment}"
+        if self.op == Op.REDUCESCATTER:
+            return f"REDUCESCATTER grads of segment {self.segment}"
+        if self.op == Op.ALLGATHER:
+            if self.block is not None:
+                return f"ALLGATHER {self.block} from the tensor group of {self.group}"
+            return f"ALLGATHER params of segment {self.segment}"
         if self.op == Op.ALLTOALL:
             return f"ALLTOALL {self.block} (expert-parallel group of {self.group})"
         if self.op == Op.OPTIM:
@@ -142,6 +160,10 @@ class Instruction:
             d["transient"] = self.transient
         if self.ranks:
             d["ranks"] = list(self.ranks)
+        if self.bucket is not None:
+            d["bucket"] = self.bucket
+        if self.ready != 1.0:
+            d["ready"] = self.ready
         return d
 
 
@@ -214,6 +236,9 @@ def lower(
     alltoalls: Mapping[int, Sequence[int]] | None = None,
     tied: Sequence[TiedGroup] | None = None,
     segment_allreduce_bytes: Mapping[int, int] | None = None,
+    transforms: Sequence[str] = (),
+    tp: int = 1,
+    grad_bucket_bytes: int | None = None,
 ) -> ExecutionPlan:
     """Lower a schedule into per-rank instruction streams (SuperScaler phase 3).
 
@@ -241,6 +266,19 @@ def lower(
             the AdamA factor), when not all of ``segment_param_bytes`` is replicated (experts
             under expert parallelism are owned by one replica and not all-reduced); default
             ``segment_param_bytes``.
+        transforms: CoCoNet's transformations (:mod:`engine.coconet`) that change the streams:
+            ``sharded-update`` (with ``dp > 1``: each segment's ALLREDUCE becomes a REDUCESCATTER of
+            the same bytes, OPTIM updates ``1/dp`` of the parameters, an ALLGATHER of the
+            segment's parameters follows OPTIM; the static memory loses ``(1 - 1/dp)`` of Adam's
+            two moments), ``overlap-grad-sync`` (each segment's ALLREDUCE split into the buckets of
+            :func:`engine.coconet.gradient_buckets`, each ``ready`` when its share of the last
+            backward block has run) and ``scatter-send`` (with ``tp > 1``: SEND/RECV carry
+            ``1/tp`` of the boundary bytes; without ``tp-split`` the receiver all-gathers them
+            from its tensor group: ALLGATHER with the block, ``group = tp``). ``tp-split`` and
+            ``chunked-overlap`` change block durations only (:func:`engine.transform.layer_costs`).
+        tp: tensor-parallel degree (for ``scatter-send``).
+        grad_bucket_bytes: bucket size of ``overlap-grad-sync`` (default
+            :data:`engine.coconet.DEFAULT_GRAD_BUCKET_BYTES`).
 
     Returns:
         The :class:`ExecutionPlan`. A producer block whose output goes to ``k`` other ranks gets
@@ -251,7 +289,14 @@ def lower(
     """
     if optimizer_kind not in ("adam", "adama"):
         raise ValueError(f"unknown optimizer {optimizer_kind!r}; use 'adam' or 'adama'")
+    from engine.coconet import DEFAULT_GRAD_BUCKET_BYTES, gradient_buckets, parse_transforms
+
     adama = optimizer_kind == "adama"
+    tf = set(parse_transforms(transforms))
+    sharded = "sharded-update" in tf and dp > 1
+    bucketed = "overlap-grad-sync" in tf and dp > 1
+    scatter = "scatter-send" in tf and tp > 1
+    bucket_bytes = grad_bucket_bytes or DEFAULT_GRAD_BUCKET_BYTES
     pl = schedule.placement
     n = pl.num_devices
     seg_bytes = dict(segment_param_bytes or {})
@@ -314,9 +359,17 @@ def lower(
     streams: list[list[Instruction]] = []
     static = [pl.static_bytes(d) for d in range(n)]
     param_bytes = [0] * n
+    segs_on: list[list[int]] = []
     for d in range(n):
-        segs_here = {pl.blocks[i].segment for i in pl.blocks_on(d) if pl.blocks[i].kind == "F"}
+        segs_here = sorted({pl.blocks[i].segment for i in pl.blocks_on(d) if pl.blocks[i].kind == "F"})
+        segs_on.append(segs_here)
         param_bytes[d] = sum(seg_bytes.get(s, 0) for s in segs_here)
+        if sharded:   # Adam's m and v of the other replicas' shards are not kept
+            static[d] = max(0, static[d] - 2 * (param_bytes[d] - param_bytes[d] // dp))
+
+    def sent_bytes(t: TensorSpec | None) -> int:
+        nb = t.nbytes if t else 0
+        return -(-nb // tp) if scatter else nb
     for d, order in enumerate(schedule.orders):
         out: list[Instruction] = []
         grad_at = {pos: seg for seg, pos in last_grad_pos[d].items()}
@@ -334,7 +387,9 @@ def lower(
                 if pb not in received:
                     received.add(pb)
                     t = p.output
-                    out.append(Instruction(Op.RECV, pb, peer=src, tensor=t, nbytes=t.nbytes if t else 0))
+                    out.append(Instruction(Op.RECV, pb, peer=src, tensor=t, nbytes=sent_bytes(t)))
+                    if scatter and "tp-split" not in tf and t is not None:
+                        out.append(Instruction(Op.ALLGATHER, pb, nbytes=t.nbytes, group=tp))
             hold, trans = grad_ev[pos]
             held += hold
             out.append(Instruction(Op(spec.kind), b, duration=spec.duration, memory=spec.memory, hold=hold,
@@ -346,13 +401,28 @@ def lower(
             if spec.devices[0] == d:
                 for dst in dests[bi]:
                     t = spec.output
-                    out.append(Instruction(Op.SEND, b, peer=dst, tensor=t, nbytes=t.nbytes if t else 0))
+                    out.append(Instruction(Op.SEND, b, peer=dst, tensor=t, nbytes=sent_bytes(t)))
             if dp > 1 and pos in grad_at:
                 seg = grad_at[pos]
-                out.append(Instruction(Op.ALLREDUCE, None, nbytes=dp_bytes(seg), segment=seg, group=dp))
+                if sharded:
+                    out.append(Instruction(Op.REDUCESCATTER, None, nbytes=dp_bytes(seg), segment=seg, group=dp))
+                elif bucketed:
+                    sizes = gradient_buckets(dp_bytes(seg), bucket_bytes)
+                    total, done = sum(sizes), 0
+                    for k, nb in enumerate(sizes):
+                        done += nb
+                        out.append(Instruction(Op.ALLREDUCE, None, nbytes=nb, segment=seg, group=dp, bucket=k,
+                                               ready=done / total))
+                else:
+                    out.append(Instruction(Op.ALLREDUCE, None, nbytes=dp_bytes(seg), segment=seg, group=dp))
         if optimizer and not pl.forward_only:
             for g, ranks in tied_at.get(d, []):
                 out.append(Instruction(Op.ALLREDUCE, None, nbytes=g.nbytes, group=len(ranks), ranks=ranks))
-            out.append(Instruction(Op.OPTIM, None, nbytes=param_bytes[d], memory=-held))
+            out.append(Instruction(Op.OPTIM, None, nbytes=param_bytes[d] // dp if sharded else param_bytes[d],
+                                   memory=-held))
+            if sharded:
+                for seg in segs_on[d]:
+                    if seg_bytes.get(seg, 0):
+                        out.append(Instruction(Op.ALLGATHER, None, nbytes=seg_bytes[seg], segment=seg, group=dp))
         streams.append(out)
     return ExecutionPlan(streams, static, dp=dp, param_bytes=param_bytes, schedule_name=schedule.name)

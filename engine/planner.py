@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, cast
+from typing import Callable, Mapping, Sequence, cast
 
 from engine.baselines import build_schedule, placement_requirements
+from engine.coconet import (
+    DEFAULT_GRAD_BUCKET_BYTES,
+    DEFAULT_OVERLAP_CHUNKS,
+    check_transforms,
+    parse_transforms,
+)
 from engine.config import ModelRef, OptimizerKind
 from engine.cost import CostModel
 from engine.cost.calibrate import CalibratedCost, Calibration, calibrated_durations
@@ -127,6 +133,9 @@ def make_plan(
     cost: CostModel | None = None,
     profile: bool = False,
     link: str | None = None,
+    transforms: str | Sequence[str] | None = None,
+    grad_bucket_bytes: int = DEFAULT_GRAD_BUCKET_BYTES,
+    overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """Plan a model end to end.
@@ -161,13 +170,20 @@ def make_plan(
         profile: time every distinct op of the captured graph on this machine (cached, see
             :func:`engine.cost.profile_ops`) and use the measured times; ``device_type`` should then
             describe this machine (``cpu`` here).
+        transforms: CoCoNet's transformations (``"sharded-update,overlap-grad-sync"`` or a list;
+            :mod:`engine.coconet`), recorded in ``plan.parallel.transforms``, lowered, simulated and
+            executed by the runtime.
+        grad_bucket_bytes: the bucket size of ``overlap-grad-sync`` (bytes, a multiple of 4).
+        overlap_chunks: the chunks of ``chunked-overlap``.
         progress: called with the name of each phase as it starts.
 
     Raises:
         TesselError: bad names or degrees, an unknown optimizer, a model that cannot be captured,
-            a schedule that needs more micro-batches (each a one-sentence message).
+            a schedule that needs more micro-batches, a transformation the plan cannot take (each a
+            one-sentence message).
     """
     check_optimizer(optimizer)
+    tf = parse_transforms(transforms)
     say = progress or (lambda _msg: None)
     warnings_pre: list[str] = []
     timings: dict[str, float] = {}
@@ -179,7 +195,8 @@ def make_plan(
     req = placement_requirements(schedule)
     vs = virtual_stages or req.virtual_stages
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, virtual_stages=vs, micro_batches=micro_batches,
-                            micro_batch_size=micro_batch_size)
+                            micro_batch_size=micro_batch_size, transforms=tf, grad_bucket_bytes=grad_bucket_bytes,
+                            overlap_chunks=overlap_chunks)
     config.check()
 
     t0 = time.perf_counter()
@@ -196,6 +213,8 @@ def make_plan(
     # MoE expert parallelism over the data-parallel group: experts must split evenly over dp
     moe_layers = find_moe_layers(bundle.module, max(1, bundle.batch_size * (bundle.seq_len or 1)))
     check_expert_parallel(moe_layers, dp, bundle.name)
+    check_transforms(tf, dp=dp, tp=tp, pp=pp, optimizer=optimizer, split=choose_split(bundle.module, tp),
+                     expert_parallel=dp > 1 and bool(moe_layers))
     # HF MoE blocks: capture their experts with a traceable implementation (same math and FLOPs)
     with traceable_experts(bundle.module):
         graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
@@ -238,7 +257,8 @@ def make_plan(
     t0 = time.perf_counter()
     say("simulate")
     seg_dicts = [_segment_dict(s, seg_moe.get(s.index, [])) for s in segments]
-    execution = _lower_from(sched, seg_dicts, dp=dp, tp=tp, optimizer_kind=optimizer, tied=tied)
+    execution = _lower_from(sched, seg_dicts, dp=dp, tp=tp, optimizer_kind=optimizer, tied=tied, transforms=tf,
+                            grad_bucket_bytes=grad_bucket_bytes)
     timeline = simulate(execution, cost)
     timings["simulate"] = time.perf_counter() - t0
 
@@ -309,7 +329,8 @@ def _segment_moe(seg: dict, where: str) -> list[MoELayer]:
 
 def _lower_from(schedule: Schedule, segments: list[dict], *, dp: int, tp: int, optimizer_kind: str,
                 tied: list[TiedGroup], segment_param_bytes: Mapping[int, int] | None = None,
-                segment_allreduce_bytes: Mapping[int, int] | None = None) -> ExecutionPlan:
+                segment_allreduce_bytes: Mapping[int, int] | None = None, transforms: tuple[str, ...] = (),
+                grad_bucket_bytes: int | None = None) -> ExecutionPlan:
     seg_bytes = {int(s["index"]): int(s.get("param_bytes", 0)) for s in segments}
     moe = {int(s["index"]): _segment_moe(s, f"segments[{i}]") for i, s in enumerate(segments)}
     moe = {k: v for k, v in moe.items() if v}
@@ -327,7 +348,8 @@ def _lower_from(schedule: Schedule, segments: list[dict], *, dp: int, tp: int, o
     if segment_allreduce_bytes is not None:
         replicated = dict(segment_allreduce_bytes)
     return lower(schedule, dp=dp, segment_param_bytes=seg_bytes, optimizer_kind=optimizer_kind,
-                 alltoalls=alltoalls, tied=tied, segment_allreduce_bytes=replicated)
+                 alltoalls=alltoalls, tied=tied, segment_allreduce_bytes=replicated, transforms=transforms, tp=tp,
+                 grad_bucket_bytes=grad_bucket_bytes)
 
 
 def plan_tied_groups(plan: Plan) -> list[TiedGroup]:
@@ -369,10 +391,12 @@ def lower_plan(plan: Plan, *, segment_param_bytes: Mapping[int, int] | None = No
         TransformError: a segment's experts do not divide by the plan's ``dp``.
     """
     opt = optimizer_kind or plan.parallel.optimizer
-    return _lower_from(plan.schedule, plan.segments, dp=plan.parallel.dp,
-                       tp=plan.parallel.tp, optimizer_kind=opt if opt in ("adam", "adama") else "adam",
+    par = plan.parallel
+    return _lower_from(plan.schedule, plan.segments, dp=par.dp,
+                       tp=par.tp, optimizer_kind=opt if opt in ("adam", "adama") else "adam",
                        tied=plan_tied_groups(plan), segment_param_bytes=segment_param_bytes,
-                       segment_allreduce_bytes=segment_allreduce_bytes)
+                       segment_allreduce_bytes=segment_allreduce_bytes, transforms=par.transforms,
+                       grad_bucket_bytes=par.grad_bucket_bytes)
 
 
 def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Plan, Timeline]:

@@ -15,7 +15,14 @@ serialises its outgoing transfers, and a collective stream for data-parallel all
 - ``ALLREDUCE`` (data-parallel, ``ranks`` empty): asynchronous on the collective stream
   (data-parallel replicas are symmetric, so one replica is simulated; the group is
   ``[r, r + n, ..., r + (dp-1) n]``); ``OPTIM`` waits for all of the rank's all-reduces and then
-  runs for ``cost.optimizer_time(nbytes)``; the gradient buffers are freed at its end.
+  runs for ``cost.optimizer_time(nbytes)``; the gradient buffers are freed at its end. A bucket of
+  ``overlap-grad-sync`` (``ready < 1``) may start once that fraction of the rank's last compute
+  block has run: its all-reduce overlaps the rest of the backward.
+- ``REDUCESCATTER`` (``sharded-update``): like a data-parallel ALLREDUCE, timed as a
+  reduce-scatter. ``ALLGATHER`` of a segment's parameters (``sharded-update``, after ``OPTIM``):
+  asynchronous on the collective stream; the step ends when it has finished. ``ALLGATHER`` of a
+  received block (``scatter-send``): blocking on the compute path, like ``ALLTOALL``, over the
+  tensor group (``group`` ranks on the same link).
 - ``ALLTOALL`` (MoE expert parallelism over the data-parallel ranks): blocking on the compute
   path. It starts when the rank's compute stream reaches it (``runtime.worker`` runs it on its
   own process group, so it does not queue behind a pending data-parallel all-reduce; link
@@ -28,8 +35,9 @@ serialises its outgoing transfers, and a collective stream for data-parallel all
   then sums the tied gradients, then steps); it starts at the latest holder's ready time, lasts
   ``cost.collective_time("allreduce", nbytes, ranks)`` and advances every holder's clock.
 
-Collective events (stream ``"collective"``): ``"allreduce s<segment>"``, ``"a2a <block>"``,
-``"allreduce tied"``.
+Collective events (stream ``"collective"``): ``"allreduce s<segment>"`` (``"allreduce s<segment>
+b<bucket>"``), ``"reducescatter s<segment>"``, ``"allgather s<segment>"``, ``"allgather <block>"``,
+``"a2a <block>"``, ``"allreduce tied"``.
 
 The result is a :class:`~engine.timeline.Timeline`, the same structure the runtime measures.
 A rank that can never proceed raises :class:`~engine.errors.DeadlockError` naming every
@@ -98,6 +106,7 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
     events: list[Event] = []
     p2p = cost.p2p_time
     dp_ranks_cache: dict[int, list[int]] = {}
+    last_block = [(0.0, 0.0)] * n   # (start, end) of each rank's latest compute block
 
     def dp_group(r: int) -> list[int]:
         g = dp_ranks_cache.get(r)
@@ -112,6 +121,7 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
         for r in ranks:
             events.append(Event(r, "compute", ins.op, name, start, end, 0, ins.block.micro_batch, ins.block.segment))
             clock[r] = end
+            last_block[r] = (start, end)
             up = max(ins.memory, 0) + ins.hold + ins.transient
             if up:
                 mem[r] += up
@@ -188,12 +198,25 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
                                         blk.micro_batch if blk is not None else -1,
                                         ins.segment if ins.segment is not None else -1))
                     pc[r] += 1
-                elif op == Op.ALLREDUCE:
-                    start = max(clock[r], coll_free[r])
-                    end = start + cost.collective_time("allreduce", ins.nbytes, dp_group(r))
+                elif op == Op.ALLGATHER and ins.block is not None:   # scatter-send: the tensor group's gather
+                    start = clock[r]
+                    end = start + cost.collective_time("allgather", ins.nbytes, [r + k * n for k in range(ins.group)])
+                    clock[r] = end
+                    events.append(Event(r, "collective", "ALLGATHER", f"allgather {ins.block}", start, end,
+                                        ins.nbytes, ins.block.micro_batch, ins.block.segment))
+                    pc[r] += 1
+                elif op in (Op.ALLREDUCE, Op.REDUCESCATTER, Op.ALLGATHER):
+                    ready = clock[r]
+                    if ins.ready < 1.0:   # a gradient bucket: final part-way through the last backward
+                        b0, b1 = last_block[r]
+                        ready = b0 + ins.ready * (b1 - b0)
+                    start = max(ready, coll_free[r])
+                    kind = str(op).lower()
+                    end = start + cost.collective_time(kind, ins.nbytes, dp_group(r))
                     coll_free[r] = end
                     coll_pending[r] = max(coll_pending[r], end)
-                    events.append(Event(r, "collective", "ALLREDUCE", f"allreduce s{ins.segment}", start, end,
+                    label = f"{kind} s{ins.segment}" + (f" b{ins.bucket}" if ins.bucket is not None else "")
+                    events.append(Event(r, "collective", str(op), label, start, end,
                                         ins.nbytes, -1, ins.segment if ins.segment is not None else -1))
                     pc[r] += 1
                 elif op == Op.OPTIM:
