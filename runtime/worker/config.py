@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, get_args
 
-__all__ = ["OPTIMIZERS", "P2P_MATCHING", "Backend", "OptimizerName", "P2PMatching", "WorkerConfig"]
+__all__ = ["EXECUTED_TRANSFORMS", "OPTIMIZERS", "P2P_MATCHING", "Backend", "OptimizerName", "P2PMatching",
+           "WorkerConfig"]
+
+#: CoCoNet's transformations (``engine.coconet``) the stage worker executes; a plan with another
+#: one is refused at setup in one sentence.
+EXECUTED_TRANSFORMS: frozenset[str] = frozenset()
 
 Backend = Literal["gloo", "nccl"]
 P2PMatching = Literal["auto", "tags", "ordered"]

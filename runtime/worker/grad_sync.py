@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from engine.timeline import Event
 from runtime.tensor_parallel import local_grad, local_tensor, shard_view
+from runtime.worker.errors import WorkerError
 from runtime.worker.optimizer import WorkerOptimizer
 from runtime.worker.step_state import StepState
 
@@ -115,6 +116,23 @@ class GradientSync:
             flat.div_(self.dp)
             unflatten_grads(flat, self.dp_params[s], 0)
         st.allreduces.clear()
+
+    # ------------------------------------------------------------- CoCoNet transformations
+    # (reached only for plans whose transformations runtime.worker.config.EXECUTED_TRANSFORMS lists)
+    def post_reduce_scatter(self, s: int, st: StepState) -> None:
+        """``sharded-update``: post segment ``s``'s gradient reduce-scatter. Raises :class:`WorkerError`
+        until the runtime executes the transformation."""
+        raise WorkerError("the runtime does not execute 'sharded-update' yet")
+
+    def post_all_gather(self, s: int, st: StepState) -> None:
+        """``sharded-update``: post the all-gather of segment ``s``'s updated parameter shards. Raises
+        :class:`WorkerError` until the runtime executes the transformation."""
+        raise WorkerError("the runtime does not execute 'sharded-update' yet")
+
+    def bucket_posted(self, s: int, bucket: int, st: StepState) -> None:
+        """``overlap-grad-sync``: the bucket's all-reduce was posted by the backward's hooks. Raises
+        :class:`WorkerError` until the runtime executes the transformation."""
+        raise WorkerError("the runtime does not execute 'overlap-grad-sync' yet")
 
     def tied_allreduce(self, st: StepState, ranks: tuple[int, ...] | None) -> None:
         """Sum the tied copies' gradients over their holders (Megatron's embedding all-reduce).

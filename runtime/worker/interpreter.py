@@ -90,12 +90,33 @@ def _recv(w: StageWorker, ins: Instruction, st: StepState) -> None:
 
 
 def _allreduce(w: StageWorker, ins: Instruction, st: StepState) -> None:
-    """``ALLREDUCE``: post a segment's DP all-reduce, or (``segment=None``) run the tied-weight one."""
+    """``ALLREDUCE``: post a segment's DP all-reduce, or (``segment=None``) run the tied-weight one;
+    a gradient bucket (``overlap-grad-sync``) was posted by its backward's hooks: check it was."""
     if ins.segment is None:   # the tied-weight all-reduce across pipeline ranks (wte / lm_head)
         w.grad_sync.finish(st)   # DP averages first: they write the tied copies' .grad
         w.grad_sync.tied_allreduce(st, tuple(ins.ranks))
+    elif ins.bucket is not None:
+        w.grad_sync.bucket_posted(ins.segment, ins.bucket, st)
     else:
         w.grad_sync.post_allreduce(ins.segment, st)
+
+
+def _reducescatter(w: StageWorker, ins: Instruction, st: StepState) -> None:
+    """``REDUCESCATTER`` (``sharded-update``): post a segment's gradient reduce-scatter to the replicas' shards."""
+    assert ins.segment is not None
+    w.grad_sync.post_reduce_scatter(ins.segment, st)
+
+
+def _allgather(w: StageWorker, ins: Instruction, st: StepState) -> None:
+    """``ALLGATHER``: a segment's updated parameter shards (``sharded-update``, after ``OPTIM``), or a
+    received ``1/tp`` boundary slice gathered from the tensor group (``scatter-send``, ``block`` set)."""
+    if ins.block is not None:
+        from runtime.worker.tp_comm import gather_boundary
+
+        gather_boundary(w, ins, st)
+    else:
+        assert ins.segment is not None
+        w.grad_sync.post_all_gather(ins.segment, st)
 
 
 def _alltoall(w: StageWorker, ins: Instruction, st: StepState) -> None:
@@ -123,6 +144,7 @@ def _optim(w: StageWorker, ins: Instruction, st: StepState) -> None:
 HANDLERS: dict[str, Handler] = {
     Op.F: _compute, Op.B: _compute, Op.I: _compute, Op.W: _compute,
     Op.SEND: _send, Op.RECV: _recv, Op.ALLREDUCE: _allreduce, Op.ALLTOALL: _alltoall, Op.OPTIM: _optim,
+    Op.REDUCESCATTER: _reducescatter, Op.ALLGATHER: _allgather,
 }
 
 

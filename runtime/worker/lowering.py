@@ -21,7 +21,7 @@ def local_stream(w: StageWorker, plan: Any, tied_bytes: list[int]) -> list[Instr
     all-to-alls of each local segment (``ALLTOALL`` markers with the engine's byte formula,
     ``engine.models.moe.comm.moe_segment_collectives``), the tied groups (a tied
     ``ALLREDUCE`` before ``OPTIM`` where their copies span pipeline ranks); a tensor-parallel parameter
-    counts its local shard. For a fresh plan
+    counts its local shard; the plan's CoCoNet transformations (``plan.parallel.transforms``). For a fresh plan
     this equals ``engine.planner.lower_plan(plan)``'s stream of this rank."""
     from engine.dependency import TiedGroup
     from engine.models.moe.comm import find_moe_layers, moe_segment_collectives
@@ -33,7 +33,8 @@ def local_stream(w: StageWorker, plan: Any, tied_bytes: list[int]) -> list[Instr
                  for s in w.segments if w.moe_layers[s]} if w.ep > 1 else {}
     tied = [TiedGroup(tuple(sorted((int(s), str(n)) for s, n in group)), int(nb))
             for group, nb in zip(w.tied, tied_bytes)]
+    par = plan.parallel
     ex = lower(plan.schedule, dp=w.dp, segment_param_bytes=seg_bytes, segment_allreduce_bytes=ar_bytes,
                optimizer_kind="adama" if w.optimizer_name == "adama" else "adam", alltoalls=alltoalls,
-               tied=tied)
+               tied=tied, transforms=par.transforms, tp=w.tp, grad_bucket_bytes=par.grad_bucket_bytes)
     return ex.streams[w.pp_rank]

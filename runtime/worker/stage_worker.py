@@ -17,7 +17,7 @@ from runtime.expert_parallel import ExpertParallelMoE, is_expert_param
 from runtime.tensor_parallel import apply_tensor_parallel, has_lm_head, local_tensor
 from runtime.worker.batches import MicroBatch, split_batch
 from runtime.worker.buffers import ReceiveBuffers
-from runtime.worker.config import OPTIMIZERS, WorkerConfig
+from runtime.worker.config import EXECUTED_TRANSFORMS, OPTIMIZERS, WorkerConfig
 from runtime.worker.device import module_to, resolve_device
 from runtime.worker.errors import WorkerError
 from runtime.worker.evaluation import evaluate_loss
@@ -192,6 +192,12 @@ class StageWorker:
             raise WorkerError("optimizer 'adama' with tensor parallelism (tp > 1) is not supported; "
                               "use optimizer 'adam' or 'sgd', or tp = 1")
         self.optimizer_name = name
+        missing = [t for t in plan.parallel.transforms if t not in EXECUTED_TRANSFORMS]
+        if missing:
+            from runtime.stage import RuntimeNotSupported
+
+            raise RuntimeNotSupported(f"the runtime does not execute the transformation {missing[0]!r} yet; plan "
+                                      f"without it (executed: {', '.join(sorted(EXECUTED_TRANSFORMS)) or 'none'})")
         self.pp_rank = self.rank % self.pp
         self.replica = self.rank // self.pp   # pipeline replica: the ranks exchanging p2p (groups.py)
         self.dp_index = self.replica // self.tp
