@@ -5,7 +5,44 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["link_name"]
+__all__ = ["link_name", "transform_names", "positive_int", "transform_help"]
+
+
+def transform_help() -> str:
+    """The ``--transform`` help: CoCoNet's transformations (:data:`engine.coconet.TRANSFORMS`)."""
+    from engine.coconet import TRANSFORMS
+
+    return ("CoCoNet's computation/communication transformations, comma-separated: "
+            + "; ".join(f"{t.name}: {t.summary} (needs {t.needs})" for t in TRANSFORMS.values()))
+
+
+def transform_names(text: str) -> tuple[str, ...]:
+    """``"a,b"`` as :func:`engine.coconet.parse_transforms` reads it.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown name (the message lists the valid ones).
+    """
+    from engine.coconet import CoCoNetError, parse_transforms
+
+    try:
+        return parse_transforms(text)
+    except CoCoNetError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 LINK_HELP = ("the link between ranks: nvlink, pcie, infiniband, loopback, emulated:RATE (the shaped loopback of "
              "benchmarks/emulated_network.py, e.g. emulated:1gbit) or RATE[@LATENCY] (e.g. 10gbit@5us); "

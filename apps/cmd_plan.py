@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from apps.arg_types import LINK_HELP, link_name
+from apps.arg_types import LINK_HELP, link_name, positive_int, transform_help, transform_names
 from apps.output import fmt_gib, fmt_ms, table
 
 HELP = "plan a model on N devices with a predefined schedule and write plan/trace/csv"
@@ -43,7 +43,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default adam)")
     p.add_argument("--profile", action="store_true",
                    help="time the model's ops on this machine (cached) and plan with measured costs")
+    p.add_argument("--transform", type=transform_names, default=(), metavar="T[,T...]", help=transform_help())
+    p.add_argument("--bucket-mib", type=float, default=25.0,
+                   help="gradient bucket size of overlap-grad-sync, MiB (default 25, PyTorch DDP's)")
+    p.add_argument("--overlap-chunks", type=positive_int, default=4,
+                   help="chunks of chunked-overlap (default 4)")
     p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
+
+
+def _bucket_bytes(mib: float) -> int:
+    """``--bucket-mib`` in bytes, a multiple of 4 (float32 elements); a non-positive size is a user error."""
+    from engine.coconet import CoCoNetError
+
+    if not mib > 0:
+        raise CoCoNetError(f"--bucket-mib must be positive, got {mib:g}")
+    return max(4, int(mib * 2**20) // 4 * 4)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -63,7 +77,8 @@ def run(args: argparse.Namespace) -> dict:
         device_type=args.device_type, dp=args.dp, tp=args.tp, virtual_stages=args.virtual_stages,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, memory_limit=limit,
         optimizer=args.optimizer, profile=args.profile, task=args.task, link=args.link,
-        progress=progress,
+        transforms=args.transform, grad_bucket_bytes=_bucket_bytes(args.bucket_mib),
+        overlap_chunks=args.overlap_chunks, progress=progress,
     )
     out = Path(args.output)
     plan_path = save_plan(res.plan, out / "plan.json")
@@ -79,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{res.plan.model.name}: {g.graph.get('num_params', 0) / 1e6:,.1f}M parameters, {g.number_of_nodes()} ops, "
           f"{len(res.plan.segments)} segments; dp={par.dp} tp={par.tp} pp={par.pp}, "
           f"{par.micro_batches} micro-batches, schedule {res.plan.schedule.name} on {args.device_type}, "
-          f"optimizer {par.optimizer}")
+          f"optimizer {par.optimizer}" + (f"; transformations {', '.join(par.transforms)}" if par.transforms else ""))
     if par.tp > 1 or par.dp > 1:
         print(f"one row per pipeline rank: each is a group of tp={par.tp} devices, replicated dp={par.dp} times")
     rows = [[f"rank {d}", fmt_ms(m['makespan'] * (1 - b)), f"{b:.1%}", fmt_gib(p)]

@@ -206,6 +206,9 @@ class ExecutionPlan:
         dp: data-parallel degree (replicas of this pipeline; their ALLREDUCEs are symmetric).
         param_bytes: parameter bytes per rank (for the optimizer step).
         schedule_name: the schedule it was lowered from.
+        tp_collectives: per segment, the tensor-parallel collectives inside its forward block, in
+            order, ``(kind, bytes, seconds)`` (included in the block's duration; the backward runs
+            as many in reverse); the simulator draws them in the communication lane.
     """
 
     streams: list[list[Instruction]]
@@ -213,6 +216,7 @@ class ExecutionPlan:
     dp: int = 1
     param_bytes: list[int] = field(default_factory=list)
     schedule_name: str = "custom"
+    tp_collectives: dict[int, tuple[tuple[str, int, float], ...]] = field(default_factory=dict)
 
     @property
     def num_ranks(self) -> int:
@@ -239,6 +243,7 @@ def lower(
     transforms: Sequence[str] = (),
     tp: int = 1,
     grad_bucket_bytes: int | None = None,
+    segment_tp_collectives: Mapping[int, Sequence[tuple[str, int, float]]] | None = None,
 ) -> ExecutionPlan:
     """Lower a schedule into per-rank instruction streams (SuperScaler phase 3).
 
@@ -279,6 +284,8 @@ def lower(
         tp: tensor-parallel degree (for ``scatter-send``).
         grad_bucket_bytes: bucket size of ``overlap-grad-sync`` (default
             :data:`engine.coconet.DEFAULT_GRAD_BUCKET_BYTES`).
+        segment_tp_collectives: per segment, the tensor-parallel collectives inside its forward
+            block (``Segment.tp_collectives``), kept in :attr:`ExecutionPlan.tp_collectives`.
 
     Returns:
         The :class:`ExecutionPlan`. A producer block whose output goes to ``k`` other ranks gets
@@ -425,4 +432,7 @@ def lower(
                     if seg_bytes.get(seg, 0):
                         out.append(Instruction(Op.ALLGATHER, None, nbytes=seg_bytes[seg], segment=seg, group=dp))
         streams.append(out)
-    return ExecutionPlan(streams, static, dp=dp, param_bytes=param_bytes, schedule_name=schedule.name)
+    inner = {int(s): tuple((str(k), int(b), float(t)) for k, b, t in v)
+             for s, v in (segment_tp_collectives or {}).items() if v}
+    return ExecutionPlan(streams, static, dp=dp, param_bytes=param_bytes, schedule_name=schedule.name,
+                         tp_collectives=inner)

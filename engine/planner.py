@@ -347,9 +347,10 @@ def _lower_from(schedule: Schedule, segments: list[dict], *, dp: int, tp: int, o
         replicated = dict(segment_param_bytes)
     if segment_allreduce_bytes is not None:
         replicated = dict(segment_allreduce_bytes)
+    inner = {int(s["index"]): [tuple(c) for c in s.get("tp_collectives") or []] for s in segments}
     return lower(schedule, dp=dp, segment_param_bytes=seg_bytes, optimizer_kind=optimizer_kind,
                  alltoalls=alltoalls, tied=tied, segment_allreduce_bytes=replicated, transforms=transforms, tp=tp,
-                 grad_bucket_bytes=grad_bucket_bytes)
+                 grad_bucket_bytes=grad_bucket_bytes, segment_tp_collectives=inner)
 
 
 def plan_tied_groups(plan: Plan) -> list[TiedGroup]:

@@ -35,6 +35,10 @@ serialises its outgoing transfers, and a collective stream for data-parallel all
   then sums the tied gradients, then steps); it starts at the latest holder's ready time, lasts
   ``cost.collective_time("allreduce", nbytes, ranks)`` and advances every holder's clock.
 
+Tensor-parallel collectives inside a block (``ExecutionPlan.tp_collectives``: Megatron's all-reduces,
+or CoCoNet's ``tp-split`` reduce-scatters and all-gathers) are drawn within the block's span
+(``"tp <kind> <block>"``; the block's duration already includes them).
+
 Collective events (stream ``"collective"``): ``"allreduce s<segment>"`` (``"allreduce s<segment>
 b<bucket>"``), ``"reducescatter s<segment>"``, ``"allgather s<segment>"``, ``"allgather <block>"``,
 ``"a2a <block>"``, ``"allreduce tied"``.
@@ -118,10 +122,20 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
         start = max(clock[r] for r in ranks)
         end = start + ins.duration
         name = str(ins.block)
+        inner = plan.tp_collectives.get(ins.block.segment, ()) if ins.op in (Op.F, Op.B, Op.I) else ()
+        if ins.op != Op.F:
+            inner = tuple(reversed(inner))
+        gap = max(0.0, ins.duration - sum(c[2] for c in inner)) / len(inner) if inner else 0.0
         for r in ranks:
             events.append(Event(r, "compute", ins.op, name, start, end, 0, ins.block.micro_batch, ins.block.segment))
             clock[r] = end
             last_block[r] = (start, end)
+            t = start
+            for kind, nb, sec in inner:   # tensor-parallel collectives inside the block (its duration has them)
+                t += gap
+                events.append(Event(r, "collective", kind.upper(), f"tp {kind} {name}", t, t + sec, nb,
+                                    ins.block.micro_batch, ins.block.segment))
+                t += sec
             up = max(ins.memory, 0) + ins.hold + ins.transient
             if up:
                 mem[r] += up

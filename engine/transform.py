@@ -103,6 +103,9 @@ class Segment:
             boundary tensors only (floating point and computed from parameters; masks, position
             ids and rotary tables have none). ``None`` for the last segment or when nothing
             crossing the cut has a gradient.
+        tp_collectives: its layers' forward tensor-parallel collectives, ``(kind, bytes,
+            seconds)`` in order (:func:`layer_costs`), included in ``forward_time``; drawn inside its
+            blocks (the backward's are the same in reverse).
     """
 
     index: int
@@ -117,6 +120,7 @@ class Segment:
     meta: dict = field(default_factory=dict)
     max_param_bytes: int = 0
     output_grad: TensorSpec | None = None
+    tp_collectives: tuple[tuple[str, int, float], ...] = ()
 
     @property
     def boundary_bytes(self) -> int:
@@ -134,6 +138,7 @@ class Segment:
             "output": self.output.to_dict() if self.output else None,
             "boundary_bytes": self.boundary_bytes,
             "output_grad": self.output_grad.to_dict() if self.output_grad else None,
+            **({"tp_collectives": [list(c) for c in self.tp_collectives]} if self.tp_collectives else {}),
         }
 
 
@@ -143,23 +148,32 @@ def is_block_layer(layer: str) -> bool:
 
 
 
-def _tp_divisor(node: dict, tp: int, vocab_layers: frozenset[str] = frozenset()) -> int:
+def _tp_divisor(node: dict, tp: int, vocab_layers: frozenset[str] = frozenset(),
+                sequence_parallel: bool = False) -> int:
     """How many ways an op's work splits under TP, as the runtime shards a stage
     (``runtime.tensor_parallel``): the projections inside transformer blocks and, of the other
     layers, only the token embedding and the LM head (``vocab_layers``: vocab-parallel) split
     ``tp`` ways; norms, residual adds in the block body, position embeddings and every other
-    layer run replicated (1)."""
+    layer run replicated (1), except with ``sequence_parallel`` (CoCoNet's ``tp-split``), where the
+    norms, dropouts and residual adds of the blocks and the final norm run on ``1/tp`` of the
+    sequence."""
     if tp == 1:
         return 1
     mt = str(node.get("module_type", ""))
-    if mt in _REPLICATED_MODULES or mt.endswith(("LayerNorm", "RMSNorm")):
-        return 1
     layer = node.get("layer", None)
-    if not (layer is not None and is_block_layer(str(layer))):
+    in_block = layer is not None and is_block_layer(str(layer))
+    if mt in _REPLICATED_MODULES or mt.endswith(("LayerNorm", "RMSNorm")):
+        return tp if sequence_parallel and (in_block or mt.endswith("Norm")) else 1
+    if not in_block:
         return tp if layer in vocab_layers else 1
     if node.get("module_path", "") == layer:  # residual adds in the block body
-        return 1
+        return tp if sequence_parallel else 1
     return tp
+
+
+#: Module path endings of the row-parallel projections whose output all-reduce ``chunked-overlap``
+#: pipelines (GPT-2 / tessel-gpt ``c_proj``, Llama ``o_proj`` and ``down_proj``, others' ``out_proj``).
+_ROW_PARALLEL = ("c_proj", "o_proj", "down_proj", "out_proj", "dense_4h_to_h", "wo", "w2")
 
 
 @dataclass
@@ -175,6 +189,7 @@ class LayerCost:
     output: TensorSpec | None
     max_param_bytes: int = 0
     grad: TensorSpec | None = None
+    tp_collectives: tuple[tuple[str, int, float], ...] = ()
 
 
 def _largest_param_bytes(node: dict) -> int:
@@ -223,7 +238,8 @@ def _vocab_layers(graph, summaries) -> frozenset[str]:
     return frozenset(x for x in out if x is not None)
 
 
-def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False) -> list[LayerCost]:
+def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False, sequence_parallel: bool = False,
+                overlap_chunks: int = 1) -> list[LayerCost]:
     """Forward time, FLOPs, parameter and activation bytes of every layer on one TP rank.
 
     Tensor-parallel communication per layer (Megatron-LM, Shoeybi et al. 2019, section 3; its
@@ -238,6 +254,17 @@ def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False) -> lis
         cost: an :class:`~engine.cost.CostModel` (``op_time(node)``, ``collective_time(kind, nbytes, ranks)``).
         tp: tensor-parallel degree.
         loss_parallel: the task's loss runs on vocab-sharded logits (:data:`LOSS_PARALLEL_TASKS`).
+        sequence_parallel: CoCoNet's ``tp-split`` (Megatron sequence parallelism): each block's
+            all-reduces become a reduce-scatter and an all-gather of the same bytes (a ring
+            all-reduce is exactly the two), and the norms, dropouts and residual adds run on the
+            ``1/tp`` sequence shard (their time and saved activations divided by ``tp``).
+        overlap_chunks: CoCoNet's ``chunked-overlap`` with this many chunks (1: off): each
+            row-parallel projection (:data:`_ROW_PARALLEL`) and its all-reduce are pipelined, so of
+            ``matmul + all-reduce`` only ``max(matmul, all-reduce) + min(matmul, all-reduce) / k`` is
+            on the critical path.
+
+    Each layer's ``tp_collectives`` lists its forward collectives as ``(kind, bytes, seconds)`` in
+    order (what the Gantt draws inside the block; the backward has as many, in reverse).
     """
     out = []
     summaries = graph.layer_summaries()
@@ -249,10 +276,14 @@ def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False) -> lis
         pbytes = 0
         pmax = 0
         act = 0
+        row_matmul = 0.0
         for op in ls.ops:
             node = graph.nodes[op]
-            k = _tp_divisor(node, tp, vocab)
-            t += cost.op_time(node, shard=k)
+            k = _tp_divisor(node, tp, vocab, sequence_parallel)
+            dt = cost.op_time(node, shard=k)
+            t += dt
+            if str(node.get("module_path", "")).endswith(_ROW_PARALLEL) and node.get("flops"):
+                row_matmul += dt
             flops += node.get("flops", 0.0) / k
             pbytes += node.get("param_bytes", 0) // k
             pmax = max(pmax, _largest_param_bytes(node) // k)
@@ -260,14 +291,28 @@ def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False) -> lis
         output, grad = boundary_spec(graph, ls)
         comm = 0.0
         hidden = TensorSpec(output.shape, output.dtype).nbytes if output else 0
+        colls: list[tuple[str, int, float]] = []
         if tp > 1:
+            ranks = list(range(tp))
             n_ar = 2 if is_block_layer(ls.name) else (1 if ls.name in vocab else 0)
             # the Megatron all-reduces are of the layer's hidden state (the first boundary tensor);
             # the last layer (the LM head) has none after it: its logits, or its input with loss parallel
             nbytes = hidden if output else (prev_hidden if loss_parallel and prev_hidden else ls.output_bytes)
-            comm = n_ar * cost.collective_time("allreduce", nbytes, list(range(tp)))
+            for _ in range(n_ar):
+                if sequence_parallel and is_block_layer(ls.name):
+                    colls += [("reducescatter", nbytes, cost.collective_time("reducescatter", nbytes, ranks)),
+                              ("allgather", nbytes, cost.collective_time("allgather", nbytes, ranks))]
+                else:
+                    colls.append(("allreduce", nbytes, cost.collective_time("allreduce", nbytes, ranks)))
+            comm = sum(c[2] for c in colls)
+            if overlap_chunks > 1 and is_block_layer(ls.name) and n_ar:
+                per_mm, per_comm = row_matmul / n_ar, comm / n_ar
+                hidden_s = n_ar * min(per_mm, per_comm) * (1 - 1 / overlap_chunks)
+                scale = (comm - hidden_s) / comm if comm > 0 else 1.0
+                colls = [(kind, nb, sec * scale) for kind, nb, sec in colls]
+                comm -= hidden_s
         prev_hidden = hidden or prev_hidden
-        out.append(LayerCost(ls.name, t + comm, flops, pbytes, act, comm, output, pmax, grad))
+        out.append(LayerCost(ls.name, t + comm, flops, pbytes, act, comm, output, pmax, grad, tuple(colls)))
     return out
 
 
@@ -353,7 +398,8 @@ def balanced_partition(weights: Sequence[float], k: int, *, fits=None) -> list[t
 
 def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float | None = None,
                    optimizer: str = "adam", loss_parallel: bool = False) -> tuple[list[Segment], list[str]]:
-    """Cut the graph into ``config.num_segments`` balanced segments.
+    """Cut the graph into ``config.num_segments`` balanced segments (``config.transforms``: CoCoNet's
+    ``tp-split`` and ``chunked-overlap`` change the layers' tensor-parallel costs, :func:`layer_costs`).
 
     Args:
         graph: the captured :class:`~engine.graph.OpGraph` of ONE micro-batch.
@@ -376,7 +422,9 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
     """
     config.check()
     check_optimizer(optimizer)
-    layers = layer_costs(graph, cost, config.tp, loss_parallel=loss_parallel)
+    layers = layer_costs(graph, cost, config.tp, loss_parallel=loss_parallel,
+                         sequence_parallel="tp-split" in config.transforms,
+                         overlap_chunks=config.overlap_chunks if "chunked-overlap" in config.transforms else 1)
     k = config.num_segments
     if k > len(layers):
         raise TransformError(
@@ -429,6 +477,7 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
             output=part[-1].output if idx < k - 1 else None,
             max_param_bytes=max((lc.max_param_bytes for lc in part), default=0),
             output_grad=part[-1].grad if idx < k - 1 else None,
+            tp_collectives=tuple(c for lc in part for c in lc.tp_collectives),
         ))
     return segments, warnings
 

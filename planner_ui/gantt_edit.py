@@ -27,7 +27,8 @@ MEASURED_COLUMNS = ("left", "right", "top", "bottom", "color", "name", "op", "de
 SCHEDULE_OPS = ("F", "B", "I", "W")
 #: Kinds drawn in the legend (label, colour key).
 LEGEND_KINDS = (("F", "F"), ("B", "B"), ("I", "I"), ("W", "W"), ("SEND/RECV", "SEND"),
-                ("ALLREDUCE", "ALLREDUCE"), ("ALL-TO-ALL (MoE)", "ALLTOALL"), ("OPTIM", "OPTIM"))
+                ("ALLREDUCE", "ALLREDUCE"), ("REDUCE-SCATTER", "REDUCESCATTER"), ("ALL-GATHER", "ALLGATHER"),
+                ("ALL-TO-ALL (MoE)", "ALLTOALL"), ("OPTIM", "OPTIM"))
 
 _FLOAT_COLS = {"x", "width", "y", "height", "alpha", "start", "end", "duration", "left", "right", "top", "bottom"}
 _INT_COLS = {"micro_batch", "segment", "device", "position", "nbytes"}

@@ -21,6 +21,8 @@ KIND_COLORS = {
     "RECV": "#BAB0AC",
     "ALLREDUCE": "#B279A2",
     "ALLTOALL": "#D4A017",  # MoE expert-parallel all-to-all: dark gold
+    "REDUCESCATTER": "#8E6C8A",  # CoCoNet: sharded update, tensor-parallel split
+    "ALLGATHER": "#C5A3C0",
     "OPTIM": "#54A24B",
 }
 
@@ -30,6 +32,10 @@ COMM_DESCRIPTIONS = {
     "RECV": "pipeline receive (waits for the tensor)",
     "ALLREDUCE": "gradient all-reduce (data-parallel replicas, or tied weights across pipeline ranks)",
     "ALLTOALL": "MoE expert-parallel all-to-all (token dispatch/combine over the data-parallel group; blocks compute)",
+    "REDUCESCATTER": "reduce-scatter (sharded update: gradients to each replica's shard; tensor-parallel split: a "
+                     "row-parallel output to the sequence shard)",
+    "ALLGATHER": "all-gather (sharded update: the updated parameter shards; scatter-send / tensor-parallel split: "
+                 "a sequence-sharded activation)",
 }
 
 #: Categorical palette for segments / devices (Tableau 10).

@@ -203,3 +203,18 @@ def test_plan_on_a_named_link_and_a_wrong_link(tmp_path):
     assert slow["makespan"] > 10 * fast["makespan"]
     p = tessel("plan", "--model", "gpt2-tiny", "--link", "1gbps", "-o", str(tmp_path / "c"), check=False)
     assert p.returncode == 2 and "argument --link: unknown link '1gbps'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_plan_with_transformations_and_their_refusals(tmp_path):
+    """``--transform`` records CoCoNet's transformations in the plan and lowers them; an unknown
+    name or a missing precondition is one sentence, exit 2."""
+    res = last_json(tessel("plan", "--model", "gpt2-tiny", "--devices", "2", "--dp", "2", "--micro-batches", "2",
+                           "--device-type", "cpu", "--seq-len", "32", "--transform", "overlap-grad-sync,sharded-update",
+                           "--bucket-mib", "0.01", "-o", str(tmp_path / "a"), "--json"))
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    assert plan["parallel"]["transforms"] == ["sharded-update", "overlap-grad-sync"] and res["ok"]
+    assert plan["parallel"]["grad_bucket_bytes"] == int(0.01 * 2**20) // 4 * 4
+    p = tessel("plan", "--model", "gpt2-tiny", "--transform", "zero", "-o", str(tmp_path / "b"), check=False)
+    assert p.returncode == 2 and "unknown transformation 'zero'" in p.stderr and "Traceback" not in p.stderr
+    p = tessel("plan", "--model", "gpt2-tiny", "--transform", "scatter-send", "-o", str(tmp_path / "c"), check=False)
+    assert p.returncode == 2 and "'scatter-send' needs tp > 1 and pp > 1" in p.stderr and "Traceback" not in p.stderr

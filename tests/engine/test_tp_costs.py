@@ -69,3 +69,45 @@ def test_all_device_segments_of_the_m_placement_cost_their_layers_at_tp_n(llama)
         assert pl.spec("B", seg).duration == pytest.approx(cost.backward_factor * (f - comm) + comm)
     one = {lc.name: lc for lc in layer_costs(llama, cost, 1)}
     assert pl.spec("F", 1).duration == pytest.approx(sum(one[x].forward_time for x in parts[1]["layers"]))
+
+
+def test_tp_split_moves_the_norms_and_adds_onto_the_shard_and_keeps_the_bytes(llama):
+    """CoCoNet's tp-split (sequence parallelism): a block's two all-reduces become reduce-scatter +
+    all-gather pairs of the same bytes (a ring all-reduce is exactly the two), and its norms and
+    residual adds run on 1/tp of the tokens: less time, fewer saved activations."""
+    cost = CostModel.for_device("h100")
+    plain = {lc.name: lc for lc in layer_costs(llama, cost, 2)}
+    sp = {lc.name: lc for lc in layer_costs(llama, cost, 2, sequence_parallel=True)}
+    b = "model.layers.1"
+    assert [k for k, _, _ in plain[b].tp_collectives] == ["allreduce", "allreduce"]
+    assert [k for k, _, _ in sp[b].tp_collectives] == ["reducescatter", "allgather"] * 2
+    assert sp[b].tp_comm_time == pytest.approx(plain[b].tp_comm_time)
+    assert sp[b].forward_time < plain[b].forward_time
+    assert sp[b].activation_bytes < plain[b].activation_bytes
+    assert sp["model.norm"].activation_bytes * 2 == plain["model.norm"].activation_bytes
+
+
+def test_chunked_overlap_hides_part_of_the_row_parallel_all_reduce(llama):
+    """With k chunks a row-parallel matmul and its all-reduce pipeline: the block's exposed
+    communication drops by min(matmul, all-reduce) x (1 - 1/k) per projection."""
+    cost = CostModel.for_device("cpu")   # slow links: the all-reduce is comparable to the matmul
+    plain = {lc.name: lc for lc in layer_costs(llama, cost, 2)}
+    chunked = {lc.name: lc for lc in layer_costs(llama, cost, 2, overlap_chunks=4)}
+    b = "model.layers.0"
+    saved = plain[b].tp_comm_time - chunked[b].tp_comm_time
+    assert 0 < saved <= plain[b].tp_comm_time * 0.75 + 1e-12
+    assert plain[b].forward_time - chunked[b].forward_time == pytest.approx(saved)
+    assert chunked["model.embed_tokens"].tp_comm_time == plain["model.embed_tokens"].tp_comm_time
+
+
+def test_the_simulator_draws_tensor_parallel_collectives_inside_their_blocks():
+    from engine.planner import make_plan
+
+    res = make_plan("llama-tiny", devices=2, tp=2, micro_batches=2, device_type="cpu", micro_batch_size=2,
+                    seq_len=32, transforms="tp-split")
+    blocks = {(e.rank, e.name): e for e in res.timeline.events if e.stream == "compute" and e.op in ("F", "B")}
+    inner = [e for e in res.timeline.events if e.name.startswith("tp ")]
+    assert {e.op for e in inner} == {"REDUCESCATTER", "ALLGATHER", "ALLREDUCE"}   # blocks; embedding and head
+    for e in inner:
+        blk = blocks[(e.rank, e.name.split()[-1])]
+        assert blk.start - 1e-12 <= e.start and e.end <= blk.end + 1e-12
