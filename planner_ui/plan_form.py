@@ -11,6 +11,7 @@ import panel as pn
 import param
 
 from engine.baselines import SCHEDULES
+from engine.coconet import TRANSFORMS
 from engine.errors import TesselError
 from engine.models.registry import list_models
 from planner_ui.background import run_in_background
@@ -31,7 +32,10 @@ class PlanForm(pn.viewable.Viewer):
 
     Parameters mirror ``tessel plan``: ``model`` (registry name or ``module:callable``),
     ``devices`` (= dp x tp x pp), ``micro_batches``, ``schedule``, ``device_type``, ``dp``, ``tp``,
-    ``optimizer`` (``adam`` | ``adama``: the Gantt's memory curves show AdamA's missing gradient buffer).
+    ``optimizer`` (``adam`` | ``adama``: the Gantt's memory curves show AdamA's missing gradient buffer),
+    ``transforms`` (CoCoNet's transformations, :mod:`engine.coconet`; one the plan cannot take is
+    refused in the message bar in one sentence), ``link`` (``engine.cost.parse_link``; empty: the
+    device's own).
     A mistake (unknown model, too few micro-batches for a schedule, a split that does not fit)
     is shown in ``state.message`` as an error; the current plan stays.
     """
@@ -48,6 +52,10 @@ class PlanForm(pn.viewable.Viewer):
     optimizer = param.Selector(default="adam", objects=["adam", "adama"], label="Optimizer",
                                doc="adam (gradient buffer until the step) or adama "
                                    "(AdamA: gradients folded and freed per micro-batch)")
+    transforms = param.ListSelector(default=[], objects=list(TRANSFORMS), label="CoCoNet transformations",
+                                    doc="computation/communication transformations (engine.coconet)")
+    link = param.String(default="", label="Link", doc="link between ranks (nvlink, emulated:1gbit, 10gbit@5us); "
+                                                      "empty: the device's own")
     busy = param.Boolean(default=False, doc="a plan is being made")
 
     def __init__(self, **params):
@@ -71,7 +79,7 @@ class PlanForm(pn.viewable.Viewer):
 
         return make_plan(self.model.strip(), devices=self.devices, micro_batches=self.micro_batches,
                          schedule=self.schedule, device_type=self.device_type, dp=self.dp, tp=self.tp,
-                         optimizer=self.optimizer)
+                         optimizer=self.optimizer, transforms=list(self.transforms), link=self.link.strip() or None)
 
     def _finish(self, res, err: BaseException | None) -> bool:
         self.busy = False
@@ -84,8 +92,10 @@ class PlanForm(pn.viewable.Viewer):
         warn = f" ({'; '.join(res.warnings)})" if res.warnings else ""
         self.state.load(res.plan, graph=res.graph,
                         message=f"planned {self.model}: {self.schedule} on {self.devices} {self.device_type} devices, "
-                                f"{self.micro_batches} micro-batches, {self.optimizer}, "
-                                f"in {sum(res.timings.values()):.1f} s{warn}")
+                                f"{self.micro_batches} micro-batches, {self.optimizer}"
+                                + (f", {', '.join(res.plan.parallel.transforms)}" if res.plan.parallel.transforms
+                                   else "")
+                                + f", in {sum(res.timings.values()):.1f} s{warn}")
         return True
 
     def plan(self) -> bool:
@@ -108,9 +118,11 @@ class PlanForm(pn.viewable.Viewer):
 
     def __panel__(self):
         w = pn.Param(self.param,
-                     parameters=["devices", "micro_batches", "schedule", "device_type", "dp", "tp", "optimizer"],
+                     parameters=["devices", "micro_batches", "schedule", "device_type", "dp", "tp", "optimizer",
+                                 "link", "transforms"],
                      widgets={"devices": pn.widgets.IntInput, "micro_batches": pn.widgets.IntInput,
-                              "dp": pn.widgets.IntInput, "tp": pn.widgets.IntInput},
+                              "dp": pn.widgets.IntInput, "tp": pn.widgets.IntInput,
+                              "transforms": {"type": pn.widgets.CheckBoxGroup, "inline": False}},
                      show_name=False, sizing_mode="stretch_width")
         return pn.Column("### Plan a model", self._model_w, w, pn.Row(self._button, self._spinner),
                          sizing_mode="stretch_width", css_classes=["tessel-plan-form"])

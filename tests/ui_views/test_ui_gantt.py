@@ -413,3 +413,27 @@ def test_plan_form_optimizer_choice_changes_the_memory_curves():
     # AdamA holds no gradient buffer across micro-batches, except the tied copies' gradients (summed
     # across copies at the step, so not folded): each device's peak drops by its other parameters' bytes
     assert [a - b for a, b in zip(adam_peak, adama_peak)] == [p - t for p, t in zip(seg_bytes, tied)]
+
+
+def test_plan_form_transformations_are_planned_drawn_and_refused_in_one_sentence():
+    """The plan form's CoCoNet transformations: the sharded update and overlapped sync reach the
+    plan, their reduce-scatter / all-gather / bucket all-reduces reach the Gantt's communication
+    lane, and one the plan cannot take leaves the plan as it was with one sentence."""
+    from planner_ui.gantt import GanttView
+    from planner_ui.plan_form import PlanForm
+    from planner_ui.state import PlanState
+
+    state = PlanState()
+    form = PlanForm(state=state, model="gpt2-tiny", devices=2, dp=2, micro_batches=2, device_type="cpu",
+                    link="emulated:1gbit", transforms=["sharded-update"])
+    assert form.plan() and state.plan.parallel.transforms == ("sharded-update",)
+    assert state.plan.cost["intra_link"]["name"] == "emulated:1gbit"
+    ops = {e.op for e in state.timeline.events if e.stream == "collective"}
+    assert {"REDUCESCATTER", "ALLGATHER"} <= ops and "sharded-update" in state.message
+    gantt = GanttView(state=state)
+    assert {"REDUCESCATTER", "ALLGATHER"} <= set(gantt.comm_source.data["op"])
+    before = state.plan
+    form.transforms = ["tp-split"]
+    assert not form.plan()
+    assert state.plan is before and state.message_kind == "error"
+    assert "'tp-split' needs tp > 1" in state.message
