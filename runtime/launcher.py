@@ -204,8 +204,9 @@ def launch(
             not fit the model (``tasks.TaskError``'s sentence), or ``resume`` from a checkpoint
             written with another optimizer (all before Ray starts).
         CheckpointError: ``resume`` with a checkpoint of another plan or world size.
-        runtime.stage.RuntimeNotSupported: the plan uses multi-device blocks, a non-chain placement, or
-            tensor parallelism on a model without the layer split.
+        runtime.stage.RuntimeNotSupported: the plan uses multi-device blocks, a non-chain placement,
+            tensor parallelism on a model without the layer split, or a CoCoNet transformation the
+            runtime does not execute.
         engine.errors.PlanFormatError: a malformed plan file.
     """
     config = config if config is not None else LaunchConfig()
@@ -213,9 +214,14 @@ def launch(
     plan = as_plan(plan)
     par = plan.parallel
     dp, pp = par.dp, par.pp
-    from runtime.stage import check_executable
+    from runtime.stage import RuntimeNotSupported, check_executable
+    from runtime.worker.config import EXECUTED_TRANSFORMS
 
     check_executable(plan)  # RuntimeNotSupported (a TesselError) before any Ray work: multi-device blocks, ...
+    missing = [t for t in par.transforms if t not in EXECUTED_TRANSFORMS]
+    if missing:
+        raise RuntimeNotSupported(f"the runtime does not execute the transformation {missing[0]!r} yet; plan without "
+                                  f"it (executed: {', '.join(sorted(EXECUTED_TRANSFORMS)) or 'none'})")
     ws = dp * par.tp * pp   # one actor per (replica, tensor rank, pipeline rank)
     m = par.micro_batches
     mbs = plan.model.micro_batch_size
