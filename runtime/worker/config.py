@@ -9,8 +9,9 @@ __all__ = ["EXECUTED_TRANSFORMS", "OPTIMIZERS", "P2P_MATCHING", "Backend", "Opti
            "WorkerConfig"]
 
 #: CoCoNet's transformations (``engine.coconet``) the stage worker executes; a plan with another
-#: one is refused at setup in one sentence.
-EXECUTED_TRANSFORMS: frozenset[str] = frozenset()
+#: one is refused at setup in one sentence. ``sharded-update`` and ``overlap-grad-sync``:
+#: :mod:`runtime.worker.grad_sync`, :mod:`runtime.worker.optimizer`.
+EXECUTED_TRANSFORMS: frozenset[str] = frozenset({"sharded-update", "overlap-grad-sync"})
 
 Backend = Literal["gloo", "nccl"]
 P2PMatching = Literal["auto", "tags", "ordered"]

@@ -21,7 +21,7 @@ from runtime.worker.config import EXECUTED_TRANSFORMS, OPTIMIZERS, WorkerConfig
 from runtime.worker.device import module_to, resolve_device
 from runtime.worker.errors import WorkerError
 from runtime.worker.evaluation import evaluate_loss
-from runtime.worker.grad_sync import GradientSync, TiedCopies
+from runtime.worker.grad_sync import GradientSync, TiedCopies, transform_refusal
 from runtime.worker.groups import ProcessGroups, build_groups, connect_pairs, init_default_group
 from runtime.worker.lowering import local_stream
 from runtime.worker.metrics import ActivationMeter, rss
@@ -353,7 +353,7 @@ class StageWorker:
         # on_sync_start fires after this instruction: the ALLREDUCE after the last compute (or that compute)
         last_compute = max((i for i, ins in enumerate(self.stream) if ins.op in COMPUTE_OPS), default=-1)
         self._sync_index = next((i for i in range(last_compute + 1, len(self.stream))
-                                 if self.stream[i].op == Op.ALLREDUCE), last_compute)
+                                 if self.stream[i].op in (Op.ALLREDUCE, Op.REDUCESCATTER)), last_compute)
         if self.p2p_mode == "ordered":   # the real stream sends in the order its peers were told
             check_own_stream(self.stream, self.pp_rank, self._pair_orders, self._counts)
         self.buffers = ReceiveBuffers(self.stream, self.boundaries, self._empty, grad_boundary=self.grad_producer)
@@ -380,11 +380,18 @@ class StageWorker:
         """The optimizer (:class:`~runtime.worker.optimizer.WorkerOptimizer`) and the gradient
         collectives (:class:`~runtime.worker.grad_sync.GradientSync`)."""
         assert self.optimizer_name is not None
+        par = self.plan.parallel   # CoCoNet's sharded-update / overlap-grad-sync (runtime.worker.grad_sync)
+        why = transform_refusal(par.transforms, optimizer=self.optimizer_name, dp=self.dp, expert_parallel=self.ep > 1)
+        if why:
+            from runtime.stage import RuntimeNotSupported
+
+            raise RuntimeNotSupported(why)
         tied_ids = {id(p) for tc in self.tied_local for p in tc.params}
         self.opt = WorkerOptimizer(self.optimizer_name, float(self.config.lr), self.seg_params, tied_ids, self.dp,
-                                   self.device)
+                                   self.device, sharded="sharded-update" in par.transforms, shard_index=self.dp_index)
         self.grad_sync = GradientSync(self.rank, self.dp, self.groups.dp, self.opt, self.dp_params, self.tied_local,
-                                      self.device, self._sync, self.timeout)
+                                      self.device, self._sync, self.timeout, stream=self.stream,
+                                      bucket_bytes=par.grad_bucket_bytes)
 
     def _empty(self, meta: Any) -> torch.Tensor:
         """An uninitialised tensor of ``meta``'s shape and dtype on this worker's device."""
@@ -527,11 +534,13 @@ class StageWorker:
         load_worker_state(self, sd)
 
     def shutdown(self) -> None:
-        """Remove the AdamA fold hooks and destroy the process group (idempotent); with
-        ``owns_process_group=False`` the default process group is left to its owner."""
+        """Remove the AdamA fold hooks and the gradient-bucket hooks and destroy the process group
+        (idempotent); with ``owns_process_group=False`` the default process group is left to its owner."""
         opt = getattr(self, "opt", None)
         if opt is not None:
             opt.remove_hooks()
+        if getattr(self, "grad_sync", None) is not None:   # overlap-grad-sync's gradient hooks
+            self.grad_sync.remove_hooks()
         if self.config.owns_process_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         self._ready = False

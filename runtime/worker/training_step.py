@@ -40,6 +40,7 @@ def run_step(w: StageWorker, step: int, model_inputs: list[tuple[torch.Tensor, .
     where = f"rank {w.rank} (pipeline rank {w.pp_rank}, replica {w.dp_index})"
     mem = MemorySampler(w.meter, w.device if w._cuda else None)
     w.opt.begin_replica_step(w.dp_index)   # AdamA replicas > 0 start m, v from zero
+    w.grad_sync.begin_step()   # overlap-grad-sync: no bucket posted yet
     st.sends = SendWaiter(st.now, w.timeout, device=w.device if w._cuda else None)
     try:
         if cfg.prepost_receives:
@@ -48,7 +49,9 @@ def run_step(w: StageWorker, step: int, model_inputs: list[tuple[torch.Tensor, .
             try:
                 if fail_at is not None and (int(step), idx) == fail_at:
                     raise RuntimeError("deliberate failure requested by fail_at")
+                w.grad_sync.before_instruction(idx, st)   # a segment's last backward arms its bucket hooks
                 execute(w, ins, st)
+                w.grad_sync.after_instruction(idx, st)
                 if idx == w._sync_index and cfg.on_sync_start is not None:
                     cfg.on_sync_start(step)
             except Exception as e:
@@ -74,6 +77,7 @@ def run_step(w: StageWorker, step: int, model_inputs: list[tuple[torch.Tensor, .
         "losses": [st.losses[j] for j in sorted(st.losses)] if w.has_loss else [],
         "loss_micro_batches": sorted(st.losses) if w.has_loss else [],
         "events": [e.to_dict() for e in st.events], "time": st.now(), "start": st.t0,
+        "optimizer_state_bytes": w.opt.state_bytes(),
         **mem.result(),
     }
     if st.moe:
