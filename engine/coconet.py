@@ -121,10 +121,19 @@ def check_transforms(transforms: Sequence[str], *, dp: int, tp: int, pp: int, op
     Raises:
         CoCoNetError: the first transformation refused, in one sentence naming it and why.
     """
-    for name in parse_transforms(transforms):
+    names = parse_transforms(transforms)
+    for name in names:
         why = _refusal(name, dp=dp, tp=tp, pp=pp, optimizer=optimizer, split=split, expert_parallel=expert_parallel)
         if why:
             raise CoCoNetError(f"transformation {name!r} needs {TRANSFORMS[name].needs}, but {why}")
+    if "overlap-grad-sync" in names and "sharded-update" in names:
+        raise CoCoNetError("transformation 'overlap-grad-sync' cannot be combined with 'sharded-update', which "
+                           "reduce-scatters each segment's gradients once after its last backward (bucketed "
+                           "reduce-scatters are not lowered yet); choose one of them")
+    if "overlap-grad-sync" in names and optimizer == "adama":
+        raise CoCoNetError("transformation 'overlap-grad-sync' needs dp > 1 and gradients to all-reduce, but with "
+                           "optimizer 'adama' the replicas reduce Adam's states once per step, after the last fold; "
+                           "use optimizer adam, or leave it out")
 
 
 def _refusal(name: str, *, dp: int, tp: int, pp: int, optimizer: str, split: str | None,

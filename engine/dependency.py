@@ -411,7 +411,8 @@ def lower(
                     out.append(Instruction(Op.SEND, b, peer=dst, tensor=t, nbytes=sent_bytes(t)))
             if dp > 1 and pos in grad_at:
                 seg = grad_at[pos]
-                if sharded:
+                if sharded:   # (the gradient buffers are released at OPTIM, as without it: the runtime frees
+                    # them a little earlier, at the reduce-scatter; the static memory holds the saving)
                     out.append(Instruction(Op.REDUCESCATTER, None, nbytes=dp_bytes(seg), segment=seg, group=dp))
                 elif bucketed:
                     sizes = gradient_buckets(dp_bytes(seg), bucket_bytes)

@@ -209,11 +209,14 @@ def test_plan_with_transformations_and_their_refusals(tmp_path):
     """``--transform`` records CoCoNet's transformations in the plan and lowers them; an unknown
     name or a missing precondition is one sentence, exit 2."""
     res = last_json(tessel("plan", "--model", "gpt2-tiny", "--devices", "2", "--dp", "2", "--micro-batches", "2",
-                           "--device-type", "cpu", "--seq-len", "32", "--transform", "overlap-grad-sync,sharded-update",
+                           "--device-type", "cpu", "--seq-len", "32", "--transform", "overlap-grad-sync",
                            "--bucket-mib", "0.01", "-o", str(tmp_path / "a"), "--json"))
     plan = json.loads((tmp_path / "a" / "plan.json").read_text())
-    assert plan["parallel"]["transforms"] == ["sharded-update", "overlap-grad-sync"] and res["ok"]
+    assert plan["parallel"]["transforms"] == ["overlap-grad-sync"] and res["ok"]
     assert plan["parallel"]["grad_bucket_bytes"] == int(0.01 * 2**20) // 4 * 4
+    p = tessel("plan", "--model", "gpt2-tiny", "--devices", "2", "--dp", "2", "--transform",
+               "sharded-update,overlap-grad-sync", "-o", str(tmp_path / "d"), check=False)
+    assert p.returncode == 2 and "cannot be combined with 'sharded-update'" in p.stderr
     p = tessel("plan", "--model", "gpt2-tiny", "--transform", "zero", "-o", str(tmp_path / "b"), check=False)
     assert p.returncode == 2 and "unknown transformation 'zero'" in p.stderr and "Traceback" not in p.stderr
     p = tessel("plan", "--model", "gpt2-tiny", "--transform", "scatter-send", "-o", str(tmp_path / "c"), check=False)

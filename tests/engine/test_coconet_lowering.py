@@ -48,8 +48,12 @@ def test_names_order_and_refusals():
         check_transforms(["scatter-send"], dp=1, tp=2, pp=1, split="layers")
     with pytest.raises(CoCoNetError, match="expert-parallel"):
         check_transforms(["overlap-grad-sync"], dp=2, tp=1, pp=1, expert_parallel=True)
-    check_transforms(["sharded-update", "overlap-grad-sync", "tp-split", "scatter-send", "chunked-overlap"],
+    check_transforms(["sharded-update", "tp-split", "scatter-send", "chunked-overlap"],
                      dp=2, tp=2, pp=2, optimizer="adama", split="layers")
+    with pytest.raises(CoCoNetError, match="cannot be combined with 'sharded-update'"):
+        check_transforms(["sharded-update", "overlap-grad-sync"], dp=2, tp=1, pp=1)
+    with pytest.raises(CoCoNetError, match="optimizer 'adama'"):
+        check_transforms(["overlap-grad-sync"], dp=2, tp=1, pp=1, optimizer="adama")
 
 
 def test_buckets_cut_the_flat_buffer():
@@ -118,9 +122,9 @@ def test_plans_record_their_transformations():
     from engine.planner import make_plan
 
     res = make_plan("gpt2-tiny", devices=2, dp=2, micro_batches=2, device_type="cpu", seq_len=32,
-                    transforms="overlap-grad-sync,sharded-update", grad_bucket_bytes=64 * 1024)
+                    transforms="sharded-update", grad_bucket_bytes=64 * 1024)
     par = res.plan.parallel
-    assert par.transforms == ("sharded-update", "overlap-grad-sync") and par.grad_bucket_bytes == 64 * 1024
+    assert par.transforms == ("sharded-update",)
     again = Plan.from_dict(res.plan.to_dict())
     assert again.parallel.transforms == par.transforms
     from engine.planner import lower_plan
