@@ -115,6 +115,22 @@ class TensorMeta:
         """A fresh uninitialised CPU tensor of this shape and dtype."""
         return torch.empty(self.shape, dtype=self.dtype)
 
+    def sequence_shard(self, parts: int) -> "TensorMeta":
+        """The metadata of one of ``parts`` equal shards along dim 1 (the sequence of a
+        ``[micro_batch, seq, hidden]`` hidden state; ``torch.chunk`` layout): what CoCoNet's
+        ``tp-split`` keeps per tensor rank and ``scatter-send`` sends.
+
+        Raises:
+            RuntimeNotSupported: the tensor has no dim 1 or ``parts`` does not divide it.
+        """
+        if parts == 1:
+            return self
+        if len(self.shape) < 2 or self.shape[1] % parts:
+            raise RuntimeNotSupported(f"a boundary tensor of shape {list(self.shape)} cannot be cut into {parts} "
+                                      "equal shards along its sequence dim (1); plan without tp-split and "
+                                      "scatter-send, or a sequence length divisible by tp")
+        return TensorMeta((self.shape[0], self.shape[1] // parts, *self.shape[2:]), self.dtype, self.requires_grad)
+
     def to_dict(self) -> dict:
         return {"shape": list(self.shape), "dtype": str(self.dtype).replace("torch.", ""),
                 "requires_grad": self.requires_grad}

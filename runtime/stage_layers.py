@@ -94,11 +94,27 @@ class HFDecoderStage(StageModule):
         self.model = base
         self.lm_head: Any = m.lm_head if last else None
         self.first, self.last = first, last
+        #: ``tp-split`` (sequence parallelism, :mod:`runtime.tensor_parallel`): the tensor-parallel mesh,
+        #: set when the stage is sharded that way; ``None`` otherwise
+        self.sequence_mesh: Any = None
 
     def forward(self, x: torch.Tensor) -> tuple:
+        """``x``: token ids ``[B, T]`` (first stage) or the hidden state ``[B, T, H]``; with ``tp-split``
+        (:attr:`sequence_mesh` set) this rank's sequence shard ``[B, T/tp, H]``, wrapped into a
+        ``Shard(1)`` ``DTensor`` of the global shape for the model (its causal mask and rotary tables
+        are built from the hidden state's shape), and the output hidden state is this rank's shard
+        again. Returns ``(logits [B, T, vocab],)`` on the last stage, else ``(hidden,)``."""
+        mesh = self.sequence_mesh
+        if mesh is not None and not self.first:
+            from torch.distributed.tensor import DTensor, Shard
+
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
         kw = {"input_ids": x} if self.first else {"inputs_embeds": x}
         h = self.model(**kw, use_cache=False).last_hidden_state
-        return (self.lm_head(h),) if self.last else (h,)
+        if self.last:
+            return (self.lm_head(h),)
+        to_local = getattr(h, "to_local", None)
+        return (to_local() if mesh is not None and to_local is not None else h,)
 
 
 class GPTStage(StageModule):

@@ -32,6 +32,29 @@ Hugging Face models publish their plan (``config.base_model_tp_plan``, e.g. Llam
 ``"rowwise"`` mapped to torch's styles. The in-project GPT's plan is :data:`GPT_TP_PLAN` (its fused
 ``c_attn`` holds whole heads per row block, :class:`engine.models.gpt.CausalSelfAttention`).
 
+CoCoNet's tensor-parallel transformations (``plan.parallel.transforms``, :mod:`engine.coconet`)
+change the plan :func:`stage_tp_plan` builds:
+
+- ``tp-split`` (CoCoNet, Jangda et al., ASPLOS 2022, section 6.2, its Megatron-LM example; Megatron
+  sequence parallelism, Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models", 2022, its sequence parallelism): every row-parallel layer's all-reduce becomes a reduce-scatter
+  over the sequence (``RowwiseParallel(output_layouts=Shard(1))``), so dropout, the residual add and
+  the norms (``SequenceParallel``) run on this rank's ``T/tp`` tokens, and an all-gather
+  (``PrepareModuleInput(Shard(1) -> Replicate())``) restores the whole sequence before the next
+  column-parallel layers (attention, MLP); the embedding reduce-scatters its lookups
+  (``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))``), the final norm runs on
+  the shard and the LM head all-gathers its input (``ColwiseParallel(input_layouts=Shard(1))``), as
+  torchtitan's ``apply_tp`` does. The residual stream is ``[B, T/tp, H]`` per rank: the GPT keeps it
+  as local tensors (torchtitan's way; its learned positions are a vocab-parallel ``wpe`` whose
+  lookups of all ``T`` positions are reduce-scattered to ``Shard(0)``, this rank's ``T/tp``
+  positions), a Hugging Face decoder as a ``Shard(1)`` ``DTensor`` of the global shape (its model
+  builds the causal mask and the rotary tables from the hidden state's shape), which the stage
+  unwraps at its output and wraps back at its input (:class:`runtime.stage_layers.HFDecoderStage`),
+  so a pipeline boundary carries the local ``[B, T/tp, H]`` shard.
+- ``chunked-overlap`` (CoCoNet section 4): every row-parallel layer runs as
+  :class:`runtime.chunked_overlap.ChunkedRowwiseParallel`, its matmul and all-reduce pipelined over
+  ``plan.parallel.overlap_chunks`` chunks of the sequence.
+
 Sources: PyTorch, "Tensor Parallelism" (``torch.distributed.tensor.parallel``); torchtitan
 ``torchtitan/models/llama3/infra/parallelize.py`` (``apply_tp``); Shoeybi et al., "Megatron-LM"
 (2019), section 3.
@@ -47,9 +70,8 @@ from torch import nn
 
 from engine.errors import TesselError
 
-__all__ = ["GPT_TP_PLAN", "TensorParallelError", "apply_tensor_parallel", "has_lm_head", "local_grad", "local_tensor",
-           "shard_dims",
-           "shard_view",
+__all__ = ["GPT_SP_PLAN", "GPT_TP_PLAN", "HF_SP_PLAN", "TensorParallelError", "apply_tensor_parallel",
+           "coconet_tp_refusal", "has_lm_head", "local_grad", "local_tensor", "shard_dims", "shard_view",
            "stage_tp_plan", "to_local_state", "from_local_state"]
 
 #: The in-project GPT's plan: module path pattern -> style name (``engine.models.gpt``).
@@ -61,15 +83,54 @@ GPT_TP_PLAN = {
 }
 
 
+#: ``tp-split`` (sequence parallelism) in the in-project GPT: module path pattern -> role: ``"sequence"`` (a
+#: norm on the ``Shard(1)`` sequence shard, ``SequenceParallel``), ``"gather"`` (the block part whose first
+#: positional input is all-gathered from ``Shard(1)`` to ``Replicate()``, ``PrepareModuleInput``).
+GPT_SP_PLAN = {
+    "transformer.h.*.ln_1": "sequence",
+    "transformer.h.*.attn": "gather",
+    "transformer.h.*.ln_2": "sequence",
+    "transformer.h.*.mlp": "gather",
+    "transformer.ln_f": "sequence",
+}
+
+#: ``tp-split`` in a Hugging Face decoder laid out as Llama's (``input_layernorm``, ``self_attn`` called with
+#: ``hidden_states=``, ``post_attention_layernorm``, ``mlp``; the final ``model.norm``). ``"gather:NAME"``:
+#: the keyword input ``NAME`` is all-gathered.
+HF_SP_PLAN = {
+    "model.layers.*.input_layernorm": "sequence",
+    "model.layers.*.self_attn": "gather:hidden_states",
+    "model.layers.*.post_attention_layernorm": "sequence",
+    "model.layers.*.mlp": "gather",
+    "model.norm": "sequence",
+}
+
+#: The row-parallel layers (relative to a block) ``tp-split`` expects a Hugging Face plan to have: their
+#: outputs go straight into the residual adds, which then run on the sequence shard.
+_HF_ROWWISE = ("layers.*.self_attn.o_proj", "layers.*.mlp.down_proj")
+
+
+def coconet_tp_refusal(transforms: Any, *, tp: int, seq_len: int) -> str | None:
+    """The sentence refusing CoCoNet's tensor-parallel transformations this runtime cannot execute on a
+    plan with tensor-parallel degree ``tp`` and ``seq_len`` tokens per sequence, or ``None``:
+    ``chunked-overlap`` together with ``tp-split`` (the chunked path pipelines an all-reduce, which
+    ``tp-split`` has turned into a reduce-scatter), and ``tp-split`` / ``scatter-send`` with a sequence
+    that ``tp`` does not divide (both cut it into ``tp`` equal ``torch.chunk`` shards)."""
+    tf = set(transforms or ())
+    if tp < 2:
+        return None
+    if "tp-split" in tf and "chunked-overlap" in tf:
+        return ("the runtime executes 'chunked-overlap' by pipelining each row-parallel layer's all-reduce, which "
+                "'tp-split' replaces by a reduce-scatter over the sequence; plan with one of the two")
+    for name in ("tp-split", "scatter-send"):
+        if name in tf and seq_len % tp:
+            return (f"transformation {name!r} cuts each sequence of {seq_len} tokens into tp={tp} equal shards, "
+                    f"which {tp} does not divide; plan a sequence length divisible by {tp}")
+    return None
+
+
 class TensorParallelError(TesselError):
     """A stage cannot be sharded over the plan's tensor-parallel degree (one sentence says why)."""
-
-
-def _styles():
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}, Replicate
 
 
 def has_lm_head(stage: nn.Module) -> bool:
@@ -103,40 +164,100 @@ def _family_plan(stage: Any) -> tuple[dict[str, str], str, str, dict[str, int]]:
                               "with the layer split (plan.model.split = 'layers')")
 
 
-def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False) -> dict[str, Any]:
+def _pattern(path: str) -> re.Pattern:
+    return re.compile("^" + r"\.".join("[^.]+" if t == "*" else re.escape(t) for t in path.split(".")) + "$")
+
+
+def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, sequence_parallel: bool = False,
+                  overlap_chunks: int = 0) -> dict[str, Any]:
     """The ``parallelize_module`` plan of one eager decoder stage for ``tp`` ranks: module path
-    (``*`` matches one level) -> ``ColwiseParallel``/``RowwiseParallel`` instance. With
-    ``loss_parallel`` the LM head's logits stay vocab-sharded (see the module docstring).
+    (``*`` matches one level) -> ``ParallelStyle`` instance. With ``loss_parallel`` the LM head's
+    logits stay vocab-sharded; ``sequence_parallel``: CoCoNet's ``tp-split`` (the row-parallel layers
+    reduce-scatter over the sequence, norms on the shard, all-gathers before the column-parallel
+    layers); ``overlap_chunks > 0``: ``chunked-overlap`` (row-parallel layers as
+    :class:`runtime.chunked_overlap.ChunkedRowwiseParallel` with that many chunks). See the module
+    docstring.
 
     Raises:
         TensorParallelError: the model publishes no plan, its plan uses a style other than
             ``colwise``/``rowwise`` (e.g. Mixtral's ``packed_colwise`` experts; the entry is named),
-            or its heads do not divide by ``tp``.
+            its heads do not divide by ``tp``, ``sequence_parallel`` on a Hugging Face model whose
+            decoder layers are not laid out as Llama's, or both ``sequence_parallel`` and
+            ``overlap_chunks``.
     """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    from runtime.stage_layers import HFDecoderStage
+
     block_plan, embed, head, sizes = _family_plan(stage)
     for what, n in sizes.items():
         if n % tp:
             raise TensorParallelError(f"the model has {n} {what}, which tp={tp} does not divide; tensor "
                                       "parallelism splits whole heads across ranks, pick a tp that divides it")
-    styles, Replicate = _styles()
-    out: dict[str, Any] = {}
+    if sequence_parallel and overlap_chunks:
+        raise TensorParallelError("'chunked-overlap' pipelines the row-parallel all-reduce that 'tp-split' turns "
+                                  "into a reduce-scatter; plan with one of the two")
+    hf = isinstance(stage, HFDecoderStage)
     names = [n for n, _ in stage.named_modules()]
+
+    def present(path: str) -> list[str]:
+        pattern = _pattern(path)
+        return [n for n in names if pattern.match(n)]
+
+    def rowwise() -> Any:
+        if overlap_chunks:
+            from runtime.chunked_overlap import ChunkedRowwiseParallel
+
+            return ChunkedRowwiseParallel(overlap_chunks)
+        if sequence_parallel:   # reduce-scatter over the sequence; GPT keeps its residual stream local
+            return RowwiseParallel(output_layouts=Shard(1), use_local_output=not hf)
+        return RowwiseParallel()
+
+    out: dict[str, Any] = {}
     for path, style in block_plan.items():
-        if style not in styles:
+        if style not in ("colwise", "rowwise"):
             raise TensorParallelError(f"the model's tensor-parallel plan shards {path!r} as {style!r}; the runtime "
                                       "executes 'colwise' and 'rowwise' layers only, use tp=1 for this model")
-        pattern = re.compile("^" + r"\.".join("[^.]+" if t == "*" else re.escape(t) for t in path.split(".")) + "$")
-        if any(pattern.match(n) for n in names):   # a stage without blocks (M's embedding, head) has none
-            out[path] = styles[style]()
+        if present(path):   # a stage without blocks (M's embedding, head) has none
+            out[path] = ColwiseParallel() if style == "colwise" else rowwise()
+    if sequence_parallel:
+        if hf:
+            rows = sorted(k[len("model."):] for k, v in block_plan.items() if v == "rowwise")
+            if tuple(rows) != tuple(sorted(_HF_ROWWISE)):
+                raise TensorParallelError(
+                    f"'tp-split' needs decoder layers laid out as Llama's (row-parallel {', '.join(_HF_ROWWISE)} "
+                    f"feeding the residual adds); {type(stage.model).__name__}'s plan has row-parallel {rows}, so "
+                    "plan it without tp-split")
+        for path, role in (HF_SP_PLAN if hf else GPT_SP_PLAN).items():
+            found = [n for n in present(path) if not isinstance(stage.get_submodule(n), nn.Identity)]
+            if not found:   # not on this stage (the final norm lives on the last one)
+                continue
+            if role == "sequence":
+                out[path] = SequenceParallel()
+            elif role == "gather":
+                out[path] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            else:
+                kw = role.split(":", 1)[1]
+                out[path] = PrepareModuleInput(input_kwarg_layouts={kw: Shard(1)},
+                                               desired_input_kwarg_layouts={kw: Replicate()})
+        if hf and present("model.layers.*") and not present("model.layers.*.input_layernorm"):
+            raise TensorParallelError(f"'tp-split' needs decoder layers laid out as Llama's (input_layernorm, "
+                                      f"self_attn, post_attention_layernorm, mlp); {type(stage.model).__name__}'s are "
+                                      "not, so plan it without tp-split")
     if _has(stage, embed):
-        out[embed] = styles["rowwise"](input_layouts=Replicate())
-    if _has(stage, head):
-        if loss_parallel:
-            from torch.distributed.tensor import Shard
-
-            out[head] = styles["colwise"](output_layouts=Shard(-1), use_local_output=False)
+        if sequence_parallel:   # the vocab-parallel lookups reduce-scattered over the sequence
+            out[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=not hf)
+            if not hf and _has(stage, "transformer.wpe"):   # positions [T, H]: this rank's T/tp rows
+                out["transformer.wpe"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
         else:
-            out[head] = styles["colwise"](output_layouts=Replicate())
+            out[embed] = RowwiseParallel(input_layouts=Replicate())
+    if _has(stage, head):
+        head_in = Shard(1) if sequence_parallel else Replicate()
+        if loss_parallel:
+            out[head] = ColwiseParallel(input_layouts=head_in, output_layouts=Shard(-1), use_local_output=False)
+        else:
+            out[head] = ColwiseParallel(input_layouts=head_in, output_layouts=Replicate())
     return out
 
 
@@ -147,10 +268,13 @@ def _has(module: nn.Module, path: str) -> bool:
         return False
 
 
-def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False) -> dict[str, int]:
+def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False, sequence_parallel: bool = False,
+                          overlap_chunks: int = 0) -> dict[str, int]:
     """Shard ``stage`` in place over the 1-D tensor-parallel ``mesh`` (``parallelize_module`` with
-    :func:`stage_tp_plan`; ``loss_parallel``: the LM head's logits stay vocab-sharded); re-ties
-    parameters the stage shared before (GPT's ``wte``/``lm_head`` in a one-stage plan: both become
+    :func:`stage_tp_plan`; ``loss_parallel``: the LM head's logits stay vocab-sharded;
+    ``sequence_parallel``: ``tp-split``, a Hugging Face stage then takes and returns the local
+    ``[B, T/tp, H]`` shard, ``HFDecoderStage.sequence_mesh``; ``overlap_chunks``: ``chunked-overlap``);
+    re-ties parameters the stage shared before (GPT's ``wte``/``lm_head`` in a one-stage plan: both become
     ``Shard(0)`` over the vocabulary, so one DTensor serves both).
 
     Returns:
@@ -162,7 +286,8 @@ def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()
-    plan = stage_tp_plan(stage, tp, loss_parallel=loss_parallel)
+    plan = stage_tp_plan(stage, tp, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel,
+                         overlap_chunks=overlap_chunks)
     names: dict[int, list[str]] = {}
     for name, p in stage.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -178,6 +303,9 @@ def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False
                 raise TensorParallelError(f"parameters {group[0]} and {name} are one tied tensor but tensor "
                                           "parallelism shards them differently; place them on different stages")
             owner._parameters[leaf] = keep
+    if sequence_parallel and hasattr(stage, "sequence_mesh"):
+        stage_any: Any = stage
+        stage_any.sequence_mesh = mesh
     return shard_dims(stage)
 
 
