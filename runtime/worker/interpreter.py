@@ -68,7 +68,7 @@ def _send(w: StageWorker, ins: Instruction, st: StepState) -> None:
         tensors = st.in_grads[(s, j)][lo:hi]
     dst = w.p2p.world(ins.peer)
     start = st.now()
-    sent = [t.contiguous() for t in tensors]
+    sent = w.p2p.wire(tensors)   # contiguous; scatter-send: this tensor rank's 1/tp slice
     works = w.p2p.send(sent, dst, boundary, direction, j)
     ev = Event(w.rank, "send", "SEND", f"{b}>{dst}", start, -1.0, sum(t.numel() * t.element_size() for t in sent), j, s)
     st.events.append(ev)

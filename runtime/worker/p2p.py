@@ -41,6 +41,19 @@ class P2PMatcher:
         #: for a RECV of segment ``c``'s backward: the producer whose output gradients it carries
         #: (set by the worker from the placement's DAG; a chain's is ``c - 1``)
         self.grad_boundary: Any = lambda c: c - 1
+        #: CoCoNet's ``scatter-send``: ``(parts, index)``, a message carries slice ``index`` of ``parts``
+        #: equal slices (sequence dim 1) of each boundary tensor (``(tp, tp_rank)``; ``(1, 0)``: whole)
+        self.wire_slice: tuple[int, int] = (1, 0)
+
+    def wire(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What a SEND puts on the wire for ``tensors`` (one boundary message): each tensor made
+        contiguous, or with ``scatter-send`` this rank's ``1/tp`` slice of it along the sequence
+        (``torch.chunk(tp, dim=1)[tp_rank]``, ``[B, T/tp, H]``), which the receiver all-gathers
+        from its tensor group (:func:`runtime.worker.tp_comm.gather_boundary`)."""
+        parts, index = self.wire_slice
+        if parts == 1:
+            return [t.contiguous() for t in tensors]
+        return [t.chunk(parts, dim=1)[index].contiguous() for t in tensors]
 
     def world(self, pp_rank: int) -> int:
         """The global rank of pipeline rank ``pp_rank`` in this rank's replica."""
@@ -51,14 +64,15 @@ class P2PMatcher:
         return ((boundary * 3 + direction) * max(self.m, 1) + mb) * self.max_tensors + k
 
     def _recv_message(self, ins: Instruction) -> tuple[int, int, int, list[torch.Tensor]]:
-        """``(boundary, direction, micro_batch, buffers)`` a RECV instruction fills."""
+        """``(boundary, direction, micro_batch, buffers)`` a RECV instruction fills (the wire buffers:
+        with ``scatter-send`` the ``1/tp`` slices, :class:`~runtime.worker.buffers.ReceiveBuffers`)."""
         pb = ins.block
         assert pb is not None
         j = pb.micro_batch
         if pb.kind == "F":
-            return pb.segment, 0, j, self.buffers.act[(pb.segment, j)]
+            return pb.segment, 0, j, self.buffers.wire_act[(pb.segment, j)]
         b = self.grad_boundary(pb.segment)
-        return b, 1, j, self.buffers.grad[(b, j)]
+        return b, 1, j, self.buffers.wire_grad[(b, j)]
 
     def post_recv(self, ins: Instruction, st: StepState) -> Posted:
         """Post the ``irecv``s of a RECV instruction into its pre-allocated buffers."""
