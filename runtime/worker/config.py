@@ -9,9 +9,12 @@ __all__ = ["EXECUTED_TRANSFORMS", "OPTIMIZERS", "P2P_MATCHING", "Backend", "Opti
            "WorkerConfig"]
 
 #: CoCoNet's transformations (``engine.coconet``) the stage worker executes; a plan with another
-#: one is refused at setup in one sentence. ``sharded-update`` and ``overlap-grad-sync``:
+#: one is refused at setup in one sentence. ``tp-split`` and ``chunked-overlap``:
+#: :mod:`runtime.tensor_parallel`, :mod:`runtime.chunked_overlap`; ``scatter-send``:
+#: :mod:`runtime.worker.tp_comm`; ``sharded-update`` and ``overlap-grad-sync``:
 #: :mod:`runtime.worker.grad_sync`, :mod:`runtime.worker.optimizer`.
-EXECUTED_TRANSFORMS: frozenset[str] = frozenset({"sharded-update", "overlap-grad-sync"})
+EXECUTED_TRANSFORMS: frozenset[str] = frozenset({"tp-split", "scatter-send", "chunked-overlap", "sharded-update",
+                                                  "overlap-grad-sync"})
 
 Backend = Literal["gloo", "nccl"]
 P2PMatching = Literal["auto", "tags", "ordered"]

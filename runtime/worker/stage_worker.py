@@ -14,7 +14,7 @@ import torch.distributed as dist
 from engine.dependency import COMPUTE_OPS, Instruction, Op, lower
 from engine.models.moe.layer import MoEFeedForward
 from runtime.expert_parallel import ExpertParallelMoE, is_expert_param
-from runtime.tensor_parallel import apply_tensor_parallel, has_lm_head, local_tensor
+from runtime.tensor_parallel import apply_tensor_parallel, coconet_tp_refusal, has_lm_head, local_tensor
 from runtime.worker.batches import MicroBatch, split_batch
 from runtime.worker.buffers import ReceiveBuffers
 from runtime.worker.config import EXECUTED_TRANSFORMS, OPTIMIZERS, WorkerConfig
@@ -198,6 +198,16 @@ class StageWorker:
 
             raise RuntimeNotSupported(f"the runtime does not execute the transformation {missing[0]!r} yet; plan "
                                       f"without it (executed: {', '.join(sorted(EXECUTED_TRANSFORMS)) or 'none'})")
+        # CoCoNet's tensor-parallel transformations (runtime.tensor_parallel, runtime.worker.tp_comm)
+        tf = set(plan.parallel.transforms) if self.tp > 1 else set()
+        why = coconet_tp_refusal(tf, tp=self.tp, seq_len=int(plan.model.seq_len or 0))
+        if why:
+            from runtime.stage import RuntimeNotSupported
+
+            raise RuntimeNotSupported(why)
+        self.sequence_parallel = "tp-split" in tf   # boundaries are [B, T/tp, H] sequence shards
+        self.scatter_send = "scatter-send" in tf and not self.sequence_parallel   # 1/tp slices + all-gather
+        self.overlap_chunks = int(plan.parallel.overlap_chunks) if "chunked-overlap" in tf else 0
         self.pp_rank = self.rank % self.pp
         self.replica = self.rank // self.pp   # pipeline replica: the ranks exchanging p2p (groups.py)
         self.dp_index = self.replica // self.tp
@@ -239,7 +249,9 @@ class StageWorker:
         stages = build_stages(plan, seed=int(self.config.seed))
         self.mbs = stages.micro_batch_size
         self.seq_len = stages.seq_len
-        self.boundaries = stages.boundaries
+        # tp-split: a boundary tensor is this tensor rank's sequence shard [B, T/tp, H]
+        self.boundaries = ([[m.sequence_shard(self.tp) for m in b] for b in stages.boundaries]
+                           if self.sequence_parallel else stages.boundaries)
         # tensors crossing each boundary forward / with a gradient back (one message each)
         self._counts = [(len(b), sum(1 for m in b if m.requires_grad)) for b in self.boundaries]
         ordered = self.p2p_mode == "ordered"
@@ -281,7 +293,10 @@ class StageWorker:
             # a multi-device segment without parameters (K's contrastive head) runs replicated
             if mesh is not None and any(True for _ in self.modules[s].parameters()):
                 lp = bool(self.task.vocab_parallel_loss) and s in self.loss_segments and has_lm_head(self.modules[s])
-                self.tp_dims[s] = apply_tensor_parallel(self.modules[s], mesh, loss_parallel=lp)
+                tp_mesh = mesh is self.groups.tp_mesh   # CoCoNet's transformations: the plan's TP groups only
+                self.tp_dims[s] = apply_tensor_parallel(
+                    self.modules[s], mesh, loss_parallel=lp, sequence_parallel=self.sequence_parallel and tp_mesh,
+                    overlap_chunks=self.overlap_chunks if tp_mesh else 0)
                 if lp:
                     self.loss_parallel_segments.add(s)
         # per local segment: (this rank's shard index, shards) of its tensor-parallel parameters
@@ -356,7 +371,8 @@ class StageWorker:
                                  if self.stream[i].op in (Op.ALLREDUCE, Op.REDUCESCATTER)), last_compute)
         if self.p2p_mode == "ordered":   # the real stream sends in the order its peers were told
             check_own_stream(self.stream, self.pp_rank, self._pair_orders, self._counts)
-        self.buffers = ReceiveBuffers(self.stream, self.boundaries, self._empty, grad_boundary=self.grad_producer)
+        self.buffers = ReceiveBuffers(self.stream, self.boundaries, self._empty, grad_boundary=self.grad_producer,
+                                      wire_parts=self.tp if self.scatter_send else 1)
         self._max_tensors = max([len(x) for x in self.boundaries] + [1])
 
     def _build_exchange(self) -> None:
@@ -367,6 +383,8 @@ class StageWorker:
         else:
             self.p2p = TagMatching(self.rank, self.pp, self.buffers, self.m, self._max_tensors)
         self.p2p.grad_boundary = self.grad_producer
+        if self.scatter_send:   # each tensor rank sends its 1/tp slice; the receivers all-gather (tp_comm)
+            self.p2p.wire_slice = (self.tp, self.tp_rank)
         named = {(s, n): p for s in self.segments for n, p in self.modules[s].named_parameters()}
         self.tied_local: list[TiedCopies] = []
         for i, g, pranks in self.groups.tied:
