@@ -107,7 +107,7 @@ def parse_transforms(names: str | Iterable[str] | None) -> tuple[str, ...]:
 
 
 def check_transforms(transforms: Sequence[str], *, dp: int, tp: int, pp: int, optimizer: str = "adam",
-                     split: str | None = None, expert_parallel: bool = False) -> None:
+                     split: str | None = None, expert_parallel: bool = False, seq_len: int | None = None) -> None:
     """Refuse transformations whose preconditions the plan lacks.
 
     Args:
@@ -117,6 +117,8 @@ def check_transforms(transforms: Sequence[str], *, dp: int, tp: int, pp: int, op
         split: the plan's stage split (``"layers"`` for eager decoder stages).
         expert_parallel: the model has expert-parallel MoE layers (experts are owned by one
             replica and not all-reduced).
+        seq_len: tokens per sample (``tp-split`` and ``scatter-send`` cut the sequence into ``tp``
+            equal shards); ``None``: not checked.
 
     Raises:
         CoCoNetError: the first transformation refused, in one sentence naming it and why.
@@ -126,6 +128,15 @@ def check_transforms(transforms: Sequence[str], *, dp: int, tp: int, pp: int, op
         why = _refusal(name, dp=dp, tp=tp, pp=pp, optimizer=optimizer, split=split, expert_parallel=expert_parallel)
         if why:
             raise CoCoNetError(f"transformation {name!r} needs {TRANSFORMS[name].needs}, but {why}")
+    if "tp-split" in names and "chunked-overlap" in names:
+        raise CoCoNetError("transformation 'chunked-overlap' cannot be combined with 'tp-split', whose row-parallel "
+                           "layers end in a reduce-scatter, not the all-reduce chunked-overlap pipelines; choose one "
+                           "of them")
+    for name in ("tp-split", "scatter-send"):
+        if name in names and tp > 1 and seq_len and seq_len % tp:
+            raise CoCoNetError(f"transformation {name!r} cuts the sequence into tp = {tp} equal shards, but the "
+                               f"sequence length {seq_len} is not divisible by {tp}; "
+                               f"use --seq-len {seq_len - seq_len % tp}")
     if "overlap-grad-sync" in names and "sharded-update" in names:
         raise CoCoNetError("transformation 'overlap-grad-sync' cannot be combined with 'sharded-update', which "
                            "reduce-scatters each segment's gradients once after its last backward (bucketed "

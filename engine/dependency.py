@@ -279,9 +279,10 @@ def lower(
             :func:`engine.coconet.gradient_buckets`, each ``ready`` when its share of the last
             backward block has run) and ``scatter-send`` (with ``tp > 1``: SEND/RECV carry
             ``1/tp`` of the boundary bytes; without ``tp-split`` the receiver all-gathers them
-            from its tensor group: ALLGATHER with the block, ``group = tp``). ``tp-split`` and
-            ``chunked-overlap`` change block durations only (:func:`engine.transform.layer_costs`).
-        tp: tensor-parallel degree (for ``scatter-send``).
+            from its tensor group: ALLGATHER with the block, ``group = tp``). ``tp-split`` keeps
+            the boundary sequence-sharded (SEND/RECV of ``1/tp``, no gather) and, like
+            ``chunked-overlap``, changes block durations (:func:`engine.transform.layer_costs`).
+        tp: tensor-parallel degree (for ``scatter-send`` and ``tp-split``).
         grad_bucket_bytes: bucket size of ``overlap-grad-sync`` (default
             :data:`engine.coconet.DEFAULT_GRAD_BUCKET_BYTES`).
         segment_tp_collectives: per segment, the tensor-parallel collectives inside its forward
@@ -303,6 +304,7 @@ def lower(
     sharded = "sharded-update" in tf and dp > 1
     bucketed = "overlap-grad-sync" in tf and dp > 1
     scatter = "scatter-send" in tf and tp > 1
+    seq_sharded = "tp-split" in tf and tp > 1   # the boundary is already the 1/tp sequence shard
     bucket_bytes = grad_bucket_bytes or DEFAULT_GRAD_BUCKET_BYTES
     pl = schedule.placement
     n = pl.num_devices
@@ -376,7 +378,7 @@ def lower(
 
     def sent_bytes(t: TensorSpec | None) -> int:
         nb = t.nbytes if t else 0
-        return -(-nb // tp) if scatter else nb
+        return -(-nb // tp) if scatter or seq_sharded else nb
     for d, order in enumerate(schedule.orders):
         out: list[Instruction] = []
         grad_at = {pos: seg for seg, pos in last_grad_pos[d].items()}

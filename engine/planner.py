@@ -214,7 +214,7 @@ def make_plan(
     moe_layers = find_moe_layers(bundle.module, max(1, bundle.batch_size * (bundle.seq_len or 1)))
     check_expert_parallel(moe_layers, dp, bundle.name)
     check_transforms(tf, dp=dp, tp=tp, pp=pp, optimizer=optimizer, split=choose_split(bundle.module, tp),
-                     expert_parallel=dp > 1 and bool(moe_layers))
+                     expert_parallel=dp > 1 and bool(moe_layers), seq_len=bundle.seq_len)
     # HF MoE blocks: capture their experts with a traceable implementation (same math and FLOPs)
     with traceable_experts(bundle.module):
         graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)

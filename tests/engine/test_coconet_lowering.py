@@ -48,8 +48,12 @@ def test_names_order_and_refusals():
         check_transforms(["scatter-send"], dp=1, tp=2, pp=1, split="layers")
     with pytest.raises(CoCoNetError, match="expert-parallel"):
         check_transforms(["overlap-grad-sync"], dp=2, tp=1, pp=1, expert_parallel=True)
-    check_transforms(["sharded-update", "tp-split", "scatter-send", "chunked-overlap"],
-                     dp=2, tp=2, pp=2, optimizer="adama", split="layers")
+    check_transforms(["sharded-update", "tp-split", "scatter-send"], dp=2, tp=2, pp=2, optimizer="adama",
+                     split="layers", seq_len=64)
+    with pytest.raises(CoCoNetError, match="'chunked-overlap' cannot be combined with 'tp-split'"):
+        check_transforms(["tp-split", "chunked-overlap"], dp=1, tp=2, pp=1, split="layers")
+    with pytest.raises(CoCoNetError, match="sequence length 63 is not divisible by 2; use --seq-len 62"):
+        check_transforms(["scatter-send"], dp=1, tp=2, pp=2, split="layers", seq_len=63)
     with pytest.raises(CoCoNetError, match="cannot be combined with 'sharded-update'"):
         check_transforms(["sharded-update", "overlap-grad-sync"], dp=2, tp=1, pp=1)
     with pytest.raises(CoCoNetError, match="optimizer 'adama'"):
@@ -115,6 +119,9 @@ def test_scatter_send_sends_a_slice_and_gathers_it():
     assert gathers and all(g.block is not None and g.group == 2 and g.nbytes == out.nbytes for g in gathers)
     sp = lower(sched, tp=2, transforms=("tp-split", "scatter-send"))   # the boundary stays sharded
     assert not [i for i in sp.streams[1] if i.op == Op.ALLGATHER]
+    split_only = lower(sched, tp=2, transforms=("tp-split",))          # tp-split alone sends the shard too
+    assert [i.nbytes for i in split_only.streams[0] if i.op == Op.SEND] == sends
+    assert not [i for i in split_only.streams[1] if i.op == Op.ALLGATHER]
 
 
 def test_plans_record_their_transformations():
