@@ -135,7 +135,10 @@ def _optim(w: StageWorker, ins: Instruction, st: StepState) -> None:
             layer.gate.advance()
     if w._sync is not None:
         w._sync()
-    nbytes = sum(p.numel() * p.element_size() for ps in w.seg_params.values() for p in ps)
+    if w.opt.shards:   # sharded update: the optimizer stepped this replica's chunks only
+        nbytes = sum(sh.param.numel() * sh.param.element_size() for sh in w.opt.shards.values())
+    else:
+        nbytes = sum(p.numel() * p.element_size() for ps in w.seg_params.values() for p in ps)
     st.events.append(Event(w.rank, "compute", "OPTIM", "optimizer", start, st.now(), nbytes, -1, -1))
 
 
