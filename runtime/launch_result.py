@@ -40,6 +40,8 @@ class LaunchResult:
         predicted_makespan, measured_makespan: seconds of one step, predicted and measured
             (timeline makespan of the last step).
         peak_memory: bytes per world rank reported by the workers (last step).
+        optimizer_state_bytes: bytes of each world rank's persistent optimizer state (Adam's ``m``
+            and ``v``; ``1/dp`` of them with CoCoNet's ``sharded-update``), from the last step.
         trace_paths: ``{"measured": path}`` (and whatever the caller adds).
         checkpoint: the last checkpoint directory, or ``None``.
         backend: ``"gloo"`` or ``"nccl"``.
@@ -70,6 +72,7 @@ class LaunchResult:
     predicted_makespan: float
     measured_makespan: float
     peak_memory: list[int]
+    optimizer_state_bytes: list[int] = field(default_factory=list)
     trace_paths: dict[str, str] = field(default_factory=dict)
     checkpoint: str | None = None
     backend: str = "gloo"

@@ -173,6 +173,7 @@ def _measure(plan: Plan, loop: _Loop, *, ws: int, pp: int, steps: int, backend: 
         predicted_makespan=predicted.makespan if predicted is not None else math.nan,
         measured_makespan=timeline.makespan if timeline is not None else math.nan,
         peak_memory=[int(res.get("peak_memory", 0) or 0) for res in loop.last_results],
+        optimizer_state_bytes=[int(res.get("optimizer_state_bytes", 0) or 0) for res in loop.last_results],
     )
 
 
