@@ -200,10 +200,18 @@ class CostModel:
         """Seconds of a ring collective (see :mod:`engine.cost.comm`) of ``nbytes`` full-tensor
         bytes among the distinct ``ranks``, over :meth:`group_link`. One rank -> 0.0.
 
+        On the ``cpu`` device the runtime's backend is gloo, whose ``reduce_scatter_tensor`` is an
+        all-reduce of the whole tensor followed by keeping this rank's shard (PyTorch's
+        ``ProcessGroupGloo``): a reduce-scatter then costs an all-reduce. Measured on 2 gloo ranks
+        over an emulated 1 Gbit/s link, 20 MiB: reduce-scatter 346 ms, all-reduce 335 ms,
+        all-gather 173 ms.
+
         Raises:
             CostModelError (a ValueError): unknown ``kind`` (names the valid kinds), ``nbytes < 0``.
         """
         group = sorted(set(int(r) for r in ranks))
+        if self.device.name == "cpu" and comm.canonical_collective(kind) == "reducescatter":
+            kind = "allreduce"
         return comm.collective_time(kind, nbytes, max(1, len(group)), self.group_link(group))
 
     # ------------------------------------------------------------ construction and JSON

@@ -345,3 +345,13 @@ def test_cost_models_keep_their_link_through_json():
     old = cost.to_dict()
     del old["intra_link"]["shared"]   # plans written before the field: a full-duplex link
     assert CostModel.from_dict(old).intra_link.shared is False
+
+
+def test_gloo_reduce_scatter_costs_an_all_reduce():
+    """On the cpu device (the gloo backend) a reduce-scatter is an all-reduce plus a copy of the
+    shard; on GPUs (NCCL) it is half of one."""
+    cpu, gpu = CostModel.for_device("cpu"), CostModel.for_device("h100")
+    n = 20 * 2**20
+    assert cpu.collective_time("reduce_scatter", n, [0, 1]) == cpu.collective_time("allreduce", n, [0, 1])
+    assert gpu.collective_time("reducescatter", n, [0, 1]) < gpu.collective_time("allreduce", n, [0, 1])
+    assert cpu.collective_time("allgather", n, [0, 1]) < cpu.collective_time("allreduce", n, [0, 1])
