@@ -169,6 +169,7 @@ class WorkerOptimizer:
         self.dp = dp
         self.sharded = bool(sharded) and dp > 1
         self.shard_index = int(shard_index)
+        self._shards_stale = False   # sharded update: parameters changed outside OPTIM (a loaded checkpoint)
         self.device = device
         self.folded: dict[int, list] = {s: [] for s in seg_params}
         self.unfolded: dict[int, list] = {s: [] for s in seg_params}
@@ -365,8 +366,10 @@ class WorkerOptimizer:
         copies' summed gradient chunks are folded once, and the bias-corrected step follows. The
         parameters' own gradients are released; :meth:`GradientSync.post_all_gather` distributes
         the updated shards."""
-        for sh in self.shards.values():
-            sh.load_params(self.shard_index)
+        if self._shards_stale:   # else the shards already hold what the last all-gather wrote back
+            for sh in self.shards.values():
+                sh.load_params(self.shard_index)
+            self._shards_stale = False
         if self.adama:
             for sh in self.shards.values():
                 self.optimizer.begin_step([sh.param])
@@ -385,6 +388,11 @@ class WorkerOptimizer:
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
             p.grad = None
+
+    def params_changed(self) -> None:
+        """The parameters were written outside the optimizer (a loaded checkpoint): the sharded
+        update refreshes its flat shards from them before its next step."""
+        self._shards_stale = True
 
     def state_bytes(self) -> int:
         """Bytes of the optimizer's persistent state tensors on this rank: Adam's and AdamA's ``m``
@@ -445,6 +453,7 @@ class WorkerOptimizer:
                 raise WorkerError(f"the checkpoint's optimizer shard {meta} is not this rank's {self._shard_meta()}; "
                                   "resume with the same plan and rank")
             self.optimizer.load_state_dict({k: v for k, v in sd.items() if k != "shard"})
+            self._shards_stale = True
             return
         self.optimizer.load_state_dict(sd)
         if self.adama:

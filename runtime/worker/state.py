@@ -62,6 +62,7 @@ def load_worker_state(w: StageWorker, sd: dict) -> None:
     for s in w.segments:
         mod = w.modules[s]
         mod.load_state_dict(from_local_state(segs[s], mod.state_dict(keep_vars=True)))
+    w.opt.params_changed()
     w.opt.load_state_dict(sd.get("optimizer"))
 
 
