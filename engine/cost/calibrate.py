@@ -165,7 +165,7 @@ def _collective_times(tl: Timeline) -> list[tuple[str, int, int, float]]:
     ``(kind, nbytes, ranks, seconds)`` with the seconds of the rank that started it last."""
     groups: dict[tuple[str, str], list] = {}
     for e in tl.events:
-        if e.stream == "collective" and e.op == "ALLREDUCE" and e.end >= e.start:
+        if e.stream == "collective" and e.op in ("ALLREDUCE", "REDUCESCATTER", "ALLGATHER") and e.end >= e.start:
             groups.setdefault((e.op, e.name), []).append(e)
     out = []
     for (op, _name), evs in groups.items():
@@ -191,9 +191,12 @@ class CalibratedCost:
         p2p_overhead: seconds added to every transfer between different ranks: the median over
             measured transfer sizes of measured time minus the base model's ``p2p_time``
             (never negative).
-        collective_overhead: seconds added to every collective among 2+ ranks: the median of the
-            measured collectives' own time minus the base model's ``collective_time`` (never
+        collective_overhead: seconds added to every all-reduce among 2+ ranks: the median of the
+            measured all-reduces' own time minus the base model's ``collective_time`` (never
             negative).
+        collective_overheads: the same per collective kind measured (``allreduce``,
+            ``reducescatter``, ``allgather``: CoCoNet's sharded update); a kind not measured gets
+            the all-reduce's.
     """
 
     def __init__(self, base, calibration: Calibration):
@@ -201,8 +204,11 @@ class CalibratedCost:
         self.calibration = calibration
         extra = [t - base.p2p_time(n, 0, 1) for n, t in calibration.p2p_seconds.items()]
         self.p2p_overhead = max(0.0, statistics.median(extra)) if extra else 0.0
-        cex = [t - base.collective_time(k, n, list(range(g))) for k, n, g, t in calibration.collectives]
-        self.collective_overhead = max(0.0, statistics.median(cex)) if cex else 0.0
+        per_kind: dict[str, list[float]] = {}
+        for k, n, g, t in calibration.collectives:
+            per_kind.setdefault(k, []).append(t - base.collective_time(k, n, list(range(g))))
+        self.collective_overheads = {k: max(0.0, statistics.median(v)) for k, v in per_kind.items()}
+        self.collective_overhead = self.collective_overheads.get("allreduce", 0.0)
 
     def p2p_time(self, nbytes: int, src: int, dst: int) -> float:
         t = self.base.p2p_time(nbytes, src, dst)
@@ -210,14 +216,17 @@ class CalibratedCost:
 
     def collective_time(self, kind: str, nbytes: int, ranks: list[int]) -> float:
         t = self.base.collective_time(kind, nbytes, ranks)
-        return t + self.collective_overhead if kind == "allreduce" and len(set(ranks)) > 1 else t
+        if kind not in ("allreduce", "reducescatter", "allgather") or len(set(ranks)) < 2:
+            return t
+        return t + self.collective_overheads.get(kind, self.collective_overhead)
 
     def optimizer_time(self, param_bytes: int) -> float:
         spb = self.calibration.optimizer_seconds_per_byte
         return self.base.optimizer_time(param_bytes) if spb is None else spb * max(0, int(param_bytes))
 
     def __getattr__(self, name: str):   # everything else (to_dict, node_of, ...) is the base model's
-        if name in ("base", "calibration", "p2p_overhead", "collective_overhead") or name.startswith("__"):
+        if name in ("base", "calibration", "p2p_overhead", "collective_overhead", "collective_overheads") \
+                or name.startswith("__"):
             raise AttributeError(name)   # not set yet (copy/pickle): no recursion into self.base
         return getattr(self.base, name)
 

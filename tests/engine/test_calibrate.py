@@ -150,3 +150,18 @@ def test_collective_overhead_is_timed_on_the_rank_that_arrived_last():
     assert cc.collective_overhead == pytest.approx(0.003 - base.collective_time("allreduce", nbytes, [0, 1]))
     assert cc.collective_time("allreduce", nbytes, [0, 1]) == pytest.approx(0.003)
     assert cc.collective_time("allreduce", nbytes, [1]) == base.collective_time("allreduce", nbytes, [1])
+
+
+def test_reduce_scatter_and_all_gather_get_their_own_overheads():
+    """CoCoNet's sharded update: a measured reduce-scatter and all-gather (each seen on both ranks)
+    calibrate their own kinds; an all-reduce never measured falls back to none."""
+    nbytes = 1 << 20
+    events = [Event(r, "collective", op, f"{op.lower()} s0", 1.0, 1.0 + t, nbytes, -1, 0)
+              for r in (0, 1) for op, t in (("REDUCESCATTER", 0.040), ("ALLGATHER", 0.010))]
+    cal = calibrate(Timeline(events, [[(0.0, 0)], [(0.0, 0)]], 2))
+    assert sorted(k for k, *_ in cal.collectives) == ["allgather", "reducescatter"]
+    base = CostModel.for_device("cpu")
+    cc = CalibratedCost(base, cal)
+    assert cc.collective_time("reducescatter", nbytes, [0, 1]) == pytest.approx(0.040)
+    assert cc.collective_time("allgather", nbytes, [0, 1]) == pytest.approx(0.010)
+    assert cc.collective_time("allreduce", nbytes, [0, 1]) == base.collective_time("allreduce", nbytes, [0, 1])
