@@ -156,8 +156,9 @@ def test_reduce_scatter_and_all_gather_get_their_own_overheads():
     """CoCoNet's sharded update: a measured reduce-scatter and all-gather (each seen on both ranks)
     calibrate their own kinds; an all-reduce never measured falls back to none."""
     nbytes = 1 << 20
-    events = [Event(r, "collective", op, f"{op.lower()} s0", 1.0, 1.0 + t, nbytes, -1, 0)
-              for r in (0, 1) for op, t in (("REDUCESCATTER", 0.040), ("ALLGATHER", 0.010))]
+    events = [Event(r, "compute", "B", f"{r}B0", 0.0, 1.0, 0, 0, r) for r in (0, 1)]
+    events += [Event(r, "collective", op, f"{op.lower()} s0", 1.0, 1.0 + t, nbytes, -1, 0)
+               for r in (0, 1) for op, t in (("REDUCESCATTER", 0.040), ("ALLGATHER", 0.010))]
     cal = calibrate(Timeline(events, [[(0.0, 0)], [(0.0, 0)]], 2))
     assert sorted(k for k, *_ in cal.collectives) == ["allgather", "reducescatter"]
     base = CostModel.for_device("cpu")
