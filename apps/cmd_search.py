@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from apps.arg_types import LINK_HELP, link_name
+from apps.arg_types import LINK_HELP, link_name, positive_int
 from apps.output import table
 from engine.shapes import SHAPES
 
@@ -21,16 +21,6 @@ HELP = "search a schedule for a placement (V, X, M, NN, K, interleaved or a JSON
 
 #: Abstract memory is counted in half-units internally so interleaved segments (half a V segment) stay integral.
 _HALF = 2
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,9 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="use this model's real costs (e.g. gpt2); default abstract units")
     p.add_argument("--device-type", default="h100", help="cost table with --model (default h100)")
     p.add_argument("--link", type=link_name, default=None, help=LINK_HELP + " (with --model)")
-    p.add_argument("--micro-batch-size", type=_positive_int, default=1,
+    p.add_argument("--micro-batch-size", type=positive_int, default=1,
                    help="samples per micro-batch the model is captured and trained with (--model; default 1)")
-    p.add_argument("--seq-len", type=_positive_int, default=None,
+    p.add_argument("--seq-len", type=positive_int, default=None,
                    help="sequence length with --model (default: the model's)")
     p.add_argument("--split-backward", action="store_true", help="split B into I (input grad) and W (weight grad)")
     p.add_argument("--inference", action="store_true", help="forward-only placement")
@@ -54,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="throughput (shortest period) or latency (inference: no queuing)")
     p.add_argument("--time-limit", type=float, default=10.0, help="search time limit in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0, help="solver seed (default 0)")
-    p.add_argument("--max-window", type=_positive_int, default=2, metavar="R",
+    p.add_argument("--max-window", type=positive_int, default=2, metavar="R",
                    help="most micro-batches per repetend window the search refines (default 2; the 1F1B policy's "
                         "steady state, up to 3, always competes); 3-4 can reach shorter periods per micro-batch "
                         "(e.g. M on 4 devices: 7 -> 6.33 units) but need a longer --time-limit (about 60 s)")

@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 __all__ = ["EmulatedLink", "NAMESPACE_ENV", "NetworkEmulationUnavailable", "emulated_link", "fail_inside",
-           "allreduce_seconds", "leftover_namespaces", "loopback_transfer_seconds",
+           "allreduce_seconds", "leftover_namespaces", "loopback_transfer_seconds", "parse_links",
            "parse_rate", "run_command", "run_function", "unavailable_reason"]
 
 #: Environment for processes inside the namespace: gloo binds to the namespace's loopback.
@@ -98,6 +98,25 @@ def parse_rate(text: str | float) -> float:
     from engine.cost import parse_rate as _parse
 
     return _parse(text)
+
+
+def parse_links(text: str | list[str]) -> list[str]:
+    """The links a benchmark's ``--links`` names: ``"unshaped"`` and emulated rates in tc's spelling
+    (``"unshaped,1gbit,10gbit"`` or a list), in order.
+
+    Raises:
+        ValueError: no link, or a rate :func:`parse_rate` cannot read (the message names it).
+    """
+    links = [x.strip() for x in (text.split(",") if isinstance(text, str) else text) if x.strip()]
+    if not links:
+        raise ValueError("--links names no link; give unshaped and/or rates such as 1gbit")
+    for link in links:
+        if link != "unshaped":
+            try:
+                parse_rate(link)
+            except ValueError as e:
+                raise ValueError(f"--links {link!r}: {e}") from None
+    return links
 
 
 def _size(text: str | int) -> int:

@@ -132,16 +132,10 @@ def _collective_seconds(tl) -> float:
 def _parse_links(ap: argparse.ArgumentParser, text: str) -> list[str]:
     import emulated_network as en
 
-    links = [x.strip() for x in text.split(",") if x.strip()]
-    if not links:
-        ap.error("--links names no link")
-    for link in links:
-        if link != "unshaped":
-            try:
-                en.parse_rate(link)
-            except ValueError as e:
-                ap.error(f"--links {link!r}: {e}")
-    return links
+    try:
+        return en.parse_links(text)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -259,17 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--links", default=",".join(LINKS),
                     help="comma-separated: 'unshaped' and/or tc rates of emulated links (default %(default)s)")
     args = ap.parse_args(argv)
-    links = [x.strip() for x in args.links.split(",") if x.strip()]
-    if not links:
-        ap.error("--links names no link")
     import emulated_network as en
 
-    for link in links:
-        if link != "unshaped":
-            try:
-                en.parse_rate(link)
-            except ValueError as e:
-                ap.error(f"--links {link!r}: {e}")
+    try:
+        links = en.parse_links(args.links)
+    except ValueError as e:
+        ap.error(str(e))
     res = measure_links(links, args.mib, args.iters)
     if args.json:
         print(json.dumps(res))
