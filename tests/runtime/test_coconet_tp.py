@@ -222,14 +222,23 @@ def test_chunked_matmul_equals_the_all_reduced_matmul():
 ])
 def test_refusals_are_one_sentence_at_setup(transforms, seq, match):
     """``chunked-overlap`` with ``tp-split``, and a sequence ``tp`` does not divide, are refused by the
-    worker's setup before it joins any process group, each in one sentence."""
+    planner in one sentence; a plan file edited by hand to ask for them anyway is refused by the worker's
+    setup before it joins any process group, again in one sentence."""
+    from engine.coconet import CoCoNetError
     from engine.planner import make_plan
     from runtime.stage import RuntimeNotSupported
     from runtime.worker import StageWorker, WorkerConfig
 
-    plan = make_plan("tessel-gpt", devices=4, dp=1, tp=2, micro_batches=M, schedule="1f1b", device_type="cpu",
-                     micro_batch_size=MBS, seq_len=seq, transforms=transforms).plan
-    w = StageWorker(plan.to_dict(), 0, 4, "127.0.0.1", 1, WorkerConfig())
+    kwargs = dict(devices=4, dp=1, tp=2, micro_batches=M, schedule="1f1b", device_type="cpu",
+                  micro_batch_size=MBS, seq_len=seq)
+    with pytest.raises(CoCoNetError) as planned:
+        make_plan("tessel-gpt", transforms=transforms, **kwargs)
+    assert "\n" not in str(planned.value) and transforms.split(",")[-1] in str(planned.value)
+
+    # The same request written into a plan file by hand: the worker refuses it too.
+    d = make_plan("tessel-gpt", **kwargs).plan.to_dict()
+    d["parallel"]["transforms"] = transforms.split(",")
+    w = StageWorker(d, 0, 4, "127.0.0.1", 1, WorkerConfig())
     with pytest.raises(RuntimeNotSupported, match=match) as e:
         w.setup()
     assert "\n" not in str(e.value)
