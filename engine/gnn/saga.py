@@ -59,7 +59,10 @@ edges from source interval i to destination interval j with local indices; ``Gat
     ``acc_dst`` and the upstream gradient ``grad_agg_dst = dL/d agg_dst``. Its VALUE is not the
     loss. sum: ``sum_e g[dst_e] . msg_e``; mean: the same with ``g / in_degree``; max: only the
     edges that attain the max, each weighted ``1 / count`` (ties split evenly, as the backward of
-    ``scatter_reduce(reduce="amax")`` does); softmax: ``sum_e alpha_e g[dst_e] . (v_e - out[dst_e])``
+    ``scatter_reduce(reduce="amax")`` does; like that backward, which PyG's scatter max runs on a
+    zero tensor with ``include_self=False``, ``count`` is one more where the max is exactly 0, the
+    zero scattered into counting as a tie, so the gradient equals PyG's); softmax:
+    ``sum_e alpha_e g[dst_e] . (v_e - out[dst_e])``
     with ``alpha_e = exp(logit_e - M[dst_e]) / S[dst_e]`` from the detached final max ``M`` and sum
     ``S``.
 
@@ -339,7 +342,10 @@ class SAGALayer(nn.Module):
                 return (g.index_select(0, dst_local) * msg).sum()
             if kind == "max":
                 top = acc_dst["max"].index_select(0, dst_local)
-                count = acc_dst["count"].index_select(0, dst_local).clamp(min=1)
+                # torch's amax backward (``scatter_reduce(include_self=False)`` into zeros, what PyG's
+                # scatter max runs) also counts the zero it scattered into as a tie where the max is 0.
+                count = acc_dst["count"] + (acc_dst["max"] == 0).to(msg.dtype)
+                count = count.index_select(0, dst_local).clamp(min=1)
                 weight = (msg.detach() == top).to(msg.dtype) / count
                 return (g.index_select(0, dst_local) * weight * msg).sum()
             logit = self._need_logit(logit)
