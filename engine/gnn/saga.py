@@ -327,7 +327,9 @@ class SAGALayer(nn.Module):
 
         Returns:
             ``s`` such that ``autograd.grad(s, (msg, logit))`` is the chunk's gradient share (the
-            formulas are in the module docstring); its value is not the loss.
+            formulas are in the module docstring); its value is not the loss. For the max gather the
+            recomputed ``msg`` must be bitwise equal to the forward's (recompute the same chunk
+            with the same ops; SAGE's and GIN's messages are plain copies of ``h``).
 
         Raises:
             GNNError: the softmax gather got no logits.
