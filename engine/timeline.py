@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: Streams (Perfetto thread tracks) of a device.
-STREAMS = ("compute", "send", "recv", "collective")
+#: Streams (Perfetto thread tracks) of a device; ``"load"`` is a GNN plan's chunk loads
+#: (:mod:`engine.gnn.simulate`, NGra's streaming), absent from pipeline plans.
+STREAMS = ("compute", "send", "recv", "collective", "load")
 
 
 @dataclass(slots=True)
@@ -18,7 +19,8 @@ class Event:
 
     Attributes:
         rank: device (pipeline rank).
-        stream: ``"compute"``, ``"send"``, ``"recv"`` or ``"collective"``.
+        stream: ``"compute"``, ``"send"``, ``"recv"``, ``"collective"`` or ``"load"`` (a GNN plan's
+            edge-chunk loads).
         op: ``F``, ``B``, ``I``, ``W``, ``OPTIM``, ``SEND``, ``RECV``, ``ALLREDUCE`` or
             ``ALLTOALL`` (MoE expert-parallel all-to-all; stream ``"collective"``).
         name: label, e.g. ``"1B3"``, ``"1F3>2"`` (send of 1F3 to rank 2), ``"allreduce s1"``

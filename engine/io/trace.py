@@ -38,10 +38,12 @@ def timeline_to_trace(tl: Timeline, *, name: str = "tessel", metadata: dict | No
     """
     ev: list[dict] = []
     has_a2a = any(e.op == "ALLTOALL" for e in tl.events)
+    used = {e.stream for e in tl.events}
+    tracks = {s: tid for s, tid in _TID.items() if s != "load" or s in used}
     for r in range(tl.num_devices):
         ev.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"device {r}"}})
         ev.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
-        for s, tid in _TID.items():
+        for s, tid in tracks.items():
             ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": s}})
         if has_a2a:
             ev.append({"ph": "M", "name": "thread_name", "pid": r, "tid": _TID_ALLTOALL,
