@@ -13,11 +13,11 @@ import argparse
 import logging
 import sys
 
-from apps import cmd_demo, cmd_launch, cmd_models, cmd_plan, cmd_search, cmd_serve, cmd_show
+from apps import cmd_demo, cmd_launch, cmd_models, cmd_plan, cmd_profile_gnn, cmd_search, cmd_serve, cmd_show
 from apps.output import emit_json
 
 COMMANDS = {"plan": cmd_plan, "search": cmd_search, "models": cmd_models, "show": cmd_show, "launch": cmd_launch,
-            "demo": cmd_demo, "serve": cmd_serve}
+            "demo": cmd_demo, "serve": cmd_serve, "profile-gnn": cmd_profile_gnn}
 
 
 def build_parser() -> argparse.ArgumentParser:
