@@ -24,18 +24,24 @@ CSS hooks for browser tests (``css_classes``):
 ``tessel-gnn-profile-graph``      Select of the graph (``tessel-gnn-profile-mode``: the
                                   mode, ``tessel-gnn-profile-width``: the feature width)
 ``tessel-gnn-profile-plot``       the Bokeh pane of the stacked bars
-``tessel-gnn-profile-message``    Alert when the selection has no rows
+``tessel-gnn-profile-message``    Alert when the selection has no rows or a file is refused
+``tessel-gnn-profile-load``       FileInput: add the rows of a ``tessel profile-gnn --json`` file
+``tessel-gnn-profile-clear``      Button: remove every row
 ================================  =========================================================
 
 Source libraries: Panel (``pn.viewable.Viewer``, ``RadioButtonGroup``, ``Select``,
 ``pn.pane.Bokeh``) and Bokeh (``figure.vbar_stack``, ``FactorRange``, ``HoverTool``).
 
-To show it as a tab of the app: ``pn.Tabs(..., ("GNN profile", GNNProfileView(rows=rows)))``.
+To show it as a tab of the app: ``pn.Tabs(..., ("GNN profile", GNNProfileView()))``; the user
+loads ``tessel profile-gnn --json`` outputs with the file input (several runs add up: one bar per
+model x layer of each).
 """
 
 from __future__ import annotations
 
 import html
+import json
+import logging
 from typing import Any, Iterable, Mapping, Sequence
 
 import panel as pn
@@ -45,6 +51,8 @@ from bokeh.plotting import figure
 
 from engine.gnn.characterize import GRAPH_STAGES, KERNEL_CLASSES, LOSS, OUTSIDE, STAGES, Characterization
 from planner_ui.background import bokeh_safe
+
+log = logging.getLogger(__name__)
 
 #: Stack colours per SAGA stage (graph stages warm, neural stages cool, other grey).
 STAGE_COLORS = {"scatter": "#F28E2B", "apply_edge": "#E15759", "gather": "#EDC948", "apply_vertex": "#4E79A7",
@@ -165,12 +173,18 @@ class GNNProfileView(pn.viewable.Viewer):
         self._plot_pane = pn.pane.Bokeh(None, css_classes=["tessel-gnn-profile-plot"], sizing_mode="stretch_width")
         self._alert = pn.pane.Alert("", alert_type="info", visible=False, css_classes=["tessel-gnn-profile-message"],
                                     sizing_mode="stretch_width")
+        self._load = pn.widgets.FileInput(accept=".json", css_classes=["tessel-gnn-profile-load"])
+        self._load.param.watch(self._on_file, "value")
+        self._clear = pn.widgets.Button(label="Clear", css_classes=["tessel-gnn-profile-clear"])
+        self._clear.on_click(lambda _e: setattr(self, "rows", []))
+        self._refused = ""
         self._sync_selects()
         self.refresh()
         self.param.watch(lambda _e: (self._sync_selects(), self.refresh()), ["rows"])
         self.param.watch(lambda _e: self.refresh(), ["breakdown", "phase", "graph", "mode", "width"])
         self._layout = pn.Column(
             self._header,
+            pn.Row(self._load, self._clear),
             pn.Row(self._breakdown, self._phase, *self._selects.values()),
             self._plot_pane, self._alert, css_classes=["tessel-gnn-profile"], sizing_mode="stretch_width")
 
@@ -186,6 +200,39 @@ class GNNProfileView(pn.viewable.Viewer):
         return self._layout
 
     # ------------------------------------------------------------------ data
+    def add_json(self, obj: Any) -> int:
+        """Add the rows of a ``tessel profile-gnn --json`` result (``{"characterization": {"rows":
+        [...]}}``), of :meth:`~engine.gnn.characterize.Characterization.to_dict` (``{"rows": [...]}``)
+        or a list of rows; returns how many were added.
+
+        Raises:
+            ValueError: ``obj`` is none of these (or a row lacks ``model``, ``layer``, ``phase``,
+                ``stage``, ``kernel_class`` or ``seconds``).
+        """
+        if isinstance(obj, dict) and isinstance(obj.get("characterization"), dict):
+            obj = obj["characterization"]
+        if isinstance(obj, dict) and obj.get("ok") is False:
+            raise ValueError(f"the file is a failed run ({obj.get('error', 'no error given')})")
+        rows = obj.get("rows") if isinstance(obj, dict) else obj
+        need = ("model", "layer", "phase", "stage", "kernel_class", "seconds")
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and all(k in r for k in need) for r in rows):
+            raise ValueError("expected the JSON of tessel profile-gnn --json (or a list of characterization rows)")
+        self.rows = [*self.rows, *rows]
+        return len(rows)
+
+    def _on_file(self, event) -> None:
+        if not event.new:
+            return
+        try:
+            n = self.add_json(json.loads(event.new))
+        except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+            self._refused = f"Cannot load {self._load.filename or 'the file'}: {e}."
+            self.refresh()
+            return
+        self._refused = ""
+        self.refresh()
+        log.info("added %d characterization rows from %s", n, self._load.filename)
+
     def selection(self) -> dict[str, Any]:
         """The ``where`` filter of the selectors (graph, mode, width; ``(all)`` is no filter)."""
         out: dict[str, Any] = {}
@@ -231,8 +278,14 @@ class GNNProfileView(pn.viewable.Viewer):
         self._header.object = header_html(rows, phases)
         self.figure = self._figure()
         self._plot_pane.object = self.figure
-        self._alert.object = "" if self.factors else "No layer time for this selection (is there a backward phase?)."
-        self._alert.visible = not self.factors
+        if self._refused:
+            text, kind = self._refused, "warning"
+        elif not self.rows:
+            text, kind = "No characterization loaded: load a tessel profile-gnn --json file.", "info"
+        else:
+            text, kind = "No layer time for this selection (is there a backward phase?).", "info"
+        self._alert.object, self._alert.alert_type = text, kind
+        self._alert.visible = bool(self._refused) or not self.factors
 
     def _figure(self):
         colors = STAGE_COLORS if self.breakdown == "stage" else CLASS_COLORS

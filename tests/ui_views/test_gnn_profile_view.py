@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import panel as pn
 import pytest
 import torch
@@ -70,3 +72,25 @@ def test_selectors_follow_the_rows(chars):
     assert view.factors == [("gcn", "layer0"), ("gcn", "layer1")]
     with pytest.raises(ValueError):
         stacked_bar_data(view.rows, "bogus")
+
+
+def test_loading_profile_gnn_json_files(chars):
+    view = GNNProfileView()
+    assert view.bar_count == 0 and "load a tessel profile-gnn" in view._alert.object
+    gcn = next(c for c in chars if c.model == "gcn" and c.mode == "inference")
+    gat = next(c for c in chars if c.model == "gat" and c.mode == "inference")
+    # what `tessel profile-gnn --json` prints, through a JSON round trip, as the file input delivers it
+    view._load.filename = "gcn.json"
+    view._load.value = json.dumps({"ok": True, "model": "gcn", "characterization": gcn.to_dict()}).encode()
+    assert view.factors == [("gcn", "layer0"), ("gcn", "layer1")] and not view._alert.visible
+    assert view.add_json(gat.to_dict()) == len(gat.rows())
+    assert view.bar_count == 5
+    view._load.filename = "broken.json"
+    view._load.value = b"{not json"
+    assert view._alert.visible and "Cannot load broken.json" in view._alert.object and view.bar_count == 5
+    with pytest.raises(ValueError, match="profile-gnn"):
+        view.add_json({"rows": [{"model": "gcn"}]})
+    with pytest.raises(ValueError, match="failed run"):
+        view.add_json({"ok": False, "error": "unknown --graph 'x'."})
+    view._clear.clicks += 1
+    assert view.rows == [] and view.bar_count == 0
