@@ -62,6 +62,15 @@ def _ints(spec: str, fields: list[str], form: str) -> list[int]:
         raise GraphSpecError(f"--graph {spec!r} needs whole numbers in the form {form}.") from None
 
 
+def _graphs_module(spec: str):
+    try:
+        from tasks import graphs
+    except ImportError:
+        raise GraphSpecError(f"--graph {spec!r} needs tasks.graphs, which this installation lacks; "
+                             "use er:N:DEGREE.") from None
+    return graphs
+
+
 def parse_graph(spec: str, seed: int = 0):
     """The :class:`engine.gnn.characterize.ProfileGraph` a ``--graph`` value names.
 
@@ -76,8 +85,7 @@ def parse_graph(spec: str, seed: int = 0):
 
     name, *fields = spec.strip().lower().split(":")
     if name in ("karate", "cpython") and not fields:
-        from tasks import graphs
-
+        graphs = _graphs_module(spec)
         data = graphs.karate_club() if name == "karate" else graphs.cpython_code_graph()
         return ProfileGraph(name, data.edge_index, int(data.num_nodes))
     if name == "rmat":
@@ -87,9 +95,7 @@ def parse_graph(spec: str, seed: int = 0):
         scale, ef = _ints(spec, fields, form)
         if not 1 <= scale <= 30 or ef < 1:
             raise GraphSpecError(f"--graph {spec!r} needs SCALE in 1..30 and EDGE_FACTOR >= 1, e.g. rmat:16:8.")
-        from tasks import graphs
-
-        data = graphs.rmat_graph(scale, ef, seed=seed, feature_dim=1)
+        data = _graphs_module(spec).rmat_graph(scale, ef, seed=seed, feature_dim=1)
         return ProfileGraph(spec, data.edge_index, int(data.num_nodes))
     if name == "er":
         form = "er:N:DEGREE (e.g. er:10000:16)"
