@@ -84,8 +84,14 @@ class LayerShape:
         post_flops: FLOPs per vertex of ``apply_vertex``.
         edge_flops: FLOPs per edge of Scatter + ApplyEdge + Gather.
         edge_traffic: bytes per edge those stages read and write in device memory.
-        edge_tensor_bytes: bytes per edge resident while a chunk computes (its index, the
-            scattered rows, messages, logits) in the forward; the backward keeps twice this.
+        edge_tensor_bytes: bytes per edge resident at once while a chunk computes in the forward
+            (its int64 index, the scattered rows, messages, logits, the gather's temporaries).
+        edge_tensor_bytes_backward: the same while a chunk is recomputed and back-propagated
+            (``chunk_surrogate`` and ``torch.autograd.grad``). Both after the peak resident set of
+            one 500,000-edge chunk of each layer (``runtime.gnn.memory.measure_peak``, widths 64,
+            GAT 4 heads), per edge: forward/backward gcn 561/1062, gat 623/1649, sage and gin
+            290/772, gated-gcn 1281/2307 bytes; the formulas give 560/1072, 624/1648, 288/784,
+            1296/2320.
         acc_width: elements per destination vertex of the gather accumulator (softmax: the
             weighted sum, a running max and a running sum per head).
         params: parameters of the layer.
@@ -105,6 +111,7 @@ class LayerShape:
     edge_flops: float
     edge_traffic: float
     edge_tensor_bytes: float
+    edge_tensor_bytes_backward: float
     acc_width: int
     params: int
     self_loops: bool = False
@@ -141,29 +148,33 @@ def _shape(index: int, kind: str, a: int, b: int, heads: int, elem: int, concat:
     if kind == "gcn":        # GCNLayer: h = W x; msg = deg^-1/2 deg^-1/2 h[src] (degrees per edge); sum; + bias
         return LayerShape(index, kind, a, b, 1, width=b, pre_width=b, pre_flops=2.0 * a * b, post_flops=b,
                           edge_flops=4.0 * b, edge_traffic=elem * 5.0 * b + idx + 2 * VATTR_BYTES_PER_VERTEX,
-                          edge_tensor_bytes=elem * 2.0 * b + idx, acc_width=b, params=a * b + b)
+                          edge_tensor_bytes=elem * (2.0 * b + 8) + idx,
+                          edge_tensor_bytes_backward=elem * (4.0 * b + 8) + idx, acc_width=b, params=a * b + b)
     if kind == "sage":       # SAGELayer (mean): agg = mean x[src]; out = lin_l(agg) + lin_r(x_dst)
         return LayerShape(index, kind, a, b, 1, width=a, pre_width=0, pre_flops=0.0, post_flops=4.0 * a * b + 2.0 * b,
-                          edge_flops=1.0 * a, edge_traffic=elem * 4.0 * a + idx, edge_tensor_bytes=elem * 1.0 * a + idx,
+                          edge_flops=1.0 * a, edge_traffic=elem * 4.0 * a + idx,
+                          edge_tensor_bytes=elem * (a + 4.0) + idx, edge_tensor_bytes_backward=elem * 3.0 * a + idx,
                           acc_width=a, params=2 * a * b + b)
     if kind == "gin":        # GINLayer: agg = sum x[src]; out = MLP(agg + (1 + eps) x_dst), MLP = Lin ReLU Lin
         return LayerShape(index, kind, a, b, 1, width=a, pre_width=0, pre_flops=0.0,
                           post_flops=2.0 * a * b + 2.0 * b * b + 2.0 * a + 2.0 * b, edge_flops=1.0 * a,
-                          edge_traffic=elem * 4.0 * a + idx, edge_tensor_bytes=elem * 1.0 * a + idx, acc_width=a,
-                          params=a * b + b * b + 2 * b)
+                          edge_traffic=elem * 4.0 * a + idx, edge_tensor_bytes=elem * (a + 4.0) + idx,
+                          edge_tensor_bytes_backward=elem * 3.0 * a + idx, acc_width=a, params=a * b + b * b + 2 * b)
     if kind == "gat":        # GATLayer: h = [W x | a_src | a_dst]; logit = leaky(a_src[src] + a_dst[dst]); softmax
         h = heads
         w = b if concat else b * h   # message width heads * head_dim (averaged over heads when not concatenated)
         return LayerShape(index, kind, a, b, h, width=w, pre_width=w + 2 * h, pre_flops=2.0 * a * w + 4.0 * w,
                           post_flops=1.0 * w, edge_flops=2.0 * w + 8.0 * h,
                           edge_traffic=elem * (5.0 * w + 6.0 * h) + idx,
-                          edge_tensor_bytes=elem * (2.0 * w + 3.0 * h) + idx, acc_width=w + 2 * h,
+                          edge_tensor_bytes=elem * (2.0 * w + 6.0 * h) + idx,
+                          edge_tensor_bytes_backward=elem * (6.0 * w + 6.0 * h) + idx, acc_width=w + 2 * h,
                           params=a * w + 2 * w + b)
     if kind == "gated-gcn":  # GatedGCNLayer: h = [K x | Q x | V x]; msg = sigmoid(K x_dst + Q x_src) V x_src; sum;
         #                      out = agg + lin_skip(x_dst) + bias
         return LayerShape(index, kind, a, b, 1, width=b, pre_width=3 * b, pre_flops=6.0 * a * b,
                           post_flops=2.0 * a * b + 2.0 * b, edge_flops=5.0 * b, edge_traffic=elem * 7.0 * b + idx,
-                          edge_tensor_bytes=elem * 4.0 * b + idx, acc_width=b, params=4 * a * b + 4 * b)
+                          edge_tensor_bytes=elem * 5.0 * b + idx, edge_tensor_bytes_backward=elem * 9.0 * b + idx,
+                          acc_width=b, params=4 * a * b + 4 * b)
     raise CostModelError(f"unknown GNN layer kind {kind!r}")  # pragma: no cover - canonical_kind first
 
 
@@ -371,9 +382,11 @@ class GNNCostModel:
 
     # ------------------------------------------------------------ memory
     def chunk_edge_bytes(self, layer: LayerShape, edges: int, phase: str) -> int:
-        """Bytes of a chunk's edge tensors while it computes (forward; the backward holds them and
-        their gradients, twice as much)."""
-        return int(edges * layer.edge_tensor_bytes * (2 if _phase(phase) == "B" else 1))
+        """Bytes of a chunk's edge tensors while it computes: ``edges x edge_tensor_bytes`` in the
+        forward, ``edges x edge_tensor_bytes_backward`` in the backward (recomputed tensors and their
+        gradients)."""
+        per_edge = layer.edge_tensor_bytes_backward if _phase(phase) == "B" else layer.edge_tensor_bytes
+        return int(edges * per_edge)
 
     def accumulator_bytes(self, layer: LayerShape, n_dst: int) -> int:
         """Bytes of the gather accumulator of a destination interval of ``n_dst`` vertices."""

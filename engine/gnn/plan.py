@@ -422,7 +422,7 @@ def _config_from_dict(d: dict, r: FieldReader) -> Any:
 
 # ---------------------------------------------------------------------------------------------- building
 #: The graph specs :func:`graph_from_spec` reads.
-GRAPH_FORMS = "karate, cpython or rmat:SCALE:EDGE_FACTOR (e.g. rmat:20:16)"
+GRAPH_FORMS = "karate, cpython or rmat:SCALE:EDGE_FACTOR (such as rmat:20:16)"
 
 
 def graph_from_spec(spec: str, seed: int = 0) -> Any:
@@ -451,9 +451,10 @@ def graph_from_spec(spec: str, seed: int = 0) -> Any:
 def expected_chunks(stats: GraphStats, partitions: int, self_loops: bool) -> tuple[list[int], list[list[int]]]:
     """Interval sizes and chunk edge counts expected from the statistics alone.
 
-    The N vertices are cut into ``P`` intervals of ``N // P`` or ``N // P + 1`` (the first
-    ``N % P`` one larger); the E edges are spread evenly over the ``P x P`` chunks (the first
-    ``E % P**2`` chunks, in row-major order, one more), as for a graph without locality; with
+    The N vertices are cut into ``P`` intervals at ``k N // P`` (as
+    :class:`~engine.gnn.partition.GraphPartition` cuts them); the E edges are spread evenly over
+    the ``P x P`` chunks (the first ``E % P**2`` chunks, in row-major order, one more), as for a
+    graph without locality; with
     ``self_loops`` each diagonal chunk ``(i, i)`` gets one edge per vertex of interval ``i``. A
     locality-renumbered graph (reverse Cuthill-McKee) has heavier diagonal chunks: plan with a
     :class:`~engine.gnn.partition.GraphPartition` for its exact sizes.
@@ -467,7 +468,7 @@ def expected_chunks(stats: GraphStats, partitions: int, self_loops: bool) -> tup
     n, p = stats.num_vertices, int(partitions)
     if not 1 <= p <= n:
         raise GNNPlanError(f"the partition count P must be between 1 and the {n} vertices, got {partitions}.")
-    intervals = [n // p + (1 if k < n % p else 0) for k in range(p)]
+    intervals = [(k + 1) * n // p - k * n // p for k in range(p)]
     base, extra = divmod(stats.num_edges, p * p)
     chunk_edges = [[base + (1 if i * p + j < extra else 0) for j in range(p)] for i in range(p)]
     if self_loops:

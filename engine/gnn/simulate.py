@@ -73,14 +73,14 @@ def pass_memory(plan: GNNPlan, device: int) -> list[PassMemory]:
     With ``e`` bytes per element, N vertices, ``n_d`` the device's vertices:
 
     * forward of layer ``l``: at its start the output rows of all N vertices ``N out e`` (the
-      next layer reads every interval; several devices all-gather them), the ``apply_vertex_pre``
-      output ``N pre_width e`` and the saved aggregates of the device's intervals
-      ``n_d acc_width e`` (the backward's surrogate reads them); after the last layer the loss
-      gradient ``n_d out e``;
-    * backward of layer ``l``: at its start the source-gradient accumulator ``N vertex_width e``
-      and the aggregate gradient ``n_d width e``; at its end those, the layer's forward buffers
-      and its output gradient are freed and the previous layer's output gradient ``n_d in e``
-      allocated;
+      next layer reads every interval; several devices all-gather them) and, but for the last
+      layer, the ReLU's output (another ``N out e``), the ``apply_vertex_pre`` output
+      ``N pre_width e`` and the saved aggregates of the device's intervals ``n_d acc_width e``
+      (the backward's surrogate reads them); after the last layer the loss gradient ``n_d out e``;
+    * backward of layer ``l``: at its start the source-gradient accumulator ``N vertex_width e``,
+      the aggregate gradient ``n_d width e`` and, but for the last layer, the gradient through
+      the ReLU ``n_d out e``; at its end those, the layer's forward buffers and its output
+      gradient are freed and the previous layer's output gradient ``n_d in e`` allocated;
     * transients: two loaded chunks (:meth:`GNNCostModel.chunk_load_bytes`), one chunk's edge
       tensors (:meth:`GNNCostModel.chunk_edge_bytes`, twice in the backward) and, in the forward,
       one accumulator (:meth:`GNNCostModel.accumulator_bytes`), each the largest over the pass.
@@ -100,14 +100,16 @@ def pass_memory(plan: GNNPlan, device: int) -> list[PassMemory]:
                                               ps.phase) for i, j in chunks), reverse=True)
         two_loads = sum(loads[:2])
         edge = max((cost.chunk_edge_bytes(layer, plan.chunk_edges[i][j], ps.phase) for i, j in chunks), default=0)
+        relu = ps.layer < last            # ReLU between layers: its output is a tensor of its own
         if ps.phase == "F":
-            alloc = n * layer.out_dim * e + n * layer.pre_width * e + nd * layer.acc_width * e
+            alloc = (n * layer.out_dim * e * (2 if relu else 1) + n * layer.pre_width * e
+                     + nd * layer.acc_width * e)
             fwd_alloc[ps.layer] = alloc
             acc = max((cost.accumulator_bytes(layer, plan.intervals[j]) for j in own), default=0)
             out.append(PassMemory(alloc, 0, nd * layer.out_dim * e if ps.layer == last else 0,
                                   two_loads + edge + acc))
         else:
-            alloc = n * layer.vertex_width * e + nd * layer.width * e
+            alloc = n * layer.vertex_width * e + nd * layer.width * e + (nd * layer.out_dim * e if relu else 0)
             free = alloc + fwd_alloc.get(ps.layer, 0) + nd * layer.out_dim * e
             out.append(PassMemory(alloc, free, nd * layer.in_dim * e if ps.layer > 0 else 0, two_loads + edge))
     return out
