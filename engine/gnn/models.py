@@ -92,8 +92,13 @@ class GNNModel(nn.Module):
             GNNError: ``x`` or ``edge_index`` is malformed (see :meth:`SAGALayer.forward`).
         """
         last = len(self.layers) - 1
+        n = x.size(0)
+        prepared: dict[bool, tuple[Tensor, Tensor]] = {}  # self_loops -> (edges, vertex attributes), once per graph
         for i, layer in enumerate(self.layers):
-            x = layer(x, edge_index)
+            if layer.self_loops not in prepared:
+                edges = layer.prepare_edges(edge_index, n)
+                prepared[layer.self_loops] = (edges, layer.vertex_attrs(edges, n, dtype=x.dtype))
+            x = layer(x, edge_index, prepared[layer.self_loops])
             if i < last:
                 x = torch.relu(x)
         return x

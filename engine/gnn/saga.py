@@ -226,8 +226,13 @@ class SAGALayer(nn.Module):
             alpha = softmax(logit, dst, num_nodes=n_dst)
             return scatter(alpha.unsqueeze(-1) * msg, dst, 0, dim_size=n_dst, reduce="sum")
 
-    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+    def forward(self, x: Tensor, edge_index: Tensor, prepared: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Full-graph (P = 1) layer: ``x [N, F_in]``, ``edge_index [2, E]`` -> ``[N, F_out]``.
+
+        Args:
+            prepared: ``(prepare_edges(edge_index, N), vertex_attrs(...))`` computed once per graph by the
+                caller (:meth:`engine.gnn.models.GNNModel.forward` shares them between layers with the
+                same ``self_loops``); ``None`` computes them here.
 
         Raises:
             GNNError: ``x`` is not ``[N, in_dim]`` or ``edge_index`` is malformed.
@@ -235,8 +240,11 @@ class SAGALayer(nn.Module):
         if x.dim() != 2 or x.size(1) != self.in_dim:
             raise GNNError(f"{type(self).__name__} expects x of shape [N, {self.in_dim}], got {list(x.shape)}.")
         n = x.size(0)
-        edge_index = self.prepare_edges(edge_index, n)
-        vattr = self.vertex_attrs(edge_index, n, dtype=x.dtype)
+        if prepared is None:
+            edge_index = self.prepare_edges(edge_index, n)
+            vattr = self.vertex_attrs(edge_index, n, dtype=x.dtype)
+        else:
+            edge_index, vattr = prepared
         src, dst = edge_index[0], edge_index[1]
         h = self.apply_vertex_pre(x)
         edata = self.scatter(h, h, src, dst, vattr, vattr)
