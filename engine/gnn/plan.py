@@ -586,9 +586,44 @@ def _candidate(model: Any, stats: GraphStats, spec: str, p: int, devices: int, d
                    schedule, cost, **training)
 
 
+def _check_p(P: Any, devices: int, stats: GraphStats) -> None:
+    top = min(stats.num_vertices, MAX_PARTITIONS)
+    if isinstance(P, bool) or not isinstance(P, int) or not devices <= P <= top:
+        raise GNNPlanError(f"the partition count P must be an integer between the {devices} devices and {top}, "
+                           f"got {P!r}.")
+
+
+def _partitioner(model: Any, stats: GraphStats, edge_index: Any, order: str) -> Any:
+    """``p -> GraphPartition`` of the graph's edges as the model's layers prepare them (one locality
+    order, computed once, for every ``p``)."""
+    import torch
+
+    from engine.gnn.models import build_gnn
+    from engine.gnn.partition import GraphPartition, PartitionError, locality_order
+
+    if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise GNNPlanError(f"edge_index must be a [2, E] tensor, got {type(edge_index).__name__}.")
+    if edge_index.shape[1] != stats.num_edges:
+        raise GNNPlanError(f"edge_index has {edge_index.shape[1]} edges but the statistics say {stats.num_edges}; "
+                           "pass the edges of the same graph.")
+    with torch.device("meta"):          # only the layer's prepare_edges is needed: no weights
+        first: Any = build_gnn(model).layers[0]
+    prepared = first.prepare_edges(edge_index.to(torch.int64), stats.num_vertices)
+    try:
+        perm = locality_order(prepared, stats.num_vertices, order)
+    except PartitionError as e:
+        raise GNNPlanError(str(e)) from None
+
+    def build(p: int) -> Any:
+        return GraphPartition.build(prepared, stats.num_vertices, p, order=perm)
+
+    return build
+
+
 def make_gnn_plan(model_config: Any, graph: Any, devices: int = 1, budget_bytes: int | None = None,
                   P: int | None = None, device_type: str = "h100", *, partition: Any = None,
-                  cost: GNNCostModel | None = None, link: str | None = None, epochs: int = 200, lr: float = 0.01,
+                  edge_index: Any = None, order: str = "rcm", cost: GNNCostModel | None = None,
+                  link: str | None = None, epochs: int = 200, lr: float = 0.01,
                   seed: int = 0, graph_spec: str = "", meta: dict | None = None) -> GNNPlan:
     """Plan chunk-streamed training of ``model_config`` on a graph, and simulate it.
 
@@ -596,8 +631,8 @@ def make_gnn_plan(model_config: Any, graph: Any, devices: int = 1, budget_bytes:
         model_config: a :class:`~engine.gnn.models.GNNConfig`; its ``in_dim`` must be the graph's
             feature width and its ``out_dim`` the number of classes.
         graph: a graph spec (``"karate"``, ``"cpython"``, ``"rmat:SCALE:EDGE_FACTOR"``: built by
-            :func:`graph_from_spec`, summarised by ``tasks.graphs.graph_stats``), or its statistics
-            (:class:`GraphStats`, a dict, or ``graph_stats``'s result).
+            :func:`graph_from_spec`, summarised by ``tasks.graphs.graph_stats``, its edges used as
+            ``edge_index``), or its statistics (:class:`GraphStats`, a dict, or ``graph_stats``'s result).
         devices: devices to spread the destination intervals over.
         budget_bytes: memory per device, bytes; ``None``: the device's capacity.
         P: the partition count; ``None`` chooses the smallest power of two (at least ``devices``,
@@ -605,6 +640,11 @@ def make_gnn_plan(model_config: Any, graph: Any, devices: int = 1, budget_bytes:
         device_type: the cost table's device (``h100``, ``a100``, ``cpu``).
         partition: a :class:`~engine.gnn.partition.GraphPartition` of the (prepared) graph whose
             exact chunk sizes replace the expected ones (its ``num_parts`` is ``P``).
+        edge_index: the graph's ``[2, E]`` edges (the raw graph of the statistics): every candidate
+            P is then counted on the real partition (the layers' prepared edges, self-loops as they
+            add them, in one locality ``order`` for all P: ``GraphPartition.build``) instead of the
+            expected sizes, which a locality-renumbered power-law graph far exceeds on its diagonal.
+        order: the vertex order of those partitions (``"rcm"`` or ``"identity"``).
         cost: a (calibrated) :class:`GNNCostModel`; default ``GNNCostModel.for_device(device_type, link)``.
         link: the link between devices (see :meth:`CostModel.for_device`), when ``cost`` is not given.
         epochs, lr, seed: the training fields of the plan.
@@ -625,7 +665,10 @@ def make_gnn_plan(model_config: Any, graph: Any, devices: int = 1, budget_bytes:
     if isinstance(graph, str):
         from tasks.graphs import graph_stats
 
-        spec, stats = graph, GraphStats.of(graph_stats(graph_from_spec(graph, seed)))
+        data = graph_from_spec(graph, seed)
+        spec, stats = graph, GraphStats.of(graph_stats(data))
+        if partition is None and edge_index is None:
+            edge_index = data.edge_index
     else:
         spec, stats = str(graph_spec), GraphStats.of(graph)
     if int(model_config.in_dim) != stats.feature_dim or int(model_config.out_dim) != stats.num_classes:
@@ -645,12 +688,14 @@ def make_gnn_plan(model_config: Any, graph: Any, devices: int = 1, budget_bytes:
         raise GNNPlanError(f"the memory budget must be positive, got {budget_bytes!r} bytes.")
     training = {"epochs": int(epochs), "lr": float(lr), "seed": int(seed),
                 "meta": {"tessel_version": __version__, **(meta or {})}}
+    partition_for = _partitioner(model_config, stats, edge_index, order) if edge_index is not None else None
     if partition is not None:
         P = int(partition.num_parts)
+    elif P is not None and partition_for is not None:
+        _check_p(P, devices, stats)
+        partition = partition_for(P)
     if P is not None:
-        if isinstance(P, bool) or not isinstance(P, int) or not devices <= P <= min(stats.num_vertices, MAX_PARTITIONS):
-            raise GNNPlanError(f"the partition count P must be an integer between the {devices} devices and "
-                               f"{min(stats.num_vertices, MAX_PARTITIONS)}, got {P!r}.")
+        _check_p(P, devices, stats)
         chosen = _candidate(model_config, stats, spec, P, devices, device_type, budget, cost, partition, training)
         bound = max(memory_bound(chosen))
         if bound > budget:
@@ -662,7 +707,8 @@ def make_gnn_plan(model_config: Any, graph: Any, devices: int = 1, budget_bytes:
         plan: GNNPlan | None = None
         best: tuple[int, float] | None = None
         while p <= limit:
-            cand = _candidate(model_config, stats, spec, p, devices, device_type, budget, cost, None, training)
+            part = partition_for(p) if partition_for is not None else None
+            cand = _candidate(model_config, stats, spec, p, devices, device_type, budget, cost, part, training)
             bound = max(memory_bound(cand))
             if bound <= budget:
                 plan = cand
