@@ -1,7 +1,6 @@
 """tasks.node_classification: the loss and accuracies against a hand computation, refusals, the
 full-graph trainer (deterministic, RNG-neutral, learns the karate club), and a 2-layer GCN that
-beats the features-only MLP on the CPython code graph (PyG's GCN, and ours from engine.gnn.models
-where it exists)."""
+beats the features-only MLP on the CPython code graph (PyG's GCN, and ours from engine.gnn.models)."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch_geometric.nn import GCN
 
+from engine.gnn.models import GNNConfig, build_gnn
 from tasks.base import TaskError
 from tasks.graphs import cpython_code_graph, karate_club
 from tasks.node_classification import NodeClassificationTask, features_only_mlp, train_full_graph
@@ -87,9 +87,7 @@ def _gcn(kind: str, data):
     torch.manual_seed(0)
     if kind == "pyg":
         return GCN(data.num_features, HIDDEN, num_layers=2, out_channels=classes, dropout=0.5)
-    models = pytest.importorskip("engine.gnn.models")
-    return models.build_gnn(models.GNNConfig(kind="gcn", in_dim=data.num_features, hidden=HIDDEN,
-                                             out_dim=classes, layers=2))
+    return build_gnn(GNNConfig(kind="gcn", in_dim=data.num_features, hidden=HIDDEN, out_dim=classes, layers=2))
 
 
 @pytest.fixture(scope="module")
