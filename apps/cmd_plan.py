@@ -11,6 +11,7 @@ from pathlib import Path
 
 from apps.arg_types import LINK_HELP, link_name, positive_int, transform_help, transform_names
 from apps.output import fmt_gib, fmt_ms, table
+from apps.plan_gnn import add_gnn_arguments, run_gnn
 
 HELP = "plan a model on N devices with a predefined schedule and write plan/trace/csv"
 
@@ -49,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-chunks", type=positive_int, default=4,
                    help="chunks of chunked-overlap (default 4)")
     p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
+    add_gnn_arguments(p)
 
 
 def _bucket_bytes(mib: float) -> int:
@@ -61,6 +63,8 @@ def _bucket_bytes(mib: float) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.gnn is not None:
+        return run_gnn(args)
     from engine.io import save_plan, write_torch_csv, write_trace
     from engine.planner import make_plan
 
