@@ -319,3 +319,53 @@ def test_loading_errors_name_the_field(tmp_path, edit, path):
     with pytest.raises(PlanFormatError, match=path) as err:
         load_gnn_plan(f)
     assert str(err.value).startswith(str(f))
+
+
+# ---------------------------------------------------------------------------------------------- with the real graph
+def test_exact_partitions_count_what_graph_partition_counts():
+    from engine.gnn.partition import GraphPartition
+    from tasks.graphs import graph_stats, rmat_graph
+
+    g = rmat_graph(10, 8, seed=0)
+    stats = GraphStats.of(graph_stats(g))
+    cfg = GNNConfig("gcn", stats.feature_dim, 32, stats.num_classes)
+    budget = max(memory_bound(make_gnn_plan(cfg, stats, 2, 10**12, 8, "cpu", edge_index=g.edge_index)))
+    plan = make_gnn_plan(cfg, stats, 2, budget, device_type="cpu", edge_index=g.edge_index)
+    assert plan.partitions == 8
+    model = build_gnn(cfg)
+    ref = GraphPartition.build(model.layers[0].prepare_edges(g.edge_index, g.num_nodes), g.num_nodes,
+                               plan.partitions, "rcm")
+    assert plan.chunk_source == "partition"
+    assert plan.chunk_edges == ref.chunk_edges().tolist()
+    assert plan.intervals == [ref.interval_size(k) for k in range(plan.partitions)]
+    assert max(plan.metrics["peak_memory"]) <= budget
+    half = make_gnn_plan(cfg, stats, 2, 10**12, 4, "cpu", edge_index=g.edge_index)
+    assert max(memory_bound(half)) > budget          # the smallest power of two: P = 4 would not fit
+    # the expected sizes know no locality: the renumbered power-law graph's diagonal chunks are far heavier
+    expected = make_gnn_plan(cfg, stats, 2, 10**12, plan.partitions, "cpu")
+    assert max(map(max, plan.chunk_edges)) > 2 * max(map(max, expected.chunk_edges))
+
+
+def test_load_bytes_are_what_the_streamed_executor_loads():
+    from engine.gnn.partition import partition_for_model
+    from runtime.gnn.streaming import StreamedGNN, train_step
+    from tasks.graphs import graph_stats, rmat_graph
+
+    g = rmat_graph(7, 4, seed=0)
+    stats = GraphStats.of(graph_stats(g))
+    for kind in GNN_KINDS:
+        cfg = config(kind, stats)
+        torch.manual_seed(0)
+        model = build_gnn(cfg)
+        part = partition_for_model(model, g.edge_index, g.num_nodes, 4)
+        plan = make_gnn_plan(cfg, stats, 1, 10**12, device_type="cpu", partition=part)
+        res = train_step(StreamedGNN(model, part), None, g.x, g.y, g.train_mask,
+                         torch.optim.SGD(model.parameters(), lr=0.1))
+        loads = [r for r in res.records if r.kind == "load"]
+        assert len(loads) == 2 * len(plan.layers) * len(plan.chunks())      # each chunk, layer and phase once
+        for r in loads:
+            assert r.bytes == plan.cost.chunk_load_bytes(plan.layers[r.layer], plan.chunk_edges[r.i][r.j],
+                                                         plan.intervals[r.i], plan.intervals[r.j], r.phase), r
+        # the executor's records calibrate the plan (timings differ run to run: no time is asserted)
+        cal = plan.calibrated(res.records)
+        assert cal.cost.calibrated_from > 0 and cal.metrics["epoch_time"] > 0
