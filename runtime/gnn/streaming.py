@@ -112,6 +112,16 @@ def _nbytes(t: Tensor) -> int:
     return int(t.numel() * t.element_size())
 
 
+def _ready(loaded: _Loaded) -> _Loaded:
+    """On CUDA: order the compute stream after the side-stream copies and keep their memory until it is done."""
+    if loaded.event is not None:
+        stream = torch.cuda.current_stream(loaded.src.device)
+        stream.wait_event(loaded.event)
+        loaded.src.record_stream(stream)
+        loaded.dst.record_stream(stream)
+    return loaded
+
+
 class _LayerStream:
     """Streams one layer's Scatter / ApplyEdge / Gather over a partition (forward and backward)."""
 
@@ -164,7 +174,7 @@ class _LayerStream:
             return
         if not self.owner.prefetch:
             for ij in items:
-                yield load(ij)
+                yield _ready(load(ij))
             return
         with ThreadPoolExecutor(1, thread_name_prefix="gnn-chunk-loader") as pool:
             future = pool.submit(load, items[0])
@@ -172,12 +182,7 @@ class _LayerStream:
                 loaded = future.result()
                 if k + 1 < len(items):
                     future = pool.submit(load, items[k + 1])
-                if loaded.event is not None:
-                    stream = torch.cuda.current_stream(loaded.src.device)
-                    stream.wait_event(loaded.event)
-                    loaded.src.record_stream(stream)
-                    loaded.dst.record_stream(stream)
-                yield loaded
+                yield _ready(loaded)
 
     # ---------------------------------------------------------------------------- forward
     def forward(self, h: Tensor) -> tuple[Tensor, list[GatherAcc]]:
@@ -314,7 +319,7 @@ class StreamedGNN:
         self._vattr: dict[tuple[torch.dtype, torch.device], Tensor] = {}
         self._pinned: tuple[Tensor, Tensor] | None = None
         self._streams: dict[torch.device, Any] = {}
-        self._cuda_sync = False
+        self._cuda_sync = False  # set by forward: the input is on CUDA (pinned index copies, synchronised records)
 
     # ---------------------------------------------------------------------------- helpers
     def _record(self, layer: int, phase: str, i: int, j: int, kind: str, start: float, end: float,
@@ -326,6 +331,10 @@ class StreamedGNN:
             torch.cuda.current_stream(like.device).synchronize()
 
     def _index_tensors(self) -> tuple[Tensor, Tensor]:
+        """The chunk index arrays; for a CUDA input pinned copies (made once, for asynchronous copies).
+
+        Only loads call it, and loads run one at a time (on the loader thread, or inline without prefetch).
+        """
         part = self.partition
         if self._cuda_sync:
             if self._pinned is None:
