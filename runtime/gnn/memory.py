@@ -20,7 +20,7 @@ How the peak is read (CPU):
 
 Allocator retention: glibc raises its mmap threshold each time a large block is freed, so later
 blocks of that size come from the heap and stay resident after they are freed; the same streamed
-run then measured anywhere between 195 and 232 MiB (five runs, GAT on 432k edges, P = 16). The
+run then measured anywhere between 195 and 232 MiB (three runs, GAT on 432k edges, P = 16). The
 child therefore fixes the threshold first (``mallopt(M_MMAP_THRESHOLD, mmap_threshold)`` through
 ``ctypes``, default 2 MiB, ``None`` to leave glibc alone): blocks above it are returned to the
 system when freed, and the peak follows the live tensors (the same run: 169 to 174 MiB). A lower
@@ -173,7 +173,9 @@ def measure_peak(
         *args: picklable arguments; they are unpickled in the child before the baseline.
         setup: optional picklable function run in the child before the baseline; its return value
             (a tuple) becomes ``fn``'s arguments. Use it to build the data there, so that loading
-            is not counted.
+            is not counted, and to run a small warm-up call of the same kind: a process's first
+            training step creates about 40 MiB of one-time state (autograd engine, thread pools,
+            kernel caches; measured) that would otherwise be counted as ``fn``'s.
         device: ``"cpu"`` (peak resident set) or a CUDA device (peak allocated tensors).
         timeout_s: seconds to wait for the child (seconds).
         mmap_threshold: bytes; the child's fixed glibc mmap threshold (see the module docstring),
