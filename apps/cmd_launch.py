@@ -13,7 +13,13 @@ other on the same actors) are the baselines. Several plans without ``--crossover
 refused (a user error, exit status 2) rather than silently run one way or the other. Each job
 checkpoints into its own folder: ``<plan folder>/ckpt-<plan name>`` (or
 ``<--checkpoint-dir>/job<i>-<plan name>``). The report gives each job's and the aggregate
-tokens/s, and the simulator's prediction (``engine.crossover``) where it is available."""
+tokens/s, and the simulator's prediction (``engine.crossover``) where it is available.
+
+A GNN plan (``tessel plan --gnn``, format ``tessel-gnn-plan``) is trained with
+``runtime.gnn.launcher.launch_gnn`` for ``--epochs`` full-graph epochs (default: the plan's; its
+learning rate and seed are the plan's): a table of every epoch's loss, accuracies and epoch time
+measured against the plan's prediction, and a measured Perfetto trace (``gnn_trace.measured.json``
+next to the plan, or ``--trace``)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import math
 import sys
 from pathlib import Path
 
+from apps.arg_types import positive_int
 from apps.launch_progress import LineProgress, TqdmProgress
 from apps.output import fmt_gib, fmt_ms, table
 
@@ -65,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="after the run, calibrate the plan's block and optimizer times from the measured steps "
                         "(the first step excluded) and write <plan>.calibrated.json with the re-simulated prediction")
+    p.add_argument("--epochs", type=positive_int, default=None,
+                   help="GNN plans (`tessel plan --gnn`): full-graph training epochs (default: the plan's); the "
+                        "learning rate and seed are the plan's")
     p.add_argument("--trace", default=None, help="measured trace path (default: trace.measured.json next to the plan; "
                                                  "co-located: crossover.measured.json next to the first plan)")
 
@@ -266,6 +276,10 @@ def run(args: argparse.Namespace) -> dict:
     from runtime import launch
     from runtime.config import LaunchConfig
 
+    if any(_is_gnn_plan(Path(p)) for p in args.plan):
+        return run_gnn(args)
+    if args.epochs is not None:
+        raise ValueError("--epochs is for GNN plans (`tessel plan --gnn`); train this plan for a number of --steps.")
     mode = _mode(args)
     if mode is not None:
         if args.task is not None:
@@ -333,3 +347,99 @@ def calibrate_plan(plan, res, path: Path, out=sys.stdout) -> dict:
           f"{err:+.1%}; calibrated plan: {path}", file=out)
     return {"path": str(path), "predicted_makespan": tl.makespan, "measured_makespan": measured,
             "error": err, "steps": len(tls), "held_out": held_out}
+
+
+# ----------------------------------------------------------------------------------------- GNN plans
+#: The ``tessel launch`` options a GNN launch takes (the others are refused when given a value
+#: other than their default: a GNN plan holds its own learning rate, seed and task).
+_GNN_OPTIONS = ("plan", "epochs", "address", "device", "step_timeout", "trace", "json", "verbose")
+
+
+def _gnn_refused(args: argparse.Namespace) -> str | None:
+    """The first option given (not at its default) that a GNN launch does not take, as its flag, or ``None``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    defaults = vars(parser.parse_args(["plan.json"]))
+    for dest, default in defaults.items():
+        if dest not in _GNN_OPTIONS and getattr(args, dest, default) != default:
+            return "--" + dest.replace("_", "-")
+    return None
+
+
+def _is_gnn_plan(path: Path) -> bool:
+    """Whether ``path`` is a JSON file whose ``format`` is ``tessel-gnn-plan`` (anything else is left
+    to the pipeline plan's loader and its errors)."""
+    import json
+
+    from engine.gnn.plan import GNN_PLAN_FORMAT
+
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and d.get("format") == GNN_PLAN_FORMAT
+
+
+def _rows_shown(n: int, most: int = 20) -> list[int]:
+    """The epochs a table shows: all up to ``most``, else every k-th and the last."""
+    if n <= most:
+        return list(range(n))
+    k = math.ceil(n / most)
+    return sorted(set(range(0, n, k)) | {n - 1})
+
+
+def report_gnn(res, out=None) -> None:
+    """Print a GNN launch (to ``out``, default ``sys.stdout``): one row per epoch (loss, accuracies,
+    epoch time measured vs predicted) and the predicted against the measured busy time per stream and rank."""
+    say = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
+    pred = res.predicted_epoch_time
+    say(f"{res.world_size} ranks ({res.backend} on {'GPUs' if res.backend == 'nccl' else 'CPU'}), P = "
+        f"{res.partitions} ({res.order} order{'' if res.chunks_as_planned else ', chunk sizes counted at launch'}), "
+        f"{res.dtype}; {res.epochs} epochs in {res.elapsed:.1f} s (setup {res.setup_time:.1f} s)")
+    rows = []
+    for e in _rows_shown(res.epochs):
+        t = res.epoch_times[e]
+        rows.append([e, f"{res.losses[e]:.4f}", f"{res.train_accuracy[e]:.3f}", f"{res.val_accuracy[e]:.3f}",
+                     f"{res.test_accuracy[e]:.3f}", fmt_ms(t), fmt_ms(pred), f"{t / pred:.2f}x" if pred > 0 else "-"])
+    say(table(["epoch", "loss", "train acc", "val acc", "test acc", "epoch measured", "predicted",
+               "measured/predicted"], rows))
+    fa = res.final_accuracy
+    say(f"after the last epoch: train {fa['train']:.3f}, val {fa['val']:.3f}, test {fa['test']:.3f} accuracy")
+    cal = res.calibrated_epoch_time
+    say(f"epoch time {fmt_ms(res.measured_epoch_time)} measured (median), {fmt_ms(pred)} predicted by the plan, "
+        + (f"{fmt_ms(cal)} predicted after calibrating on epoch 0" if not math.isnan(cal) else "no calibration"))
+    busy = []
+    for r in range(res.world_size):
+        busy.append([f"rank {r}"] + [f"{fmt_ms(res.predicted_busy[s][r])} / {fmt_ms(res.measured_busy[s][r])}"
+                                     for s in ("compute", "load", "collective")])
+    say(table(["busy (predicted / measured)", "compute", "load", "collective"], busy))
+
+
+def run_gnn(args: argparse.Namespace) -> dict:
+    """``tessel launch gnn_plan.json``: :func:`runtime.gnn.launcher.launch_gnn`, the table and the trace.
+
+    Raises:
+        ValueError: several plans, or a flag that does not apply to a GNN plan (one sentence).
+        LaunchError, PlanFormatError: from the launch (one sentence; exit status 2).
+    """
+    from engine.io import write_trace
+    from runtime.gnn.launcher import launch_gnn
+
+    if len(args.plan) > 1:
+        raise ValueError(f"{len(args.plan)} plans given, one of them a GNN plan; launch a GNN plan alone.")
+    flag = _gnn_refused(args)
+    if flag is not None:
+        raise ValueError(f"{flag} does not apply to a GNN plan (its learning rate, seed and task are the plan's); "
+                         "leave it out (a GNN launch takes --epochs, --device, --address, --step-timeout and --trace).")
+    plan_path = Path(args.plan[0])
+    res = launch_gnn(plan_path, epochs=args.epochs, address=args.address, device=args.device,
+                     step_timeout=args.step_timeout)
+    report_gnn(res)
+    out = res.to_dict()
+    out["plan"] = str(plan_path)
+    if res.timeline is not None:
+        trace = Path(args.trace) if args.trace else plan_path.parent / "gnn_trace.measured.json"
+        out["trace_paths"] = {"measured": str(write_trace(res.timeline, trace, name="tessel-gnn", metadata={
+            "format": "tessel-gnn-plan", "measured": True, "epoch": res.epochs - 1, "plan": str(plan_path)}))}
+        print(f"measured trace of the last epoch (open in ui.perfetto.dev): {trace}")
+    return out
