@@ -55,6 +55,8 @@ BACKWARD_DENSE_FACTOR = 2.0
 #: the scatter-reduce and their autograd counterparts): the default per-chunk overhead is
 #: this many launch overheads of the device.
 KERNELS_PER_CHUNK = {"F": 6, "B": 16}
+#: Fraction of a calibration group's records left out of its second fit (the worst explained).
+TRIM = 0.1
 #: Optimizer states per parameter (Adam: parameter, gradient, two moments).
 ADAM_STATES = 4
 
@@ -225,6 +227,7 @@ def _default_coefficients(device_launch: float) -> dict[str, float]:
         "vertex_scale_F": 1.0, "vertex_scale_B": 1.0,
         "vertex_overhead_F": 2 * device_launch, "vertex_overhead_B": 4 * device_launch,
         "load_scale_index": 1.0, "load_scale_rows": 1.0, "load_overhead": device_launch,
+        "epoch_overhead": 0.0,
     }
 
 
@@ -245,7 +248,10 @@ class GNNCostModel:
             kernel launches): ``edge_scale_F/B`` (x the roofline edge time), ``chunk_overhead_F/B``
             (seconds per chunk compute), ``vertex_scale_F/B`` and ``vertex_overhead_F/B`` (dense
             per-vertex stages), ``load_scale_index`` and ``load_scale_rows`` (x index and row bytes /
-            host bandwidth) and ``load_overhead`` (seconds per load).
+            host bandwidth) and ``load_overhead`` (seconds per load), ``epoch_overhead`` (seconds per
+            epoch of work no chunk record covers: the loss, the dense stages' backward inside
+            autograd, the optimizer's Python; :meth:`engine.gnn.plan.GNNPlan.calibrated` sets it
+            from measured epoch times).
         calibrated_from: measured records the coefficients were fitted to (0: not calibrated).
     """
 
@@ -443,6 +449,11 @@ class GNNCostModel:
           host_bandwidth + load_overhead``, index bytes from the chunk's edges, row bytes the rest
           of the record's bytes.
 
+        Each group is fitted twice: the second fit leaves out the :data:`TRIM` fraction of its
+        records that the first explains worst (measured times are skewed by preemption, as
+        :mod:`engine.cost.calibrate`'s trimmed means allow for). Records of several epochs may be
+        passed together.
+
         A group without measurements keeps its coefficients. As :mod:`engine.cost.calibrate`
         advises, leave out the first epoch (allocator and autograd warm-up).
 
@@ -507,6 +518,11 @@ class GNNCostModel:
             y = np.array([t for _, t in pts])
             colscale = np.maximum(np.abs(a).max(axis=0), 1e-300)   # equilibrate the columns for nnls
             sol, _res = nnls(a / colscale, y)
+            keep = len(y) - int(len(y) * TRIM)
+            if keep > a.shape[1] and keep < len(y):
+                # trimmed refit: the records the first fit explains worst (a preempted chunk) are left out
+                order = np.argsort(np.abs(a / colscale @ sol - y))[:keep]
+                sol, _res = nnls((a / colscale)[order], y[order])
             for name, v in zip(names[g], sol / colscale):
                 coeffs[name] = float(v)
             log.info("calibrated %s from %d records: %s", g, len(pts),

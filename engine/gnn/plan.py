@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine import __version__
+from engine.cost.devices import CostModelError
 from engine.envelope import Envelope, FieldReader
 from engine.errors import PlanFormatError
 from engine.gnn.cost import GNNCostModel, LayerShape, layer_shapes
@@ -239,17 +240,34 @@ class GNNPlan:
         return [(i, j) for j in range(p) for i in range(p)
                 if self.chunk_edges[i][j] > 0 and (device is None or self.assignment[j] == device)]
 
-    def calibrated(self, records: Any) -> "GNNPlan":
+    def calibrated(self, records: Any, epoch_seconds: Sequence[float] | None = None) -> "GNNPlan":
         """A copy whose cost model is calibrated on measured chunk records
-        (:meth:`GNNCostModel.calibrate`, e.g. ``runtime.gnn.streaming.StepResult.records`` of a step
+        (:meth:`GNNCostModel.calibrate`, e.g. ``runtime.gnn.streaming.StepResult.records`` of steps
         after the first) and whose ``metrics`` are re-simulated with it.
 
+        Args:
+            records: the measured chunk records (several epochs' may be passed together).
+            epoch_seconds: the measured wall time of those epochs (``StepResult.seconds``); their
+                median's excess over the calibrated simulation becomes the cost model's
+                ``epoch_overhead`` (the loss, the dense backward inside autograd, the optimizer's
+                Python: what no record covers). ``None`` leaves it as it is.
+
         Raises:
-            CostModelError: no usable record, or one that names a layer or interval this plan lacks.
+            CostModelError: no usable record, one that names a layer or interval this plan lacks,
+                or a non-positive epoch time.
         """
+        import statistics
+
         from engine.gnn.simulate import memory_bound, simulate_gnn
 
         cost = self.cost.calibrate(records, self.layers, self.chunk_edges, self.intervals)
+        if epoch_seconds is not None:
+            secs = [float(t) for t in epoch_seconds]
+            if not secs or min(secs) <= 0:
+                raise CostModelError(f"epoch_seconds must be positive measured epoch times, got {secs}.")
+            cost.coefficients["epoch_overhead"] = 0.0
+            base = simulate_gnn(dataclasses.replace(self, cost=cost), check_memory=False).epoch_time
+            cost.coefficients["epoch_overhead"] = max(0.0, statistics.median(secs) - base)
         plan = dataclasses.replace(self, cost=cost, metrics={})
         plan.metrics = {**simulate_gnn(plan, check_memory=False).metrics(), "memory_bound": memory_bound(plan)}
         return plan

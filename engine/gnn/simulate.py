@@ -20,7 +20,8 @@ Memory per device is a step curve (bytes over time) of the resident data and the
 buffers (:func:`memory_bound` explains both); it is checked against the plan's budget. The
 Timeline's events: ``LOAD`` on stream ``load`` (name ``"L0F load 2,3"``), ``F``/``B`` compute
 (``"L0F chunk 2,3"``, ``"L0F apply 3"``, ``"L0F pre 3"``; ``segment`` = the layer),
-``ALLGATHER``/``REDUCESCATTER``/``ALLREDUCE`` on stream ``collective`` and ``OPTIM``. Units:
+``ALLGATHER``/``REDUCESCATTER``/``ALLREDUCE`` on stream ``collective``, ``OPTIM``, and with a
+calibrated ``epoch_overhead`` an ``OTHER`` compute event ``"epoch overhead"`` before the optimizer. Units:
 seconds and bytes.
 """
 
@@ -322,6 +323,11 @@ def _run_steps(plan: GNNPlan, cost: GNNCostModel, layer: LayerShape, ph: str, ta
             events.append(Event(d.rank, "compute", ph, f"{tag} {st.kind} {st.j}", cs, ce, segment=li))
             d.compute_free = ce
         elif st.kind == "optim":
+            extra = cost.coefficients.get("epoch_overhead", 0.0)
+            if extra > 0:       # the epoch's work no chunk record covers (calibrated), before the step
+                events.append(Event(d.rank, "compute", "OTHER", "epoch overhead", d.compute_free,
+                                    d.compute_free + extra))
+                d.compute_free += extra
             cs = d.compute_free
             pbytes = param_count(plan.layers) * cost.elem_bytes
             ce = cs + cost.optimizer_time(pbytes)

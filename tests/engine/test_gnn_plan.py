@@ -266,6 +266,14 @@ def test_calibration_recovers_the_coefficients_that_made_the_records():
     assert cal.metrics["epoch_time"] == pytest.approx(measured.epoch_time, rel=1e-6)
     assert plan.metrics["epoch_time"] < 0.5 * measured.epoch_time       # before: far off
     assert cal.cost.calibrated_from == len(_records(measured))
+    # measured epochs longer than their records explain: the excess becomes a per-epoch overhead
+    t = measured.epoch_time
+    cal2 = plan.calibrated(_records(measured), epoch_seconds=[t + 0.02, t + 0.01, t + 0.5])
+    assert cal2.cost.coefficients["epoch_overhead"] == pytest.approx(0.02)
+    assert cal2.metrics["epoch_time"] == pytest.approx(t + 0.02)
+    extra = [e for e in simulate_gnn(cal2).timeline.events if e.name == "epoch overhead"]
+    assert len(extra) == 1 and extra[0].duration == pytest.approx(0.02)
+    assert plan.calibrated(_records(measured), epoch_seconds=[t / 2]).cost.coefficients["epoch_overhead"] == 0.0
     with pytest.raises(Exception, match="no measured chunk records"):
         plan.cost.calibrate([], plan.layers, plan.chunk_edges, plan.intervals)
     with pytest.raises(Exception, match="names layer 5"):
