@@ -94,7 +94,8 @@ class GNNModel(nn.Module):
         last = len(self.layers) - 1
         n = x.size(0)
         prepared: dict[bool, tuple[Tensor, Tensor]] = {}  # self_loops -> (edges, vertex attributes), once per graph
-        for i, layer in enumerate(self.layers):
+        for i, module in enumerate(self.layers):
+            layer: SAGALayer = module  # type: ignore[assignment]
             if layer.self_loops not in prepared:
                 edges = layer.prepare_edges(edge_index, n)
                 prepared[layer.self_loops] = (edges, layer.vertex_attrs(edges, n, dtype=x.dtype))
