@@ -20,6 +20,7 @@ from planner_ui.colocate_panel import ColocatePanel
 from planner_ui.compare_view import CompareView
 from planner_ui.export_panel import ExportPanel
 from planner_ui.gantt import GanttView
+from planner_ui.gnn_panel import GNNPanel
 from planner_ui.graph_view import GraphView
 from planner_ui.launch_panel import LaunchPanel
 from planner_ui.message_bar import message_bar
@@ -38,7 +39,7 @@ def load_extensions(**kwargs) -> None:
 
 
 #: Tab titles, in order (tests and docs refer to them).
-TABS = ("Schedule", "Model graph", "Search", "Compare", "Co-locate", "Launch")
+TABS = ("Schedule", "Model graph", "Search", "Compare", "Co-locate", "Launch", "GNN")
 
 
 class PlannerApp(pn.viewable.Viewer):
@@ -66,10 +67,11 @@ class PlannerApp(pn.viewable.Viewer):
         if self.ray_address and "address" in self.launch.param:
             self.launch.address = self.ray_address
         self.export = ExportPanel(state=st)
+        self.gnn = GNNPanel()
         self.tabs = pn.Tabs(
             (TABS[0], self.gantt), (TABS[1], self.graph), (TABS[2], self.search),
             (TABS[3], self.compare), (TABS[4], self.colocate), (TABS[5], self.launch),
-            dynamic=True, sizing_mode="stretch_width", css_classes=["tessel-tabs"],
+            (TABS[6], self.gnn), dynamic=True, sizing_mode="stretch_width", css_classes=["tessel-tabs"],
         )
 
     def sidebar(self) -> list:
