@@ -38,8 +38,10 @@ shares, not the absolute numbers, and compare models on the same machine.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import statistics
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -485,6 +487,22 @@ def _analyse(prof: profile, cuda: bool) -> tuple[dict[Cell, float], dict[str, fl
     return dict(cells), dict(layer_totals), (bwd_attr / bwd_total if bwd_total > 0 else 1.0)
 
 
+@contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """Point file descriptor 2 at ``/dev/null`` for the duration (only around the profiler's start and
+    stop, whose kineto status lines would otherwise reach the user's terminal or notebook)."""
+    fd = 2  # kineto writes to the process's descriptor 2, whatever sys.stderr is
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
 def characterize(model: nn.Module, x: torch.Tensor, edge_index: torch.Tensor, mode: str = "inference",
                  repeats: int = 5, warmup: int = 2, *, label: str | None = None, graph: str = "",
                  labels: torch.Tensor | None = None, seed: int = 0, threads: int | None = None,
@@ -577,12 +595,18 @@ def characterize(model: nn.Module, x: torch.Tensor, edge_index: torch.Tensor, mo
             for _ in range(repeats):
                 if cuda:
                     torch.cuda.synchronize(x.device)
-                with profile(activities=activities) as prof:
+                prof = profile(activities=activities)
+                with _stderr_silenced():  # kineto writes "USDT: ... profiler_start/stop" lines to fd 2
+                    prof.start()
+                try:
                     t0 = time.perf_counter()
                     step()
                     if cuda:
                         torch.cuda.synchronize(x.device)
                     walls.append(time.perf_counter() - t0)
+                finally:
+                    with _stderr_silenced():
+                        prof.stop()
                 cells, lt, frac = _analyse(prof, cuda)
                 samples.append(cells)
                 totals.append(lt)

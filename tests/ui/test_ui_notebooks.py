@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_the_notebooks_are_there():
-    assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "placements.ipynb"}
+    assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "placements.ipynb", "gnn.ipynb"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
