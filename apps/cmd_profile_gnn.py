@@ -55,22 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, features, labels and random graphs")
 
 
-def _ints(spec: str, fields: list[str], form: str) -> list[int]:
-    try:
-        return [int(f) for f in fields]
-    except ValueError:
-        raise GraphSpecError(f"--graph {spec!r} needs whole numbers in the form {form}.") from None
-
-
-def _graphs_module(spec: str):
-    try:
-        from tasks import graphs
-    except ImportError:
-        raise GraphSpecError(f"--graph {spec!r} needs tasks.graphs, which this installation lacks; "
-                             "use er:N:DEGREE.") from None
-    return graphs
-
-
 def parse_graph(spec: str, seed: int = 0):
     """The :class:`engine.gnn.characterize.ProfileGraph` a ``--graph`` value names.
 
@@ -84,19 +68,6 @@ def parse_graph(spec: str, seed: int = 0):
     from engine.gnn.characterize import ProfileGraph
 
     name, *fields = spec.strip().lower().split(":")
-    if name in ("karate", "cpython") and not fields:
-        graphs = _graphs_module(spec)
-        data = graphs.karate_club() if name == "karate" else graphs.cpython_code_graph()
-        return ProfileGraph(name, data.edge_index, int(data.num_nodes))
-    if name == "rmat":
-        form = "rmat:SCALE:EDGE_FACTOR (e.g. rmat:16:8)"
-        if len(fields) != 2:
-            raise GraphSpecError(f"--graph {spec!r} needs two numbers, in the form {form}.")
-        scale, ef = _ints(spec, fields, form)
-        if not 1 <= scale <= 30 or ef < 1:
-            raise GraphSpecError(f"--graph {spec!r} needs SCALE in 1..30 and EDGE_FACTOR >= 1, e.g. rmat:16:8.")
-        data = _graphs_module(spec).rmat_graph(scale, ef, seed=seed, feature_dim=1)
-        return ProfileGraph(spec, data.edge_index, int(data.num_nodes))
     if name == "er":
         form = "er:N:DEGREE (e.g. er:10000:16)"
         if len(fields) != 2:
@@ -108,6 +79,11 @@ def parse_graph(spec: str, seed: int = 0):
         if n < 2 or not 0 < degree <= n - 1:
             raise GraphSpecError(f"--graph {spec!r} needs N >= 2 and DEGREE in (0, N - 1], e.g. er:10000:16.")
         return ProfileGraph.erdos_renyi(n, degree, seed=seed, name=spec)
+    if name in ("karate", "cpython", "rmat"):
+        from tasks.graphs import graph_from_spec
+
+        data = graph_from_spec(spec, seed, **({"feature_dim": 1} if name == "rmat" else {}))
+        return ProfileGraph(spec if name == "rmat" else name, data.edge_index, int(data.num_nodes))
     raise GraphSpecError(f"unknown --graph {spec!r}; use {GRAPH_FORMS}.")
 
 

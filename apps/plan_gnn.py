@@ -19,7 +19,7 @@ from pathlib import Path
 from apps.arg_types import positive_int
 from apps.output import fmt_ms, table
 from engine.errors import TesselError
-from engine.gnn.plan import GRAPH_FORMS
+from tasks.graphs import GRAPH_FORMS
 
 
 class GNNArgumentError(TesselError, ValueError):

@@ -144,7 +144,9 @@ from tasks.corpus import _find_py_files, stdlib_root
 
 __all__ = [
     "CODE_GRAPH_VERSION",
+    "GRAPH_FORMS",
     "GraphError",
+    "graph_from_spec",
     "cpython_code_graph",
     "graph_stats",
     "karate_club",
@@ -946,3 +948,33 @@ def cpython_code_graph(root: str | Path | None = None, feature_dim: int = 256, n
     data = _build_code_graph(root, files, **params)  # type: ignore[arg-type]
     _atomic_torch_save(_to_payload(data, key), path)
     return data
+
+
+#: The graph specs :func:`graph_from_spec` reads (``tessel plan --gnn --graph``, ``tessel profile-gnn --graph``).
+GRAPH_FORMS = "karate, cpython or rmat:SCALE:EDGE_FACTOR (such as rmat:16:8)"
+
+
+def graph_from_spec(spec: str, seed: int = 0, **kwargs: Any) -> Data:
+    """The graph a spec names: ``karate`` (:func:`karate_club`), ``cpython`` (:func:`cpython_code_graph`,
+    seeded split) or ``rmat:SCALE:EDGE_FACTOR`` (:func:`rmat_graph`, seeded; ``kwargs`` such as
+    ``feature_dim`` are passed on). The one parser of graph specs, used by the GNN planner, the
+    launcher, the app and ``tessel profile-gnn``.
+
+    Raises:
+        GraphError: an unknown name, a wrong number of fields, or a number out of range (one sentence
+            naming the forms).
+    """
+    name, *fields = str(spec).strip().lower().split(":")
+    if name in ("karate", "cpython"):
+        if fields:
+            raise GraphError(f"graph {spec!r} takes no numbers; use {name}.")
+        return karate_club() if name == "karate" else cpython_code_graph(seed=seed, **kwargs)
+    if name == "rmat":
+        form = "rmat:SCALE:EDGE_FACTOR (such as rmat:16:8)"
+        if len(fields) != 2 or not all(f.isdigit() for f in fields):
+            raise GraphError(f"graph {spec!r} needs two whole numbers, in the form {form}.")
+        scale, edge_factor = int(fields[0]), int(fields[1])
+        if not 1 <= scale <= 30 or edge_factor < 1:
+            raise GraphError(f"graph {spec!r} needs SCALE in 1..30 and EDGE_FACTOR >= 1, such as rmat:16:8.")
+        return rmat_graph(scale, edge_factor, seed=seed, **kwargs)
+    raise GraphError(f"graph {spec!r} is not one this planner knows; use {GRAPH_FORMS}.")

@@ -439,31 +439,17 @@ def _config_from_dict(d: dict, r: FieldReader) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- building
-#: The graph specs :func:`graph_from_spec` reads.
-GRAPH_FORMS = "karate, cpython or rmat:SCALE:EDGE_FACTOR (such as rmat:20:16)"
-
-
 def graph_from_spec(spec: str, seed: int = 0) -> Any:
     """The graph (a :class:`torch_geometric.data.Data` with ``x``, ``edge_index``, ``y`` and masks) a
-    spec names: ``karate`` (``tasks.graphs.karate_club``), ``cpython``
-    (``tasks.graphs.cpython_code_graph``, seeded split) or ``rmat:SCALE:EDGE_FACTOR``
-    (``tasks.graphs.rmat_graph``, seeded).
+    spec names: :func:`tasks.graphs.graph_from_spec` (``karate``, ``cpython``, ``rmat:SCALE:EDGE_FACTOR``).
 
     Raises:
-        GNNPlanError: an unknown name or malformed numbers (one sentence listing the forms).
+        tasks.graphs.GraphError: an unknown name or malformed numbers (one sentence listing the forms).
     """
-    from tasks import graphs
+    from tasks.graphs import graph_from_spec as from_spec
 
-    name, *fields = str(spec).strip().lower().split(":")
-    if name == "karate" and not fields:
-        return graphs.karate_club()
-    if name == "cpython" and not fields:
-        return graphs.cpython_code_graph(seed=seed)
-    if name == "rmat" and len(fields) == 2 and all(f.isdigit() for f in fields):
-        scale, ef = int(fields[0]), int(fields[1])
-        if 1 <= scale <= 30 and ef >= 1:
-            return graphs.rmat_graph(scale, ef, seed=seed)
-    raise GNNPlanError(f"graph {spec!r} is not one this planner knows; use {GRAPH_FORMS}.")
+    return from_spec(spec, seed)
+
 
 
 def expected_chunks(stats: GraphStats, partitions: int, self_loops: bool) -> tuple[list[int], list[list[int]]]:
@@ -782,6 +768,6 @@ def load_gnn_plan(path: str | Path) -> GNNPlan:
     return GNNPlan.from_dict(d, source=str(path))
 
 
-__all__ = ["GNN_PLAN_FORMAT", "GNN_PLAN_VERSION", "GRAPH_FORMS", "MAX_PARTITIONS", "STEP_KINDS", "GNNPlan",
+__all__ = ["GNN_PLAN_FORMAT", "GNN_PLAN_VERSION", "MAX_PARTITIONS", "STEP_KINDS", "GNNPlan",
            "GNNPlanError", "GraphStats", "Pass", "Step", "balance_intervals", "build_schedule", "expected_chunks",
            "fmt_bytes", "graph_from_spec", "load_gnn_plan", "make_gnn_plan", "partition_chunks", "save_gnn_plan"]
