@@ -406,8 +406,12 @@ def report_gnn(res, out=None) -> None:
     fa = res.final_accuracy
     say(f"after the last epoch: train {fa['train']:.3f}, val {fa['val']:.3f}, test {fa['test']:.3f} accuracy")
     cal = res.calibrated_epoch_time
-    say(f"epoch time {fmt_ms(res.measured_epoch_time)} measured (median), {fmt_ms(pred)} predicted by the plan, "
-        + (f"{fmt_ms(cal)} predicted after calibrating on epoch 0" if not math.isnan(cal) else "no calibration"))
+    cal_epoch = 1 if res.epochs > 2 else 0
+    later = f"epochs {cal_epoch + 1}-{res.epochs - 1}" if res.epochs > cal_epoch + 1 else "all epochs"
+    say(f"epoch time {fmt_ms(res.measured_epoch_time)} measured (median of {later}), {fmt_ms(pred)} predicted by "
+        "the plan, "
+        + (f"{fmt_ms(cal)} predicted after calibrating on epoch {cal_epoch}" if not math.isnan(cal)
+           else "no calibration"))
     busy = []
     for r in range(res.world_size):
         busy.append([f"rank {r}"] + [f"{fmt_ms(res.predicted_busy[s][r])} / {fmt_ms(res.measured_busy[s][r])}"
@@ -435,6 +439,14 @@ def run_gnn(args: argparse.Namespace) -> dict:
     res = launch_gnn(plan_path, epochs=args.epochs, address=args.address, device=args.device,
                      step_timeout=args.step_timeout)
     report_gnn(res)
+    from engine.gnn.plan import load_gnn_plan
+
+    planned_for = load_gnn_plan(plan_path).device_type
+    ran_on = "cpu" if res.backend == "gloo" else "cuda"
+    if (planned_for == "cpu") != (ran_on == "cpu"):
+        print(f"note: the plan predicts a {planned_for} and this ran on {ran_on}; re-plan with "
+              f"--device-type {'cpu' if ran_on == 'cpu' else 'h100'} to compare prediction and measurement here "
+              "(the calibrated prediction already uses this machine).")
     out = res.to_dict()
     out["plan"] = str(plan_path)
     if res.timeline is not None:

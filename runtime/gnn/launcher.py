@@ -19,7 +19,8 @@ against the plan's prediction (NGra, USENIX ATC'19, sections 4-5; docs/gnn.md "S
    records (streams ``load``, ``compute``, ``collective``; each rank's times from the start of its
    own step, as :mod:`runtime.launcher` aligns ranks), and sets the plan's predicted epoch time
    (:func:`engine.gnn.simulate.simulate_gnn`) next to the measured one and to the prediction of a
-   cost model calibrated on rank 0's first-epoch records (:meth:`engine.gnn.plan.GNNPlan.calibrated`
+   cost model calibrated on rank 0's records and wall time of one epoch (the second where there are three
+   or more; :meth:`engine.gnn.plan.GNNPlan.calibrated`
    on the plan as executed: its chunk sizes those of the real partition).
 
 Faults: a rank that raises, dies or hangs (no result within ``step_timeout``) ends the launch with
@@ -76,11 +77,12 @@ class GNNLaunchResult:
         final_accuracy: ``{"train", "val", "test"}`` of the parameters after the last update.
         epoch_times: per epoch, seconds of the slowest rank's step (forward, backward, collectives,
             optimizer; each rank's own clock).
-        measured_epoch_time: the median of ``epoch_times``, the first epoch (warm-up) left out when
-            more than one ran, seconds.
+        measured_epoch_time: the median of ``epoch_times`` after the calibration epoch where there are such
+            (else of all of them), seconds.
         predicted_epoch_time: the plan's simulated epoch (:func:`engine.gnn.simulate.simulate_gnn`), seconds.
         calibrated_epoch_time: the simulated epoch of the plan as executed with its cost model
-            calibrated on rank 0's first-epoch records, seconds (``nan`` when calibration failed).
+            calibrated on rank 0's records and wall time of the second epoch (the first where there are fewer
+            than three), seconds (``nan`` when calibration failed).
         timeline: the measured Timeline of the last epoch (``source="measured"``): events on the
             streams ``load``, ``compute`` and ``collective`` per rank; memory one point per rank
             (process RSS on CPU, CUDA peak allocated bytes on a GPU).
@@ -279,15 +281,17 @@ def _busy(tl: Timeline) -> dict[str, list[float]]:
     return out
 
 
-def _calibrated(executed: GNNPlan, records: Sequence[Sequence[Any]]) -> GNNPlan | None:
-    """The executed plan calibrated on one rank's chunk records (``None``, logged, where it cannot be)."""
+def _calibrated(executed: GNNPlan, records: Sequence[Sequence[Any]], epoch_seconds: float) -> GNNPlan | None:
+    """The executed plan calibrated on one rank's chunk records of one epoch and that epoch's wall time
+    (whose excess over the calibrated simulation, the collectives and the loss among it, becomes the
+    cost model's epoch overhead); ``None``, logged, where it cannot be."""
     from engine.cost.devices import CostModelError
 
     usable = [r for r in records if r[4] in ("load", "compute") and int(r[0]) >= 0 and int(r[3]) >= 0]
     try:
-        return executed.calibrated(usable)
+        return executed.calibrated(usable, [epoch_seconds])
     except (CostModelError, TesselError) as e:
-        log.warning("could not calibrate the GNN cost model on the first epoch: %s", e)
+        log.warning("could not calibrate the GNN cost model on a measured epoch: %s", e)
         return None
 
 
@@ -368,7 +372,7 @@ def launch_gnn(plan: Any, epochs: int | None = None, *, address: str | None = No
         outs: list[list[dict]] = []
         first: list[dict] = []
         for epoch in range(epochs):
-            keep = epoch in (0, epochs - 1)
+            keep = epoch in (0, 1, epochs - 1)  # records of the first, the calibration and the last epoch
             try:
                 res = runner.call("train_epoch", [(epoch, keep)] * nd, timeout=step_timeout, step=None,
                                   what=f"epoch {epoch}")
@@ -399,13 +403,16 @@ def _result(plan: GNNPlan, executed: GNNPlan, outs: list[list[dict]], first: lis
     timeline = measured_timeline([o["records"] for o in last], [o["memory_bytes"] for o in last])
     times = [max(o["seconds"] for o in res) for res in outs]
     sim = simulate_gnn(plan, check_memory=False)
-    calibrated = _calibrated(executed, first[0]["records"])
+    # Calibrate on the second epoch where there are later ones to compare with (the first pays one-time
+    # costs: allocator growth, thread pools), and measure on the epochs after it.
+    k = 1 if len(outs) > 2 else 0
+    calibrated = _calibrated(executed, outs[k][0]["records"] if k else first[0]["records"], times[k])
     acc = [res[0]["accuracy"] for res in outs]
     return GNNLaunchResult(
         epochs=len(outs), losses=[res[0]["loss"] for res in outs],
         train_accuracy=[a["train"] for a in acc], val_accuracy=[a["val"] for a in acc],
         test_accuracy=[a["test"] for a in acc], final_accuracy=dict(final), epoch_times=times,
-        measured_epoch_time=statistics.median(times[1:] if len(times) > 1 else times),
+        measured_epoch_time=statistics.median(times[k + 1:] if len(times) > k + 1 else times),
         predicted_epoch_time=sim.epoch_time,
         calibrated_epoch_time=calibrated.metrics["epoch_time"] if calibrated is not None else math.nan,
         timeline=timeline, predicted_busy={s: sim.busy(s) for s in STREAMS}, measured_busy=_busy(timeline),
