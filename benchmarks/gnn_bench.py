@@ -276,7 +276,13 @@ def memory_series(kind: str, scales: list[int], edge_factor: int, budget: int, t
                   log: Any) -> list[dict]:
     """Per graph size: the measured full-graph and streamed step peaks (each series stops at its first miss)."""
     from engine.gnn.models import build_gnn
-    from engine.gnn.partition import PartitionError, choose_partitions, partition_for_model, predict_streamed_peak
+    from engine.gnn.partition import (
+        MAX_PARTITIONS,
+        PartitionError,
+        choose_partitions,
+        partition_for_model,
+        predict_streamed_peak,
+    )
 
     rows: list[dict] = []
     full_stop = streamed_stop = None
@@ -291,7 +297,7 @@ def memory_series(kind: str, scales: list[int], edge_factor: int, budget: int, t
                                "full_seconds": None, "full_note": None, "partitions": None,
                                "predicted_peak_bytes": None, "predicted_vertex_bytes": None,
                                "streamed_peak_bytes": None, "streamed_fits": None, "streamed_seconds": None,
-                               "streamed_note": None}
+                               "streamed_note": None, "streamed_error": None}
         if full_stop is None:
             log(f"{kind} {case.spec}: full-graph step")
             pk = measure_step_peak(case, 0, timeout_s)
@@ -299,12 +305,15 @@ def memory_series(kind: str, scales: list[int], edge_factor: int, budget: int, t
             if not row["full_fits"]:
                 full_stop = case.spec
         else:
-            row["full_note"] = f"not run: the full-graph series stopped after {full_stop}"
+            row["full_note"] = f"PyG full graph not run: the series stopped after {full_stop}, which did not fit"
         if streamed_stop is None:
             try:
                 p = choose_partitions(data.num_nodes, int(prepared.shape[1]), cfg, budget, edge_index=prepared)
             except PartitionError as e:
-                row["streamed_note"] = f"not run: choose_partitions finds no P ({e})"
+                vertex = predict_streamed_peak(data.num_nodes, 0, cfg, 1).vertex_bytes
+                row.update(predicted_vertex_bytes=vertex, streamed_error=str(e),
+                           streamed_note=f"streamed not run: choose_partitions finds no P up to {MAX_PARTITIONS} "
+                                         f"(the resident vertex data alone is predicted at {_mib(vertex):.0f} MiB)")
                 streamed_stop = case.spec
             else:
                 part = partition_for_model(model, data.edge_index, data.num_nodes, p)
@@ -318,7 +327,7 @@ def memory_series(kind: str, scales: list[int], edge_factor: int, budget: int, t
                 if not row["streamed_fits"]:
                     streamed_stop = case.spec
         else:
-            row["streamed_note"] = f"not run: the streamed series stopped after {streamed_stop}"
+            row["streamed_note"] = f"streamed not run: the series stopped after {streamed_stop}"
         rows.append(row)
         if full_stop is not None and streamed_stop is not None:
             break
@@ -356,8 +365,9 @@ def capacity(rows: list[dict], budget: int) -> dict:
                    streamed_degree=degree, vertex_bound_ratio=degree * per_edge / per_vertex)
         first_miss = next((r for r in rows if r["streamed_fits"] is not True), None)
         if first_miss is not None:
-            out["note"] = f"the streamed series stops at {first_miss['graph']}: " + (
-                first_miss["streamed_note"] or f"measured {_mib(first_miss['streamed_peak_bytes']):.0f} MiB")
+            why = first_miss["streamed_note"] or (f"measured {_mib(first_miss['streamed_peak_bytes']):.0f} MiB, over "
+                                                  f"the budget")
+            out["note"] = f"the streamed series stops at {first_miss['graph']} ({why})"
     return out
 
 
@@ -486,7 +496,7 @@ def _print_table(res: dict) -> None:
     print()
     print(f"{'model':>5} {'graph':>11} {'vertices':>9} {'edges':>11} | {'PyG full MiB':>12} {'fits':>4} "
           f"{'step s':>7} | {'P':>4} {'pred MiB':>8} {'streamed MiB':>12} {'fits':>4} {'step s':>7}")
-    notes: list[str] = []
+    notes: dict[tuple[str, str], list[str]] = {}
     for r in res["memory"]:
         def fit(v: bool | None) -> str:
             return "-" if v is None else ("yes" if v else "NO")
@@ -500,9 +510,9 @@ def _print_table(res: dict) -> None:
               f"{fit(r['full_fits']):>4} {fs:>7} | {p:>4} {pred:>8} {st:>12} {fit(r['streamed_fits']):>4} {ss:>7}")
         for key in ("full_note", "streamed_note"):
             if r[key]:
-                notes.append(f"  {r['model']} {r['graph']}: {r[key]}")
-    if notes:
-        print("\n".join(dict.fromkeys(notes)))
+                notes.setdefault((r["model"], r[key]), []).append(r["graph"])
+    for (model, note), graphs in notes.items():
+        print(f"  {model} {', '.join(graphs)}: {note}")
     print("(edges: directed edges of the graph, each undirected edge twice, before self-loops; P from "
           "choose_partitions; pred: predict_streamed_peak)")
     print()
@@ -515,11 +525,14 @@ def _print_table(res: dict) -> None:
               f"largest streamed fit {c['largest_streamed']} ({c['largest_streamed_edges']:,} edges) = "
               f"{c['ratio']:.1f}x (target >= {CAPACITY_TARGET:.0f}x): {_met(c['met'])}"
               + (f"; {c['note']}" if c["note"] else ""))
-        print(f"  why: the full-graph step takes {c['full_bytes_per_edge']:,.0f} B per edge (measured, "
-              f"{c['largest_full']}); the streamed run keeps {c['streamed_vertex_bytes_per_vertex']:,.0f} B per vertex "
-              f"resident whatever P (predict_streamed_peak's vertex data), so at the average degree "
-              f"{c['streamed_degree']:.1f} of {c['largest_streamed']} a streamed graph can hold at most about "
-              f"{c['vertex_bound_ratio']:.1f}x the full-graph edges (no room left for chunks)")
+        full_cap = budget / c["full_bytes_per_edge"]
+        streamed_cap = budget / c["streamed_vertex_bytes_per_vertex"] * c["streamed_degree"]
+        print(f"  why: the full-graph step takes {c['full_bytes_per_edge']:,.0f} B per edge (measured on "
+              f"{c['largest_full']}), so it holds about {full_cap:,.0f} edges; the streamed run keeps "
+              f"{c['streamed_vertex_bytes_per_vertex']:,.0f} B per vertex resident whatever P (predicted vertex data), "
+              f"so it holds at most about {streamed_cap:,.0f} edges at the average degree {c['streamed_degree']:.1f} "
+              f"of {c['largest_streamed']} (less the chunks' room): about {c['vertex_bound_ratio']:.1f}x, which the "
+              "series' doubling sizes round to a power of two")
     print()
     print(f"{'model':>5} {'graph':>11} {'P':>3} {'plan P':>6} | {'PyG s':>7} {'streamed s':>10} {'PyG edges/s':>12} "
           f"{'str. edges/s':>12} {'ratio':>6} {'>=0.5':>7} | {'plan s':>7} {'cal. s':>7} {'meas. s':>7} "

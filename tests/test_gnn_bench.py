@@ -89,6 +89,10 @@ def test_quick_run_prints_one_consistent_json_object(capsys):
         assert cap["ratio"] == pytest.approx(fit_streamed[-1]["num_edges"] / fit_full[-1]["num_edges"])
         assert res["targets"]["capacity"]["met"] == (cap["ratio"] >= gnn_bench.CAPACITY_TARGET)
     assert res["targets"]["throughput"]["met"] == all(t["throughput_met"] for t in res["throughput"])
+    # the table is printed from the same object
+    gnn_bench._print_table(res)
+    table = capsys.readouterr().out
+    assert all(r["graph"] in table for r in rows) and "targets: capacity >= 10x" in table
 
 
 def _row(graph, edges, full, streamed, budget=100):
