@@ -42,6 +42,34 @@ series lands within 4% of the budget (measured here: GCN on ``rmat:15:16`` 510 M
 ``rmat:15:16`` 987 MiB, GCN on ``rmat:16:16`` 1048 MiB), so whether it fits would be measurement
 noise; at 768 MiB every full-graph step is at least 20% away from it.
 
+Findings (one default run here: 2 shared CPU cores, torch 2.13, PyG 2.8, 6 min 49 s):
+
+- capacity, NOT met: PyG's full-graph step fits up to ``rmat:14:16`` for GAT (477 MiB; 991 MiB on
+  ``rmat:15:16``) and ``rmat:15:16`` for GCN (509 MiB; 1045 MiB on ``rmat:16:16``); the streamed step
+  fits ``rmat:17:16`` for GAT (P = 256, 518 MiB) and ``rmat:18:16`` for GCN (P = 512, 740 MiB):
+  8.7x and 8.6x the edges. Why: the streamed executor keeps 3,200 B (GAT) / 2,720 B (GCN) per
+  vertex resident whatever P (``predict_streamed_peak``'s vertex data; the measured peaks stay
+  3-15% under the predictions), against 1,173 / 604 B per edge of the full-graph step, so at the
+  R-MAT average degree of about 28 it can hold at most about 10.4x (GAT) / 6.4x (GCN) the
+  full-graph edges, and the doubling series rounds that to 8x; the next size does not fit on its
+  vertex data alone (800 MiB GAT, 1360 MiB GCN predicted). 10x at degree 28 needs at most about
+  3,300 B (GAT) / 1,700 B (GCN) per resident vertex. Large P is also slow: GAT on ``rmat:17:16``
+  at P = 256 takes 60 s a step (the hub rows keep the largest RCM chunk at 2% of the edges).
+- throughput, NOT met on one graph: 0.42x (GAT, ``rmat:13:16``, P = 1) to 0.70x (GCN, ``rmat:15:16``,
+  P = 8); GAT at P = 1 measured 0.41-0.52x over three runs. Why (``torch.profiler``, ``rmat:13:16``):
+  the streamed backward recomputes each chunk and back-propagates a scalar surrogate: GCN's step
+  runs 16 ``index_select`` and 14 ``mul`` over ``[E, F]`` against PyG's 2 and 8 (267 ms against
+  140 ms); GAT's scatter gathers the ``[E, 68]`` rows of ``[W x | a_src]`` and slices them, whose
+  backward zero-fills and copies ``[E, 68]`` tensors (``fill_``, ``copy_``, ``add``: about 100 of 500
+  ms). Patched in a scratch run (same losses): gathering the two column blocks separately takes
+  GAT to 0.55-0.60x, and back-propagating ``(msg, logit)`` with ``grad_outputs`` instead of the
+  surrogate to 0.74x; GCN with ``grad_outputs`` 0.56x -> 0.71x.
+- prediction, NOT met on the smallest graph: calibrated on epoch 1, +4% to +13% on every graph
+  whose epoch takes 0.27 s or more, but +49% (GAT) and +63% (GCN) on ``rmat:12:16`` (epochs of
+  0.07-0.15 s): the first epoch on a graph pays 40-75 ms of one-time cost (page faults of its first
+  allocations; PyG's first epoch doubles alike). Calibrated on epoch 2 instead: within 9.2%
+  everywhere. Uncalibrated (the ``cpu`` cost table): 7-13x too fast.
+
 Usage: ``python benchmarks/gnn_bench.py [--json] [--budget-mib 768] [--models gat,gcn]
 [--scales 12-19] [--edge-factor 16] [--epochs 6] [--quick] [--timeout 1200]``
 """
