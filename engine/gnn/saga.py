@@ -109,12 +109,17 @@ class EdgeData(NamedTuple):
         dst: rows of ``h_dst`` at the edges' destinations, or ``None`` where the layer needs none.
         vattr_src: ``vertex_attrs`` rows at the sources ``[E, 2]``, or ``None``.
         vattr_dst: ``vertex_attrs`` rows at the destinations ``[E, 2]``, or ``None``.
+        src_extra: a second block of source columns gathered on its own (GAT's attention term
+            ``[E, heads]`` next to its values in ``src``), or ``None``. Gathering column blocks separately
+            rather than slicing one wide gather keeps the backward from materialising edge-sized
+            zero-filled slices.
     """
 
     src: Tensor
     dst: Tensor | None = None
     vattr_src: Tensor | None = None
     vattr_dst: Tensor | None = None
+    src_extra: Tensor | None = None
 
 
 def _rows(t: Tensor, like: Tensor) -> Tensor:
@@ -366,6 +371,40 @@ class SAGALayer(nn.Module):
             centred = msg - agg_dst.detach().index_select(0, dst_local)
             return (alpha.unsqueeze(-1) * g.index_select(0, dst_local) * centred).sum()
 
+    def chunk_grads(self, msg: Tensor, logit: Tensor | None, dst_local: Tensor, agg_dst: Tensor,
+                    grad_agg_dst: Tensor, acc_dst: GatherAcc, vattr_dst: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The chunk's share of ``dL/d msg`` (``[E_c, *S]``) and ``dL/d logit`` (``[E_c, *S[:-1]]``, softmax
+        only, else ``None``): exactly the gradients of :meth:`chunk_surrogate` (same arguments), computed
+        directly so that the streamed backward runs one ``autograd.grad(..., grad_outputs=...)`` through
+        Scatter and ApplyEdge instead of back-propagating the surrogate's products (fewer edge-sized
+        temporaries). Detached tensors.
+
+        Raises:
+            GNNError: the softmax gather got no logits.
+        """
+        with record_function("saga.gather"):
+            g = grad_agg_dst.detach()
+            kind = self.gather_kind
+            if kind == "sum":
+                return g.index_select(0, dst_local), None
+            if kind == "mean":
+                g = g / _rows(vattr_dst[:, IN_DEGREE].clamp(min=1), g)
+                return g.index_select(0, dst_local), None
+            m_det = msg.detach()
+            if kind == "max":
+                top = acc_dst["max"].index_select(0, dst_local)
+                count = acc_dst["count"] + (acc_dst["max"] == 0).to(m_det.dtype)  # as in chunk_surrogate
+                count = count.index_select(0, dst_local).clamp(min=1)
+                return g.index_select(0, dst_local) * (m_det == top).to(m_det.dtype) / count, None
+            lg = self._need_logit(logit).detach()
+            m = acc_dst["max"]
+            m = torch.where(torch.isneginf(m), torch.zeros_like(m), m).index_select(0, dst_local)
+            denom = (acc_dst["sum"] + SOFTMAX_EPS).index_select(0, dst_local)
+            alpha = torch.exp(lg - m) / denom
+            g_e = g.index_select(0, dst_local)
+            centred = m_det - agg_dst.detach().index_select(0, dst_local)
+            return alpha.unsqueeze(-1) * g_e, alpha * (g_e * centred).sum(-1)
+
     # ----------------------------------------------------------------- defaults for subclasses
     def _apply_vertex_pre(self, x: Tensor) -> Tensor:
         return x
@@ -549,14 +588,13 @@ class GATLayer(SAGALayer):
     def _scatter(self, h_src: Tensor, h_dst: Tensor, src: Tensor, dst: Tensor,
                  vattr_src: Tensor, vattr_dst: Tensor) -> EdgeData:
         width = self.heads * self.head_dim
-        return EdgeData(h_src[:, : width + self.heads].index_select(0, src),
-                        h_dst[:, width + self.heads:].index_select(0, dst))
+        return EdgeData(h_src[:, :width].index_select(0, src), h_dst[:, width + self.heads:].index_select(0, dst),
+                        src_extra=h_src[:, width:width + self.heads].index_select(0, src))
 
     def _apply_edge(self, edata: EdgeData) -> tuple[Tensor, Tensor | None]:
-        assert edata.dst is not None
-        width = self.heads * self.head_dim
-        msg = edata.src[:, :width].reshape(-1, self.heads, self.head_dim)
-        logit = F.leaky_relu(edata.src[:, width:] + edata.dst, self.negative_slope)
+        assert edata.dst is not None and edata.src_extra is not None
+        msg = edata.src.reshape(-1, self.heads, self.head_dim)
+        logit = F.leaky_relu(edata.src_extra + edata.dst, self.negative_slope)
         return msg, logit
 
     def _apply_vertex(self, h_dst: Tensor, x_dst: Tensor, agg: Tensor) -> Tensor:

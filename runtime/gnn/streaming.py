@@ -16,8 +16,9 @@ backward
     per-vertex final accumulators (for the softmax the running max and sum), never a per-edge
     tensor. Its backward walks the SOURCE intervals ``i``: for every ``j`` it recomputes chunk
     ``(i, j)`` (``scatter`` -> ``apply_edge``) and back-propagates the layer's
-    ``chunk_surrogate`` (whose gradient is the chunk's exact share of the full-graph gradient)
-    into ``grad_h_i`` (a resident accumulator), ``grad_h_j`` and the parameters that ``scatter`` /
+    ``chunk_grads`` (the chunk's exact share of the full-graph gradient of its messages and
+    logits: the gradients of its ``chunk_surrogate``, passed as ``grad_outputs``) into ``grad_h_i``
+    (a resident accumulator), ``grad_h_j`` and the parameters that ``scatter`` /
     ``apply_edge`` use. The per-vertex stages (``apply_vertex_pre``, ``apply_vertex``, ReLU) are
     ordinary autograd.
 
@@ -122,6 +123,10 @@ def _ready(loaded: _Loaded) -> _Loaded:
     return loaded
 
 
+#: Per gather kind, the accumulator entries ``SAGALayer.chunk_grads`` reads in the backward.
+_BACKWARD_STATS = {"sum": (), "mean": (), "max": ("max", "count"), "softmax": ("max", "sum")}
+
+
 class _LayerStream:
     """Streams one layer's Scatter / ApplyEdge / Gather over a partition (forward and backward)."""
 
@@ -207,7 +212,9 @@ class _LayerStream:
                     self.owner._record(self.index, "F", ld.i, j, "compute", start, time.perf_counter(), _nbytes(msg))
                     del edata, msg, logit, ld
                 agg[rows] = layer.gather_finalize(acc, self.vattr[rows])
-                accs.append(acc)
+                # keep only the per-vertex statistics the backward's chunk_grads reads (a sum's accumulator
+                # is the aggregate again, a softmax's running weighted sum too): N x width bytes less per layer
+                accs.append({k: acc[k] for k in _BACKWARD_STATS[layer.gather_kind]})
         return agg, accs
 
     # ---------------------------------------------------------------------------- backward
@@ -235,9 +242,13 @@ class _LayerStream:
                         h_dst = ld.h_dst.detach().requires_grad_()
                         edata = layer.scatter(h_src, h_dst, ld.src, ld.dst, ld.vattr_src, ld.vattr_dst)
                         msg, logit = layer.apply_edge(edata)
-                        surrogate = layer.chunk_surrogate(msg, logit, ld.dst, agg[rows_j], ld.grad_dst, accs[j],
-                                                          ld.vattr_dst)
-                        grads = torch.autograd.grad(surrogate, [h_src, h_dst, *params], allow_unused=True)
+                        g_msg, g_logit = layer.chunk_grads(msg, logit, ld.dst, agg[rows_j], ld.grad_dst, accs[j],
+                                                           ld.vattr_dst)
+                        outs, grad_outs = [msg], [g_msg]
+                        if logit is not None and g_logit is not None:
+                            outs.append(logit)
+                            grad_outs.append(g_logit)
+                        grads = torch.autograd.grad(outs, [h_src, h_dst, *params], grad_outs, allow_unused=True)
                     if grads[0] is not None:
                         grad_h_i += grads[0]
                     if grads[1] is not None:
@@ -248,7 +259,7 @@ class _LayerStream:
                             grad_params[k] = g if prev is None else prev + g
                     self.owner._sync(h)
                     self.owner._record(self.index, "B", i, j, "compute", start, time.perf_counter(), _nbytes(msg))
-                    del edata, msg, logit, surrogate, grads, h_src, h_dst, ld
+                    del edata, msg, logit, g_msg, g_logit, outs, grad_outs, grads, h_src, h_dst, ld
         return grad_h, grad_params
 
 
@@ -257,7 +268,8 @@ class StreamedGather(torch.autograd.Function):
 
     Saves ``h``, ``agg`` and the per-vertex final accumulators only (no per-edge tensor); the
     backward recomputes every chunk by source interval and back-propagates the layer's
-    ``chunk_surrogate`` (NGra section 4; docs/gnn.md "The SAGA-NN layer and its chunk API").
+    ``chunk_grads`` (the gradients of its ``chunk_surrogate``) through Scatter and ApplyEdge
+    (NGra section 4; docs/gnn.md "The SAGA-NN layer and its chunk API").
     ``params`` are the layer's trainable parameters, passed so that their gradients (from
     ``scatter`` / ``apply_edge``) flow back; gradients are not differentiable twice.
     """

@@ -333,3 +333,30 @@ def test_bad_layer_input_is_one_sentence(make, needle):
         make()
     assert needle in str(info.value)
     _one_sentence(info.value)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_chunk_grads_are_the_surrogates_gradients(case):
+    """``chunk_grads`` (what the streamed backward passes as ``grad_outputs``) equals autograd's gradient of
+    ``chunk_surrogate`` with respect to the chunk's messages and logits, for every gather kind."""
+    x, edge_index = GRAPHS[sorted(GRAPHS)[0]]()
+    _, layer = _make(case, x.size(1))
+    n = x.size(0)
+    edge_index = layer.prepare_edges(edge_index, n)
+    vattr = layer.vertex_attrs(edge_index, n, dtype=x.dtype)
+    with torch.no_grad():
+        h = layer.apply_vertex_pre(x)
+        msg, logit = layer.apply_edge(layer.scatter(h, h, edge_index[0], edge_index[1], vattr, vattr))
+        acc = layer.gather_update(layer.gather_init(n, x), msg, logit, edge_index[1])
+        agg = layer.gather_finalize(acc, vattr)
+    g = torch.randn(agg.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    msg = msg.clone().requires_grad_()
+    logit = None if logit is None else logit.clone().requires_grad_()
+    s = layer.chunk_surrogate(msg, logit, edge_index[1], agg, g, acc, vattr)
+    ref = torch.autograd.grad(s, [msg] + ([logit] if logit is not None else []))
+    g_msg, g_logit = layer.chunk_grads(msg, logit, edge_index[1], agg, g, acc, vattr)
+    torch.testing.assert_close(g_msg, ref[0], rtol=RTOL, atol=ATOL)
+    if logit is None:
+        assert g_logit is None
+    else:
+        torch.testing.assert_close(g_logit, ref[1], rtol=RTOL, atol=ATOL)
