@@ -99,7 +99,14 @@ def test_kernels_land_in_the_stages_the_layer_defines(gat_training):
 
 def test_backward_is_attributed_to_forward_stages_by_sequence_number(gat_training):
     c = gat_training
-    assert min(c.backward_attributed) > 0.8
+    # what no forward stage owns is the autograd engine's own bookkeeping (class "overhead": on this
+    # 400-vertex graph 20-25% of a ~2 ms backward), never a kernel: no gather/scatter or matmul time, and
+    # elementwise time under 5% of the backward
+    backward = c.seconds(phase="backward")
+    for kc in ("gather_scatter", "matmul"):
+        assert c.seconds(phase="backward", layer="outside", kernel_class=kc) == 0, kc
+    assert c.seconds(phase="backward", layer="outside", kernel_class="elementwise") < 0.05 * backward
+    assert min(c.backward_attributed) > 0.6
     for lay in c.layers:
         # the backward of W x (mm) is attributed to apply_vertex only
         for st in STAGES:
