@@ -30,19 +30,33 @@ def transform_names(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """A whole number >= 1.
 
     Raises:
         argparse.ArgumentTypeError: anything else.
     """
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    return _int_at_least(text, 0)
+
 
 LINK_HELP = ("the link between ranks: nvlink, pcie, infiniband, loopback, emulated:RATE (the shaped loopback of "
              "benchmarks/emulated_network.py, e.g. emulated:1gbit) or RATE[@LATENCY] (e.g. 10gbit@5us); "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from apps.arg_types import positive_int
+from apps.arg_types import non_negative_int, positive_int
 from apps.output import fmt_ms, table
 from engine.errors import TesselError
 
@@ -24,16 +24,6 @@ GRAPH_FORMS = "karate, cpython, rmat:SCALE:EDGE_FACTOR (e.g. rmat:16:8) or er:N:
 
 class GraphSpecError(TesselError, ValueError):
     """A ``--graph`` value is not one of the forms :data:`GRAPH_FORMS` lists."""
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("inference", "training"), default="inference",
                    help="inference (forward, no_grad) or training (forward, loss, backward); default inference")
     p.add_argument("--repeats", type=positive_int, default=5, help="profiled steps; times are medians (default 5)")
-    p.add_argument("--warmup", type=_non_negative_int, default=2, help="unprofiled steps first (default 2)")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="unprofiled steps first (default 2)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU intra-op threads while profiling (default: torch's); 1 gives stable shares on a busy "

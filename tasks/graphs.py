@@ -123,11 +123,9 @@ import hashlib
 import io
 import json
 import logging
-import os
 import pickle
 import random
 import re
-import tempfile
 import time
 import warnings
 from collections import Counter
@@ -139,6 +137,7 @@ import torch
 from torch_geometric.data import Data
 
 from engine.cost.profiler import cache_dir as tessel_cache_dir
+from engine.io.atomic import atomic_write_bytes
 from tasks.base import TaskError
 from tasks.corpus import _find_py_files, stdlib_root
 
@@ -769,20 +768,7 @@ def _inputs_key(root: Path, files: list[Path], params: dict[str, Any]) -> str:
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(buf.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write_bytes(path, buf.getbuffer())
 
 
 _TENSOR_FIELDS = ("x", "edge_index", "y", "train_mask", "val_mask", "test_mask", "vertex_file")
