@@ -1,14 +1,38 @@
 """Exceptions shared by the engine.
 
 Every error a user can cause derives from :class:`TesselError`, so the CLI can print
-its one-sentence message and exit non-zero without a traceback.
+its one-sentence message and exit non-zero without a traceback. The CLI's exit statuses:
+
+* ``0`` success;
+* ``2`` a user mistake (:class:`TesselError`, argparse's own usage errors, unreadable files);
+* ``3`` a run failure (:class:`RunError`: a rank crashed, a step timed out, a checkpoint could
+  not be written) and any unexpected internal error;
+* ``130`` interrupted (SIGINT / Ctrl-C).
 """
 
 from __future__ import annotations
 
+EXIT_OK = 0
+EXIT_USER_ERROR = 2
+EXIT_RUN_FAILURE = 3
+EXIT_INTERRUPTED = 130
+
 
 class TesselError(Exception):
-    """Base class of user-facing errors: ``str(err)`` is a complete sentence."""
+    """Base class of user-facing errors: ``str(err)`` is a complete sentence.
+
+    Attributes:
+        exit_status: the CLI's exit status for this error (``2``, a user mistake).
+    """
+
+    exit_status: int = EXIT_USER_ERROR
+
+
+class RunError(TesselError):
+    """A run failed through no mistake in its input: a rank died, a step timed out, a
+    checkpoint could not be written. The CLI exits with status ``3``."""
+
+    exit_status: int = EXIT_RUN_FAILURE
 
 
 class PlacementError(TesselError, ValueError):
