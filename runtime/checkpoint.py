@@ -11,6 +11,15 @@ of the step, see ``runtime.data.ByteCorpus.train_batch``)::
     ...
     rng.pt             the launcher's own RNG states
 
+Integrity. ``meta.json`` (written last, inside the temporary directory, so it exists only once
+every other file is complete) records every other file's size and SHA-256 under ``files``
+(``{"rank_00000.pt": {"bytes": 1234, "sha256": "..."}, ...}``). :func:`load_checkpoint` checks them
+(:func:`verify_checkpoint`) and raises :class:`CheckpointDamaged` naming the first damaged file (a
+truncated ``rank_*.pt``, an empty ``rng.pt``, a changed byte), so a resume can fall back to the
+previous checkpoint (``runtime.session.resume_point``; two checkpoints are kept by default).
+Checkpoints written before ``files`` existed still load: their ``.pt`` files are checked as what
+``torch.save`` writes, a zip archive whose members' CRC-32 must match (:mod:`zipfile`).
+
 Both headers go through :class:`engine.envelope.Envelope` (``meta.json``: format and version
 required; a rank state: format required, version optional since rank states written before it
 had none).
@@ -37,6 +46,7 @@ import re
 import shutil
 import time
 import uuid
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -55,6 +65,20 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(TesselError):
     """A checkpoint is missing, malformed, or was written for another plan."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint's files are damaged: missing, truncated, or not what ``meta.json`` recorded.
+
+    Attributes:
+        path: the checkpoint directory.
+        file: the name of the (first) damaged file in it, e.g. ``"rank_00001.pt"``.
+    """
+
+    def __init__(self, message: str, *, path: Path, file: str):
+        super().__init__(message)
+        self.path = path
+        self.file = file
 
 
 #: ``meta.json``'s envelope.
@@ -86,8 +110,9 @@ class Checkpoint:
     def _rank_file(self, rank: int, map_location: str) -> dict:
         f = self.path / _rank_file(rank)
         if not f.is_file():
-            raise CheckpointError(f"checkpoint {self.path} has no state for rank {rank} ({f.name} is missing)")
-        d = torch.load(f, map_location=map_location, weights_only=False)
+            raise CheckpointDamaged(f"checkpoint {self.path} has no state for rank {rank} ({f.name} is missing)",
+                                    path=self.path, file=f.name)
+        d = _torch_load(f, map_location)
         try:
             return RANK_STATE_ENVELOPE.check(d, f"checkpoint file {f}")
         except CheckpointError as e:
@@ -105,7 +130,17 @@ class Checkpoint:
         """Restore the launcher's own RNG states (``rng.pt``) in this process."""
         f = self.path / "rng.pt"
         if f.is_file():
-            restore_rng(None, torch.load(f, weights_only=False))
+            restore_rng(None, _torch_load(f, "cpu"))
+
+
+def _torch_load(f: Path, map_location: str) -> Any:
+    """``torch.load`` of a checkpoint file; a file torch cannot read is :class:`CheckpointDamaged`."""
+    try:
+        return torch.load(f, map_location=map_location, weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, ImportError, AttributeError) as e:
+        raise CheckpointDamaged(f"checkpoint {f.parent}: {f.name} cannot be read ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else 'no detail'}); it is damaged",
+                                path=f.parent, file=f.name) from None
 
 
 def capture_rng(_owner: Any = None) -> dict:
@@ -195,6 +230,85 @@ def _fsync_path(p: Path) -> None:
         os.close(fd)
 
 
+def file_record(path: str | os.PathLike) -> dict:
+    """``{"bytes": size, "sha256": hex digest}`` of a file (what ``meta.json``'s ``files`` holds).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"bytes": os.path.getsize(path), "sha256": digest}
+
+
+def _zip_damage(f: Path) -> str | None:
+    """Why ``f`` is not an intact ``torch.save`` zip archive (a member's CRC-32 differs, no central
+    directory: truncated), or ``None`` when it is."""
+    try:
+        with zipfile.ZipFile(f) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"not a readable torch.save archive ({e})"
+    return f"member {bad} fails its CRC check" if bad is not None else None
+
+
+def verify_checkpoint(path: str | os.PathLike, meta: dict | None = None) -> None:
+    """Check that a checkpoint's files are intact.
+
+    With ``meta.json``'s ``files`` (checkpoints written by this version): every recorded file exists
+    with the recorded size (bytes) and SHA-256. Without it (older checkpoints): every ``rank_*.pt``
+    the world size needs and ``rng.pt`` (when present) are intact zip archives (:func:`zipfile.ZipFile.testzip`).
+
+    Args:
+        path: the ``step_N`` directory.
+        meta: its parsed ``meta.json`` (read from ``path`` when ``None``).
+
+    Raises:
+        CheckpointDamaged: the first damaged or missing file, named.
+        CheckpointError: ``meta.json`` is unreadable.
+    """
+    p = Path(path)
+    meta = meta if meta is not None else _read_meta(p)
+    files = meta.get("files")
+    if isinstance(files, dict) and files:
+        for name, rec in sorted(files.items()):
+            f = p / name
+            if not f.is_file():
+                raise CheckpointDamaged(f"checkpoint {p} is damaged: {name} is missing", path=p, file=name)
+            size = f.stat().st_size
+            want = int(rec.get("bytes", -1)) if isinstance(rec, dict) else -1
+            if size != want:
+                raise CheckpointDamaged(f"checkpoint {p} is damaged: {name} has {size:,} bytes but {want:,} were "
+                                        "written (truncated or replaced)", path=p, file=name)
+            if file_record(f)["sha256"] != rec.get("sha256"):
+                raise CheckpointDamaged(f"checkpoint {p} is damaged: {name} does not match the SHA-256 recorded "
+                                        "in meta.json", path=p, file=name)
+        return
+    ws = meta.get("world_size")
+    names = [_rank_file(r) for r in range(int(ws))] if isinstance(ws, int) else sorted(
+        q.name for q in p.glob("rank_*.pt"))
+    if (p / "rng.pt").exists():
+        names.append("rng.pt")
+    for name in names:
+        f = p / name
+        if not f.is_file():
+            raise CheckpointDamaged(f"checkpoint {p} is damaged: {name} is missing", path=p, file=name)
+        why = _zip_damage(f)
+        if why is not None:
+            raise CheckpointDamaged(f"checkpoint {p} is damaged: {name} is {why}", path=p, file=name)
+
+
+def _read_meta(p: Path) -> dict:
+    """The parsed ``meta.json`` of checkpoint ``p`` (a damaged one is :class:`CheckpointDamaged`)."""
+    try:
+        meta = json.loads((p / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointDamaged(f"checkpoint {p}: meta.json is unreadable ({e})", path=p, file="meta.json") from None
+    if not isinstance(meta, dict):
+        raise CheckpointDamaged(f"checkpoint {p}: meta.json is not a JSON object", path=p, file="meta.json")
+    return meta
+
+
 def _torch_save(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -243,6 +357,8 @@ def save_checkpoint(
         keep: keep this many newest ``step_*`` checkpoints (``None``: keep all).
         _before_replace: test hook called with the temporary directory just before the rename.
 
+    ``meta.json`` is written last and records every other file's size and SHA-256 (``files``).
+
     Raises:
         OSError: the folder cannot be written (the temporary directory is removed again).
     """
@@ -266,9 +382,10 @@ def save_checkpoint(
             _torch_save(RANK_STATE_ENVELOPE.wrap({"rank": r, "state_dict": get(r), "rng": get_rng(r)}),
                         tmp / _rank_file(r))
         _torch_save(capture_rng(), tmp / "rng.pt")
+        files = {f.name: file_record(f) for f in sorted(tmp.iterdir()) if f.is_file()}
         meta = CHECKPOINT_ENVELOPE.wrap({
             "step": int(step), "plan_hash": plan_hash(plan), "world_size": int(world_size), "seed": int(seed),
-            "time": time.time(), **(extra or {}),
+            "time": time.time(), **(extra or {}), "files": files,
         })
         with open(tmp / "meta.json", "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1, default=str)
@@ -314,17 +431,22 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike) -> Path | None:
     return ck[-1] if ck else None
 
 
-def load_checkpoint(path: str | os.PathLike, *, plan: Any = None, world_size: int | None = None) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike, *, plan: Any = None, world_size: int | None = None,
+                    verify: bool = True) -> Checkpoint:
     """Open a checkpoint directory (rank states are read lazily) and check it fits ``plan``.
 
     Args:
         path: a ``step_N`` directory (or a checkpoint folder: its newest checkpoint is used).
         plan: when given, its :func:`plan_hash` must equal the checkpoint's.
         world_size: when given, must equal the checkpoint's.
+        verify: check every file's integrity (:func:`verify_checkpoint`: sizes and SHA-256 of a
+            checkpoint that records them, zip CRCs of an older one); this reads every file once.
 
     Raises:
+        CheckpointDamaged: an unreadable ``meta.json``, a missing rank file, or (``verify``) a
+            file that is truncated or differs from what was written; names the file.
         CheckpointError: no checkpoint there, a malformed ``meta.json``, another plan (both hashes
-            named), another world size, or missing rank files.
+            named), another world size.
     """
     p = Path(path)
     if not (p / "meta.json").is_file():
@@ -332,10 +454,7 @@ def load_checkpoint(path: str | os.PathLike, *, plan: Any = None, world_size: in
         if newest is None:
             raise CheckpointError(f"no checkpoint in {p} (expected step_N directories with a meta.json)")
         p = newest
-    try:
-        meta = json.loads((p / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {p}: meta.json is unreadable ({e})") from None
+    meta = _read_meta(p)
     CHECKPOINT_ENVELOPE.check(meta, f"checkpoint file {p / 'meta.json'}")
     try:
         ck = Checkpoint(p, int(meta["step"]), str(meta["plan_hash"]), int(meta["world_size"]), meta)
@@ -353,10 +472,14 @@ def load_checkpoint(path: str | os.PathLike, *, plan: Any = None, world_size: in
         raise CheckpointError(f"checkpoint {p} has {ck.world_size} ranks but this launch has {world_size}")
     missing = [r for r in range(ck.world_size) if not (p / _rank_file(r)).is_file()]
     if missing:
-        raise CheckpointError(f"checkpoint {p} is incomplete: no state for rank(s) {missing}")
+        raise CheckpointDamaged(f"checkpoint {p} is incomplete: no state for rank(s) {missing} "
+                                f"({_rank_file(missing[0])} is missing)", path=p, file=_rank_file(missing[0]))
+    if verify:
+        verify_checkpoint(p, meta)
     return ck
 
 
-__all__ = ["Checkpoint", "CheckpointError", "capture_rng", "restore_rng", "plan_hash", "save_checkpoint",
+__all__ = ["Checkpoint", "CheckpointDamaged", "CheckpointError", "verify_checkpoint", "file_record",
+           "capture_rng", "restore_rng", "plan_hash", "save_checkpoint",
            "load_checkpoint", "latest_checkpoint", "list_checkpoints", "clean_temporaries", "step_dir_name",
            "checkpoint_step", "CHECKPOINT_FORMAT", "CHECKPOINT_VERSION", "RANK_STATE_FORMAT", "RANK_STATE_VERSION"]

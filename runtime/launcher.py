@@ -46,13 +46,27 @@ only), ``experts_per_token``, ``load_cv`` (coefficient of variation of the per-e
 load-balancing loss of the whole model, mean over micro-batches; the reported training loss
 stays the cross-entropy alone). Each step's :class:`runtime.session.StepReport` carries them too.
 
+Before any Ray work. :func:`check_launchable` validates the plan as ``tessel show`` does (the
+schedule's completeness, same-device dependencies and deadlocks: ``Schedule.validate``) and the
+plan's own consistency (``parallel.micro_batches`` and ``parallel.pp`` against the schedule), so
+a plan that could only hang, fail in a worker or report made-up numbers is refused with one
+sentence (a ``ScheduleError``, exit status 2) before Ray starts.
+
 Faults. A rank that raises (e.g. the deliberate ``fail_at``), dies (actor process exits) or
 hangs (no result within ``step_timeout``) stops the job: the launcher raises
-:class:`LaunchError` naming the rank, the step and, where the worker's exception says so, the
+:class:`runtime.runner.LaunchFailure` (a ``LaunchError`` and an ``engine.errors.RunError``, exit
+status 3) naming the rank, the step and, where the worker's exception says so, the
 instruction; it keeps the last checkpoint, kills every actor, removes the placement group and
 shuts Ray down (when it started it). When several ranks fail, the primary failure is chosen
 as: an actor death, then a raised error that is not a communication error, then the rest
 (a peer of a dead rank typically sees "connection closed" from gloo).
+
+Ctrl-C. While steps run (in the main thread), the first SIGINT asks the launcher to stop after
+the current step: the step finishes (within ``step_timeout``), its checkpoint is written (when
+there is a checkpoint folder) and :class:`runtime.runner.LaunchInterrupted` (a
+``KeyboardInterrupt``) is raised naming it; a second SIGINT stops at once (a plain
+``KeyboardInterrupt``; the last checkpoint written is kept). Ray's worker processes block SIGINT,
+so a terminal's Ctrl-C reaches only this driver.
 
 Sources: Ray placement groups and actor fault tolerance (https://docs.ray.io/en/latest/ray-core/),
 ``torch.distributed`` (https://pytorch.org/docs/stable/distributed.html).
@@ -60,18 +74,21 @@ Sources: Ray placement groups and actor fault tolerance (https://docs.ray.io/en/
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence, cast
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, cast
 
-from engine.errors import TesselError
+from engine.errors import ScheduleError, TesselError
 from runtime import cluster as _cluster
 from runtime.config import LaunchConfig, check_optimizer
 from runtime.launch_result import LaunchResult, finish_times, merge_moe_metrics, merge_timeline
-from runtime.runner import LaunchError, Runner, as_plan
+from runtime.runner import LaunchError, LaunchFailure, LaunchInterrupted, Runner, as_plan
 from runtime.session import StepReport, TrainingCallback, TrainingSession, restore_checkpoint, resume_point
 from runtime.worker.config import OptimizerName, WorkerConfig
 
@@ -90,6 +107,45 @@ def _fail_at_for(fail_at: Any, rank: int) -> tuple[int, int] | None:
         return None if v is None else (int(v[0]), int(v[1]))
     r, s, i = fail_at
     return (int(s), int(i)) if int(r) == rank else None
+
+
+def check_launchable(plan: Plan, *, name: str = "the plan") -> None:
+    """Refuse a plan that cannot train correctly, before any Ray work (no cluster, no actors).
+
+    Checks the plan's own consistency, then its schedule as ``tessel show`` does
+    (:meth:`engine.schedule.Schedule.validate`: every block of every micro-batch once on its
+    devices, each block after the blocks it depends on on the same device, no cross-device
+    deadlock). Without it a deadlocking plan hangs until the step timeout, a backward before its
+    forward fails inside a worker, and a plan declaring more micro-batches than its orders hold
+    trains the orders' micro-batches but counts (and reports the throughput of) the declared ones.
+
+    Args:
+        plan: the loaded ``engine.io.Plan``.
+        name: how the messages name the plan (e.g. its path).
+
+    Raises:
+        engine.errors.ScheduleError: ``parallel.micro_batches`` differs from
+            ``schedule.num_micro_batches`` (rule ``"micro-batches"``), ``parallel.pp`` differs from
+            the schedule's device count (rule ``"device"``), or the schedule breaks a rule of
+            ``Schedule.validate``; the sentence names the plan and says how to fix it.
+        engine.errors.TesselError: a parallel degree that is not a positive integer
+            (``ParallelConfig.check``).
+    """
+    par, sched = plan.parallel, plan.schedule
+    par.check()
+    fix = "re-create it with `tessel plan` or `tessel search`, or check an edited one with `tessel show`"
+    if par.micro_batches != sched.num_micro_batches:
+        raise ScheduleError("micro-batches", f"{name} declares parallel.micro_batches = {par.micro_batches:,} but "
+                                             f"its schedule has {sched.num_micro_batches:,} micro-batches "
+                                             f"(schedule.num_micro_batches); {fix}")
+    if par.pp != sched.num_devices:
+        raise ScheduleError("device", f"{name} declares parallel.pp = {par.pp} pipeline ranks but its schedule "
+                                      f"orders {sched.num_devices} devices; {fix}")
+    try:
+        sched.validate()
+    except ScheduleError as e:
+        raise ScheduleError(e.rule, f"{name} cannot be launched: {e}; fix its schedule.orders ({fix})",
+                            e.device, e.block) from None
 
 
 
@@ -124,8 +180,64 @@ class _Loop:
     recent: list[list[dict]] = field(default_factory=list)  # the ranks' results of the last keep_timelines steps
 
 
-def _train(session: TrainingSession, callbacks: Sequence[TrainingCallback], *, dp: int, keep_timelines: int) -> _Loop:
-    """Run the session's steps, reporting each to ``callbacks``, evaluating and checkpointing."""
+class _StopRequest:
+    """Whether a SIGINT asked the step loop to stop after the current step."""
+
+    requested: bool = False
+
+
+@contextlib.contextmanager
+def _stop_on_sigint(callbacks: Sequence[TrainingCallback]) -> Iterator[_StopRequest]:
+    """While the block runs, the first SIGINT only sets the returned request (and tells the
+    callbacks); a second one raises ``KeyboardInterrupt`` at once. Outside the main thread, or
+    where SIGINT is ignored or handled by someone else than Python's default, nothing is installed
+    (the request then never gets set)."""
+    stop = _StopRequest()
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield stop
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.requested:
+            raise KeyboardInterrupt
+        stop.requested = True
+        _notice(callbacks, "interrupted: finishing the current step and checkpointing it (Ctrl-C again stops at "
+                           "once, keeping the last checkpoint)")
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _interrupted(session: TrainingSession, done: int) -> LaunchInterrupted:
+    """The :class:`LaunchInterrupted` after ``done`` completed steps, their checkpoint written first
+    (unless the cadence just wrote it, or the session has no checkpoint folder)."""
+    from runtime.checkpoint import step_dir_name
+
+    path = session.checkpoint
+    if session.checkpoint_dir is not None and (path is None or os.path.basename(path) != step_dir_name(done)):
+        path = session.save(done)
+    if session.checkpoint_dir is None:
+        msg = (f"launch interrupted after {done} of {session.steps} steps; it had no checkpoint folder, so nothing "
+               "was saved")
+    else:
+        msg = f"launch interrupted after {done} of {session.steps} steps; their checkpoint is {path}"
+    return LaunchInterrupted(msg, checkpoint=path if session.checkpoint_dir is not None else None,
+                             steps_done=done, steps=session.steps)
+
+
+def _train(session: TrainingSession, callbacks: Sequence[TrainingCallback], *, dp: int, keep_timelines: int,
+           stop: _StopRequest | None = None) -> _Loop:
+    """Run the session's steps, reporting each to ``callbacks``, evaluating and checkpointing.
+
+    Raises:
+        LaunchInterrupted: ``stop`` was requested (SIGINT) while steps remained: raised after the
+            current step and its checkpoint.
+        LaunchFailure: a rank failed, or a checkpoint could not be written.
+    """
     loop = _Loop()
     for step in range(session.start_step, session.steps):
         out = session.run_step(step)
@@ -143,6 +255,8 @@ def _train(session: TrainingSession, callbacks: Sequence[TrainingCallback], *, d
         for cb in callbacks:
             cb.on_step(report)
         session.after_step(step + 1)
+        if stop is not None and stop.requested and step + 1 < session.steps:
+            raise _interrupted(session, step + 1)
     return loop
 
 
@@ -199,12 +313,18 @@ def launch(
         the :class:`LaunchResult`.
 
     Raises:
-        LaunchError: a rank raised, died or hung, or setup failed (message names rank, step and
-            instruction; the last checkpoint is kept; actors are killed and Ray shut down);
-            ``steps < 1``, an unknown optimizer or p2p matching, an unknown task or one that does
-            not fit the model (``tasks.TaskError``'s sentence), or ``resume`` from a checkpoint
-            written with another optimizer (all before Ray starts).
-        CheckpointError: ``resume`` with a checkpoint of another plan or world size.
+        LaunchFailure: (a ``LaunchError`` and an ``engine.errors.RunError``) a rank raised, died or
+            hung, or a checkpoint could not be written (message names rank, step and instruction;
+            the last checkpoint is kept; actors are killed and Ray shut down).
+        LaunchInterrupted: SIGINT during the steps: raised after the current step and its
+            checkpoint (a ``KeyboardInterrupt``; a second SIGINT raises a plain one at once).
+        LaunchError: (``kind="setup"``, before Ray starts) ``steps < 1``, an unknown optimizer or
+            p2p matching, an unknown task or one that does not fit the model (``tasks.TaskError``'s
+            sentence), ``resume`` without a checkpoint folder holding a checkpoint, or ``resume``
+            from a checkpoint written with another optimizer.
+        engine.errors.ScheduleError: the plan fails :func:`check_launchable` (before Ray starts).
+        CheckpointError: ``resume`` with a checkpoint of another plan or world size, or with no
+            intact checkpoint (each damaged one is skipped with a warning naming the damaged file).
         runtime.stage.RuntimeNotSupported: the plan uses multi-device blocks, a non-chain placement,
             tensor parallelism on a model without the layer split, or a CoCoNet transformation the
             runtime does not execute.
@@ -213,6 +333,7 @@ def launch(
     config = config if config is not None else LaunchConfig()
     t_start = time.perf_counter()
     plan = as_plan(plan)
+    check_launchable(plan)  # a deadlock, a backward before its forward, ... refused before any Ray work
     par = plan.parallel
     dp, pp = par.dp, par.pp
     from runtime.stage import RuntimeNotSupported, check_executable
@@ -234,8 +355,6 @@ def launch(
     optimizer: str = config.optimizer or check_optimizer(str(par.optimizer))
     ck, last_ck = resume_point(config.checkpoint_dir, resume=config.resume, plan=plan, world_size=ws, steps=steps,
                                optimizer=optimizer, error=lambda msg, **kw: LaunchError(msg, kind="setup", **kw))
-    if config.resume and config.checkpoint_dir is not None and ck is None:
-        _notice(callbacks, f"no checkpoint in {config.checkpoint_dir}; starting from step 0")
     if worker_cls is None:
         from runtime.worker import StageWorker
 
@@ -265,7 +384,8 @@ def launch(
         for cb in callbacks:
             cb.on_start(start_step=session.start_step, steps=steps)
         started = True
-        loop = _train(session, callbacks, dp=dp, keep_timelines=config.keep_timelines)
+        with _stop_on_sigint(callbacks) as stop:
+            loop = _train(session, callbacks, dp=dp, keep_timelines=config.keep_timelines, stop=stop)
         started = False
         _end(callbacks)
         measured = _measure(plan, loop, ws=ws, pp=pp, steps=steps, backend=backend.name, trace_path=config.trace_path)
@@ -322,4 +442,5 @@ def _end(callbacks: Sequence[TrainingCallback]) -> None:
         cb.on_end(job=None)
 
 
-__all__ = ["launch", "LaunchResult", "LaunchError", "merge_moe_metrics"]
+__all__ = ["check_launchable", "launch", "LaunchResult", "LaunchError", "LaunchFailure", "LaunchInterrupted",
+           "merge_moe_metrics"]

@@ -1,4 +1,4 @@
-"""Calling methods on a pool of rank actors, and turning their failures into :class:`LaunchError`.
+"""Calling methods on a pool of rank actors, and turning their failures into :class:`LaunchFailure`.
 
 Both launchers (:func:`runtime.launcher.launch`, :func:`runtime.crossover.launch_crossover`) call
 their actors through a :class:`Runner`: ``Runner(pool).call("step", args_per_rank, timeout=...,
@@ -6,6 +6,14 @@ step=..., what="step")`` dispatches ``actor.step(*args)`` on every rank and wait
 ``wait``) until every rank answered, one raised or died, or ``timeout`` seconds passed. The
 primary failure is chosen as: an actor death, then a raised error that is not a communication
 error, then the rest (a peer of a dead rank typically sees "connection closed" from gloo).
+
+The errors: :class:`LaunchError` (a :class:`~engine.errors.TesselError`, exit status 2) refuses a
+launch that cannot start as asked (bad settings, a task that does not fit, a cluster without the
+GPUs it needs); :class:`LaunchFailure`, a :class:`LaunchError` that is also an
+:class:`~engine.errors.RunError` (exit status 3), is a run that failed through no mistake in its
+input: a rank raised, died or hung, or a checkpoint could not be written.
+:class:`LaunchInterrupted` (a :class:`KeyboardInterrupt`) is a launch stopped by Ctrl-C after
+saving the last completed step.
 
 :func:`as_plan` accepts a Plan, its dict or a path, as both launchers do.
 
@@ -20,23 +28,28 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.crossover import CrossoverError
-from engine.errors import TesselError
+from engine.errors import RunError, TesselError
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.io import Plan
     from runtime.cluster import ActorPool
 
-__all__ = ["CrossoverLaunchError", "LaunchError", "Runner", "as_plan"]
+__all__ = ["CrossoverLaunchError", "LaunchError", "LaunchFailure", "LaunchInterrupted", "Runner", "as_plan"]
 
 
 class LaunchError(TesselError):
-    """A launch failed: a rank raised, died or hung, or the cluster could not host the plan.
+    """A launch was refused or failed: settings out of range, a task that does not fit, a cluster
+    that cannot host the plan (these are user mistakes, exit status 2), or, as the subclass
+    :class:`LaunchFailure` (a :class:`~engine.errors.RunError`, exit status 3), a rank that raised,
+    died or hung.
 
     Attributes:
         rank: the failing rank (world rank), or ``None`` when not rank-specific.
         step: the step being run, or ``None``.
         instruction: the instruction the rank was executing (from its exception), or ``None``.
-        kind: ``"raised"``, ``"died"``, ``"hung"``, ``"setup"`` or ``"cluster"``.
+        kind: ``"raised"``, ``"died"``, ``"hung"``, ``"checkpoint"`` (a :class:`LaunchFailure`),
+            ``"setup"`` (a refused setting, or a :class:`LaunchFailure` when a rank failed in its
+            ``setup()``) or ``"cluster"``.
         checkpoint: the last complete checkpoint directory (kept), or ``None``.
     """
 
@@ -48,6 +61,37 @@ class LaunchError(TesselError):
         self.instruction = instruction
         self.kind = kind
         self.checkpoint = checkpoint
+
+
+class LaunchFailure(LaunchError, RunError):
+    """A launch that started failed through no mistake in its input: a rank raised, died or hung
+    (``kind`` ``"raised"``, ``"died"``, ``"hung"``, or ``"setup"`` for a rank's ``setup()``), or a
+    checkpoint could not be written (``kind="checkpoint"``). A :class:`LaunchError` (same attributes)
+    and an :class:`engine.errors.RunError`: the CLI exits with status 3. The last complete
+    checkpoint is kept and named by ``checkpoint``."""
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """A launch stopped by SIGINT (Ctrl-C) after its last completed step was checkpointed.
+
+    A :class:`KeyboardInterrupt`, so callers that only know Ctrl-C stop as before (the CLI exits
+    with status 130); ``str()`` is one sentence naming the checkpoint.
+
+    Attributes:
+        checkpoint: the checkpoint directory to resume from (``step_N``), or ``None`` when the
+            launch has no checkpoint folder or no step completed (then nothing new was saved).
+        steps_done: steps completed (the step a resumed run starts at).
+        steps: the step index the launch was to stop at.
+    """
+
+    def __init__(self, message: str, *, checkpoint: str | None, steps_done: int, steps: int):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.steps_done = steps_done
+        self.steps = steps
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "interrupted"
 
 
 class CrossoverLaunchError(LaunchError, CrossoverError):
@@ -132,7 +176,7 @@ def _is_comm_error(text: str) -> bool:
 
 
 class Runner:
-    """Calls a method on ranks and turns failures into :class:`LaunchError`."""
+    """Calls a method on ranks and turns failures into :class:`LaunchFailure`."""
 
     def __init__(self, pool: ActorPool, grace: float = 2.0):
         self.pool = pool
@@ -144,7 +188,7 @@ class Runner:
         """``actor.method(*args)`` on ``ranks`` (default all), results in rank order.
 
         Raises:
-            LaunchError: a rank raised or died (the primary failure is named), or some rank gave
+            LaunchFailure: a rank raised or died (the primary failure is named), or some rank gave
                 no result within ``timeout`` seconds.
         """
         import ray
@@ -172,7 +216,7 @@ class Runner:
         if pending:
             hung = sorted(pending.values())
             where = f"step {step}" if what == "step" else (f"{what} at step {step}" if step is not None else what)
-            raise LaunchError(
+            raise LaunchFailure(
                 f"rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} gave no result for {where} "
                 f"within {timeout:g} s (hung, or waiting on a peer that hung){self._ck_note()}",
                 rank=hung[0], step=step, kind="hung", checkpoint=self.checkpoint)
@@ -181,7 +225,8 @@ class Runner:
     def _ck_note(self) -> str:
         return f"; the last checkpoint {self.checkpoint} is kept" if self.checkpoint else ""
 
-    def _failure_error(self, failures: list[tuple[int, BaseException]], step: int | None, what: str) -> LaunchError:
+    def _failure_error(self, failures: list[tuple[int, BaseException]], step: int | None,
+                       what: str) -> LaunchFailure:
         described = [(r, *_describe_failure(e)) for r, e in failures]
 
         def priority(item: tuple[int, str, str | None, str]) -> tuple[int, int]:
@@ -201,6 +246,6 @@ class Runner:
             head = f"rank {r} failed during {where}{ins}: {text}"
         others = sorted({x[0] for x in described} - {r})
         tail = f"; rank(s) {', '.join(map(str, others))} failed after it" if others else ""
-        return LaunchError(head + tail + self._ck_note(), rank=r, step=step, instruction=instr,
+        return LaunchFailure(head + tail + self._ck_note(), rank=r, step=step, instruction=instr,
                            kind="setup" if what == "setup" and kind != "died" else kind,
                            checkpoint=self.checkpoint)

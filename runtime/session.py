@@ -31,6 +31,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from runtime import checkpoint as _ckpt
@@ -168,21 +169,31 @@ def resume_point(checkpoint_dir: str | os.PathLike | None, *, resume: bool, plan
         prefix: put before every message (``"job 0 (a.json): "``).
         optimizer_hint: end the optimizer message with ``"; resume with --optimizer X ..."``.
 
+    Resuming takes the newest intact checkpoint: one whose files fail their check
+    (:class:`runtime.checkpoint.CheckpointDamaged`: truncated, empty, changed) is skipped with a
+    ``logging`` warning naming the damaged file, and the next older one is tried.
+
     Returns:
-        ``(checkpoint or None, newest checkpoint directory or None)``.
+        ``(checkpoint or None, newest checkpoint directory or None)``; with ``resume`` the second
+        is the checkpoint resumed from.
 
     Raises:
-        the ``error`` exception: the checkpoint has already reached ``steps``, or was written with
-            another optimizer.
-        runtime.checkpoint.CheckpointError: a checkpoint of another plan or world size.
+        the ``error`` exception: ``resume`` without a checkpoint folder, with a folder that does
+            not exist or holds no checkpoint; the checkpoint has already reached ``steps``, or was
+            written with another optimizer.
+        runtime.checkpoint.CheckpointError: a checkpoint of another plan or world size, or every
+            checkpoint in the folder is damaged (the sentence names each damaged file; exit
+            status 2: the folder given cannot be resumed from, start without resuming).
     """
     if checkpoint_dir is None:
+        if resume:
+            raise error(f"{prefix}cannot resume without a checkpoint folder; give the folder the run wrote its "
+                        "checkpoints to", checkpoint=None)
         return None, None
     ck = None
     if resume:
-        newest = _ckpt.latest_checkpoint(checkpoint_dir)
-        if newest is not None:
-            ck = _ckpt.load_checkpoint(newest, plan=plan, world_size=world_size)
+        ck = _intact_checkpoint(Path(checkpoint_dir), plan=plan, world_size=world_size, error=error, prefix=prefix)
+        if ck is not None:
             if ck.step >= steps:
                 raise error(f"{prefix}the checkpoint {ck.path} has already reached step {ck.step} (steps={steps}); "
                             "ask for more steps to continue it", checkpoint=str(ck.path))
@@ -195,6 +206,36 @@ def resume_point(checkpoint_dir: str | os.PathLike | None, *, resume: bool, plan
         return ck, str(ck.path)
     newest = _ckpt.latest_checkpoint(checkpoint_dir)
     return None, (str(newest) if newest is not None else None)
+
+
+def _intact_checkpoint(root: Path, *, plan: Any, world_size: int, error: Callable[..., Exception],
+                       prefix: str) -> _ckpt.Checkpoint:
+    """The newest intact checkpoint in ``root`` for ``plan`` (see :func:`resume_point`)."""
+    if not root.exists():
+        raise error(f"{prefix}cannot resume: the checkpoint folder {root} does not exist; give the folder the "
+                    "run wrote its checkpoints to (--checkpoint-dir), or start from step 0 without --resume",
+                    checkpoint=None)
+    found = _ckpt.list_checkpoints(root)
+    if not found:
+        raise error(f"{prefix}cannot resume: {root} holds no checkpoint (no step_N folder with a meta.json); give "
+                    "the folder the run wrote its checkpoints to (--checkpoint-dir), or start from step 0 without "
+                    "--resume", checkpoint=None)
+    damaged: list[_ckpt.CheckpointDamaged] = []
+    for path in reversed(found):
+        try:
+            ck = _ckpt.load_checkpoint(path, plan=plan, world_size=world_size)
+        except _ckpt.CheckpointDamaged as e:
+            damaged.append(e)
+            logger.warning("%s%s; trying the previous checkpoint", prefix, e)
+            continue
+        if damaged:
+            logger.warning("%sresuming from %s (step %d) instead: %s damaged", prefix, ck.path, ck.step,
+                           ", ".join(f"{d.path.name}/{d.file}" for d in damaged))
+        return ck
+    raise _ckpt.CheckpointError(
+        f"{prefix}cannot resume: every checkpoint in {root} is damaged ("
+        + "; ".join(f"{d.path.name}: {d.file}" for d in damaged)
+        + "); start from step 0 without --resume, or with another --checkpoint-dir")
 
 
 def restore_checkpoint(runner: Runner, ck: _ckpt.Checkpoint, world_size: int, *, timeout: float,
@@ -314,8 +355,8 @@ class TrainingSession:
         step) asks for it.
 
         Raises:
-            LaunchError: a rank failed during evaluation or checkpointing.
-            OSError: the checkpoint folder cannot be written.
+            LaunchFailure: a rank failed during evaluation or checkpointing, or the checkpoint
+                folder cannot be written (``kind="checkpoint"``).
         """
         last = done == self.steps
         if self.eval_every is not None and (last or (self.eval_every and done % self.eval_every == 0)):
@@ -343,7 +384,12 @@ class TrainingSession:
     def save(self, done: int) -> str:
         """Write the checkpoint of ``done`` steps atomically (``runtime.checkpoint.save_checkpoint``,
         keeping ``keep_checkpoints``), then remove checkpoints past ``done`` (stale: left by an
-        earlier run in the same folder). Returns its directory."""
+        earlier run in the same folder, or damaged ones a resume skipped). Returns its directory.
+
+        Raises:
+            LaunchFailure: a rank failed to give its state, or (``kind="checkpoint"``) the folder
+                cannot be written (``OSError``: no space, no permission); the last checkpoint is kept.
+        """
         assert self.checkpoint_dir is not None
         slow = max(self.step_timeout, 60.0)
 
@@ -355,10 +401,18 @@ class TrainingSession:
             return self.runner.call("__ray_call__", [(_ckpt.capture_rng,)], ranks=[r], timeout=slow, step=done,
                                     what="checkpointing")[0]
 
-        path = _ckpt.save_checkpoint(self.checkpoint_dir, done, state_of, rng_of if self.rng else None,
-                                     plan=self.plan, world_size=self.world_size, seed=self.seed,
-                                     extra={"losses": self.history, "val_losses": self.val_history, **self.meta},
-                                     keep=self.keep_checkpoints)
+        try:
+            path = _ckpt.save_checkpoint(self.checkpoint_dir, done, state_of, rng_of if self.rng else None,
+                                         plan=self.plan, world_size=self.world_size, seed=self.seed,
+                                         extra={"losses": self.history, "val_losses": self.val_history, **self.meta},
+                                         keep=self.keep_checkpoints)
+        except OSError as e:
+            from runtime.runner import LaunchFailure
+
+            kept = f"; the last checkpoint {self.checkpoint} is kept" if self.checkpoint else ""
+            raise LaunchFailure(f"the checkpoint after {done} steps could not be written to {self.checkpoint_dir} "
+                                f"({e.strerror or e}){kept}; free space or fix the folder's permissions and resume",
+                                step=done, kind="checkpoint", checkpoint=self.checkpoint) from e
         self.runner.checkpoint = str(path)
         for old in _ckpt.list_checkpoints(self.checkpoint_dir):
             if (_ckpt.checkpoint_step(old) or 0) > done:
