@@ -10,6 +10,8 @@ Writes ``plan.json``, ``trace.json`` and (where every block runs on one device) 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -21,15 +23,37 @@ HELP = "search a schedule for a placement (V, X, M, NN, K, interleaved or a JSON
 
 #: Abstract memory is counted in half-units internally so interleaved segments (half a V segment) stay integral.
 _HALF = 2
+#: The files ``tessel search`` writes into its output folder (``schedule.csv`` only where every block runs on
+#: one device; a stale one from an earlier search is removed otherwise).
+OUTPUT_NAMES = ("plan.json", "trace.json", "schedule.csv")
+#: ``--devices`` when not given: the shapes' device count (a placement file brings its own).
+DEFAULT_DEVICES = 4
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds, GiB or activation units).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (0, negatives, NaN, infinity, not a number).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="v",
                    help="a shape (" + "; ".join(f"{s.name}: {s.description}" for s in SHAPES.values())
                    + "; 'mshape' is m) or a placement JSON file")
-    p.add_argument("--devices", type=int, default=4, help="devices of the shape (default 4)")
-    p.add_argument("--micro-batches", type=int, default=16, help="micro-batches per step (default 16)")
-    p.add_argument("--memory-limit", type=float, default=None,
+    p.add_argument("--devices", type=positive_int, default=None,
+                   help=f"devices of the shape (default {DEFAULT_DEVICES}; a placement file has its own, and a "
+                        "different --devices is refused)")
+    p.add_argument("--micro-batches", type=positive_int, default=16, help="micro-batches per step (default 16)")
+    p.add_argument("--memory-limit", type=positive_float, default=None,
                    help="per-device limit: activation units (abstract) or GiB (with --model); default none")
     p.add_argument("--model", default=None, help="use this model's real costs (e.g. gpt2); default abstract units")
     p.add_argument("--device-type", default="h100", help="cost table with --model (default h100)")
@@ -42,16 +66,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inference", action="store_true", help="forward-only placement")
     p.add_argument("--objective", default="throughput", choices=["throughput", "latency"],
                    help="throughput (shortest period) or latency (inference: no queuing)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="search time limit in seconds (default 10)")
+    p.add_argument("--time-limit", type=positive_float, default=10.0, help="search time limit in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0, help="solver seed (default 0)")
     p.add_argument("--max-window", type=positive_int, default=2, metavar="R",
                    help="most micro-batches per repetend window the search refines (default 2; the 1F1B policy's "
                         "steady state, up to 3, always competes); 3-4 can reach shorter periods per micro-batch "
                         "(e.g. M on 4 devices: 7 -> 6.33 units) but need a longer --time-limit (about 60 s)")
-    p.add_argument("--completion-stall", type=float, default=None, metavar="S",
+    p.add_argument("--completion-stall", type=positive_float, default=None, metavar="S",
                    help="stop warmup/cooldown solves after S seconds without improvement (faster, may be a "
                         "little longer; not deterministic when it stops a solve); default: run to the time limit")
     p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
+
+
+def _from_file(args) -> bool:
+    return Path(args.placement).suffix == ".json" or Path(args.placement).is_file()
 
 
 def _placements(args):
@@ -60,17 +88,24 @@ def _placements(args):
     from engine.shapes import make_shape
 
     kw = {"split_backward": args.split_backward, "forward_only": args.inference}
-    if Path(args.placement).suffix == ".json" or Path(args.placement).is_file():
+    if _from_file(args):
+        from engine.errors import PlacementError
+
         pl = load_placement(args.placement)
+        if args.devices is not None and args.devices != pl.num_devices:
+            raise PlacementError(f"--devices {args.devices} does not match the placement file {args.placement}, "
+                                 f"which places its blocks on {pl.num_devices} devices; drop --devices or pass "
+                                 f"--devices {pl.num_devices}")
         return pl, None, 1, {"name": str(args.placement), "source": "placement-json"}, None, []
     if args.model is None:
-        pl = make_shape(args.placement, args.devices, activation=_HALF, **kw)
+        n = args.devices or DEFAULT_DEVICES
+        pl = make_shape(args.placement, n, activation=_HALF, **kw)
 
         def variant(name: str):
             if name == "interleaved":
-                return make_shape("interleaved", args.devices, forward=0.5, backward=1.0, activation=_HALF // 2,
+                return make_shape("interleaved", n, forward=0.5, backward=1.0, activation=_HALF // 2,
                                   forward_only=args.inference)
-            return make_shape("v", args.devices, activation=_HALF, split_backward=True)
+            return make_shape("v", n, activation=_HALF, split_backward=True)
 
         return pl, variant, _HALF, {"name": "abstract", "source": "units", "forward": 1.0, "backward": 2.0}, None, []
     return None, None, 1, None, None, []
@@ -81,23 +116,36 @@ def _model_search(args, limit):
     from engine.search_plan import model_search_plan
 
     return model_search_plan(
-        args.model, args.placement, args.devices, args.micro_batches, micro_batch_size=args.micro_batch_size,
+        args.model, args.placement, args.devices or DEFAULT_DEVICES, args.micro_batches,
+        micro_batch_size=args.micro_batch_size,
         seq_len=args.seq_len, device_type=args.device_type, memory_limit=limit, link=args.link,
         split_backward=args.split_backward, forward_only=args.inference, time_limit=args.time_limit,
         seed=args.seed, objective=args.objective, progress_bar=not args.json and sys.stderr.isatty(),
         completion_stall=args.completion_stall, max_window_micro_batches=args.max_window)
 
 
+def _placement_label(placement, searched) -> str:
+    """How a table row's placement differs from the searched one ("" when it is the same)."""
+    if placement is searched:
+        return ""
+    what = [placement.name]
+    if any(b.kind in ("I", "W") for b in placement.blocks) and not any(b.kind in ("I", "W") for b in searched.blocks):
+        what.append("backward split into I and W")
+    return "on placement " + ", ".join(what)
+
+
 def run(args: argparse.Namespace) -> dict:
-    from engine.compare import compare_baselines, measure
+    from engine.compare import compare_baselines
     from engine.config import ModelRef, ParallelConfig
-    from engine.dependency import lower
     from engine.errors import PlanFormatError, TesselError
-    from engine.io import Plan, save_plan, write_torch_csv, write_trace
-    from engine.simulate import simulate
+    from engine.io import Plan, schedule_to_csv_text
+    from engine.io.atomic import atomic_write_files, check_output_folder
+    from engine.io.trace import timeline_to_trace
+    from engine.plan_metrics import predict, predicted_metrics
     from engine.tessel import InfeasibleMemoryError, tessel_search
 
-    from_file = Path(args.placement).suffix == ".json" or Path(args.placement).is_file()
+    out = check_output_folder(args.output, OUTPUT_NAMES)   # before the search, not after it
+    from_file = _from_file(args)
     use_model = args.model is not None and not from_file
     pl, variant, mem_scale, model, cost, parts = _placements(args) if not use_model else (None,) * 6
     mem_scale = mem_scale or 1
@@ -119,9 +167,34 @@ def run(args: argparse.Namespace) -> dict:
             f"--memory-limit {args.memory_limit:g} {unit} is infeasible: device {e.device} needs more even with one "
             f"micro-batch at a time; the smallest feasible limit is {e.smallest / mem_scale / gib:.4g} {unit}"
         ) from None
-    tess = measure(res.schedule, limit, cost)
-    tessel_tl = searched.timeline if searched is not None else simulate(lower(res.schedule), cost)
-    rows = [tess] + compare_baselines(pl, args.micro_batches, memory_limit=limit, cost=cost, variant=variant)
+    if searched is not None:
+        plan, tessel_tl = searched.plan, searched.timeline
+    else:
+        meta = {"memory_unit": f"1/{mem_scale} activation unit"}
+        if limit is not None:
+            meta["memory_limit"] = limit
+        plan = Plan(model=ModelRef.from_dict(model),
+                    parallel=ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": pl.num_devices,
+                                                       "micro_batches": args.micro_batches,
+                                                       "devices": pl.num_devices, "optimizer": "adam"}),
+                    segments=[{"index": i, **p} for i, p in enumerate(parts)], schedule=res.schedule,
+                    cost=cost.to_dict() if cost else {}, meta=meta)
+        tessel_tl, predicted = predict(plan)
+        plan.metrics = {**res.summary(), **predicted}
+    # every row is a plan's prediction (engine.plan_metrics): the numbers `tessel show` prints for it
+    pm = plan.metrics
+    from engine.compare import ScheduleMetrics
+
+    tess = ScheduleMetrics("tessel", pm["makespan"], pm["bubble_ratio"], list(pm["peak_memory"]),
+                           limit is not None and any(p > limit for p in pm["peak_memory"]), res.schedule)
+    if searched is not None:
+        row_predict = searched.predict
+    else:
+        def row_predict(schedule):
+            return predicted_metrics(Plan(plan.model, plan.parallel, plan.segments, schedule, plan.cost, {},
+                                          dict(plan.meta)))
+    rows = [tess] + compare_baselines(pl, args.micro_batches, memory_limit=limit, cost=cost, variant=variant,
+                                      predict=row_predict)
     if searched is not None and pl.name != "V":   # the yardstick: the same model on a plain pipeline
         rows = [r for r in rows if r.makespan is not None or r.name not in ("interleaved", "zb-h1")]
         rows += searched.v_baselines(limit)
@@ -129,50 +202,53 @@ def run(args: argparse.Namespace) -> dict:
     def unit_mem(x):
         return None if x is None else x / mem_scale / gib
 
-    out = Path(args.output)
-    if searched is not None:
-        plan = searched.plan
-    else:
-        plan = Plan(model=ModelRef.from_dict(model),
-                    parallel=ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": pl.num_devices,
-                                                       "micro_batches": args.micro_batches,
-                                                       "devices": pl.num_devices, "optimizer": "adam"}),
-                    segments=[{"index": i, **p} for i, p in enumerate(parts)], schedule=res.schedule,
-                    cost=cost.to_dict() if cost else {}, metrics={**tessel_tl.metrics(), **res.summary()},
-                    meta={"memory_unit": f"1/{mem_scale} activation unit"})
-    plan_path = save_plan(plan, out / "plan.json")
-    trace_path = write_trace(tessel_tl, out / "trace.json", metadata={"schedule": "tessel", "placement": pl.name})
+    files = {"plan.json": json.dumps(plan.to_dict(), indent=1),
+             "trace.json": json.dumps(timeline_to_trace(tessel_tl, metadata={"schedule": "tessel",
+                                                                              "placement": pl.name}))}
     try:
-        csv_path = str(write_torch_csv(res.schedule, out / "schedule.csv"))
+        files["schedule.csv"] = schedule_to_csv_text(res.schedule)
     except PlanFormatError as e:
-        csv_path = None
         csv_note = str(e)
+    written = atomic_write_files(out, files)
+    plan_path, trace_path = written["plan.json"], written["trace.json"]
+    csv_path = str(written["schedule.csv"]) if "schedule.csv" in written else None
+    if csv_path is None and (out / "schedule.csv").is_file():   # an earlier search's CSV: not this plan's schedule
+        (out / "schedule.csv").unlink()
+        csv_note += f"; removed the earlier {out / 'schedule.csv'}"
     tscale = 1e3 if args.model else 1
     tunit = "ms" if args.model else "units"
     print(f"placement {pl.name} on {pl.num_devices} devices, {args.micro_batches} micro-batches"
           + (f", memory limit {args.memory_limit:g} {unit}" if args.memory_limit is not None else ""))
     print(f"repetend period {res.period * tscale:.4g} {tunit}/micro-batch "
-          f"(lower bound {res.period_lower_bound * tscale:.4g}, "
+          f"(lower bound for placement {pl.name} {res.period_lower_bound * tscale:.4g}, "
           f"gap {res.period_gap:.1%}{', optimal' if res.optimal else ''}), {res.repetend.in_flight} windows in flight, "
           f"{res.repetend.micro_batches} micro-batch(es) per window")
-    print(f"makespan lower bound {res.makespan_lower_bound * tscale:.4g} {tunit}; search took {res.search_time:.2f} s "
-          f"({res.steps} solver calls{', time limit hit' if res.timed_out else ''})")
+    others = sorted({_placement_label(r.schedule.placement, pl).removeprefix("on placement ")
+                     for r in rows if r.schedule is not None and r.schedule.placement is not pl})
+    print(f"makespan lower bound for placement {pl.name} {res.makespan_lower_bound * tscale:.4g} {tunit}"
+          + (f" (rows on other placements: {'; '.join(others)} are not bounded by it)" if others else "")
+          + f"; search took {res.search_time:.2f} s ({res.steps} solver calls"
+          + (", time limit hit)" if res.timed_out else ")"))
     trows = []
     for r in rows:
         if r.makespan is None:
             trows.append([r.name, "-", "-", "-", r.note])
         else:
-            note = "over memory limit" if r.over_limit else ""
+            notes = [n for n in ("over memory limit" if r.over_limit else "",
+                                 _placement_label(r.schedule.placement, pl) if r.schedule is not None else "") if n]
             trows.append([r.name, f"{r.makespan * tscale:,.4g}", f"{r.bubble_ratio:.1%}",
-                          f"{unit_mem(max(r.peak_memory)):,.4g}", note])
+                          f"{unit_mem(max(r.peak_memory)):,.4g}", "; ".join(notes)])
     print(table(["schedule", f"makespan ({tunit})", "bubble", f"peak memory ({unit})", "note"], trows))
     print(f"wrote {plan_path}, {trace_path}" + (f", {csv_path}" if csv_path else f" (no CSV: {csv_note})"))
     return {
         "plan": str(plan_path), "trace": str(trace_path), "csv": csv_path,
         "period": res.period, "period_lower_bound": res.period_lower_bound, "bubble_ratio": tess.bubble_ratio,
         "makespan": tess.makespan, "makespan_lower_bound": res.makespan_lower_bound,
+        "lower_bound_placement": pl.name, "time_unit": pm.get("time_unit"),
+        "tokens_per_second": pm.get("tokens_per_second"),
         "peak_memory": [unit_mem(x) for x in tess.peak_memory], "search_time": res.search_time, "optimal": res.optimal,
         "timed_out": res.timed_out, "window_micro_batches": res.repetend.micro_batches,
-        "baselines": {r.name: {**r.to_dict(), "peak_memory": [unit_mem(x) for x in (r.peak_memory or [])]}
+        "baselines": {r.name: {**r.to_dict(), "peak_memory": [unit_mem(x) for x in (r.peak_memory or [])],
+                               "placement": r.schedule.placement.name if r.schedule is not None else None}
                       for r in rows[1:]},
     }

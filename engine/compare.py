@@ -10,7 +10,7 @@ model cut into twice as many segments (interleaved) or with the backward split i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from engine.baselines import build_schedule
 from engine.baselines.generic import gpipe_any, one_f_one_b_any
@@ -48,12 +48,31 @@ class ScheduleMetrics:
                 "peak_memory": self.peak_memory, "over_limit": self.over_limit, "note": self.note}
 
 
-def measure(schedule: Schedule, memory_limit=None, cost=None) -> ScheduleMetrics:
-    """Simulate a schedule (``cost``: a cost model for communication, or ``None``)."""
-    tl = simulate(lower(schedule), cost)
-    peak = tl.peak_memory()
+#: ``schedule -> metrics dict`` (``makespan``, ``bubble_ratio``, ``peak_memory``): a plan's prediction,
+#: e.g. :meth:`engine.search_plan.SearchPlan.predict` (:func:`engine.plan_metrics.predicted_metrics`).
+Predictor = Callable[[Schedule], dict]
+
+
+def measure(schedule: Schedule, memory_limit=None, cost=None, predict: Optional[Predictor] = None) -> ScheduleMetrics:
+    """Simulate a schedule.
+
+    Args:
+        schedule: the schedule.
+        memory_limit: per-device limit (same units as the placement's memory), or ``None``.
+        cost: a cost model for communication, or ``None`` (free).
+        predict: where the schedule is part of a plan, the plan's prediction
+            (:func:`engine.plan_metrics.predicted_metrics` of it: tied weights, optimizer step and
+            the plan's cost model included), so the row shows what ``tessel show`` shows for that
+            plan; ``None``: the bare schedule lowered without parameters and simulated with ``cost``.
+    """
+    if predict is not None:
+        m = predict(schedule)
+        makespan, bubble, peak = m["makespan"], m["bubble_ratio"], list(m["peak_memory"])
+    else:
+        tl = simulate(lower(schedule), cost)
+        makespan, bubble, peak = tl.makespan, tl.bubble_ratio(), tl.peak_memory()
     over = memory_limit is not None and any(p > memory_limit for p in peak)
-    return ScheduleMetrics(schedule.name, tl.makespan, tl.bubble_ratio(), peak, over, schedule)
+    return ScheduleMetrics(schedule.name, makespan, bubble, peak, over, schedule)
 
 
 def compare_baselines(
@@ -63,6 +82,7 @@ def compare_baselines(
     memory_limit: float | None = None,
     cost=None,
     variant: Callable[[str], Placement] | None = None,
+    predict: Optional[Predictor] = None,
 ) -> list[ScheduleMetrics]:
     """GPipe, 1F1B, interleaved and ZB-H1 on ``placement`` where they apply.
 
@@ -73,10 +93,14 @@ def compare_baselines(
         cost: cost model for communication in the simulation (``None``: free).
         variant: for a V placement, ``variant("interleaved")`` / ``variant("zb-h1")`` returns the
             same model's placement that schedule needs; ``None`` skips them.
+        predict: each schedule's prediction as a plan (:func:`measure`), or ``None``.
+
+    Returns:
+        one :class:`ScheduleMetrics` per schedule, in the order GPipe, 1F1B, interleaved, ZB-H1.
     """
-    rows = [measure(gpipe_any(placement, m), memory_limit, cost)]
+    rows = [measure(gpipe_any(placement, m), memory_limit, cost, predict)]
     try:
-        rows.append(measure(one_f_one_b_any(placement, m, memory_limit=memory_limit), memory_limit, cost))
+        rows.append(measure(one_f_one_b_any(placement, m, memory_limit=memory_limit), memory_limit, cost, predict))
     except TesselError as e:
         rows.append(ScheduleMetrics("1f1b", None, None, None, note=str(e)))
     for name in ("interleaved", "zb-h1"):
@@ -85,7 +109,7 @@ def compare_baselines(
                                         note=f"needs a plain pipeline (V); this is {placement.name}"))
             continue
         try:
-            rows.append(measure(build_schedule(name, variant(name), m), memory_limit, cost))
+            rows.append(measure(build_schedule(name, variant(name), m), memory_limit, cost, predict))
         except (TesselError, ValueError) as e:
             rows.append(ScheduleMetrics(name, None, None, None, note=str(e)))
     return rows

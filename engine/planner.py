@@ -20,7 +20,7 @@ from engine.coconet import (
 )
 from engine.config import ModelRef, OptimizerKind
 from engine.cost import CostModel
-from engine.cost.calibrate import CalibratedCost, Calibration, calibrated_durations
+from engine.cost.calibrate import Calibration, calibrated_durations
 from engine.dependency import ExecutionPlan, TiedGroup, lower
 from engine.errors import PlanFormatError, TesselError
 from engine.graph import OpGraph, capture
@@ -37,7 +37,6 @@ from engine.models.moe.comm import (
 from engine.models.moe.hf_moe import traceable_experts
 from engine.placement import Placement
 from engine.schedule import Schedule
-from engine.simulate import simulate
 from engine.split import choose_split
 from engine.timeline import Timeline
 from engine.transform import (
@@ -254,26 +253,8 @@ def make_plan(
     sched.validate(limit)
     timings["schedule"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    say("simulate")
     seg_dicts = [_segment_dict(s, seg_moe.get(s.index, [])) for s in segments]
-    execution = _lower_from(sched, seg_dicts, dp=dp, tp=tp, optimizer_kind=optimizer, tied=tied, transforms=tf,
-                            grad_bucket_bytes=grad_bucket_bytes)
-    timeline = simulate(execution, cost)
-    timings["simulate"] = time.perf_counter() - t0
-
-    metrics = timeline.metrics()
     cap = memory_limit if memory_limit is not None else cost.device.mem_capacity
-    over = [d for d, p in enumerate(metrics["peak_memory"]) if p > cap]
-    if over:
-        warnings.append(
-            f"predicted peak memory on device(s) {over} is above {cap / 2**30:.1f} GiB; "
-            "add devices, tensor parallelism (--tp) or fewer micro-batches in flight (1f1b)"
-        )
-    tokens = micro_batch_size * (bundle.seq_len or 1) * micro_batches * dp
-    metrics["tokens_per_step"] = tokens
-    metrics["tokens_per_second"] = tokens / metrics["makespan"] if metrics["makespan"] > 0 else 0.0
-    metrics["memory_capacity"] = cap
     plan = Plan(
         model=ModelRef(name=bundle.name, source=bundle.source, config=bundle.config,
                        micro_batch_size=micro_batch_size, batch_size=micro_batch_size * micro_batches * dp,
@@ -284,10 +265,25 @@ def make_plan(
         segments=seg_dicts,
         schedule=sched,
         cost=cost.to_dict(),
-        metrics=metrics,
-        meta={"warnings": warnings},
+        meta={"warnings": warnings, **({"memory_limit": memory_limit} if memory_limit is not None else {})},
         tied_weights=[g.to_dict() for g in tied],
     )
+
+    t0 = time.perf_counter()
+    say("simulate")
+    # the plan's numbers come from the plan alone (engine.plan_metrics), as show/search/launch compute them
+    from engine.plan_metrics import predict_execution
+
+    execution, timeline, metrics = predict_execution(plan)
+    plan.metrics = metrics
+    timings["simulate"] = time.perf_counter() - t0
+
+    over = [d for d, p in enumerate(metrics["peak_memory"]) if p > cap]
+    if over:
+        warnings.append(
+            f"predicted peak memory on device(s) {over} is above {cap / 2**30:.1f} GiB; "
+            "add devices, tensor parallelism (--tp) or fewer micro-batches in flight (1f1b)"
+        )
     return PlanResult(plan, timeline, graph, execution, warnings, timings)
 
 
@@ -438,8 +434,10 @@ def _with_block_durations(plan: Plan, durations: list[float], segments: list[dic
     schedule = Schedule(plan.placement.with_durations(durations), s.num_micro_batches, s.orders, s.name, dict(s.meta))
     new = Plan(plan.model, plan.parallel, segments, schedule, plan.cost, dict(plan.metrics), {**plan.meta, **meta},
                tied_weights=list(plan.tied_weights))
-    tl = resimulate(new)
-    new.metrics.update(tl.metrics())
+    from engine.plan_metrics import predict
+
+    tl, metrics = predict(new)
+    new.metrics.update(metrics)
     return new, tl
 
 
@@ -479,12 +477,15 @@ def resimulate(plan: Plan) -> Timeline:
     re-simulate a (loaded or edited) plan with its stored cost model and optimizer
     (``plan.parallel.optimizer``, ``adam`` when absent; the placement carries the memory).
     A plan calibrated by :func:`with_calibration` predicts its optimizer step with the measured
-    rate (``plan.meta["calibration"]``)."""
-    cost: CostModel | CalibratedCost | None = CostModel.from_dict(plan.cost) if plan.cost else None
-    cal = plan.meta.get("calibration")
-    if cal and cost is not None:
-        cost = CalibratedCost(cost, Calibration.from_dict(cal))
-    return simulate(lower_plan(plan), cost)
+    rate (``plan.meta["calibration"]``). The timeline of :func:`engine.plan_metrics.predict`, so its
+    numbers are :func:`engine.plan_metrics.predicted_metrics`'s.
+
+    Raises:
+        PlanFormatError, TransformError, DeadlockError: as :func:`engine.plan_metrics.predict`.
+    """
+    from engine.plan_metrics import predict
+
+    return predict(plan)[0]
 
 
 __all__ = ["PlanResult", "make_plan", "resimulate", "with_calibration", "with_segment_times", "placement_from_segments",

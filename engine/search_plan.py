@@ -23,14 +23,19 @@ class SearchPlan:
     """What :func:`model_search_plan` found.
 
     Attributes:
-        plan: the plan (``Plan``), ready for ``save_plan`` and ``tessel launch``.
+        plan: the plan (``Plan``), ready for ``save_plan`` and ``tessel launch``; its ``metrics`` are
+            :func:`engine.plan_metrics.predicted_metrics` of it plus the search's summary
+            (``period``, bounds, timings).
         result: the :class:`engine.tessel.SearchResult` (period, bounds, timings).
-        timeline: the simulated timeline of the searched schedule (seconds, bytes).
+        timeline: the predicted timeline of the plan (:func:`engine.plan_metrics.predict`; seconds, bytes).
         placement: the model-aware placement searched.
         cost: the :class:`engine.cost.CostModel` used.
         variant: ``name -> Placement`` of the same model for :func:`engine.compare.compare_baselines`:
             ``"zb-h1"`` the V placement with the backward split into I and W, ``"interleaved"`` two
             virtual stages per device, ``"v"`` the plain V placement.
+        plan_for: ``schedule -> Plan``: the same model's plan running ``schedule`` (on the searched
+            placement or one of the ``variant`` placements), the segments and tied weights of its
+            placement; what the search table predicts baseline rows from.
     """
 
     plan: Any
@@ -39,20 +44,58 @@ class SearchPlan:
     placement: Any
     cost: Any
     variant: Callable[[str], Any]
+    plan_for: Callable[[Any], Any] | None = None
+
+    def predict(self, schedule: Any) -> dict:
+        """:func:`engine.plan_metrics.predicted_metrics` of :attr:`plan_for` ``(schedule)`` (seconds, bytes)."""
+        from engine.plan_metrics import predicted_metrics
+
+        if self.plan_for is None:
+            raise ValueError("this SearchPlan has no plan_for")
+        return predicted_metrics(self.plan_for(schedule))
 
     def v_baselines(self, memory_limit: float | None = None) -> list:
         """The predefined schedules on the same model's plain pipeline: GPipe and 1F1B on the V
         placement, interleaved 1F1B and ZB-H1 on their variants, for the same data per step
-        (``m x data_per_instance`` micro-batches: X's instances carry two), simulated with the same
-        cost model; each :class:`engine.compare.ScheduleMetrics` named ``"<schedule> (V)"``
+        (``m x data_per_instance`` micro-batches: X's instances carry two), each predicted as a
+        plan of its own (:meth:`predict`, so tied weights and the optimizer step count as in
+        ``tessel show``); each :class:`engine.compare.ScheduleMetrics` named ``"<schedule> (V)"``
         (seconds, bytes; ``memory_limit`` in bytes marks the rows above it)."""
         from engine.compare import compare_baselines
 
         m = self.result.schedule.num_micro_batches * self.placement.data_per_instance
-        rows = compare_baselines(self.variant("v"), m, memory_limit=memory_limit, cost=self.cost, variant=self.variant)
+        rows = compare_baselines(self.variant("v"), m, memory_limit=memory_limit, cost=self.cost, variant=self.variant,
+                                 predict=self.predict if self.plan_for is not None else None)
         for r in rows:
             r.name = f"{r.name} (V)"
         return rows
+
+
+def _tied_groups(module: Any, segments: list[dict], num_parts: int) -> list:
+    """The tied-weight groups of a search plan's segments, as ``runtime.stage.build_stages`` finds
+    them: the model's own tied parameters (GPT-2's ``wte``/``lm_head``) between the segments holding
+    them (:func:`engine.transform.tied_parameter_groups`), across every model replica of X; and, for
+    X (segments beyond ``num_parts`` are replicas: segment ``k`` of replica ``c`` is ``c x parts + k``), each
+    part's other parameters tied with their copies (Chimera's stage-pair all-reduce; one group per
+    part named ``"part k"``, its bytes less the model's tied copies counted there)."""
+    from engine.dependency import TiedGroup
+    from engine.transform import tied_parameter_groups
+
+    layers = [list(seg.get("layers") or []) for seg in segments[:num_parts]]
+    model_groups = tied_parameter_groups(module, layers)
+    replicas = len(segments) // num_parts if num_parts else 1
+    if replicas <= 1:
+        return list(model_groups)
+    out = [TiedGroup(tuple(sorted((s + c * num_parts, n) for c in range(replicas) for s, n in g.members)), g.nbytes)
+           for g in model_groups]
+    counted: dict[int, int] = {}
+    for g in model_groups:   # capture counts a tied parameter once, in its first segment
+        first = g.segments()[0]
+        counted[first] = counted.get(first, 0) + g.nbytes
+    for k in range(num_parts):
+        nbytes = max(0, int(segments[k].get("param_bytes", 0)) - counted.get(k, 0))
+        out.append(TiedGroup(tuple((k + c * num_parts, f"part {k}") for c in range(replicas)), nbytes))
+    return sorted(out, key=lambda g: g.members)
 
 
 def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, *, micro_batch_size: int = 1,
@@ -86,12 +129,11 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     """
     from engine.config import ModelRef, ParallelConfig
     from engine.cost import CostModel
-    from engine.dependency import TiedGroup, lower
     from engine.graph import capture
     from engine.io import Plan
     from engine.models import build_model
+    from engine.plan_metrics import predict
     from engine.shape_costs import model_shape_placement
-    from engine.simulate import simulate
     from engine.split import choose_split, supports_layer_split
     from engine.tessel import tessel_search
     from engine.transform import LOSS_PARALLEL_TASKS
@@ -99,29 +141,25 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     bundle = build_model(model, batch_size=micro_batch_size, seq_len=seq_len)
     graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
     cost = cost if cost is not None else CostModel.for_device(device_type, link=link, inter_link=link)
+    loss_parallel = bundle.task in LOSS_PARALLEL_TASKS
     pl, parts = model_shape_placement(graph, cost, shape, devices, split_backward=split_backward,
-                                      forward_only=forward_only, loss_parallel=bundle.task in LOSS_PARALLEL_TASKS)
+                                      forward_only=forward_only, loss_parallel=loss_parallel)
+    variants: dict[str, tuple[Any, list[dict]]] = {}
+
+    def variant_parts(name: str) -> tuple[Any, list[dict]]:
+        if name not in variants:
+            if name == "interleaved":
+                variants[name] = model_shape_placement(graph, cost, "interleaved", devices, forward_only=forward_only)
+            elif name == "v":
+                variants[name] = model_shape_placement(graph, cost, "v", devices, forward_only=forward_only)
+            else:
+                variants[name] = model_shape_placement(graph, cost, "v", devices, split_backward=True)
+        return variants[name]
 
     def variant(name: str):
-        if name == "interleaved":
-            return model_shape_placement(graph, cost, "interleaved", devices, forward_only=forward_only)[0]
-        if name == "v":
-            return model_shape_placement(graph, cost, "v", devices, forward_only=forward_only)[0]
-        return model_shape_placement(graph, cost, "v", devices, split_backward=True)[0]
+        return variant_parts(name)[0]
 
     res = tessel_search(pl, micro_batches, memory_limit=memory_limit, **search_kw)
-    segments = [{"index": i, **p} for i, p in enumerate(parts)]
-    tied: list[TiedGroup] = []
-    if pl.num_segments > len(parts):   # X: a second model replica; its stage k repeats part k
-        k = len(parts)
-        segments += [{**segments[s % k], "index": s, "replica_of": s % k} for s in range(k, pl.num_segments)]
-        # the replicas' gradients are summed per part at the step (Chimera's stage-pair all-reduce)
-        tied = [TiedGroup(((i, f"part {i}"), (i + k, f"part {i}")), int(parts[i]["param_bytes"])) for i in range(k)]
-    sources = [b.segment for b in pl.blocks if b.kind == "F" and not b.deps]
-    if pl.name == "K":   # each tower starts from its own model input (the text ids, the code ids)
-        for i, s in enumerate(sources):
-            segments[s] = {**segments[s], "inputs": [i]}
-    timeline = simulate(lower(res.schedule, tied=tied), cost)
     multi = any(len(b.devices) > 1 for b in pl.blocks)
     replicas = pl.data_per_instance > 1
     # an all-device block runs tensor-parallel over its devices, and X's second model replica is a
@@ -129,14 +167,40 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     # planned, and the runtime refuses its launch in one sentence
     needs_layers = multi or replicas
     split = "layers" if needs_layers and supports_layer_split(bundle.module) else choose_split(bundle.module)
-    metrics = {**timeline.metrics(), **res.summary()}
-    tokens = micro_batch_size * (bundle.seq_len or 1) * micro_batches * pl.data_per_instance
-    metrics["tokens_per_step"] = tokens
-    metrics["tokens_per_second"] = tokens / metrics["makespan"] if metrics.get("makespan") else 0.0
-    ref = ModelRef(name=bundle.name, source=bundle.source, config=bundle.config, micro_batch_size=micro_batch_size,
-                   batch_size=micro_batch_size * micro_batches, seq_len=bundle.seq_len, task=bundle.task, split=split)
-    parallel = ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": pl.num_devices, "micro_batches": micro_batches,
-                                         "devices": pl.num_devices, "optimizer": "adam"})
-    plan = Plan(model=ref, parallel=parallel, segments=segments, schedule=res.schedule, cost=cost.to_dict(),
-                metrics=metrics, meta={"memory_unit": "bytes"}, tied_weights=[g.to_dict() for g in tied])
-    return SearchPlan(plan, res, timeline, pl, cost, variant)
+    meta: dict[str, Any] = {"memory_unit": "bytes"}
+    if memory_limit is not None:
+        meta["memory_limit"] = memory_limit
+
+    def build(schedule: Any, placement: Any, parts_: list[dict], split_: str) -> Any:
+        segments = [{"index": i, **p} for i, p in enumerate(parts_)]
+        k = len(parts_)
+        if placement.num_segments > k:   # X: a second model replica; its stage k repeats part k
+            segments += [{**segments[s % k], "index": s, "replica_of": s % k} for s in range(k, placement.num_segments)]
+        if placement.name == "K":   # each tower starts from its own model input (the text ids, the code ids)
+            sources = [b.segment for b in placement.blocks if b.kind == "F" and not b.deps]
+            for i, s in enumerate(sources):
+                segments[s] = {**segments[s], "inputs": [i]}
+        tied = _tied_groups(bundle.module, segments, k)
+        batch = micro_batch_size * schedule.num_micro_batches * placement.data_per_instance
+        ref = ModelRef(name=bundle.name, source=bundle.source, config=bundle.config,
+                       micro_batch_size=micro_batch_size, batch_size=batch,
+                       seq_len=bundle.seq_len, task=bundle.task, split=split_)
+        parallel = ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": placement.num_devices,
+                                             "micro_batches": schedule.num_micro_batches,
+                                             "devices": placement.num_devices, "optimizer": "adam"})
+        return Plan(model=ref, parallel=parallel, segments=segments, schedule=schedule, cost=cost.to_dict(),
+                    metrics={}, meta=dict(meta), tied_weights=[g.to_dict() for g in tied])
+
+    def plan_for(schedule: Any) -> Any:
+        """The plan of ``schedule`` on the searched placement or one of its variants (matched by identity)."""
+        if schedule.placement is pl:
+            return build(schedule, pl, parts, split)
+        for vpl, vparts in variants.values():
+            if schedule.placement is vpl:
+                return build(schedule, vpl, vparts, choose_split(bundle.module))
+        raise ValueError(f"schedule {schedule.name!r} runs on a placement this search did not build")
+
+    plan = plan_for(res.schedule)
+    timeline, predicted = predict(plan)
+    plan.metrics = {**res.summary(), **predicted}
+    return SearchPlan(plan, res, timeline, pl, cost, variant, plan_for)
