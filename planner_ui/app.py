@@ -9,6 +9,8 @@ the sidebar holds the plan form and export/import.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import gc
 
@@ -47,7 +49,9 @@ class PlannerApp(pn.viewable.Viewer):
 
     Attributes:
         state: the shared plan state.
-        form, gantt, graph, search, compare, colocate, launch, export: the components.
+        form, gantt, export: the sidebar and Schedule components (built with the app).
+        graph, search, compare, colocate, launch, gnn: the other tabs' components, built when their
+            tab is first shown or the attribute first read (:meth:`show_tab`).
     """
 
     state = param.ClassSelector(class_=PlanState)
@@ -59,20 +63,46 @@ class PlannerApp(pn.viewable.Viewer):
         self.form = PlanForm(state=st)
         self.gantt = GanttView(state=st, show_message=False)
         self.message = message_bar(st)
-        self.graph = GraphView(state=st)
-        self.search = SearchPanel(state=st)
-        self.compare = CompareView(state=st)
-        self.colocate = ColocatePanel(state=st)
-        self.launch = LaunchPanel(state=st)
-        if self.ray_address and "address" in self.launch.param:
-            self.launch.address = self.ray_address
         self.export = ExportPanel(state=st)
-        self.gnn = GNNPanel()
-        self.tabs = pn.Tabs(
-            (TABS[0], self.gantt), (TABS[1], self.graph), (TABS[2], self.search),
-            (TABS[3], self.compare), (TABS[4], self.colocate), (TABS[5], self.launch),
-            (TABS[6], self.gnn), dynamic=True, sizing_mode="stretch_width", css_classes=["tessel-tabs"],
-        )
+        self._built: dict[str, pn.viewable.Viewable] = {TABS[0]: self.gantt}
+        # Tabs other than the Schedule are built when first shown (a session opens in well under a
+        # second); once built they stay in the page (dynamic=False): a hidden dynamic tab's detached
+        # Panel panes re-point their shared stylesheets at cdn.holoviz.org when they update.
+        self._slots = {name: pn.Column(sizing_mode="stretch_width") for name in TABS[1:]}
+        self.tabs = pn.Tabs((TABS[0], self.gantt), *self._slots.items(), dynamic=False,
+                            sizing_mode="stretch_width", css_classes=["tessel-tabs"])
+        self.tabs.param.watch(self._on_tab, "active")
+
+    def _component(self, tab: str):
+        """The component of ``tab`` (one of :data:`TABS`), built on first use."""
+        if tab not in self._built:
+            st = self.state
+            if tab == TABS[5]:
+                comp = LaunchPanel(state=st)
+                if self.ray_address and "address" in comp.param:
+                    comp.address = self.ray_address
+            else:
+                comp = {TABS[1]: GraphView, TABS[2]: SearchPanel, TABS[3]: CompareView, TABS[4]: ColocatePanel,
+                        TABS[6]: lambda state: GNNPanel()}[tab](state=st)
+            self._built[tab] = comp
+        return self._built[tab]
+
+    def show_tab(self, tab: str) -> None:
+        """Build ``tab``'s component if needed and put it in its tab (what selecting the tab does)."""
+        comp = self._component(tab)
+        slot = self._slots.get(tab)
+        if slot is not None and not slot.objects:
+            slot.objects = [comp]
+
+    def _on_tab(self, event) -> None:
+        self.show_tab(TABS[event.new])
+
+    graph = property(lambda self: self._component(TABS[1]), doc="the Model graph tab (GraphView)")
+    search = property(lambda self: self._component(TABS[2]), doc="the Search tab (SearchPanel)")
+    compare = property(lambda self: self._component(TABS[3]), doc="the Compare tab (CompareView)")
+    colocate = property(lambda self: self._component(TABS[4]), doc="the Co-locate tab (ColocatePanel)")
+    launch = property(lambda self: self._component(TABS[5]), doc="the Launch tab (LaunchPanel)")
+    gnn = property(lambda self: self._component(TABS[6]), doc="the GNN tab (GNNPanel)")
 
     def sidebar(self) -> list:
         """The sidebar column's contents: plan form and export/import."""
@@ -95,11 +125,36 @@ class PlannerApp(pn.viewable.Viewer):
 
 @functools.lru_cache(maxsize=8)
 def initial_plan(model: str, devices: int, micro_batches: int, schedule: str, device_type: str):
-    """``make_plan`` for a session's first plan, cached: every browser session of ``tessel serve``
-    opens on the same model, so it is captured once per process (plans are never mutated in place)."""
-    from engine.planner import make_plan
+    """``(plan, graph, timeline)`` of a session's first plan, made once per process and shared.
 
-    return make_plan(model, devices=devices, micro_batches=micro_batches, schedule=schedule, device_type=device_type)
+    Every browser session of ``tessel serve`` opens on the same model: it is captured, planned
+    (:func:`engine.planner.make_plan`) and simulated (:func:`engine.planner.resimulate`) once.
+    The plan, its OpGraph and Timeline are immutable in the app (an edit makes a new Schedule and
+    Plan with ``dataclasses.replace``); each session's :class:`PlanState` holds its own copies of
+    the Plan and Schedule objects (:func:`copy.copy`), so renaming an edited schedule cannot touch
+    another session's.
+
+    Raises:
+        engine.errors.TesselError: the model cannot be planned with these settings.
+    """
+    from engine.planner import make_plan, resimulate
+
+    res = make_plan(model, devices=devices, micro_batches=micro_batches, schedule=schedule, device_type=device_type)
+    return res.plan, res.graph, resimulate(res.plan)
+
+
+def warm_up(*, model: str | None = "gpt2", plan: str | Plan | None = None, devices: int = 4, micro_batches: int = 8,
+            schedule: str = "1f1b", device_type: str = "h100") -> None:
+    """Make the first session's plan now (call it before the server listens): with the same
+    arguments as :func:`build_app`, the first browser session then opens as fast as later ones.
+
+    Raises:
+        engine.errors.TesselError: as :func:`build_app`.
+    """
+    if plan is None and model:
+        initial_plan(model, devices, micro_batches, schedule, device_type)
+    build_app(model=model, plan=plan, devices=devices, micro_batches=micro_batches, schedule=schedule,
+              device_type=device_type).template()
 
 
 def build_app(*, model: str | None = "gpt2", plan: str | Plan | None = None, devices: int = 4,
@@ -122,12 +177,12 @@ def build_app(*, model: str | None = "gpt2", plan: str | Plan | None = None, dev
         app.form.param.update(model=model, devices=devices, micro_batches=micro_batches,
                               schedule=schedule, device_type=device_type)
         app.form._model_w.value = model
-        res = initial_plan(model, devices, micro_batches, schedule, device_type)
-        state.load(res.plan, graph=res.graph,
+        shared, graph, timeline = initial_plan(model, devices, micro_batches, schedule, device_type)
+        state.load(dataclasses.replace(shared, schedule=copy.copy(shared.schedule)), graph=graph, timeline=timeline,
                    message=f"planned {model}: {schedule} on {devices} {device_type} devices, "
                            f"{micro_batches} micro-batches")
     gc.freeze()
     return app
 
 
-__all__ = ["PlannerApp", "build_app", "TABS", "EXTENSIONS", "load_extensions"]
+__all__ = ["PlannerApp", "build_app", "initial_plan", "warm_up", "TABS", "EXTENSIONS", "load_extensions"]

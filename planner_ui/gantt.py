@@ -146,7 +146,7 @@ class GanttView(pn.viewable.Viewer):
             self._header, self._plot_pane, self._mem_pane,
             pn.Row(self._block_input, self._device_select, self._position_input, self._move_button,
                    self._undo_button, self._redo_button, self._show_comm_box, align="end"),
-            self._selected_html, self._alert,
+            self._selected_html, *([self._alert] if self.show_message else []),
             css_classes=["tessel-gantt"], sizing_mode="stretch_width")
 
     def __panel__(self):
@@ -488,6 +488,8 @@ class GanttView(pn.viewable.Viewer):
 
     def _on_message(self, *_events) -> None:
         st = self.state
+        if not self.show_message:  # the app's message bar shows it; this alert is not on the page
+            return
         self._alert.object = st.message
         self._alert.alert_type = _ALERT_TYPES.get(st.message_kind, "info")
         self._alert.visible = bool(st.message) and self.show_message

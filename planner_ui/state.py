@@ -108,16 +108,17 @@ class PlanState(param.Parameterized):
 
     # ------------------------------------------------------------------ loading
     def load(self, plan: Plan | Schedule, *, message: str | None = None, keep_history: bool = False,
-             graph=None) -> None:
+             graph=None, timeline: Timeline | None = None) -> None:
         """Show ``plan`` (a Plan, or a bare Schedule wrapped with :func:`abstract_plan`).
 
         ``graph``: the model's OpGraph for the graph view (``None`` hides it).
-        The timeline is re-simulated from the plan's orders and cost model. The memory limit
+        ``timeline``: ``resimulate(plan)`` when the caller already has it (a cached first plan);
+        ``None``: the timeline is re-simulated from the plan's orders and cost model. The memory limit
         becomes the plan's ``metrics["memory_capacity"]`` when the plan states one.
         """
         if isinstance(plan, Schedule):
             plan = abstract_plan(plan)
-        tl = resimulate(plan)
+        tl = timeline if timeline is not None else resimulate(plan)
         self.graph = graph
         if not keep_history:
             self._undo.clear()
