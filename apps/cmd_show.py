@@ -1,5 +1,7 @@
 """Load a plan JSON (or a torch pipelining CSV against a plan's placement), validate it,
-re-simulate it and print its metrics."""
+re-simulate it and print its metrics: :func:`engine.plan_metrics.predicted_metrics`, the numbers
+``tessel plan`` and ``tessel search`` print for the same plan. An abstract plan (``tessel search``
+without ``--model``) is shown in its units, not in milliseconds and GiB."""
 
 from __future__ import annotations
 
@@ -16,20 +18,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per device to validate against")
 
 
+def _fmt_units(x: float) -> str:
+    return f"{x:,.4g} units"
+
+
+def _abstract_memory_scale(plan) -> float:
+    """Internal memory counts per activation unit of an abstract plan: ``tessel search`` records
+    ``meta.memory_unit = "1/N activation unit"`` (N half-units); 1 for any other plan."""
+    unit = str(plan.meta.get("memory_unit", ""))
+    head = unit.split(" ", 1)[0]
+    if head.startswith("1/") and head[2:].isdigit() and int(head[2:]) > 0:
+        return float(int(head[2:]))
+    return 1.0
+
+
 def run(args: argparse.Namespace) -> dict:
     from engine.io import load_plan, read_torch_csv
-    from engine.planner import resimulate
+    from engine.plan_metrics import predicted_metrics
 
     plan = load_plan(args.plan)
     if args.csv:
         plan.schedule = read_torch_csv(args.csv, plan.placement)
     plan.schedule.validate(args.memory_limit * 2**30 if args.memory_limit else None)
-    tl = resimulate(plan)
-    m = tl.metrics()
+    m = predicted_metrics(plan)
+    abstract = m["time_unit"] == "units"
+    fmt_time = _fmt_units if abstract else fmt_ms
+    scale = _abstract_memory_scale(plan) if abstract else 1.0
+
+    def fmt_mem(x: float) -> str:
+        return f"{x / scale:,.4g} activation units" if abstract else fmt_gib(x)
     if not args.json:
-        rows = [[f"device {d}", f"{b:.1%}", fmt_gib(p)]
+        rows = [[f"device {d}", f"{b:.1%}", fmt_mem(p)]
                 for d, (b, p) in enumerate(zip(m["bubble_ratios"], m["peak_memory"]))]
-        print(f"{args.plan}: schedule {plan.schedule.name}, valid")
+        print(f"{args.plan}: schedule {plan.schedule.name}, valid"
+              + (" (abstract plan: times and memory in the placement's units)" if abstract else ""))
         print(table(["device", "bubble", "peak memory"], rows))
-        print(f"makespan {fmt_ms(m['makespan'])}, bubble ratio {m['bubble_ratio']:.1%}")
+        tps = (f", {m['tokens_per_second']:,.0f} tokens/s predicted" if m["tokens_per_second"] > 0
+               else "")
+        print(f"makespan {fmt_time(m['makespan'])}, bubble ratio {m['bubble_ratio']:.1%}{tps}")
     return {"valid": True, "schedule": plan.schedule.name, **m}
