@@ -19,14 +19,26 @@ A GNN plan (``tessel plan --gnn``, format ``tessel-gnn-plan``) is trained with
 ``runtime.gnn.launcher.launch_gnn`` for ``--epochs`` full-graph epochs (default: the plan's; its
 learning rate and seed are the plan's): a table of every epoch's loss, accuracies and epoch time
 measured against the plan's prediction, and a measured Perfetto trace (``gnn_trace.measured.json``
-next to the plan, or ``--trace``)."""
+next to the plan, or ``--trace``).
+
+Before any Ray work the plan is validated as ``tessel show`` does (``runtime.launcher.check_launchable``):
+a deadlock, a backward before its forward or a micro-batch count its orders do not hold is one
+sentence and exit status 2. ``--resume`` needs the folder to exist and hold a checkpoint; a damaged
+checkpoint (a file that does not match the size and SHA-256 its ``meta.json`` recorded) is skipped
+for the previous one with a warning. A rank that crashes or hangs, or a checkpoint that cannot be
+written, exits with status 3. Ctrl-C lets the current step finish, checkpoints it and prints the
+command that resumes from it (exit status 130; a second Ctrl-C stops at once). With ``--json`` the
+output of Ray and its workers goes to stderr, so stdout holds the report and, last, the JSON object."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import shlex
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from apps.arg_types import positive_int
 from apps.launch_progress import LineProgress, TqdmProgress
@@ -106,10 +118,7 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
                      fmt_ms(res.measured_busy[r]), fmt_gib(res.peak_memory[r]) if r < len(res.peak_memory) else "-"])
     say(table(["pipeline rank", "predicted step", "measured step", "measured/predicted", "predicted busy",
                "measured busy", "peak RSS"], rows))
-    # the task's units (tokens, samples) of one step over the plan's predicted step makespan
-    pred_mk = float(res.predicted_makespan or 0.0)
-    pred_tps = (res.units_per_step / pred_mk if pred_mk > 0 and not math.isnan(pred_mk)
-                else float(plan.metrics.get("tokens_per_second", 0.0) or 0.0))
+    pred_tps = predicted_rate(plan, res)
     if ran:
         say(f"loss {res.losses[0]:.4f} (step {res.start_step}) -> {res.losses[-1]:.4f} (step {res.steps - 1})")
     if res.val_losses:
@@ -117,9 +126,12 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
     if res.moe:
         say(moe_summary(res))
     unit = res.unit
+    pred_mk = res.predicted_makespan
+    has_mk = pred_mk is not None and math.isfinite(pred_mk) and pred_mk > 0
     say(f"{res.units_per_second:,.0f} {unit}/s measured ({res.units_per_step:,} {unit} per step), "
-        f"{pred_tps:,.0f} {unit}/s predicted; step makespan {fmt_ms(res.measured_makespan)} measured vs "
-        f"{fmt_ms(res.predicted_makespan)} predicted")
+        + (f"{pred_tps:,.0f} {unit}/s predicted" if pred_tps is not None else "no prediction in the plan")
+        + f"; step makespan {fmt_ms(res.measured_makespan)} measured"
+        + (f" vs {fmt_ms(pred_mk)} predicted" if has_mk else ""))
     predicted_trace = plan_dir / "trace.json"
     traces = dict(res.trace_paths)
     if predicted_trace.is_file():
@@ -130,12 +142,75 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
         say(f"checkpoint {res.checkpoint} (continue with --resume)")
     d = res.to_dict()
     d["trace_paths"] = traces
-    d["predicted_tokens_per_second"] = pred_tps if unit == "tokens" else 0.0
+    d["predicted_tokens_per_second"] = pred_tps if unit == "tokens" else None
     d["predicted_units_per_second"] = pred_tps
     d["loss_start"] = res.losses[0] if ran else None
     d["loss_end"] = res.losses[-1] if ran else None
     d["val_loss"] = res.val_losses[-1][1] if res.val_losses else None
     return d
+
+
+def predicted_rate(plan, res) -> float | None:
+    """The throughput the plan predicts for a launch, in the launch's unit per second, or ``None``
+    when the plan holds no prediction.
+
+    The plan's own ``metrics["tokens_per_second"]`` (the number ``tessel plan``/``search``/``show``
+    print) when the launch counts tokens and trains the batch the plan was made for (its
+    ``tokens_per_step``, where recorded, equals the launch's); otherwise the launch's units per
+    step over the plan's re-simulated step makespan (``res.predicted_makespan``, seconds); ``None``
+    when neither exists (a plan without metrics whose re-simulation failed), never ``0``.
+
+    Args:
+        plan: the launched ``engine.io.Plan``.
+        res: its :class:`runtime.LaunchResult` (``unit``, ``units_per_step``, ``predicted_makespan``).
+    """
+    tps = plan.metrics.get("tokens_per_second")
+    per_step = plan.metrics.get("tokens_per_step")
+    if (res.unit == "tokens" and isinstance(tps, (int, float)) and math.isfinite(tps) and tps > 0
+            and (per_step is None or per_step == res.units_per_step)):
+        return float(tps)
+    mk = res.predicted_makespan
+    if mk is not None and math.isfinite(mk) and mk > 0 and res.units_per_step:
+        return res.units_per_step / mk
+    return None
+
+
+@contextlib.contextmanager
+def _stdout_for_json(args: argparse.Namespace) -> Iterator[None]:
+    """With ``--json``, everything printed to ``sys.stdout`` while the block runs goes to stderr:
+    Ray's forwarded worker output and its "worker died" / OOM notices (Ray prints both to
+    ``sys.stdout``), so stdout keeps only the report and the JSON object."""
+    if not getattr(args, "json", False):
+        yield
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def resume_command(args: argparse.Namespace, checkpoint_dir: Path) -> str:
+    """The shell command that resumes an interrupted ``tessel launch`` with the same options
+    (those given at a value other than their default) from ``checkpoint_dir``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    defaults = vars(parser.parse_args(["plan.json"]))
+    words = ["tessel", "launch", *map(str, args.plan), "--resume", "--checkpoint-dir", str(checkpoint_dir),
+             "--steps", str(args.steps)]
+    for dest, default in defaults.items():
+        value = getattr(args, dest, default)
+        if dest in ("plan", "resume", "checkpoint_dir", "steps") or value == default:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        words += [flag] if value is True else [flag, str(value)]
+    words += [f for f, on in (("--json", getattr(args, "json", False)), ("--verbose", getattr(args, "verbose", False)))
+              if on]
+    return shlex.join(words)
+
+
+def _say_interrupted(args: argparse.Namespace, e, checkpoint_dir: Path) -> None:
+    """Tell (stderr) where an interrupted launch's checkpoint is and the exact command resuming it."""
+    print(f"tessel launch: {e}", file=sys.stderr)
+    if e.checkpoint:
+        print(f"resume with: {resume_command(args, checkpoint_dir)}", file=sys.stderr)
 
 
 _MOE_FIELDS = (("temperature", "temperature", "{:.4f}"), ("experts_per_token", "experts/token", "{:.2f}"),
@@ -247,15 +322,19 @@ def run_crossover(args: argparse.Namespace, mode: str) -> dict:
     from engine.io import load_plan, write_trace
     from runtime.config import CrossoverConfig
     from runtime.crossover import launch_crossover
+    from runtime.launcher import check_launchable
 
     paths = [Path(p) for p in args.plan]
     plans = [load_plan(p) for p in paths]
+    for p, plan in zip(paths, plans):
+        check_launchable(plan, name=f"the plan {p}")
     ckdirs = checkpoint_dirs(paths, args.checkpoint_dir)
     config = CrossoverConfig(steps=args.steps, mode=mode, address=args.address, checkpoint_dirs=ckdirs,
                              checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, resume=args.resume,
                              seed=args.seed, lr=args.lr, optimizer=args.optimizer, warmup_steps=args.warmup_steps,
                              step_timeout=args.step_timeout, device=args.device, names=[str(p) for p in paths])
-    res = launch_crossover(plans, config, callbacks=[LineProgress()] if _show_progress(args) else [])
+    with _stdout_for_json(args):
+        res = launch_crossover(plans, config, callbacks=[LineProgress()] if _show_progress(args) else [])
     out = report_crossover(res, _predict(plans, mode, args.steps))
     if res.timeline is not None:
         trace = Path(args.trace) if args.trace else paths[0].parent / "crossover.measured.json"
@@ -275,6 +354,8 @@ def run(args: argparse.Namespace) -> dict:
     from engine.io import load_plan
     from runtime import launch
     from runtime.config import LaunchConfig
+    from runtime.launcher import check_launchable
+    from runtime.runner import LaunchInterrupted
 
     if any(_is_gnn_plan(Path(p)) for p in args.plan):
         return run_gnn(args)
@@ -287,6 +368,7 @@ def run(args: argparse.Namespace) -> dict:
         return run_crossover(args, mode)
     plan_path = Path(args.plan[0])
     plan = load_plan(plan_path)
+    check_launchable(plan, name=f"the plan {plan_path}")
     plan_dir = plan_path.parent
     ckdir = Path(args.checkpoint_dir) if args.checkpoint_dir else plan_dir / "ckpt"
     trace = Path(args.trace) if args.trace else plan_dir / "trace.measured.json"
@@ -295,7 +377,12 @@ def run(args: argparse.Namespace) -> dict:
                           seed=args.seed, lr=args.lr, step_timeout=args.step_timeout, trace_path=trace,
                           device=args.device, optimizer=args.optimizer, task=args.task, data_seed=args.data_seed,
                           keep_timelines=min(args.steps, 64) if args.calibrate else 8)
-    res = launch(plan, config, callbacks=[TqdmProgress()] if _show_progress(args) else [])
+    try:
+        with _stdout_for_json(args):
+            res = launch(plan, config, callbacks=[TqdmProgress()] if _show_progress(args) else [])
+    except LaunchInterrupted as e:
+        _say_interrupted(args, e, ckdir)
+        raise
     out = report(plan, res, plan_dir=plan_dir)
     out["plan"] = str(plan_path)
     if args.calibrate:
@@ -436,8 +523,9 @@ def run_gnn(args: argparse.Namespace) -> dict:
         raise ValueError(f"{flag} does not apply to a GNN plan (its learning rate, seed and task are the plan's); "
                          "leave it out (a GNN launch takes --epochs, --device, --address, --step-timeout and --trace).")
     plan_path = Path(args.plan[0])
-    res = launch_gnn(plan_path, epochs=args.epochs, address=args.address, device=args.device,
-                     step_timeout=args.step_timeout)
+    with _stdout_for_json(args):
+        res = launch_gnn(plan_path, epochs=args.epochs, address=args.address, device=args.device,
+                         step_timeout=args.step_timeout)
     report_gnn(res)
     from engine.gnn.plan import load_gnn_plan
 

@@ -314,6 +314,7 @@ class TrainingSession:
     step_units: list[int] = field(default_factory=list)
     unit: str = "tokens"
     _val_ref: Any = field(default=None, repr=False)
+    _written: set[int] = field(default_factory=set, repr=False)  # steps this session checkpointed
 
     @property
     def _prefix(self) -> tuple:
@@ -383,8 +384,9 @@ class TrainingSession:
 
     def save(self, done: int) -> str:
         """Write the checkpoint of ``done`` steps atomically (``runtime.checkpoint.save_checkpoint``,
-        keeping ``keep_checkpoints``), then remove checkpoints past ``done`` (stale: left by an
-        earlier run in the same folder, or damaged ones a resume skipped). Returns its directory.
+        keeping ``keep_checkpoints``) after removing the checkpoints after :attr:`start_step` that
+        this session did not write (stale: left by an earlier run in the same folder, or damaged
+        ones a resume skipped). Returns its directory.
 
         Raises:
             LaunchFailure: a rank failed to give its state, or (``kind="checkpoint"``) the folder
@@ -392,6 +394,13 @@ class TrainingSession:
         """
         assert self.checkpoint_dir is not None
         slow = max(self.step_timeout, 60.0)
+        # checkpoints after the start that this session did not write belong to another history (an
+        # earlier run, or damaged ones a resume skipped): removed before the new one is written, so
+        # keeping the newest ``keep_checkpoints`` never keeps them in place of this run's own
+        for old in _ckpt.list_checkpoints(self.checkpoint_dir):
+            step = _ckpt.checkpoint_step(old) or 0
+            if step != done and step > self.start_step and step not in self._written:
+                shutil.rmtree(old, ignore_errors=True)
 
         def state_of(r: int) -> Any:
             return self.runner.call("state_dict", [self._prefix], ranks=[r], timeout=slow, step=done,
@@ -414,8 +423,6 @@ class TrainingSession:
                                 f"({e.strerror or e}){kept}; free space or fix the folder's permissions and resume",
                                 step=done, kind="checkpoint", checkpoint=self.checkpoint) from e
         self.runner.checkpoint = str(path)
-        for old in _ckpt.list_checkpoints(self.checkpoint_dir):
-            if (_ckpt.checkpoint_step(old) or 0) > done:
-                shutil.rmtree(old, ignore_errors=True)
+        self._written.add(done)
         logger.info("checkpoint %s", path)
         return str(path)
