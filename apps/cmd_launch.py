@@ -118,7 +118,7 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
                      fmt_ms(res.measured_busy[r]), fmt_gib(res.peak_memory[r]) if r < len(res.peak_memory) else "-"])
     say(table(["pipeline rank", "predicted step", "measured step", "measured/predicted", "predicted busy",
                "measured busy", "peak RSS"], rows))
-    pred_tps = predicted_rate(plan, res)
+    pred_tps = res.predicted_units_per_second   # None: the plan holds no prediction
     if ran:
         say(f"loss {res.losses[0]:.4f} (step {res.start_step}) -> {res.losses[-1]:.4f} (step {res.steps - 1})")
     if res.val_losses:
@@ -148,31 +148,6 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
     d["loss_end"] = res.losses[-1] if ran else None
     d["val_loss"] = res.val_losses[-1][1] if res.val_losses else None
     return d
-
-
-def predicted_rate(plan, res) -> float | None:
-    """The throughput the plan predicts for a launch, in the launch's unit per second, or ``None``
-    when the plan holds no prediction.
-
-    The plan's own ``metrics["tokens_per_second"]`` (the number ``tessel plan``/``search``/``show``
-    print) when the launch counts tokens and trains the batch the plan was made for (its
-    ``tokens_per_step``, where recorded, equals the launch's); otherwise the launch's units per
-    step over the plan's re-simulated step makespan (``res.predicted_makespan``, seconds); ``None``
-    when neither exists (a plan without metrics whose re-simulation failed), never ``0``.
-
-    Args:
-        plan: the launched ``engine.io.Plan``.
-        res: its :class:`runtime.LaunchResult` (``unit``, ``units_per_step``, ``predicted_makespan``).
-    """
-    tps = plan.metrics.get("tokens_per_second")
-    per_step = plan.metrics.get("tokens_per_step")
-    if (res.unit == "tokens" and isinstance(tps, (int, float)) and math.isfinite(tps) and tps > 0
-            and (per_step is None or per_step == res.units_per_step)):
-        return float(tps)
-    mk = res.predicted_makespan
-    if mk is not None and math.isfinite(mk) and mk > 0 and res.units_per_step:
-        return res.units_per_step / mk
-    return None
 
 
 @contextlib.contextmanager

@@ -55,6 +55,8 @@ class LaunchResult:
         unit: what the task's throughput counts, ``"tokens"`` or ``"samples"``.
         units_per_step: units (:attr:`unit`) in one global batch (the last step's).
         units_per_second: units / second, measured like ``tokens_per_second``.
+        predicted_units_per_second: units / second the plan predicts
+            (:func:`runtime.launcher.predicted_rate`), or ``None`` when the plan holds no prediction.
     """
 
     steps: int
@@ -88,6 +90,7 @@ class LaunchResult:
     unit: str = "tokens"
     units_per_step: int = 0
     units_per_second: float = 0.0
+    predicted_units_per_second: float | None = None
 
     @property
     def final_loss(self) -> float | None:

@@ -260,9 +260,38 @@ def _train(session: TrainingSession, callbacks: Sequence[TrainingCallback], *, d
     return loop
 
 
-def _measure(plan: Plan, loop: _Loop, *, ws: int, pp: int, steps: int, backend: str, trace_path: Any) -> dict:
-    """The measured and predicted timelines' figures for :class:`LaunchResult` (and the trace)."""
-    from engine.planner import resimulate
+def predicted_rate(plan: Plan, metrics: dict | None, *, unit: str, units_per_step: int) -> float | None:
+    """The throughput ``plan`` predicts for a launch, in the launch's ``unit`` per second, or
+    ``None`` when there is no prediction (never ``0``).
+
+    ``metrics`` is the plan's freshly predicted metrics (``engine.plan_metrics.predict``, the numbers
+    ``tessel plan``/``search``/``show`` print), or ``None`` when the prediction failed; then the
+    plan's saved ``plan.metrics`` are read instead. Their ``tokens_per_second`` is the prediction when
+    the launch counts tokens of the batch the plan was made for (its ``tokens_per_step``, where
+    recorded, equals ``units_per_step``); otherwise ``units_per_step`` over their ``makespan``
+    (seconds; a task override counting samples, or another batch); ``None`` for a plan without a
+    positive, finite prediction (an abstract plan, one saved without metrics).
+    """
+    m = metrics if metrics is not None else plan.metrics
+    if m.get("time_unit", "s") != "s":
+        return None
+    tps, per_step, mk = m.get("tokens_per_second"), m.get("tokens_per_step"), m.get("makespan")
+
+    def usable(x: Any) -> bool:
+        return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+    if unit == "tokens" and usable(tps) and (per_step is None or per_step == units_per_step):
+        return float(cast(float, tps))
+    if usable(mk) and units_per_step > 0:
+        return units_per_step / float(cast(float, mk))
+    return None
+
+
+def _measure(plan: Plan, loop: _Loop, *, ws: int, pp: int, steps: int, backend: str, trace_path: Any,
+             unit: str, units_per_step: int) -> dict:
+    """The measured and predicted timelines' figures for :class:`LaunchResult` (and the trace); the
+    prediction is ``engine.plan_metrics.predict``'s, the one every command prints."""
+    from engine.plan_metrics import predict
 
     timelines = [merge_timeline(r, pp) for r in loop.recent]
     timeline = (timelines[-1] if timelines else merge_timeline(loop.last_results, pp)) if loop.last_results else None
@@ -273,12 +302,15 @@ def _measure(plan: Plan, loop: _Loop, *, ws: int, pp: int, steps: int, backend: 
         trace_paths["measured"] = str(write_trace(timeline, os.fspath(trace_path), metadata={
             "schedule": plan.schedule.name, "backend": backend, "step": steps - 1,
             "world_size": ws, "measured": True}))
+    predicted: Any = None
+    metrics: dict | None = None
     try:
-        predicted = resimulate(plan)
+        predicted, metrics = predict(plan)
     except TesselError:
-        predicted = None
+        pass
     nan = [math.nan] * pp
     return dict(
+        predicted_units_per_second=predicted_rate(plan, metrics, unit=unit, units_per_step=units_per_step),
         timeline=timeline, timelines=timelines, trace_paths=trace_paths,
         predicted_step_time=finish_times(predicted, pp) if predicted is not None else nan,
         predicted_busy=[predicted.busy_time(r) for r in range(pp)] if predicted is not None else nan,
@@ -388,12 +420,13 @@ def launch(
             loop = _train(session, callbacks, dp=dp, keep_timelines=config.keep_timelines, stop=stop)
         started = False
         _end(callbacks)
-        measured = _measure(plan, loop, ws=ws, pp=pp, steps=steps, backend=backend.name, trace_path=config.trace_path)
+        per_step = session.step_units[-1] if session.step_units else 0
+        measured = _measure(plan, loop, ws=ws, pp=pp, steps=steps, backend=backend.name, trace_path=config.trace_path,
+                            unit=session.unit, units_per_step=per_step)
         clean = True
         skip = 1 if len(session.step_times) > 1 else 0   # the first step warms up
         timed, units = session.step_times[skip:], session.step_units[skip:]
         ups = sum(units) / sum(timed) if timed and sum(timed) > 0 else 0.0
-        per_step = session.step_units[-1] if session.step_units else 0
         tokens = session.unit == "tokens"
         return LaunchResult(
             steps=steps, start_step=session.start_step, losses=session.losses, val_losses=session.val_losses,
@@ -442,5 +475,5 @@ def _end(callbacks: Sequence[TrainingCallback]) -> None:
         cb.on_end(job=None)
 
 
-__all__ = ["check_launchable", "launch", "LaunchResult", "LaunchError", "LaunchFailure", "LaunchInterrupted",
-           "merge_moe_metrics"]
+__all__ = ["check_launchable", "launch", "predicted_rate", "LaunchResult", "LaunchError", "LaunchFailure",
+           "LaunchInterrupted", "merge_moe_metrics"]

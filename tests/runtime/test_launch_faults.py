@@ -277,16 +277,37 @@ def test_a_rank_that_dies_is_a_run_failure_not_a_user_mistake(plan_dict, tmp_pat
 
 
 def test_predicted_throughput_is_the_plans_or_says_there_is_none(plan_dict):
-    from types import SimpleNamespace
-
-    from apps.cmd_launch import predicted_rate
     from engine.io import Plan
+    from engine.plan_metrics import predicted_metrics
+    from runtime.launcher import predicted_rate
 
     plan = Plan.from_dict(plan_dict)
-    tokens = plan.metrics["tokens_per_step"]
-    res = SimpleNamespace(unit="tokens", units_per_step=tokens, predicted_makespan=float("nan"))
-    assert predicted_rate(plan, res) == pytest.approx(plan.metrics["tokens_per_second"])
+    m = predicted_metrics(plan)
+    tokens = m["tokens_per_step"]
+    assert predicted_rate(plan, m, unit="tokens", units_per_step=tokens) == pytest.approx(m["tokens_per_second"])
+    # another batch or unit (a task override): the launch's units over the predicted makespan
+    assert predicted_rate(plan, m, unit="samples", units_per_step=8) == pytest.approx(8 / m["makespan"])
+    # the prediction failed: the plan's saved metrics; none saved (or an abstract plan): no prediction, not 0
+    assert predicted_rate(plan, None, unit="tokens", units_per_step=tokens) == plan.metrics["tokens_per_second"]
     bare = Plan.from_dict({**plan_dict, "metrics": {}})
-    assert predicted_rate(bare, res) is None
-    res.predicted_makespan = 0.5
-    assert predicted_rate(bare, res) == pytest.approx(tokens / 0.5)
+    assert predicted_rate(bare, None, unit="tokens", units_per_step=tokens) is None
+    assert predicted_rate(plan, {**m, "time_unit": "units"}, unit="tokens", units_per_step=tokens) is None
+
+
+def test_the_report_says_when_the_plan_holds_no_prediction(plan_dict, tmp_path):
+    import io
+    from types import SimpleNamespace
+
+    from apps.cmd_launch import report
+    from engine.io import Plan
+
+    res = SimpleNamespace(
+        pp=2, world_size=2, dp=1, backend="gloo", task="causal-lm", start_step=0, steps=1, elapsed=1.0, setup_time=0.5,
+        losses=[5.0], val_losses=[], moe=[], unit="tokens", units_per_second=100.0, units_per_step=128,
+        predicted_step_time=[float("nan")] * 2, measured_step_time=[0.1, 0.1], predicted_busy=[float("nan")] * 2,
+        measured_busy=[0.1, 0.1], peak_memory=[1, 1], predicted_makespan=float("nan"), measured_makespan=0.1,
+        predicted_units_per_second=None, trace_paths={}, checkpoint=None, to_dict=lambda: {})
+    out = io.StringIO()
+    d = report(Plan.from_dict(plan_dict), res, plan_dir=tmp_path, out=out)
+    assert "100 tokens/s measured (128 tokens per step), no prediction in the plan;" in out.getvalue()
+    assert "0 tokens/s predicted" not in out.getvalue() and d["predicted_tokens_per_second"] is None
