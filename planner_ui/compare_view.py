@@ -56,6 +56,13 @@ class CompareEntry:
         return (1.0, "units") if self.abstract else (float(_GIB), "GiB")
 
 
+#: What the Compare tab says while it has no entries (hidden once a plan is added).
+EMPTY_HINT = ("**Nothing to compare yet.** Press **Add current plan** to add the plan shown on the Schedule tab, "
+              "then **Add baselines** to add GPipe, 1F1B, interleaved 1F1B and ZB-H1 of the same model (or, for an "
+              "abstract placement, its predefined schedules); edit or search a plan and add it again to compare "
+              "the versions. Select a row and press **Show selected** to open it on the Schedule tab.")
+
+
 class CompareView(pn.viewable.Viewer):
     """Plans side by side: a table (makespan, bubble ratio, peak memory, speedup) and bar charts.
 
@@ -293,6 +300,7 @@ class CompareView(pn.viewable.Viewer):
         self.show_button.on_click(lambda _e: self._on_selected(self.show))
         self.remove_button.on_click(lambda _e: self._on_selected(self.remove))
         self.clear_button.on_click(lambda _e: self.clear())
+        self.hint = pn.pane.Markdown(EMPTY_HINT, css_classes=["tessel-compare-hint"], sizing_mode="stretch_width")
         self.makespan_pane = pn.pane.Bokeh(self.makespan_fig, css_classes=["tessel-compare-chart"])
         self.memory_pane = pn.pane.Bokeh(self.memory_fig, css_classes=["tessel-compare-memory-chart"])
 
@@ -325,6 +333,7 @@ class CompareView(pn.viewable.Viewer):
         units = sorted(set(mk["unit"]))
         self.makespan_fig.yaxis.axis_label = " / ".join(units)
         self.table.value = self._frame()
+        self.hint.visible = not self.entries
         self.revision += 1
 
     def _on_selected(self, action) -> None:
@@ -343,10 +352,10 @@ class CompareView(pn.viewable.Viewer):
     def __panel__(self):
         return pn.Column(
             pn.Row(self.add_button, self.baselines_button, self.show_button, self.remove_button, self.clear_button),
-            self.table,
+            self.hint, self.table,
             pn.Row(self.makespan_pane, self.memory_pane, sizing_mode="stretch_width"),
             css_classes=["tessel-compare-view"], sizing_mode="stretch_width",
         )
 
 
-__all__ = ["MODEL_BASELINES", "CompareEntry", "CompareView"]
+__all__ = ["MODEL_BASELINES", "CompareEntry", "CompareView", "EMPTY_HINT"]

@@ -127,14 +127,18 @@ def fmt_rate(tps: float) -> str:
     return f"{tps:.1f} tokens/s"
 
 
+#: The header while nothing is predicted (words for the user, no function names).
+EMPTY_TEXT = ("No prediction yet: press <b>Predict co-location</b> to see copies of the current data-parallel plan "
+              "share its devices, and how much faster they run with a compute token than one after the other.")
+
+
 def crossover_header_html(prediction: ColocatedPrediction | None,
                           predictions: dict[str, ColocatedPrediction] | None = None, link: str = "") -> str:
     """Header HTML: mode, makespan, round time, aggregate and per-job throughput, speedup over
     ``predictions["sequential"]`` (when given), memory peak, the link the prediction is for
     (``link``, a description; not shown when empty) and warnings (css classes in the module doc)."""
     if prediction is None:
-        return ('<div class="tessel-crossover-summary">No co-located jobs: predict them with '
-                'engine.crossover.predict_colocated.</div>')
+        return f'<div class="tessel-crossover-summary">{EMPTY_TEXT}</div>'
     p = prediction
     parts = [
         f'mode <b class="tessel-crossover-mode">{html.escape(p.mode)}</b>',
@@ -285,8 +289,8 @@ class CrossoverView(pn.viewable.Viewer):
             return self.prediction is not None and self.prediction.mode == mode
         pred = (self.predictions or {}).get(mode)
         if pred is None:
-            self.message = (f"no prediction for mode {mode!r}: build the view with "
-                            "predictions=compare_modes(plans, steps) or CrossoverView.from_plans(plans)")
+            self.message = (f"no prediction for mode {mode!r} yet: predict the co-located jobs first "
+                            "(the Co-locate tab's Predict co-location button)")
         else:
             self.message = ""
             self.prediction = pred
@@ -324,6 +328,7 @@ __all__ = [
     "CROSSOVER_COLUMNS",
     "OP_ALPHA",
     "CrossoverView",
+    "EMPTY_TEXT",
     "crossover_columns",
     "crossover_header_html",
     "fmt_ms",

@@ -112,7 +112,7 @@ class GanttView(pn.viewable.Viewer):
     show_comm = param.Boolean(default=True, doc="draw communication blocks")
     width = param.Integer(default=None, allow_None=True, bounds=(200, None), doc="figure width, px (None: stretch)")
     height = param.Integer(default=None, allow_None=True, bounds=(120, None), doc="blocks figure height, px")
-    memory_height = param.Integer(default=190, bounds=(80, None), doc="memory figure height, px")
+    memory_height = param.Integer(default=215, bounds=(80, None), doc="memory figure height, px")
     webgl_threshold = param.Integer(default=1000, bounds=(0, None), doc="glyphs above which WebGL is used")
     label_threshold = param.Integer(default=1500, bounds=(0, None), doc="max compute blocks with labels")
     show_message = param.Boolean(default=True,
@@ -247,10 +247,18 @@ class GanttView(pn.viewable.Viewer):
                      y_range=Range1d(0, 1), **size)
         self.memory_renderer = mem.multi_line(xs="xs", ys="ys", line_color="color", line_width=1.6,
                                               source=self.memory_source, legend_field="label")
-        mem.legend.location = "top_left"
-        mem.legend.orientation = "horizontal"
-        mem.legend.label_text_font_size = "8pt"
-        mem.legend.background_fill_alpha = 0.6
+        # the legend sits below the plot area, never over the curves (Bokeh: a legend added to the
+        # "below" side panel instead of the default "center" one)
+        legend = mem.legend[0]
+        mem.center = [r for r in mem.center if r is not legend]
+        legend.orientation = "horizontal"
+        legend.location = "center"
+        legend.label_text_font_size = "8pt"
+        legend.margin = 2
+        legend.padding = 2
+        legend.border_line_alpha = 0
+        mem.add_layout(legend, "below")
+        self.memory_legend = legend
         self.memory_span = Span(location=0, dimension="width", line_color="#d62728", line_dash="dashed",
                                 line_width=2, visible=False)
         mem.add_layout(self.memory_span)

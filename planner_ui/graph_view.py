@@ -14,6 +14,8 @@ builds Bokeh models (``figure``, ``multi_line``, ``scatter``, ``HoverTool``, ``T
 
 from __future__ import annotations
 
+import html
+
 import networkx as nx
 import panel as pn
 import param
@@ -35,6 +37,7 @@ from planner_ui.graph_layout import (
     collapse,
     edge_columns,
     layout,
+    node_color,
     node_columns,
     placement_dag,
     plan_segments,
@@ -117,10 +120,13 @@ class GraphView(pn.viewable.Viewer):
         self._note_pane = pn.pane.Markdown("", css_classes=["tessel-graph-note"], sizing_mode="stretch_width",
                                            margin=(0, 10))
         self._pane = pn.pane.Bokeh(None, css_classes=["tessel-graph"], sizing_mode="stretch_width")
+        self._legend_pane = pn.pane.HTML("", css_classes=["tessel-graph-legend"], sizing_mode="stretch_width",
+                                         margin=(0, 10))
         self._layout = pn.Column(
             pn.Row(pn.pane.Markdown("**Level**", margin=(12, 5, 0, 10)), self._level_w,
                    pn.pane.Markdown("**Colour by**", margin=(12, 5, 0, 20)), self._color_w),
-            self._note_pane, self._pane, sizing_mode="stretch_width", css_classes=["tessel-graph-view"])
+            self._note_pane, self._legend_pane, self._pane, sizing_mode="stretch_width",
+            css_classes=["tessel-graph-view"])
         self.state.param.watch(self._on_structure, ["graph", "revision"])
         self.state.param.watch(self._on_selection, ["selected_segment"])
         self.param.watch(self._on_structure, ["level", "height"])
@@ -227,6 +233,7 @@ class GraphView(pn.viewable.Viewer):
             self._pane.object = self._figure()
         else:
             self._restyle()
+        self._legend_pane.object = legend_html(self.legend())
 
     # ------------------------------------------------------------------ bokeh
     def _figure(self):
@@ -290,6 +297,11 @@ class GraphView(pn.viewable.Viewer):
     def _on_selection(self, *_events) -> None:
         if self.dag.number_of_nodes():
             self._restyle()
+        self._legend_pane.object = legend_html(self.legend())
+
+    def legend(self) -> list[tuple[str, str]]:
+        """``[(colour, meaning)]`` of the node colours drawn now (:func:`legend_items`)."""
+        return legend_items(self.dag, self.color_by)
 
     def _on_tap(self, _attr, _old, new) -> None:
         if self._tapping:
@@ -305,4 +317,37 @@ class GraphView(pn.viewable.Viewer):
         return self._layout
 
 
-__all__ = ["OPS_LABEL_LIMIT", "WEBGL_NODES", "GraphView"]
+def legend_items(dag: nx.DiGraph, color_by: str = "segment") -> list[tuple[str, str]]:
+    """What the node colours of ``dag`` mean: ``[(colour, label)]`` in segment or device order,
+    e.g. ``("#1f77b4", "segment 0 (device 0)")``, ``("#9D9D9D", "on several devices")``; the
+    colours are :func:`planner_ui.graph_layout.node_color`'s, so the legend matches the nodes."""
+    items: dict[str, tuple[tuple, str]] = {}
+    for _n, a in dag.nodes(data=True):
+        color = node_color(a, color_by)
+        if color in items:
+            continue
+        devs = sorted(int(d) for d in (a.get("devices") or []))
+        seg = a.get("segment", -1)
+        if color_by == "device":
+            key, label = ((0, devs[0]), f"device {devs[0]}") if len(devs) == 1 else ((1, 0), "on several devices")
+        elif seg is not None and seg >= 0:
+            where = (f" (device {devs[0]})" if len(devs) == 1
+                     else f" (devices {', '.join(map(str, devs))})" if devs else "")
+            key, label = (0, int(seg)), f"segment {int(seg)}{where}"
+        else:
+            key, label = (1, 0), "in no segment"
+        items[color] = (key, label)
+    return [(c, label) for c, (_k, label) in sorted(items.items(), key=lambda kv: kv[1][0])]
+
+
+def legend_html(items: list[tuple[str, str]]) -> str:
+    """A one-line HTML legend: a colour swatch and its label per item (empty for no items)."""
+    if not items:
+        return ""
+    sw = ('<span style="display:inline-block;width:12px;height:12px;border-radius:6px;background:{c};'
+          'margin:0 4px -1px 12px"></span>{t}')
+    return ('<div class="tessel-graph-legend-items"><b>Colours:</b>'
+            + "".join(sw.format(c=html.escape(c), t=html.escape(t)) for c, t in items) + "</div>")
+
+
+__all__ = ["OPS_LABEL_LIMIT", "WEBGL_NODES", "GraphView", "legend_html", "legend_items"]

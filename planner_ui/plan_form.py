@@ -26,6 +26,24 @@ def model_choices() -> list[str]:
     return [k for k in list_models() if ":" not in k]
 
 
+def describe_shown(plan) -> str:
+    """One line saying what the app shows now, for the sidebar: the model, schedule, devices and
+    micro-batches of ``plan`` (a :class:`~engine.io.Plan` or ``None``), or that it is an abstract
+    placement without a model (a search on abstract units), in which case the form's fields are
+    not what is drawn."""
+    if plan is None:
+        return "**Shown:** nothing yet; press Plan."
+    s = plan.schedule
+    size = f"{s.num_devices} devices x {s.num_micro_batches} micro-batches"
+    if plan.meta.get("abstract"):
+        return (f"**Shown:** the abstract plan *{s.name}* ({size}, abstract time units, no model); "
+                "the fields below are not applied to it: press Plan to plan a model again.")
+    device = (plan.cost.get("device") or {}).get("name", "") if isinstance(plan.cost, dict) else ""
+    on = f" {device}" if device else ""
+    return f"**Shown:** {plan.model.name or 'a model'}, schedule *{s.name}*, {s.num_devices}{on} devices x " \
+           f"{s.num_micro_batches} micro-batches."
+
+
 class PlanForm(pn.viewable.Viewer):
     """Form with model, devices, micro-batches, schedule, device type, DP/TP; "Plan" runs
     :func:`engine.planner.make_plan` and loads the plan and graph into ``state``.
@@ -69,6 +87,14 @@ class PlanForm(pn.viewable.Viewer):
         self._button.on_click(lambda _e: self.run_async())
         self._spinner = pn.indicators.LoadingSpinner(value=False, size=20, visible=False)
         self.param.watch(self._on_busy, "busy")
+        self._shown = pn.pane.Markdown(describe_shown(self.state.plan), css_classes=["tessel-plan-shown"],
+                                       sizing_mode="stretch_width", margin=(0, 10))
+        self.state.param.watch(lambda _e: setattr(self._shown, "object", describe_shown(self.state.plan)), "revision")
+
+    @property
+    def shown_text(self) -> str:
+        """The sidebar's line describing the plan on screen (:func:`describe_shown`)."""
+        return self._shown.object
 
     def _on_busy(self, event) -> None:
         self._button.disabled = event.new
@@ -124,8 +150,8 @@ class PlanForm(pn.viewable.Viewer):
                               "dp": pn.widgets.IntInput, "tp": pn.widgets.IntInput,
                               "transforms": {"type": pn.widgets.CheckBoxGroup, "inline": False}},
                      show_name=False, sizing_mode="stretch_width")
-        return pn.Column("### Plan a model", self._model_w, w, pn.Row(self._button, self._spinner),
+        return pn.Column("### Plan a model", self._shown, self._model_w, w, pn.Row(self._button, self._spinner),
                          sizing_mode="stretch_width", css_classes=["tessel-plan-form"])
 
 
-__all__ = ["PlanForm", "model_choices", "DEVICE_TYPES"]
+__all__ = ["PlanForm", "model_choices", "describe_shown", "DEVICE_TYPES"]

@@ -245,11 +245,16 @@ class PlanState(param.Parameterized):
         return self.move_block(device, src, dst)
 
     def drop_block(self, block: str, device: int, x: float) -> EditResult:
-        """A drag-and-drop edit: ``block`` dropped on ``device``'s row at time ``x`` (seconds).
+        """A drag-and-drop edit: ``block`` dropped on ``device``'s row, centred at time ``x`` (seconds).
 
-        The new position is after every other block of that device that starts before ``x``
-        in the current timeline. Dropping on a device outside the block's placement device set
-        is rejected (the placement fixes where each block runs).
+        A user lines blocks up by their left edges: when the dropped block's left edge
+        ``x - width / 2`` (its width in the current timeline) lies within :data:`SNAP_FRACTION` of its
+        width of another block's start, the block takes that block's place (before it when dragged
+        left, after it when dragged right); otherwise it goes after every other block of the device
+        that starts before ``x``. A drop that leaves the order as it was is reported in the
+        message (``ok`` is ``False``, rule ``"position"``) instead of being silently put back.
+        Dropping on a device outside the block's placement device set is rejected (the placement
+        fixes where each block runs).
         """
         t0 = time.perf_counter()
         if self.plan is None:
@@ -265,15 +270,16 @@ class PlanState(param.Parameterized):
         if device not in devs:
             return self._reject(f"cannot move {block} to device {device}: its placement runs it on device(s) {devs}; "
                                 "change the placement to move it across devices", "device", t0)
-        src = s.orders[device].index(b)
-        starts = block_starts(self.timeline, device)
-        dst = 0
-        for pos, other in enumerate(s.orders[device]):
-            if pos == src:
-                continue
-            st = starts.get(str(other))
-            if st is not None and st < x:
-                dst += 1
+        order = s.orders[device]
+        src = order.index(b)
+        dst = drop_position(block_spans(self.timeline, device), [str(o) for o in order], src, x)
+        if dst == src:
+            where = (f"between {order[src - 1]} and {order[src + 1]}" if 0 < src < len(order) - 1
+                     else "first" if src == 0 else "last")
+            text = (f"{block} stays at position {src} on device {device} ({where}): it was dropped where it already "
+                    "runs; to move it, drop its left edge on the left edge of the block it should replace")
+            self._say(text, "info")
+            return EditResult(False, text, "position", time.perf_counter() - t0)
         return self.move_block(device, src, dst)
 
     def _reject(self, text: str, rule: str, t0: float) -> EditResult:
@@ -320,4 +326,40 @@ def block_starts(timeline: Timeline | None, device: int) -> dict[str, float]:
             if e.rank == device and e.stream == "compute" and e.op in ("F", "B", "I", "W")}
 
 
-__all__ = ["PlanState", "EditResult", "abstract_plan", "block_starts"]
+#: A drop snaps to another block's place when the dropped left edge is within this fraction of
+#: the dropped block's width of that block's start.
+SNAP_FRACTION = 0.35
+
+
+def block_spans(timeline: Timeline | None, device: int) -> dict[str, tuple[float, float]]:
+    """``{action string: (start, end) seconds}`` of the compute blocks on ``device`` in ``timeline``."""
+    if timeline is None:
+        return {}
+    return {e.name: (e.start, e.end) for e in timeline.events
+            if e.rank == device and e.stream == "compute" and e.op in ("F", "B", "I", "W")}
+
+
+def drop_position(spans: dict[str, tuple[float, float]], order: list[str], src: int, x: float) -> int:
+    """The new position of ``order[src]`` dropped centred at ``x`` seconds (see :meth:`PlanState.drop_block`).
+
+    Args:
+        spans: ``{block: (start, end)}`` seconds on the device (:func:`block_spans`).
+        order: the device's order as action strings; ``src``: the dropped block's index in it.
+        x: the dropped block's centre, seconds.
+
+    Returns the destination index for :meth:`engine.schedule.Schedule.move` (``src`` when the order
+    would not change).
+    """
+    start, end = spans.get(order[src], (x, x))
+    width = max(end - start, 0.0)
+    left = x - width / 2
+    tol = SNAP_FRACTION * width
+    near = [(abs(spans[o][0] - left), pos) for pos, o in enumerate(order) if pos != src and o in spans]
+    if near and width > 0:
+        dist, pos = min(near)
+        if dist <= tol:
+            return pos
+    return sum(1 for pos, o in enumerate(order) if pos != src and o in spans and spans[o][0] < x)
+
+
+__all__ = ["PlanState", "EditResult", "abstract_plan", "block_starts", "block_spans", "drop_position", "SNAP_FRACTION"]

@@ -97,7 +97,7 @@ def test_mode_without_prediction_is_a_message(synthetic_modes):
     assert "no prediction for mode 'crossover'" in view.message and view._alert.visible
     assert view.prediction is synthetic_modes["uncoordinated"]
     empty = CrossoverView()
-    assert empty.block_count == 0 and "No co-located jobs" in empty.header_text
+    assert empty.block_count == 0 and "No prediction yet" in empty.header_text
 
 
 def test_real_plans_and_root(dp2_plan):
