@@ -116,8 +116,3 @@ def test_resume_from_a_missing_or_empty_folder_is_refused(tmp_path):
     assert resume_point(tmp_path / "nowhere", resume=False, plan=PLAN, world_size=WS, steps=10, optimizer="adam",
                         error=LaunchError) == (None, None)  # a fresh run needs no folder yet
 
-
-def test_two_checkpoints_are_kept_by_default_so_a_fallback_exists(tmp_path):
-    for step in (1, 2, 3):
-        ck.save_checkpoint(tmp_path, step, [{"w": torch.zeros(1)}] * WS, plan=PLAN)
-    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]

@@ -248,9 +248,13 @@ def test_ctrl_c_checkpoints_the_last_step_and_prints_the_resume_command(plan_dic
 @pytest.mark.timeout(180)
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(plan_dict, tmp_path, capsys, worker,
                                                                    ray_cluster):
+    from engine.io import Plan
+
     worker(FakeWorker)
     path = _write(tmp_path, plan_dict)
-    assert cli.main(["launch", str(path), "--steps", "2", "--checkpoint-every", "1"]) == 0
+    for step in (1, 2):  # what a 2-step run with --checkpoint-every 1 of FakeWorker writes
+        ck.save_checkpoint(tmp_path / "ckpt", step, [{"w": torch.full((4,), float(step))}] * 2,
+                           [ck.capture_rng()] * 2, plan=Plan.from_dict(plan_dict), extra={"optimizer": "adam"})
     newest = tmp_path / "ckpt" / "step_000002"
     data = (newest / "rank_00001.pt").read_bytes()
     (newest / "rank_00001.pt").write_bytes(data[: len(data) // 3])
@@ -308,6 +312,6 @@ def test_the_report_says_when_the_plan_holds_no_prediction(plan_dict, tmp_path):
         measured_busy=[0.1, 0.1], peak_memory=[1, 1], predicted_makespan=float("nan"), measured_makespan=0.1,
         predicted_units_per_second=None, trace_paths={}, checkpoint=None, to_dict=lambda: {})
     out = io.StringIO()
-    d = report(Plan.from_dict(plan_dict), res, plan_dir=tmp_path, out=out)
+    d = report(Plan.from_dict({**plan_dict, "metrics": {}}), res, plan_dir=tmp_path, out=out)
     assert "100 tokens/s measured (128 tokens per step), no prediction in the plan;" in out.getvalue()
     assert "0 tokens/s predicted" not in out.getvalue() and d["predicted_tokens_per_second"] is None
