@@ -71,31 +71,44 @@ class SearchPlan:
         return rows
 
 
-def _tied_groups(module: Any, segments: list[dict], num_parts: int) -> list:
-    """The tied-weight groups of a search plan's segments, as ``runtime.stage.build_stages`` finds
-    them: the model's own tied parameters (GPT-2's ``wte``/``lm_head``) between the segments holding
-    them (:func:`engine.transform.tied_parameter_groups`), across every model replica of X; and, for
-    X (segments beyond ``num_parts`` are replicas: segment ``k`` of replica ``c`` is ``c x parts + k``), each
-    part's other parameters tied with their copies (Chimera's stage-pair all-reduce; one group per
-    part named ``"part k"``, its bytes less the model's tied copies counted there)."""
+def _tied_groups(module: Any, parts: list[dict], num_segments: int) -> tuple[list[dict], list]:
+    """The segments of a search plan's ``parts`` and their tied-weight groups, as
+    ``runtime.stage.build_stages`` builds them.
+
+    The model's own tied parameters (GPT-2's ``wte``/``lm_head``) are held by every part whose
+    layers contain them (:func:`engine.transform.tied_parameter_groups`); each holder but the first
+    keeps its own copy, counted in its ``param_bytes`` (:func:`engine.transform.add_tied_copies`,
+    as :func:`engine.planner.make_plan` counts it). Beyond ``len(parts)`` segments (X: model
+    replicas, segment ``k`` of replica ``c`` is ``c x parts + k``) every group spans all replicas, and
+    each part's other parameters are tied with their copies (Chimera's stage-pair all-reduce; one
+    group per part named ``"part k"`` of its bytes less the model's tied copies it holds).
+
+    Returns:
+        ``(segments, groups)``: the segment dicts (``index``; replicas ``replica_of``) and the
+        :class:`engine.dependency.TiedGroup` list, sorted by members.
+    """
     from engine.dependency import TiedGroup
     from engine.transform import tied_parameter_groups
 
-    layers = [list(seg.get("layers") or []) for seg in segments[:num_parts]]
-    model_groups = tied_parameter_groups(module, layers)
-    replicas = len(segments) // num_parts if num_parts else 1
+    k = len(parts)
+    model_groups = tied_parameter_groups(module, [list(p.get("layers") or []) for p in parts])
+    extra: dict[int, int] = {}
+    for g in model_groups:
+        for s in g.segments()[1:]:   # the first holder already counted it at first use
+            extra[s] = extra.get(s, 0) + g.nbytes
+    segments = [{"index": i, **p, "param_bytes": int(p.get("param_bytes", 0)) + extra.get(i, 0)}
+                for i, p in enumerate(parts)]
+    replicas = max(1, num_segments // k) if k else 1
+    segments += [{**segments[s % k], "index": s, "replica_of": s % k} for s in range(k, num_segments)]
     if replicas <= 1:
-        return list(model_groups)
-    out = [TiedGroup(tuple(sorted((s + c * num_parts, n) for c in range(replicas) for s, n in g.members)), g.nbytes)
-           for g in model_groups]
-    counted: dict[int, int] = {}
-    for g in model_groups:   # capture counts a tied parameter once, in its first segment
-        first = g.segments()[0]
-        counted[first] = counted.get(first, 0) + g.nbytes
-    for k in range(num_parts):
-        nbytes = max(0, int(segments[k].get("param_bytes", 0)) - counted.get(k, 0))
-        out.append(TiedGroup(tuple((k + c * num_parts, f"part {k}") for c in range(replicas)), nbytes))
-    return sorted(out, key=lambda g: g.members)
+        return segments, list(model_groups)
+    groups = [TiedGroup(tuple(sorted((s + c * k, n) for c in range(replicas) for s, n in g.members)), g.nbytes)
+              for g in model_groups]
+    for i in range(k):
+        held = sum(g.nbytes for g in model_groups if i in g.segments())
+        nbytes = max(0, int(segments[i]["param_bytes"]) - held)
+        groups.append(TiedGroup(tuple((i + c * k, f"part {i}") for c in range(replicas)), nbytes))
+    return segments, sorted(groups, key=lambda g: g.members)
 
 
 def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, *, micro_batch_size: int = 1,
@@ -172,15 +185,12 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
         meta["memory_limit"] = memory_limit
 
     def build(schedule: Any, placement: Any, parts_: list[dict], split_: str) -> Any:
-        segments = [{"index": i, **p} for i, p in enumerate(parts_)]
-        k = len(parts_)
-        if placement.num_segments > k:   # X: a second model replica; its stage k repeats part k
-            segments += [{**segments[s % k], "index": s, "replica_of": s % k} for s in range(k, placement.num_segments)]
+        # X: a second model replica, its stage k repeats part k; tied copies counted where they are held
+        segments, tied = _tied_groups(bundle.module, parts_, placement.num_segments)
         if placement.name == "K":   # each tower starts from its own model input (the text ids, the code ids)
             sources = [b.segment for b in placement.blocks if b.kind == "F" and not b.deps]
             for i, s in enumerate(sources):
                 segments[s] = {**segments[s], "inputs": [i]}
-        tied = _tied_groups(bundle.module, segments, k)
         batch = micro_batch_size * schedule.num_micro_batches * placement.data_per_instance
         ref = ModelRef(name=bundle.name, source=bundle.source, config=bundle.config,
                        micro_batch_size=micro_batch_size, batch_size=batch,
