@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import time
+
 import networkx as nx
 
 from engine.placement import Placement
@@ -35,11 +37,14 @@ def critical_path(placement: Placement) -> float:
     return max(longest.values(), default=0.0)
 
 
-def makespan_lower_bound(placement: Placement, m: int, memory_limit=None) -> float:
+def makespan_lower_bound(placement: Placement, m: int, memory_limit=None, *, deadline: float | None = None) -> float:
     """Seconds: no schedule of ``m`` micro-batches finishes sooner (communication ignored).
 
     With ``memory_limit`` (per device, scalar or list, static memory included, the placement's
-    memory unit) it is also at least :func:`memory_time_bound`.
+    memory unit) it is also at least :func:`memory_time_bound`. ``deadline`` (a
+    ``time.perf_counter()`` value) bounds the memory-time term's effort, the only part that is
+    quadratic in the blocks: past it, devices not yet examined are left out of that term (the
+    result is still a lower bound, possibly a weaker one).
 
     Per device ``d`` the bound is ``head(d) + m * busy(d) + tail(d)``, the largest over devices,
     and at least the critical path. ``busy(d)`` is ``d``'s work per micro-batch; ``head`` and
@@ -88,11 +93,11 @@ def makespan_lower_bound(placement: Placement, m: int, memory_limit=None) -> flo
         else:
             best = max(best, max(path_head, ex_head) + work + path_tail, path_head + work + max(path_tail, ex_tail))
     if memory_limit is not None:
-        best = max(best, memory_time_bound(placement, m, memory_limit))
+        best = max(best, memory_time_bound(placement, m, memory_limit, deadline=deadline))
     return best
 
 
-def memory_time_bound(placement: Placement, m: int, memory_limit) -> float:
+def memory_time_bound(placement: Placement, m: int, memory_limit, *, deadline: float | None = None) -> float:
     """Seconds: the makespan ``m`` micro-batches need to fit their activations under the limit.
 
     Little's law on memory. On device ``d``, an activation of ``s`` bytes allocated when its
@@ -108,7 +113,9 @@ def memory_time_bound(placement: Placement, m: int, memory_limit) -> float:
     0 holds the all-device ``F0``'s and its own ``F1``'s activation through the 12-unit chain
     ``F1 .. B1``, so ``T >= 3 m + 2 * 12 m / 6 = 7 m``, although it works only ``6 m``. A device
     whose frees cannot be paired with an earlier forward of the same segment is skipped (the bound
-    stays valid, only weaker). Gradient buffers are ignored (they only add memory).
+    stays valid, only weaker). Gradient buffers are ignored (they only add memory). Past
+    ``deadline`` (a ``time.perf_counter()`` value) the device being examined and the rest are
+    skipped the same way (its cost grows with blocks squared: one ancestor set per freeing block).
 
     Raises:
         ValueError: a ``memory_limit`` list with the wrong number of devices.
@@ -134,6 +141,8 @@ def memory_time_bound(placement: Placement, m: int, memory_limit) -> float:
         for f in placement.blocks_on(d):
             if blocks[f].memory >= 0:
                 continue
+            if deadline is not None and time.perf_counter() >= deadline:
+                return best  # out of time: the devices examined so far (still a lower bound)
             anc = nx.ancestors(g, f)
             alloc = [a for a in anc if blocks[a].kind == "F" and blocks[a].segment == blocks[f].segment
                      and d in blocks[a].devices and blocks[a].memory > 0]
@@ -177,19 +186,24 @@ def exclusion_idle(placement: Placement, d: int) -> tuple[tuple[float, set[int]]
     on = set(placement.blocks_on(d))
 
     def side(graph) -> tuple[float, set[int]]:
-        anc = {i: nx.ancestors(graph, i) for i in on}
-        waits = {i for i in on if any(d not in blocks[a].devices for a in anc[i])}
+        topo = list(nx.topological_sort(graph))
+        # foreign[i]: block i has an ancestor not on d (one topological pass, not one ancestor set per block)
+        foreign: dict[int, bool] = {}
+        for i in topo:
+            foreign[i] = any(foreign[p] or d not in blocks[p].devices for p in graph.predecessors(i))
+        waits = {i for i in on if foreign[i]}
         free = on - waits  # what d can run before the first waiting block starts
         if not waits:
             return 0.0, waits
+        free_sets = {frozenset(blocks[f].devices) for f in free}  # distinct device sets: few
 
         def blocking(p: int) -> bool:
-            return d not in blocks[p].devices and all(set(blocks[p].devices) & set(blocks[f].devices) for f in free)
+            return d not in blocks[p].devices and all(not fs.isdisjoint(blocks[p].devices) for fs in free_sets)
 
+        weight = {p: blocks[p].duration if blocking(p) else 0.0 for p in topo}
         acc: dict[int, float] = {}  # heaviest blocking-weight path ending at i, i excluded
-        for i in nx.topological_sort(graph):
-            acc[i] = max((acc[p] + (blocks[p].duration if blocking(p) else 0.0) for p in graph.predecessors(i)),
-                         default=0.0)
+        for i in topo:
+            acc[i] = max((acc[p] + weight[p] for p in graph.predecessors(i)), default=0.0)
         return min(acc[i] for i in waits), waits
 
     return side(g), side(g.reverse(copy=True))

@@ -107,6 +107,7 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
     units, independent of machine speed and load), so a solve that ends on it returns the same
     solution on every run; ``time_limit`` stays the wall-clock safety bound.
     """
+    t_build = time.perf_counter()
     model = cp_model.CpModel()
     fset = set(free)
     hi = max(horizon, hint[1] + 1, max((t + sc.durations[i[1]] for i, t in hint[0].items()), default=0) + 1)
@@ -160,7 +161,8 @@ def _solve(pl: Placement, sc: Scaled, free: list[Inst], fixed: dict[Inst, int], 
     model.minimize(obj)
     model.add_hint(obj, hint[1])  # a complete hint: CP-SAT starts from it instead of repairing it
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, time_limit)
+    # ``time_limit`` covers building the model too (seconds on placements of thousands of blocks)
+    solver.parameters.max_time_in_seconds = max(0.01, time_limit - (time.perf_counter() - t_build))
     if det_limit is not None:
         solver.parameters.max_deterministic_time = max(0.001, det_limit)
     solver.parameters.random_seed = seed

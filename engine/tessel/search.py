@@ -35,6 +35,37 @@ from engine.tessel.seed import policy_repetends
 #: makespans within 2% of the wall-clock version (some shorter, some longer).
 COMPLETION_DET_PER_S = 0.1
 
+#: Block instances (placement blocks x micro-batches) per second the seed phase's probe (the
+#: memory-aware 1F1B policy on 48 micro-batches, lowered and simulated) handles at least. Measured
+#: on a 2-core x86 machine: 2,000 blocks x 48 micro-batches (96,000 instances) in about 8 s, so
+#: about 12,000 per second; the seed phase runs only when its estimate fits :data:`SEED_SHARE` of
+#: ``time_limit``. An estimate from the size, not the clock, so the search stays deterministic.
+SEED_INSTANCES_PER_S = 10_000
+
+#: Share of ``time_limit`` the seed phase may take (estimated, see :data:`SEED_INSTANCES_PER_S`).
+SEED_SHARE = 0.2
+
+#: Micro-batches the seed phase's policy probe schedules (:func:`engine.tessel.seed.policy_repetends`).
+SEED_PROBE_MICRO_BATCHES = 48
+
+#: Block instances (placement blocks x micro-batches) per second that turning a repetend into the
+#: returned schedule handles at least: unrolling it, lowering and simulating the schedule, and
+#: validating it. Measured on a 2-core x86 machine: 10,000 blocks x 4 and x 16 micro-batches in
+#: 1.4 s and 6.2 s (about 27,000 per second). The search phases before it stop that long before
+#: ``time_limit``; where it alone would exceed ``time_limit`` the search refuses at once.
+FINISH_INSTANCES_PER_S = 20_000
+
+#: Block instances per second CP-SAT models are built at least (the repetend's and the
+#: completion's, in Python). Measured on a 2-core x86 machine: the repetend model of 10,000 blocks
+#: in about 1 s. A solve is not started when what is left of the time cannot even build its model.
+MODEL_INSTANCES_PER_S = 10_000
+
+#: Memory-order pairs per second the repetend model is built at least: with a memory limit (or a
+#: memory objective) it holds one boolean per (allocating block, other memory block) pair on each
+#: device, quadratic in the blocks per device. Measured on a 2-core x86 machine: 125,000 pairs (a
+#: 1,000-block pipeline on 4 devices) in 5.3 s, about 24,000 per second.
+MODEL_PAIRS_PER_S = 20_000
+
 #: Share of ``time_limit`` one repetend solve for a window of several micro-batches may take
 #: (all of them together at most 30%): larger windows are a refinement after ``r = 1``.
 REFINE_SOLVE_SHARE = 0.03
@@ -213,8 +244,13 @@ def tessel_search(
         m: micro-batches per step (placement instances).
         memory_limit: per-device limit in the placement's memory units (bytes for a captured
             model, abstract units for unit placements), static memory included; ``None`` = no limit.
-        time_limit: wall-clock seconds for the whole search; when it hits, the best solution so
-            far is completed and returned (``timed_out`` set).
+        time_limit: wall-clock seconds for the whole search, every phase included; when it hits,
+            the best solution so far is completed and returned (``timed_out`` set; the sequential
+            repetend, one micro-batch at a time, when nothing better was found). The phases before
+            the completion stop early enough to leave it its estimated time
+            (:data:`FINISH_INSTANCES_PER_S`), a solve is not started when the time left cannot
+            build its model (:data:`MODEL_INSTANCES_PER_S`), and the seed phase is skipped where it
+            would not fit :data:`SEED_SHARE` of the limit.
         seed: CP-SAT random seed; with ``workers=1`` the result is deterministic (the completion
             runs on CP-SAT's deterministic time; only a repetend solve that ends on its wall-clock
             cap, ``timed_out``, or a completion on a machine so loaded that its wall-clock guard
@@ -259,7 +295,9 @@ def tessel_search(
         InfeasibleMemoryError: the limit is below the memory floor (the message gives the
             smallest feasible limit).
         SearchCancelled: cancelled before the search started.
-        TesselError: ``m < 1``, a bad objective, or ``max_window_micro_batches < 1``.
+        TesselError: ``m < 1``, a bad objective, ``max_window_micro_batches < 1``, a time limit that
+            is not a positive number, or one shorter than building and checking the schedule alone
+            takes (blocks x ``m`` / :data:`FINISH_INSTANCES_PER_S` seconds).
     """
     from engine.dependency import lower
     from engine.simulate import simulate
@@ -274,8 +312,17 @@ def tessel_search(
                           f"default 2), got {max_window_micro_batches!r}")
     if control is not None and control.cancelled:
         raise SearchCancelled("the search was cancelled before it started")
+    if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
+        raise TesselError(f"the time limit must be a positive number of seconds, got {time_limit!r}")
     t_start = time.perf_counter()
-    deadline = t_start + time_limit
+    # the schedule is built, simulated and validated after the search phases: keep time for it
+    finish_s = len(placement.blocks) * m / FINISH_INSTANCES_PER_S
+    if finish_s > time_limit:
+        raise TesselError(
+            f"a schedule of {len(placement.blocks):,} blocks x {m} micro-batches takes about {finish_s:.0f} s to build "
+            f"and check, more than the time limit of {time_limit:g} s; give a time limit of at least "
+            f"{math.ceil(2 * finish_s)} s or fewer micro-batches")
+    deadline = t_start + time_limit - finish_s
     caps = _limits(placement, memory_limit)
     floor = memory_floor(placement)
     if caps is not None:
@@ -305,7 +352,15 @@ def tessel_search(
             self.best = sequential_repetend(self.pl, self.sc)
             self.best.micro_batches = r
             self.proven_lo = self.lb
+            mem = [sum(1 for i in self.pl.blocks_on(d) if self.sc.memory[i]) for d in range(self.pl.num_devices)]
+            alloc = [sum(1 for i in self.pl.blocks_on(d) if self.sc.memory[i] > 0) for d in range(self.pl.num_devices)]
+            self.memory_pairs = sum(a * b for a, b in zip(alloc, mem))
             self.max_latency = _critical_ticks(self.pl, self.sc) if objective == "latency" else None
+
+        def build_seconds(self, memory: bool) -> float:
+            """Estimated seconds to build this window's CP-SAT model (with its memory part or not)."""
+            pairs = self.memory_pairs / MODEL_PAIRS_PER_S if memory else 0.0
+            return len(self.pl.blocks) / MODEL_INSTANCES_PER_S + pairs
 
         @property
         def per_mb(self) -> float:
@@ -334,7 +389,9 @@ def tessel_search(
                 hint: Repetend | None = None, hinted_share: float = 0.0):
         nonlocal steps, timed_out
         remaining = deadline - time.perf_counter()
-        if remaining <= 0.02 or (control is not None and control.cancelled):
+        # a solve cannot end sooner than building its model: on thousands of blocks, seconds
+        memory = caps is not None or objective_ in ("memory", "latency+memory")
+        if remaining <= max(0.02, c.build_seconds(memory)) or (control is not None and control.cancelled):
             timed_out = True
             return "unknown", None
         budget = remaining * budget_share if cap_s is None else min(remaining * budget_share, cap_s)
@@ -351,8 +408,12 @@ def tessel_search(
     # of time counts as "not found" (the window grows, but is not proven infeasible). Feasibility
     # is monotone in the window (idle time can be added), so an infeasible window proves all shorter.
     step_cap = 0.15 * time_limit
-    # the memory-aware 1F1B policy's steady state, where periodic, seeds the window of its size
-    seeds = {} if objective == "latency" else policy_repetends(placement, res, caps, max_window=3)
+    # the memory-aware 1F1B policy's steady state, where periodic, seeds the window of its size;
+    # skipped where its probe would not fit its share of the time (placements of many blocks)
+    seed_cost_s = len(placement.blocks) * SEED_PROBE_MICRO_BATCHES / SEED_INSTANCES_PER_S
+    seeds = {}
+    if objective != "latency" and seed_cost_s <= SEED_SHARE * time_limit:
+        seeds = policy_repetends(placement, res, caps, max_window=3, probe_micro_batches=SEED_PROBE_MICRO_BATCHES)
     cands: dict[int, Candidate] = {1: one}
     for r, seed_rep in sorted(seeds.items()):  # seeds first: each is a strong upper bound, checked in one solve
         c = cands.setdefault(r, one if r == 1 else Candidate(r))
@@ -431,7 +492,9 @@ def tessel_search(
     if bar is not None:
         bar.close()
     best = c.best
-    ms_lb = makespan_lower_bound(placement, m, memory_limit=caps)
+    # the memory-time term of the bound is quadratic in the blocks: a share of what time is left
+    ms_lb = makespan_lower_bound(placement, m, memory_limit=caps,
+                                 deadline=time.perf_counter() + max(0.0, 0.1 * (deadline - time.perf_counter())))
     # (2b) sink deferral (defer.py): the best repetend, and the policy's steady states with the
     # same period per micro-batch, each with its sinks (e.g. W blocks) deferred while the
     # unrolled makespan does not grow and memory fits; the shortest unrolled makespan wins.
@@ -483,7 +546,9 @@ def tessel_search(
     chosen = simulated("unrolled", unrolled(best, m_windows, len(c.pl.blocks)))
     remaining = deadline - time.perf_counter()
     at_bound = chosen[0] <= ms_lb * (1 + 1e-9)
-    if (remaining > 0.05 and max(best.offsets, default=0) > 0 and not at_bound
+    # the compaction solves a model over several copies of the window, then simulates once more
+    comp_build_s = 6 * len(c.pl.blocks) / MODEL_INSTANCES_PER_S  # about six copies of the window
+    if (remaining > max(0.05, 2 * comp_build_s + finish_s) and max(best.offsets, default=0) > 0 and not at_bound
             and not (control is not None and control.cancelled)):
         comp_cap = max(1.0, 0.3 * time_limit)
         # reschedule the partial copies and two complete ones at each end (W blocks deferred
@@ -491,7 +556,8 @@ def tessel_search(
         # deterministic time (reproducible); the wall clock (twice the budget's usual duration,
         # never past the deadline) only guards a much slower or loaded machine.
         comp = complete(c.pl, c.sc, best, m_windows, memory_cap=comp_caps,
-                        time_limit=min(remaining, 2 * comp_cap), seed=seed, free_copies=2, stall=completion_stall,
+                        time_limit=min(remaining - finish_s, 2 * comp_cap), seed=seed, free_copies=2,
+                        stall=completion_stall,
                         deterministic_time=None if completion_stall is not None else COMPLETION_DET_PER_S * comp_cap)
         other = simulated("compacted", comp)
         if other[0] < chosen[0] - 1e-12:
