@@ -15,6 +15,7 @@ directly. The JSON form (files and the ``placement`` field of plans) lives in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from math import prod
 from typing import Iterable, Sequence
@@ -25,6 +26,11 @@ from engine.errors import PlacementError
 
 #: Block kinds: forward, full backward, backward for inputs, backward for weights.
 BLOCK_KINDS = ("F", "B", "I", "W")
+
+#: Most devices a placement may have: far beyond any pipeline, and low enough that the loops over
+#: devices of the planners, the search and the simulator stay quick (a file declaring 10^9 devices
+#: would otherwise hang them).
+MAX_DEVICES = 65_536
 
 _DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
@@ -143,9 +149,11 @@ class Placement:
     blocks' ``memory`` deltas); :meth:`reserved_bytes` bounds everything but the activations.
 
     Raises:
-        PlacementError: a device out of range, a dependency index out of range, a cycle,
-            a duplicate ``(kind, segment)``, an unknown kind, a backward without its forward, or
-            ``grad_memory``/``grad_transient`` not holding one non-negative value per segment.
+        PlacementError: a device out of range, more than :data:`MAX_DEVICES` devices, segment
+            numbers beyond the number of blocks, a negative or non-finite duration, a dependency
+            index out of range, a cycle, a duplicate ``(kind, segment)``, an unknown kind, a backward
+            without its forward, or ``grad_memory``/``grad_transient`` not holding one non-negative
+            value per segment.
     """
 
     num_devices: int
@@ -162,12 +170,19 @@ class Placement:
         object.__setattr__(self, "grad_transient", tuple(int(x) for x in self.grad_transient))
         if self.num_devices < 1:
             raise PlacementError(f"a placement needs at least one device, got num_devices={self.num_devices}")
+        if self.num_devices > MAX_DEVICES:
+            raise PlacementError(f"a placement has at most {MAX_DEVICES:,} devices, got num_devices="
+                                 f"{self.num_devices:,}")
         if self.static_memory and len(self.static_memory) != self.num_devices:
             raise PlacementError(
                 f"static_memory has {len(self.static_memory)} entries but the placement has "
                 f"{self.num_devices} devices; give one value per device"
             )
         n_seg = 1 + max((b.segment for b in self.blocks), default=-1)
+        if n_seg > len(self.blocks):
+            # segments are numbered 0, 1, ...: loops over segments must stay bounded by the blocks
+            raise PlacementError(f"segment numbers run to {n_seg - 1:,} but the placement has only {len(self.blocks)} "
+                                 "blocks; number the segments 0, 1, 2, ... in order")
         for field_name in ("grad_memory", "grad_transient"):
             vals = getattr(self, field_name)
             if vals and len(vals) != n_seg:
@@ -190,8 +205,9 @@ class Placement:
                     )
             if len(set(b.devices)) != len(b.devices):
                 raise PlacementError(f"block {b.segment}{b.kind} lists a device twice: {list(b.devices)}")
-            if b.duration < 0:
-                raise PlacementError(f"block {b.segment}{b.kind} has negative duration {b.duration}")
+            if not math.isfinite(b.duration) or b.duration < 0:
+                raise PlacementError(f"block {b.segment}{b.kind} has duration {b.duration}; give a non-negative "
+                                     "number of seconds")
             for dep in b.deps:
                 if not 0 <= dep < len(self.blocks) or dep == i:
                     raise PlacementError(

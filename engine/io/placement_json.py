@@ -16,6 +16,7 @@ names the offending JSON field (e.g. ``blocks[3].devices``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -28,7 +29,7 @@ from engine.placement import BLOCK_KINDS, BlockSpec, Placement, TensorSpec
 
 __all__ = [
     "PLACEMENT_FORMAT", "PLACEMENT_VERSION", "PLACEMENT_ENVELOPE", "parse_blocks",
-    "placement_to_dict", "placement_from_dict", "save_placement", "load_placement",
+    "placement_to_dict", "placement_from_dict", "save_placement", "load_placement", "read_json_file",
 ]
 
 #: ``format`` field of a placement JSON file.
@@ -95,8 +96,8 @@ def parse_blocks(num_devices: int, blocks: Any, where: str = "blocks") -> tuple[
             if not 0 <= d < num_devices:
                 raise PlacementError(f"{at}.devices names device {d}, outside 0..{num_devices - 1}")
         dur = b.get("duration", 1.0)
-        if not _is_num(dur) or dur < 0:
-            raise PlacementError(f"{at}.duration must be a non-negative number, got {dur!r}")
+        if not _is_num(dur) or not math.isfinite(dur) or dur < 0:
+            raise PlacementError(f"{at}.duration must be a non-negative number of seconds, got {dur!r}")
         mem = b.get("memory", 0)
         if _is_num(mem) and float(mem).is_integer():
             mem = int(mem)
@@ -237,19 +238,49 @@ def save_placement(placement: Placement, path: str | os.PathLike) -> Path:
     return atomic_write_text(path, json.dumps(placement_to_dict(placement), indent=2) + "\n")
 
 
+def read_json_file(path: str | os.PathLike, what: str, error: type[Exception]) -> Any:
+    """The parsed JSON value of the file ``path``, or ``error`` with one sentence naming the file.
+
+    Args:
+        path: the file.
+        what: what the file should be, for messages (``"placement"``, ``"plan"``).
+        error: the exception class raised (a :class:`~engine.errors.TesselError` subclass taking a
+            message).
+
+    Raises:
+        error: the path is missing or a folder, cannot be read (permissions), is not UTF-8 text
+            (a UTF-8 byte-order mark is accepted), is not JSON (with line and column), or nests
+            deeper than Python's JSON reader can follow.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise error(f"{p}: no such {what} file; check the path")
+    if p.is_dir():
+        raise error(f"{p} is a folder, not a {what} file; give the path of the JSON file inside it")
+    try:
+        text = p.read_bytes().decode("utf-8-sig")
+    except OSError as e:
+        raise error(f"{p}: cannot read the {what} file ({e.strerror or type(e).__name__}); check its permissions") \
+            from None
+    except UnicodeDecodeError as e:
+        raise error(f"{p}: not a JSON {what} file (byte {e.start} is not UTF-8 text)") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{p}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except RecursionError:
+        raise error(f"{p}: not a {what} file (its JSON nests deeper than any {what} does)") from None
+
+
 def load_placement(path: str | os.PathLike) -> Placement:
     """Read a placement JSON file written by :func:`save_placement` (or by hand).
 
     Raises:
-        OSError: the file cannot be read.
-        PlacementError: not JSON, wrong ``format``/``version``, or a malformed field; the message
-            names the file and the field path (e.g. ``blocks[3].devices``).
+        PlacementError: the file is missing, a folder, unreadable, not UTF-8 JSON, of another
+            ``format``/``version``, or has a malformed field; the message names the file and the
+            field path (e.g. ``blocks[3].devices``).
     """
-    text = Path(path).read_text(encoding="utf-8")
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlacementError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    d = read_json_file(path, "placement", PlacementError)
     try:
         return placement_from_dict(d)
     except PlacementError as e:

@@ -19,7 +19,7 @@ from engine.config import ModelRef, ParallelConfig
 from engine.envelope import Envelope
 from engine.errors import PlacementError, PlanFormatError
 from engine.io.atomic import atomic_write_text
-from engine.io.placement_json import placement_from_dict, placement_to_dict
+from engine.io.placement_json import placement_from_dict, placement_to_dict, read_json_file
 from engine.placement import Placement
 from engine.schedule import Schedule, parse_action
 
@@ -124,12 +124,15 @@ class Plan:
                 except PlanFormatError as e:
                     raise fields.fail(f"schedule.orders[{r}][{i}]", f": {e}") from None
             orders.append(order)
-        schedule = Schedule(placement, m, orders, str(sd.get("name", "custom")), dict(sd.get("meta") or {}))
+        schedule = Schedule(placement, m, orders, fields.optional(sd, "name", str, "schedule.name", "custom"),
+                            dict(fields.optional(sd, "meta", dict, "schedule.meta", {})))
         # a section without micro_batches means the schedule's (the readers' default before typed plans)
         parallel = ParallelConfig.from_dict(need(d, "parallel", dict, "parallel"), "parallel", fields,
                                             implied={"micro_batches": m})
         for i, seg in enumerate(segments):
-            moe = seg.get("moe") if isinstance(seg, dict) else None
+            if not isinstance(seg, dict):
+                raise fields.fail(f"segments[{i}]", f" should be an object, got {type(seg).__name__}")
+            moe = seg.get("moe")
             if moe is None:
                 continue
             if not isinstance(moe, list):
@@ -137,9 +140,7 @@ class Plan:
             for j, layer in enumerate(moe):
                 for key, typ in (("path", str), ("num_experts", int), ("capacity", int), ("hidden", int)):
                     need(layer, key, typ, f"segments[{i}].moe[{j}].{key}")
-        tied = d.get("tied_weights") or []
-        if not isinstance(tied, list):
-            raise fields.fail("tied_weights", f" should be a list, got {type(tied).__name__}")
+        tied = fields.optional(d, "tied_weights", list, "tied_weights", [])
         for i, g in enumerate(tied):
             members = need(g, "members", list, f"tied_weights[{i}].members")
             need(g, "nbytes", int, f"tied_weights[{i}].nbytes")
@@ -148,8 +149,9 @@ class Plan:
                         and isinstance(mem[1], str)):
                     raise fields.fail(f"tied_weights[{i}].members[{j}]",
                                       f" should be [segment, parameter name], got {mem!r}")
-        return cls(model, parallel, segments, schedule, dict(d.get("cost") or {}), dict(d.get("metrics") or {}),
-                   dict(d.get("meta") or {}), [dict(g) for g in tied])
+        sections = {key: dict(fields.optional(d, key, dict, key, {})) for key in ("cost", "metrics", "meta")}
+        return cls(model, parallel, segments, schedule, sections["cost"], sections["metrics"], sections["meta"],
+                   [dict(g) for g in tied])
 
 
 def save_plan(plan: Plan, path: str | Path) -> Path:
@@ -161,14 +163,8 @@ def load_plan(path: str | Path) -> Plan:
     """Read a plan JSON file.
 
     Raises:
-        PlanFormatError: the file is missing, not JSON (with line/column), of another format or
-            version, or has a malformed field (named by its path).
+        PlanFormatError: the file is missing, a folder, unreadable, not UTF-8 JSON (with line and
+            column), of another format or version, or has a malformed field (named by its path).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise PlanFormatError(f"{path}: no such plan file")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise PlanFormatError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    d = read_json_file(path, "plan", PlanFormatError)
     return Plan.from_dict(d, source=str(path))
