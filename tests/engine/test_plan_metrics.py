@@ -104,3 +104,25 @@ def test_search_table_and_show_agree_on_m(tmp_path, capsys):
     assert searched["bubble_ratio"] == shown["bubble_ratio"]
     assert shown["tokens_per_second"] > 0 and searched["tokens_per_second"] == shown["tokens_per_second"]
     assert math.isclose(shown["tokens_per_second"], 1 * 32 * 4 / shown["makespan"], rel_tol=1e-12)
+
+
+def test_the_same_1f1b_predicts_the_same_from_plan_and_search():
+    """`tessel plan --schedule 1f1b` and the 1F1B row of `tessel search --placement v` run the same
+    schedule on the same segments (tied copies included): one makespan."""
+    from engine.baselines import build_schedule
+
+    planned = make_plan("gpt2-tiny", devices=4, micro_batches=4, seq_len=32, schedule="1f1b").plan
+    sp = model_search_plan("gpt2-tiny", "v", 4, 4, seq_len=32, time_limit=1.0, seed=0)
+    sched = build_schedule("1f1b", sp.placement, 4)
+    assert sched.orders == planned.schedule.orders
+    assert [s["param_bytes"] for s in sp.plan.segments] == [s["param_bytes"] for s in planned.segments]
+    assert sp.predict(sched)["makespan"] == planned.metrics["makespan"]
+
+
+def test_x_search_counts_both_model_replicas_tokens():
+    """Tessel's X runs two model replicas per instance: twice the tokens of its micro-batches."""
+    sp = model_search_plan("gpt2-tiny", "x", 4, 2, seq_len=16, time_limit=1.0, seed=0)
+    m = predicted_metrics(sp.plan)
+    assert m["tokens_per_step"] == 1 * 16 * 2 * 2
+    assert m["tokens_per_second"] == pytest.approx(m["tokens_per_step"] / m["makespan"], rel=1e-12)
+    assert m == {k: sp.plan.metrics[k] for k in m}
