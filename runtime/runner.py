@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.io import Plan
     from runtime.cluster import ActorPool
 
-__all__ = ["CrossoverLaunchError", "LaunchError", "LaunchFailure", "LaunchInterrupted", "Runner", "as_plan"]
+__all__ = ["CrossoverLaunchError", "CrossoverLaunchFailure", "LaunchError", "LaunchFailure", "LaunchInterrupted",
+           "Runner", "as_plan"]
 
 
 class LaunchError(TesselError):
@@ -110,6 +111,13 @@ class CrossoverLaunchError(LaunchError, CrossoverError):
         super().__init__(message, **kw)
         self.job = job
         self.result = result
+
+
+class CrossoverLaunchFailure(CrossoverLaunchError, LaunchFailure):
+    """A co-located launch whose job failed through no mistake in its input (a rank raised, died
+    or hung): a :class:`CrossoverLaunchError` (same attributes) and a :class:`LaunchFailure`, so an
+    :class:`engine.errors.RunError` (exit status 3). For ``runtime.crossover.launch_crossover`` to
+    raise where a job failed (refusals of the plans stay :class:`CrossoverLaunchError`, status 2)."""
 
 
 def as_plan(plan: Any, *, caller: str = "launch") -> Plan:
