@@ -1,8 +1,9 @@
 """Compare schedules of one placement: predefined baselines next to a searched schedule.
 
-Which baselines apply: GPipe and 1F1B to any placement (the list-scheduling policies of
-:mod:`engine.baselines.generic`, identical to the predefined ones on a V placement; 1F1B honours
-the memory limit); interleaved 1F1B and ZB-H1 only to a plain pipeline (V), run on the same
+Which baselines apply: GPipe and 1F1B to any placement (on a plain pipeline (V) the predefined
+schedules that ``tessel plan`` runs, elsewhere the list-scheduling policies of
+:mod:`engine.baselines.generic`; a predefined 1F1B above the memory limit is replaced by the
+policy, which honours it); interleaved 1F1B and ZB-H1 only to a plain pipeline (V), run on the same
 model cut into twice as many segments (interleaved) or with the backward split into I and W
 (ZB-H1). A baseline whose peak memory exceeds the limit is reported, marked ``over_limit``.
 """
@@ -75,6 +76,32 @@ def measure(schedule: Schedule, memory_limit=None, cost=None, predict: Optional[
     return ScheduleMetrics(schedule.name, makespan, bubble, peak, over, schedule)
 
 
+def _is_plain_pipeline(placement: Placement) -> bool:
+    return placement.name == "V" and all(len(b.devices) == 1 for b in placement.blocks)
+
+
+def _policy_row(name: str, placement: Placement, m: int, memory_limit, cost,
+                predict: Optional[Predictor]) -> ScheduleMetrics:
+    """GPipe or 1F1B on ``placement``: on a plain pipeline (V) the predefined schedule, the one
+    ``tessel plan --schedule`` runs (the list-scheduling policy drifts from it when stage times are
+    uneven); a predefined 1F1B above ``memory_limit``, or any other placement, gets the policy of
+    :mod:`engine.baselines.generic` (1F1B honouring the limit).
+
+    Raises:
+        TesselError: the memory-limited 1F1B policy cannot run within the limit.
+    """
+    if _is_plain_pipeline(placement):
+        try:
+            row = measure(build_schedule(name, placement, m), memory_limit, cost, predict)
+        except (TesselError, ValueError):
+            row = None
+        if row is not None and not (name == "1f1b" and row.over_limit):
+            return row
+    if name == "gpipe":
+        return measure(gpipe_any(placement, m), memory_limit, cost, predict)
+    return measure(one_f_one_b_any(placement, m, memory_limit=memory_limit), memory_limit, cost, predict)
+
+
 def compare_baselines(
     placement: Placement,
     m: int,
@@ -98,9 +125,9 @@ def compare_baselines(
     Returns:
         one :class:`ScheduleMetrics` per schedule, in the order GPipe, 1F1B, interleaved, ZB-H1.
     """
-    rows = [measure(gpipe_any(placement, m), memory_limit, cost, predict)]
+    rows = [_policy_row("gpipe", placement, m, memory_limit, cost, predict)]
     try:
-        rows.append(measure(one_f_one_b_any(placement, m, memory_limit=memory_limit), memory_limit, cost, predict))
+        rows.append(_policy_row("1f1b", placement, m, memory_limit, cost, predict))
     except TesselError as e:
         rows.append(ScheduleMetrics("1f1b", None, None, None, note=str(e)))
     for name in ("interleaved", "zb-h1"):

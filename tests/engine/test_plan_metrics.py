@@ -126,3 +126,12 @@ def test_x_search_counts_both_model_replicas_tokens():
     assert m["tokens_per_step"] == 1 * 16 * 2 * 2
     assert m["tokens_per_second"] == pytest.approx(m["tokens_per_step"] / m["makespan"], rel=1e-12)
     assert m == {k: sp.plan.metrics[k] for k in m}
+
+
+def test_search_tables_1f1b_row_is_tessel_plans_1f1b(tmp_path, capsys):
+    """The 1F1B row of a V search is the predefined 1F1B that `tessel plan --schedule 1f1b` runs on the
+    same model (gpt2-tiny's stages are uneven, where the list-scheduling policy drifts from it)."""
+    common = ["--model", "gpt2-tiny", "--micro-batches", "4", "--seq-len", "32"]
+    planned = cli_json(["plan", *common, "--schedule", "1f1b", "-o", str(tmp_path / "p")], capsys)
+    searched = cli_json(["search", *common, "--placement", "v", "--time-limit", "1", "-o", str(tmp_path / "s")], capsys)
+    assert searched["baselines"]["1f1b"]["makespan"] == planned["makespan"]
