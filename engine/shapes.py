@@ -65,7 +65,7 @@ from typing import Any, Callable, Iterable, Sequence
 from engine.envelope import is_instance
 from engine.errors import PlacementError
 from engine.io.placement_json import parse_blocks
-from engine.placement import BlockSpec, Placement, TensorSpec, pipeline_placement
+from engine.placement import MAX_DEVICES, BlockSpec, Placement, TensorSpec, pipeline_placement
 
 __all__ = [
     "v_shape", "x_shape", "m_shape", "m_model_shape", "nn_shape", "k_shape", "interleaved_shape",
@@ -79,6 +79,8 @@ def _check_devices(shape: str, n: Any, *, even: bool = False) -> int:
         raise PlacementError(f"the {shape} shape needs an integer number of devices, got {n!r}")
     if n < 2:
         raise PlacementError(f"the {shape} shape needs at least 2 devices, got {n}")
+    if n > MAX_DEVICES:  # checked before building: 10^9 devices would exhaust the memory first
+        raise PlacementError(f"the {shape} shape takes at most {MAX_DEVICES:,} devices, got {n:,}")
     if even and n % 2:
         raise PlacementError(
             f"the {shape} shape splits the devices into two halves, so it needs an even number of "
@@ -439,12 +441,14 @@ def make_shape(name: str, n: int, **kw) -> Placement:
     ``"k"``/``"kshape"``, ``"interleaved"`` (takes ``virtual_stages=``).
 
     Raises:
-        ValueError: unknown name; the message lists the valid ones.
+        PlacementError: unknown name (the message lists the valid ones; a ``ValueError`` too, as
+            before), more than :data:`~engine.placement.MAX_DEVICES` devices.
         PlacementError: invalid ``n`` (``n < 2``; odd ``n`` for NN and K) or bad keyword values.
     """
     key = _canonical(name)
     if key is None:
-        raise ValueError(f"unknown placement shape {name!r}; valid shapes are: {', '.join(SHAPES)}")
+        raise PlacementError(f"unknown placement shape {name!r}; valid shapes are: {', '.join(SHAPES)}, or the path "
+                             "of a placement JSON file")
     return SHAPES[key].build(n, **kw)
 
 

@@ -41,6 +41,10 @@ PLACEMENT_ENVELOPE = Envelope(PLACEMENT_FORMAT, PLACEMENT_VERSION, PlacementErro
 _FIELDS = {"name", "num_devices", "static_memory", "blocks", "grad_memory", "grad_transient"}
 
 
+#: Largest byte (or unit) count a placement file may give: 2^53, the largest integer a float (the
+#: simulator's memory curves) holds exactly; a larger one is a typo, and 1e308 overflowed the simulator.
+MAX_BYTES = 2**53
+
 _DEP = re.compile(r"^\s*(\d+)\s*([FBIWfbiw])\s*$")
 _BLOCK_FIELDS = {"kind", "segment", "devices", "duration", "memory", "deps", "output"}
 
@@ -101,15 +105,16 @@ def parse_blocks(num_devices: int, blocks: Any, where: str = "blocks") -> tuple[
         mem = b.get("memory", 0)
         if _is_num(mem) and float(mem).is_integer():
             mem = int(mem)
-        if not _is_int(mem):
-            raise PlacementError(f"{at}.memory must be an integer (bytes or units), got {mem!r}")
+        if not _is_int(mem) or abs(mem) > MAX_BYTES:
+            raise PlacementError(f"{at}.memory must be an integer (bytes or units) of at most {MAX_BYTES:,} in size, "
+                                 f"got {mem!r}")
         deps = b.get("deps", [])
         if not isinstance(deps, (list, tuple)):
             raise PlacementError(f"{at}.deps must be a list of block indices or names like '0F', got {deps!r}")
         out = b.get("output")
         if out is not None and not isinstance(out, TensorSpec):
             if not isinstance(out, dict) or not isinstance(out.get("shape"), (list, tuple)) \
-                    or not all(_is_int(x) and x >= 0 for x in out["shape"]):
+                    or not all(_is_int(x) and 0 <= x <= MAX_BYTES for x in out["shape"]):
                 raise PlacementError(f"{at}.output must be null or {{\"shape\": [ints], \"dtype\": str}}, got {out!r}")
             dtype = out.get("dtype", "float32")
             if not isinstance(dtype, str):
@@ -123,9 +128,11 @@ def parse_blocks(num_devices: int, blocks: Any, where: str = "blocks") -> tuple[
                                      f"got {parts!r}")
             try:
                 out = TensorSpec.from_dict(out)
-                out.nbytes  # noqa: B018 - checks the dtype name
+                nbytes = out.nbytes  # also checks the dtype name
             except ValueError as e:
                 raise PlacementError(f"{at}.output.dtype: {e}") from None
+            if nbytes > MAX_BYTES:
+                raise PlacementError(f"{at}.output is {nbytes:,} bytes, more than {MAX_BYTES:,}; check its shape")
         if (kind, seg) in keys:
             raise PlacementError(f"{at} repeats block {seg}{kind} (already {where}[{keys[(kind, seg)]}])")
         keys[(kind, seg)] = i
@@ -213,8 +220,8 @@ def placement_from_dict(d: Any, *, embedded: bool = False) -> Placement:
     if not isinstance(static, list):
         raise PlacementError(f"static_memory must be a list of integers, got {static!r}")
     for j, x in enumerate(static):
-        if not _is_int(x):
-            raise PlacementError(f"static_memory[{j}] must be an integer, got {x!r}")
+        if not _is_int(x) or abs(x) > MAX_BYTES:
+            raise PlacementError(f"static_memory[{j}] must be an integer of at most {MAX_BYTES:,} bytes, got {x!r}")
     if static and len(static) != nd:
         raise PlacementError(f"static_memory has {len(static)} values but num_devices is {nd}")
     if "blocks" not in d:
@@ -223,7 +230,7 @@ def placement_from_dict(d: Any, *, embedded: bool = False) -> Placement:
     grad = {}
     for key in ("grad_memory", "grad_transient"):
         vals = d.get(key, [])
-        if not isinstance(vals, list) or not all(_is_int(x) for x in vals):
+        if not isinstance(vals, list) or not all(_is_int(x) and abs(x) <= MAX_BYTES for x in vals):
             raise PlacementError(f"{key} must be a list of integers (bytes per segment), got {vals!r}")
         grad[key] = tuple(vals)
     return Placement(nd, specs, name=name, static_memory=tuple(static), **grad)

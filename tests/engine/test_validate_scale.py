@@ -131,3 +131,63 @@ def test_validate_a_large_placement_and_find_its_violation():
     with pytest.raises(ScheduleError, match=r"block 0B0 on device 0 runs before 0F0") as e:
         Schedule(pl, 4, bad).validate()
     assert e.value.rule == "dependency"
+
+
+def _reference_exclusion_idle(pl: Placement, d: int):
+    """``exclusion_idle`` as it was: one ``nx.ancestors`` per block (the independent reference)."""
+    g = pl.dependency_graph()
+    blocks = pl.blocks
+    on = set(pl.blocks_on(d))
+
+    def side(graph):
+        anc = {i: nx.ancestors(graph, i) for i in on}
+        waits = {i for i in on if any(d not in blocks[a].devices for a in anc[i])}
+        free = on - waits
+        if not waits:
+            return 0.0, waits
+
+        def blocking(p):
+            return d not in blocks[p].devices and all(set(blocks[p].devices) & set(blocks[f].devices) for f in free)
+
+        acc = {}
+        for i in nx.topological_sort(graph):
+            acc[i] = max((acc[p] + (blocks[p].duration if blocking(p) else 0.0) for p in graph.predecessors(i)),
+                         default=0.0)
+        return min(acc[i] for i in waits), waits
+
+    return side(g), side(g.reverse(copy=True))
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_exclusion_idle_matches_the_ancestors_reference(seed):
+    from engine.tessel.bounds import exclusion_idle
+
+    pl = _random_placement(random.Random(seed))
+    for d in range(pl.num_devices):
+        assert exclusion_idle(pl, d) == _reference_exclusion_idle(pl, d)
+
+
+def test_search_on_a_large_placement_returns_within_its_time_limit():
+    """10,000 blocks: every phase honours the limit, so the search returns its best schedule (here
+    the sequential repetend) marked ``timed_out``, and the schedule is complete and valid."""
+    from engine.tessel import tessel_search
+
+    pl = pipeline_placement(4, virtual_stages=1250, activation_bytes=1)
+    res = tessel_search(pl, 2, time_limit=3.0)
+    assert res.timed_out
+    res.schedule.validate()
+    assert res.schedule.num_micro_batches == 2 and sum(map(len, res.schedule.orders)) == 20_000
+
+
+def test_search_refuses_a_time_limit_it_cannot_keep():
+    """Building and checking 10,000 blocks x 10^6 micro-batches alone takes far longer than 10 s: one
+    sentence at once, naming a time limit that would do."""
+    from engine.errors import TesselError
+    from engine.tessel import tessel_search
+
+    pl = pipeline_placement(4, virtual_stages=1250, activation_bytes=1)
+    with pytest.raises(TesselError, match=r"10,000 blocks x 1000000 micro-batches .* time limit of 10 s"):
+        tessel_search(pl, 10**6, time_limit=10.0)
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(TesselError, match="time limit must be a positive number"):
+            tessel_search(pl, 2, time_limit=bad)
