@@ -145,16 +145,20 @@ def initial_plan(model: str, devices: int, micro_batches: int, schedule: str, de
 
 def warm_up(*, model: str | None = "gpt2", plan: str | Plan | None = None, devices: int = 4, micro_batches: int = 8,
             schedule: str = "1f1b", device_type: str = "h100") -> None:
-    """Make the first session's plan now (call it before the server listens): with the same
-    arguments as :func:`build_app`, the first browser session then opens as fast as later ones.
+    """Make the first session's plan now and render one session (call it before the server listens,
+    e.g. in ``tessel serve``): with the same arguments as :func:`build_app`, the first browser
+    session then opens about as fast as later ones.
 
     Raises:
         engine.errors.TesselError: as :func:`build_app`.
     """
     if plan is None and model:
         initial_plan(model, devices, micro_batches, schedule, device_type)
+    from bokeh.document import Document
+
+    # one throw-away session rendered into a document: Bokeh's and Panel's first-use costs are paid here
     build_app(model=model, plan=plan, devices=devices, micro_batches=micro_batches, schedule=schedule,
-              device_type=device_type).template()
+              device_type=device_type).template().server_doc(Document())
 
 
 def build_app(*, model: str | None = "gpt2", plan: str | Plan | None = None, devices: int = 4,
