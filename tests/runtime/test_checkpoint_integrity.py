@@ -116,3 +116,21 @@ def test_resume_from_a_missing_or_empty_folder_is_refused(tmp_path):
     assert resume_point(tmp_path / "nowhere", resume=False, plan=PLAN, world_size=WS, steps=10, optimizer="adam",
                         error=LaunchError) == (None, None)  # a fresh run needs no folder yet
 
+
+
+def test_a_checkpoint_that_cannot_be_written_is_a_run_failure(tmp_path):
+    from types import SimpleNamespace
+
+    from engine.errors import RunError
+    from runtime.runner import LaunchFailure
+    from runtime.session import TrainingSession
+
+    blocked = tmp_path / "ckpt"
+    blocked.write_text("a file where the checkpoint folder should be")
+    session = TrainingSession(runner=SimpleNamespace(checkpoint=None, call=None), plan=PLAN, world_size=WS,
+                              corpus=None, global_batch=1, steps=2, checkpoint_dir=blocked)
+    with pytest.raises(LaunchFailure) as info:
+        session.save(1)
+    e = info.value
+    assert isinstance(e, RunError) and e.exit_status == 3 and e.kind == "checkpoint" and e.step == 1
+    assert str(e).startswith(f"the checkpoint after 1 steps could not be written to {blocked}")
