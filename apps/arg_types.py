@@ -4,8 +4,10 @@ status 2 (argparse's ``argument --x: ...``), before anything runs."""
 from __future__ import annotations
 
 import argparse
+import math
 
-__all__ = ["link_name", "transform_names", "positive_int", "transform_help"]
+__all__ = ["dtype_name", "link_name", "non_negative_int", "port_number", "positive_float", "positive_int",
+           "transform_help", "transform_names"]
 
 
 def transform_help() -> str:
@@ -47,6 +49,47 @@ def positive_int(text: str) -> int:
         argparse.ArgumentTypeError: anything else.
     """
     return _int_at_least(text, 1)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (``0``, negatives, ``nan`` and ``inf`` are refused).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port, ``0..65535`` (``0``: the system picks a free one).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    value = _int_at_least(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be at most 65535, got {value}")
+    return value
+
+
+def dtype_name(text: str) -> str:
+    """A model dtype of :data:`engine.models.registry.MODEL_DTYPES` (``float32``, ``bfloat16``,
+    ``float16``).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else; the message lists the supported dtypes.
+    """
+    from engine.models.registry import MODEL_DTYPES
+
+    if text not in MODEL_DTYPES:
+        raise argparse.ArgumentTypeError(f"dtype {text!r} is not supported; use one of {', '.join(MODEL_DTYPES)}")
+    return text
 
 
 def non_negative_int(text: str) -> int:

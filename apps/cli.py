@@ -1,10 +1,28 @@
 """The ``tessel`` command line.
 
 Every subcommand takes ``--json`` and then prints one JSON object (its result) as the last
-line of stdout. A user mistake ends in one clear sentence on stderr (and ``{"ok": false,
-"error": ...}`` with ``--json``) and exit status 2, never a traceback. Library code reports through
-``logging`` (loggers ``engine.*`` and ``runtime.*``): warnings are shown, ``--verbose`` adds the
-informational messages (checkpoints written, validation losses, ...).
+line of stdout. Library code reports through ``logging`` (loggers ``engine.*``, ``runtime.*``
+and ``apps.*``): warnings are shown, ``--verbose`` adds the informational messages (checkpoints
+written, validation losses, ...).
+
+Errors: :func:`main` is the one error boundary. Whatever goes wrong ends in ONE line on stderr,
+``tessel COMMAND: error: SENTENCE`` (a multi-line message is folded into one line), with
+``--json`` also ``{"ok": false, "error": SENTENCE, "exit_status": N}`` as the last line of stdout,
+and one of these exit statuses (:mod:`engine.errors`):
+
+* ``0`` success;
+* ``2`` a user mistake: a :class:`~engine.errors.TesselError` (its ``exit_status``), a malformed
+  argument (argparse), a file or folder that cannot be read or written (``OSError``: the sentence
+  names the path and the problem), and a ``ValueError`` of library code;
+* ``3`` a run failure that is not the user's (:class:`~engine.errors.RunError`: a rank crashed, a
+  step timed out, a checkpoint could not be written; a ``TimeoutError`` or ``ConnectionError``),
+  and any unexpected internal error (``internal error: Type: message; rerun with --verbose for the
+  traceback, and report it``);
+* ``130`` interrupted (Ctrl-C).
+
+Tracebacks are never printed, except under ``--verbose`` (through the ``apps.cli`` logger) for
+an internal error or an error caused by another (e.g. the ``torch.export`` failure inside a
+capture error).
 """
 
 from __future__ import annotations
@@ -12,62 +30,136 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import NoReturn
 
 from apps import cmd_demo, cmd_launch, cmd_models, cmd_plan, cmd_profile_gnn, cmd_search, cmd_serve, cmd_show
 from apps.output import emit_json
+from engine.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILURE, EXIT_USER_ERROR, TesselError
 
 COMMANDS = {"plan": cmd_plan, "search": cmd_search, "models": cmd_models, "show": cmd_show, "launch": cmd_launch,
             "demo": cmd_demo, "serve": cmd_serve, "profile-gnn": cmd_profile_gnn}
 
+EXIT_STATUSES = (f"exit statuses: {EXIT_OK} success; {EXIT_USER_ERROR} a user mistake (a wrong argument, model, "
+                 f"plan or file; one sentence on stderr says what and how to fix it); {EXIT_RUN_FAILURE} a run "
+                 "failure that is not yours (a rank crashed, a step timed out, a checkpoint could not be written) "
+                 f"or an internal error (rerun with --verbose for the traceback); {EXIT_INTERRUPTED} interrupted "
+                 "(Ctrl-C). With --json the last stdout line is the result, or "
+                 '{"ok": false, "error": ..., "exit_status": N}.')
+
+log = logging.getLogger("apps.cli")
+
+
+class UsageError(TesselError):
+    """A command line argparse refuses (an unknown option, a malformed or out-of-range value)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors raise :class:`UsageError` (one line through :func:`main`'s
+    boundary, with ``--json``'s object) instead of printing the usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser with one sub-parser per command module (``add_arguments``/``run``)."""
-    p = argparse.ArgumentParser(
-        prog="tessel", description="Tessel Planner: plan, schedule and simulate distributed DNN training.")
+    p = _Parser(prog="tessel", description="Tessel Planner: plan, schedule and simulate distributed DNN training.",
+                epilog=EXIT_STATUSES)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, mod in COMMANDS.items():
-        sp = sub.add_parser(name, help=mod.HELP, description=mod.__doc__)
+        sp = sub.add_parser(name, help=mod.HELP, description=mod.__doc__, epilog=EXIT_STATUSES)
         mod.add_arguments(sp)
         sp.add_argument("--json", action="store_true",
                         help="print one JSON object (the result) as the last line of stdout")
         sp.add_argument("-v", "--verbose", action="store_true",
-                        help="also show the library's informational log messages on stderr")
+                        help="also show the library's informational log messages on stderr, and the traceback "
+                             "of an internal error")
         sp.set_defaults(_module=mod)
     return p
 
 
 def _configure_logging(*, verbose: bool) -> None:
-    """Send the ``engine`` and ``runtime`` loggers to stderr as ``[tessel] message`` lines
+    """Send the ``engine``, ``runtime`` and ``apps`` loggers to stderr as ``[tessel] message`` lines
     (WARNING and above; INFO too with ``verbose``)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[tessel] %(message)s"))
     for name in ("engine", "runtime", "apps"):
-        log = logging.getLogger(name)
-        log.handlers[:] = [handler]
-        log.setLevel(logging.INFO if verbose else logging.WARNING)
-        log.propagate = False
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(logging.INFO if verbose else logging.WARNING)
+        logger.propagate = False
+
+
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace (newlines included) folded into one space."""
+    return " ".join(text.split())
+
+
+def _os_error_sentence(e: OSError) -> str:
+    """``PATH: problem`` for an ``OSError`` (``strerror`` and the file names it carries)."""
+    problem = e.strerror or one_line(str(e)) or type(e).__name__
+    paths = [str(p) for p in (e.filename, e.filename2) if p is not None]
+    if not paths:
+        return f"{problem} ({type(e).__name__})"
+    where = " -> ".join(paths)
+    return f"{where}: {problem[:1].lower() + problem[1:]}; check the path and its permissions"
+
+
+def error_status(e: BaseException) -> tuple[int, str]:
+    """The exit status and the one-line sentence for an exception escaping a command.
+
+    TesselError: its ``exit_status`` and message; ``KeyboardInterrupt``: 130; ``TimeoutError`` and
+    ``ConnectionError``: 3 (run failures); other ``OSError``: 2 naming the path; ``ValueError``: 2
+    (library code's checks of user values); anything else: 3, an internal error."""
+    if isinstance(e, TesselError):
+        return int(getattr(e, "exit_status", EXIT_USER_ERROR)), one_line(str(e)) or type(e).__name__
+    if isinstance(e, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted"
+    if isinstance(e, (TimeoutError, ConnectionError)):
+        return EXIT_RUN_FAILURE, f"{type(e).__name__}: {one_line(str(e)) or 'no details'}"
+    if isinstance(e, OSError):
+        return EXIT_USER_ERROR, _os_error_sentence(e)
+    if isinstance(e, ValueError):
+        return EXIT_USER_ERROR, one_line(str(e)) or type(e).__name__
+    detail = one_line(str(e))
+    return EXIT_RUN_FAILURE, (f"internal error: {type(e).__name__}{': ' + detail if detail else ''}; rerun with "
+                              "--verbose for the traceback, and report it")
+
+
+def _fail(command: str | None, e: BaseException, *, json_out: bool, verbose: bool) -> int:
+    """Report ``e`` (see :func:`error_status`) as one stderr line, and ``--json``'s object; returns the status."""
+    status, sentence = error_status(e)
+    if verbose and not isinstance(e, KeyboardInterrupt) and (not isinstance(e, TesselError) or e.__cause__):
+        log.error("traceback of the error below:", exc_info=e)
+    prefix = f"tessel {command}" if command else "tessel"
+    print(f"{prefix}: interrupted" if isinstance(e, KeyboardInterrupt) else f"{prefix}: error: {sentence}",
+          file=sys.stderr, flush=True)
+    if json_out:
+        emit_json({"ok": False, "error": sentence, "exit_status": status})
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 2 user error)."""
-    from engine.errors import TesselError
-
-    args = build_parser().parse_args(argv)
+    """Run the CLI; returns the exit status (see the module docstring: 0 ok, 2 user mistake,
+    3 run failure or internal error, 130 interrupted). Never raises, except ``SystemExit(0)`` for
+    ``--help``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    json_out = "--json" in argv
+    verbose = "-v" in argv or "--verbose" in argv
+    command = next((a for a in argv if a in COMMANDS), None)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        _configure_logging(verbose=verbose)
+        return _fail(command, e, json_out=json_out, verbose=False)
     _configure_logging(verbose=args.verbose)
     try:
         result = args._module.run(args)
-    except (TesselError, ValueError, FileNotFoundError) as e:
-        msg = str(e) or type(e).__name__
-        print(f"tessel {args.command}: error: {msg}", file=sys.stderr)
-        if args.json:
-            emit_json({"ok": False, "error": msg})
-        return 2
-    except KeyboardInterrupt:
-        print(f"tessel {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the one error boundary
+        return _fail(args.command, e, json_out=args.json, verbose=args.verbose)
     if args.json:
         emit_json({"ok": True, **result})
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
+
+from apps.arg_types import positive_float, positive_int
 
 HELP = "plan a small GPT-2 on 4 CPU pipeline ranks, train it on Ray, compare with the prediction"
 
@@ -19,10 +20,11 @@ DEMO = {"devices": 4, "schedule": "1f1b", "micro_batches": 8, "micro_batch_size"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--steps", type=positive_int, default=30, help="training steps (default 30)")
     p.add_argument("--model", default=None, help="model (default gpt2-small-cpu, else gpt2-tiny)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local cluster)")
-    p.add_argument("--step-timeout", type=float, default=120.0, help="seconds per step before the job counts as hung")
+    p.add_argument("--step-timeout", type=positive_float, default=120.0,
+                   help="seconds per step before the job counts as hung")
     p.add_argument("-o", "--output", default="out/demo", help="output folder (default out/demo/)")
 
 
@@ -35,22 +37,22 @@ def demo_model() -> str:
 
 def run(args: argparse.Namespace) -> dict:
     from apps.cmd_launch import calibrate_plan, report
+    from apps.cmd_plan import OUTPUT_FILES, plan_files
     from apps.launch_progress import TqdmProgress
-    from engine.io import save_plan, write_torch_csv, write_trace
+    from engine.io.atomic import atomic_write_files, check_output_folder
     from engine.planner import make_plan
     from runtime import launch
     from runtime.config import LaunchConfig
 
     model = args.model or demo_model()
-    out = Path(args.output)
+    out = check_output_folder(args.output, OUTPUT_FILES)
     t0 = time.perf_counter()
     print(f"[tessel] planning {model} on {DEMO['devices']} CPU pipeline ranks ({DEMO['schedule']}, profiling ops) ...",
           file=sys.stderr, flush=True)
     # the profiler times ops with one intra-op thread, as every rank runs (runtime.worker)
     res = make_plan(model, device_type="cpu", profile=True, **DEMO)
-    plan_path = save_plan(res.plan, out / "plan.json")
-    trace_path = write_trace(res.timeline, out / "trace.json", metadata={"schedule": res.plan.schedule.name})
-    csv_path = write_torch_csv(res.plan.schedule, out / "schedule.csv")
+    written = atomic_write_files(out, plan_files(res))
+    plan_path, trace_path, csv_path = (written[n] for n in OUTPUT_FILES)
     plan_time = time.perf_counter() - t0
     print(f"planned in {plan_time:.1f} s: wrote {plan_path}, {trace_path}, {csv_path}")
     for w in res.warnings:

@@ -7,9 +7,16 @@ import argparse
 import resource
 import sys
 import time
-from pathlib import Path
 
-from apps.arg_types import LINK_HELP, link_name, positive_int, transform_help, transform_names
+from apps.arg_types import (
+    LINK_HELP,
+    dtype_name,
+    link_name,
+    positive_float,
+    positive_int,
+    transform_help,
+    transform_names,
+)
 from apps.output import fmt_gib, fmt_ms, table
 from apps.plan_gnn import add_gnn_arguments, run_gnn
 
@@ -21,22 +28,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default="gpt2",
                    help="built-in name (see `tessel models`) or module:callable (default gpt2)")
-    p.add_argument("--devices", type=int, default=4, help="total devices = dp * tp * pp (default 4)")
-    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (default 8)")
+    p.add_argument("--devices", type=positive_int, default=4, help="total devices = dp * tp * pp (default 4)")
+    p.add_argument("--micro-batches", type=positive_int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
     p.add_argument("--device-type", default="h100", help="cost table: h100, a100, cpu (default h100)")
     p.add_argument("--link", type=link_name, default=None, help=LINK_HELP)
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree (default 1)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    p.add_argument("--virtual-stages", type=int, default=None, help="segments per device for interleaved (default 2)")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (model default)")
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (default 1)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--virtual-stages", type=positive_int, default=None,
+                   help="segments per device for interleaved (default 2)")
+    p.add_argument("--micro-batch-size", type=positive_int, default=1, help="samples per micro-batch (default 1)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sample (model default)")
     p.add_argument("--task", default=None,
                    help="training task recorded in the plan: causal-lm, masked-lm, seq2seq, image-classification "
                         "or package.module:callable (default: the model's own)")
-    p.add_argument("--dtype", default="float32",
+    p.add_argument("--dtype", type=dtype_name, default="float32",
                    help="parameter/activation dtype: float32, bfloat16, float16 (default float32)")
-    p.add_argument("--memory-limit", type=float, default=None, help="GiB per device (default: the device's capacity)")
+    p.add_argument("--memory-limit", type=positive_float, default=None,
+                   help="GiB per device (default: the device's capacity)")
     p.add_argument("--optimizer", choices=("adam", "adama"), default="adam",
                    help="memory model of the optimizer: adam (gradient accumulation: a gradient buffer per stage "
                         "from its first backward to the step) or adama (AdamA: gradients folded into Adam's states "
@@ -45,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="time the model's ops on this machine (cached) and plan with measured costs")
     p.add_argument("--transform", type=transform_names, default=(), metavar="T[,T...]", help=transform_help())
-    p.add_argument("--bucket-mib", type=float, default=25.0,
+    p.add_argument("--bucket-mib", type=positive_float, default=25.0,
                    help="gradient bucket size of overlap-grad-sync, MiB (default 25, PyTorch DDP's)")
     p.add_argument("--overlap-chunks", type=positive_int, default=4,
                    help="chunks of chunked-overlap (default 4)")
@@ -62,11 +71,40 @@ def _bucket_bytes(mib: float) -> int:
     return max(4, int(mib * 2**20) // 4 * 4)
 
 
+#: The files ``tessel plan`` writes into its ``-o`` folder, all or none (:func:`plan_files`).
+OUTPUT_FILES = ("plan.json", "trace.json", "schedule.csv")
+
+
+def plan_files(res) -> dict[str, str]:
+    """The texts of ``plan.json`` (as :func:`engine.io.save_plan` writes it), ``trace.json``
+    (Perfetto, :func:`engine.io.trace.timeline_to_trace`, with the schedule and the plan's scalar
+    metrics as metadata) and ``schedule.csv`` (torch pipelining, :func:`engine.io.torch_csv.schedule_to_csv_text`)
+    of a :class:`engine.planner.PlanResult`, for :func:`engine.io.atomic.atomic_write_files`."""
+    import json
+
+    from engine.io.torch_csv import schedule_to_csv_text
+    from engine.io.trace import timeline_to_trace
+
+    meta = {"schedule": res.plan.schedule.name, **{k: v for k, v in res.plan.metrics.items() if k != "bubble_ratios"}}
+    return {"plan.json": json.dumps(res.plan.to_dict(), indent=1),
+            "trace.json": json.dumps(timeline_to_trace(res.timeline, metadata=meta)),
+            "schedule.csv": schedule_to_csv_text(res.plan.schedule)}
+
+
 def run(args: argparse.Namespace) -> dict:
+    """``tessel plan``: plan, print the tables, write :data:`OUTPUT_FILES` into ``-o`` all-or-nothing.
+
+    Raises:
+        OutputPathError: ``-o`` is an existing file or one of the files is a folder (checked
+            before planning; the folder is then left as it was).
+        TesselError: every planning mistake (:func:`engine.planner.make_plan`).
+    """
     if args.gnn is not None:
         return run_gnn(args)
-    from engine.io import save_plan, write_torch_csv, write_trace
+    from engine.io.atomic import atomic_write_files, check_output_folder
     from engine.planner import make_plan
+
+    out = check_output_folder(args.output, OUTPUT_FILES)
 
     t0 = time.perf_counter()
     quiet = args.json
@@ -84,12 +122,8 @@ def run(args: argparse.Namespace) -> dict:
         transforms=args.transform, grad_bucket_bytes=_bucket_bytes(args.bucket_mib),
         overlap_chunks=args.overlap_chunks, progress=progress,
     )
-    out = Path(args.output)
-    plan_path = save_plan(res.plan, out / "plan.json")
-    trace_meta = {"schedule": res.plan.schedule.name,
-                  **{k: v for k, v in res.plan.metrics.items() if k != "bubble_ratios"}}
-    trace_path = write_trace(res.timeline, out / "trace.json", metadata=trace_meta)
-    csv_path = write_torch_csv(res.plan.schedule, out / "schedule.csv")
+    written = atomic_write_files(out, plan_files(res))
+    plan_path, trace_path, csv_path = (written[n] for n in OUTPUT_FILES)
     elapsed = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     m = res.plan.metrics

@@ -7,17 +7,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from apps.arg_types import port_number, positive_int
+
 HELP = "serve the planner app in the browser (http://127.0.0.1:5006 by default)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=5006, help="port (default 5006; 0 picks a free one)")
+    p.add_argument("--port", type=port_number, default=5006, help="port (default 5006; 0 picks a free one)")
     p.add_argument("--address", default="127.0.0.1",
                    help="interface to bind (default 127.0.0.1; 0.0.0.0 exposes the app to your network)")
     p.add_argument("--model", default="gpt2", help="model planned when a session opens (default gpt2)")
     p.add_argument("--plan", default=None, help="open this plan.json instead of planning --model")
-    p.add_argument("--devices", type=int, default=4, help="devices for the initial plan (default 4)")
-    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches for the initial plan (default 8)")
+    p.add_argument("--devices", type=positive_int, default=4, help="devices for the initial plan (default 4)")
+    p.add_argument("--micro-batches", type=positive_int, default=8,
+                   help="micro-batches for the initial plan (default 8)")
     p.add_argument("--schedule", default="1f1b", help="schedule for the initial plan (default 1f1b)")
     p.add_argument("--device-type", default="h100", help="cost table for the initial plan (default h100)")
     p.add_argument("--ray-address", default=None, help="Ray cluster for the Launch tab (default: a local one)")
@@ -25,7 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Fail fast on bad settings, before the server starts (a bad plan file, an unknown model)."""
+    """Fail fast on bad settings, before the server starts (a bad plan file, an unknown model).
+
+    Raises:
+        TesselError: an unreadable plan file, an unknown model name, a port outside 0..65535.
+    """
     from engine.errors import TesselError
     from engine.io import load_plan
     from engine.models import list_models
@@ -36,7 +43,7 @@ def check_args(args: argparse.Namespace) -> None:
         valid = ", ".join(k for k in list_models() if ":" not in k)
         raise TesselError(f"unknown model {args.model!r}; valid names: {valid}")
     if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+        raise TesselError(f"--port must be in 0..65535, got {args.port}")
 
 
 def run(args: argparse.Namespace) -> dict:

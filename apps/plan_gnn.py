@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from apps.arg_types import positive_int
+from apps.arg_types import positive_float, positive_int
 from apps.output import fmt_ms, table
 from engine.errors import TesselError
 from tasks.graphs import GRAPH_FORMS
@@ -24,16 +24,6 @@ from tasks.graphs import GRAPH_FORMS
 
 class GNNArgumentError(TesselError, ValueError):
     """A ``tessel plan --gnn`` argument is malformed (a model kind, ``--heads`` without gat, no ``--graph``)."""
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 def add_gnn_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,21 +37,24 @@ def add_gnn_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden", type=positive_int, default=64, help="hidden width of a --gnn model (default 64)")
     g.add_argument("--layers", type=positive_int, default=2, help="graph layers of a --gnn model (default 2)")
     g.add_argument("--heads", type=positive_int, default=None, help="attention heads, --gnn gat only (default 4)")
-    g.add_argument("--memory-budget", type=_positive_float, default=None, metavar="GiB",
+    g.add_argument("--memory-budget", type=positive_float, default=None, metavar="GiB",
                    help="memory per device of a --gnn plan, GiB (default: the device's capacity)")
     g.add_argument("--partitions", type=positive_int, default=None, metavar="P",
                    help="vertex intervals P of a --gnn plan (default: the smallest power of two that fits the budget)")
     g.add_argument("--epochs", type=positive_int, default=200, help="training epochs recorded in a --gnn plan "
                                                                     "(default 200)")
-    g.add_argument("--lr", type=_positive_float, default=0.01, help="learning rate of a --gnn plan (default 0.01)")
+    g.add_argument("--lr", type=positive_float, default=0.01, help="learning rate of a --gnn plan (default 0.01)")
     g.add_argument("--seed", type=int, default=0, help="seed of a --gnn plan's graph and weights (default 0)")
 
 
-def write_gnn_trace(plan, sim, path: Path) -> Path:
-    """The simulated epoch as a Perfetto trace (:func:`engine.io.trace.timeline_to_trace`), with the
-    chunk loads on a ``load`` track of their own while ``engine.timeline.STREAMS`` has no ``load``
-    stream (without it they would share the compute track and overlap its slices)."""
-    from engine.io.atomic import atomic_write_text
+#: The files ``tessel plan --gnn`` writes into its ``-o`` folder, both or neither.
+GNN_OUTPUT_FILES = ("gnn_plan.json", "gnn_trace.json")
+
+
+def gnn_trace_text(plan, sim) -> str:
+    """The simulated epoch as a Perfetto trace's JSON text (:func:`engine.io.trace.timeline_to_trace`),
+    with the chunk loads on a ``load`` track of their own while ``engine.timeline.STREAMS`` has no
+    ``load`` stream (without it they would share the compute track and overlap its slices)."""
     from engine.io.trace import timeline_to_trace
     from engine.timeline import STREAMS
 
@@ -75,7 +68,18 @@ def write_gnn_trace(plan, sim, path: Path) -> Path:
                 ev["tid"] = tid
         trace["traceEvents"] += [{"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": "load"}}
                                  for r in range(sim.timeline.num_devices)]
-    return atomic_write_text(path, json.dumps(trace))
+    return json.dumps(trace)
+
+
+def write_gnn_trace(plan, sim, path: Path) -> Path:
+    """Write :func:`gnn_trace_text` atomically to ``path``; returns the path.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    from engine.io.atomic import atomic_write_text
+
+    return atomic_write_text(path, gnn_trace_text(plan, sim))
 
 
 def run_gnn(args: argparse.Namespace) -> dict:
@@ -84,11 +88,16 @@ def run_gnn(args: argparse.Namespace) -> dict:
     Raises:
         GNNArgumentError, GNNError, GNNPlanError, CostModelError: user mistakes (one sentence each;
             the CLI prints them and exits 2).
+        OutputPathError: ``-o`` is an existing file or one of :data:`GNN_OUTPUT_FILES` is a folder
+            (checked before planning; the folder is left as it was).
     """
     from engine.gnn.models import GNN_KINDS, GNNConfig
-    from engine.gnn.plan import GraphStats, graph_from_spec, make_gnn_plan, save_gnn_plan
+    from engine.gnn.plan import GraphStats, graph_from_spec, make_gnn_plan
     from engine.gnn.simulate import simulate_gnn
+    from engine.io.atomic import atomic_write_files, check_output_folder
     from tasks.graphs import graph_stats
+
+    out = check_output_folder(args.output, GNN_OUTPUT_FILES)
 
     if args.gnn not in GNN_KINDS:
         raise GNNArgumentError(f"--gnn {args.gnn!r} is not a GNN kind; use one of {', '.join(GNN_KINDS)}.")
@@ -106,9 +115,9 @@ def run_gnn(args: argparse.Namespace) -> dict:
                          edge_index=data.edge_index, link=args.link, epochs=args.epochs, lr=args.lr, seed=args.seed,
                          graph_spec=args.graph, meta={"command": "tessel plan --gnn"})
     sim = simulate_gnn(plan)
-    out = Path(args.output)
-    plan_path = save_gnn_plan(plan, out / "gnn_plan.json")
-    trace_path = write_gnn_trace(plan, sim, out / "gnn_trace.json")
+    written = atomic_write_files(out, {"gnn_plan.json": json.dumps(plan.to_dict(), indent=1),   # as save_gnn_plan
+                                       "gnn_trace.json": gnn_trace_text(plan, sim)})
+    plan_path, trace_path = (written[n] for n in GNN_OUTPUT_FILES)
     m = plan.metrics
     peaks, bounds = m["peak_memory"], m["memory_bound"]
     loops = " (+ one self-loop per vertex)" if plan.layers[0].self_loops else ""
@@ -143,4 +152,5 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:,.3f} GiB" if nbytes >= 2**30 / 100 else f"{nbytes / 2**20:,.2f} MiB"
 
 
-__all__ = ["GNNArgumentError", "add_gnn_arguments", "run_gnn", "write_gnn_trace"]
+__all__ = ["GNN_OUTPUT_FILES", "GNNArgumentError", "add_gnn_arguments", "gnn_trace_text", "run_gnn",
+           "write_gnn_trace"]

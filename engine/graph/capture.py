@@ -44,13 +44,17 @@ How node attributes are derived (see :mod:`engine.graph.opgraph` for the list):
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import math
 import operator
 import re
+import sys
 import traceback
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import networkx as nx
 import torch
@@ -64,6 +68,8 @@ from .layering import ROOT_LAYER, Layering, attach_layers, module_of
 from .opgraph import OpGraph
 
 __all__ = ["capture", "CaptureError", "TraceFailure", "trace_failure"]
+
+log = logging.getLogger(__name__)
 
 
 
@@ -211,12 +217,56 @@ def trace_failure(e: BaseException, model: nn.Module) -> TraceFailure:
 
 
 def _capture_error(e: BaseException, model: nn.Module, name: str) -> CaptureError:
+    """One line: where tracing failed, PyTorch's first line, and what to try; for a user model
+    whose example inputs Tessel made up (:func:`engine.models.registry.example_inputs_note`), how
+    to give its own instead."""
+    from engine.models.registry import example_inputs_note
+
     f = trace_failure(e, model)
     module_txt = (f"module '{f.module_path or '<root>'}' ({f.module_type})" if f.module_type
                   else "the model's top-level code")
-    text = (f"cannot capture {name!r}: {type(e).__name__} in {module_txt}{f.where}.\n"
-            f"  torch.export says: {f.first}\n  try: {f.hint}.")
+    note = example_inputs_note(model)
+    hint = note if note else f"try: {f.hint}"
+    text = (f"cannot capture {name!r}: {type(e).__name__} in {module_txt}{f.where}; "
+            f"torch.export says: {f.first.rstrip('.')}; {hint}.")
     return CaptureError(text, module_path=f.module_path, cause=e)
+
+
+@contextlib.contextmanager
+def _quiet_torch_output() -> Iterator[None]:
+    """Keep PyTorch's own output about a failing trace off stderr: its log records
+    (``fake_tensor``'s ERROR "failed while attempting to run meta" with a traceback) and the
+    partial graph ``torch.export`` prints to ``sys.stderr``. The failure is raised as one
+    :class:`CaptureError` instead (which keeps the cause); the printed text goes to this module's
+    logger at DEBUG. Output of a trace that succeeds (warnings) is written to stderr as usual.
+    Nothing is hidden when the ``torch`` logger is set to DEBUG (someone is debugging PyTorch)."""
+    if logging.getLogger("torch").getEffectiveLevel() <= logging.DEBUG:
+        yield
+        return
+
+    def not_torch(record: logging.LogRecord) -> bool:
+        return not (record.name == "torch" or record.name.startswith("torch."))
+
+    names = ["", "torch"] + [n for n in logging.root.manager.loggerDict if n.startswith("torch.")]
+    handlers = {h for n in names for h in logging.getLogger(n).handlers}
+    for h in handlers:
+        h.addFilter(not_torch)
+    printed = io.StringIO()
+    failed = False
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for h in handlers:
+            h.removeFilter(not_torch)
+        text = printed.getvalue()
+        if text and failed:
+            log.debug("PyTorch's output while the trace failed:\n%s", text)
+        elif text:
+            sys.stderr.write(text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,8 +318,9 @@ def capture(model: Any, example_inputs: tuple | Any = None, *, name: str | None 
             example_inputs,)
     name = name or type(model).__name__
     try:
-        ep = torch.export.export(model, example_inputs, kwargs=example_kwargs or None,
-                                 strict=False)
+        with _quiet_torch_output():
+            ep = torch.export.export(model, example_inputs, kwargs=example_kwargs or None,
+                                     strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes a CaptureError
         raise _capture_error(e, model, name) from e
     g = _build(ep, model, name)

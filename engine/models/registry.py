@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,7 +28,12 @@ from engine.errors import TesselError
 from . import hf as _hf
 from .gpt import GPT, GPTConfig
 
-__all__ = ["ModelBuildError", "ModelBundle", "ModelNotFoundError", "build_model", "list_models", "register_model"]
+__all__ = ["MODEL_DTYPES", "ModelArgumentError", "ModelBuildError", "ModelBundle", "ModelNotFoundError",
+           "build_model", "example_inputs_note", "list_models", "register_model"]
+
+#: The parameter/activation dtypes a model can be built in (``--dtype``): floating point only, the
+#: ones the cost tables have a peak for.
+MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 class ModelNotFoundError(TesselError, ValueError):
@@ -35,8 +41,28 @@ class ModelNotFoundError(TesselError, ValueError):
 
 
 class ModelBuildError(TesselError, TypeError):
-    """A user's ``module:callable`` returned something other than an ``nn.Module`` or a
+    """A user's ``module:callable`` cannot build a model: it is not a Python function or
+    ``nn.Module`` class (a built-in such as ``os.system``, a plain value), it needs arguments Tessel
+    cannot give, it raised, or it returned something other than an ``nn.Module`` or a
     ``(module, example_inputs)`` tuple."""
+
+
+class ModelArgumentError(TesselError, ValueError):
+    """A build argument is out of range: ``batch_size`` or ``seq_len`` below 1, ``seq_len`` beyond
+    the model's position table, a dtype outside :data:`MODEL_DTYPES`."""
+
+
+#: Modules whose example inputs Tessel made up (the user's callable returned only a module) ->
+#: a description of those inputs, for the capture error (:func:`example_inputs_note`).
+_MADE_UP_INPUTS: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def example_inputs_note(module: nn.Module) -> str | None:
+    """How Tessel made up the example inputs of ``module`` when a user's ``module:callable``
+    returned only a module (e.g. ``"'pkg:make' returned only a module, so it was given int64
+    token ids [1, 128]; ..."``), or ``None`` when the inputs came from the model's own definition.
+    :func:`engine.graph.capture` adds it to a capture failure."""
+    return _MADE_UP_INPUTS.get(module)
 
 
 @dataclass
@@ -263,12 +289,14 @@ def build_model(name: str, *, batch_size: int = 1, seq_len: int | None = None,
 
     Raises:
         ModelNotFoundError: unknown name, or a ``module:callable`` that cannot be imported.
-        ValueError: ``seq_len`` exceeds the model's position table, or ``batch_size < 1``.
-        ModelBuildError: (a TypeError) a user callable returned something other than a module or
-            ``(module, example_inputs)``.
+        ModelArgumentError: (a ValueError) ``batch_size`` or ``seq_len`` below 1, ``seq_len``
+            beyond the model's position table, ``dtype`` not one of :data:`MODEL_DTYPES`.
+        ModelBuildError: (a TypeError) a ``module:callable`` that is not a Python function or
+            ``nn.Module`` class, needs arguments Tessel cannot give, raises, or returns something
+            other than a module or ``(module, example_inputs)`` (checked before it is called where
+            possible).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    _check_build_args(batch_size, seq_len, dtype)
     if ":" in name and name not in _REGISTRY:
         return _build_user(name, batch_size=batch_size, seq_len=seq_len, device=device,
                            dtype=dtype, task=task)
@@ -284,10 +312,24 @@ def build_model(name: str, *, batch_size: int = 1, seq_len: int | None = None,
     seq = seq_len or spec.default_seq_len
     limit = spec.max_seq_len(config)
     if limit is not None and seq > limit:
-        raise ValueError(f"seq_len={seq} exceeds {name}'s maximum of {limit} positions")
+        raise ModelArgumentError(f"seq_len {seq} exceeds {name}'s maximum of {limit} positions; use "
+                                 f"--seq-len {limit} or less")
     inputs = example_token_inputs(spec.task, batch_size, seq, spec.vocab_size(config), device)
     return ModelBundle(module=module, example_inputs=inputs, name=name, source=spec.source,
                        config=config, batch_size=batch_size, seq_len=seq, task=task or spec.task)
+
+
+def _check_build_args(batch_size: Any, seq_len: Any, dtype: Any) -> None:
+    """Refuse a batch size or sequence length below 1 and a dtype outside :data:`MODEL_DTYPES`
+    (one sentence each; ``seq_len=None`` means the model's default)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ModelArgumentError(f"batch_size (the micro-batch size) must be a whole number >= 1, got {batch_size!r}")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ModelArgumentError(f"seq_len must be a whole number >= 1 (or left out for the model's default), "
+                                 f"got {seq_len!r}")
+    name = str(dtype).replace("torch.", "")
+    if not isinstance(dtype, torch.dtype) or name not in MODEL_DTYPES:
+        raise ModelArgumentError(f"dtype {name} is not supported; use one of {', '.join(MODEL_DTYPES)}")
 
 
 def example_token_inputs(task: str, batch: int, seq: int, vocab: int, device: Any) -> tuple:
@@ -312,22 +354,27 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         raise _not_found(name, f"cannot import module {mod_name!r} ({e})") from e
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing (SyntaxError, ...)
+        line = _first_line(e)
+        raise ModelBuildError(f"importing {mod_name!r} for --model {name} raised {type(e).__name__}"
+                              f"{': ' + line if line else ''}; fix the module so that it imports") from e
     fn: Any = mod
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
             raise _not_found(name, f"module {mod_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise _not_found(name, f"{attr!r} is not callable")
     offered = {"batch_size": batch_size, "seq_len": seq_len, "device": device, "dtype": dtype}
+    kw = _call_arguments(name, fn, offered)
     try:
-        params = inspect.signature(fn).parameters
-        var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        kw = {k: v for k, v in offered.items() if var_kw or k in params}
-    except (TypeError, ValueError):
-        kw = {}
-    with torch.device(device):
-        result = fn(**kw)
+        with torch.device(device):
+            result = fn(**kw)
+    except TesselError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code: any failure becomes one sentence
+        line = _first_line(e)
+        raise ModelBuildError(f"calling {name}({', '.join(kw)}) raised {type(e).__name__}"
+                              f"{': ' + line if line else ''}; fix the callable so that it builds the "
+                              "model with these arguments") from e
     if isinstance(result, nn.Module):
         module, inputs = result, None
     elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
@@ -345,6 +392,7 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
         inputs = tuple(inputs) if isinstance(inputs, list) else (inputs,)
     task = task or infer_task(module, inputs)
     seq = seq_len
+    made_up = inputs is None
     if inputs is None:
         if task == "image-classification":
             raise ModelBuildError(f"{name} returned only a module for an image task; return "
@@ -358,6 +406,12 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
         else:
             seq = seq_len or 128
             inputs = example_token_inputs(task, batch_size, seq, _vocab(module) or 2, device)
+    if made_up:
+        shapes = ", ".join(f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}" for t in inputs
+                           if isinstance(t, torch.Tensor))
+        _MADE_UP_INPUTS[module] = (f"{name} returned only a module, so Tessel gave it example inputs of the "
+                                   f"{task} task ({shapes}); return (module, example_inputs) from {name} with "
+                                   "inputs of the shapes and dtypes its forward takes")
     first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
     if first is not None and first.dim() >= 1:
         batch_size = int(first.shape[0])
@@ -370,6 +424,49 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
         config["config"] = json.loads(json.dumps(cfg.to_dict(), default=str))
     return ModelBundle(module=module, example_inputs=inputs, name=name, source="user",
                        config=config, batch_size=batch_size, seq_len=seq, task=task)
+
+
+def _first_line(e: BaseException) -> str:
+    """The first non-blank line of ``str(e)`` (``""`` if none)."""
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+
+
+_CALLABLE_FORM = ("--model takes package.module:callable where the callable is a Python function (or an "
+                  "nn.Module subclass) that returns an nn.Module or (module, example_inputs)")
+
+
+def _call_arguments(name: str, fn: Any, offered: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments to call a user's model builder ``fn`` with: those of ``offered``
+    (``batch_size``, ``seq_len``, ``device``, ``dtype``) that its signature takes.
+
+    Checked before anything is called: ``fn`` must be a function written in Python (a bound
+    method included) or an ``nn.Module`` subclass, and every parameter without a default must be
+    one Tessel offers.
+
+    Raises:
+        ModelBuildError: a built-in (``os:system``), a class that is not an ``nn.Module``, a value
+            that is not callable, or a parameter Tessel cannot fill.
+    """
+    target = fn.__func__ if inspect.ismethod(fn) else fn
+    if inspect.isclass(fn):
+        if not issubclass(fn, nn.Module):
+            raise ModelBuildError(f"{name} is the class {fn.__qualname__}, not an nn.Module subclass; {_CALLABLE_FORM}")
+    elif not inspect.isfunction(target):
+        what = ("a built-in function" if inspect.isbuiltin(fn) else
+                "not callable" if not callable(fn) else f"a {type(fn).__name__} object, not a Python function")
+        raise ModelBuildError(f"{name} is {what}; {_CALLABLE_FORM}")
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        raise ModelBuildError(f"{name} has no readable signature; {_CALLABLE_FORM}") from None
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    missing = [p.name for p in params.values() if p.default is p.empty and (
+        p.kind is p.POSITIONAL_ONLY or (p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in offered))]
+    if missing:
+        raise ModelBuildError(f"{name} needs the argument(s) {', '.join(missing)}, which Tessel cannot give: it "
+                              f"passes only those of {', '.join(offered)} that the callable takes; give the others "
+                              "defaults or wrap it in a function without them")
+    return {k: v for k, v in offered.items() if var_kw or k in params}
 
 
 def _vocab(module: nn.Module) -> int | None:
