@@ -46,7 +46,11 @@ class TqdmProgress(TrainingCallback):
                         dynamic_ncols=True)
 
     def on_notice(self, message: str) -> None:
-        print(f"[tessel] {message}", file=self.file or sys.stderr)
+        line = f"[tessel] {message}"
+        if self.bar is not None:  # above the bar, which is redrawn below it
+            self.bar.write(line, file=self.file or sys.stderr)
+        else:
+            print(line, file=self.file or sys.stderr)
 
     def on_step(self, report: StepReport) -> None:
         if self.bar is None:

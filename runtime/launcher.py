@@ -187,9 +187,9 @@ class _StopRequest:
 
 
 @contextlib.contextmanager
-def _stop_on_sigint(callbacks: Sequence[TrainingCallback]) -> Iterator[_StopRequest]:
-    """While the block runs, the first SIGINT only sets the returned request (and tells the
-    callbacks); a second one raises ``KeyboardInterrupt`` at once. Outside the main thread, or
+def _stop_on_sigint() -> Iterator[_StopRequest]:
+    """While the block runs, the first SIGINT only sets the returned request; a second one raises
+    ``KeyboardInterrupt`` at once. Outside the main thread, or
     where SIGINT is ignored or handled by someone else than Python's default, nothing is installed
     (the request then never gets set)."""
     stop = _StopRequest()
@@ -199,11 +199,11 @@ def _stop_on_sigint(callbacks: Sequence[TrainingCallback]) -> Iterator[_StopRequ
         return
 
     def handler(signum: int, frame: Any) -> None:
+        # no I/O here: the main thread may be inside a write to the same stream (a reentrant write
+        # raises); the loop tells the callbacks once the step is done
         if stop.requested:
             raise KeyboardInterrupt
         stop.requested = True
-        _notice(callbacks, "interrupted: finishing the current step and checkpointing it (Ctrl-C again stops at "
-                           "once, keeping the last checkpoint)")
 
     signal.signal(signal.SIGINT, handler)
     try:
@@ -256,6 +256,9 @@ def _train(session: TrainingSession, callbacks: Sequence[TrainingCallback], *, d
             cb.on_step(report)
         session.after_step(step + 1)
         if stop is not None and stop.requested and step + 1 < session.steps:
+            if session.checkpoint_dir is not None:
+                _notice(callbacks, f"interrupted: checkpointing the {step + 1} steps done (Ctrl-C again stops at "
+                                   "once, keeping the last checkpoint)")
             raise _interrupted(session, step + 1)
     return loop
 
@@ -416,7 +419,7 @@ def launch(
         for cb in callbacks:
             cb.on_start(start_step=session.start_step, steps=steps)
         started = True
-        with _stop_on_sigint(callbacks) as stop:
+        with _stop_on_sigint() as stop:
             loop = _train(session, callbacks, dp=dp, keep_timelines=config.keep_timelines, stop=stop)
         started = False
         _end(callbacks)

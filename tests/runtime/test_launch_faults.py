@@ -233,6 +233,7 @@ def test_ctrl_c_checkpoints_the_last_step_and_prints_the_resume_command(plan_dic
     done = ck.checkpoint_step(saved[0])
     assert 3 <= done < 20  # step 2 (during which the signal came) finished and is in it
     assert f"launch interrupted after {done} of 20 steps; their checkpoint is {saved[0]}" in err
+    assert f"[tessel] interrupted: checkpointing the {done} steps done" in err
     ck.load_checkpoint(saved[0], world_size=2)  # complete and intact
     command = next(ln for ln in err.splitlines() if ln.startswith("resume with: "))[len("resume with: "):]
     words = shlex.split(command)
