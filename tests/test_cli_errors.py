@@ -56,6 +56,18 @@ USER_MODELS = textwrap.dedent('''
     class NotAModule:
         def __init__(self):
             CALLS.append("NotAModule")
+
+    class NoOutput(nn.Module):          # traces fine but computes nothing that is returned
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Embedding(10, 4)
+
+        def forward(self, x):
+            self.e(x)
+            return None
+
+    def no_output():
+        return NoOutput()
 ''')
 
 
@@ -108,6 +120,14 @@ def test_capture_failure_of_a_model_without_example_inputs_says_how_to_give_them
     line = assert_one_error_line(err, "cannot capture", "returned only a module",
                                  "return (module, example_inputs) from cli_err_user_models:conv")
     assert last_json(out) == {"ok": False, "error": line.split("error: ", 1)[1], "exit_status": 2}
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_that_returns_nothing_is_refused_not_planned_at_zero_ms(capsys, tmp_path, user_models):
+    status, err, out = run_cli(capsys, "plan", "--model", "cli_err_user_models:no_output", "--devices", "1",
+                               "-o", str(tmp_path / "out"), "--json")
+    assert status == 2
+    assert_one_error_line(err, "returns no tensor")
     assert not (tmp_path / "out").exists()
 
 

@@ -298,7 +298,8 @@ def capture(model: Any, example_inputs: tuple | Any = None, *, name: str | None 
 
     Raises:
         CaptureError: export failed; the message names the failing module/source line and
-            what to try (remove data-dependent control flow, fix example input shapes).
+            what to try (remove data-dependent control flow, fix example input shapes); or the
+            forward returns no tensor (nothing to plan).
         TypeError: ``model`` is not an ``nn.Module``.
     """
     if hasattr(model, "module") and hasattr(model, "example_inputs") and not isinstance(
@@ -323,6 +324,12 @@ def capture(model: Any, example_inputs: tuple | Any = None, *, name: str | None 
                                      strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes a CaptureError
         raise _capture_error(e, model, name) from e
+    outputs = [n for n in ep.graph.nodes if n.op == "output"]
+    returned = [v for n in outputs for v in torch.utils._pytree.tree_leaves(n.args)
+                if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)]
+    if not returned:   # nothing to plan: the step would be "0 ms" and "0 tokens/s"
+        raise CaptureError(f"cannot capture {name!r}: its forward returns no tensor, so there is no computation to "
+                           "plan; return the model's output (logits, loss or features) from forward")
     g = _build(ep, model, name)
     tensors = [t for t in list(example_inputs) + list((example_kwargs or {}).values())
                if isinstance(t, torch.Tensor)]
