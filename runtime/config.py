@@ -62,11 +62,14 @@ class _ClusterConfig:
     checkpointed when there is a checkpoint folder)."""
 
     keep_checkpoints: int | None = 2
-    """Newest checkpoints kept (per job; >= 1); ``None``: all."""
+    """Newest checkpoints kept (per job; >= 1); ``None``: all. With 1 a damaged newest checkpoint
+    has no older one to fall back to (see :func:`runtime.checkpoint.verify_checkpoint`)."""
 
     resume: bool = False
-    """Continue from the newest checkpoint in the checkpoint folder (from step 0 if there is none);
-    the steps already in the checkpoint count towards ``steps``."""
+    """Continue from the newest intact checkpoint in the checkpoint folder (a damaged one is
+    skipped with a warning); a missing folder, or one without an intact checkpoint, is refused
+    (:class:`runtime.runner.LaunchError`) rather than training from step 0. The steps already in
+    the checkpoint count towards ``steps``."""
 
     def _check_cluster(self, error: type[LaunchError]) -> None:
         """Raise ``error(kind="setup")`` for a cluster field out of range (see :meth:`LaunchConfig.validate`)."""

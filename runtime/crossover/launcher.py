@@ -70,7 +70,7 @@ from runtime.config import CrossoverConfig, check_optimizer, per_job
 from runtime.crossover.actor import CrossoverActor
 from runtime.crossover.result import CrossoverJobResult, CrossoverResult, job_label, job_timeline, run_timeline
 from runtime.crossover.token import TokenInterval
-from runtime.runner import CrossoverLaunchError, LaunchError, Runner, as_plan
+from runtime.runner import CrossoverLaunchError, CrossoverLaunchFailure, LaunchError, LaunchFailure, Runner, as_plan
 from runtime.session import StepReport, TrainingCallback, TrainingSession, restore_checkpoint, resume_point
 
 __all__ = ["CrossoverJobResult", "CrossoverResult", "launch_crossover"]
@@ -347,7 +347,8 @@ def _throughput(jobs: list[CrossoverJobResult], concurrent: bool, phase_starts: 
 
 
 def _failure(result: CrossoverResult) -> CrossoverLaunchError | None:
-    """The error naming the failed jobs (and the completed ones), or ``None`` when all completed."""
+    """The error naming the failed jobs (and the completed ones), or ``None`` when all completed: a
+    :class:`CrossoverLaunchFailure` (exit status 3), since the plans were checked before Ray started."""
     jobs = result.jobs
     failed = [job for job in jobs if not job.ok]
     if not failed:
@@ -357,15 +358,16 @@ def _failure(result: CrossoverResult) -> CrossoverLaunchError | None:
     msg = "; ".join(f"job {job.index} ({job.name}) failed: {job.error}" for job in failed)
     if done_jobs:
         msg += "; " + ", ".join(done_jobs)
-    return CrossoverLaunchError(msg, job=first.index, result=result, rank=first.failed_rank, step=first.failed_step,
-                          kind=first.kind or "raised", checkpoint=first.checkpoint)
+    # the jobs passed the checks before Ray started: a job that fails now failed at run time
+    return CrossoverLaunchFailure(msg, job=first.index, result=result, rank=first.failed_rank, step=first.failed_step,
+                                  kind=first.kind or "raised", checkpoint=first.checkpoint)
 
 
 def _setup(pool: _cluster.ActorPool, js: _Jobs, cks: list[_ckpt.Checkpoint | None], timeout: float) -> None:
     """Every actor's ``setup()``, then each resumed job's checkpoint.
 
     Raises:
-        CrossoverLaunchError: a rank failed or hung.
+        CrossoverLaunchFailure: a rank failed or hung (exit status 3); CrossoverLaunchError: a refused setting.
     """
     try:
         Runner(pool).call("setup", [()] * js.ws, timeout=timeout, step=None, what="setup")
@@ -373,7 +375,8 @@ def _setup(pool: _cluster.ActorPool, js: _Jobs, cks: list[_ckpt.Checkpoint | Non
             if ck is not None:
                 restore_checkpoint(Runner(pool), ck, js.ws, timeout=timeout, job=j, rng=False)
     except LaunchError as e:
-        raise CrossoverLaunchError(f"setting up the co-located jobs failed: {e}", rank=e.rank, kind=e.kind) from e
+        cls = CrossoverLaunchFailure if isinstance(e, LaunchFailure) else CrossoverLaunchError
+        raise cls(f"setting up the co-located jobs failed: {e}", rank=e.rank, kind=e.kind) from e
 
 
 def launch_crossover(
