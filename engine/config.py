@@ -218,14 +218,17 @@ class ParallelConfig:
         return self.pp * self.virtual_stages
 
     def check(self) -> None:
-        """Raise :class:`engine.transform.TransformError` if a degree is not a positive integer."""
+        """Raise :class:`engine.transform.TransformError` if a degree, the micro-batch count or size,
+        or ``overlap_chunks`` is not a positive integer (``0``, negatives, floats and booleans are
+        refused, never replaced by a default), or the bucket size or transformations are malformed."""
         from engine.transform import TransformError  # local: engine.transform re-exports this class
 
         for name in self._INTS + ("overlap_chunks",):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise TransformError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.grad_bucket_bytes, int) or self.grad_bucket_bytes < 4 or self.grad_bucket_bytes % 4:
+        bucket = self.grad_bucket_bytes
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 4 or bucket % 4:
             raise TransformError(f"grad_bucket_bytes must be a positive multiple of 4 (float32 elements), got "
                                  f"{self.grad_bucket_bytes!r}")
         from engine.coconet import parse_transforms

@@ -209,6 +209,15 @@ def test_non_positive_and_non_finite_numbers_are_refused(capsys, tmp_path, monke
     assert not out_dir.exists()
 
 
+@pytest.mark.parametrize("field, value", [("dp", True), ("virtual_stages", False)])
+def test_parallel_config_refuses_booleans_as_degrees(field, value):
+    from engine.config import ParallelConfig
+    from engine.transform import TransformError
+
+    with pytest.raises(TransformError, match=field):
+        ParallelConfig(**{field: value}).check()
+
+
 def test_seq_len_zero_is_refused_at_the_root():
     from engine.models import build_model
     from engine.models.registry import ModelArgumentError
