@@ -209,7 +209,7 @@ def test_non_positive_and_non_finite_numbers_are_refused(capsys, tmp_path, monke
     assert not out_dir.exists()
 
 
-@pytest.mark.parametrize("field, value", [("dp", True), ("virtual_stages", False)])
+@pytest.mark.parametrize("field, value", [("dp", True), ("tp", True)])
 def test_parallel_config_refuses_booleans_as_degrees(field, value):
     from engine.config import ParallelConfig
     from engine.transform import TransformError
