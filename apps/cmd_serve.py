@@ -28,20 +28,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Fail fast on bad settings, before the server starts (a bad plan file, an unknown model).
+    """Fail fast on bad settings, before the server starts: a bad plan file, or a ``--model`` that
+    cannot be built (an unknown name, a ``module:callable`` that is not a model builder or returns
+    no module; built on the meta device, no weights), so that no browser session meets the error.
 
     Raises:
-        TesselError: an unreadable plan file, an unknown model name, a port outside 0..65535.
+        TesselError: an unreadable plan file, a model that cannot be built, a port outside 0..65535.
     """
     from engine.errors import TesselError
     from engine.io import load_plan
-    from engine.models import list_models
+    from engine.models import build_model
 
     if args.plan:
         load_plan(args.plan)
-    elif ":" not in args.model and args.model not in list_models():
-        valid = ", ".join(k for k in list_models() if ":" not in k)
-        raise TesselError(f"unknown model {args.model!r}; valid names: {valid}")
+    else:
+        build_model(args.model)
     if not 0 <= args.port < 65536:
         raise TesselError(f"--port must be in 0..65535, got {args.port}")
 

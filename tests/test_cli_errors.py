@@ -159,6 +159,18 @@ def test_model_callable_that_raises_or_returns_no_module_is_one_sentence(capsys,
     assert last_json(out)["exit_status"] == 2
 
 
+@pytest.mark.parametrize("target, needle", [("cli_err_user_models:returns_int", "returned int"),
+                                            ("os:system", "built-in function")])
+def test_serve_refuses_a_model_that_cannot_be_built_before_the_server_starts(capsys, monkeypatch, user_models,
+                                                                            target, needle):
+    import panel
+
+    monkeypatch.setattr(panel, "serve", lambda *a, **k: pytest.fail("the server started with a broken --model"))
+    status, err, _ = run_cli(capsys, "serve", "--model", target, "--port", "0", "--json")
+    assert status == 2
+    assert_one_error_line(err, needle)
+
+
 def test_unsupported_dtype_is_one_sentence_listing_the_supported(capsys, tmp_path):
     status, err, out = run_cli(capsys, "plan", "--model", "gpt2-tiny", "--dtype", "int8", "-o", str(tmp_path),
                                "--json")
