@@ -84,7 +84,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Sequence, cast
 
-from engine.errors import ScheduleError, TesselError
+from engine.errors import TesselError
 from runtime import cluster as _cluster
 from runtime.config import LaunchConfig, check_optimizer
 from runtime.launch_result import LaunchResult, finish_times, merge_moe_metrics, merge_timeline
@@ -131,22 +131,9 @@ def check_launchable(plan: Plan, *, name: str = "the plan") -> None:
         engine.errors.TesselError: a parallel degree that is not a positive integer
             (``ParallelConfig.check``).
     """
-    par, sched = plan.parallel, plan.schedule
-    par.check()
-    fix = "re-create it with `tessel plan` or `tessel search`, or check an edited one with `tessel show`"
-    if par.micro_batches != sched.num_micro_batches:
-        raise ScheduleError("micro-batches", f"{name} declares parallel.micro_batches = {par.micro_batches:,} but "
-                                             f"its schedule has {sched.num_micro_batches:,} micro-batches "
-                                             f"(schedule.num_micro_batches); {fix}")
-    if par.pp != sched.num_devices:
-        raise ScheduleError("device", f"{name} declares parallel.pp = {par.pp} pipeline ranks but its schedule "
-                                      f"orders {sched.num_devices} devices; {fix}")
-    try:
-        sched.validate()
-    except ScheduleError as e:
-        raise ScheduleError(e.rule, f"{name} cannot be launched: {e}; fix its schedule.orders ({fix})",
-                            e.device, e.block) from None
+    from engine.plan_check import check_plan
 
+    check_plan(plan, name=name)
 
 
 def _start_workers(worker_cls: type, plan_dict: dict, ws: int, config: LaunchConfig,

@@ -119,3 +119,30 @@ def test_lower_bound_names_its_placement_and_rows_on_other_placements(tmp_path, 
     assert "on placement interleaved" in rows["interleaved"]
     assert "on placement V, backward split into I and W" in rows["zb-h1"]
     assert "on placement" not in rows["gpipe"] and "on placement" not in rows["tessel"]
+
+
+def test_show_refuses_a_plan_whose_declared_micro_batches_are_not_its_orders(tmp_path, capsys):
+    """``tessel show`` checks the plan's consistency as ``tessel launch`` does (engine.plan_check):
+    a plan declaring 10^6 micro-batches whose orders hold 4 was shown as valid."""
+    out = tmp_path / "o"
+    assert cli(["search", "--placement", "v", *FAST, "-o", str(out)], capsys)[0] == 0
+    d = json.loads((out / "plan.json").read_text())
+    d["parallel"]["micro_batches"] = 1_000_000
+    (out / "plan.json").write_text(json.dumps(d))
+    rc, _, err = cli(["show", str(out / "plan.json")], capsys)
+    assert rc == 2
+    assert "declares parallel.micro_batches = 1,000,000 but its schedule has 4 micro-batches" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_show_memory_limit_is_in_the_plan_units_and_must_be_positive(tmp_path, capsys):
+    """An abstract plan's --memory-limit is in activation units (as tessel search takes it), a
+    non-positive limit is refused (it was silently ignored)."""
+    out = tmp_path / "o"
+    assert cli(["search", "--placement", "v", *FAST, "-o", str(out), "--memory-limit", "4"], capsys)[0] == 0
+    plan = str(out / "plan.json")
+    assert cli(["show", plan, "--memory-limit", "4"], capsys)[0] == 0
+    rc, _, err = cli(["show", plan, "--memory-limit", "1"], capsys)
+    assert rc == 2 and "memory" in err
+    rc, _, err = cli(["show", plan, "--memory-limit", "0"], capsys)
+    assert rc == 2 and "--memory-limit must be a positive number" in err
