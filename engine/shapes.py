@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from engine.envelope import is_instance
-from engine.errors import PlacementError
+from engine.errors import PlacementError, TesselError
 from engine.io.placement_json import parse_blocks
 from engine.placement import MAX_DEVICES, BlockSpec, Placement, TensorSpec, pipeline_placement
 
@@ -433,6 +433,10 @@ def _canonical(name: str) -> str | None:
     return None
 
 
+class UnknownShapeError(TesselError, ValueError):
+    """A shape name that is not in :data:`SHAPES` (a user mistake: exit status 2, one sentence)."""
+
+
 def make_shape(name: str, n: int, **kw) -> Placement:
     """Build the shape called ``name`` on ``n`` devices.
 
@@ -441,14 +445,15 @@ def make_shape(name: str, n: int, **kw) -> Placement:
     ``"k"``/``"kshape"``, ``"interleaved"`` (takes ``virtual_stages=``).
 
     Raises:
-        PlacementError: unknown name (the message lists the valid ones; a ``ValueError`` too, as
-            before), more than :data:`~engine.placement.MAX_DEVICES` devices.
+        UnknownShapeError: unknown name; the message lists the valid ones (a ``TesselError``, and
+            a ``ValueError`` as before).
+        PlacementError: more than :data:`~engine.placement.MAX_DEVICES` devices.
         PlacementError: invalid ``n`` (``n < 2``; odd ``n`` for NN and K) or bad keyword values.
     """
     key = _canonical(name)
     if key is None:
-        raise PlacementError(f"unknown placement shape {name!r}; valid shapes are: {', '.join(SHAPES)}, or the path "
-                             "of a placement JSON file")
+        raise UnknownShapeError(f"unknown placement shape {name!r}; valid shapes are: {', '.join(SHAPES)}, or the "
+                                "path of a placement JSON file")
     return SHAPES[key].build(n, **kw)
 
 

@@ -50,10 +50,10 @@ SEED_PROBE_MICRO_BATCHES = 48
 
 #: Block instances (placement blocks x micro-batches) per second that turning a repetend into the
 #: returned schedule handles at least: unrolling it, lowering and simulating the schedule, and
-#: validating it. Measured on a 2-core x86 machine: 10,000 blocks x 4 and x 16 micro-batches in
-#: 1.4 s and 6.2 s (about 27,000 per second). The search phases before it stop that long before
-#: ``time_limit``; where it alone would exceed ``time_limit`` the search refuses at once.
-FINISH_INSTANCES_PER_S = 20_000
+#: validating it. Measured on a 2-core x86 machine, inside ``tessel_search``: 10,000 blocks x 16
+#: micro-batches in 14 s (about 11,500 per second). The search phases before it stop that long
+#: before ``time_limit``; where it alone would exceed ``time_limit`` the search refuses at once.
+FINISH_INSTANCES_PER_S = 10_000
 
 #: Block instances per second CP-SAT models are built at least (the repetend's and the
 #: completion's, in Python). Measured on a 2-core x86 machine: the repetend model of 10,000 blocks
