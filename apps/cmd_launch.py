@@ -40,9 +40,10 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from apps.arg_types import positive_int
+from apps.arg_types import non_negative_int, positive_float, positive_int
 from apps.launch_progress import LineProgress, TqdmProgress
 from apps.output import fmt_gib, fmt_ms, table
+from engine.errors import TesselError
 
 HELP = "train a plan on Ray actors and compare measured with predicted step times"
 
@@ -56,16 +57,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default=None, choices=("crossover", "uncoordinated", "sequential"),
                    help="how several plans share the actors: crossover (token), uncoordinated (free-running) or "
                         "sequential (one job after the other)")
-    p.add_argument("--warmup-steps", type=int, default=1,
+    p.add_argument("--warmup-steps", type=non_negative_int, default=1,
                    help="co-located jobs: first steps of each job left out of tokens/s (default 1)")
-    p.add_argument("--steps", type=int, default=50,
+    p.add_argument("--steps", type=positive_int, default=50,
                    help="total training steps; with --resume the checkpointed steps count (default 50)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     p.add_argument("--address", default=None, help="Ray cluster address (default: start a local cluster)")
     p.add_argument("--checkpoint-dir", default=None, help="checkpoint folder (default: ckpt/ next to the plan)")
-    p.add_argument("--checkpoint-every", type=int, default=10,
+    p.add_argument("--checkpoint-every", type=non_negative_int, default=10,
                    help="checkpoint every N steps; 0: only at the end (default 10)")
-    p.add_argument("--eval-every", type=int, default=10,
+    p.add_argument("--eval-every", type=non_negative_int, default=10,
                    help="validation loss every N steps; 0: only at the end (default 10)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
     p.add_argument("--task", default=None,
@@ -73,8 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "image-classification, or package.module:callable (see `tasks.user`)")
     p.add_argument("--data-seed", type=int, default=0,
                    help="seed of the task's data split and batches (default 0)")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    p.add_argument("--step-timeout", type=float, default=120.0,
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--step-timeout", type=positive_float, default=120.0,
                    help="seconds a rank may take for one step before the job counts as hung (default 120)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: NCCL on GPUs when the cluster has one per rank, else gloo on CPU (default auto)")
@@ -214,14 +215,14 @@ def _mode(args: argparse.Namespace) -> str | None:
     """The co-location mode asked for, or ``None`` for a plain single-plan launch.
 
     Raises:
-        ValueError: several plans without ``--crossover``/``--mode``, or ``--crossover`` with
+        engine.errors.TesselError: several plans without ``--crossover``/``--mode``, or ``--crossover`` with
             another ``--mode``.
     """
     if args.crossover and args.mode not in (None, "crossover"):
-        raise ValueError(f"--crossover and --mode {args.mode} contradict each other; give one of them")
+        raise TesselError(f"--crossover and --mode {args.mode} contradict each other; give one of them")
     mode = "crossover" if args.crossover else args.mode
     if len(args.plan) > 1 and mode is None:
-        raise ValueError(f"{len(args.plan)} plans given: co-locate them with --crossover (or --mode uncoordinated / "
+        raise TesselError(f"{len(args.plan)} plans given: co-locate them with --crossover (or --mode uncoordinated / "
                          "--mode sequential), or launch one plan at a time")
     return mode
 
@@ -335,11 +336,11 @@ def run(args: argparse.Namespace) -> dict:
     if any(_is_gnn_plan(Path(p)) for p in args.plan):
         return run_gnn(args)
     if args.epochs is not None:
-        raise ValueError("--epochs is for GNN plans (`tessel plan --gnn`); train this plan for a number of --steps.")
+        raise TesselError("--epochs is for GNN plans (`tessel plan --gnn`); train this plan for a number of --steps.")
     mode = _mode(args)
     if mode is not None:
         if args.task is not None:
-            raise ValueError("--task applies to a single-plan launch; co-located jobs train the plans' own tasks")
+            raise TesselError("--task applies to a single-plan launch; co-located jobs train the plans' own tasks")
         return run_crossover(args, mode)
     plan_path = Path(args.plan[0])
     plan = load_plan(plan_path)
@@ -485,17 +486,17 @@ def run_gnn(args: argparse.Namespace) -> dict:
     """``tessel launch gnn_plan.json``: :func:`runtime.gnn.launcher.launch_gnn`, the table and the trace.
 
     Raises:
-        ValueError: several plans, or a flag that does not apply to a GNN plan (one sentence).
+        engine.errors.TesselError: several plans, or a flag that does not apply to a GNN plan (one sentence).
         LaunchError, PlanFormatError: from the launch (one sentence; exit status 2).
     """
     from engine.io import write_trace
     from runtime.gnn.launcher import launch_gnn
 
     if len(args.plan) > 1:
-        raise ValueError(f"{len(args.plan)} plans given, one of them a GNN plan; launch a GNN plan alone.")
+        raise TesselError(f"{len(args.plan)} plans given, one of them a GNN plan; launch a GNN plan alone.")
     flag = _gnn_refused(args)
     if flag is not None:
-        raise ValueError(f"{flag} does not apply to a GNN plan (its learning rate, seed and task are the plan's); "
+        raise TesselError(f"{flag} does not apply to a GNN plan (its learning rate, seed and task are the plan's); "
                          "leave it out (a GNN launch takes --epochs, --device, --address, --step-timeout and --trace).")
     plan_path = Path(args.plan[0])
     with _stdout_for_json(args):

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence, cast
@@ -188,11 +189,13 @@ def make_plan(
     timings: dict[str, float] = {}
     if devices < 1 or dp < 1 or tp < 1:
         raise TransformError(f"devices, dp and tp must be positive, got devices={devices}, dp={dp}, tp={tp}")
+    if memory_limit is not None and not (memory_limit > 0 and math.isfinite(memory_limit)):
+        raise TransformError(f"memory_limit must be a positive, finite number of bytes, got {memory_limit!r}")
     if devices % (dp * tp):
         raise TransformError(f"--devices {devices} is not divisible by dp*tp = {dp * tp}; pick devices = dp * tp * pp")
     pp = devices // (dp * tp)
     req = placement_requirements(schedule)
-    vs = virtual_stages or req.virtual_stages
+    vs = req.virtual_stages if virtual_stages is None else virtual_stages
     config = ParallelConfig(dp=dp, tp=tp, pp=pp, virtual_stages=vs, micro_batches=micro_batches,
                             micro_batch_size=micro_batch_size, transforms=tf, grad_bucket_bytes=grad_bucket_bytes,
                             overlap_chunks=overlap_chunks)

@@ -230,6 +230,32 @@ def test_parallel_config_refuses_booleans_as_degrees(field, value):
         ParallelConfig(**{field: value}).check()
 
 
+@pytest.mark.parametrize("argv, option", [
+    (["--lr", "nan"], "--lr"), (["--lr", "0"], "--lr"), (["--steps", "0"], "--steps"),
+    (["--warmup-steps", "-1"], "--warmup-steps"), (["--checkpoint-every", "-1"], "--checkpoint-every"),
+    (["--eval-every", "-3"], "--eval-every"), (["--step-timeout", "inf"], "--step-timeout"),
+])
+def test_launch_refuses_wrong_numbers_before_ray(capsys, tmp_path, monkeypatch, argv, option):
+    """``--lr nan`` started Ray and failed in a rank's setup (exit 3); ``--warmup-steps -1`` trained."""
+    import runtime.cluster
+
+    monkeypatch.setattr(runtime.cluster, "init_ray", lambda *a, **k: pytest.fail("Ray started with a wrong argument"))
+    status, err, out = run_cli(capsys, "launch", str(tmp_path / "plan.json"), *argv, "--json")
+    assert status == 2
+    assert_one_error_line(err, f"argument {option}")
+
+
+@pytest.mark.parametrize("kw", [{"virtual_stages": 0, "schedule": "interleaved"}, {"memory_limit": float("nan")},
+                                {"memory_limit": 0.0}])
+def test_make_plan_refuses_what_the_cli_refuses(kw):
+    """The library call, not only the CLI: ``virtual_stages=0`` was replaced by the default."""
+    from engine.planner import make_plan
+    from engine.transform import TransformError
+
+    with pytest.raises(TransformError, match="virtual_stages|memory_limit"):
+        make_plan("gpt2-tiny", devices=2, micro_batches=4, **kw)
+
+
 def test_seq_len_zero_is_refused_at_the_root():
     from engine.models import build_model
     from engine.models.registry import ModelArgumentError

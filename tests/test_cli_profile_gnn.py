@@ -66,7 +66,7 @@ def test_bad_model_and_heads_exit_2(capsys):
     assert cli.main(["profile-gnn", "--model", "gpt", "--graph", "er:20:2", "--json"]) == 2
     captured = capsys.readouterr()
     assert json.loads(captured.out.strip().splitlines()[-1]) == {
-        "ok": False, "error": "unknown --model 'gpt'; use one of gcn, gat, sage, gin, gated-gcn."}
+        "ok": False, "error": "unknown --model 'gpt'; use one of gcn, gat, sage, gin, gated-gcn.", "exit_status": 2}
     assert cli.main(["profile-gnn", "--model", "gcn", "--heads", "4", "--graph", "er:20:2"]) == 2
     assert "heads" in capsys.readouterr().err
 
