@@ -30,6 +30,7 @@ torch.distributed (https://pytorch.org/docs/stable/distributed.html).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -93,6 +94,10 @@ def init_ray(address: str | None = None) -> bool:
             # ray annotates logging_level as int, but its own default is the string "info"
             ray.init(address=address, logging_level="WARNING")  # type: ignore[arg-type]
         else:
+            # a local cluster bound to this machine: Ray's notice that it generated an
+            # authentication token is not something the user can act on, and it is the one
+            # stderr line a clean launch would otherwise print
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
             ray.init(**kw)
     except Exception as e:  # ConnectionError, RuntimeError, ValueError from ray.init
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"

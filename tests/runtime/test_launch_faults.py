@@ -204,6 +204,7 @@ def test_json_stdout_holds_no_ray_output_and_ends_with_the_object(plan_dict, tmp
     out, err = capfd.readouterr()
     assert "chatty worker" not in out
     assert "chatty worker 0 says hello" in err  # forwarded, to stderr
+    assert "Token authentication" not in err   # Ray's local-cluster auth notice (runtime.cluster.init_ray)
     lines = [ln for ln in out.splitlines() if ln.strip()]
     result = json.loads(lines[-1])
     assert result["ok"] and result["steps"] == 3
