@@ -93,9 +93,10 @@ def _tied_groups(module: Any, parts: list[dict], num_segments: int) -> tuple[lis
     k = len(parts)
     model_groups = tied_parameter_groups(module, [list(p.get("layers") or []) for p in parts])
     extra: dict[int, int] = {}
-    for g in model_groups:
-        for s in g.segments()[1:]:   # the first holder already counted it at first use
-            extra[s] = extra.get(s, 0) + g.nbytes
+    if not any("tied_copy_bytes" in p for p in parts):   # not yet counted by model_shape_placement
+        for g in model_groups:
+            for s in g.segments()[1:]:   # the first holder already counted it at first use
+                extra[s] = extra.get(s, 0) + g.nbytes
     segments = [{"index": i, **p, "param_bytes": int(p.get("param_bytes", 0)) + extra.get(i, 0)}
                 for i, p in enumerate(parts)]
     replicas = max(1, num_segments // k) if k else 1
@@ -156,17 +157,21 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     cost = cost if cost is not None else CostModel.for_device(device_type, link=link, inter_link=link)
     loss_parallel = bundle.task in LOSS_PARALLEL_TASKS
     pl, parts = model_shape_placement(graph, cost, shape, devices, split_backward=split_backward,
-                                      forward_only=forward_only, loss_parallel=loss_parallel)
+                                      forward_only=forward_only, loss_parallel=loss_parallel,
+                                      tied_module=bundle.module)
     variants: dict[str, tuple[Any, list[dict]]] = {}
 
     def variant_parts(name: str) -> tuple[Any, list[dict]]:
         if name not in variants:
             if name == "interleaved":
-                variants[name] = model_shape_placement(graph, cost, "interleaved", devices, forward_only=forward_only)
+                variants[name] = model_shape_placement(graph, cost, "interleaved", devices, forward_only=forward_only,
+                                                       tied_module=bundle.module)
             elif name == "v":
-                variants[name] = model_shape_placement(graph, cost, "v", devices, forward_only=forward_only)
+                variants[name] = model_shape_placement(graph, cost, "v", devices, forward_only=forward_only,
+                                                       tied_module=bundle.module)
             else:
-                variants[name] = model_shape_placement(graph, cost, "v", devices, split_backward=True)
+                variants[name] = model_shape_placement(graph, cost, "v", devices, split_backward=True,
+                                                       tied_module=bundle.module)
         return variants[name]
 
     def variant(name: str):

@@ -36,7 +36,7 @@ from engine.transform import (
 
 def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bool = False,
                           forward_only: bool = False, optimizer: str = "adam",
-                          loss_parallel: bool = False) -> tuple[Placement, list[dict]]:
+                          loss_parallel: bool = False, tied_module: Any = None) -> tuple[Placement, list[dict]]:
     """The ``shape`` placement on ``n`` devices with the captured model's costs.
 
     Args:
@@ -49,6 +49,12 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             (divided among the devices of an all-device segment, like its parameters).
         loss_parallel: the task's loss takes vocab-sharded logits, so an all-device LM head pays
             no all-gather of its logits (:func:`engine.transform.layer_costs`).
+        tied_module: the captured ``nn.Module``, to count tied weights as the runtime holds them:
+            every part holding a tied parameter (GPT-2's ``wte``/``lm_head``) after the first keeps
+            its own copy, added to its ``param_bytes`` and recorded as ``tied_copy_bytes``
+            (:func:`engine.transform.tied_parameter_groups`, as :func:`engine.planner.make_plan`
+            counts them with ``add_tied_copies``), so static memory and gradient buffers include
+            it. ``None``: parameters are counted once, at first use.
 
     An all-device segment with parameters is tensor-parallel over its ``n`` devices and costs what
     :func:`engine.transform.layer_costs` gives at ``tp = n`` (per-op sharding, Megatron's
@@ -98,6 +104,13 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             "output": chunk[-1].output,
             "grad": chunk[-1].grad,
         })
+    if tied_module is not None:
+        from engine.transform import tied_parameter_groups
+
+        for g in tied_parameter_groups(tied_module, [p["layers"] for p in parts]):
+            for seg in g.segments()[1:]:   # the first holder counted it at first use
+                parts[seg]["param_bytes"] += g.nbytes
+                parts[seg]["tied_copy_bytes"] = parts[seg].get("tied_copy_bytes", 0) + g.nbytes
     probe = build(n)
     n_seg = probe.num_segments
 

@@ -108,7 +108,8 @@ def test_search_table_and_show_agree_on_m(tmp_path, capsys):
 
 def test_the_same_1f1b_predicts_the_same_from_plan_and_search():
     """`tessel plan --schedule 1f1b` and the 1F1B row of `tessel search --placement v` run the same
-    schedule on the same segments (tied copies included): one makespan."""
+    schedule on the same segments (tied copies included): one makespan and one peak memory per
+    device (the search's placement counts the last stage's copy of GPT-2's tied ``wte``)."""
     from engine.baselines import build_schedule
 
     planned = make_plan("gpt2-tiny", devices=4, micro_batches=4, seq_len=32, schedule="1f1b").plan
@@ -117,6 +118,24 @@ def test_the_same_1f1b_predicts_the_same_from_plan_and_search():
     assert sched.orders == planned.schedule.orders
     assert [s["param_bytes"] for s in sp.plan.segments] == [s["param_bytes"] for s in planned.segments]
     assert sp.predict(sched)["makespan"] == planned.metrics["makespan"]
+    assert sp.predict(sched)["peak_memory"] == planned.metrics["peak_memory"]
+
+
+def test_the_searched_placement_counts_tied_copies_as_the_plan_does():
+    """The placement the Tessel search schedules under a memory limit holds the last stage's copy
+    of GPT-2's tied ``wte``/``lm_head`` (3x: weights and Adam's m, v), as make_plan's does; it
+    held 601,344 of the plan's 797,952 bytes on device 3, so a search could break the limit."""
+    from engine.cost import CostModel
+    from engine.graph import capture
+    from engine.models import build_model
+    from engine.shape_costs import model_shape_placement
+
+    planned = make_plan("gpt2-tiny", devices=4, micro_batches=4, seq_len=32, schedule="1f1b").plan
+    bundle = build_model("gpt2-tiny", seq_len=32)
+    graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
+    pl, _ = model_shape_placement(graph, CostModel.for_device("h100"), "v", 4, tied_module=bundle.module)
+    assert pl.static_memory == planned.placement.static_memory
+    assert pl.grad_memory == planned.placement.grad_memory
 
 
 def test_x_search_counts_both_model_replicas_tokens():
