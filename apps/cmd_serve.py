@@ -50,9 +50,14 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> dict:
     import panel as pn
 
-    from planner_ui.app import build_app
+    from planner_ui.app import build_app, warm_up
 
     check_args(args)
+    # plan the first session's model and render one session before the server listens, so the
+    # first browser page opens as fast as later ones; a plan that cannot be made fails here (exit 2)
+    print(f"[tessel] preparing {args.plan or args.model} ...", file=sys.stderr, flush=True)
+    warm_up(model=args.model, plan=args.plan, devices=args.devices, micro_batches=args.micro_batches,
+            schedule=args.schedule, device_type=args.device_type)
 
     def session():
         app = build_app(model=args.model, plan=args.plan, devices=args.devices, micro_batches=args.micro_batches,
