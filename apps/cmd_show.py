@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from apps.arg_types import positive_float
 from apps.output import fmt_gib, fmt_ms, table
 
 HELP = "validate and re-simulate a plan file"
@@ -15,7 +16,8 @@ HELP = "validate and re-simulate a plan file"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="path to plan.json")
     p.add_argument("--csv", default=None, help="replace the plan's schedule by this torch pipelining CSV")
-    p.add_argument("--memory-limit", type=float, default=None, help="GiB per device to validate against")
+    p.add_argument("--memory-limit", type=positive_float, default=None,
+                   help="GiB per device to validate against (activation units for an abstract plan)")
 
 
 def _fmt_units(x: float) -> str:

@@ -184,14 +184,8 @@ def test_show_arguments(data, files, valid_plan_docs, mutate_json):
         argv.append("--json")
     status, out, err, escaped = run_cli(argv)
     check_outcome(argv, status, out, err, escaped)
-    # inf and 1e400 are still accepted: test_show_refuses_an_infinite_memory_limit (xfail) until apps/cmd_show.py
-    # parses --memory-limit with apps.arg_types.positive_float
-    if out_of_range(limit, integer=False, minimum=0, strict=True) and limit not in SHOW_KNOWN_ACCEPTED:
+    if out_of_range(limit, integer=False, minimum=0, strict=True):
         assert status == 2, f"tessel {' '.join(argv)} accepted an out-of-range number (status {status})"
-
-
-#: ``tessel show --memory-limit`` values apps/cmd_show.py still accepts (``type=float`` and a ``> 0`` check).
-SHOW_KNOWN_ACCEPTED = ("inf", "1e400")
 
 
 @pytest.mark.parametrize("limit", ["0", "-1", "nan", "abc"])
@@ -202,9 +196,7 @@ def test_show_refuses_a_memory_limit_out_of_range(files, limit):
     assert status == 2 and "--memory-limit" in err.strip().splitlines()[-1]
 
 
-@pytest.mark.xfail(strict=True, reason="apps/cmd_show.py: --memory-limit is type=float checked only for > 0, so inf "
-                                       "validates anything; fix: type=apps.arg_types.positive_float")
-@pytest.mark.parametrize("limit", SHOW_KNOWN_ACCEPTED)
+@pytest.mark.parametrize("limit", ["inf", "1e400"])
 def test_show_refuses_an_infinite_memory_limit(files, limit):
     argv = ["show", str(files / "plan.json"), "--memory-limit", limit]
     status, out, err, escaped = run_cli(argv)
