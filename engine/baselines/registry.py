@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.baselines.dualpipe_v import dualpipe_v
 from engine.baselines.gpipe import gpipe
 from engine.baselines.interleaved import interleaved_1f1b
+from engine.baselines.looped_bfs import looped_bfs
 from engine.baselines.one_f_one_b import one_f_one_b
 from engine.baselines.zero_bubble import interleaved_zero_bubble, zb_h1, zb_v, zbv_placement
 from engine.placement import Placement, pipeline_placement
@@ -31,6 +33,8 @@ SCHEDULES: dict[str, Builder] = {
     "zb-h1": zb_h1,
     "interleaved-zb": interleaved_zero_bubble,
     "zb-v": zb_v,
+    "looped-bfs": looped_bfs,
+    "dualpipev": dualpipe_v,
 }
 
 
@@ -44,8 +48,8 @@ class PlacementRequirements:
         max_virtual_stages: most segments per device accepted (``None``: no maximum).
         split_backward: whether the backward must be split into I and W blocks.
         shape: ``"looped"`` (segment ``s`` on device ``s % num_devices``, as built by
-            :func:`~engine.placement.pipeline_placement`) or ``"v"`` (ZB-V's V, built by
-            :func:`~engine.baselines.zero_bubble.zbv_placement`).
+            :func:`~engine.placement.pipeline_placement`) or ``"v"`` (the V of ZB-V and DualPipeV,
+            built by :func:`~engine.baselines.zero_bubble.zbv_placement`).
         pytorch: the ``torch.distributed.pipelining`` schedule class whose order is mirrored.
     """
 
@@ -61,7 +65,7 @@ class PlacementRequirements:
         v = self.virtual_stages if virtual_stages is None else virtual_stages
         if self.shape == "v":
             if v != 2:
-                raise ValueError(f"the V placement of ZB-V has exactly 2 segments per device, not {v}")
+                raise ValueError(f"the V placement of ZB-V and DualPipeV has exactly 2 segments per device, not {v}")
             return zbv_placement(num_devices, **kwargs)
         return pipeline_placement(num_devices, virtual_stages=v, split_backward=self.split_backward, **kwargs)
 
@@ -73,6 +77,8 @@ _REQUIREMENTS: dict[str, PlacementRequirements] = {
     "zb-h1": PlacementRequirements(1, 1, 1, True, "looped", "ScheduleInterleavedZeroBubble (1 stage per rank)"),
     "interleaved-zb": PlacementRequirements(2, 2, None, True, "looped", "ScheduleInterleavedZeroBubble"),
     "zb-v": PlacementRequirements(2, 2, 2, True, "v", "ScheduleZBVZeroBubble"),
+    "looped-bfs": PlacementRequirements(2, 1, None, False, "looped", "ScheduleLoopedBFS"),
+    "dualpipev": PlacementRequirements(2, 2, 2, True, "v", "ScheduleDualPipeV"),
 }
 
 
@@ -99,7 +105,8 @@ def build_schedule(name: str, placement: Placement, m: int) -> Schedule:
         ValueError: unknown name (lists the valid ones).
         ScheduleError: ``m`` not accepted by the schedule (rule ``"micro-batches"``): ``1f1b``
             needs ``m >= num_devices``; ``interleaved``, ``zb-h1`` and ``interleaved-zb`` need
-            ``m`` to be a multiple of ``max(1, m // num_devices)`` (PyTorch's rule).
+            ``m`` to be a multiple of ``max(1, m // num_devices)`` (PyTorch's rule); ``dualpipev``
+            needs ``m >= 2 * num_devices``.
         PlacementError: the placement does not meet :func:`placement_requirements`.
     """
     return SCHEDULES[_lookup(name)](placement, m)
