@@ -221,14 +221,17 @@ def run(args: argparse.Namespace) -> dict:
           + (f", memory limit {args.memory_limit:g} {unit}" if args.memory_limit is not None else ""))
     print(f"repetend period {res.period * tscale:.4g} {tunit}/micro-batch "
           f"(lower bound for placement {pl.name} {res.period_lower_bound * tscale:.4g}, "
-          f"gap {res.period_gap:.1%}{', optimal' if res.optimal else ''}), {res.repetend.in_flight} windows in flight, "
+          f"gap {res.period_gap:.1%}{', optimal' if res.optimal else ''}"
+          f"{f', durations rounded up to ticks of {res.resolution * tscale:.4g} {tunit}' if res.rounded else ''}), "
+          f"{res.repetend.in_flight} windows in flight, "
           f"{res.repetend.micro_batches} micro-batch(es) per window")
     others = sorted({_placement_label(r.schedule.placement, pl).removeprefix("on placement ")
                      for r in rows if r.schedule is not None and r.schedule.placement is not pl})
     print(f"makespan lower bound for placement {pl.name} {res.makespan_lower_bound * tscale:.4g} {tunit}"
           + (f" (rows on other placements: {'; '.join(others)} are not bounded by it)" if others else "")
-          + f"; search took {res.search_time:.2f} s ({res.steps} solver calls"
-          + (", time limit hit)" if res.timed_out else ")"))
+          + f"; search {res.search_time:.2f} s + completion {res.completion_time:.2f} s = {res.total_time:.2f} s "
+          + f"({res.steps} solver calls" + (", time limit hit" if res.timed_out else "")
+          + (", wall-clock guard hit: may differ between runs" if res.wall_guard_hit else "") + ")")
     trows = []
     for r in rows:
         if r.makespan is None:
@@ -246,7 +249,10 @@ def run(args: argparse.Namespace) -> dict:
         "makespan": tess.makespan, "makespan_lower_bound": res.makespan_lower_bound,
         "lower_bound_placement": pl.name, "time_unit": pm.get("time_unit"),
         "tokens_per_second": pm.get("tokens_per_second"),
-        "peak_memory": [unit_mem(x) for x in tess.peak_memory], "search_time": res.search_time, "optimal": res.optimal,
+        "peak_memory": [unit_mem(x) for x in tess.peak_memory], "search_time": res.search_time,
+        "completion_time": res.completion_time, "total_time": res.total_time, "optimal": res.optimal,
+        "optimal_at_resolution": res.optimal_at_resolution, "rounded": res.rounded, "resolution": res.resolution,
+        "wall_guard_hit": res.wall_guard_hit,
         "timed_out": res.timed_out, "window_micro_batches": res.repetend.micro_batches,
         "baselines": {r.name: {**r.to_dict(), "peak_memory": [unit_mem(x) for x in (r.peak_memory or [])],
                                "placement": r.schedule.placement.name if r.schedule is not None else None}

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from ortools.sat.python import cp_model
 
@@ -67,23 +69,90 @@ class Scaled:
     lags: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def ticks(self, seconds: float) -> int:
-        return int(math.ceil(seconds / self.resolution - 1e-9))
+        """``seconds`` in ticks: exact when within :data:`EXACT_REL_TOL` of a whole tick, else rounded up."""
+        return to_ticks(seconds, self.resolution)
 
 
-def auto_resolution(placement: Placement, ticks_per_block: int = 100) -> float:
-    """Default resolution: the longest block is ``ticks_per_block`` ticks, coarsened to the
-    durations' common unit when they share one exactly (abstract F=1, B=2 gives 1 tick per unit),
-    which keeps the period search to meaningful values."""
-    longest = max((b.duration for b in placement.blocks), default=1.0) or 1.0
+#: Relative tolerance within which a duration counts as equal to a rational number (and a tick
+#: count as whole): 1e-9, far below any cost model's precision and far above float rounding.
+EXACT_REL_TOL = 1e-9
+
+#: Largest denominator of the rational a duration is read as (``Fraction.limit_denominator``).
+MAX_DENOMINATOR = 10**6
+
+#: Most ticks the longest block may take with an exact tick (the durations' greatest common
+#: divisor); beyond it the tick falls back to ``longest / ticks_per_block`` and durations are
+#: rounded up (the result says so). Keeps the solver's time domains, and the number of window
+#: lengths the period search steps through, small.
+MAX_EXACT_TICKS = 1000
+
+
+def to_ticks(seconds: float, resolution: float) -> int:
+    """``seconds`` as a whole number of ticks of ``resolution`` seconds.
+
+    A value within :data:`EXACT_REL_TOL` (relative) of a whole tick count is that count; any other
+    is rounded up, so the solver never underestimates a duration.
+    """
+    t = seconds / resolution
+    n = round(t)
+    if abs(t - n) <= EXACT_REL_TOL * max(1.0, abs(t)):
+        return int(n)
+    return int(math.ceil(t))
+
+
+def _as_fraction(x: float) -> Fraction | None:
+    """``x`` as a rational with denominator <= :data:`MAX_DENOMINATOR` when within :data:`EXACT_REL_TOL` of one."""
+    q = Fraction(x).limit_denominator(MAX_DENOMINATOR)
+    return q if abs(float(q) - x) <= EXACT_REL_TOL * abs(x) else None
+
+
+def exact_tick(values: Iterable[float]) -> Fraction | None:
+    """The greatest common divisor of ``values`` (seconds or abstract units), or ``None``.
+
+    Each positive value is read as the nearest rational with denominator <=
+    :data:`MAX_DENOMINATOR` (``fractions.Fraction.limit_denominator``); ``None`` when one is not
+    within :data:`EXACT_REL_TOL` of it (e.g. a measured duration in seconds) or nothing is positive.
+    """
+    fracs = []
+    for v in values:
+        if v > 0:
+            q = _as_fraction(v)
+            if q is None:
+                return None
+            fracs.append(q)
+    if not fracs:
+        return None
+    den = math.lcm(*(q.denominator for q in fracs))
+    num = math.gcd(*(q.numerator * (den // q.denominator) for q in fracs))
+    return Fraction(num, den)
+
+
+def is_exact(values: Iterable[float], resolution: float) -> bool:
+    """Whether every value is a whole number of ticks of ``resolution`` (within :data:`EXACT_REL_TOL`)."""
+    for v in values:
+        t = v / resolution
+        if abs(t - round(t)) > EXACT_REL_TOL * max(1.0, abs(t)):
+            return False
+    return True
+
+
+def auto_resolution(placement: Placement, ticks_per_block: int = 100,
+                    lags: dict[tuple[int, int], float] | None = None) -> tuple[float, bool]:
+    """The solver tick (seconds or abstract units per tick) and whether durations are rounded to it.
+
+    The tick is the greatest common divisor of the block durations and lags (:func:`exact_tick`:
+    F=1, B=3 gives 1, so periods are whole numbers of units) when they are rational and the longest
+    block is then at most :data:`MAX_EXACT_TICKS` ticks; otherwise (measured seconds) the longest
+    block is ``ticks_per_block`` ticks and the others are rounded up to whole ticks, which the
+    second value (``True``) reports: the search's periods are then upper bounds, never optimal.
+    """
+    durations = [b.duration for b in placement.blocks] + list((lags or {}).values())
+    longest = max(durations, default=1.0) or 1.0
+    tick = exact_tick(durations)
+    if tick is not None and longest / float(tick) <= MAX_EXACT_TICKS * (1 + EXACT_REL_TOL):
+        return float(tick), False
     fine = longest / ticks_per_block
-    ticks = [b.duration / fine for b in placement.blocks if b.duration > 0]
-    if ticks and all(abs(t - round(t)) < 1e-6 for t in ticks):
-        g = 0
-        for t in ticks:
-            g = math.gcd(g, int(round(t)))
-        if g > 1:
-            return fine * g
-    return fine
+    return fine, not is_exact(durations, fine)
 
 
 def scale(placement: Placement, resolution: float, lags: dict[tuple[int, int], float] | None = None) -> Scaled:
@@ -93,7 +162,7 @@ def scale(placement: Placement, resolution: float, lags: dict[tuple[int, int], f
     size, so memory stays exact (CP-SAT's 64-bit integers hold byte counts comfortably); an
     inexact rounding would let allocations and releases of one micro-batch disagree.
     """
-    durs = [int(math.ceil(b.duration / resolution - 1e-9)) for b in placement.blocks]
+    durs = [to_ticks(b.duration, resolution) for b in placement.blocks]
     # gradient buffers and transients (Placement.grad_memory/grad_transient) count as static:
     # reserved_bytes bounds them for the whole step, so the steady state stays within the limit
     values = ([abs(int(b.memory)) for b in placement.blocks]
@@ -104,7 +173,7 @@ def scale(placement: Placement, resolution: float, lags: dict[tuple[int, int], f
     quantum = quantum or 1
     mem = [int(b.memory) // quantum for b in placement.blocks]
     static = [int(placement.reserved_bytes(d)) // quantum for d in range(placement.num_devices)]
-    lg = {k: int(math.ceil(v / resolution - 1e-9)) for k, v in (lags or {}).items()}
+    lg = {k: to_ticks(v, resolution) for k, v in (lags or {}).items()}
     return Scaled(resolution, durs, mem, float(quantum), static, lg)
 
 
@@ -131,7 +200,11 @@ class Repetend:
 
     @property
     def period_seconds(self) -> float:
-        """Seconds per micro-batch in steady state."""
+        """Seconds (or abstract units) per micro-batch in steady state: ticks x tick / micro-batches,
+        computed on the tick's rational value where it has one (a period of 40 ticks of 0.1 is 4.0)."""
+        q = _as_fraction(self.resolution) if self.resolution > 0 else None
+        if q is not None:
+            return float(q * self.period / self.micro_batches)
         return self.period * self.resolution / self.micro_batches
 
     @property
@@ -304,7 +377,8 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
 def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list[float] | None, *,
                  time_limit: float, seed: int, workers: int = 1, objective: str | None = None,
                  max_latency: int | None = None, hint: Repetend | None = None, replicas: int = 1,
-                 should_stop=None, on_solver=None, hinted_share: float = 0.0) -> tuple[str, Repetend | None]:
+                 should_stop=None, on_solver=None, hinted_share: float = 0.0, det_limit: float | None = None,
+                 stats: dict | None = None) -> tuple[str, Repetend | None]:
     """Solve the repetend model at a fixed period.
 
     Feasibility solves (``objective=None``) decide the offsets first, smallest first, with a
@@ -313,6 +387,12 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
     the fixed search has not settled the window (the hinted search often finds a feasible
     repetend near e.g. :func:`retime`'s guess where the fixed one does not; the fixed one is
     better at proving a window infeasible).
+
+    ``det_limit``: CP-SAT's deterministic time budget (``max_deterministic_time``, split like
+    ``time_limit``), which makes the outcome reproducible for a fixed seed and one worker;
+    ``time_limit`` (wall-clock seconds) is then only a guard. ``stats`` (a dict) accumulates
+    ``"det"`` (deterministic time used) and sets ``"wall_hit"`` when a solve ended on the wall clock
+    before its deterministic budget (the outcome may then depend on the machine's load).
 
     Returns:
         ``(status, repetend)``: status is ``"feasible"``, ``"infeasible"`` or ``"unknown"``
@@ -323,21 +403,25 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
         t0 = time.perf_counter()
         status, rep = _solve_once(placement, sc, period, memory_cap, time_limit=(1 - hinted_share) * time_limit,
                                   seed=seed, workers=workers, objective=None, max_latency=max_latency, hint=hint,
-                                  replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=True)
+                                  replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=True,
+                                  det_limit=None if det_limit is None else (1 - hinted_share) * det_limit, stats=stats)
         if status != "unknown" or (should_stop is not None and should_stop()):
             return status, rep
         return _solve_once(placement, sc, period, memory_cap,
                            time_limit=max(0.01, time_limit - (time.perf_counter() - t0)),
                            seed=seed, workers=workers, objective=None, max_latency=max_latency, hint=hint,
-                           replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=False)
+                           replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=False,
+                           det_limit=None if det_limit is None else hinted_share * det_limit, stats=stats)
     return _solve_once(placement, sc, period, memory_cap, time_limit=time_limit, seed=seed, workers=workers,
                        objective=objective, max_latency=max_latency, hint=hint if use_hint else None,
-                       replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=objective is None)
+                       replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=objective is None,
+                       det_limit=det_limit, stats=stats)
 
 
 def _solve_once(placement: Placement, sc: Scaled, period: int, memory_cap, *, time_limit: float, seed: int,
                 workers: int, objective: str | None, max_latency: int | None, hint: Repetend | None, replicas: int,
-                should_stop, on_solver, fixed: bool) -> tuple[str, Repetend | None]:
+                should_stop, on_solver, fixed: bool, det_limit: float | None = None,
+                stats: dict | None = None) -> tuple[str, Repetend | None]:
     t_build = time.perf_counter()
     built = build_model(placement, sc, period, memory_cap, objective, max_latency, replicas)
     if built is None:
@@ -350,7 +434,10 @@ def _solve_once(placement: Placement, sc: Scaled, period: int, memory_cap, *, ti
             model.add_hint(v, x)
     solver = cp_model.CpSolver()
     # ``time_limit`` covers building the model too (seconds on placements of thousands of blocks)
-    solver.parameters.max_time_in_seconds = max(0.01, time_limit - (time.perf_counter() - t_build))
+    wall = max(0.01, time_limit - (time.perf_counter() - t_build))
+    solver.parameters.max_time_in_seconds = wall
+    if det_limit is not None:
+        solver.parameters.max_deterministic_time = max(0.001, det_limit)
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = workers
     if fixed:
@@ -363,6 +450,11 @@ def _solve_once(placement: Placement, sc: Scaled, period: int, memory_cap, *, ti
         on_solver(solver)
     cb = _Stopper(should_stop) if should_stop is not None else None
     status = solver.Solve(model, cb) if cb is not None else solver.Solve(model)
+    if stats is not None:
+        stats["det"] = stats.get("det", 0.0) + solver.deterministic_time
+        if (status == cp_model.UNKNOWN or (status == cp_model.FEASIBLE and objective is not None)) \
+                and solver.wall_time >= 0.95 * wall and not (should_stop is not None and should_stop()):
+            stats["wall_hit"] = True
     if status == cp_model.FEASIBLE and objective is None:
         status = cp_model.OPTIMAL
     if on_solver is not None:

@@ -24,7 +24,16 @@ from engine.schedule import Schedule
 from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
 from engine.tessel.completion import complete, to_schedule, unrolled
 from engine.tessel.defer import defer_sinks, unrolled_makespan
-from engine.tessel.repetend import Repetend, auto_resolution, expand, retime, scale, sequential_repetend, solve_period
+from engine.tessel.repetend import (
+    Repetend,
+    auto_resolution,
+    expand,
+    is_exact,
+    retime,
+    scale,
+    sequential_repetend,
+    solve_period,
+)
 from engine.tessel.seed import policy_repetends
 
 #: CP-SAT deterministic seconds the completion may spend per wall-clock second of its budget
@@ -34,6 +43,20 @@ from engine.tessel.seed import policy_repetends
 #: machine's load. ``benchmarks/tessel_bench.py``: slowest 4-device total 4.1 s -> 2.7 s,
 #: makespans within 2% of the wall-clock version (some shorter, some longer).
 COMPLETION_DET_PER_S = 0.1
+
+#: CP-SAT deterministic time units (``max_deterministic_time``) the repetend phases get per second
+#: of ``time_limit``. Their solves, the shares of the budget, and the phase switches all run on
+#: this deterministic clock (the deterministic time CP-SAT reports, plus the model-building
+#: estimates of :data:`MODEL_INSTANCES_PER_S`), so a fixed seed gives the same schedule under any
+#: machine load; the wall clock (``time_limit``, and :data:`WALL_GUARD_FACTOR` x each solve's
+#: nominal seconds) is only a guard, reported as ``wall_guard_hit`` when it ends a solve. Measured
+#: on the repetend solves that ran to their limit in ``benchmarks/tessel_bench.py`` (M, NN, X, K on
+#: 4 and 8 devices, m=64, 10 s) on a 2-core x86 machine: see the calibration in the issue 21 notes.
+REPETEND_DET_PER_S = 0.15
+
+#: A solve's wall-clock guard is this many times its nominal seconds (deterministic budget /
+#: :data:`REPETEND_DET_PER_S`), and never past ``time_limit``.
+WALL_GUARD_FACTOR = 10.0
 
 #: Block instances (placement blocks x micro-batches) per second the seed phase's probe (the
 #: memory-aware 1F1B policy on 48 micro-batches, lowered and simulated) handles at least. Measured
@@ -155,13 +178,22 @@ class SearchResult:
             when one is given (:func:`engine.tessel.bounds.makespan_lower_bound`).
         critical_path: one micro-batch's longest dependency chain (seconds).
         optimal: the period equals the lower bound, or every shorter window of the chosen size
-            (micro-batches per window) was proven infeasible.
-        search_time: seconds spent finding the repetend (phases 1 and 2).
-        total_time: seconds including the completion into a schedule (phase 3).
+            (micro-batches per window) was proven infeasible, with exact durations (never when
+            ``rounded``).
+        search_time: wall-clock seconds spent finding the repetend (phases 1, 2 and 2b), measured
+            with ``time.perf_counter``.
+        total_time: wall-clock seconds of the whole call, completion included.
         steps: solver calls.
         timed_out: the time limit or a cancellation cut the search short.
-        resolution: seconds per solver tick.
+        resolution: seconds (or abstract units) per solver tick.
         memory_floor: per device, the least memory any schedule needs (bytes).
+        completion_time: wall-clock seconds of phase 3: the warmup/cooldown completion and
+            building, simulating and validating the schedule.
+        rounded: block durations (or lags) are not whole ticks and were rounded up to them; the
+            period is then an upper bound in exact time and ``optimal`` is ``False``.
+        optimal_at_resolution: what ``optimal`` would say of the durations rounded up to ticks.
+        wall_guard_hit: a solve or phase ended on the wall-clock guard (``time_limit``) rather than
+            on its deterministic budget: the result may then differ between runs with the same seed.
     """
 
     schedule: Schedule
@@ -177,6 +209,10 @@ class SearchResult:
     resolution: float
     memory_floor: list[int] = field(default_factory=list)
     total_time: float = 0.0
+    completion_time: float = 0.0
+    rounded: bool = False
+    optimal_at_resolution: bool = False
+    wall_guard_hit: bool = False
 
     @property
     def period_gap(self) -> float:
@@ -187,9 +223,11 @@ class SearchResult:
         return {
             "period": self.period, "period_lower_bound": self.period_lower_bound, "period_gap": self.period_gap,
             "makespan_lower_bound": self.makespan_lower_bound, "critical_path": self.critical_path,
-            "in_flight": self.repetend.in_flight, "optimal": self.optimal, "search_time": self.search_time,
-            "total_time": self.total_time,
-            "steps": self.steps, "timed_out": self.timed_out, "resolution": self.resolution,
+            "in_flight": self.repetend.in_flight, "optimal": self.optimal,
+            "optimal_at_resolution": self.optimal_at_resolution, "rounded": self.rounded,
+            "search_time": self.search_time, "completion_time": self.completion_time, "total_time": self.total_time,
+            "steps": self.steps, "timed_out": self.timed_out, "wall_guard_hit": self.wall_guard_hit,
+            "resolution": self.resolution,
         }
 
 
@@ -332,11 +370,26 @@ def tessel_search(
             raise InfeasibleMemoryError(
                 f"memory limit {caps[worst]:g} is infeasible: device {worst} needs at least {floor[worst]:g} "
                 f"even with one micro-batch at a time; the smallest feasible limit is {need:g}", need, worst)
-    res = resolution or auto_resolution(placement)
+    if resolution is None:
+        res, rounded = auto_resolution(placement, lags=lags)
+    elif isinstance(resolution, (int, float)) and math.isfinite(resolution) and resolution > 0:
+        res = float(resolution)
+        rounded = not is_exact([b.duration for b in placement.blocks] + list((lags or {}).values()), res)
+    else:
+        raise TesselError(f"the resolution must be a positive number of seconds per tick (or None for the durations' "
+                          f"common divisor), got {resolution!r}")
     lb_s = period_lower_bound(placement)
     should_stop = (lambda: control.cancelled) if control is not None else None
     steps = 0
     timed_out = False
+    # the deterministic clock of the repetend phases (nominal seconds = deterministic time / rate)
+    solver_stats: dict = {"det": 0.0}
+    built = {"s": 0.0}   # estimated model-building seconds, a deterministic estimate
+    wall_guard = {"hit": False}
+    det_total_s = time_limit - finish_s
+
+    def det_used_s() -> float:
+        return solver_stats["det"] / REPETEND_DET_PER_S + built["s"]
 
     class Candidate:  # the search state for one window size r (micro-batches per window)
         def __init__(self, r: int):
@@ -388,17 +441,27 @@ def tessel_search(
     def attempt(c: Candidate, window: int, objective_: str | None, budget_share: float, cap_s: float | None = None,
                 hint: Repetend | None = None, hinted_share: float = 0.0):
         nonlocal steps, timed_out
-        remaining = deadline - time.perf_counter()
+        remaining = det_total_s - det_used_s()   # nominal seconds on the deterministic clock
+        wall_left = deadline - time.perf_counter()
         # a solve cannot end sooner than building its model: on thousands of blocks, seconds
         memory = caps is not None or objective_ in ("memory", "latency+memory")
-        if remaining <= max(0.02, c.build_seconds(memory)) or (control is not None and control.cancelled):
+        build_s = c.build_seconds(memory)
+        if wall_left <= 0.02:
+            wall_guard["hit"] = True
+        if remaining <= max(0.02, build_s) or wall_left <= 0.02 or (control is not None and control.cancelled):
             timed_out = True
             return "unknown", None
         budget = remaining * budget_share if cap_s is None else min(remaining * budget_share, cap_s)
-        status, rep = solve_period(c.pl, c.sc, window, caps, time_limit=budget, seed=seed, workers=workers,
-                                   objective=objective_, max_latency=c.max_latency, hint=hint or c.best, replicas=c.r,
-                                   should_stop=should_stop, on_solver=control._attach if control is not None else None,
-                                   hinted_share=hinted_share)
+        built["s"] += build_s
+        status, rep = solve_period(c.pl, c.sc, window, caps,
+                                   time_limit=min(wall_left, WALL_GUARD_FACTOR * budget + build_s), seed=seed,
+                                   workers=workers, objective=objective_, max_latency=c.max_latency,
+                                   hint=hint or c.best, replicas=c.r, should_stop=should_stop,
+                                   on_solver=control._attach if control is not None else None,
+                                   hinted_share=hinted_share, det_limit=REPETEND_DET_PER_S * budget,
+                                   stats=solver_stats)
+        if solver_stats.pop("wall_hit", False):
+            wall_guard["hit"] = True
         if rep is not None:
             rep.micro_batches = c.r
         steps += 1
@@ -432,8 +495,8 @@ def tessel_search(
         if r > 1:
             # a larger window is a refinement: its solves get a small cap, all of them together
             # at most 30% of the time limit, so the polish and the completion keep their time
-            refine_until = refine_until or min(deadline, time.perf_counter() + 0.3 * time_limit)
-            if refine_until - time.perf_counter() < 0.05 * time_limit:
+            refine_until = refine_until or min(det_total_s, det_used_s() + 0.3 * time_limit)
+            if refine_until - det_used_s() < 0.05 * time_limit:
                 break
         c = cands.setdefault(r, Candidate(r))
         cap = step_cap if r == 1 else REFINE_SOLVE_SHARE * time_limit
@@ -465,7 +528,7 @@ def tessel_search(
             # (its solves are fast) and larger windows step down from hi (one solve near a
             # feasible window usually settles it: feasible, or infeasible and so optimal)
             mid = lo if lo == c.lb else ((lo + hi) // 2 if r == 1 else hi - 1)
-            if refine_until is not None and time.perf_counter() >= refine_until:
+            if refine_until is not None and det_used_s() >= refine_until:
                 break
             status, rep = attempt(c, mid, None, 0.5, cap)
             if rep is not None:
@@ -479,9 +542,12 @@ def tessel_search(
             report(c, mid, status)
         if best_c.per_mb <= lb or timed_out:
             break
-    timed_out = timed_out or time.perf_counter() >= deadline
+    if time.perf_counter() >= deadline:
+        timed_out = wall_guard["hit"] = True
     c = best_c
-    optimal = c.per_mb <= lb or c.best.period <= c.proven_lo
+    # optimal in the solver's ticks; with durations rounded up to ticks that says nothing exact
+    optimal_at_resolution = c.per_mb <= lb or c.best.period <= c.proven_lo
+    optimal = optimal_at_resolution and not rounded
     # (2) at the best window: least latency, then least memory (bounded effort: a polish)
     if not timed_out:
         polish_cap = 0.1 * max(1, placement.num_devices / 4) * max(1, len(c.pl.blocks) / 16)
@@ -526,14 +592,16 @@ def tessel_search(
             _, ss_peak = unrolled_makespan(c.pl, d_rep, c.r * 3 * n_windows, c.r)
             best = Repetend(d_rep.period, d_rep.starts, d_rep.offsets, d_rep.resolution, ss_peak, c.r)
 
-    repetend_time = time.perf_counter() - t_start
+    t_completion = time.perf_counter()
+    repetend_time = t_completion - t_start
     # (3) completion under the limit; without one, under the steady state's highest per-device
     # peak (a device may then hold more than its own steady state, e.g. deferred W blocks)
     comp_caps = caps
     if has_memory and best.peak and caps is None:
         comp_caps = [max(best.peak)] * placement.num_devices
     meta = {"period": best.period_seconds, "period_lower_bound": lb_s, "optimal": optimal, "in_flight": best.in_flight,
-            "micro_batches_per_window": c.r, "resolution": res, "repetend": best.to_dict(),
+            "micro_batches_per_window": c.r, "resolution": res, "rounded": rounded,
+            "optimal_at_resolution": optimal_at_resolution, "repetend": best.to_dict(),
             "repetend_source": source, "deferred_sinks": {str(b): k for b, k in deferred.items()}}
     m_windows = -(-m // c.r)
 
@@ -545,10 +613,15 @@ def tessel_search(
 
     chosen = simulated("unrolled", unrolled(best, m_windows, len(c.pl.blocks)))
     remaining = deadline - time.perf_counter()
+    # whether the completion runs is decided on the deterministic clock; the wall clock only guards
+    det_remaining = det_total_s - det_used_s()
+    if remaining <= 0.05 + finish_s:
+        wall_guard["hit"] = True
     at_bound = chosen[0] <= ms_lb * (1 + 1e-9)
     # the compaction solves a model over several copies of the window, then simulates once more
     comp_build_s = 6 * len(c.pl.blocks) / MODEL_INSTANCES_PER_S  # about six copies of the window
-    if (remaining > max(0.05, 2 * comp_build_s + finish_s) and max(best.offsets, default=0) > 0 and not at_bound
+    if (min(remaining, det_remaining) > max(0.05, 2 * comp_build_s + finish_s) and max(best.offsets, default=0) > 0
+            and not at_bound
             and not (control is not None and control.cancelled)):
         comp_cap = max(1.0, 0.3 * time_limit)
         # reschedule the partial copies and two complete ones at each end (W blocks deferred
@@ -556,7 +629,7 @@ def tessel_search(
         # deterministic time (reproducible); the wall clock (twice the budget's usual duration,
         # never past the deadline) only guards a much slower or loaded machine.
         comp = complete(c.pl, c.sc, best, m_windows, memory_cap=comp_caps,
-                        time_limit=min(remaining - finish_s, 2 * comp_cap), seed=seed, free_copies=2,
+                        time_limit=min(remaining - finish_s, WALL_GUARD_FACTOR * comp_cap), seed=seed, free_copies=2,
                         stall=completion_stall,
                         deterministic_time=None if completion_stall is not None else COMPLETION_DET_PER_S * comp_cap)
         other = simulated("compacted", comp)
@@ -567,14 +640,16 @@ def tessel_search(
     if fallback_baselines and not (control is not None and control.cancelled):
         schedule = _fallback(placement, m, comp_caps, chosen, schedule.meta)
     schedule.validate(caps)
-    elapsed = time.perf_counter() - t_start
-    schedule.meta["tessel"]["search_time"] = repetend_time
-    schedule.meta["tessel"]["total_time"] = elapsed
+    t_end = time.perf_counter()
+    completion_time, elapsed = t_end - t_completion, t_end - t_start
+    schedule.meta["tessel"].update(search_time=repetend_time, completion_time=completion_time, total_time=elapsed,
+                                   wall_guard_hit=wall_guard["hit"])
     return SearchResult(
         schedule=schedule, repetend=best, period=best.period_seconds, period_lower_bound=lb_s,
         makespan_lower_bound=ms_lb, critical_path=critical_path(placement),
         optimal=optimal, search_time=repetend_time, steps=steps, timed_out=timed_out, resolution=res,
-        memory_floor=floor, total_time=elapsed,
+        memory_floor=floor, total_time=elapsed, completion_time=completion_time, rounded=rounded,
+        optimal_at_resolution=optimal_at_resolution, wall_guard_hit=wall_guard["hit"],
     )
 
 
