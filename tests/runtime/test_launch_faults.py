@@ -153,18 +153,24 @@ class ChattyWorker(FakeWorker):
         return super().step(step, batch)
 
 
-class InterruptingWorker(FakeWorker):
-    """Rank 0 sends SIGINT to the driver (``DRIVER_PID``) in the middle of step 2, as Ctrl-C would."""
+def interrupting_worker(driver_pid: int) -> type:
+    """A worker class whose rank 0 sends SIGINT to ``driver_pid`` in the middle of step 2, as Ctrl-C
+    would. Made inside a function so cloudpickle ships it by value with the pid bound: a class
+    imported by reference in the actor would read a default pid, and ``os.kill(0, ...)`` signals
+    the whole process group (the test runner and its parents)."""
+    if not driver_pid > 0:
+        raise ValueError(f"driver_pid must be a process id, got {driver_pid}")
 
-    DRIVER_PID = 0
+    class InterruptingWorker(FakeWorker):
+        def step(self, step, batch):
+            if step == 2 and self.rank == 0:
+                import signal
 
-    def step(self, step, batch):
-        if step == 2 and self.rank == 0:
-            import signal
+                os.kill(driver_pid, signal.SIGINT)
+                time.sleep(0.5)  # the step is still running when the driver sees the signal
+            return super().step(step, batch)
 
-            os.kill(self.DRIVER_PID, signal.SIGINT)
-            time.sleep(0.5)  # the step is still running when the driver sees the signal
-        return super().step(step, batch)
+    return InterruptingWorker
 
 
 class DyingWorker(FakeWorker):
@@ -223,8 +229,7 @@ def ray_cluster():
 @pytest.mark.timeout(180)
 def test_ctrl_c_checkpoints_the_last_step_and_prints_the_resume_command(plan_dict, tmp_path, capsys, worker,
                                                                           ray_cluster, monkeypatch):
-    InterruptingWorker.DRIVER_PID = os.getpid()
-    worker(InterruptingWorker)
+    worker(interrupting_worker(os.getpid()))
     path = _write(tmp_path, plan_dict)
     ckdir = tmp_path / "ckpt"
     assert cli.main(["launch", str(path), "--steps", "20", "--checkpoint-every", "100", "--lr", "0.01"]) == 130
