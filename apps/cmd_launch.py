@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Iterator
 
 from apps.arg_types import non_negative_int, positive_float, positive_int
-from apps.launch_progress import LineProgress, TqdmProgress
 from apps.output import fmt_gib, fmt_ms, table
 from engine.errors import TesselError
 
@@ -310,6 +309,8 @@ def run_crossover(args: argparse.Namespace, mode: str) -> dict:
                              seed=args.seed, lr=args.lr, optimizer=args.optimizer, warmup_steps=args.warmup_steps,
                              step_timeout=args.step_timeout, device=args.device, names=[str(p) for p in paths])
     with _stdout_for_json(args):
+        from apps.launch_progress import LineProgress
+
         res = launch_crossover(plans, config, callbacks=[LineProgress()] if _show_progress(args) else [])
     out = report_crossover(res, _predict(plans, mode, args.steps))
     if res.timeline is not None:
@@ -355,6 +356,8 @@ def run(args: argparse.Namespace) -> dict:
                           keep_timelines=min(args.steps, 64) if args.calibrate else 8)
     try:
         with _stdout_for_json(args):
+            from apps.launch_progress import TqdmProgress
+
             res = launch(plan, config, callbacks=[TqdmProgress()] if _show_progress(args) else [])
     except LaunchInterrupted as e:
         _say_interrupted(args, e, ckdir)

@@ -19,7 +19,7 @@ from pathlib import Path
 from apps.arg_types import positive_float, positive_int
 from apps.output import fmt_ms, table
 from engine.errors import TesselError
-from tasks.graphs import GRAPH_FORMS
+from tasks.graph_forms import GRAPH_FORMS
 
 
 class GNNArgumentError(TesselError, ValueError):

@@ -140,6 +140,7 @@ from engine.cost.profiler import cache_dir as tessel_cache_dir
 from engine.io.atomic import atomic_write_bytes
 from tasks.base import TaskError
 from tasks.corpus import _find_py_files, stdlib_root
+from tasks.graph_forms import GRAPH_FORMS
 
 __all__ = [
     "CODE_GRAPH_VERSION",
@@ -937,7 +938,6 @@ def cpython_code_graph(root: str | Path | None = None, feature_dim: int = 256, n
 
 
 #: The graph specs :func:`graph_from_spec` reads (``tessel plan --gnn --graph``, ``tessel profile-gnn --graph``).
-GRAPH_FORMS = "karate, cpython or rmat:SCALE:EDGE_FACTOR (such as rmat:16:8)"
 
 
 def graph_from_spec(spec: str, seed: int = 0, **kwargs: Any) -> Data:
