@@ -274,12 +274,12 @@ def test_unknown_optimizer_is_refused_with_the_valid_names(tmp_path):
 
 
 def test_cli_launch_optimizer_flag():
-    from apps.cli import build_parser
+    from apps.cli import UsageError, build_parser
 
     p = build_parser()
     assert p.parse_args(["launch", "plan.json", "--optimizer", "adama"]).optimizer == "adama"
     assert p.parse_args(["launch", "plan.json"]).optimizer is None      # the plan's field
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="invalid choice: 'lamb'"):   # one sentence through the CLI's boundary
         p.parse_args(["launch", "plan.json", "--optimizer", "lamb"])
 
 
