@@ -226,14 +226,37 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.mark.timeout(180)
+#: The interrupted launch runs as ``tessel launch`` would from a terminal: its own process (and
+#: session, so no signal can reach the test runner), SIGINT at Python's default handler (a
+#: background CI shell starts children with SIGINT ignored), the interrupting stand-in worker.
+_INTERRUPTED_LAUNCH = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.path.insert(0, {root!r})
+import runtime.worker
+import tests.runtime.test_launch_faults as t
+from apps import cli
+t._pickle_workers_by_value()
+runtime.worker.StageWorker = t.interrupting_worker(os.getpid())
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(300)
 def test_ctrl_c_checkpoints_the_last_step_and_prints_the_resume_command(plan_dict, tmp_path, capsys, worker,
-                                                                          ray_cluster, monkeypatch):
-    worker(interrupting_worker(os.getpid()))
+                                                                          ray_cluster):
+    import subprocess
+
+    root = str(Path(__file__).resolve().parents[2])
     path = _write(tmp_path, plan_dict)
     ckdir = tmp_path / "ckpt"
-    assert cli.main(["launch", str(path), "--steps", "20", "--checkpoint-every", "100", "--lr", "0.01"]) == 130
-    err = capsys.readouterr().err
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_LAUNCH.format(root=root), "launch", str(path), "--steps", "20",
+         "--checkpoint-every", "100", "--lr", "0.01"],
+        cwd=root, capture_output=True, text=True, timeout=240, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    err = proc.stderr
+    assert proc.returncode == 130, err[-3000:]
     saved = ck.list_checkpoints(ckdir)
     assert len(saved) == 1, err  # the cadence (every 100 steps) wrote none: this one is the interrupt's
     done = ck.checkpoint_step(saved[0])
