@@ -77,11 +77,13 @@ def _tied_groups(module: Any, parts: list[dict], num_segments: int) -> tuple[lis
 
     The model's own tied parameters (GPT-2's ``wte``/``lm_head``) are held by every part whose
     layers contain them (:func:`engine.transform.tied_parameter_groups`); each holder but the first
-    keeps its own copy, counted in its ``param_bytes`` (:func:`engine.transform.add_tied_copies`,
-    as :func:`engine.planner.make_plan` counts it). Beyond ``len(parts)`` segments (X: model
-    replicas, segment ``k`` of replica ``c`` is ``c x parts + k``) every group spans all replicas, and
-    each part's other parameters are tied with their copies (Chimera's stage-pair all-reduce; one
-    group per part named ``"part k"`` of its bytes less the model's tied copies it holds).
+    keeps its own copy, already counted in its ``param_bytes`` by
+    :func:`engine.shape_costs.model_shape_placement` (``tied_module=``), as
+    :func:`engine.transform.add_tied_copies` counts it for :func:`engine.planner.make_plan`. Beyond
+    ``len(parts)`` segments (X: model replicas, segment ``k`` of replica ``c`` is ``c x parts + k``)
+    every group spans all replicas, and each part's other parameters are tied with their copies
+    (Chimera's stage-pair all-reduce; one group per part named ``"part k"`` of its bytes less the
+    model's tied copies it holds).
 
     Returns:
         ``(segments, groups)``: the segment dicts (``index``; replicas ``replica_of``) and the
@@ -92,13 +94,7 @@ def _tied_groups(module: Any, parts: list[dict], num_segments: int) -> tuple[lis
 
     k = len(parts)
     model_groups = tied_parameter_groups(module, [list(p.get("layers") or []) for p in parts])
-    extra: dict[int, int] = {}
-    if not any("tied_copy_bytes" in p for p in parts):   # not yet counted by model_shape_placement
-        for g in model_groups:
-            for s in g.segments()[1:]:   # the first holder already counted it at first use
-                extra[s] = extra.get(s, 0) + g.nbytes
-    segments = [{"index": i, **p, "param_bytes": int(p.get("param_bytes", 0)) + extra.get(i, 0)}
-                for i, p in enumerate(parts)]
+    segments = [{"index": i, **p} for i, p in enumerate(parts)]
     replicas = max(1, num_segments // k) if k else 1
     segments += [{**segments[s % k], "index": s, "replica_of": s % k} for s in range(k, num_segments)]
     if replicas <= 1:

@@ -51,7 +51,8 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             no all-gather of its logits (:func:`engine.transform.layer_costs`).
         tied_module: the captured ``nn.Module``, to count tied weights as the runtime holds them:
             every part holding a tied parameter (GPT-2's ``wte``/``lm_head``) after the first keeps
-            its own copy, added to its ``param_bytes`` and recorded as ``tied_copy_bytes``
+            its own copy, added to its ``param_bytes`` (``max_param_bytes`` raised to it) and
+            recorded as ``tied_copy_bytes``
             (:func:`engine.transform.tied_parameter_groups`, as :func:`engine.planner.make_plan`
             counts them with ``add_tied_copies``), so static memory and gradient buffers include
             it. ``None``: parameters are counted once, at first use.
@@ -104,13 +105,13 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             "output": chunk[-1].output,
             "grad": chunk[-1].grad,
         })
-    if tied_module is not None:
-        from engine.transform import tied_parameter_groups
+    if tied_module is not None:   # as add_tied_copies counts them for make_plan's segments
+        from engine.transform import tied_copy_bytes, tied_parameter_groups
 
-        for g in tied_parameter_groups(tied_module, [p["layers"] for p in parts]):
-            for seg in g.segments()[1:]:   # the first holder counted it at first use
-                parts[seg]["param_bytes"] += g.nbytes
-                parts[seg]["tied_copy_bytes"] = parts[seg].get("tied_copy_bytes", 0) + g.nbytes
+        extra, largest = tied_copy_bytes(tied_parameter_groups(tied_module, [p["layers"] for p in parts]))
+        for seg, nbytes in extra.items():
+            parts[seg].update(param_bytes=parts[seg]["param_bytes"] + nbytes, tied_copy_bytes=nbytes,
+                              max_param_bytes=max(parts[seg]["max_param_bytes"], largest[seg]))
     probe = build(n)
     n_seg = probe.num_segments
 

@@ -528,6 +528,25 @@ def tied_parameter_groups(module, segment_layers: Sequence[Sequence[str]]):
     return sorted(groups, key=lambda g: g.members)
 
 
+def tied_copy_bytes(groups) -> tuple[dict[int, int], dict[int, int]]:
+    """The tied copies each segment holds beyond first use, from :func:`tied_parameter_groups`.
+
+    Graph capture counts a shared parameter once, in the segment that uses it first; every other
+    holder of a group keeps its own copy.
+
+    Returns:
+        ``(extra, largest)``: per segment index, the bytes of its extra copies and the largest one
+        (``{}`` for segments holding none).
+    """
+    extra: dict[int, int] = {}
+    largest: dict[int, int] = {}
+    for g in groups:
+        for s in g.segments()[1:]:  # the first (lowest) segment already counted it at first use
+            extra[s] = extra.get(s, 0) + g.nbytes
+            largest[s] = max(largest.get(s, 0), g.nbytes)
+    return extra, largest
+
+
 def add_tied_copies(segments: list[Segment], groups) -> list[Segment]:
     """Count each tied copy in its segment's parameter bytes.
 
@@ -538,11 +557,6 @@ def add_tied_copies(segments: list[Segment], groups) -> list[Segment]:
     """
     from dataclasses import replace
 
-    extra: dict[int, int] = {}
-    largest: dict[int, int] = {}
-    for g in groups:
-        for s in g.segments()[1:]:  # the first (lowest) segment already counted it at first use
-            extra[s] = extra.get(s, 0) + g.nbytes
-            largest[s] = max(largest.get(s, 0), g.nbytes)
+    extra, largest = tied_copy_bytes(groups)
     return [replace(s, param_bytes=s.param_bytes + extra.get(s.index, 0),
                     max_param_bytes=max(s.max_param_bytes, largest.get(s.index, 0))) for s in segments]
