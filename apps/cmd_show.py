@@ -35,14 +35,10 @@ def _abstract_memory_scale(plan) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from engine.errors import TesselError
     from engine.io import load_plan, read_torch_csv
     from engine.plan_check import check_plan
     from engine.plan_metrics import is_abstract, predicted_metrics
 
-    if args.memory_limit is not None and not args.memory_limit > 0:
-        raise TesselError(f"--memory-limit must be a positive number of GiB (or of the placement's units for an "
-                          f"abstract plan), got {args.memory_limit:g}")
     plan = load_plan(args.plan)
     if args.csv:
         plan.schedule = read_torch_csv(args.csv, plan.placement)
@@ -54,7 +50,7 @@ def run(args: argparse.Namespace) -> dict:
         limit = args.memory_limit * 2**30
     check_plan(plan, name=args.plan, memory_limit=limit)
     m = predicted_metrics(plan)
-    abstract = m["time_unit"] == "units"
+    abstract = is_abstract(plan)
     fmt_time = _fmt_units if abstract else fmt_ms
     scale = _abstract_memory_scale(plan) if abstract else 1.0
 
