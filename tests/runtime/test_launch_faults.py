@@ -30,6 +30,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from fake_worker import FakeWorker, pickle_by_value  # noqa: E402
+
 from apps import cli  # noqa: E402
 from engine.errors import RunError  # noqa: E402
 from engine.planner import make_plan  # noqa: E402
@@ -109,37 +111,6 @@ def test_resume_without_a_checkpoint_is_refused_before_ray(plan_dict, tmp_path, 
 
 
 # ----------------------------------------------------------------------------- stand-in workers
-class FakeWorker:
-    """The StageWorker interface without a model: losses 5 - 0.1*step, one weight per rank."""
-
-    def __init__(self, plan_dict, rank, world_size, master_addr, master_port, config=None):
-        self.rank, self.pp = rank, int(plan_dict["parallel"]["pp"])
-        self.w = torch.zeros(4)
-
-    def setup(self):
-        return {"rank": self.rank}
-
-    def step(self, step, batch):
-        self.w += 1
-        last = self.rank % self.pp == self.pp - 1
-        ev = {"rank": self.rank, "stream": "compute", "op": "F", "name": f"{self.rank}F0", "start": 0.0,
-              "end": 0.001}
-        return {"losses": [5.0 - 0.1 * step] * M if last else [], "events": [ev], "rank": self.rank,
-                "peak_memory": 1}
-
-    def evaluate(self, batch):
-        return 4.0 if self.rank % self.pp == self.pp - 1 else None
-
-    def state_dict(self):
-        return {"w": self.w.clone()}
-
-    def load_state_dict(self, sd):
-        self.w = sd["w"].clone()
-
-    def shutdown(self):
-        pass
-
-
 class ChattyWorker(FakeWorker):
     """Prints to its stdout, which Ray forwards to the driver."""
 
@@ -183,7 +154,7 @@ class DyingWorker(FakeWorker):
 
 
 def _pickle_workers_by_value() -> None:
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture
@@ -232,9 +203,9 @@ def ray_cluster():
 _INTERRUPTED_LAUNCH = """
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
-sys.path.insert(0, {root!r})
+sys.path[:0] = [{root!r}, {here!r}]
 import runtime.worker
-import tests.runtime.test_launch_faults as t
+import test_launch_faults as t
 from apps import cli
 t._pickle_workers_by_value()
 runtime.worker.StageWorker = t.interrupting_worker(os.getpid())
@@ -247,12 +218,13 @@ def test_ctrl_c_checkpoints_the_last_step_and_prints_the_resume_command(plan_dic
                                                                           ray_cluster):
     import subprocess
 
-    root = str(Path(__file__).resolve().parents[2])
+    here = Path(__file__).resolve().parent
+    root = str(here.parents[1])
     path = _write(tmp_path, plan_dict)
     ckdir = tmp_path / "ckpt"
     proc = subprocess.run(
-        [sys.executable, "-c", _INTERRUPTED_LAUNCH.format(root=root), "launch", str(path), "--steps", "20",
-         "--checkpoint-every", "100", "--lr", "0.01"],
+        [sys.executable, "-c", _INTERRUPTED_LAUNCH.format(root=root, here=str(here)), "launch", str(path), "--steps",
+         "20", "--checkpoint-every", "100", "--lr", "0.01"],
         cwd=root, capture_output=True, text=True, timeout=240, start_new_session=True,
         env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")})
     err = proc.stderr
@@ -283,7 +255,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(plan_dict, 
     worker(FakeWorker)
     path = _write(tmp_path, plan_dict)
     for step in (1, 2):  # what a 2-step run with --checkpoint-every 1 of FakeWorker writes
-        ck.save_checkpoint(tmp_path / "ckpt", step, [{"w": torch.full((4,), float(step))}] * 2,
+        ck.save_checkpoint(tmp_path / "ckpt", step, [{"w": torch.full((1,), float(step))}] * 2,
                            [ck.capture_rng()] * 2, plan=Plan.from_dict(plan_dict), extra={"optimizer": "adam"})
     newest = tmp_path / "ckpt" / "step_000002"
     data = (newest / "rank_00001.pt").read_bytes()

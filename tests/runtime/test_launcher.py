@@ -9,7 +9,6 @@ that it shuts it down and leaves no processes behind.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,8 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+
+from fake_worker import FakeWorker, pickle_by_value  # noqa: E402
 
 from engine.errors import TesselError  # noqa: E402
 from engine.planner import make_plan  # noqa: E402
@@ -47,8 +48,8 @@ def _ray_module():
 def _ensure_ray() -> None:
     if not ray.is_initialized():
         ray.init(include_dashboard=False, logging_level="WARNING")
-    # pickle the stand-in workers below by value, so Ray's worker processes need not import this file
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # pickle the stand-in workers by value, so Ray's worker processes need not import the tests
+    pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture
@@ -214,42 +215,6 @@ def test_fault_names_rank_and_instruction_and_cleans_up(plan, no_ray, tmp_path):
     while _ray_children() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _ray_children() == []
-
-
-# ----------------------------------------------------------------------------- stand-in worker
-class FakeWorker:
-    """The StageWorker interface without a model: losses 5 - 0.1*step; ``fail_at`` = (step, mode)."""
-
-    def __init__(self, plan_dict, rank, world_size, master_addr, master_port, config=None):
-        self.rank, self.pp = rank, int(plan_dict["parallel"]["pp"])
-        self.fail_at = config.fail_at if config is not None else None
-        self.w = torch.zeros(1)
-
-    def setup(self):
-        return {"rank": self.rank}
-
-    def step(self, step, batch):
-        if self.fail_at is not None and self.fail_at[0] == step:
-            if self.fail_at[1] == 0:
-                os._exit(3)            # the actor's process dies
-            time.sleep(600)            # hangs
-        self.w += 1
-        last = self.rank % self.pp == self.pp - 1
-        ev = {"rank": self.rank, "stream": "compute", "op": "F", "name": f"{self.rank}F0", "start": 0.0, "end": 0.001}
-        return {"losses": [5.0 - 0.1 * step] * M if last else [], "events": [ev], "rank": self.rank,
-                "peak_memory": 1}
-
-    def evaluate(self, batch):
-        return 4.0 if self.rank % self.pp == self.pp - 1 else None
-
-    def state_dict(self):
-        return {"w": self.w.clone()}
-
-    def load_state_dict(self, sd):
-        self.w = sd["w"].clone()
-
-    def shutdown(self):
-        pass
 
 
 @pytest.mark.timeout(120)
