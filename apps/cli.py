@@ -112,7 +112,7 @@ def error_status(e: BaseException) -> tuple[int, str]:
     ``ConnectionError``: 3 (run failures); other ``OSError``: 2 naming the path; ``ValueError``: 2
     (library code's checks of user values); anything else: 3, an internal error."""
     if isinstance(e, TesselError):
-        return int(getattr(e, "exit_status", EXIT_USER_ERROR)), one_line(str(e)) or type(e).__name__
+        return e.exit_status, one_line(str(e)) or type(e).__name__
     if isinstance(e, KeyboardInterrupt):
         return EXIT_INTERRUPTED, "interrupted"
     if isinstance(e, (TimeoutError, ConnectionError)):
