@@ -137,15 +137,18 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     model has the layer split (:func:`engine.split.supports_layer_split`); other models keep their usual split and
     ``runtime.stage.check_executable`` refuses to launch them, naming the block.
     """
+    from engine.baselines.generic import gpipe_any
     from engine.config import ModelRef, ParallelConfig
     from engine.cost import CostModel
     from engine.graph import capture
     from engine.io import Plan
     from engine.models import build_model
-    from engine.plan_metrics import predict
+    from engine.plan_metrics import predict, predicted_metrics
+    from engine.planner import lower_plan
     from engine.shape_costs import model_shape_placement
     from engine.split import choose_split, supports_layer_split
     from engine.tessel import tessel_search
+    from engine.tessel.comm import step_tail
     from engine.transform import LOSS_PARALLEL_TASKS
 
     bundle = build_model(model, batch_size=micro_batch_size, seq_len=seq_len)
@@ -173,7 +176,6 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     def variant(name: str):
         return variant_parts(name)[0]
 
-    res = tessel_search(pl, micro_batches, memory_limit=memory_limit, **search_kw)
     multi = any(len(b.devices) > 1 for b in pl.blocks)
     replicas = pl.data_per_instance > 1
     # an all-device block runs tensor-parallel over its devices, and X's second model replica is a
@@ -211,6 +213,14 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
                 return build(schedule, vpl, vparts, choose_split(bundle.module))
         raise ValueError(f"schedule {schedule.name!r} runs on a placement this search did not build")
 
+    # the search sees what the plan's simulation will time: the transfers between devices (cost
+    # model links), each rank's optimizer step and tied-weight all-reduce after its last block, and
+    # the step's makespan as the plan predicts it
+    if search_kw.get("comm", cost) is not None:
+        search_kw.setdefault("comm", cost)
+        search_kw.setdefault("tail", step_tail(lower_plan(plan_for(gpipe_any(pl, 1))), cost))
+        search_kw.setdefault("evaluate", lambda schedule: predicted_metrics(plan_for(schedule))["makespan"])
+    res = tessel_search(pl, micro_batches, memory_limit=memory_limit, **search_kw)
     plan = plan_for(res.schedule)
     timeline, predicted = predict(plan)
     plan.metrics = {**res.summary(), **predicted}

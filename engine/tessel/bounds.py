@@ -28,17 +28,30 @@ def period_lower_bound(placement: Placement) -> float:
     return max(placement.busy_time(d) for d in range(placement.num_devices))
 
 
-def critical_path(placement: Placement) -> float:
-    """Seconds: the longest dependency path of one micro-batch (sum of durations)."""
+def critical_path(placement: Placement, lags: dict[tuple[int, int], float] | None = None) -> float:
+    """Seconds: the longest dependency path of one micro-batch (durations, plus the ``lags`` of
+    cross-device dependencies where given: :func:`engine.tessel.comm.transfer_lags`)."""
+    lags = lags or {}
     g = placement.dependency_graph()
     longest: dict[int, float] = {}
     for i in nx.topological_sort(g):
-        longest[i] = placement.blocks[i].duration + max((longest[p] for p in g.predecessors(i)), default=0.0)
+        longest[i] = placement.blocks[i].duration + max((longest[p] + lags.get((p, i), 0.0) for p in g.predecessors(i)),
+                                                        default=0.0)
     return max(longest.values(), default=0.0)
 
 
-def makespan_lower_bound(placement: Placement, m: int, memory_limit=None, *, deadline: float | None = None) -> float:
-    """Seconds: no schedule of ``m`` micro-batches finishes sooner (communication ignored).
+def makespan_lower_bound(placement: Placement, m: int, memory_limit=None, *, deadline: float | None = None,
+                         lags: dict[tuple[int, int], float] | None = None,
+                         tail: list[float] | None = None) -> float:
+    """Seconds: no schedule of ``m`` micro-batches finishes sooner.
+
+    Communication counts only through ``lags`` (seconds per cross-device dependency, e.g.
+    :func:`engine.tessel.comm.transfer_lags`, each at most the simulated transfer delay): they
+    lengthen the dependency paths of the critical path and of the path heads and tails below;
+    without them communication is ignored. ``tail`` (seconds per device, e.g. its optimizer step:
+    :func:`engine.tessel.comm.step_tail`) is work a device does after its last block: it is added
+    to that device's bound, and the smallest tail among the devices of the chain's sinks to the
+    critical path.
 
     With ``memory_limit`` (per device, scalar or list, static memory included, the placement's
     memory unit) it is also at least :func:`memory_time_bound`. ``deadline`` (a
@@ -67,24 +80,27 @@ def makespan_lower_bound(placement: Placement, m: int, memory_limit=None, *, dea
     Raises:
         ValueError: a ``memory_limit`` list with the wrong number of devices.
     """
+    lags = lags or {}
+    extra = list(tail) if tail else [0.0] * placement.num_devices   # the step's tail per device
     g = placement.dependency_graph()
     order = list(nx.topological_sort(g))
     blocks = placement.blocks
     head: dict[int, float] = {}
     for i in order:
-        head[i] = max((head[p] + blocks[p].duration for p in g.predecessors(i)), default=0.0)
-    tail: dict[int, float] = {}
+        head[i] = max((head[p] + blocks[p].duration + lags.get((p, i), 0.0) for p in g.predecessors(i)), default=0.0)
+    after: dict[int, float] = {}
     for i in reversed(order):
-        tail[i] = max((tail[s] + blocks[s].duration for s in g.successors(i)), default=0.0)
-    best = critical_path(placement)
+        after[i] = max((after[s] + blocks[s].duration + lags.get((i, s), 0.0) for s in g.successors(i)), default=0.0)
+    sink_devices = {d for i in order if not any(True for _ in g.successors(i)) for d in blocks[i].devices}
+    best = critical_path(placement, lags) + min((extra[d] for d in sink_devices), default=0.0)
     for d in range(placement.num_devices):
         on = placement.blocks_on(d)
         if not on:
             continue
         path_head = min(head[i] for i in on)
-        path_tail = min(tail[i] for i in on)
+        path_tail = min(after[i] for i in on)
         (ex_head, first), (ex_tail, last) = exclusion_idle(placement, d)
-        work = m * placement.busy_time(d)
+        work = m * placement.busy_time(d) + extra[d]
         if first & last:
             # the first block instance waiting on another device starts before the last one
             # another device waits on ends (a block type in both sets), so the two idle spans

@@ -45,16 +45,18 @@ def _instances(rep: Repetend, m: int, r: int, K: int, K0: int) -> list[tuple[int
 
 
 def unrolled_makespan(pl: Placement, rep: Repetend, m: int, r: int = 1,
-                      static: list[float] | None = None) -> tuple[float, list[float]]:
+                      static: list[float] | None = None,
+                      lags: dict[tuple[int, int], float] | None = None) -> tuple[float, list[float]]:
     """Makespan and per-device peak memory of the unrolled repetend executed as soon as possible.
 
     ``pl`` is the placement the repetend is over (expanded ``r`` times, see
     :func:`engine.tessel.repetend.expand`); ``m`` micro-batches of the original placement.
     Each device runs its blocks in the order of their unrolled start ticks (as
     :func:`engine.tessel.completion.to_schedule` orders them) and a block starts once its
-    devices are free and its dependencies have finished (communication free, as in the
-    simulator without a cost model). Durations in the placement's unit (seconds); memory in
-    its unit, ``static`` per device (default: :meth:`Placement.reserved_bytes`).
+    devices are free and its dependencies have finished, plus their ``lags`` (seconds per
+    dependency of ``pl``'s blocks, :func:`engine.tessel.comm.transfer_lags`; none: communication
+    is free, as in the simulator without a cost model). Durations in the placement's unit
+    (seconds); memory in its unit, ``static`` per device (default: :meth:`Placement.reserved_bytes`).
 
     Returns:
         ``(makespan, peaks)``.
@@ -70,11 +72,12 @@ def unrolled_makespan(pl: Placement, rep: Repetend, m: int, r: int = 1,
     span = 0.0
     # the unrolled start ticks order every device and respect every dependency (a dependent
     # starts strictly later), so one pass in that order is a topological order
+    lags = lags or {}
     for _, mb, b, _b0 in _instances(rep, m, r, K, K0):
         spec = blocks[b]
         t = max(free[d] for d in spec.devices)
         for a in spec.deps:
-            e = end[(mb, a)]
+            e = end[(mb, a)] + lags.get((a, b), 0.0)
             if e > t:
                 t = e
         e = t + spec.duration
@@ -100,7 +103,8 @@ def sinks(pl: Placement) -> list[int]:
 
 
 def defer_sinks(pl: Placement, rep: Repetend, m: int, caps: list[float] | None, *, r: int = 1,
-                max_passes: int = 64, stale_passes: int = 3, deadline: float | None = None) -> tuple[Repetend, float]:
+                max_passes: int = 64, stale_passes: int = 3, deadline: float | None = None,
+                lags: dict[tuple[int, int], float] | None = None) -> tuple[Repetend, float]:
     """Raise sink offsets while the unrolled makespan does not grow and memory fits (see module doc).
 
     Args:
@@ -114,24 +118,26 @@ def defer_sinks(pl: Placement, rep: Repetend, m: int, caps: list[float] | None, 
         max_passes, stale_passes: at most ``max_passes`` passes over the sinks, stopping after
             ``stale_passes`` passes in a row without a strict improvement.
         deadline: ``time.perf_counter()`` value after which the search stops.
+        lags: seconds per dependency of ``pl``'s blocks (transfers), as :func:`unrolled_makespan` takes them.
 
     Returns:
         ``(repetend, makespan)``: the best repetend found (``rep`` itself when nothing helps) and
         its :func:`unrolled_makespan` for ``m`` micro-batches.
     """
-    full_span, full_peak = unrolled_makespan(pl, rep, m, r)
+    full_span, full_peak = unrolled_makespan(pl, rep, m, r, lags=lags)
     limit = list(caps) if caps is not None else list(full_peak)
     # moves only change the warmup and the cooldown: judge them on a run long enough to hold
     # both with steady copies between (deferred sinks lengthen both by at most the deferral)
     m_eval = min(m, r * max(16, 4 * (max(rep.offsets, default=0) + 1)))
-    base_span = full_span if m_eval == m else unrolled_makespan(pl, rep, m_eval, r)[0]
+    base_span = full_span if m_eval == m else unrolled_makespan(pl, rep, m_eval, r, lags=lags)[0]
     tol = 1e-9 * max(1.0, base_span)
     offs = list(rep.offsets)
     best = base_span
     cand = sinks(pl)
 
     def trial(o: list[int], mm: int = m_eval) -> tuple[float, bool]:
-        span, peak = unrolled_makespan(pl, Repetend(rep.period, rep.starts, o, rep.resolution, micro_batches=r), mm, r)
+        span, peak = unrolled_makespan(pl, Repetend(rep.period, rep.starts, o, rep.resolution, micro_batches=r), mm, r,
+                                       lags=lags)
         return span, all(p <= c + 1e-9 * max(1.0, abs(c)) for p, c in zip(peak, limit))
 
     def out_of_time() -> bool:

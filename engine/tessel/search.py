@@ -16,12 +16,13 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from engine.errors import TesselError
 from engine.placement import Placement
 from engine.schedule import Schedule
 from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
+from engine.tessel.comm import asap_makespan, transfer_lags
 from engine.tessel.completion import complete, to_schedule, unrolled
 from engine.tessel.defer import defer_sinks, unrolled_makespan
 from engine.tessel.repetend import (
@@ -35,6 +36,9 @@ from engine.tessel.repetend import (
     solve_period,
 )
 from engine.tessel.seed import policy_repetends
+
+if TYPE_CHECKING:
+    from engine.simulate import CommCost
 
 #: CP-SAT deterministic seconds the completion may spend per wall-clock second of its budget
 #: (``max(1, 0.3 * time_limit)`` s). Measured on the benchmark's completions on a 2-core x86
@@ -194,6 +198,12 @@ class SearchResult:
         optimal_at_resolution: what ``optimal`` would say of the durations rounded up to ticks.
         wall_guard_hit: a solve or phase ended on the wall-clock guard (``time_limit``) rather than
             on its deterministic budget: the result may then differ between runs with the same seed.
+        makespan: seconds (or units): the returned schedule simulated (:func:`engine.simulate.simulate`)
+            with the search's ``comm`` cost model (communication free without one); no optimizer step.
+        solver_makespan: seconds (or units): the same schedule's makespan in the search's own model:
+            every device runs its order as soon as possible with block durations and transfer lags
+            in solver ticks (:func:`engine.tessel.comm.asap_makespan`). Equal to ``makespan`` up to
+            the tick's rounding (``rounded``) unless one device's sends queue behind each other.
     """
 
     schedule: Schedule
@@ -213,6 +223,8 @@ class SearchResult:
     rounded: bool = False
     optimal_at_resolution: bool = False
     wall_guard_hit: bool = False
+    makespan: float = 0.0
+    solver_makespan: float = 0.0
 
     @property
     def period_gap(self) -> float:
@@ -227,7 +239,7 @@ class SearchResult:
             "optimal_at_resolution": self.optimal_at_resolution, "rounded": self.rounded,
             "search_time": self.search_time, "completion_time": self.completion_time, "total_time": self.total_time,
             "steps": self.steps, "timed_out": self.timed_out, "wall_guard_hit": self.wall_guard_hit,
-            "resolution": self.resolution,
+            "resolution": self.resolution, "search_makespan": self.makespan, "solver_makespan": self.solver_makespan,
         }
 
 
@@ -251,6 +263,9 @@ def tessel_search(
     seed: int = 0,
     resolution: float | None = None,
     lags: dict[tuple[int, int], float] | None = None,
+    comm: CommCost | None = None,
+    tail: Sequence[float] | None = None,
+    evaluate: Callable[[Schedule], float] | None = None,
     objective: str = "throughput",
     workers: int = 1,
     progress: Callable[[SearchProgress], None] | None = None,
@@ -295,7 +310,21 @@ def tessel_search(
             ends it first, can differ between runs).
         resolution: seconds per solver tick (default: the longest block is 100 ticks). Durations
             are rounded up to ticks.
-        lags: seconds of communication on cross-device dependencies, ``(a, b) -> s`` by block index.
+        lags: seconds of communication on cross-device dependencies, ``(a, b) -> s`` by block index;
+            default: the transfers of ``comm`` (:func:`engine.tessel.comm.transfer_lags`), none without it.
+        comm: the plan's cost model (``engine.cost.CostModel``, or anything with ``p2p_time``,
+            ``collective_time`` and ``optimizer_time``): every dependency between blocks on different
+            devices waits for its tensor's transfer (its lag, as the simulator times it) in the
+            repetend and completion solves, and the schedules compared and returned are simulated
+            with it, so the search's makespan is the one ``tessel show`` predicts. ``None``:
+            communication is free (abstract units).
+        tail: per device, seconds it works after its last block in a step (its tied-weight
+            all-reduce and optimizer step, :func:`engine.tessel.comm.step_tail`): part of the
+            search's own makespan (``SearchResult.solver_makespan``).
+        evaluate: ``schedule -> seconds``, the makespan of one step running a schedule as the plan
+            will predict it (e.g. :func:`engine.plan_metrics.predicted_metrics` of the plan, optimizer
+            step included); the completions and fallbacks are compared by it and it is the result's
+            ``makespan``. Default: the schedule simulated with ``comm``.
         objective: ``"throughput"`` (shortest period) or, for inference, ``"latency"`` (the
             repetend's micro-batch latency equals the critical path, at the shortest period that
             allows it). The schedule is an order per device executed as soon as inputs arrive, so
@@ -370,6 +399,13 @@ def tessel_search(
             raise InfeasibleMemoryError(
                 f"memory limit {caps[worst]:g} is infeasible: device {worst} needs at least {floor[worst]:g} "
                 f"even with one micro-batch at a time; the smallest feasible limit is {need:g}", need, worst)
+    if lags is None and comm is not None:
+        lags = transfer_lags(placement, comm.p2p_time)
+    if tail is not None and len(tail) != placement.num_devices:
+        raise TesselError(f"tail has {len(tail)} values for {placement.num_devices} devices")
+
+    def step_makespan(sched: Schedule) -> float:
+        return evaluate(sched) if evaluate is not None else simulate(lower(sched), comm).makespan
     if resolution is None:
         res, rounded = auto_resolution(placement, lags=lags)
     elif isinstance(resolution, (int, float)) and math.isfinite(resolution) and resolution > 0:
@@ -395,7 +431,8 @@ def tessel_search(
         def __init__(self, r: int):
             self.r = r
             self.pl = expand(placement, r)
-            self.sc = scale(self.pl, res, _expand_lags(lags, len(placement.blocks), r))
+            self.lags_s = _expand_lags(lags, len(placement.blocks), r)   # seconds, over the expanded placement
+            self.sc = scale(self.pl, res, self.lags_s)
             if placement.forward_only:
                 # inference: a forward block's activation is released once the next block has
                 # consumed it, so only static memory persists; the limit bounds static memory alone
@@ -476,7 +513,8 @@ def tessel_search(
     seed_cost_s = len(placement.blocks) * SEED_PROBE_MICRO_BATCHES / SEED_INSTANCES_PER_S
     seeds = {}
     if objective != "latency" and seed_cost_s <= SEED_SHARE * time_limit:
-        seeds = policy_repetends(placement, res, caps, max_window=3, probe_micro_batches=SEED_PROBE_MICRO_BATCHES)
+        seeds = policy_repetends(placement, res, caps, max_window=3, probe_micro_batches=SEED_PROBE_MICRO_BATCHES,
+                                 comm=comm)
     cands: dict[int, Candidate] = {1: one}
     for r, seed_rep in sorted(seeds.items()):  # seeds first: each is a strong upper bound, checked in one solve
         c = cands.setdefault(r, one if r == 1 else Candidate(r))
@@ -559,7 +597,7 @@ def tessel_search(
         bar.close()
     best = c.best
     # the memory-time term of the bound is quadratic in the blocks: a share of what time is left
-    ms_lb = makespan_lower_bound(placement, m, memory_limit=caps,
+    ms_lb = makespan_lower_bound(placement, m, memory_limit=caps, lags=lags, tail=list(tail) if tail else None,
                                  deadline=time.perf_counter() + max(0.0, 0.1 * (deadline - time.perf_counter())))
     # (2b) sink deferral (defer.py): the best repetend, and the policy's steady states with the
     # same period per micro-batch, each with its sinks (e.g. W blocks) deferred while the
@@ -580,7 +618,7 @@ def tessel_search(
         defer_deadline = min(deadline, time.perf_counter() + max(0.3, 0.08 * time_limit))
         scored = []
         for k, (cc, rp, src) in enumerate(pool):
-            d_rep, span = defer_sinks(cc.pl, rp, m, defer_caps, r=cc.r, deadline=defer_deadline)
+            d_rep, span = defer_sinks(cc.pl, rp, m, defer_caps, r=cc.r, deadline=defer_deadline, lags=cc.lags_s)
             scored.append((span, k, cc, d_rep, rp, src))
             if span <= ms_lb * (1 + 1e-9):
                 break  # the makespan lower bound: nothing can be shorter
@@ -589,7 +627,7 @@ def tessel_search(
                     if d_rep.offsets[b] != undeferred.offsets[b]}
         if deferred or d_rep is not best:
             n_windows = max(d_rep.offsets, default=0) + 1
-            _, ss_peak = unrolled_makespan(c.pl, d_rep, c.r * 3 * n_windows, c.r)
+            _, ss_peak = unrolled_makespan(c.pl, d_rep, c.r * 3 * n_windows, c.r, lags=c.lags_s)
             best = Repetend(d_rep.period, d_rep.starts, d_rep.offsets, d_rep.resolution, ss_peak, c.r)
 
     t_completion = time.perf_counter()
@@ -609,7 +647,7 @@ def tessel_search(
         sched = to_schedule(placement, comp, m, name="tessel",
                             meta={"tessel": {**meta, "completion": label, "completion_status": comp.status}},
                             micro_batches_per_window=c.r)
-        return simulate(lower(sched)).makespan, sched
+        return step_makespan(sched), sched
 
     chosen = simulated("unrolled", unrolled(best, m_windows, len(c.pl.blocks)))
     remaining = deadline - time.perf_counter()
@@ -638,23 +676,29 @@ def tessel_search(
     schedule = chosen[1]
     schedule.meta["tessel"]["pure_makespan"] = chosen[0]
     if fallback_baselines and not (control is not None and control.cancelled):
-        schedule = _fallback(placement, m, comp_caps, chosen, schedule.meta)
+        schedule = _fallback(placement, m, comp_caps, chosen, schedule.meta, step_makespan)
     schedule.validate(caps)
+    makespan = step_makespan(schedule)
+    index = {b.key: i for i, b in enumerate(placement.blocks)}
+    orders = [[(blk.micro_batch, index[blk.key]) for blk in order] for order in schedule.orders]
+    tail_ticks = [one.sc.ticks(t) for t in tail] if tail else None
+    solver_makespan = asap_makespan(placement, orders, one.sc.durations, one.sc.lags, tail_ticks) * res
     t_end = time.perf_counter()
     completion_time, elapsed = t_end - t_completion, t_end - t_start
     schedule.meta["tessel"].update(search_time=repetend_time, completion_time=completion_time, total_time=elapsed,
-                                   wall_guard_hit=wall_guard["hit"])
+                                   wall_guard_hit=wall_guard["hit"], makespan=makespan, solver_makespan=solver_makespan)
     return SearchResult(
         schedule=schedule, repetend=best, period=best.period_seconds, period_lower_bound=lb_s,
-        makespan_lower_bound=ms_lb, critical_path=critical_path(placement),
+        makespan_lower_bound=ms_lb, critical_path=critical_path(placement, lags),
         optimal=optimal, search_time=repetend_time, steps=steps, timed_out=timed_out, resolution=res,
         memory_floor=floor, total_time=elapsed, completion_time=completion_time, rounded=rounded,
         optimal_at_resolution=optimal_at_resolution, wall_guard_hit=wall_guard["hit"],
+        makespan=makespan, solver_makespan=solver_makespan,
     )
 
 
 def _fallback(placement: Placement, m: int, caps: list[float] | None, chosen: tuple[float, Schedule],
-              meta: dict) -> Schedule:
+              meta: dict, step_makespan: Callable[[Schedule], float]) -> Schedule:
     """The searched schedule, or a policy baseline on the same placement when it is shorter.
 
     Candidates: the memory-aware 1F1B and the GPipe policies of :mod:`engine.baselines.generic`,
@@ -663,9 +707,7 @@ def _fallback(placement: Placement, m: int, caps: list[float] | None, chosen: tu
     ``meta["tessel"]["completion"] = "baseline <name>"``; ``pure_makespan`` keeps the searched one.
     """
     from engine.baselines.generic import gpipe_any, one_f_one_b_any
-    from engine.dependency import lower
     from engine.errors import ScheduleError
-    from engine.simulate import simulate
 
     best_span, best = chosen
     for name, build in (("1f1b", lambda: one_f_one_b_any(placement, m, memory_limit=caps)),
@@ -675,7 +717,7 @@ def _fallback(placement: Placement, m: int, caps: list[float] | None, chosen: tu
             sched.validate(caps)
         except (TesselError, ScheduleError):
             continue
-        span = simulate(lower(sched)).makespan
+        span = step_makespan(sched)
         if span < best_span - 1e-12 * max(1.0, best_span):
             tmeta = {**meta["tessel"], "completion": f"baseline {name}", "equals_baseline": name}
             best_span, best = span, Schedule(placement, m, [list(o) for o in sched.orders], "tessel",

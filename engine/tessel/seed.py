@@ -16,12 +16,13 @@ from engine.tessel.repetend import Repetend
 
 
 def policy_repetends(placement: Placement, resolution: float, memory_limit=None, *, max_window: int = 3,
-                     probe_micro_batches: int = 48) -> dict[int, Repetend]:
+                     probe_micro_batches: int = 48, comm=None) -> dict[int, Repetend]:
     """Steady-state windows of the memory-aware 1F1B policy, by micro-batches per window.
 
     Returns ``{r: repetend over expand(placement, r)}`` for every ``r <= max_window`` at which
     the policy's schedule is exactly periodic around its middle micro-batch; empty when it is not
     (or the policy cannot run under the limit). Times are rounded to ticks of ``resolution``.
+    ``comm``: the cost model the policy's schedule is simulated with (its transfers); ``None``: free.
     """
     from engine.baselines.generic import one_f_one_b_any
     from engine.dependency import lower
@@ -33,7 +34,7 @@ def policy_repetends(placement: Placement, resolution: float, memory_limit=None,
         sched = one_f_one_b_any(placement, m, memory_limit=memory_limit)
     except TesselError:
         return {}
-    tl = simulate(lower(sched))
+    tl = simulate(lower(sched), comm)
     index = {b.key: i for i, b in enumerate(placement.blocks)}
     start: dict[tuple[int, int], float] = {}
     for e in tl.events:
