@@ -19,7 +19,8 @@ from apps.arg_types import LINK_HELP, link_name, positive_int
 from apps.output import table
 from engine.shapes import SHAPES
 
-HELP = "search a schedule for a placement (V, X, M, NN, K, interleaved or a JSON file) with Tessel"
+HELP = ("search a schedule for a placement (V, X, M, NN, K, interleaved, MLLM, finetune, AlphaFold or a JSON file) "
+        "with Tessel")
 
 #: Abstract memory is counted in half-units internally so interleaved segments (half a V segment) stay integral.
 _HALF = 2

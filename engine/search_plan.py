@@ -116,7 +116,8 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
 
     Args:
         model: a registry name or ``module:callable`` (:func:`engine.models.build_model`).
-        shape: ``v``, ``x``, ``m``, ``nn`` or ``interleaved`` (:data:`engine.shapes.SHAPES`).
+        shape: ``v``, ``x``, ``m``, ``nn``, ``interleaved``, ``mllm`` or (a two-tower model) ``k``
+            (:data:`engine.shapes.SHAPES`; ``finetune`` and ``alphafold`` take no model).
         devices: devices (the pipeline ranks of the placement).
         micro_batches: ``m``, placement instances per step.
         micro_batch_size, seq_len: the micro-batch shape the model is captured (and trained) with.
@@ -140,17 +141,24 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     from engine.baselines.generic import gpipe_any
     from engine.config import ModelRef, ParallelConfig
     from engine.cost import CostModel
+    from engine.errors import TesselError
     from engine.graph import capture
     from engine.io import Plan
     from engine.models import build_model
     from engine.plan_metrics import predict, predicted_metrics
     from engine.planner import lower_plan
     from engine.shape_costs import model_shape_placement
+    from engine.shapes import SHAPES, UnknownShapeError, find_shape
     from engine.split import choose_split, supports_layer_split
     from engine.tessel import tessel_search
     from engine.tessel.comm import step_tail
     from engine.transform import LOSS_PARALLEL_TASKS
 
+    spec = find_shape(shape)
+    if spec is None:
+        raise UnknownShapeError(f"unknown placement shape {shape!r}; valid shapes are: {', '.join(SHAPES)}")
+    if spec.model_parts is None and spec.name != "k":   # refused before the model is built and captured
+        raise TesselError(spec.no_model)
     bundle = build_model(model, batch_size=micro_batch_size, seq_len=seq_len)
     graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
     cost = cost if cost is not None else CostModel.for_device(device_type, link=link, inter_link=link)

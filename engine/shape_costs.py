@@ -12,8 +12,12 @@ model (segment ``s`` is part ``s mod n``). M follows the model where it can: a m
 layers (the embedding), transformer blocks and trailing layers (final norm, LM head) gets
 :func:`engine.shapes.m_model_shape`, the embedding and the head each on all devices (tensor-
 parallel, vocab-parallel) and the blocks balanced over a V between them (``n + 2`` segments).
-K needs a model with two independent branches, which a sequential transformer is not (its
-``model_parts`` is ``None``).
+MLLM (:func:`engine.shapes.mllm_shape`, the same chain) cuts the model the same way around its
+LAST run of transformer blocks: everything before it (a multi-modal model's encoders and
+projector, the embeddings) in segment 0 on all devices, the blocks a V, the rest (final norm, LM
+head) in segment ``n + 1`` on all devices. K needs a model with two independent branches, which
+a sequential transformer is not; finetune needs a frozen leading part and AlphaFold a recycling
+model, which a captured model has neither of (their ``model_parts`` are ``None``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
     Args:
         graph: the :class:`~engine.graph.OpGraph` of one micro-batch.
         cost: the :class:`~engine.cost.CostModel`.
-        shape: ``v``, ``x``, ``m``, ``nn`` or ``interleaved``.
+        shape: ``v``, ``x``, ``m``, ``nn``, ``interleaved``, ``mllm``, or ``k`` (a two-branch model).
         n: devices.
         optimizer: ``adam`` or ``adama``: static memory is parameters + m + v (3x) either way; the
             gradient buffer / transient per segment follow :func:`engine.transform.gradient_bytes`
@@ -79,15 +83,16 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
     layers = layer_costs(graph, cost, 1)
     times = [lc.forward_time for lc in layers]
     build = spec.build
-    around = _around_blocks([lc.name for lc in layers]) if spec.name == "m" else None
+    names = [lc.name for lc in layers]
+    around = _around_blocks(names) if spec.name == "m" else _around_last_run(names) if spec.name == "mllm" else None
     if spec.name == "k":   # a two-tower model: each tower over half of the devices, the join on all
         ranges = _k_ranges([lc.name for lc in layers], times, n)
         k = n + 1
     elif around is not None and around[1] - around[0] >= n:
-        # the model's M: embedding and head each on all devices, the blocks between them a V
+        # the model's M (or MLLM): embedding (encoders) and head each on all devices, the blocks between them a V
         lo, hi = around
         ranges = [(0, lo)] + [(lo + i, lo + j) for i, j in balanced_partition(times[lo:hi], n)] + [(hi, len(layers))]
-        k, build = n + 2, m_model_shape
+        k, build = n + 2, (m_model_shape if spec.name == "m" else build)
     elif spec.model_parts is None:
         raise TesselError(spec.no_model)
     else:
@@ -167,6 +172,24 @@ def _around_blocks(names: list[str]) -> tuple[int, int] | None:
     if not idx or idx != list(range(idx[0], idx[-1] + 1)) or idx[0] == 0 or idx[-1] == len(names) - 1:
         return None
     return idx[0], idx[-1] + 1
+
+
+def _around_last_run(names: list[str]) -> tuple[int, int] | None:
+    """``(first block, one past the last block)`` of a model's LAST run of transformer blocks (blocks
+    of one module list, e.g. the language model of a multi-modal model, whose encoders come first)
+    when layers precede and follow it; ``None`` otherwise. Equals :func:`_around_blocks` on a model
+    with one run of blocks."""
+    idx = [i for i, name in enumerate(names) if is_block_layer(name)]
+    if not idx:
+        return None
+    hi = idx[-1] + 1
+    lo = hi - 1
+    parent = names[lo].rsplit(".", 1)[0]
+    while lo > 0 and is_block_layer(names[lo - 1]) and names[lo - 1].rsplit(".", 1)[0] == parent:
+        lo -= 1
+    if lo == 0 or hi == len(names):
+        return None
+    return lo, hi
 
 
 def _two_branches(names: list[str]) -> tuple[tuple[int, int], tuple[int, int], int] | None:

@@ -1,4 +1,4 @@
-"""Tessel placement shapes (V, X, M, NN, K, interleaved) and custom placements.
+"""Tessel placement shapes (V, X, M, NN, K, interleaved, MLLM, finetune, AlphaFold) and custom placements.
 
 A *shape* is the placement of ONE micro-batch: the chain (a DAG) of its forward and backward
 blocks and the device set of every block. Tessel (Lin et al., "Tessel: Boosting Distributed
@@ -14,6 +14,9 @@ constructor             chain of one micro-batch                          segmen
 :func:`nn_shape`        all-device blocks at the start and middle of a V   ``n + 2``
 :func:`k_shape`         two V branches on halves joined by a loss block    ``n + 1``
 :func:`interleaved_shape`  ``pipeline_placement(n, virtual_stages=v)``     ``n * v``
+:func:`mllm_shape`      all-device blocks at both ends of a V, mirrored    ``n + 2``
+:func:`finetune_shape`  frozen all-device block (no backward), then a V    ``n + 1``
+:func:`alphafold_shape`  ``r`` passes without gradients, then a trained V  ``(r + 1) n``
 ======================  ===============================================  ================
 
 Units and conventions (shared by every constructor):
@@ -34,6 +37,8 @@ Units and conventions (shared by every constructor):
   :func:`engine.placement.pipeline_placement` does (zero-bubble pipelines, Qi et al. 2023);
 * ``forward_only=True`` gives the inference placement: ``F`` blocks only, with memory delta 0
   (no activation is kept for a backward).
+* a segment run without gradients (finetune's frozen block, AlphaFold's recycling passes) has
+  an ``F`` block only, with memory delta 0, in training placements too.
 
 Block order in :attr:`Placement.blocks` is a topological order of the chain (its index is the
 "chain position" the generic schedulers break ties with).
@@ -60,7 +65,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 from engine.envelope import is_instance
 from engine.errors import PlacementError, TesselError
@@ -69,6 +74,7 @@ from engine.placement import MAX_DEVICES, BlockSpec, Placement, TensorSpec, pipe
 
 __all__ = [
     "v_shape", "x_shape", "m_shape", "m_model_shape", "nn_shape", "k_shape", "interleaved_shape",
+    "mllm_shape", "finetune_shape", "alphafold_shape",
     "ShapeSpec", "make_shape", "find_shape", "SHAPES", "shape_names", "custom_placement",
 ]
 
@@ -108,6 +114,8 @@ def _build(
     n: int,
     seg_devices: Sequence[Sequence[int]],
     fwd_preds: Sequence[Sequence[int]],
+    frozen: Collection[int] = (),
+    /,
     *,
     order: Sequence[Sequence[int]] | None = None,
     forward: float = 1.0,
@@ -131,6 +139,11 @@ def _build(
 
     ``order`` groups segments into chains listed one after the other in ``Placement.blocks``
     (forwards in segment order, then backwards in reverse); default: one group of all segments.
+
+    ``frozen`` (positional only, so no shape's ``**kw`` reaches it) lists segments run without
+    gradients: their forward keeps no activation (memory 0, their ``activation_bytes`` entry
+    unused) and they have no backward; a backward depends only on the backwards that exist, and
+    sends no input gradient when every segment feeding it is frozen (nothing upstream needs one).
     """
     n_seg = len(seg_devices)
     fwd = _per_segment(forward_times, forward, n_seg, "forward_times", shape, n)
@@ -154,17 +167,21 @@ def _build(
         blocks.append(b)
         return len(blocks) - 1
 
+    no_grad = set(frozen)
     for group in groups:
         for s in sorted(group):
             deps = tuple(f_idx[p] for p in fwd_preds[s])
-            mem = 0 if forward_only else int(act[s])
+            mem = 0 if forward_only or s in no_grad else int(act[s])
             f_idx[s] = add(BlockSpec("F", s, tuple(seg_devices[s]), float(fwd[s]), mem, deps, outs[s]))
         if forward_only:
             continue
         for s in sorted(group, reverse=True):
-            deps = tuple(chain_idx[t] for t in succ[s]) if succ[s] else (f_idx[s],)
+            if s in no_grad:
+                continue
+            trained = [t for t in succ[s] if t not in no_grad]
+            deps = tuple(chain_idx[t] for t in trained) if trained else (f_idx[s],)
             dev = tuple(seg_devices[s])
-            grad = grads[s] if fwd_preds[s] else None
+            grad = grads[s] if any(p not in no_grad for p in fwd_preds[s]) else None
             if split_backward:
                 free_i = int(round(int(act[s]) * (1 - wf)))
                 chain_idx[s] = add(BlockSpec("I", s, dev, float(bwd[s]) * (1 - wf), -free_i, deps, grad))
@@ -374,6 +391,103 @@ def k_shape(n: int, **kw) -> Placement:
     return _build("K", n, devs, preds, **kw)
 
 
+@_common_doc
+def mllm_shape(n: int, **kw) -> Placement:
+    """The multi-modal LLM shape: all-device blocks at both ends of a V, mirrored. Name ``"MLLM"``.
+
+    Segments: ``0`` on ALL devices (e.g. the vision encoder and the embeddings, spread over every
+    device); ``1..n``, segment ``i`` on device ``i - 1`` (the language model's transformer blocks);
+    ``n + 1`` on ALL devices (e.g. the final norm, LM head and loss). Chain: ``F0(all) -> F1 -> ...
+    -> Fn -> F(n+1)(all) -> B(n+1)(all) -> Bn -> ... -> B1 -> B0(all)``: the backward mirrors the
+    forward exactly.
+
+    This is the chain and the device sets of :func:`m_model_shape` (the M shape as a language
+    model fills it). It is not reused: the shape is built here under its own name (``"MLLM"``, the
+    registry entry ``"mllm"``), so its errors and plans name it; a test checks that the two
+    chains are equal. Every segment follows the shared defaults (F=1, B=2, activation 1, as M);
+    the reference gives the all-device blocks memory 0 and a 1-unit backward, and the V's
+    backward 3 units (give ``activation_bytes`` and ``backward_times`` to reproduce it). With a captured model
+    (:func:`engine.shape_costs.model_shape_placement`) segment 0 holds everything before the
+    model's last run of transformer blocks (its encoders and embeddings), the blocks are
+    balanced over the V and segment ``n + 1`` holds the layers after them.
+
+    Source: the Tessel authors' reference implementation (github.com/zhiqi-0/Tessel,
+    ``examples/simulator/cases_tessel.py``, ``Placement.mllm``).
+    {common_args}
+    Raises:
+        PlacementError: ``n < 2`` or a per-segment list of the wrong length (``n + 2`` segments).
+    """
+    _check_devices("MLLM", n)
+    every = tuple(range(n))
+    devs = [every] + [(i,) for i in range(n)] + [every]
+    preds: list[list[int]] = [[]] + [[s - 1] for s in range(1, n + 2)]
+    return _build("MLLM", n, devs, preds, **kw)
+
+
+@_common_doc
+def finetune_shape(n: int, **kw) -> Placement:
+    """The fine-tuning shape: a frozen all-device block, then a V. Name ``"finetune"``.
+
+    Segments: ``0`` on ALL devices, FROZEN (e.g. a pretrained encoder or embedding whose
+    parameters are not trained): its forward keeps no activation (memory 0; its
+    ``activation_bytes`` entry is not used) and it has NO backward block; ``1..n``, segment ``i``
+    on device ``i - 1``, trained. Chain: ``F0(all) -> F1 -> ... -> Fn -> Bn -> ... -> B1``; ``B1``
+    sends no input gradient (its ``input_grads`` entry is not used: nothing upstream needs it).
+    With ``split_backward`` only segments ``1..n`` get ``I`` and ``W`` blocks. The reference's
+    backward takes 2 units, this project's default.
+
+    Source: the Tessel authors' reference implementation (github.com/zhiqi-0/Tessel,
+    ``examples/simulator/cases_tessel.py``, ``Placement.finetune``).
+    {common_args}
+    Raises:
+        PlacementError: ``n < 2`` or a per-segment list of the wrong length (``n + 1`` segments).
+    """
+    _check_devices("finetune", n)
+    devs = [tuple(range(n))] + [(i,) for i in range(n)]
+    preds: list[list[int]] = [[]] + [[s - 1] for s in range(1, n + 1)]
+    return _build("finetune", n, devs, preds, (0,), **kw)
+
+
+@_common_doc
+def alphafold_shape(n: int, recycles: int = 2, **kw) -> Placement:
+    """AlphaFold-style recycling: the forward passes over the devices ``recycles + 1`` times, only
+    the last pass is trained. Name ``"alphafold"``.
+
+    Segments (``r = recycles``): pass ``p = 0..r`` is segments ``p * n .. p * n + n - 1``, segment
+    ``p * n + i`` on device ``i``. Passes ``0..r-1`` are recycling iterations run without gradients
+    (forward only: memory 0, no backward block; their ``activation_bytes`` entries are not used);
+    pass ``r`` keeps its activations and has a backward on devices ``n-1..0``. Chain: ``F0 -> F1 ->
+    ... -> F((r+1)n-1) -> B((r+1)n-1) -> ... -> B(rn)`` (each pass starts from the previous pass's
+    output, as AlphaFold 2 feeds its outputs back into its next iteration); ``B(rn)`` sends no input
+    gradient. ``recycles=0`` is the V chain. The default, 2, is the reference's (three passes, two
+    without gradients); the reference's backward takes 1 unit, this project's default 2 (pass
+    ``backward=1`` to reproduce it).
+
+    Source: the Tessel authors' reference implementation (github.com/zhiqi-0/Tessel,
+    ``examples/simulator/cases_tessel.py``, ``Placement.alphafold``); Jumper et al., "Highly
+    accurate protein structure prediction with AlphaFold", Nature 2021 (recycling).
+
+    Args:
+        recycles: passes run without gradients before the trained one (an integer, at least 0).
+    {common_args}
+    Raises:
+        PlacementError: ``n < 2``, ``recycles`` not an integer >= 0, more than
+            :data:`~engine.placement.MAX_DEVICES` segments, or a per-segment list of the wrong length
+            (``(recycles + 1) * n`` segments).
+    """
+    _check_devices("alphafold", n)
+    if isinstance(recycles, bool) or not isinstance(recycles, int) or recycles < 0:
+        raise PlacementError(f"recycles must be an integer of at least 0 (passes without gradients before the "
+                             f"trained one), got {recycles!r}")
+    if (recycles + 1) * n > MAX_DEVICES:  # checked before building: the chain has (recycles + 1) * n segments
+        raise PlacementError(f"the alphafold shape with recycles={recycles:,} on {n} devices has "
+                             f"{(recycles + 1) * n:,} segments; at most {MAX_DEVICES:,}, so use fewer recycles")
+    n_seg = (recycles + 1) * n
+    devs = [(s % n,) for s in range(n_seg)]
+    preds: list[list[int]] = [[s - 1] if s else [] for s in range(n_seg)]
+    return _build("alphafold", n, devs, preds, range(recycles * n), **kw)
+
+
 @dataclass(frozen=True)
 class ShapeSpec:
     """One placement shape of the registry :data:`SHAPES`.
@@ -408,6 +522,17 @@ SHAPES: dict[str, ShapeSpec] = {s.name: s for s in (
               "two-tower-tiny); a sequential transformer has none: search K in abstract units (no --model)"),
     ShapeSpec("interleaved", interleaved_shape, "interleaved pipeline (virtual stages)",
               lambda n: 2 * n),
+    ShapeSpec("mllm", mllm_shape, "all-device encoder and head around a V, mirrored (multi-modal LLM)",
+              lambda n: n + 2),
+    ShapeSpec("finetune", finetune_shape, "frozen all-device block (no backward), then a V", None,
+              "the finetune shape needs a model whose leading part is frozen (no backward, no optimizer state, "
+              "e.g. a pretrained encoder), but a captured model trains every parameter: search finetune in "
+              "abstract units (no --model)"),
+    ShapeSpec("alphafold", alphafold_shape, "passes without gradients, then a trained V (AlphaFold recycling)",
+              None,
+              "the alphafold shape needs a model that reruns its layers on its own output without gradients "
+              "(AlphaFold's recycling), but a captured model runs each layer once: search alphafold in abstract "
+              "units (no --model)"),
 )}
 
 
@@ -442,7 +567,8 @@ def make_shape(name: str, n: int, **kw) -> Placement:
 
     Names are case-insensitive and may carry a ``shape`` suffix and ``-``/``_``: ``"v"``,
     ``"vshape"``, ``"V-shape"``, ``"x"``, ``"m"``/``"mshape"``, ``"nn"``/``"nnshape"``,
-    ``"k"``/``"kshape"``, ``"interleaved"`` (takes ``virtual_stages=``).
+    ``"k"``/``"kshape"``, ``"interleaved"`` (takes ``virtual_stages=``), ``"mllm"``, ``"finetune"``,
+    ``"alphafold"`` (takes ``recycles=``).
 
     Raises:
         UnknownShapeError: unknown name; the message lists the valid ones (a ``TesselError``, and

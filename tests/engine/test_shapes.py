@@ -173,7 +173,7 @@ def test_per_segment_lists_and_outputs():
 
 # ------------------------------------------------------------------ make_shape
 def test_make_shape_names():
-    assert shape_names() == ["v", "x", "m", "nn", "k", "interleaved"]
+    assert shape_names() == ["v", "x", "m", "nn", "k", "interleaved", "mllm", "finetune", "alphafold"]
     for name, want in [("v", "V"), ("VShape", "V"), ("v-shape", "V"), ("X", "X"), ("mshape", "M"), ("M", "M"),
                        ("nn", "NN"), ("NNShape", "NN"), ("k", "K"), ("kshape", "K"), ("Interleaved", "interleaved")]:
         assert make_shape(name, 4).name == want

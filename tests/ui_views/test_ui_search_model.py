@@ -18,7 +18,7 @@ from planner_ui.graph_view import GraphView
 from planner_ui.search_panel import CURRENT, SearchPanel, model_shape_options
 from planner_ui.state import PlanState
 
-DECODER_SHAPES = ["v", "x", "m", "nn", "interleaved"]
+DECODER_SHAPES = ["v", "x", "m", "nn", "interleaved", "mllm"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,8 @@ def test_a_decoder_lm_offers_its_shapes_and_not_k(llama):
     assert panel.offered_shapes == DECODER_SHAPES
     assert panel.param.shape.objects == DECODER_SHAPES + [CURRENT]
     # K is refused with the engine's one sentence, shown under the inputs
-    assert set(panel.refused_shapes) == {"k"} and "two independent branches" in panel.refused_shapes["k"]
+    assert set(panel.refused_shapes) == {"k", "finetune", "alphafold"}
+    assert "two independent branches" in panel.refused_shapes["k"]
     assert "K is not offered: the K shape needs a model with two independent branches" in panel.shape_note
     with pytest.raises(ValueError):
         panel.shape = "k"
@@ -68,7 +69,7 @@ def test_a_decoder_lm_offers_its_shapes_and_not_k(llama):
 
 def test_a_two_tower_model_offers_k(two_tower, llama):
     offered, refused = model_shape_options(two_tower.plan, two_tower.graph, 2)
-    assert "k" in offered and not refused
+    assert "k" in offered and set(refused) == {"finetune", "alphafold"}
     assert "k" not in model_shape_options(llama.plan, llama.graph, 2)[0]
     st = _loaded(two_tower)
     panel = SearchPanel(state=st, time_limit=5)
