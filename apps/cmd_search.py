@@ -69,10 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="throughput (shortest period) or latency (inference: no queuing)")
     p.add_argument("--time-limit", type=positive_float, default=10.0, help="search time limit in seconds (default 10)")
     p.add_argument("--seed", type=int, default=0, help="solver seed (default 0)")
-    p.add_argument("--max-window", type=positive_int, default=2, metavar="R",
-                   help="most micro-batches per repetend window the search refines (default 2; the 1F1B policy's "
-                        "steady state, up to 3, always competes); 3-4 can reach shorter periods per micro-batch "
-                        "(e.g. M on 4 devices: 7 -> 6.33 units) but need a longer --time-limit (about 60 s)")
+    p.add_argument("--max-window", type=positive_int, default=3, metavar="R",
+                   help="most micro-batches per repetend window the search refines (default 3; the 1F1B policy's "
+                        "steady state, up to 3, always competes); larger windows reach shorter periods per "
+                        "micro-batch under tight memory (e.g. M on 4 devices, limit 6: 8 -> 7.67 units with 3) but "
+                        "need a longer --time-limit")
+    p.add_argument("--window", type=positive_int, default=None, metavar="R",
+                   help="search only repetends of exactly R micro-batches per window (default: 1 to --max-window)")
     p.add_argument("--completion-stall", type=positive_float, default=None, metavar="S",
                    help="stop warmup/cooldown solves after S seconds without improvement (faster, may be a "
                         "little longer; not deterministic when it stops a solve); default: run to the time limit")
@@ -122,7 +125,8 @@ def _model_search(args, limit):
         seq_len=args.seq_len, device_type=args.device_type, memory_limit=limit, link=args.link,
         split_backward=args.split_backward, forward_only=args.inference, time_limit=args.time_limit,
         seed=args.seed, objective=args.objective, progress_bar=not args.json and sys.stderr.isatty(),
-        completion_stall=args.completion_stall, max_window_micro_batches=args.max_window)
+        completion_stall=args.completion_stall, max_window_micro_batches=args.max_window,
+        window_micro_batches=args.window)
 
 
 def _placement_label(placement, searched) -> str:
@@ -162,7 +166,8 @@ def run(args: argparse.Namespace) -> dict:
             res = tessel_search(pl, args.micro_batches, memory_limit=limit, time_limit=args.time_limit,
                                 seed=args.seed, objective=args.objective,
                                 progress_bar=not args.json and sys.stderr.isatty(),
-                                completion_stall=args.completion_stall, max_window_micro_batches=args.max_window)
+                                completion_stall=args.completion_stall, max_window_micro_batches=args.max_window,
+                                window_micro_batches=args.window)
     except InfeasibleMemoryError as e:  # restate in the user's units
         raise TesselError(
             f"--memory-limit {args.memory_limit:g} {unit} is infeasible: device {e.device} needs more even with one "

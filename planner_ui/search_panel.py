@@ -114,7 +114,7 @@ def model_shape_options(plan, graph, devices: int) -> tuple[list[str], dict[str,
 class _Job:
     """What one search needs, prepared (and validated) on the UI thread."""
 
-    def __init__(self, placement, m, limit, time_limit, seed, *, base_plan, cost, variant, abstract, max_window=2,
+    def __init__(self, placement, m, limit, time_limit, seed, *, base_plan, cost, variant, abstract, max_window=3,
                  model_shape=None, devices=None):
         self.placement = placement        # the searched placement (None until a model shape's search builds it)
         self.m = m
@@ -182,7 +182,7 @@ class SearchPanel(pn.viewable.Viewer):
                                 doc="per-device limit: GiB (a model plan) or abstract units; None = no limit")
     time_limit = param.Number(default=10.0, bounds=(0.1, 3600), doc="search time limit, seconds")
     seed = param.Integer(default=0, bounds=(0, None), doc="CP-SAT seed")
-    max_window = param.Integer(default=2, bounds=(1, 8),
+    max_window = param.Integer(default=3, bounds=(1, 8),
                                doc="most micro-batches per repetend window the search refines (the 1F1B policy's "
                                    "steady state, up to 3, always competes); 3-4 can shorten the period on M-like "
                                    "shapes but need a longer time limit (about 60 s)")

@@ -221,3 +221,12 @@ def test_plan_with_transformations_and_their_refusals(tmp_path):
     assert p.returncode == 2 and "unknown transformation 'zero'" in p.stderr and "Traceback" not in p.stderr
     p = tessel("plan", "--model", "gpt2-tiny", "--transform", "scatter-send", "-o", str(tmp_path / "c"), check=False)
     assert p.returncode == 2 and "'scatter-send' needs tp > 1 and pp > 1" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_search_fixed_window(tmp_path):
+    """``--window R`` searches repetends of exactly R micro-batches per window; 0 is refused."""
+    res = last_json(tessel("search", "--placement", "m", "--devices", "4", "--micro-batches", "8", "--window", "2",
+                           "--memory-limit", "6", "--time-limit", "5", "-o", str(tmp_path), "--json"))
+    assert res["window_micro_batches"] == 2 and res["period"] == 8.0
+    p = tessel("search", "--placement", "m", "--window", "0", "-o", str(tmp_path), check=False)
+    assert p.returncode == 2 and "--window: must be at least 1" in p.stderr and "Traceback" not in p.stderr

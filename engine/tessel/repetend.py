@@ -248,7 +248,8 @@ class _Stopper(cp_model.CpSolverSolutionCallback):
 
 
 def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[float] | None,
-                objective: str | None = None, max_latency: int | None = None, replicas: int = 1):
+                objective: str | None = None, max_latency: int | None = None, replicas: int = 1,
+                latency_cap: int | None = None):
     """The CP-SAT model for a fixed period; returns ``(model, starts, offsets, peaks)``.
 
     Blocks may wrap around the window edge (a block starting at ``s`` occupies
@@ -256,8 +257,9 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
     device's NoOverlap covers both, which is exactly circular disjointness for ``t <= P``.
 
     ``objective``: ``None`` (feasibility), ``"memory"`` (least summed per-device peak),
-    ``"latency"`` (least time from a micro-batch's first block start to its last block end) or
-    ``"latency+memory"`` (latency, then memory). ``max_latency`` bounds that latency (ticks).
+    ``"latency"`` (least time from a window's earliest root start to its latest sink end, unrolled) or
+    ``"latency+memory"`` (latency, then memory). ``max_latency`` and ``latency_cap`` bound that
+    latency (ticks; the second e.g. by the solution a polish starts from).
     """
     pl = placement
     n = pl.num_devices
@@ -347,19 +349,23 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
                 model.add(peak <= int(math.floor(memory_cap[d] / sc.quantum + 1e-9)))
             peaks.append(peak)
     latency = None
-    if objective in ("latency", "latency+memory") or max_latency is not None:
+    if objective in ("latency", "latency+memory") or max_latency is not None or latency_cap is not None:
+        # from the earliest root's start to the latest sink's end, unrolled: it sets the warmup and
+        # cooldown (the makespan of m micro-batches is about (m - 1) windows plus it)
         horizon = P * (max_off + 2)
-        first = model.new_int_var(0, P, "first")
+        first = model.new_int_var(0, horizon, "first")
         last = model.new_int_var(0, horizon, "last")
         g = pl.dependency_graph()
         for i in g.nodes:
             if g.in_degree(i) == 0:
-                model.add(first <= starts[i])
+                model.add(first <= offsets[i] * P + starts[i])
             if g.out_degree(i) == 0:
                 model.add(last >= offsets[i] * P + ends[i])
         latency = last - first
         if max_latency is not None:
             model.add(latency <= max_latency)
+        if latency_cap is not None:
+            model.add(latency <= latency_cap)
     if objective == "memory" and peaks:
         model.minimize(sum(peaks))
     elif objective == "latency":
@@ -378,7 +384,7 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
                  time_limit: float, seed: int, workers: int = 1, objective: str | None = None,
                  max_latency: int | None = None, hint: Repetend | None = None, replicas: int = 1,
                  should_stop=None, on_solver=None, hinted_share: float = 0.0, det_limit: float | None = None,
-                 stats: dict | None = None) -> tuple[str, Repetend | None]:
+                 stats: dict | None = None, latency_cap: int | None = None) -> tuple[str, Repetend | None]:
     """Solve the repetend model at a fixed period.
 
     Feasibility solves (``objective=None``) decide the offsets first, smallest first, with a
@@ -415,15 +421,15 @@ def solve_period(placement: Placement, sc: Scaled, period: int, memory_cap: list
     return _solve_once(placement, sc, period, memory_cap, time_limit=time_limit, seed=seed, workers=workers,
                        objective=objective, max_latency=max_latency, hint=hint if use_hint else None,
                        replicas=replicas, should_stop=should_stop, on_solver=on_solver, fixed=objective is None,
-                       det_limit=det_limit, stats=stats)
+                       det_limit=det_limit, stats=stats, latency_cap=latency_cap)
 
 
 def _solve_once(placement: Placement, sc: Scaled, period: int, memory_cap, *, time_limit: float, seed: int,
                 workers: int, objective: str | None, max_latency: int | None, hint: Repetend | None, replicas: int,
                 should_stop, on_solver, fixed: bool, det_limit: float | None = None,
-                stats: dict | None = None) -> tuple[str, Repetend | None]:
+                stats: dict | None = None, latency_cap: int | None = None) -> tuple[str, Repetend | None]:
     t_build = time.perf_counter()
-    built = build_model(placement, sc, period, memory_cap, objective, max_latency, replicas)
+    built = build_model(placement, sc, period, memory_cap, objective, max_latency, replicas, latency_cap)
     if built is None:
         return "infeasible", None
     model, starts, offsets, peaks = built
@@ -466,6 +472,16 @@ def _solve_once(placement: Placement, sc: Scaled, period: int, memory_cap, *, ti
     if status == cp_model.INFEASIBLE:
         return "infeasible", None
     return "unknown", None
+
+
+def repetend_latency(placement: Placement, sc: Scaled, rep: Repetend) -> int:
+    """Ticks from a window's earliest root start to its latest sink end, unrolled (what the
+    ``"latency"`` objective of :func:`build_model` minimises)."""
+    g = placement.dependency_graph()
+    P = rep.period
+    first = min(rep.offsets[i] * P + rep.starts[i] for i in g.nodes if g.in_degree(i) == 0)
+    last = max(rep.offsets[i] * P + rep.starts[i] + sc.durations[i] for i in g.nodes if g.out_degree(i) == 0)
+    return last - first
 
 
 def retime(rep: Repetend, num_blocks: int, r: int, window: int) -> Repetend:

@@ -21,19 +21,29 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from engine.errors import TesselError
 from engine.placement import Placement
 from engine.schedule import Schedule
-from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
+from engine.tessel.bounds import (
+    critical_path,
+    makespan_lower_bound,
+    memory_floor,
+    memory_time_bound,
+    period_lower_bound,
+)
 from engine.tessel.comm import asap_makespan, transfer_lags
 from engine.tessel.completion import complete, to_schedule, unrolled
 from engine.tessel.defer import defer_sinks, unrolled_makespan
+from engine.tessel.period_search import (
+    MODEL_INSTANCES_PER_S,
+    STEP_SHARE,
+    WALL_GUARD_FACTOR,
+    Clock,
+    PeriodSearch,
+    Window,
+    critical_ticks,
+)
 from engine.tessel.repetend import (
     Repetend,
     auto_resolution,
-    expand,
     is_exact,
-    retime,
-    scale,
-    sequential_repetend,
-    solve_period,
 )
 from engine.tessel.seed import policy_repetends
 
@@ -41,26 +51,20 @@ if TYPE_CHECKING:
     from engine.simulate import CommCost
 
 #: CP-SAT deterministic seconds the completion may spend per wall-clock second of its budget
-#: (``max(1, 0.3 * time_limit)`` s). Measured on the benchmark's completions on a 2-core x86
+#: (``max(1, COMPLETION_SHARE * time_limit)`` s). Measured on the benchmark's completions on a 2-core x86
 #: machine: 0.08-0.2 deterministic s per wall s, so the budget usually ends before the wall time
 #: the completion was given (whose double stays a guard), and the result does not depend on the
 #: machine's load. ``benchmarks/tessel_bench.py``: slowest 4-device total 4.1 s -> 2.7 s,
 #: makespans within 2% of the wall-clock version (some shorter, some longer).
 COMPLETION_DET_PER_S = 0.1
 
-#: CP-SAT deterministic time units (``max_deterministic_time``) the repetend phases get per second
-#: of ``time_limit``. Their solves, the shares of the budget, and the phase switches all run on
-#: this deterministic clock (the deterministic time CP-SAT reports, plus the model-building
-#: estimates of :data:`MODEL_INSTANCES_PER_S`), so a fixed seed gives the same schedule under any
-#: machine load; the wall clock (``time_limit``, and :data:`WALL_GUARD_FACTOR` x each solve's
-#: nominal seconds) is only a guard, reported as ``wall_guard_hit`` when it ends a solve. Measured
-#: on the repetend solves that ran to their limit in ``benchmarks/tessel_bench.py`` (M, NN, X, K on
-#: 4 and 8 devices, m=64, 10 s) on a 2-core x86 machine: see the calibration in the issue 21 notes.
-REPETEND_DET_PER_S = 0.15
-
-#: A solve's wall-clock guard is this many times its nominal seconds (deterministic budget /
-#: :data:`REPETEND_DET_PER_S`), and never past ``time_limit``.
-WALL_GUARD_FACTOR = 10.0
+#: Share of ``time_limit`` (less the time kept for building the schedule) the repetend phases may
+#: use in nominal seconds (their deterministic clock, :mod:`engine.tessel.period_search`), and
+#: the completion's share. Together about two thirds of the limit, so a machine up to about 1.5x
+#: slower than the calibration (e.g. two busy processes on two cores) still ends every solve on
+#: its deterministic budget, not on the wall clock, and gives the same schedule.
+NOMINAL_SHARE = 0.45
+COMPLETION_SHARE = 0.2
 
 #: Block instances (placement blocks x micro-batches) per second the seed phase's probe (the
 #: memory-aware 1F1B policy on 48 micro-batches, lowered and simulated) handles at least. Measured
@@ -81,22 +85,6 @@ SEED_PROBE_MICRO_BATCHES = 48
 #: micro-batches in 14 s (about 11,500 per second). The search phases before it stop that long
 #: before ``time_limit``; where it alone would exceed ``time_limit`` the search refuses at once.
 FINISH_INSTANCES_PER_S = 10_000
-
-#: Block instances per second CP-SAT models are built at least (the repetend's and the
-#: completion's, in Python). Measured on a 2-core x86 machine: the repetend model of 10,000 blocks
-#: in about 1 s. A solve is not started when what is left of the time cannot even build its model.
-MODEL_INSTANCES_PER_S = 10_000
-
-#: Memory-order pairs per second the repetend model is built at least: with a memory limit (or a
-#: memory objective) it holds one boolean per (allocating block, other memory block) pair on each
-#: device, quadratic in the blocks per device. Measured on a 2-core x86 machine: 125,000 pairs (a
-#: 1,000-block pipeline on 4 devices) in 5.3 s, about 24,000 per second.
-MODEL_PAIRS_PER_S = 20_000
-
-#: Share of ``time_limit`` one repetend solve for a window of several micro-batches may take
-#: (all of them together at most 30%): larger windows are a refinement after ``r = 1``.
-REFINE_SOLVE_SHARE = 0.03
-
 
 class InfeasibleMemoryError(TesselError):
     """The memory limit is below what one micro-batch at a time needs.
@@ -177,7 +165,9 @@ class SearchResult:
             budget, ``"hint"``: nothing better than the unrolled repetend, ``"unrolled"``).
         repetend: the steady-state window.
         period: seconds per micro-batch in steady state.
-        period_lower_bound: max per-device busy time per micro-batch (seconds).
+        period_lower_bound: seconds per micro-batch no repetend can beat: the busiest device's work
+            per micro-batch and, under a memory limit, Little's law on memory for one micro-batch
+            (:func:`engine.tessel.bounds.memory_time_bound` with ``m = 1``), the larger.
         makespan_lower_bound: bound for ``m`` micro-batches (seconds), under the memory limit
             when one is given (:func:`engine.tessel.bounds.makespan_lower_bound`).
         critical_path: one micro-batch's longest dependency chain (seconds).
@@ -271,20 +261,22 @@ def tessel_search(
     progress: Callable[[SearchProgress], None] | None = None,
     progress_bar: bool = False,
     control: SearchControl | None = None,
-    max_window_micro_batches: int = 2,
+    max_window_micro_batches: int = 3,
+    window_micro_batches: int | None = None,
     fallback_baselines: bool = False,
     completion_stall: float | None = None,
 ) -> SearchResult:
     """Find a repetend of minimal period and complete it into a schedule of ``m`` micro-batches.
 
-    Phases: (1) the memory-aware 1F1B policy's periodic steady states seed the windows of their
-    size; then for windows of ``r = 1, 2, ...`` micro-batches a search on the window length, a
-    CP-SAT feasibility solve per step: ``r = 1`` bisects from the lower bound; a larger window
-    first tries the longest window that beats the best period per micro-batch so far (it stops
-    at that size when that one is not found, and stops refining altogether when the solver runs
-    out of its per-solve cap, since larger windows are harder), then the bound, then steps down;
-    (2) at the best period, a CP-SAT solve for the least micro-batch latency (which sets the
-    warmup + cooldown length) and then the least memory; (2b) sink deferral
+    Phases (1 and 2: :mod:`engine.tessel.period_search`): (1) the memory-aware 1F1B policy's
+    periodic steady states seed the windows of their size; ``r = 1`` micro-batch per window (or
+    the fixed ``window_micro_batches``) bisects its window length from the lower bound, a CP-SAT
+    feasibility solve per step; windows of ``r = 2 .. max_window_micro_batches`` refine it in rounds
+    of growing per-solve budgets, each size trying the longest window that beats the best period
+    per micro-batch so far and bisecting below it, no window tried below the rate bound (busiest
+    device, Little's law on memory); (2) at the best window, a CP-SAT solve for the least
+    micro-batch latency (which sets the warmup + cooldown length; never longer than before) and
+    then the least memory; (2b) sink deferral
     (:mod:`engine.tessel.defer`): the best repetend and the policy steady states of the same
     period get their sinks (e.g. ``W`` blocks) deferred by whole windows while the unrolled
     makespan for ``m`` does not grow and memory fits, and the shortest wins (on the split V
@@ -335,12 +327,15 @@ def tessel_search(
         progress_bar: show a tqdm bar with the best period so far.
         control: a :class:`SearchControl` to cancel from another thread.
         max_window_micro_batches: largest number ``r`` of micro-batches in one repetend window
-            the search refines; ``r > 1`` reaches fractional periods per micro-batch (e.g. 17 units
-            per 2 micro-batches). The memory-aware 1F1B policy's periodic steady state (windows of
-            up to 3 micro-batches) always competes as found, so the result may hold up to
-            ``max(3, max_window_micro_batches)`` micro-batches per window. 3-4 with a ``time_limit``
-            of about 60 s can shorten the period on M-like shapes (M on 4 devices, limit 10: 7 ->
-            6.33 units per micro-batch).
+            the search refines (default 3); ``r > 1`` reaches fractional periods per micro-batch
+            (e.g. 23 units per 3 micro-batches on M, 4 devices, limit 6: 7.67 where one or two
+            micro-batches per window give 8). The memory-aware 1F1B policy's periodic steady state
+            (windows of up to 3 micro-batches) always competes as found, so the result may hold up
+            to ``max(3, max_window_micro_batches)`` micro-batches per window. Larger windows need
+            more time: their solves get growing budgets in rounds, at most 40% of ``time_limit``.
+        window_micro_batches: a fixed number of micro-batches per repetend window: only that size
+            is searched (bisected like ``r = 1``; a policy steady state of that size still seeds
+            it). ``None`` (default): windows of 1 to ``max_window_micro_batches`` are searched.
         fallback_baselines: also run the GPipe and memory-aware 1F1B policies on the same
             placement (within the same memory limit) and return the shortest of the three: a
             planner returning the best plan it knows. The schedule is still named ``"tessel"``;
@@ -362,7 +357,8 @@ def tessel_search(
         InfeasibleMemoryError: the limit is below the memory floor (the message gives the
             smallest feasible limit).
         SearchCancelled: cancelled before the search started.
-        TesselError: ``m < 1``, a bad objective, ``max_window_micro_batches < 1``, a time limit that
+        TesselError: ``m < 1``, a bad objective, ``max_window_micro_batches < 1``, a
+            ``window_micro_batches`` that is not a positive integer, a time limit that
             is not a positive number, or one shorter than building and checking the schedule alone
             takes (blocks x ``m`` / :data:`FINISH_INSTANCES_PER_S` seconds).
     """
@@ -376,7 +372,11 @@ def tessel_search(
     if isinstance(max_window_micro_batches, bool) or not isinstance(max_window_micro_batches, int) \
             or max_window_micro_batches < 1:
         raise TesselError(f"max_window_micro_batches must be an integer >= 1 (micro-batches per repetend window, "
-                          f"default 2), got {max_window_micro_batches!r}")
+                          f"default 3), got {max_window_micro_batches!r}")
+    if window_micro_batches is not None and (isinstance(window_micro_batches, bool)
+                                             or not isinstance(window_micro_batches, int) or window_micro_batches < 1):
+        raise TesselError(f"window_micro_batches must be an integer >= 1 (the micro-batches of every repetend window) "
+                          f"or None (searched), got {window_micro_batches!r}")
     if control is not None and control.cancelled:
         raise SearchCancelled("the search was cancelled before it started")
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
@@ -415,190 +415,70 @@ def tessel_search(
         raise TesselError(f"the resolution must be a positive number of seconds per tick (or None for the durations' "
                           f"common divisor), got {resolution!r}")
     lb_s = period_lower_bound(placement)
-    should_stop = (lambda: control.cancelled) if control is not None else None
-    steps = 0
-    timed_out = False
-    # the deterministic clock of the repetend phases (nominal seconds = deterministic time / rate)
-    solver_stats: dict = {"det": 0.0}
-    built = {"s": 0.0}   # estimated model-building seconds, a deterministic estimate
-    wall_guard = {"hit": False}
-    det_total_s = time_limit - finish_s
-
-    def det_used_s() -> float:
-        return solver_stats["det"] / REPETEND_DET_PER_S + built["s"]
-
-    class Candidate:  # the search state for one window size r (micro-batches per window)
-        def __init__(self, r: int):
-            self.r = r
-            self.pl = expand(placement, r)
-            self.lags_s = _expand_lags(lags, len(placement.blocks), r)   # seconds, over the expanded placement
-            self.sc = scale(self.pl, res, self.lags_s)
-            if placement.forward_only:
-                # inference: a forward block's activation is released once the next block has
-                # consumed it, so only static memory persists; the limit bounds static memory alone
-                self.sc.memory = [0] * len(self.sc.memory)
-            self.lb = max(1, max(sum(self.sc.durations[i] for i in self.pl.blocks_on(d))
-                                 for d in range(self.pl.num_devices)))
-            self.best = sequential_repetend(self.pl, self.sc)
-            self.best.micro_batches = r
-            self.proven_lo = self.lb
-            mem = [sum(1 for i in self.pl.blocks_on(d) if self.sc.memory[i]) for d in range(self.pl.num_devices)]
-            alloc = [sum(1 for i in self.pl.blocks_on(d) if self.sc.memory[i] > 0) for d in range(self.pl.num_devices)]
-            self.memory_pairs = sum(a * b for a, b in zip(alloc, mem))
-            self.max_latency = _critical_ticks(self.pl, self.sc) if objective == "latency" else None
-
-        def build_seconds(self, memory: bool) -> float:
-            """Estimated seconds to build this window's CP-SAT model (with its memory part or not)."""
-            pairs = self.memory_pairs / MODEL_PAIRS_PER_S if memory else 0.0
-            return len(self.pl.blocks) / MODEL_INSTANCES_PER_S + pairs
-
-        @property
-        def per_mb(self) -> float:
-            return self.best.period / self.r
-
+    clock = Clock(total_s=NOMINAL_SHARE * (time_limit - finish_s), deadline=deadline)
     has_memory = any(x.memory for x in placement.blocks) and not placement.forward_only
-    one = Candidate(1)
-    lb = one.lb
+    # per micro-batch, no repetend beats the busiest device's work nor (under a limit) Little's law
+    # on memory; its term is quadratic in the blocks: a small share of the time
+    rate_s = 0.0
+    if caps is not None and has_memory:
+        rate_s = memory_time_bound(placement, 1, caps, deadline=time.perf_counter() + 0.05 * time_limit)
     bar = None
     if progress_bar:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=2 * max(1, math.ceil(math.log2(max(2, one.best.period - lb + 1)))) + 2, desc="tessel search",
-                   unit="solve", leave=False)
-    best_c = one
+        bar = tqdm(desc="tessel search", unit="solve", leave=False)
 
-    def report(c: Candidate, window: int, status: str) -> None:
+    def on_step(w: Window, window: int, status: str) -> None:
+        best_per_mb = search.best_w.per_mb * res
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(best=f"{best_c.per_mb * res:.4g}", lb=f"{lb * res:.4g}")
+            bar.set_postfix(best=f"{best_per_mb:.4g}", lb=f"{lb_s:.4g}")
         if progress is not None:
-            progress(SearchProgress(steps, window * res / c.r, status, best_c.per_mb * res, lb_s,
+            progress(SearchProgress(clock.steps, window * res / w.r, status, best_per_mb, lb_s,
                                     time.perf_counter() - t_start))
 
-    def attempt(c: Candidate, window: int, objective_: str | None, budget_share: float, cap_s: float | None = None,
-                hint: Repetend | None = None, hinted_share: float = 0.0):
-        nonlocal steps, timed_out
-        remaining = det_total_s - det_used_s()   # nominal seconds on the deterministic clock
-        wall_left = deadline - time.perf_counter()
-        # a solve cannot end sooner than building its model: on thousands of blocks, seconds
-        memory = caps is not None or objective_ in ("memory", "latency+memory")
-        build_s = c.build_seconds(memory)
-        if wall_left <= 0.02:
-            wall_guard["hit"] = True
-        if remaining <= max(0.02, build_s) or wall_left <= 0.02 or (control is not None and control.cancelled):
-            timed_out = True
-            return "unknown", None
-        budget = remaining * budget_share if cap_s is None else min(remaining * budget_share, cap_s)
-        built["s"] += build_s
-        status, rep = solve_period(c.pl, c.sc, window, caps,
-                                   time_limit=min(wall_left, WALL_GUARD_FACTOR * budget + build_s), seed=seed,
-                                   workers=workers, objective=objective_, max_latency=c.max_latency,
-                                   hint=hint or c.best, replicas=c.r, should_stop=should_stop,
-                                   on_solver=control._attach if control is not None else None,
-                                   hinted_share=hinted_share, det_limit=REPETEND_DET_PER_S * budget,
-                                   stats=solver_stats)
-        if solver_stats.pop("wall_hit", False):
-            wall_guard["hit"] = True
-        if rep is not None:
-            rep.micro_batches = c.r
-        steps += 1
-        return status, rep
-
-    # (1) for r = 1, 2, ...: binary search on the window length; a solve that runs out of its share
-    # of time counts as "not found" (the window grows, but is not proven infeasible). Feasibility
-    # is monotone in the window (idle time can be added), so an infeasible window proves all shorter.
-    step_cap = 0.15 * time_limit
-    # the memory-aware 1F1B policy's steady state, where periodic, seeds the window of its size;
+    search = PeriodSearch(placement, caps, res, lags, objective, rate_s / res, clock, time_limit, seed, workers,
+                          control=control, on_step=on_step)
+    lb_s = max(lb_s, rate_s)
+    # (1) the memory-aware 1F1B policy's steady state, where periodic, seeds the window of its size;
     # skipped where its probe would not fit its share of the time (placements of many blocks)
     seed_cost_s = len(placement.blocks) * SEED_PROBE_MICRO_BATCHES / SEED_INSTANCES_PER_S
     seeds = {}
     if objective != "latency" and seed_cost_s <= SEED_SHARE * time_limit:
         seeds = policy_repetends(placement, res, caps, max_window=3, probe_micro_batches=SEED_PROBE_MICRO_BATCHES,
                                  comm=comm)
-    cands: dict[int, Candidate] = {1: one}
-    for r, seed_rep in sorted(seeds.items()):  # seeds first: each is a strong upper bound, checked in one solve
-        c = cands.setdefault(r, one if r == 1 else Candidate(r))
-        if seed_rep.period < c.best.period and seed_rep.period / r < best_c.per_mb:
-            status, rep = attempt(c, seed_rep.period, None, 0.5, step_cap, hint=seed_rep)
-            if rep is not None:
-                c.best = rep
-                if c.per_mb < best_c.per_mb:
-                    best_c = c
-            report(c, seed_rep.period, f"seed {status}")
-    # refine windows up to the maximum; a policy seed of a larger window competes as it is (its
-    # refinement rarely finishes within its share of the time, e.g. M4 tight: 0.3 s for nothing)
-    windows = sorted(set(range(1, max_window_micro_batches + 1)))
-    refine_until = None
-    for r in windows:
-        if r > 1:
-            # a larger window is a refinement: its solves get a small cap, all of them together
-            # at most 30% of the time limit, so the polish and the completion keep their time
-            refine_until = refine_until or min(det_total_s, det_used_s() + 0.3 * time_limit)
-            if refine_until - det_used_s() < 0.05 * time_limit:
-                break
-        c = cands.setdefault(r, Candidate(r))
-        cap = step_cap if r == 1 else REFINE_SOLVE_SHARE * time_limit
-        lo = c.lb
-        # only windows that beat the best period per micro-batch so far are worth a solve
-        hi = c.best.period if c is best_c else min(c.best.period, math.ceil(best_c.per_mb * r) - 1)
-        if lo > hi:  # cannot beat the best period per micro-batch found so far
-            continue
-        if hi < c.best.period and not timed_out:
-            # hi is not known to be feasible: try it first. Feasibility is monotone in the window
-            # (idle time can be added), so if the largest window that would improve is not found,
-            # no shorter window of this size will be: move on to the next size
-            # then hinted by the best repetend so far, retimed to this window: a solution is often nearby
-            guess = retime(best_c.best, len(placement.blocks), r, hi)
-            status, rep = attempt(c, hi, None, 0.5, cap, hint=guess, hinted_share=0.5)
-            report(c, hi, status)
-            if rep is None:
-                if status == "infeasible":
-                    c.proven_lo = max(c.proven_lo, hi + 1)
-                    continue
-                if r > 1:
-                    break  # the solver ran out of time at this size: larger windows are harder still
-                continue
-            c.best = rep
-            if c.per_mb < best_c.per_mb:
-                best_c = c
-        while lo < hi and not timed_out:  # hi is feasible: search below it
-            # the bound first (often feasible, or quickly proven infeasible); then r = 1 bisects
-            # (its solves are fast) and larger windows step down from hi (one solve near a
-            # feasible window usually settles it: feasible, or infeasible and so optimal)
-            mid = lo if lo == c.lb else ((lo + hi) // 2 if r == 1 else hi - 1)
-            if refine_until is not None and det_used_s() >= refine_until:
-                break
-            status, rep = attempt(c, mid, None, 0.5, cap)
-            if rep is not None:
-                c.best, hi = rep, mid
-            else:
-                lo = mid + 1
-                if status == "infeasible":
-                    c.proven_lo = max(c.proven_lo, lo)
-            if c.per_mb < best_c.per_mb:
-                best_c = c
-            report(c, mid, status)
-        if best_c.per_mb <= lb or timed_out:
-            break
+        if window_micro_batches is not None:
+            seeds = {r: rep for r, rep in seeds.items() if r == window_micro_batches}
+    search.check_seeds(seeds)
+    if window_micro_batches is not None:
+        # a user-fixed window: only that many micro-batches per repetend, bisected like r = 1
+        w = search.window(window_micro_batches)
+        search.best_w = w
+        search.bisect(w, STEP_SHARE * time_limit)
+    else:
+        search.bisect(search.window(1), STEP_SHARE * time_limit)
+        search.refine(list(range(2, max_window_micro_batches + 1)))
     if time.perf_counter() >= deadline:
-        timed_out = wall_guard["hit"] = True
-    c = best_c
+        clock.timed_out = clock.wall_hit = True
+    c = search.best_w
     # optimal in the solver's ticks; with durations rounded up to ticks that says nothing exact
-    optimal_at_resolution = c.per_mb <= lb or c.best.period <= c.proven_lo
+    optimal_at_resolution = search.at_bound() or c.best.period <= c.proven_lo
     optimal = optimal_at_resolution and not rounded
     # (2) at the best window: least latency, then least memory (bounded effort: a polish)
-    if not timed_out:
-        polish_cap = 0.1 * max(1, placement.num_devices / 4) * max(1, len(c.pl.blocks) / 16)
-        status, rep = attempt(c, c.best.period, "latency+memory" if has_memory else "latency", 0.5, polish_cap)
-        if rep is not None:
-            c.best = rep
-        report(c, c.best.period, "polish")
+    search.polish(c, has_memory, critical_ticks(placement, search.window(1).sc))
     if bar is not None:
         bar.close()
+    timed_out = clock.timed_out
+    wall_guard = {"hit": clock.wall_hit}
+    cands = search.windows
+    one = search.window(1)
+    det_total_s = clock.total_s
+    det_used_s = clock.used_s
+    steps = clock.steps
     best = c.best
     # the memory-time term of the bound is quadratic in the blocks: a share of what time is left
-    ms_lb = makespan_lower_bound(placement, m, memory_limit=caps, lags=lags, tail=list(tail) if tail else None,
-                                 deadline=time.perf_counter() + max(0.0, 0.1 * (deadline - time.perf_counter())))
+    # Little's law on memory is linear in m: its rate, computed before the search, times m
+    ms_lb = max(makespan_lower_bound(placement, m, lags=lags, tail=list(tail) if tail else None), m * rate_s)
     # (2b) sink deferral (defer.py): the best repetend, and the policy's steady states with the
     # same period per micro-batch, each with its sinks (e.g. W blocks) deferred while the
     # unrolled makespan does not grow and memory fits; the shortest unrolled makespan wins.
@@ -661,7 +541,7 @@ def tessel_search(
     if (min(remaining, det_remaining) > max(0.05, 2 * comp_build_s + finish_s) and max(best.offsets, default=0) > 0
             and not at_bound
             and not (control is not None and control.cancelled)):
-        comp_cap = max(1.0, 0.3 * time_limit)
+        comp_cap = max(1.0, COMPLETION_SHARE * time_limit)
         # reschedule the partial copies and two complete ones at each end (W blocks deferred
         # across the whole steady state are the deferral's job, above). The budget is CP-SAT
         # deterministic time (reproducible); the wall clock (twice the budget's usual duration,
@@ -723,20 +603,3 @@ def _fallback(placement: Placement, m: int, caps: list[float] | None, chosen: tu
             best_span, best = span, Schedule(placement, m, [list(o) for o in sched.orders], "tessel",
                                              {**meta, "tessel": tmeta})
     return best
-
-
-def _expand_lags(lags, K: int, r: int):
-    if not lags:
-        return None
-    return {(k * K + a, k * K + b): v for k in range(r) for (a, b), v in lags.items()}
-
-
-def _critical_ticks(placement: Placement, sc) -> int:
-    """The critical path of one micro-batch in solver ticks (durations and lags)."""
-    import networkx as nx
-
-    g = placement.dependency_graph()
-    longest: dict[int, int] = {}
-    for i in nx.topological_sort(g):
-        longest[i] = sc.durations[i] + max((longest[a] + sc.lags.get((a, i), 0) for a in g.predecessors(i)), default=0)
-    return max(longest.values(), default=0)
