@@ -67,6 +67,10 @@ MODEL_PAIRS_PER_S = 20_000
 #: Share of ``time_limit`` one ``r = 1`` solve may take.
 STEP_SHARE = 0.15
 
+#: Share of ``time_limit`` the ``r = 1`` probe at the lower bound itself may take (it is tried
+#: first: often feasible, or quickly refuted; when neither, the bisection goes on without it).
+BOUND_PROBE_SHARE = 0.04
+
 #: Nominal seconds per ``time_limit`` second of the first refinement round's solves (windows of
 #: several micro-batches); each later round quadruples it.
 REFINE_FIRST_SHARE = 0.02
@@ -187,6 +191,8 @@ class PeriodSearch:
         self.control = control
         self.on_step = on_step
         self.windows: dict[int, Window] = {}
+        #: the policy steady states the solver confirmed, as the repetends it returned (by ``r``)
+        self.seeds: dict[int, Repetend] = {}
         self.best_w = self.window(1)
         #: ticks per micro-batch no repetend beats (busiest device, rate bound), unrounded
         self.bound_ticks = max(float(max(sum(self.best_w.sc.durations[i] for i in placement.blocks_on(d))
@@ -256,6 +262,7 @@ class PeriodSearch:
             if seed_rep.period < w.best.period and seed_rep.period / r < self.best_w.per_mb:
                 status, rep = self.attempt(w, seed_rep.period, None, 0.5, STEP_SHARE * self.time_limit, hint=seed_rep)
                 if rep is not None:
+                    self.seeds[r] = rep
                     self._found(w, rep)
                 self._step(w, seed_rep.period, f"seed {status}")
 
@@ -274,8 +281,10 @@ class PeriodSearch:
             # one micro-batch per window: the bound first (often feasible, or quickly proven
             # infeasible), then halves; larger windows halve at once (their bound is rarely feasible
             # and slow to refute)
-            mid = lo if lo == w.lb and w.r == 1 else (lo + hi) // 2
-            status, rep = self.attempt(w, mid, None, 0.5, cap_s)
+            probe = lo == w.lb and w.r == 1
+            mid = lo if probe else (lo + hi) // 2
+            status, rep = self.attempt(w, mid, None, 0.5,
+                                       min(cap_s, BOUND_PROBE_SHARE * self.time_limit) if probe else cap_s)
             if rep is not None:
                 self._found(w, rep)
                 hi = mid

@@ -491,7 +491,7 @@ def tessel_search(
     deferred: dict[int, int] = {}
     if objective == "throughput" and not timed_out and not (control is not None and control.cancelled):
         pool = [(c, best, "search")]
-        for r_s, seed_rep in sorted(seeds.items()):
+        for r_s, seed_rep in sorted(search.seeds.items()):   # the ones the solver confirmed within the limit
             cs = cands.get(r_s)
             if cs is not None and seed_rep.period * c.r <= best.period * r_s:
                 pool.append((cs, seed_rep, "policy seed"))
