@@ -1,28 +1,37 @@
-"""Tessel search benchmark: V, X, M, NN, K placements on 4 and 8 devices, two memory limits each.
+"""Tessel search benchmark: abstract shapes on 4-32 devices under memory limits, real models with
+transfers, and exact optima for small m.
 
-Abstract units (F=1, B=2 per block; memory in units of one segment's activations, counted in
-halves internally so interleaved half-segments stay integral). Limits per case: ``loose`` = the
-peak of 1F1B without a limit, ``tight`` = halfway between the memory floor (one micro-batch at a
-time) and that. For each case: search time (the repetend phases, the slower of the searches for m=16 and 64;
-``total s`` adds the completion), repetend period vs its lower bound, and the
-makespan for m=16 and m=64 of Tessel vs GPipe / 1F1B (any placement; 1F1B honours the limit) and
-interleaved / ZB-H1 (V only). Baselines above the limit are shown but do not count as the best.
+(a) ``abstract``: V, X, M, NN, K (``--shapes``) on 4, 8, 16 and 32 devices (``--devices``), F=1,
+B=2 per block, memory in units of one segment's activations (counted in halves internally, so
+interleaved half-segments stay integral). Two limits per case: ``loose`` = the peak of the
+memory-aware 1F1B policy for 16 micro-batches, ``tight`` = halfway between the memory floor (one
+micro-batch at a time) and that. Each search gets the time limit of its device count
+(``--time-limits``, default 4=1,8=10,16=10,32=30 seconds: the targets). Per row: the search's own
+phases (``search s``: repetend; ``total s``: with the completion, as ``tessel_search`` measures
+them), the period against its bound (busiest device, Little's law on memory), the makespan for
+``m`` micro-batches of Tessel's own schedule (``tessel``) and of what ``tessel_search(...,
+fallback_baselines=True)`` returns (``final``: the memory-aware 1F1B or GPipe policy where one is
+shorter and fits the limit), the makespan lower bound (``lb``) and the gap to it.
 
-On V, Tessel searches both the plain placement and the one with the backward split into I and W
-(the placement ZB-H1 runs on) and the better is reported (``split_backward``).
+(b) ``models``: ``gpt2`` and ``llama-7b`` (``--models``) on the H100 table with its links, shapes
+``--model-shapes`` on ``--model-devices`` devices, through ``engine.search_plan.model_search_plan``
+as ``tessel search --model`` runs it. ``search ms`` is the search's makespan (the step it
+predicts, transfers, optimizer step and tied all-reduce included), ``plan ms`` the written plan's
+predicted makespan after ``save_plan``/``load_plan`` (what ``tessel show`` prints), ``solver ms``
+the search's own tick model (durations and transfer lags in solver ticks) and ``blind ms`` the
+plan a communication-blind search (``comm=None``) writes, predicted the same way.
 
-Targets (issue 3): the period reaches the lower bound wherever a repetend that does exists;
-4-device searches under 1 s and 8-device under 10 s; makespan no worse than the best applicable
-predefined schedule; at least 1.3x better than 1F1B on M and K.
+(c) ``exact``: on 4 devices, the exact optimum (``engine.tessel.exact_schedule``, CP-SAT on the
+whole schedule) for a small ``m`` (``--exact-m``) next to the bound and Tessel for that ``m``: where
+the exact optimum is above the bound, that part of the gap is the bound's.
 
-Tessel's own (searched) makespan is reported; ``tessel_search(fallback_baselines=True)`` may
-return a same-placement policy (GPipe / 1F1B within the limit) where that is shorter, shown as
-``searched->final name`` and counted separately. ``bound@64`` is 1F1B's makespan over the
-makespan lower bound under the same memory limit (:func:`engine.tessel.bounds.makespan_lower_bound`):
-no schedule on the placement can beat 1F1B by more than that.
+Targets (issue 21): makespan at m=64 within 5% of the makespan lower bound (or of the exact
+optimum where the bound is shown loose); search + completion under 1 s on 4 devices, 10 s on 8 and
+16, 30 s on 32; the search's makespan equal to the written plan's.
 
-Usage: ``python benchmarks/tessel_bench.py [--json] [--time-limit 10] [--shapes v,x,m,nn,k] [--devices 4,8]
-[--completion-stall 0.3] [--max-window 2]``
+Usage: ``python benchmarks/tessel_bench.py [--json] [--part abstract,models,exact] [--shapes v,x,m,nn,k]
+[--devices 4,8,16,32] [--time-limits 4=1,8=10,16=10,32=30] [--micro-batches 64] [--models gpt2,llama-7b]
+[--model-shapes v,m,x] [--model-devices 4] [--exact-m 8] [--exact-time-limit 30]``
 """
 
 from __future__ import annotations
@@ -30,157 +39,221 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.baselines.generic import one_f_one_b_any  # noqa: E402
-from engine.compare import compare_baselines, measure  # noqa: E402
+from engine.baselines.generic import gpipe_any, one_f_one_b_any  # noqa: E402
+from engine.compare import measure  # noqa: E402
 from engine.shapes import make_shape  # noqa: E402
-from engine.tessel import memory_floor, tessel_search  # noqa: E402
+from engine.tessel import exact_schedule, makespan_lower_bound, memory_floor, tessel_search  # noqa: E402
 
 HALF = 2
+GAP_TARGET = 0.05
+TIME_TARGETS = {4: 1.0, 8: 10.0, 16: 10.0, 32: 30.0}
 
 
-def variant_for(n: int):
-    def variant(name: str):
-        if name == "interleaved":
-            return make_shape("interleaved", n, forward=0.5, backward=1.0, activation=HALF // 2)
-        return make_shape("v", n, activation=HALF, split_backward=True)
+def limits_for(pl) -> list[tuple[str, float]]:
+    """``[("loose", limit), ("tight", limit)]`` in the placement's half units."""
+    loose = float(max(measure(one_f_one_b_any(pl, 16)).peak_memory))
+    floor = float(max(memory_floor(pl)))
+    tight = float(max(floor, HALF * round((floor + loose) / 2 / HALF)))
+    return [("loose", loose), ("tight", tight)]
 
-    return variant
+
+def best_policy(pl, m: int, limit: float) -> tuple[str | None, float | None]:
+    """The shortest of the memory-aware 1F1B and GPipe policies that fits ``limit``."""
+    best: tuple[str | None, float | None] = (None, None)
+    policies = (("1f1b", lambda: one_f_one_b_any(pl, m, memory_limit=limit)), ("gpipe", lambda: gpipe_any(pl, m)))
+    for name, build in policies:
+        try:
+            t = measure(build(), limit)
+        except Exception:  # noqa: BLE001 - a policy that cannot run under the limit is not a candidate
+            continue
+        if not t.over_limit and (best[1] is None or t.makespan < best[1]):
+            best = (name, t.makespan)
+    return best
 
 
-def run_case(shape: str, n: int, limit_name: str, limit: float, time_limit: float,
-             completion_stall: float | None = None, max_window: int = 2) -> dict:
+def abstract_case(shape: str, n: int, limit_name: str, limit: float, time_limit: float, m: int) -> dict:
     pl = make_shape(shape, n, activation=HALF)
-    row: dict = {"shape": shape.upper(), "devices": n, "limit_name": limit_name, "memory_limit": limit / HALF}
-    for m in (16, 64):
-        res = tessel_search(pl, m, memory_limit=limit, time_limit=time_limit, fallback_baselines=True,
-                            completion_stall=completion_stall, max_window_micro_batches=max_window)
-        t = measure(res.schedule, limit)
-        if shape == "v":  # Tessel may also split the backward (the placement ZB-H1 runs on): keep the better
-            res_iw = tessel_search(variant_for(n)("zb-h1"), m, memory_limit=limit, time_limit=time_limit,
-                                   completion_stall=completion_stall, max_window_micro_batches=max_window,
-                                   fallback_baselines=True)
-            t_iw = measure(res_iw.schedule, limit)
-            if (_pure(res_iw), t_iw.makespan) < (_pure(res), t.makespan):
-                res, t = res_iw, t_iw
-                row["split_backward"] = True
-        pure = _pure(res)  # the searched schedule's own makespan (no baseline fallback)
-        base = compare_baselines(pl, m, memory_limit=limit, variant=variant_for(n) if shape == "v" else None)
-        fits = [b for b in base if b.makespan is not None and not b.over_limit]
-        best = min(fits, key=lambda b: b.makespan) if fits else None
-        one = next((b for b in base if b.name == "1f1b" and b.makespan is not None), None)
-        if m == 16:
-            row.update(search_s=res.search_time, total_s=res.total_time, period=res.period,
-                       period_lb=res.period_lower_bound,
-                       period_at_lb=abs(res.period - res.period_lower_bound) < 1e-9, optimal=res.optimal,
-                       window_micro_batches=res.repetend.micro_batches, timed_out=res.timed_out)
-        row[f"m{m}"] = {
-            "tessel": pure, "tessel_final": t.makespan,
-            "final_is": res.schedule.meta["tessel"].get("equals_baseline", "tessel"),
-            "search_s": res.search_time, "total_s": res.total_time,
-            "completion": res.schedule.meta["tessel"]["completion"],
-            "tessel_peak": max(t.peak_memory) / HALF, "lower_bound": res.makespan_lower_bound,
-            "baselines": {b.name: (None if b.makespan is None else {"makespan": b.makespan,
-                                                                    "peak": max(b.peak_memory) / HALF,
-                                                                    "over_limit": b.over_limit}) for b in base},
-            "best_baseline": best.name if best else None, "best_makespan": best.makespan if best else None,
-            "vs_best": (best.makespan / pure) if best else None,
-            "final_vs_best": (best.makespan / t.makespan) if best else None,
-            "vs_1f1b": (one.makespan / pure) if one else None,
-            # the most ANY schedule could gain over 1F1B: 1F1B / the makespan lower bound under the limit
-            "bound_vs_1f1b": (one.makespan / res.makespan_lower_bound) if one else None,
-        }
-    # the slower of the two searches (m = 16 and 64; the sink deferral judges longer runs for 64)
-    row["search_s"] = max(row["search_s"], row["m64"]["search_s"])
-    return row
+    t0 = time.perf_counter()
+    res = tessel_search(pl, m, memory_limit=limit, time_limit=time_limit, fallback_baselines=True)
+    wall = time.perf_counter() - t0
+    final = measure(res.schedule, limit)
+    assert not final.over_limit, (shape, n, limit_name)
+    tmeta = res.schedule.meta["tessel"]
+    own = tmeta["pure_makespan"]
+    lb = res.makespan_lower_bound
+    base_name, base_mk = best_policy(pl, m, limit)
+    return {
+        "shape": shape.upper(), "devices": n, "limit_name": limit_name, "memory_limit": limit / HALF, "m": m,
+        "time_limit": time_limit, "search_s": res.search_time, "completion_s": res.completion_time,
+        "total_s": res.total_time, "wall_s": wall, "period": res.period, "period_lb": res.period_lower_bound,
+        "window_micro_batches": res.repetend.micro_batches, "optimal": res.optimal, "timed_out": res.timed_out,
+        "wall_guard_hit": res.wall_guard_hit, "tessel": own, "final": final.makespan,
+        "final_is": tmeta.get("equals_baseline", "tessel"), "completion": tmeta["completion"],
+        "lower_bound": lb, "gap": final.makespan / lb - 1, "tessel_gap": own / lb - 1,
+        "best_policy": base_name, "best_policy_makespan": base_mk,
+        "gap_met": final.makespan <= (1 + GAP_TARGET) * lb + 1e-9,
+        "time_met": res.total_time <= TIME_TARGETS.get(n, time_limit) + 1e-9,
+    }
 
 
-def _pure(res) -> float:
-    return res.schedule.meta["tessel"]["pure_makespan"]
+def exact_case(shape: str, n: int, limit_name: str, limit: float, m: int, time_limit: float,
+               search_time_limit: float) -> dict:
+    pl = make_shape(shape, n, activation=HALF)
+    res = tessel_search(pl, m, memory_limit=limit, time_limit=search_time_limit, fallback_baselines=True)
+    tessel = measure(res.schedule, limit).makespan
+    ex = exact_schedule(pl, m, memory_limit=limit, time_limit=time_limit, hint=res.schedule)
+    lb = makespan_lower_bound(pl, m, memory_limit=limit)
+    return {"shape": shape.upper(), "devices": n, "limit_name": limit_name, "memory_limit": limit / HALF, "m": m,
+            "lower_bound": lb, "tessel": tessel, "exact_status": ex.status, "exact": ex.makespan,
+            "exact_lower_bound": ex.lower_bound, "exact_wall_s": ex.wall_time,
+            "bound_gap": (ex.lower_bound / lb - 1) if lb else None,
+            "tessel_vs_exact": (tessel / ex.makespan - 1) if ex.makespan else None}
+
+
+def model_case(model: str, shape: str, n: int, m: int, time_limit: float, device_type: str) -> dict:
+    from engine.io import load_plan, save_plan
+    from engine.plan_metrics import predicted_metrics
+    from engine.search_plan import model_search_plan
+
+    t0 = time.perf_counter()
+    sp = model_search_plan(model, shape, n, m, device_type=device_type, time_limit=time_limit)
+    wall = time.perf_counter() - t0
+    res = sp.result
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        save_plan(sp.plan, path)
+        plan_mk = predicted_metrics(load_plan(path))["makespan"]
+    blind = model_search_plan(model, shape, n, m, device_type=device_type, time_limit=time_limit, comm=None,
+                              tail=None, evaluate=None)
+    blind_mk = predicted_metrics(blind.plan)["makespan"]
+    return {"model": model, "shape": shape.upper(), "devices": n, "m": m, "device_type": device_type,
+            "time_limit": time_limit, "search_makespan": res.makespan, "plan_makespan": plan_mk,
+            "solver_makespan": res.solver_makespan, "blind_search_makespan": blind.result.makespan,
+            "blind_plan_makespan": blind_mk, "lower_bound": res.makespan_lower_bound, "resolution": res.resolution,
+            "period": res.period, "period_lb": res.period_lower_bound, "search_s": res.search_time,
+            "total_s": res.total_time, "wall_s": wall,
+            "search_equals_plan": abs(res.makespan - plan_mk) <= 1e-9 * plan_mk,
+            "solver_vs_plan": res.solver_makespan / plan_mk - 1, "gain_vs_blind": blind_mk / plan_mk - 1,
+            "gap": plan_mk / res.makespan_lower_bound - 1}
+
+
+def parse_time_limits(text: str) -> dict[int, float]:
+    out = {}
+    for item in text.split(","):
+        k, v = item.split("=")
+        out[int(k)] = float(v)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--part", default="abstract,models,exact")
     ap.add_argument("--shapes", default="v,x,m,nn,k")
-    ap.add_argument("--devices", default="4,8")
-    ap.add_argument("--completion-stall", type=float, default=None,
-                    help="stop completion solves after this many seconds without improvement "
-                         "(tessel_search(completion_stall=...)); default: run to the time limit")
-    ap.add_argument("--max-window", type=int, default=2,
-                    help="most micro-batches per repetend window (tessel_search(max_window_micro_batches=...)); "
-                         "default 2")
+    ap.add_argument("--devices", default="4,8,16,32")
+    ap.add_argument("--time-limits", default="4=1,8=10,16=10,32=30")
+    ap.add_argument("--micro-batches", type=int, default=64)
+    ap.add_argument("--models", default="gpt2,llama-7b")
+    ap.add_argument("--model-shapes", default="v,m,x")
+    ap.add_argument("--model-devices", default="4")
+    ap.add_argument("--model-time-limit", type=float, default=10.0)
+    ap.add_argument("--device-type", default="h100")
+    ap.add_argument("--exact-m", type=int, default=8)
+    ap.add_argument("--exact-time-limit", type=float, default=30.0)
     args = ap.parse_args(argv)
-    rows = []
-    for shape in args.shapes.split(","):
+    parts = set(args.part.split(","))
+    limits = parse_time_limits(args.time_limits)
+    shapes = args.shapes.split(",")
+    log = (lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    out: dict = {"abstract": [], "models": [], "exact": []}
+    if "abstract" in parts:
         for n in (int(x) for x in args.devices.split(",")):
-            pl = make_shape(shape, n, activation=HALF)
-            loose = float(max(measure(one_f_one_b_any(pl, 16)).peak_memory))
-            floor = float(max(memory_floor(pl)))
-            tight = float(max(floor, HALF * round((floor + loose) / 2 / HALF)))
-            for name, lim in (("loose", loose), ("tight", tight)):
-                rows.append(run_case(shape, n, name, lim, args.time_limit, args.completion_stall, args.max_window))
-                if not args.json:
-                    r = rows[-1]
-                    print(f"  {r['shape']:<2} n={n} {name:<5} limit {r['memory_limit']:g}: "
-                          f"search {r['search_s']:.2f} s, "
-                          f"period {r['period']:.3g} (lb {r['period_lb']:.3g}), m=64 tessel {r['m64']['tessel']:.0f} "
-                          f"vs best {r['m64']['best_baseline']} {r['m64']['best_makespan']}",
-                          file=sys.stderr, flush=True)
-    mk = [(r, k) for r in rows for k in ("m16", "m64")]
-
-    def speedups(shapes, key):
-        return [r[k][key] for r, k in mk if r["shape"] in shapes and r[k][key]]
-
+            for shape in shapes:
+                pl = make_shape(shape, n, activation=HALF)
+                for name, lim in limits_for(pl):
+                    r = abstract_case(shape, n, name, lim, limits.get(n, 10.0), args.micro_batches)
+                    out["abstract"].append(r)
+                    log(f"  {r['shape']:<2} n={n:<2} {name:<5} {r['memory_limit']:>4g}: total {r['total_s']:.2f} s, "
+                        f"period {r['period']:.3g} ({r['period_lb']:.3g}), final {r['final']:.0f} "
+                        f"lb {r['lower_bound']:.0f} gap {r['gap']:.1%}")
+    if "exact" in parts and args.exact_m > 0:
+        for shape in shapes:
+            pl = make_shape(shape, 4, activation=HALF)
+            for name, lim in limits_for(pl):
+                r = exact_case(shape, 4, name, lim, args.exact_m, args.exact_time_limit, limits.get(4, 1.0))
+                out["exact"].append(r)
+                log(f"  exact {r['shape']:<2} {name:<5} m={r['m']}: lb {r['lower_bound']:.1f} "
+                    f"exact {r['exact_status']} {r['exact']} (>= {r['exact_lower_bound']:.1f}) "
+                    f"tessel {r['tessel']:.0f}")
+    if "models" in parts:
+        for model in args.models.split(","):
+            for shape in args.model_shapes.split(","):
+                for n in (int(x) for x in args.model_devices.split(",")):
+                    r = model_case(model, shape, n, args.micro_batches, args.model_time_limit, args.device_type)
+                    out["models"].append(r)
+                    log(f"  {model} {r['shape']} n={n}: search {r['search_makespan'] * 1e3:.3f} ms plan "
+                        f"{r['plan_makespan'] * 1e3:.3f} ms solver {r['solver_makespan'] * 1e3:.3f} ms blind "
+                        f"{r['blind_plan_makespan'] * 1e3:.3f} ms")
+    rows = out["abstract"]
     summary = {
-        "cases": len(rows),
-        "period_at_lower_bound": sum(r["period_at_lb"] for r in rows),
-        "max_search_s_4_devices": max(r["search_s"] for r in rows if r["devices"] == 4),
-        "max_search_s_8_devices": max((r["search_s"] for r in rows if r["devices"] == 8), default=0.0),
-        "max_total_s_4_devices": max(r[k]["total_s"] for r, k in mk if r["devices"] == 4),
-        "max_total_s_8_devices": max((r[k]["total_s"] for r, k in mk if r["devices"] == 8), default=0.0),
-        # vs_best = best baseline makespan / Tessel makespan: >= 1 means Tessel is no worse
-        "cases_no_worse_than_best_baseline": sum(all((r[k]["vs_best"] or 1) >= 1 - 1e-9 for k in ("m16", "m64"))
-                                                 for r in rows),
-        # the same with tessel_search(fallback_baselines=True): a same-placement policy returned where it is shorter
-        "cases_no_worse_with_fallback": sum(all((r[k]["final_vs_best"] or 1) >= 1 - 1e-9 for k in ("m16", "m64"))
-                                            for r in rows),
-        "min_speedup_vs_1f1b_on_M": min(speedups(("M",), "vs_1f1b"), default=None),
-        "min_speedup_vs_1f1b_on_K": min(speedups(("K",), "vs_1f1b"), default=None),
-        # 1F1B / makespan lower bound under the limit: no schedule can beat 1F1B by more than this
-        "min_bound_vs_1f1b_on_M": min(speedups(("M",), "bound_vs_1f1b"), default=None),
-        "min_bound_vs_1f1b_on_K": min(speedups(("K",), "bound_vs_1f1b"), default=None),
+        "abstract_cases": len(rows),
+        "within_5pct_of_bound": sum(r["gap_met"] for r in rows),
+        "within_time_target": sum(r["time_met"] for r in rows),
+        "max_total_s_by_devices": {str(n): max(r["total_s"] for r in rows if r["devices"] == n)
+                                   for n in sorted({r["devices"] for r in rows})},
+        "model_cases": len(out["models"]),
+        "search_equals_plan": sum(r["search_equals_plan"] for r in out["models"]),
+        "max_solver_vs_plan": max((abs(r["solver_vs_plan"]) for r in out["models"]), default=None),
+        "exact_cases": len(out["exact"]),
+        "exact_above_bound": sum(1 for r in out["exact"] if r["exact_status"] in ("optimal", "optimal_at_resolution")
+                                 and r["exact"] > r["lower_bound"] * (1 + 1e-9)),
     }
+    out["summary"] = summary
     if args.json:
-        print(json.dumps({"rows": rows, "summary": summary}))
+        print(json.dumps(out))
         return 0
-    hdr = (f"{'shape':<5} {'n':>2} {'limit':>9} {'search s':>8} {'total s':>7} {'period':>7} {'lb':>5} {'r':>2} "
-           f"{'m16 tessel':>15} {'best base':>12} {'m64 tessel':>15} {'best base':>12} {'x1F1B@16':>8} {'x1F1B@64':>8} "
-           f"{'bound@64':>8}")
-    print(hdr)
-    print("-" * len(hdr))
-    for r in rows:  # the helpers below bind this row as a default (they run within this iteration)
-        def bb(k, r=r):
-            return f"{r[k]['best_baseline']} {r[k]['best_makespan']:.0f}" if r[k]["best_baseline"] else "-"
-
-        def ts(k, r=r):  # the searched makespan; "->x name" where the fallback returned a shorter baseline
-            x = r[k]
-            fallback = f"->{x['tessel_final']:.0f} {x['final_is']}" if x["final_is"] != "tessel" else ""
-            return f"{x['tessel']:.0f}" + fallback
-
-        def sp(k, key="vs_1f1b", r=r):
-            v = r[k][key]
-            return f"{v:.2f}x" if v else "-"
-        print(f"{r['shape']:<5} {r['devices']:>2} {r['limit_name'] + ' ' + format(r['memory_limit'], 'g'):>9} "
-              f"{r['search_s']:>8.2f} {max(r['m16']['total_s'], r['m64']['total_s']):>7.2f} {r['period']:>7.3g} "
-              f"{r['period_lb']:>5.3g} {r['window_micro_batches']:>2} "
-              f"{ts('m16'):>15} {bb('m16'):>12} {ts('m64'):>15} {bb('m64'):>12} {sp('m16'):>8} {sp('m64'):>8} "
-              f"{sp('m64', 'bound_vs_1f1b'):>8}")
-    print()
+    if rows:
+        hdr = (f"{'shape':<5} {'n':>2} {'limit':>10} {'T s':>4} {'search s':>8} {'total s':>7} {'period (lb)':>13} "
+               f"{'r':>2} {'tessel':>7} {'final':>11} {'lb':>7} {'gap':>6} {'best policy':>12}")
+        print(hdr)
+        print("-" * len(hdr))
+        for r in rows:
+            fin = f"{r['final']:.0f}" + ("" if r["final_is"] == "tessel" else f" {r['final_is']}")
+            pol = f"{r['best_policy']} {r['best_policy_makespan']:.0f}" if r["best_policy"] else "-"
+            print(f"{r['shape']:<5} {r['devices']:>2} {r['limit_name'] + ' ' + format(r['memory_limit'], 'g'):>10} "
+                  f"{r['time_limit']:>4g} {r['search_s']:>8.2f} {r['total_s']:>7.2f} "
+                  f"{format(r['period'], '.3g') + ' (' + format(r['period_lb'], '.3g') + ')':>13} "
+                  f"{r['window_micro_batches']:>2} {r['tessel']:>7.0f} {fin:>11} {r['lower_bound']:>7.1f} "
+                  f"{r['gap']:>6.1%} {pol:>12}")
+        print()
+    if out["exact"]:
+        hdr = (f"{'shape':<5} {'limit':>10} {'m':>3} {'lb':>7} {'exact':>8} {'proven >=':>9} {'tessel':>7} "
+               f"{'exact s':>7}")
+        print(hdr)
+        print("-" * len(hdr))
+        for r in out["exact"]:
+            ex = "-" if r["exact"] is None else f"{r['exact']:.0f}"
+            print(f"{r['shape']:<5} {r['limit_name'] + ' ' + format(r['memory_limit'], 'g'):>10} {r['m']:>3} "
+                  f"{r['lower_bound']:>7.1f} {ex + ('*' if r['exact_status'].startswith('optimal') else ''):>8} "
+                  f"{r['exact_lower_bound']:>9.1f} {r['tessel']:>7.0f} {r['exact_wall_s']:>7.1f}")
+        print("(* proven optimal)")
+        print()
+    if out["models"]:
+        hdr = (f"{'model':<9} {'shape':<5} {'n':>2} {'search ms':>10} {'plan ms':>10} {'solver ms':>10} "
+               f"{'blind ms':>10} {'lb ms':>10} {'total s':>7}")
+        print(hdr)
+        print("-" * len(hdr))
+        for r in out["models"]:
+            print(f"{r['model']:<9} {r['shape']:<5} {r['devices']:>2} {r['search_makespan'] * 1e3:>10.3f} "
+                  f"{r['plan_makespan'] * 1e3:>10.3f} {r['solver_makespan'] * 1e3:>10.3f} "
+                  f"{r['blind_plan_makespan'] * 1e3:>10.3f} {r['lower_bound'] * 1e3:>10.3f} {r['total_s']:>7.2f}")
+        print()
     for k, v in summary.items():
         print(f"{k}: {v}")
     return 0

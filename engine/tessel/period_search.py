@@ -64,6 +64,11 @@ MODEL_INSTANCES_PER_S = 10_000
 #: x86 machine: 125,000 pairs (a 1,000-block pipeline on 4 devices) in 5.3 s, about 24,000 per second.
 MODEL_PAIRS_PER_S = 20_000
 
+#: Nominal seconds every solve costs beyond its deterministic time and its model-building estimate
+#: (Python model building, CP-SAT's presolve and start-up). Measured on a 2-core x86 machine on the
+#: 4-device benchmark cases: 0.01-0.05 s per solve.
+SOLVE_OVERHEAD_S = 0.03
+
 #: Share of ``time_limit`` one ``r = 1`` solve may take.
 STEP_SHARE = 0.15
 
@@ -225,7 +230,7 @@ class PeriodSearch:
             clock.timed_out = True
             return "unknown", None
         budget = remaining * share if cap_s is None else min(remaining * share, cap_s)
-        clock.built_s += build_s
+        clock.built_s += build_s + SOLVE_OVERHEAD_S
         status, rep = solve_period(w.pl, w.sc, period, self.caps,
                                    time_limit=min(wall_left, WALL_GUARD_FACTOR * budget + build_s), seed=self.seed,
                                    workers=self.workers, objective=objective, max_latency=w.max_latency,

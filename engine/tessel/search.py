@@ -80,11 +80,17 @@ SEED_SHARE = 0.2
 SEED_PROBE_MICRO_BATCHES = 48
 
 #: Block instances (placement blocks x micro-batches) per second that turning a repetend into the
-#: returned schedule handles at least: unrolling it, lowering and simulating the schedule, and
-#: validating it. Measured on a 2-core x86 machine, inside ``tessel_search``: 10,000 blocks x 16
-#: micro-batches in 14 s (about 11,500 per second). The search phases before it stop that long
-#: before ``time_limit``; where it alone would exceed ``time_limit`` the search refuses at once.
+#: returned schedule handles at least: unrolling it, lowering and simulating the unrolled and the
+#: compacted schedules, validating and simulating the result. Measured on a 2-core x86 machine:
+#: 10,000 blocks x 16 micro-batches in 14 s (about 11,500 per second). The search phases before it
+#: stop that long before ``time_limit``; where it alone would exceed ``time_limit`` the search
+#: refuses at once.
 FINISH_INSTANCES_PER_S = 10_000
+
+#: Block instances per second the fallback policies (``fallback_baselines``: the memory-aware 1F1B
+#: and GPipe schedules, each built, validated and simulated) add to that. Measured on a 2-core x86
+#: machine: M on 4 devices, m=64 (640 instances) in 0.13 s, X on 32 devices (8,192) in 1.7 s.
+FALLBACK_INSTANCES_PER_S = 5_000
 
 class InfeasibleMemoryError(TesselError):
     """The memory limit is below what one micro-batch at a time needs.
@@ -360,7 +366,8 @@ def tessel_search(
         TesselError: ``m < 1``, a bad objective, ``max_window_micro_batches < 1``, a
             ``window_micro_batches`` that is not a positive integer, a time limit that
             is not a positive number, or one shorter than building and checking the schedule alone
-            takes (blocks x ``m`` / :data:`FINISH_INSTANCES_PER_S` seconds).
+            takes (blocks x ``m`` / :data:`FINISH_INSTANCES_PER_S` seconds, and
+            :data:`FALLBACK_INSTANCES_PER_S` with ``fallback_baselines``).
     """
     from engine.dependency import lower
     from engine.simulate import simulate
@@ -383,7 +390,8 @@ def tessel_search(
         raise TesselError(f"the time limit must be a positive number of seconds, got {time_limit!r}")
     t_start = time.perf_counter()
     # the schedule is built, simulated and validated after the search phases: keep time for it
-    finish_s = len(placement.blocks) * m / FINISH_INSTANCES_PER_S
+    finish_s = len(placement.blocks) * m * (1 / FINISH_INSTANCES_PER_S
+                                            + (1 / FALLBACK_INSTANCES_PER_S if fallback_baselines else 0.0))
     if finish_s > time_limit:
         raise TesselError(
             f"a schedule of {len(placement.blocks):,} blocks x {m} micro-batches takes about {finish_s:.0f} s to build "
