@@ -126,7 +126,16 @@ def _model_search(args, limit):
         split_backward=args.split_backward, forward_only=args.inference, time_limit=args.time_limit,
         seed=args.seed, objective=args.objective, progress_bar=not args.json and sys.stderr.isatty(),
         completion_stall=args.completion_stall, max_window_micro_batches=args.max_window,
-        window_micro_batches=args.window)
+        window_micro_batches=args.window, fallback_baselines=True)
+
+
+def _optimal_note(res) -> str:
+    """", optimal" when the period is proven shortest; a window size's optimum says which size."""
+    if not res.optimal:
+        return ""
+    if res.period_gap <= 1e-9:
+        return ", optimal"
+    return f", shortest for {res.repetend.micro_batches} micro-batch(es) per window"
 
 
 def _placement_label(placement, searched) -> str:
@@ -167,7 +176,7 @@ def run(args: argparse.Namespace) -> dict:
                                 seed=args.seed, objective=args.objective,
                                 progress_bar=not args.json and sys.stderr.isatty(),
                                 completion_stall=args.completion_stall, max_window_micro_batches=args.max_window,
-                                window_micro_batches=args.window)
+                                window_micro_batches=args.window, fallback_baselines=True)
     except InfeasibleMemoryError as e:  # restate in the user's units
         raise TesselError(
             f"--memory-limit {args.memory_limit:g} {unit} is infeasible: device {e.device} needs more even with one "
@@ -227,10 +236,14 @@ def run(args: argparse.Namespace) -> dict:
           + (f", memory limit {args.memory_limit:g} {unit}" if args.memory_limit is not None else ""))
     print(f"repetend period {res.period * tscale:.4g} {tunit}/micro-batch "
           f"(lower bound for placement {pl.name} {res.period_lower_bound * tscale:.4g}, "
-          f"gap {res.period_gap:.1%}{', optimal' if res.optimal else ''}"
+          f"gap {res.period_gap:.1%}{_optimal_note(res)}"
           f"{f', durations rounded up to ticks of {res.resolution * tscale:.4g} {tunit}' if res.rounded else ''}), "
           f"{res.repetend.in_flight} windows in flight, "
           f"{res.repetend.micro_batches} micro-batch(es) per window")
+    fallback = res.schedule.meta.get("tessel", {}).get("equals_baseline")
+    if fallback:
+        print(f"the {fallback} policy on the same placement is shorter than the searched schedule "
+              f"({res.schedule.meta['tessel']['pure_makespan'] * tscale:.4g} {tunit}): the plan holds it")
     others = sorted({_placement_label(r.schedule.placement, pl).removeprefix("on placement ")
                      for r in rows if r.schedule is not None and r.schedule.placement is not pl})
     print(f"makespan lower bound for placement {pl.name} {res.makespan_lower_bound * tscale:.4g} {tunit}"

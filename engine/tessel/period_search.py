@@ -47,9 +47,10 @@ from engine.tessel.repetend import (
 
 #: CP-SAT deterministic time units (``max_deterministic_time``) the repetend phases get per second
 #: of ``time_limit``. Measured on the benchmark's solves (``benchmarks/tessel_bench.py``, 4-16
-#: devices) on a 2-core x86 machine: 0.1-0.15 units per wall second on average, down to 0.03 on
-#: the slowest memory-bound solves (the wall-clock guard ends those).
-REPETEND_DET_PER_S = 0.1
+#: devices) on a 2-core x86 machine: 0.1-0.15 units per wall second on short solves, 0.05-0.07 on
+#: the memory-bound solves of windows of 2-3 micro-batches that take most of the time, down to
+#: 0.03 on the slowest (the wall-clock guard ends those).
+REPETEND_DET_PER_S = 0.07
 
 #: A solve's wall-clock guard is this many times its nominal seconds (deterministic budget /
 #: :data:`REPETEND_DET_PER_S`), and never past ``time_limit``.
@@ -71,6 +72,9 @@ SOLVE_OVERHEAD_S = 0.03
 
 #: Share of ``time_limit`` one ``r = 1`` solve may take.
 STEP_SHARE = 0.15
+
+#: Share of ``time_limit`` each solve hinted by the policy's average rate may take (two at most).
+RATE_HINT_SHARE = 0.04
 
 #: Share of ``time_limit`` the ``r = 1`` probe at the lower bound itself may take (it is tried
 #: first: often feasible, or quickly refuted; when neither, the bisection goes on without it).
@@ -270,6 +274,21 @@ class PeriodSearch:
                     self.seeds[r] = rep
                     self._found(w, rep)
                 self._step(w, seed_rep.period, f"seed {status}")
+
+    def check_rate_hint(self, hint: Repetend) -> None:
+        """One micro-batch per window at the policy's average rate (and one tick more), hinted by its
+        schedule read off at that window (:func:`engine.tessel.seed.policy_rate_repetend`)."""
+        w = self.window(1)
+        for period in (hint.period, hint.period + 1):
+            if period >= w.best.period or period < w.lb:
+                continue
+            guess = Repetend(period, [s % period for s in hint.starts], hint.offsets, hint.resolution)
+            status, rep = self.attempt(w, period, None, 0.5, RATE_HINT_SHARE * self.time_limit, hint=guess,
+                                       hinted_share=0.5)
+            self._step(w, period, f"policy rate {status}")
+            if rep is not None:
+                self._found(w, rep)
+                return
 
     def bisect(self, w: Window, cap_s: float, *, until_s: float | None = None) -> str:
         """Bisect ``w``'s window length below its best (feasible) one.

@@ -45,7 +45,7 @@ from engine.tessel.repetend import (
     auto_resolution,
     is_exact,
 )
-from engine.tessel.seed import policy_repetends
+from engine.tessel.seed import policy_rate_repetend, policy_repetends, policy_starts
 
 if TYPE_CHECKING:
     from engine.simulate import CommCost
@@ -60,11 +60,11 @@ COMPLETION_DET_PER_S = 0.1
 
 #: Share of ``time_limit`` (less the time kept for building the schedule) the repetend phases may
 #: use in nominal seconds (their deterministic clock, :mod:`engine.tessel.period_search`), and
-#: the completion's share. Together about two thirds of the limit, so a machine up to about 1.5x
+#: the completion's share. Together about half of the limit, so a machine up to about 1.7x
 #: slower than the calibration (e.g. two busy processes on two cores) still ends every solve on
 #: its deterministic budget, not on the wall clock, and gives the same schedule.
-NOMINAL_SHARE = 0.45
-COMPLETION_SHARE = 0.2
+NOMINAL_SHARE = 0.4
+COMPLETION_SHARE = 0.15
 
 #: Block instances (placement blocks x micro-batches) per second the seed phase's probe (the
 #: memory-aware 1F1B policy on 48 micro-batches, lowered and simulated) handles at least. Measured
@@ -76,7 +76,8 @@ SEED_INSTANCES_PER_S = 10_000
 #: Share of ``time_limit`` the seed phase may take (estimated, see :data:`SEED_INSTANCES_PER_S`).
 SEED_SHARE = 0.2
 
-#: Micro-batches the seed phase's policy probe schedules (:func:`engine.tessel.seed.policy_repetends`).
+#: Micro-batches the seed phase's policy probe schedules at least (:func:`engine.tessel.seed.policy_starts`);
+#: four per device where that is more.
 SEED_PROBE_MICRO_BATCHES = 48
 
 #: Block instances (placement blocks x micro-batches) per second that turning a repetend into the
@@ -393,10 +394,11 @@ def tessel_search(
     finish_s = len(placement.blocks) * m * (1 / FINISH_INSTANCES_PER_S
                                             + (1 / FALLBACK_INSTANCES_PER_S if fallback_baselines else 0.0))
     if finish_s > time_limit:
+        need = float(f"{2 * finish_s:.2g}") if finish_s < 0.5 else math.ceil(2 * finish_s)
         raise TesselError(
-            f"a schedule of {len(placement.blocks):,} blocks x {m} micro-batches takes about {finish_s:.0f} s to build "
-            f"and check, more than the time limit of {time_limit:g} s; give a time limit of at least "
-            f"{math.ceil(2 * finish_s)} s or fewer micro-batches")
+            f"a schedule of {len(placement.blocks):,} blocks x {m} micro-batches takes about {finish_s:.2g} s to "
+            f"build and check, more than the time limit of {time_limit:g} s; give a time limit of at least "
+            f"{need:g} s or fewer micro-batches")
     deadline = t_start + time_limit - finish_s
     caps = _limits(placement, memory_limit)
     floor = memory_floor(placement)
@@ -450,14 +452,23 @@ def tessel_search(
     lb_s = max(lb_s, rate_s)
     # (1) the memory-aware 1F1B policy's steady state, where periodic, seeds the window of its size;
     # skipped where its probe would not fit its share of the time (placements of many blocks)
-    seed_cost_s = len(placement.blocks) * SEED_PROBE_MICRO_BATCHES / SEED_INSTANCES_PER_S
+    # the policy fills a pipeline of n devices in about n micro-batches: probe long enough to see
+    # its steady state
+    probe = max(SEED_PROBE_MICRO_BATCHES, 4 * placement.num_devices)
+    seed_cost_s = len(placement.blocks) * probe / SEED_INSTANCES_PER_S
     seeds = {}
+    rate_hint = None
     if objective != "latency" and seed_cost_s <= SEED_SHARE * time_limit:
-        seeds = policy_repetends(placement, res, caps, max_window=3, probe_micro_batches=SEED_PROBE_MICRO_BATCHES,
-                                 comm=comm)
+        starts = policy_starts(placement, caps, probe_micro_batches=probe, comm=comm)
+        if starts is not None:
+            seeds = policy_repetends(placement, res, caps, max_window=3, probe_micro_batches=probe, starts=starts)
+            if 1 not in seeds:
+                rate_hint = policy_rate_repetend(placement, res, starts, probe)
         if window_micro_batches is not None:
             seeds = {r: rep for r, rep in seeds.items() if r == window_micro_batches}
     search.check_seeds(seeds)
+    if rate_hint is not None and window_micro_batches in (None, 1):
+        search.check_rate_hint(rate_hint)
     if window_micro_batches is not None:
         # a user-fixed window: only that many micro-batches per repetend, bisected like r = 1
         w = search.window(window_micro_batches)

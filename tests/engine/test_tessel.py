@@ -354,7 +354,7 @@ def test_progress_callback():
     assert steps == sorted(steps) and steps[-1] == result.steps
     elapsed = [p.elapsed for p in seen]
     assert elapsed == sorted(elapsed) and elapsed[-1] <= result.search_time
-    assert {p.status for p in seen} & {"feasible", "infeasible"}
+    assert {p.status.split()[-1] for p in seen} & {"feasible", "infeasible"}
 
 
 def test_cancel_from_another_thread():
@@ -513,7 +513,7 @@ def test_fallback_baselines_returns_the_best_known_plan():
     pl = make_shape("m", 4, activation=2)
     limit = 12
     # a search cut short keeps the sequential repetend: the 1F1B policy is far better
-    result = tessel_search(pl, 8, memory_limit=limit, time_limit=0.02, fallback_baselines=True)
+    result = tessel_search(pl, 8, memory_limit=limit, time_limit=0.05, fallback_baselines=True)
     meta = result.schedule.meta["tessel"]
     one = timeline(one_f_one_b_any(pl, 8, memory_limit=limit)).makespan
     tl = timeline(result.schedule)
@@ -522,7 +522,7 @@ def test_fallback_baselines_returns_the_best_known_plan():
     assert max(tl.peak_memory()) <= limit
     assert result.schedule.name == "tessel"
     # without the fallback the searched schedule itself comes back
-    plain = tessel_search(pl, 8, memory_limit=limit, time_limit=0.02)
+    plain = tessel_search(pl, 8, memory_limit=limit, time_limit=0.05)
     assert "equals_baseline" not in plain.schedule.meta["tessel"]
     assert timeline(plain.schedule).makespan == pytest.approx(plain.schedule.meta["tessel"]["pure_makespan"])
 
