@@ -13,7 +13,9 @@ them), the period against its bound (busiest device, Little's law on memory), th
 fallback_baselines=True)`` returns (``final``: the memory-aware 1F1B or GPipe policy where one is
 shorter and fits the limit), the makespan lower bound (``lb``) and the gap to it.
 
-(b) ``models``: ``gpt2`` and ``llama-7b`` (``--models``) on the H100 table with its links, shapes
+(b) ``models``: ``gpt2`` and ``llama-7b`` (``--models``; ``MODEL@LINK`` for another link between
+the ranks, by default also gpt2 over a 10 Gbit/s Ethernet link and llama-7b over InfiniBand) on
+the H100 table with its links, shapes
 ``--model-shapes`` on ``--model-devices`` devices, through ``engine.search_plan.model_search_plan``
 as ``tessel search --model`` runs it. ``search ms`` is the search's makespan (the step it
 predicts, transfers, optimizer step and tied all-reduce included), ``plan ms`` the written plan's
@@ -116,23 +118,25 @@ def exact_case(shape: str, n: int, limit_name: str, limit: float, m: int, time_l
             "tessel_vs_exact": (tessel / ex.makespan - 1) if ex.makespan else None}
 
 
-def model_case(model: str, shape: str, n: int, m: int, time_limit: float, device_type: str) -> dict:
+def model_case(model: str, shape: str, n: int, m: int, time_limit: float, device_type: str,
+               link: str | None = None) -> dict:
     from engine.io import load_plan, save_plan
     from engine.plan_metrics import predicted_metrics
     from engine.search_plan import model_search_plan
 
     t0 = time.perf_counter()
-    sp = model_search_plan(model, shape, n, m, device_type=device_type, time_limit=time_limit)
+    sp = model_search_plan(model, shape, n, m, device_type=device_type, time_limit=time_limit, link=link)
     wall = time.perf_counter() - t0
     res = sp.result
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
         save_plan(sp.plan, path)
         plan_mk = predicted_metrics(load_plan(path))["makespan"]
-    blind = model_search_plan(model, shape, n, m, device_type=device_type, time_limit=time_limit, comm=None,
-                              tail=None, evaluate=None)
+    blind = model_search_plan(model, shape, n, m, device_type=device_type, time_limit=time_limit, link=link,
+                              comm=None, tail=None, evaluate=None)
     blind_mk = predicted_metrics(blind.plan)["makespan"]
-    return {"model": model, "shape": shape.upper(), "devices": n, "m": m, "device_type": device_type,
+    return {"model": model, "link": link or "default", "shape": shape.upper(), "devices": n, "m": m,
+            "device_type": device_type,
             "time_limit": time_limit, "search_makespan": res.makespan, "plan_makespan": plan_mk,
             "solver_makespan": res.solver_makespan, "blind_search_makespan": blind.result.makespan,
             "blind_plan_makespan": blind_mk, "lower_bound": res.makespan_lower_bound, "resolution": res.resolution,
@@ -159,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", default="4,8,16,32")
     ap.add_argument("--time-limits", default="4=1,8=10,16=10,32=30")
     ap.add_argument("--micro-batches", type=int, default=64)
-    ap.add_argument("--models", default="gpt2,llama-7b")
+    ap.add_argument("--models", default="gpt2,gpt2@10gbit,llama-7b,llama-7b@infiniband",
+                    help="MODEL or MODEL@LINK (engine.cost.parse_link: nvlink, pcie, infiniband, 10gbit@5us, ...)")
     ap.add_argument("--model-shapes", default="v,m,x")
     ap.add_argument("--model-devices", default="4")
     ap.add_argument("--model-time-limit", type=float, default=10.0)
@@ -192,10 +197,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"exact {r['exact_status']} {r['exact']} (>= {r['exact_lower_bound']:.1f}) "
                     f"tessel {r['tessel']:.0f}")
     if "models" in parts:
-        for model in args.models.split(","):
+        for spec in args.models.split(","):
+            model, _, link = spec.partition("@")
             for shape in args.model_shapes.split(","):
                 for n in (int(x) for x in args.model_devices.split(",")):
-                    r = model_case(model, shape, n, args.micro_batches, args.model_time_limit, args.device_type)
+                    r = model_case(model, shape, n, args.micro_batches, args.model_time_limit, args.device_type,
+                                   link or None)
                     out["models"].append(r)
                     log(f"  {model} {r['shape']} n={n}: search {r['search_makespan'] * 1e3:.3f} ms plan "
                         f"{r['plan_makespan'] * 1e3:.3f} ms solver {r['solver_makespan'] * 1e3:.3f} ms blind "
@@ -245,12 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         print("(* proven optimal)")
         print()
     if out["models"]:
-        hdr = (f"{'model':<9} {'shape':<5} {'n':>2} {'search ms':>10} {'plan ms':>10} {'solver ms':>10} "
+        hdr = (f"{'model':<9} {'link':<10} {'shape':<5} {'n':>2} {'search ms':>10} {'plan ms':>10} {'solver ms':>10} "
                f"{'blind ms':>10} {'lb ms':>10} {'total s':>7}")
         print(hdr)
         print("-" * len(hdr))
         for r in out["models"]:
-            print(f"{r['model']:<9} {r['shape']:<5} {r['devices']:>2} {r['search_makespan'] * 1e3:>10.3f} "
+            print(f"{r['model']:<9} {r['link']:<10} {r['shape']:<5} {r['devices']:>2} "
+                  f"{r['search_makespan'] * 1e3:>10.3f} "
                   f"{r['plan_makespan'] * 1e3:>10.3f} {r['solver_makespan'] * 1e3:>10.3f} "
                   f"{r['blind_plan_makespan'] * 1e3:>10.3f} {r['lower_bound'] * 1e3:>10.3f} {r['total_s']:>7.2f}")
         print()
