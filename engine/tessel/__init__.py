@@ -6,6 +6,7 @@
 
 from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
 from engine.tessel.exact import ExactResult, exact_schedule
+from engine.tessel.improve import ImproveResult, improve_schedule
 from engine.tessel.repetend import Repetend
 from engine.tessel.search import (
     InfeasibleMemoryError,
@@ -19,5 +20,5 @@ from engine.tessel.search import (
 __all__ = [
     "tessel_search", "SearchResult", "SearchProgress", "SearchControl", "SearchCancelled", "InfeasibleMemoryError",
     "Repetend", "period_lower_bound", "critical_path", "makespan_lower_bound", "memory_floor",
-    "exact_schedule", "ExactResult",
+    "exact_schedule", "ExactResult", "improve_schedule", "ImproveResult",
 ]

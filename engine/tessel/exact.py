@@ -85,6 +85,21 @@ model's makespan is a whole number of ticks, and with durations rounded up never
 an exact schedule's). It is off by default so that the optimum, and its proof, do not depend on
 :mod:`engine.tessel.bounds`: the point of this module is to check that bound.
 
+The code: one model, two uses
+-----------------------------
+:func:`prepare_exact` checks the inputs and computes, once, everything above in ticks and quanta
+(an :class:`ExactProblem`); :meth:`ExactProblem.build` states the CP-SAT model. Without ``fixed``
+it is the full model that :func:`exact_schedule` solves. With ``fixed`` (start ticks of the
+instances held in place, taken from a solution) it is a *neighbourhood* model for
+:func:`engine.tessel.improve.improve_schedule`'s large-neighbourhood search: the free instances
+are the only variables; a precedence from or to a fixed instance becomes a bound of the free
+one's domain, and the domains are tightened along the precedences between free instances
+(longest paths: sound, as every bound follows from the model's constraints); a device's
+``NoOverlap`` and memory keep only the fixed intervals and memory terms that overlap the reach of
+its free instances, and a device without free instances is left out (its order, hence its
+memory, is unchanged). Every solution of a neighbourhood model, completed with the fixed starts,
+is a solution of the full model.
+
 Sources: the problem is Tessel's (Lin et al., HPCA 2024, section III: placement of one
 micro-batch, scheduling of many); the model follows OR-Tools CP-SAT's scheduling primitives
 (``NewFixedSizeIntervalVar``, ``AddNoOverlap``, ``AddCumulative``,
@@ -106,7 +121,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Sequence, TypeVar
+from typing import Mapping, Sequence, TypeVar, cast
 
 import networkx as nx
 from ortools.sat.python import cp_model
@@ -117,7 +132,7 @@ from engine.schedule import Block, Schedule
 from engine.tessel.bounds import makespan_lower_bound, memory_floor
 from engine.tessel.repetend import EXACT_REL_TOL, MAX_DENOMINATOR, auto_resolution, scale
 
-__all__ = ["ExactResult", "exact_schedule"]
+__all__ = ["ExactModel", "ExactProblem", "ExactResult", "exact_schedule", "prepare_exact"]
 
 log = logging.getLogger(__name__)
 
@@ -310,6 +325,417 @@ def _quantum(placement: Placement) -> int:
     return q or 1
 
 
+# ----------------------------------------------------------------------------- the model
+def _is_const(x: object) -> bool:
+    """An instance start, term end or literal that is a number, not a CP-SAT expression."""
+    return isinstance(x, int)
+
+
+@dataclass
+class _DeviceMemory:
+    """One device's memory as the model counts it, in quanta (:func:`_add_memory`).
+
+    Attributes:
+        cap: ``limit - static`` in quanta (may be negative only for an infeasible limit).
+        pieces: ``(alloc, free, quanta, least)`` per piece (:func:`_activation_pieces`), ``least``
+            the least ticks it is held (the dependency path); ``None``: not in pieces.
+        raw: ``(block, delta quanta)`` per block with memory, when not in pieces.
+        grads: ``(weight-gradient blocks of the segment on the device, buffer quanta, transient
+            quanta)`` per segment with gradient memory on the device.
+        in_flight: ``(a, f, c)`` in-flight precedences (:func:`_in_flight_precedences`).
+    """
+
+    cap: int
+    pieces: list[tuple[int, int | None, int, int]] | None
+    raw: list[tuple[int, int]]
+    grads: list[tuple[list[int], int, int]]
+    in_flight: list[tuple[int, int, int]]
+
+
+@dataclass
+class ExactProblem:
+    """The whole-schedule problem of ``m`` micro-batches in solver ticks, checked and prepared once
+    (:func:`prepare_exact`); :meth:`build` turns it into a CP-SAT model: the full one that
+    :func:`exact_schedule` solves, or the model of a *neighbourhood* (some instances fixed at given
+    start ticks, the others free) that :func:`engine.tessel.improve.improve_schedule` solves round
+    after round.
+
+    Attributes:
+        placement: the placement; ``m`` its micro-batches.
+        durations: ticks per block (rounded up when ``rounded``).
+        lags: ticks per dependency ``(a, b)`` with a lag (rounded up when ``rounded``).
+        lags_s: the same lags in placement time units, as given (checked).
+        resolution: placement time units per tick; ``rounded``: durations or lags were rounded up.
+        limits: per-device memory limit (placement units), or ``None``.
+        makespan_lower_bound: :func:`engine.tessel.bounds.makespan_lower_bound` (placement units).
+        head, tail: per block, the longest dependency path (durations and lags, ticks) before its
+            start and after its end in one micro-batch.
+        lb_ticks: the model's own path bound on the makespan (ticks).
+        horizon: the makespan's upper bound (ticks): the hint's when it fits the limit.
+        hint_starts: the hint's start ticks (its orders as soon as possible, FIFO-relabelled), or ``None``.
+        hint_span: the hint's makespan in ticks, or ``None``; ``hint_fits``: the hint fits ``limits``
+            (then ``horizon <= hint_span``: the hint is a solution of the model).
+        fifo: the FIFO symmetry breaking is on; ``cumulative``: memory as a ``Cumulative`` where it
+            pairs up (:func:`_add_memory`).
+        memory: per device, what :func:`_add_memory` counts; ``None`` without a limit.
+    """
+
+    placement: Placement
+    m: int
+    durations: list[int]
+    lags: dict[tuple[int, int], int]
+    lags_s: dict[tuple[int, int], float]
+    resolution: float
+    rounded: bool
+    limits: list[float] | None
+    makespan_lower_bound: float
+    head: list[int]
+    tail: list[int]
+    lb_ticks: int
+    horizon: int
+    hint_starts: dict[Inst, int] | None = None
+    hint_span: int | None = None
+    hint_fits: bool = False
+    fifo: bool = True
+    cumulative: bool = True
+    memory: list[_DeviceMemory] | None = None
+    _succ: list[list[int]] = field(default_factory=list, repr=False)
+    _in_flight_as_alloc: list[list[tuple[int, int]]] = field(default_factory=list, repr=False)
+    _in_flight_as_free: list[list[tuple[int, int]]] = field(default_factory=list, repr=False)
+
+    # ---- solutions and schedules
+    def asap(self, orders: Sequence[Sequence[Block]]) -> dict[Inst, int]:
+        """Start ticks of ``orders`` executed as soon as possible (durations and lags in ticks),
+        FIFO-relabelled when ``fifo``: a solution of the model whenever the orders fit the limit
+        and their makespan fits the horizon (memory depends on each device's order alone).
+
+        Raises:
+            ScheduleError: the orders deadlock.
+        """
+        starts = _asap(self.placement, orders, self.durations, self.lags)
+        return _fifo_relabel(starts, self.m, len(self.placement.blocks)) if self.fifo else starts
+
+    def span(self, starts: Mapping[Inst, int]) -> int:
+        """The makespan (ticks) of a solution's start ticks."""
+        dur = self.durations
+        return max(t + dur[b] for (_, b), t in starts.items())
+
+    def orders(self, starts: Mapping[Inst, int]) -> list[list[Block]]:
+        """Per-device orders of a solution's start ticks (sorted so that they cannot deadlock)."""
+        return _orders(self.placement, self.m, dict(starts), self.durations)
+
+    def span_ticks(self, orders: Sequence[Sequence[Block]]) -> int:
+        """Ticks of ``orders`` executed as soon as possible with the model's durations and lags."""
+        return self.span(_asap(self.placement, orders, self.durations, self.lags))
+
+    def span_units(self, schedule: Schedule) -> float:
+        """The schedule's makespan in placement units: simulated (:func:`engine.simulate.simulate` of
+        :func:`engine.dependency.lower`) without lags; with lags, its orders as soon as possible with
+        the exact durations and lags (what :func:`exact_schedule` reports)."""
+        pl = self.placement
+        if self.lags_s:
+            real = _asap(pl, schedule.orders, [b.duration for b in pl.blocks], self.lags_s)
+            return max(t + pl.blocks[b].duration for (_, b), t in real.items())
+        from engine.dependency import lower
+        from engine.simulate import simulate
+
+        return simulate(lower(schedule)).makespan
+
+    # ---- the CP-SAT model
+    def _edges(self, inst: Inst) -> tuple[list[tuple[Inst, int]], list[tuple[Inst, int]]]:
+        """The precedences of the model at ``inst``: ``(before, delta)`` with ``start(inst) >=
+        start(before) + delta``, and ``(after, delta)`` with ``start(after) >= start(inst) + delta``
+        (dependencies with their lags, the FIFO chain, the in-flight precedences)."""
+        i, b = inst
+        m, dur, lag, blocks = self.m, self.durations, self.lags, self.placement.blocks
+        before = [((i, a), dur[a] + lag.get((a, b), 0)) for a in blocks[b].deps]
+        after = [((i, c), dur[b] + lag.get((b, c), 0)) for c in self._succ[b]]
+        if self.fifo:
+            if i > 0:
+                before.append(((i - 1, b), dur[b]))
+            if i + 1 < m:
+                after.append(((i + 1, b), dur[b]))
+        before += [((i - c, f), dur[f]) for f, c in self._in_flight_as_alloc[b] if i - c >= 0]
+        after += [((i + c, a), dur[b]) for a, c in self._in_flight_as_free[b] if i + c < m]
+        return before, after
+
+    def _domains(self, free: list[Inst], fixed: Mapping[Inst, int], dom: dict[Inst, tuple[int, int]]) -> None:
+        """Tighten the free instances' domains ``dom`` (in place) by the precedences: those to fixed
+        instances (which the neighbourhood model states this way only), then along the free ones
+        (longest paths, forward and backward in ``(micro-batch, topological rank)`` order: every
+        precedence goes forward in it). Sound: every bound follows from the model's constraints."""
+        rank = _topo_rank(self.placement)
+        edges = {x: self._edges(x) for x in free}
+        for x in free:
+            lo, hi = dom[x]
+            for y, dlt in edges[x][0]:
+                t = fixed.get(y)
+                if t is not None:
+                    lo = max(lo, t + dlt)
+            for y, dlt in edges[x][1]:
+                t = fixed.get(y)
+                if t is not None:
+                    hi = min(hi, t - dlt)
+            dom[x] = (lo, hi)
+        topo = sorted(free, key=lambda x: (x[0], rank[x[1]]))
+        for x in topo:
+            lo = max([dom[x][0]] + [dom[y][0] + dlt for y, dlt in edges[x][0] if y in dom])
+            dom[x] = (lo, dom[x][1])
+        for x in reversed(topo):
+            hi = min([dom[x][1]] + [dom[y][1] - dlt for y, dlt in edges[x][1] if y in dom])
+            dom[x] = (dom[x][0], hi)
+
+    def build(self, *, fixed: Mapping[Inst, int] | None = None, horizon: int | None = None,
+              hint: Mapping[Inst, int] | None = None) -> "ExactModel":
+        """The CP-SAT model, minimising the makespan (the caller may replace the objective).
+
+        Args:
+            fixed: start ticks of instances held where they are (a neighbourhood model: they are
+                constants, and only what can interact with the free instances is stated: the
+                precedences that tie a free instance to a fixed one as its domain, the fixed
+                intervals and memory terms that overlap the free instances' reach on their
+                devices; a device without free instances keeps its memory as it is). The fixed
+                starts must be part of a solution of the model (e.g. the current one, minus the
+                instances set free). Needs ``fifo``. ``None``: the full model.
+            horizon: the makespan's upper bound in ticks (default :attr:`horizon`).
+            hint: start ticks of every instance (a complete solution) to hint to CP-SAT; the
+                makespan is hinted as the largest end.
+
+        Returns:
+            :class:`ExactModel`: ``start`` holds the variables of the free instances only.
+        """
+        pl, m, dur, lag, head, tail, fifo = (self.placement, self.m, self.durations, self.lags, self.head,
+                                             self.tail, self.fifo)
+        K, n = len(pl.blocks), pl.num_devices
+        fixed = dict(fixed or {})
+        if fixed and not fifo:
+            raise TesselError("a neighbourhood model (fixed instances) needs the FIFO symmetry breaking")
+        H = self.horizon if horizon is None else horizon
+        model = cp_model.CpModel()
+        start: dict[Inst, cp_model.IntVar] = {}
+        expr: dict[Inst, cp_model.LinearExprT] = {}
+        iv: dict[Inst, cp_model.IntervalVar] = {}
+        dom: dict[Inst, tuple[int, int]] = {}
+        for i in range(m):
+            for b in range(K):
+                if (i, b) not in fixed:
+                    dom[(i, b)] = (head[b] + (i * dur[b] if fifo else 0),
+                                   H - dur[b] - tail[b] - ((m - 1 - i) * dur[b] if fifo else 0))
+        if fixed:
+            self._domains(list(dom), fixed, dom)
+        for i in range(m):
+            for b in range(K):
+                if (i, b) in fixed:
+                    expr[(i, b)] = fixed[(i, b)]
+                    continue
+                lo, hi = dom[(i, b)]
+                dom[(i, b)] = (lo, max(lo, hi))
+                v = model.new_int_var(lo, max(lo, hi), f"s{i}_{b}")  # hi >= lo: the horizon holds an optimum
+                start[(i, b)] = expr[(i, b)] = v
+                iv[(i, b)] = model.new_fixed_size_interval_var(v, dur[b], f"iv{i}_{b}")
+        ms_lo = max([self.lb_ticks] + [t + dur[b] + tail[b] for (_, b), t in fixed.items()])
+        makespan = model.new_int_var(ms_lo, max(ms_lo, H), "makespan")
+        for i in range(m):
+            for b, spec in enumerate(pl.blocks):
+                if (i, b) not in start:
+                    continue
+                for a in spec.deps:
+                    if (i, a) in start:
+                        model.add(start[(i, b)] >= start[(i, a)] + dur[a] + lag.get((a, b), 0))
+                model.add(makespan >= start[(i, b)] + dur[b] + tail[b])
+        if fifo:
+            for b in range(K):
+                for i in range(m - 1):
+                    if (i, b) in start and (i + 1, b) in start:
+                        model.add(start[(i + 1, b)] >= start[(i, b)] + dur[b])
+        # per device, the reach of its free instances: [earliest start, latest end)
+        reach: list[tuple[int, int] | None] | None = None
+        if fixed:
+            reach = [None] * n
+            for (_, b), (lo, hi) in dom.items():
+                for d in pl.blocks[b].devices:
+                    r = reach[d]
+                    reach[d] = (lo, hi + dur[b]) if r is None else (min(r[0], lo), max(r[1], hi + dur[b]))
+        for d in range(n):
+            insts = [(i, b) for b in pl.blocks_on(d) for i in range(m)]
+            ivs = [iv[x] for x in insts if x in start]
+            r = reach[d] if reach is not None else None
+            if r is not None:
+                for x in insts:
+                    t = fixed.get(x)
+                    if t is not None and dur[x[1]] > 0 and t < r[1] and t + dur[x[1]] > r[0]:
+                        ivs.append(model.new_fixed_size_interval_var(t, dur[x[1]], f"fx{x[0]}_{x[1]}"))
+            if len(ivs) > 1 and (reach is None or r is not None):
+                model.add_no_overlap(ivs)
+        if self.memory is not None:
+            _add_memory(model, self, expr, makespan, max(ms_lo, H), reach)
+        model.minimize(makespan)
+        if hint is not None:
+            for inst, v in start.items():
+                model.add_hint(v, hint[inst])
+            model.add_hint(makespan, max(t + dur[b] for (_, b), t in hint.items()))
+        return ExactModel(problem=self, model=model, start=start, makespan=makespan, fixed=fixed)
+
+
+@dataclass
+class ExactModel:
+    """A CP-SAT model built by :meth:`ExactProblem.build`.
+
+    Attributes:
+        problem: the problem it models.
+        model: the CP-SAT model (``minimize(makespan)`` unless the caller replaced it).
+        start: the start-tick variable of every free instance ``(micro_batch, block index)``.
+        makespan: the makespan variable (ticks).
+        fixed: the start ticks of the fixed instances (empty for the full model).
+    """
+
+    problem: ExactProblem
+    model: cp_model.CpModel
+    start: dict[Inst, cp_model.IntVar]
+    makespan: cp_model.IntVar
+    fixed: dict[Inst, int]
+
+    def solution(self, solver: cp_model.CpSolver) -> dict[Inst, int]:
+        """Every instance's start tick: the solver's values of the free ones, the fixed ones as fixed."""
+        out = dict(self.fixed)
+        out.update({inst: solver.value(v) for inst, v in self.start.items()})
+        return out
+
+
+def _check_hint(placement: Placement, m: int, hint: Schedule) -> None:
+    """A hint must be a valid schedule (memory aside) of the same placement and ``m``.
+
+    Raises:
+        TesselError: another placement or micro-batch count; ``ScheduleError``: orders that break a rule.
+    """
+    pl = placement
+    if hint.num_micro_batches != m or hint.placement.num_devices != pl.num_devices or \
+            [(b.kind, b.segment, b.devices, b.deps) for b in hint.placement.blocks] != \
+            [(b.kind, b.segment, b.devices, b.deps) for b in pl.blocks]:
+        raise TesselError("the hint must be a schedule of the same placement and number of micro-batches")
+    hint.validate()
+
+
+def prepare_exact(
+    placement: Placement,
+    m: int,
+    *,
+    memory_limit: float | Sequence[float] | None = None,
+    lags: dict[tuple[int, int], float] | None = None,
+    hint: Schedule | None = None,
+    use_bound: bool = False,
+    fifo: bool = True,
+    cumulative: bool = True,
+    hint_must_fit: bool = False,
+) -> ExactProblem:
+    """Check the inputs and prepare the whole-schedule problem of ``m`` micro-batches (module docstring).
+
+    Arguments as for :func:`exact_schedule` (``fifo`` and ``cumulative`` are its ``_fifo`` and
+    ``_cumulative``). With a ``hint``, its start times (orders executed as soon as possible in ticks,
+    FIFO-relabelled) are :attr:`ExactProblem.hint_starts` and, when it fits the limit, its makespan
+    caps the model's (:attr:`ExactProblem.horizon`); a hint above the limit is used as a hint only
+    (logged), or refused with ``hint_must_fit``.
+
+    Raises:
+        TesselError: ``m < 1``, a malformed ``memory_limit`` or lag, a hint of another placement or
+            micro-batch count, or one whose orders are not a valid schedule (``ScheduleError``), or
+            with ``hint_must_fit`` one above the limit (``ScheduleError``, rule ``"memory"``).
+        InfeasibleMemoryError: the limit is below :func:`engine.tessel.bounds.memory_floor`.
+    """
+    from engine.tessel.search import InfeasibleMemoryError  # the search's error for the same refusal
+
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise TesselError(f"need at least one micro-batch, got m={m!r}")
+    pl = placement
+    K, n = len(pl.blocks), pl.num_devices
+    limits = _limits(pl, memory_limit)
+    if limits is not None:
+        floor = memory_floor(pl)
+        worst = max(range(n), key=lambda d: floor[d] - limits[d])
+        if floor[worst] > limits[worst]:
+            raise InfeasibleMemoryError(
+                f"memory limit {limits[worst]:g} is infeasible: device {worst} needs at least {floor[worst]:g} even "
+                f"with one micro-batch at a time; the smallest feasible limit is {max(floor):g}", max(floor), worst)
+    lag_s = _check_lags(pl, lags)
+    if hint is not None:
+        _check_hint(pl, m, hint)
+    res, rounded = auto_resolution(pl, lags=lag_s or None)
+    sc = scale(pl, res, lag_s or None)
+    dur, lag = list(sc.durations), dict(sc.lags)
+    ms_lb = makespan_lower_bound(pl, m, memory_limit=limits)
+
+    # ---- longest paths (ticks): head(b) before b starts, tail(b) after b ends
+    g = pl.dependency_graph()
+    topo = list(nx.topological_sort(g))
+    head = [0] * K
+    for b in topo:
+        head[b] = max((head[a] + dur[a] + lag.get((a, b), 0) for a in pl.blocks[b].deps), default=0)
+    tail = [0] * K
+    for a in reversed(topo):
+        tail[a] = max((lag.get((a, c), 0) + dur[c] + tail[c] for c in g.successors(a)), default=0)
+    lb_ticks = max((head[b] + dur[b] + tail[b] for b in range(K)), default=0)
+    for d in range(n):
+        on = pl.blocks_on(d)
+        if on:
+            lb_ticks = max(lb_ticks, min(head[b] for b in on) + m * sum(dur[b] for b in on) + min(tail[b] for b in on))
+    if use_bound:
+        x = ms_lb / res
+        lb_ticks = max(lb_ticks, math.ceil(x - EXACT_REL_TOL * max(1.0, x)))
+    # an as-soon-as-possible schedule of any orders has a chain of instances and lags filling its
+    # makespan, so an optimum (which may be taken as-soon-as-possible) fits this horizon
+    horizon = m * (sum(dur) + sum(lag.values()))
+
+    # ---- the hint: its orders as soon as possible, in ticks, FIFO-relabelled
+    hint_starts: dict[Inst, int] | None = None
+    hint_span = None
+    hint_fits = False
+    if hint is not None:
+        hs = _asap(pl, hint.orders, dur, lag)
+        hint_starts = _fifo_relabel(hs, m, K) if fifo else hs
+        hint_span = max(hs[i] + dur[i[1]] for i in hs)
+        try:
+            hint.validate(limits)
+            horizon = min(horizon, hint_span)
+            hint_fits = True
+        except ScheduleError as e:
+            if hint_must_fit:
+                raise
+            log.warning("exact model: the hint does not fit the memory limit (%s); used as a hint only", e)
+
+    # ---- memory, per device (:func:`_add_memory`)
+    memory: list[_DeviceMemory] | None = None
+    as_alloc: list[list[tuple[int, int]]] = [[] for _ in range(K)]
+    as_free: list[list[tuple[int, int]]] = [[] for _ in range(K)]
+    if limits is not None:
+        memory = []
+        q = _quantum(pl)
+        for d in range(n):
+            cap = math.floor(Fraction(limits[d]) / q) - pl.static_bytes(d) // q
+            on = pl.blocks_on(d)
+            pieces = _activation_pieces(pl, d, q) if cumulative else None
+            raw = []
+            if pieces is None:
+                raw = [(b, int(pl.blocks[b].memory) // q) for b in on if int(pl.blocks[b].memory) // q]
+            grads = []
+            for s in pl.grad_segments_on(d):
+                wg = [b for b in on if pl.blocks[b].kind in ("B", "W") and pl.blocks[b].segment == s]
+                grads.append((wg, pl.grad_bytes(s) // q, pl.grad_transient_bytes(s) // q))
+            in_flight = _in_flight_precedences(pl, d, pieces, cap) if fifo and pieces is not None else []
+            for a, f, c in in_flight:
+                as_alloc[a].append((f, c))
+                as_free[f].append((a, c))
+            memory.append(_DeviceMemory(
+                cap=cap, raw=raw, grads=grads, in_flight=in_flight,
+                pieces=None if pieces is None else
+                [(a, f, k, dur[a] + tail[a] if f is None else _span(pl, a, f, dur, lag)) for a, f, k in pieces]))
+    succ = [sorted(g.successors(b)) for b in range(K)]
+    return ExactProblem(placement=pl, m=m, durations=dur, lags=lag, lags_s=lag_s, resolution=res, rounded=rounded,
+                        limits=limits, makespan_lower_bound=ms_lb, head=head, tail=tail, lb_ticks=lb_ticks,
+                        horizon=horizon, hint_starts=hint_starts, hint_span=hint_span, hint_fits=hint_fits,
+                        fifo=fifo, cumulative=cumulative, memory=memory, _succ=succ, _in_flight_as_alloc=as_alloc,
+                        _in_flight_as_free=as_free)
+
+
 # ----------------------------------------------------------------------------- the solver
 def exact_schedule(
     placement: Placement,
@@ -364,7 +790,6 @@ def exact_schedule(
             one micro-batch at a time needs).
         RunError: the model and the schedule built from its solution disagree (a bug here).
     """
-    from engine.tessel.search import InfeasibleMemoryError  # the search's error for the same refusal
 
     t0 = time.perf_counter()
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
@@ -373,95 +798,12 @@ def exact_schedule(
         raise TesselError(f"the time limit must be a positive number of seconds, got {time_limit!r}")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise TesselError(f"workers must be a positive integer, got {workers!r}")
-    pl = placement
-    K, n = len(pl.blocks), pl.num_devices
-    limits = _limits(pl, memory_limit)
-    if limits is not None:
-        floor = memory_floor(pl)
-        worst = max(range(n), key=lambda d: floor[d] - limits[d])
-        if floor[worst] > limits[worst]:
-            raise InfeasibleMemoryError(
-                f"memory limit {limits[worst]:g} is infeasible: device {worst} needs at least {floor[worst]:g} even "
-                f"with one micro-batch at a time; the smallest feasible limit is {max(floor):g}", max(floor), worst)
-    lag_s = _check_lags(pl, lags)
-    if hint is not None:
-        if hint.num_micro_batches != m or hint.placement.num_devices != n or \
-                [(b.kind, b.segment, b.devices, b.deps) for b in hint.placement.blocks] != \
-                [(b.kind, b.segment, b.devices, b.deps) for b in pl.blocks]:
-            raise TesselError("the hint must be a schedule of the same placement and number of micro-batches")
-        hint.validate()
-    res, rounded = auto_resolution(pl, lags=lag_s or None)
-    sc = scale(pl, res, lag_s or None)
-    dur, lag = sc.durations, sc.lags
-    ms_lb = makespan_lower_bound(pl, m, memory_limit=limits)
-
-    # ---- longest paths (ticks): head(b) before b starts, tail(b) after b ends
-    g = pl.dependency_graph()
-    topo = list(nx.topological_sort(g))
-    head = [0] * K
-    for b in topo:
-        head[b] = max((head[a] + dur[a] + lag.get((a, b), 0) for a in pl.blocks[b].deps), default=0)
-    tail = [0] * K
-    for a in reversed(topo):
-        tail[a] = max((lag.get((a, c), 0) + dur[c] + tail[c] for c in g.successors(a)), default=0)
-    lb_ticks = max((head[b] + dur[b] + tail[b] for b in range(K)), default=0)
-    for d in range(n):
-        on = pl.blocks_on(d)
-        if on:
-            lb_ticks = max(lb_ticks, min(head[b] for b in on) + m * sum(dur[b] for b in on) + min(tail[b] for b in on))
-    if use_bound:
-        x = ms_lb / res
-        lb_ticks = max(lb_ticks, math.ceil(x - EXACT_REL_TOL * max(1.0, x)))
-    # an as-soon-as-possible schedule of any orders has a chain of instances and lags filling its
-    # makespan, so an optimum (which may be taken as-soon-as-possible) fits this horizon
-    horizon = m * (sum(dur) + sum(lag.values()))
-
-    # ---- the hint: its orders as soon as possible, in ticks, FIFO-relabelled
-    hint_starts: dict[Inst, int] | None = None
-    hint_span = None
-    if hint is not None:
-        hs = _asap(pl, hint.orders, dur, lag)
-        hint_starts = _fifo_relabel(hs, m, K) if _fifo else hs
-        hint_span = max(hs[i] + dur[i[1]] for i in hs)
-        try:
-            hint.validate(limits)
-            horizon = min(horizon, hint_span)
-        except ScheduleError as e:
-            log.warning("exact_schedule: the hint does not fit the memory limit (%s); used as a hint only", e)
-
-    # ---- the model
-    model = cp_model.CpModel()
-    start: dict[Inst, cp_model.IntVar] = {}
-    iv: dict[Inst, cp_model.IntervalVar] = {}
-    for i in range(m):
-        for b in range(K):
-            lo = head[b] + (i * dur[b] if _fifo else 0)
-            hi = horizon - dur[b] - tail[b] - ((m - 1 - i) * dur[b] if _fifo else 0)
-            v = model.new_int_var(lo, max(lo, hi), f"s{i}_{b}")  # hi >= lo: the horizon holds an optimum
-            start[(i, b)] = v
-            iv[(i, b)] = model.new_fixed_size_interval_var(v, dur[b], f"iv{i}_{b}")
-    makespan = model.new_int_var(lb_ticks, max(lb_ticks, horizon), "makespan")
-    for i in range(m):
-        for b, spec in enumerate(pl.blocks):
-            for a in spec.deps:
-                model.add(start[(i, b)] >= start[(i, a)] + dur[a] + lag.get((a, b), 0))
-            model.add(makespan >= start[(i, b)] + dur[b] + tail[b])
-    if _fifo:
-        for b in range(K):
-            for i in range(m - 1):
-                model.add(start[(i + 1, b)] >= start[(i, b)] + dur[b])
-    for d in range(n):
-        insts = [(i, b) for b in pl.blocks_on(d) for i in range(m)]
-        if len(insts) > 1:
-            model.add_no_overlap([iv[x] for x in insts])
-    if limits is not None:
-        _add_memory(model, pl, m, start, makespan, max(lb_ticks, horizon), dur, lag, tail, limits, _fifo,
-                    _cumulative)
-    model.minimize(makespan)
-    if hint_starts is not None:
-        for inst, t in hint_starts.items():
-            model.add_hint(start[inst], t)
-        model.add_hint(makespan, max(hint_starts[i] + dur[i[1]] for i in hint_starts))
+    prob = prepare_exact(placement, m, memory_limit=memory_limit, lags=lags, hint=hint, use_bound=use_bound,
+                         fifo=_fifo, cumulative=_cumulative)
+    em = prob.build(hint=prob.hint_starts)
+    pl, model, start, makespan = placement, em.model, em.start, em.makespan
+    res, rounded, limits, ms_lb = prob.resolution, prob.rounded, prob.limits, prob.makespan_lower_bound
+    hint_span, horizon, lb_ticks = prob.hint_span, prob.horizon, prob.lb_ticks
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, time_limit - (time.perf_counter() - t0))
@@ -471,7 +813,7 @@ def exact_schedule(
     if code == cp_model.MODEL_INVALID:
         raise RunError(f"exact_schedule built an invalid CP-SAT model: {model.validate()}")
     status = _CP_STATUS.get(code, "unknown")
-    if status == "infeasible" and hint_span is not None and horizon == hint_span:
+    if status == "infeasible" and prob.hint_fits:
         raise RunError("exact_schedule: CP-SAT proved infeasible a model whose hint fits the memory limit (a bug)")
     solver_bound_ticks: int | None = None
     if status in ("optimal", "feasible", "unknown"):
@@ -485,13 +827,13 @@ def exact_schedule(
     if status in ("optimal", "feasible"):
         found = {inst: solver.value(v) for inst, v in start.items()}
         obj = solver.value(makespan)
-        orders = _orders(pl, m, found, dur)
+        orders = prob.orders(found)
         schedule = Schedule(pl, m, orders, "exact")
         try:
             schedule.validate(limits)
         except ScheduleError as e:
             raise RunError(f"exact_schedule: the schedule from the CP-SAT solution is invalid ({e}): a bug") from e
-        span_ticks = max(t + dur[b] for (_, b), t in _asap(pl, orders, dur, lag).items())
+        span_ticks = prob.span_ticks(orders)
         if span_ticks > obj:  # the model allowed what the orders cannot do: its bound stays a bound
             log.warning("exact_schedule: the solution's orders run in %d ticks, the model said %d; not optimal",
                         span_ticks, obj)
@@ -502,14 +844,7 @@ def exact_schedule(
                         " (use_bound: makespan_lower_bound exceeds the optimum)" if use_bound else "")
             status = "feasible"
             solver_bound_ticks = None
-        if lag_s:
-            real = _asap(pl, orders, [b.duration for b in pl.blocks], lag_s)
-            span = max(t + pl.blocks[b].duration for (_, b), t in real.items())
-        else:
-            from engine.dependency import lower
-            from engine.simulate import simulate
-
-            span = simulate(lower(schedule)).makespan
+        span = prob.span_units(schedule)
         if status == "optimal" and rounded:
             status = "optimal_at_resolution"
         schedule.meta["exact"] = {"status": status, "makespan": span, "makespan_ticks": span_ticks,
@@ -592,10 +927,8 @@ def _in_flight_precedences(pl: Placement, d: int, pieces: list[tuple[int, int | 
     return out
 
 
-def _add_memory(model: cp_model.CpModel, pl: Placement, m: int, start: dict[Inst, cp_model.IntVar],
-                makespan: cp_model.IntVar, horizon: int, dur: Sequence[int],
-                lag: dict[tuple[int, int], int], tail: Sequence[int], limits: list[float], fifo: bool,
-                cumulative: bool = True) -> None:
+def _add_memory(model: cp_model.CpModel, prob: ExactProblem, start: Mapping[Inst, cp_model.LinearExprT],
+                makespan: cp_model.IntVar, horizon: int, reach: Sequence[tuple[int, int] | None] | None) -> None:
     """Memory per device, in exact quanta, ``static + level <= limit`` (see the module docstring).
 
     The level is a sum of *terms*, each ``k`` quanta held on ``[s, e)`` (``e`` absent: to the end):
@@ -630,42 +963,57 @@ def _add_memory(model: cp_model.CpModel, pl: Placement, m: int, start: dict[Inst
     frees did not (at ``end(j, f)`` or later, and ``end(j, f) >= end(i, f) > t`` by FIFO): the level
     is at least ``(c + 1) K > cap``, as every other term is non-negative. Pure precedences, they
     let CP-SAT's precedence propagation see 1F1B-style in-flight limits at once.
+
+    A neighbourhood model (``reach`` given: per device, ``[earliest start, latest end)`` of its
+    free instances, ``None`` for a device without any) states the memory of a device with free
+    instances only; there, ``start`` maps fixed instances to numbers, and a term or event that is
+    fixed (constant times and literal) counts only where it can meet a free one: a cumulative
+    leaves out fixed intervals outside the reach, a reservoir sums the fixed events before the
+    reach into one event at time 0 and leaves out those after it. Sound because every free
+    instance, hence every variable time, stays inside its device's reach: outside it, which
+    terms are held at a time is the same as in the fixed solution, which fits the limit.
     """
-    q = _quantum(pl)
-    for d in range(pl.num_devices):
-        cap = math.floor(Fraction(limits[d]) / q) - pl.static_bytes(d) // q
-        on = pl.blocks_on(d)
-        pieces = _activation_pieces(pl, d, q) if cumulative else None
+    m, dur, tail, fifo = prob.m, prob.durations, prob.tail, prob.fifo
+    assert prob.memory is not None
+    for d, mem in enumerate(prob.memory):
+        rng = None if reach is None else reach[d]
+        if reach is not None and rng is None:
+            continue   # no free instance on d: its memory is as the fixed solution's
+        cap = mem.cap
         # (start, end or None, quanta, active literal, least size)
         terms: list[tuple[cp_model.LinearExprT, cp_model.LinearExprT | None, int, cp_model.LiteralT, int]] = []
         raw: list[tuple[cp_model.LinearExprT, int]] = []   # block memory events when not in pieces
-        if pieces is not None:
-            for a, f, k in pieces:
-                least = dur[a] + tail[a] if f is None else _span(pl, a, f, dur, lag)
+        if mem.pieces is not None:
+            for a, f, k, least in mem.pieces:
                 for i in range(m):
                     terms.append((start[(i, a)], None if f is None else start[(i, f)] + dur[f], k, True, least))
         else:
-            for b in on:
-                delta = int(pl.blocks[b].memory) // q
-                if delta:
-                    for i in range(m):
-                        raw.append((start[(i, b)] if delta > 0 else start[(i, b)] + dur[b], delta))
-        for s in pl.grad_segments_on(d):
-            wg = [b for b in on if pl.blocks[b].kind in ("B", "W") and pl.blocks[b].segment == s]
-            hold, trans = pl.grad_bytes(s) // q, pl.grad_transient_bytes(s) // q
+            for b, delta in mem.raw:
+                for i in range(m):
+                    raw.append((start[(i, b)] if delta > 0 else start[(i, b)] + dur[b], delta))
+        for wg, hold, trans in mem.grads:
             insts = [(i, b) for b in wg for i in range(m)]
             lit: dict[Inst, cp_model.LiteralT] = {}
             if hold:
                 cands = [(0, b) for b in wg] if fifo else insts
                 if len(cands) == 1:
                     lit[cands[0]] = True
+                elif all(_is_const(start[c]) for c in cands):   # a neighbourhood with the candidates fixed
+                    earliest = min(cands, key=lambda c: (cast(int, start[c]), c))
+                    for c in cands:
+                        lit[c] = c == earliest
                 else:
                     for c in cands:
-                        lit[c] = model.new_bool_var(f"first_d{d}_s{s}_{c[0]}_{c[1]}")
+                        lit[c] = model.new_bool_var(f"first_d{d}_s{wg[0]}_{c[0]}_{c[1]}")
                     model.add_exactly_one([lit[c] for c in cands])
                     for c in cands:
                         for x in (cands if fifo else insts):
-                            if x != c:
+                            if x == c:
+                                continue
+                            if _is_const(start[c]) and _is_const(start[x]):
+                                if cast(int, start[c]) > cast(int, start[x]):
+                                    model.add_bool_or([~lit[c]])
+                            else:
                                 model.add(start[c] <= start[x]).only_enforce_if(lit[c])
             for x in insts:
                 first = lit.get(x, False)
@@ -674,29 +1022,52 @@ def _add_memory(model: cp_model.CpModel, pl: Placement, m: int, start: dict[Inst
                 if trans and first is not True:
                     terms.append((start[x], start[x] + dur[x[1]], trans, True if first is False else ~first,
                                   dur[x[1]]))
-        if fifo and pieces is not None:
-            for a, f, c_ in _in_flight_precedences(pl, d, pieces, cap):
+        if fifo and mem.pieces is not None:
+            for a, f, c_ in mem.in_flight:
                 for i in range(m - c_):
-                    model.add(start[(i + c_, a)] >= start[(i, f)] + dur[f])
+                    if not _is_const(start[(i + c_, a)]) and not _is_const(start[(i, f)]):
+                        model.add(start[(i + c_, a)] >= start[(i, f)] + dur[f])
         if not terms and not raw:
             continue
-        if cumulative and pieces is not None and all(t[3] is True for t in terms):
+        if prob.cumulative and mem.pieces is not None and all(t[3] is True for t in terms):
             intervals, demands = [], []
             for k_, (s0, e0, k, _, least) in enumerate(terms):
                 if e0 is not None and least == 0:
                     continue   # an empty interval counts nowhere (nor does the reservoir's +k/-k at one time)
+                if rng is not None and _is_const(s0) and (e0 is None or _is_const(e0)):
+                    s_fixed, e_fixed = cast(int, s0), None if e0 is None else cast(int, e0)
+                    if s_fixed >= rng[1] or (e_fixed is not None and e_fixed <= rng[0]):
+                        continue   # fixed, and away from every free instance
+                    if e_fixed is not None:
+                        if e_fixed > s_fixed:
+                            intervals.append(model.new_fixed_size_interval_var(s_fixed, e_fixed - s_fixed,
+                                                                               f"mem_d{d}_{k_}"))
+                            demands.append(k)
+                        continue
                 end = makespan + 1 if e0 is None else e0
                 size = model.new_int_var(min(least + (e0 is None), horizon + 1), horizon + 1, f"mem_d{d}_{k_}")
                 intervals.append(model.new_interval_var(s0, size, end, f"mem_d{d}_{k_}"))
                 demands.append(k)
             model.add_cumulative(intervals, demands, max(cap, 0))
-
             continue
         events: list[tuple[cp_model.LinearExprT, int, cp_model.LiteralT]] = [(t, k, True) for t, k in raw]
         for s0, e0, k, active, _ in terms:
             events.append((s0, k, active))
             if e0 is not None:
                 events.append((e0, -k, active))
+        if rng is not None:
+            base, kept = 0, []
+            for t, k, active in events:
+                if _is_const(t) and isinstance(active, bool):
+                    if active is False or cast(int, t) > rng[1]:
+                        continue
+                    if cast(int, t) < rng[0]:
+                        base += k
+                        continue
+                kept.append((t, k, active))
+            events = ([(0, base, True)] if base else []) + kept
+            if not events:
+                continue
         times = [e[0] for e in events]
         changes = [e[1] for e in events]
         low = -sum(abs(c) for c in changes) - 1

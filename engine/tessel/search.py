@@ -31,6 +31,7 @@ from engine.tessel.bounds import (
 from engine.tessel.comm import asap_makespan, transfer_lags
 from engine.tessel.completion import complete, to_schedule, unrolled
 from engine.tessel.defer import defer_sinks, unrolled_makespan
+from engine.tessel.improve import improve_schedule
 from engine.tessel.period_search import (
     MODEL_INSTANCES_PER_S,
     STEP_SHARE,
@@ -59,12 +60,23 @@ if TYPE_CHECKING:
 COMPLETION_DET_PER_S = 0.1
 
 #: Share of ``time_limit`` (less the time kept for building the schedule) the repetend phases may
-#: use in nominal seconds (their deterministic clock, :mod:`engine.tessel.period_search`), and
-#: the completion's share. Together about half of the limit, so a machine up to about 1.7x
-#: slower than the calibration (e.g. two busy processes on two cores) still ends every solve on
-#: its deterministic budget, not on the wall clock, and gives the same schedule.
-NOMINAL_SHARE = 0.4
-COMPLETION_SHARE = 0.15
+#: use in nominal seconds (their deterministic clock, :mod:`engine.tessel.period_search`), the
+#: completion's share, and (below) the improvement's. Together about 60% of the limit, so a machine
+#: about 1.5x slower than the calibration (two busy processes on two cores) still ends every solve
+#: on its deterministic budget, not on the wall clock, and gives the same schedule.
+NOMINAL_SHARE = 0.3
+COMPLETION_SHARE = 0.08
+
+#: Share of ``time_limit`` (wall seconds) the large-neighbourhood search on the whole schedule
+#: (:func:`engine.tessel.improve.improve_schedule`) may take, on a deterministic budget of
+#: :data:`IMPROVE_DET_PER_S` per second of it; it runs only where at least :data:`IMPROVE_MIN_S`
+#: seconds (plus the time to build its models) are left. Measured on a 2-core x86 machine: one
+#: deterministic second of it is 8-13 wall seconds; 0.3 deterministic s takes M on 4 devices, limit
+#: 6, m=16 from 140 to 127 units, 1.0 takes m=64 from 540 to 499 and X on 8 devices, limit 6, m=64
+#: from 464 to 399 (bound 393).
+IMPROVE_SHARE = 0.22
+IMPROVE_DET_PER_S = 0.08
+IMPROVE_MIN_S = 0.2
 
 #: Block instances (placement blocks x micro-batches) per second the seed phase's probe (the
 #: memory-aware 1F1B policy on 48 micro-batches, lowered and simulated) handles at least. Measured
@@ -272,6 +284,7 @@ def tessel_search(
     window_micro_batches: int | None = None,
     fallback_baselines: bool = False,
     completion_stall: float | None = None,
+    improve: bool = True,
 ) -> SearchResult:
     """Find a repetend of minimal period and complete it into a schedule of ``m`` micro-batches.
 
@@ -289,7 +302,8 @@ def tessel_search(
     makespan for ``m`` does not grow and memory fits, and the shortest wins (on the split V
     placement this yields ZB-H1's schedule); (3) completion: the unrolled repetend and, unless
     it already reaches the makespan lower bound, a CP-SAT-compacted warmup/cooldown, keeping the
-    one with the shorter simulated makespan.
+    one with the shorter simulated makespan; (4) a large-neighbourhood search on the whole schedule
+    (``improve``).
 
     Args:
         placement: the blocks of one micro-batch (training or forward-only).
@@ -356,6 +370,12 @@ def tessel_search(
             case 3.96 s -> 1.8 s) and leaves m=16 makespans up to 9% longer in 5 of 20 cases
             (m=64 within 1%). Wall-clock based, so a solve it stops may differ between runs even
             with ``workers=1``. ``None`` (default): deterministic, as described above.
+        improve: (4) re-solve windows of the whole schedule with CP-SAT, starting from the one phases
+            1-3 (and the fallback) give (:func:`engine.tessel.improve.improve_schedule`: the
+            warmup, the cooldown and the steady state, e.g. all-device blocks of several
+            micro-batches grouped, which no repetend of up to three micro-batches holds), on
+            :data:`IMPROVE_SHARE` of ``time_limit``; ``schedule.meta["tessel"]["improve"]`` says
+            what it did. ``False``: phases 1-3 only.
 
     Returns:
         :class:`SearchResult`.
@@ -496,8 +516,11 @@ def tessel_search(
     steps = clock.steps
     best = c.best
     # the memory-time term of the bound is quadratic in the blocks: a share of what time is left
-    # Little's law on memory is linear in m: its rate, computed before the search, times m
-    ms_lb = max(makespan_lower_bound(placement, m, lags=lags, tail=list(tail) if tail else None), m * rate_s)
+    # the memory-aware terms grow with the blocks (quadratic) and m: a share of what time is left
+    ms_lb = max(makespan_lower_bound(placement, m, memory_limit=caps, lags=lags, tail=list(tail) if tail else None,
+                                     deadline=time.perf_counter() + max(0.05 * time_limit,
+                                                                        0.1 * (deadline - time.perf_counter()))),
+                m * rate_s)
     # (2b) sink deferral (defer.py): the best repetend, and the policy's steady states with the
     # same period per micro-batch, each with its sinks (e.g. W blocks) deferred while the
     # unrolled makespan does not grow and memory fits; the shortest unrolled makespan wins.
@@ -576,8 +599,26 @@ def tessel_search(
     schedule.meta["tessel"]["pure_makespan"] = chosen[0]
     if fallback_baselines and not (control is not None and control.cancelled):
         schedule = _fallback(placement, m, comp_caps, chosen, schedule.meta, step_makespan)
-    schedule.validate(caps)
+    # (4) large-neighbourhood search on the whole schedule (improve.py), on its own deterministic
+    # budget, unless the schedule is at the lower bound or the time left cannot build its models
     makespan = step_makespan(schedule)
+    wall_left = t_start + time_limit - finish_s - time.perf_counter()
+    improve_s = min(IMPROVE_SHARE * time_limit, wall_left)
+    schedule.meta["tessel"]["improve"] = "not run"
+    if (improve and objective == "throughput" and makespan > ms_lb * (1 + 1e-9)
+            and improve_s > IMPROVE_MIN_S + len(placement.blocks) * m / MODEL_INSTANCES_PER_S
+            and not (control is not None and control.cancelled)):
+        better = improve_schedule(placement, schedule, memory_limit=comp_caps, lags=lags, evaluate=step_makespan,
+                                  deterministic_time=IMPROVE_DET_PER_S * improve_s,
+                                  time_limit=min(wall_left, WALL_GUARD_FACTOR * improve_s), seed=seed)
+        wall_guard["hit"] = wall_guard["hit"] or better.wall_guard_hit
+        schedule.meta["tessel"]["improve"] = {"before": better.before, "after": better.makespan,
+                                              "rounds": better.rounds, "stop": better.stop}
+        if better.improved:
+            schedule, makespan = better.schedule, better.makespan
+            schedule.meta["tessel"] = {**schedule.meta["tessel"], "improved_from": schedule.meta["tessel"].get(
+                "completion")}
+    schedule.validate(caps)
     index = {b.key: i for i, b in enumerate(placement.blocks)}
     orders = [[(blk.micro_batch, index[blk.key]) for blk in order] for order in schedule.orders]
     tail_ticks = [one.sc.ticks(t) for t in tail] if tail else None

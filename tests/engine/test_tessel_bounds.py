@@ -102,11 +102,15 @@ def test_memory_bound_on_tight_v_and_m():
     """V with room for one micro-batch per device runs them one at a time: ``m (n F + n B)``,
     which the memory-time bound gives exactly. On M (4 devices, limit 6) device 0 holds two
     activations through the 12-unit chain F1 .. B1, all outside the 3 all-device units of each
-    micro-batch: ``T >= 3 m + 2 * 12 m / 6 = 7 m``, above its 6 m of work."""
+    micro-batch: ``T >= 3 m + 2 * 12 m / 6 = 7 m``, above its 6 m of work. The in-flight bound
+    adds the granularity Little's law averages away: 3 micro-batches fit, so micro-batches 0, 3,
+    .., 63 (22 of them) hold device 0's activations one after another, 12 non-all-device units
+    each: ``T >= 22 * 12 + 3 * 64 = 456``."""
     v = make_shape("v", 3)
     assert memory_time_bound(v, 4, 1) == 4 * 9
     assert optimal_makespan(v, 4, memory_limit=1) == 4 * 9
-    assert makespan_lower_bound(make_shape("m", 4), 64, memory_limit=6) == 7 * 64
+    assert memory_time_bound(make_shape("m", 4), 64, 6) == 7 * 64
+    assert makespan_lower_bound(make_shape("m", 4), 64, memory_limit=6) == 22 * 12 + 3 * 64
     assert makespan_lower_bound(make_shape("m", 4), 64) == 6 * 64 + 9  # no limit: the work bound
     with pytest.raises(ValueError, match="2 values for 4 devices"):
         memory_time_bound(make_shape("m", 4), 8, [6, 6])
