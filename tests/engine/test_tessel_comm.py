@@ -82,15 +82,16 @@ def test_fan_out_to_an_all_device_block_is_serialised():
 
 @pytest.mark.parametrize("shape,limit", [("v", None), ("v", 6), ("x", 6), ("k", None), ("nn", 9)])
 def test_comm_aware_search_equals_its_simulation(shape, limit):
-    """With transfers of 1 unit (F=1, B=2), the search's own makespan (its tick model with lags)
-    equals the simulated one exactly, and seeing the lags gives a schedule that is no longer in
-    the simulator than the one a communication-blind search picks."""
+    """With transfers of 1 unit (F=1, B=2), the search's makespan is the simulated one, its own tick
+    model (durations and lags, no queue of sends on a device) is never longer and within 5% of it
+    (the improvement phase schedules in that model, where sends do not queue), and seeing the lags gives a schedule that is no longer in the simulator than the one a
+    communication-blind search picks."""
     pl = with_tensors(shape, 4)
     comm = FixedLink(1.0)
     aware = tessel_search(pl, 16, memory_limit=limit, time_limit=5, comm=comm)
     simulated = simulate(lower(aware.schedule), comm).makespan
     assert aware.makespan == pytest.approx(simulated)
-    assert aware.solver_makespan == pytest.approx(simulated)
+    assert 0.95 * simulated <= aware.solver_makespan <= simulated + 1e-9
     blind = tessel_search(pl, 16, memory_limit=limit, time_limit=5)
     assert aware.makespan <= simulate(lower(blind.schedule), comm).makespan + 1e-9
     assert blind.makespan < simulate(lower(blind.schedule), comm).makespan   # the blind search under-predicts

@@ -180,7 +180,8 @@ def test_placements_tells_the_truth(executed):
     limit, shapes = p["limit"], p["shapes"]
     assert set(shapes) == {"v", "x", "m", "nn", "k"}
     for s, r in shapes.items():
-        assert r["optimal"] and not r["timed_out"], s
+        # "optimal for the window the search settled on"; "M and NN ... windows of 3 still undecided"
+        assert r["optimal"] and r["timed_out"] == (s in ("m", "nn")), s
         assert r["tessel_peak"] <= limit and r["1f1b_peak"] <= limit, s
         assert r["gpipe_over"] == (r["gpipe_peak"] > limit), s
         assert r["gpipe_over"], s                       # "GPipe's rows are over the limit on every shape"
