@@ -147,16 +147,50 @@ def test_notebook_executes_cleanly(name, executed):
     assert len(panel) >= {"quickstart": 6, "placements": 2, "gnn": 3}[name]
 
 
+#: A number in a cell's text (integers, decimals, exponents).
+_NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+#: Relative tolerance between a saved number and a fresh one. The ``cpu`` device table is derived
+#: from the host (``engine.cost.devices.cpu_device``: cores x the ``cpu MHz`` of ``/proc/cpuinfo``),
+#: which differs by a few percent between machines of the same kind (2596 vs about 2550 MHz seen:
+#: the quickstart's period 2.290 vs 2.329 ms, the GNN plan's predicted epoch 32.7 vs 33.3 ms); the
+#: abstract-unit tables do not move at all, and a changed schedule moves them by far more (7 -> 8).
+NUMBER_RTOL = 0.05
+
+
+def _same_up_to_host(fresh: str, saved: str) -> str | None:
+    """None when ``fresh`` reads as ``saved`` (the same words and spacing up to the width of runs of
+    spaces, the same count of numbers, each within :data:`NUMBER_RTOL`), else a sentence naming the
+    first difference."""
+    # runs of spaces collapsed: a table's columns widen with a number one digit longer
+    words_f, words_s = ([re.sub(r"\s+", " ", w) for w in _NUMBER.split(t)] for t in (fresh, saved))
+    if words_f != words_s:
+        first = next((i for i, (a, b) in enumerate(zip(words_f, words_s)) if a != b), min(len(words_f), len(words_s)))
+        return f"text differs near {(words_f + [''])[first]!r} vs {(words_s + [''])[first]!r}"
+    for a, b in zip(_NUMBER.findall(fresh), _NUMBER.findall(saved)):
+        if not math.isclose(float(a), float(b), rel_tol=NUMBER_RTOL, abs_tol=0.051):
+            return f"{a} now, {b} saved"
+    return None
+
+
+def test_same_up_to_host_reads_numbers_with_tolerance_and_words_exactly():
+    assert _same_up_to_host("period 2.329 ms (bound 2.308)", "period 2.290 ms (bound 2.268)") is None
+    assert _same_up_to_host("period 8.0", "period 7.0") == "8.0 now, 7.0 saved"
+    assert _same_up_to_host("M  8", "NN  8") is not None
+    assert _same_up_to_host("a 1 2", "a 1") is not None
+    assert _same_up_to_host("x    9.9\ny   10.0", "x   10.1\ny   10.0") is None
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_saved_results_equal_a_fresh_run(name, executed):
-    """The cells tagged ``deterministic`` (the search periods, the tables) print exactly what the
-    saved notebook shows."""
+    """The cells tagged ``deterministic`` (the search periods, the tables) print what the saved
+    notebook shows: the same text, numbers within :data:`NUMBER_RTOL` (the host's CPU table)."""
     nb, _ = executed(name)
     saved = _saved(name)
     tagged = [i for i, c in enumerate(saved.cells) if "deterministic" in c.metadata.get("tags", [])]
     assert tagged
     for i in tagged:
-        assert _text(nb.cells[i]) == _text(saved.cells[i]), f"{name} cell {i}"
+        diff = _same_up_to_host(_text(nb.cells[i]), _text(saved.cells[i]))
+        assert diff is None, f"{name} cell {i}: {diff}"
 
 
 def test_quickstart_tells_the_truth(executed):
