@@ -84,8 +84,9 @@ def test_fan_out_to_an_all_device_block_is_serialised():
 def test_comm_aware_search_equals_its_simulation(shape, limit):
     """With transfers of 1 unit (F=1, B=2), the search's makespan is the simulated one, its own tick
     model (durations and lags, no queue of sends on a device) is never longer and within 5% of it
-    (the improvement phase schedules in that model, where sends do not queue), and seeing the lags gives a schedule that is no longer in the simulator than the one a
-    communication-blind search picks."""
+    (the improvement phase schedules in that model, where sends do not queue), and seeing the lags
+    gives a schedule that is no longer in the simulator than the one a communication-blind search
+    picks."""
     pl = with_tensors(shape, 4)
     comm = FixedLink(1.0)
     aware = tessel_search(pl, 16, memory_limit=limit, time_limit=5, comm=comm)
