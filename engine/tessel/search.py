@@ -69,7 +69,8 @@ COMPLETION_SHARE = 0.08
 
 #: Share of ``time_limit`` (wall seconds) the large-neighbourhood search on the whole schedule
 #: (:func:`engine.tessel.improve.improve_schedule`) may take, on a deterministic budget of
-#: :data:`IMPROVE_DET_PER_S` per second of it; it runs only where at least :data:`IMPROVE_MIN_S`
+#: :data:`IMPROVE_DET_PER_S` per second of it (plus the nominal seconds the repetend phases left
+#: unused, also deterministic: X on 16 devices, loose limit, 436 -> 428); it runs only where at least :data:`IMPROVE_MIN_S`
 #: seconds (plus the time to build its models) are left. Measured on a 2-core x86 machine: 0.06-0.12
 #: deterministic s per wall second (NN on 4 devices, limit 9, m=16: 0.128 in 2.0 s); 0.3
 #: deterministic s takes M on 4 devices, limit 6, m=16 from 140 to 127 units, 1.0 takes m=64 from
@@ -600,13 +601,17 @@ def tessel_search(
     # budget, unless the schedule is at the lower bound or the time left cannot build its models
     makespan = step_makespan(schedule)
     wall_left = t_start + time_limit - finish_s - time.perf_counter()
-    improve_s = min(IMPROVE_SHARE * time_limit, wall_left)
+    # the repetend phases' nominal seconds they did not use (a window proven early, the bound
+    # reached) go to the improvement: deterministic, so the schedule still does not depend on load
+    spare_s = max(0.0, clock.left_s()) if not clock.timed_out else 0.0
+    improve_nominal = IMPROVE_SHARE * time_limit + spare_s
+    improve_s = min(improve_nominal, wall_left)
     schedule.meta["tessel"]["improve"] = "not run"
     if (improve and objective == "throughput" and makespan > ms_lb * (1 + 1e-9)
             and improve_s > IMPROVE_MIN_S + len(placement.blocks) * m / MODEL_INSTANCES_PER_S
             and not (control is not None and control.cancelled)):
         better = improve_schedule(placement, schedule, memory_limit=comp_caps, lags=lags, evaluate=step_makespan,
-                                  deterministic_time=IMPROVE_DET_PER_S * improve_s,
+                                  deterministic_time=IMPROVE_DET_PER_S * improve_nominal,
                                   time_limit=min(wall_left, WALL_GUARD_FACTOR * improve_s), seed=seed)
         wall_guard["hit"] = wall_guard["hit"] or better.wall_guard_hit
         schedule.meta["tessel"]["improve"] = {"before": better.before, "after": better.makespan,
