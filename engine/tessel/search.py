@@ -71,8 +71,8 @@ COMPLETION_SHARE = 0.08
 #: (:func:`engine.tessel.improve.improve_schedule`) may take, on a deterministic budget of
 #: :data:`IMPROVE_DET_PER_S` per second of it (plus the nominal seconds the repetend phases left
 #: unused, also deterministic: X on 16 devices, loose limit, 436 -> 428); it runs only where at
-#: least :data:`IMPROVE_MIN_S` seconds (plus the time to build its models) are left. Measured on a 2-core x86 machine: 0.06-0.12
-#: deterministic s per wall second (NN on 4 devices, limit 9, m=16: 0.128 in 2.0 s); 0.3
+#: least :data:`IMPROVE_MIN_S` seconds (plus the time to build its models) are left. Measured on a
+#: 2-core x86 machine: 0.06-0.12 deterministic s per wall second (NN on 4 devices, limit 9, m=16: 0.128 in 2.0 s); 0.3
 #: deterministic s takes M on 4 devices, limit 6, m=16 from 140 to 127 units, 1.0 takes m=64 from
 #: 540 to 499 and X on 8 devices, limit 6, m=64 from 464 to 399 (bound 393).
 IMPROVE_SHARE = 0.22
