@@ -72,9 +72,9 @@ COMPLETION_SHARE = 0.08
 #: :data:`IMPROVE_DET_PER_S` per second of it (plus the nominal seconds the repetend phases left
 #: unused, also deterministic: X on 16 devices, loose limit, 436 -> 428); it runs only where at
 #: least :data:`IMPROVE_MIN_S` seconds (plus the time to build its models) are left. Measured on a
-#: 2-core x86 machine: 0.06-0.12 deterministic s per wall second (NN on 4 devices, limit 9, m=16: 0.128 in 2.0 s); 0.3
-#: deterministic s takes M on 4 devices, limit 6, m=16 from 140 to 127 units, 1.0 takes m=64 from
-#: 540 to 499 and X on 8 devices, limit 6, m=64 from 464 to 399 (bound 393).
+#: 2-core x86 machine: 0.06-0.12 deterministic s per wall second (NN on 4 devices, limit 9, m=16:
+#: 0.128 in 2.0 s); 0.3 deterministic s takes M on 4 devices, limit 6, m=16 from 140 to 127 units,
+#: 1.0 takes m=64 from 540 to 499 and X on 8 devices, limit 6, m=64 from 464 to 399 (bound 393).
 IMPROVE_SHARE = 0.22
 IMPROVE_DET_PER_S = 0.08
 IMPROVE_MIN_S = 0.2
@@ -375,8 +375,8 @@ def tessel_search(
             1-3 (and the fallback) give (:func:`engine.tessel.improve.improve_schedule`: the
             warmup, the cooldown and the steady state, e.g. all-device blocks of several
             micro-batches grouped, which no repetend of up to three micro-batches holds), on
-            :data:`IMPROVE_SHARE` of ``time_limit``; ``schedule.meta["tessel"]["improve"]`` says
-            what it did. ``False``: phases 1-3 only.
+            :data:`IMPROVE_SHARE` of ``time_limit`` plus the nominal seconds phase 1 left unused;
+            ``schedule.meta["tessel"]["improve"]`` says what it did. ``False``: phases 1-3 only.
 
     Returns:
         :class:`SearchResult`.
@@ -577,14 +577,15 @@ def tessel_search(
     # whether it runs is decided on its own nominal budget (deterministic); the wall clock only guards
     comp_build_s = 6 * len(c.pl.blocks) / MODEL_INSTANCES_PER_S  # about six copies of the window
     comp_cap = COMPLETION_SHARE * time_limit
-    wants = (comp_cap > max(0.05, 2 * comp_build_s) and max(best.offsets, default=0) > 0 and not at_bound
+    comp_need_s = max(0.05, 2 * comp_build_s)
+    wants = (comp_cap > comp_need_s and max(best.offsets, default=0) > 0 and not at_bound
              and not (control is not None and control.cancelled))
-    if wants and remaining <= max(0.05, 2 * comp_build_s):
+    if wants and remaining <= comp_need_s:
         wall_guard["hit"] = True
-    if wants and remaining > max(0.05, 2 * comp_build_s):
+    elif wants:
         # reschedule the partial copies and two complete ones at each end (W blocks deferred
         # across the whole steady state are the deferral's job, above). The budget is CP-SAT
-        # deterministic time (reproducible); the wall clock (twice the budget's usual duration,
+        # deterministic time (reproducible); the wall clock (WALL_GUARD_FACTOR times the budget,
         # never past the deadline) only guards a much slower or loaded machine.
         comp = complete(c.pl, c.sc, best, m_windows, memory_cap=comp_caps,
                         time_limit=min(remaining, WALL_GUARD_FACTOR * comp_cap), seed=seed, free_copies=2,
@@ -600,7 +601,7 @@ def tessel_search(
     # (4) large-neighbourhood search on the whole schedule (improve.py), on its own deterministic
     # budget, unless the schedule is at the lower bound or the time left cannot build its models
     makespan = step_makespan(schedule)
-    wall_left = t_start + time_limit - finish_s - time.perf_counter()
+    wall_left = deadline - time.perf_counter()
     # the repetend phases' nominal seconds they did not use (a window proven early, the bound
     # reached) go to the improvement: deterministic, so the schedule still does not depend on load
     spare_s = max(0.0, clock.left_s()) if not clock.timed_out else 0.0

@@ -54,42 +54,40 @@ def test_no_stall_means_plain_solve():
     assert _solve_with_stall_stop(solver, _hard_model(), None) in (cp_model.FEASIBLE, cp_model.OPTIMAL)
 
 
-def test_search_passes_the_stall_to_completion_and_gives_a_valid_schedule(monkeypatch):
+def _spy_completions(monkeypatch) -> list[tuple[dict, object]]:
+    """Every call tessel_search makes to ``complete``: (its keyword arguments, its result)."""
     import engine.tessel.search as search_mod
 
-    seen = []
+    calls: list[tuple[dict, object]] = []
     real = search_mod.complete
 
     def spy(*a, **kw):
-        seen.append(kw.get("stall"))
-        return real(*a, **kw)
+        out = real(*a, **kw)
+        calls.append((kw, out))
+        return out
 
     monkeypatch.setattr(search_mod, "complete", spy)
+    return calls
+
+
+def test_search_passes_the_stall_to_completion_and_gives_a_valid_schedule(monkeypatch):
+    calls = _spy_completions(monkeypatch)
     pl = make_shape("m", 4, activation=2)
     res = tessel_search(pl, 16, memory_limit=20, time_limit=10, completion_stall=0.2)
     res.schedule.validate(20)   # dependencies hold and the memory limit is respected
     assert res.schedule.num_micro_batches == 16
-    assert seen == [0.2]
+    assert [kw.get("stall") for kw, _ in calls] == [0.2]
     assert res.schedule.meta["tessel"]["pure_makespan"] >= res.makespan_lower_bound - 1e-9
 
 
 def test_completion_ends_on_deterministic_time_and_repeats_exactly(monkeypatch):
     """A completion that is not proven optimal ends on CP-SAT's deterministic-time budget, not
     on the wall clock, so two runs give the same schedule whatever the machine's load."""
-    import engine.tessel.search as search_mod
-
-    statuses = []
-    real = search_mod.complete
-
-    def spy(*a, **kw):
-        out = real(*a, **kw)
-        statuses.append((kw.get("deterministic_time"), out.status))
-        return out
-
-    monkeypatch.setattr(search_mod, "complete", spy)
+    calls = _spy_completions(monkeypatch)
     pl = make_shape("x", 8, activation=2)
     a = tessel_search(pl, 16, memory_limit=22, time_limit=10)
     b = tessel_search(pl, 16, memory_limit=22, time_limit=10)
+    statuses = [(kw.get("deterministic_time"), out.status) for kw, out in calls]
     assert len(statuses) == 2 and statuses[0] == statuses[1]
     det, status = statuses[0]
     assert det is not None and det > 0 and status == "feasible"   # ended on its deterministic budget

@@ -155,6 +155,9 @@ _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 #: the quickstart's period 2.290 vs 2.329 ms, the GNN plan's predicted epoch 32.7 vs 33.3 ms); the
 #: abstract-unit tables do not move at all, and a changed schedule moves them by far more (7 -> 8).
 NUMBER_RTOL = 0.05
+#: Absolute tolerance for numbers near zero, where 5% is below the rounding of a one-decimal table
+#: (half its last unit, plus a hair).
+NUMBER_ATOL = 0.051
 
 
 def _same_up_to_host(fresh: str, saved: str) -> str | None:
@@ -167,7 +170,7 @@ def _same_up_to_host(fresh: str, saved: str) -> str | None:
         first = next((i for i, (a, b) in enumerate(zip(words_f, words_s)) if a != b), min(len(words_f), len(words_s)))
         return f"text differs near {(words_f + [''])[first]!r} vs {(words_s + [''])[first]!r}"
     for a, b in zip(_NUMBER.findall(fresh), _NUMBER.findall(saved)):
-        if not math.isclose(float(a), float(b), rel_tol=NUMBER_RTOL, abs_tol=0.051):
+        if not math.isclose(float(a), float(b), rel_tol=NUMBER_RTOL, abs_tol=NUMBER_ATOL):
             return f"{a} now, {b} saved"
     return None
 
