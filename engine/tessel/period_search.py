@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import networkx as nx
+
 from engine.placement import Placement
 from engine.tessel.repetend import (
     Repetend,
@@ -371,8 +373,6 @@ class PeriodSearch:
 
 def critical_ticks(placement: Placement, sc) -> int:
     """The critical path of one micro-batch in solver ticks (durations and lags)."""
-    import networkx as nx
-
     g = placement.dependency_graph()
     longest: dict[int, int] = {}
     for i in nx.topological_sort(g):
