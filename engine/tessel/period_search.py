@@ -182,7 +182,7 @@ class PeriodSearch:
         objective: ``"throughput"`` or ``"latency"``; ``rate_ticks``: ticks per micro-batch no
         repetend can beat (the rate bound); ``clock``: the deterministic clock; ``time_limit``:
         seconds, which the shares of the module's constants are of; ``seed``, ``workers``: CP-SAT's;
-        ``control``: a :class:`~engine.tessel.search.SearchControl` or ``None``; ``on_step``:
+        ``control``: a :class:`~engine.tessel.control.SearchControl` or ``None``; ``on_step``:
         ``(window, period_tried, status) -> None`` after every solve (progress reporting).
     """
 

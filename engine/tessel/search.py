@@ -4,31 +4,31 @@
 whose ``schedule`` is an ordinary :class:`~engine.schedule.Schedule` (the simulator, plan I/O, UI
 and runtime treat it like a baseline), with the repetend, the bounds and the gap to them.
 
-The phases, one function each, in the order :func:`tessel_search` calls them:
+The phases, one function each in the order :func:`tessel_search` calls them (numbered as
+:class:`~engine.tessel.result.SearchResult` and :func:`tessel_search`'s arguments count them):
 
-1. :func:`_seed_phase`: the memory-aware 1F1B policy's periodic steady states
-   (:mod:`engine.tessel.seed`) seed the windows of their size (skipped where the policy probe
-   would not fit its share of the time, and for the latency objective);
-2. :func:`_period_phase` (:mod:`engine.tessel.period_search`): ``r = 1`` micro-batch per window
-   (or the fixed ``window_micro_batches``) bisects its window length from the lower bound, a
-   CP-SAT feasibility solve per step; windows of ``r = 2 .. max_window_micro_batches`` refine it
-   in rounds of growing per-solve budgets, each size trying the longest window that beats the
-   best period per micro-batch so far and bisecting below it, no window tried below the rate
-   bound (busiest device, Little's law on memory); then, at the best window, a CP-SAT solve for
-   the least micro-batch latency (which sets the warmup + cooldown length; never longer than
-   before) and then the least memory;
-3. :func:`_deferral_phase` (:mod:`engine.tessel.defer`): the best repetend and the policy steady
-   states of the same period get their sinks (e.g. ``W`` blocks) deferred by whole windows while
-   the unrolled makespan for ``m`` does not grow and memory fits, and the shortest wins (on the
-   split V placement this yields ZB-H1's schedule);
-4. :func:`_completion_phase` (:mod:`engine.tessel.completion`): the unrolled repetend and, unless
-   it already reaches the makespan lower bound, a CP-SAT-compacted warmup/cooldown, keeping the
-   one with the shorter simulated makespan;
-5. :func:`_fallback` (``fallback_baselines``): the memory-aware 1F1B and GPipe policies where one
-   is shorter;
-6. :func:`_improvement_phase` (:mod:`engine.tessel.improve`): a large-neighbourhood search on the
-   whole schedule;
-7. :func:`_result`: the schedule validated, its makespan in the solver's tick model, the times.
+* (1) :func:`_seed_phase`: the memory-aware 1F1B policy's periodic steady states
+  (:mod:`engine.tessel.seed`) seed the windows of their size (skipped where the policy probe
+  would not fit its share of the time, and for the latency objective);
+* (1, 2) :func:`_period_phase` (:mod:`engine.tessel.period_search`): ``r = 1`` micro-batch per
+  window (or the fixed ``window_micro_batches``) bisects its window length from the lower bound,
+  a CP-SAT feasibility solve per step; windows of ``r = 2 .. max_window_micro_batches`` refine it
+  in rounds of growing per-solve budgets, each size trying the longest window that beats the
+  best period per micro-batch so far and bisecting below it, no window tried below the rate
+  bound (busiest device, Little's law on memory); (2) at the best window, a CP-SAT solve for the
+  least micro-batch latency (which sets the warmup + cooldown length; never longer than before)
+  and then the least memory;
+* (2b) :func:`_deferral_phase` (:mod:`engine.tessel.defer`): the best repetend and the policy
+  steady states of the same period get their sinks (e.g. ``W`` blocks) deferred by whole windows
+  while the unrolled makespan for ``m`` does not grow and memory fits, and the shortest wins (on
+  the split V placement this yields ZB-H1's schedule);
+* (3) :func:`_completion_phase` (:mod:`engine.tessel.completion`): the unrolled repetend and,
+  unless it already reaches the makespan lower bound, a CP-SAT-compacted warmup/cooldown, keeping
+  the one with the shorter simulated makespan; with ``fallback_baselines``, :func:`_fallback`: the
+  memory-aware 1F1B or GPipe policy where one is shorter;
+* (4) :func:`_improvement_phase` (:mod:`engine.tessel.improve`): a large-neighbourhood search on
+  the whole schedule;
+* :func:`_result`: the schedule validated, its makespan in the solver's tick model, the times.
 
 Search control: a wall-clock ``time_limit`` split among the phases by a
 :class:`~engine.tessel.budget.SearchBudget` (the best solution found so far is returned when it
@@ -199,22 +199,14 @@ def tessel_search(
     budget = SearchBudget.for_search(placement, m, time_limit, fallback_baselines=fallback_baselines)
     task = _Task.make(placement, m, memory_limit=memory_limit, lags=lags, comm=comm, tail=tail, evaluate=evaluate,
                       resolution=resolution, objective=objective, seed=seed, workers=workers, control=control)
-    # per micro-batch, no repetend beats the busiest device's work nor (under a limit) Little's law
-    # on memory; its term is quadratic in the blocks: a small share of the time
-    rate_s = 0.0
-    if task.caps is not None and task.has_memory:
-        rate_s = memory_time_bound(placement, 1, task.caps, deadline=budget.rate_bound_deadline())
+    rate_s = _rate_bound(task, budget)
     lb_s = max(period_lower_bound(placement), rate_s)
     reporter = ProgressReporter(progress, progress_bar, lb_s, budget.t_start)
     search = _period_search(task, budget, rate_s, reporter)
     _seed_phase(task, budget, search, window_micro_batches)
     found = _period_phase(task, budget, search, window_micro_batches, max_window_micro_batches)
     reporter.close()
-    # the memory-aware terms of the makespan bound grow with the blocks (quadratic) and m: a share
-    # of what time is left
-    ms_lb = max(makespan_lower_bound(placement, m, memory_limit=task.caps, lags=task.lags,
-                                     tail=list(tail) if tail else None, deadline=budget.makespan_bound_deadline()),
-                m * rate_s)
+    ms_lb = _makespan_bound(task, budget, rate_s)
     found = _deferral_phase(task, budget, search, found, ms_lb)
     t_completion = time.perf_counter()
     schedule = _completion_phase(task, budget, found, lb_s, ms_lb, completion_stall)
@@ -350,6 +342,25 @@ class _Found:
     deferred: dict[int, int] = field(default_factory=dict)
 
 
+def _rate_bound(task: _Task, budget: SearchBudget) -> float:
+    """Seconds per micro-batch no repetend beats under the memory limit: Little's law on memory for
+    one micro-batch (:func:`engine.tessel.bounds.memory_time_bound`; 0 without a limit). Its term is
+    quadratic in the blocks: a small share of the time."""
+    if task.caps is not None and task.has_memory:
+        return memory_time_bound(task.placement, 1, task.caps, deadline=budget.rate_bound_deadline())
+    return 0.0
+
+
+def _makespan_bound(task: _Task, budget: SearchBudget, rate_s: float) -> float:
+    """Seconds no schedule of ``m`` micro-batches beats (:func:`engine.tessel.bounds.makespan_lower_bound`
+    under the limit, and ``m`` times the rate bound). The memory-aware terms grow with the blocks
+    (quadratic) and ``m``: a share of what time is left."""
+    tail = list(task.tail) if task.tail else None
+    return max(makespan_lower_bound(task.placement, task.m, memory_limit=task.caps, lags=task.lags, tail=tail,
+                                    deadline=budget.makespan_bound_deadline()),
+               task.m * rate_s)
+
+
 def _period_search(task: _Task, budget: SearchBudget, rate_s: float, reporter: ProgressReporter) -> PeriodSearch:
     """The period search's state (:mod:`engine.tessel.period_search`), reporting every solve."""
     res = task.res
@@ -388,7 +399,7 @@ def _seed_phase(task: _Task, budget: SearchBudget, search: PeriodSearch, window_
 
 def _period_phase(task: _Task, budget: SearchBudget, search: PeriodSearch, window_micro_batches: int | None,
                   max_window_micro_batches: int) -> _Found:
-    """(2) The shortest period: windows bisected and refined, then the best one polished for least
+    """(1, 2) The shortest period: windows bisected and refined, then the best one polished for least
     latency and memory (:class:`~engine.tessel.period_search.PeriodSearch`)."""
     clock = budget.clock
     if window_micro_batches is not None:
@@ -412,7 +423,7 @@ def _period_phase(task: _Task, budget: SearchBudget, search: PeriodSearch, windo
 
 
 def _deferral_phase(task: _Task, budget: SearchBudget, search: PeriodSearch, found: _Found, ms_lb: float) -> _Found:
-    """(3) Sink deferral (:mod:`engine.tessel.defer`): the best repetend, and the policy's steady
+    """(2b) Sink deferral (:mod:`engine.tessel.defer`): the best repetend, and the policy's steady
     states with the same period per micro-batch, each with its sinks (e.g. W blocks) deferred while
     the unrolled makespan does not grow and memory fits; the shortest unrolled makespan wins.
     Without a limit, memory may rise to the repetend's highest per-device peak. Not for the latency
@@ -446,7 +457,7 @@ def _deferral_phase(task: _Task, budget: SearchBudget, search: PeriodSearch, fou
 
 def _completion_phase(task: _Task, budget: SearchBudget, found: _Found, lb_s: float, ms_lb: float,
                       completion_stall: float | None) -> Schedule:
-    """(4) Completion under the limit; without one, under the steady state's highest per-device peak
+    """(3) Completion under the limit; without one, under the steady state's highest per-device peak
     (a device may then hold more than its own steady state, e.g. deferred W blocks): the unrolled
     repetend and, where it is worth it, the compacted warmup/cooldown; the shorter one, with its
     ``meta["tessel"]["pure_makespan"]``."""
@@ -495,7 +506,7 @@ def _completion_phase(task: _Task, budget: SearchBudget, found: _Found, lb_s: fl
 
 def _fallback(placement: Placement, m: int, caps: list[float] | None, searched: Schedule,
               step_makespan: Callable[[Schedule], float]) -> Schedule:
-    """(5) The searched schedule, or a policy baseline on the same placement when it is shorter.
+    """(3, ``fallback_baselines``) The searched schedule, or a policy baseline on the same placement when it is shorter.
 
     Candidates: the memory-aware 1F1B and the GPipe policies of :mod:`engine.baselines.generic`,
     kept only within ``caps`` (the limit the completion was held to). A baseline that wins is
@@ -521,7 +532,7 @@ def _fallback(placement: Placement, m: int, caps: list[float] | None, searched: 
 
 def _improvement_phase(task: _Task, budget: SearchBudget, found: _Found, schedule: Schedule, ms_lb: float,
                        improve: bool) -> tuple[Schedule, float]:
-    """(6) Large-neighbourhood search on the whole schedule (:mod:`engine.tessel.improve`), on its
+    """(4) Large-neighbourhood search on the whole schedule (:mod:`engine.tessel.improve`), on its
     own deterministic budget, unless the schedule is at the lower bound or the time left cannot
     build its models. Returns the schedule and its makespan (``step_makespan``)."""
     makespan = task.step_makespan(schedule)
@@ -550,7 +561,7 @@ def _improvement_phase(task: _Task, budget: SearchBudget, found: _Found, schedul
 
 def _result(task: _Task, budget: SearchBudget, search: PeriodSearch, found: _Found, schedule: Schedule,
             makespan: float, lb_s: float, ms_lb: float, t_completion: float) -> SearchResult:
-    """(7) The schedule validated, its makespan in the solver's own tick model, the times recorded."""
+    """The schedule validated, its makespan in the solver's own tick model, the times recorded."""
     placement, tail, res = task.placement, task.tail, task.res
     schedule.validate(task.caps)
     index = {b.key: i for i, b in enumerate(placement.blocks)}
