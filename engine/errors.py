@@ -70,3 +70,26 @@ class DeadlockError(TesselError):
 
 class PlanFormatError(TesselError, ValueError):
     """A plan/CSV file is malformed or has an unknown version; the message names the field path."""
+
+
+# ----------------------------------------------------------------------------- Tessel's search
+# Raised by :mod:`engine.tessel` (the repetend search, the exact solver, the improvement); here so
+# that every tessel module raises them without importing the search.
+
+
+class InfeasibleMemoryError(TesselError):
+    """The memory limit is below what one micro-batch at a time needs.
+
+    Attributes:
+        smallest: the smallest feasible limit (bytes or the placement's memory units).
+        device: the device that needs it.
+    """
+
+    def __init__(self, message: str, smallest: float, device: int):
+        super().__init__(message)
+        self.smallest = smallest
+        self.device = device
+
+
+class SearchCancelled(TesselError):
+    """The search was cancelled before any solution was found."""

@@ -4,18 +4,14 @@
 :class:`~engine.schedule.Schedule`.
 """
 
+from engine.errors import InfeasibleMemoryError, SearchCancelled
 from engine.tessel.bounds import critical_path, makespan_lower_bound, memory_floor, period_lower_bound
+from engine.tessel.control import SearchControl, SearchProgress
 from engine.tessel.exact import ExactResult, exact_schedule
 from engine.tessel.improve import ImproveResult, improve_schedule
 from engine.tessel.repetend import Repetend
-from engine.tessel.search import (
-    InfeasibleMemoryError,
-    SearchCancelled,
-    SearchControl,
-    SearchProgress,
-    SearchResult,
-    tessel_search,
-)
+from engine.tessel.result import SearchResult
+from engine.tessel.search import tessel_search
 
 __all__ = [
     "tessel_search", "SearchResult", "SearchProgress", "SearchControl", "SearchCancelled", "InfeasibleMemoryError",

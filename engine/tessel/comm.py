@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from engine.dependency import COMPUTE_OPS, Op
 from engine.placement import Placement
 
 if TYPE_CHECKING:
@@ -96,8 +97,6 @@ def step_tail(execution: "ExecutionPlan", cost: "CommCost") -> list[float]:
     Returns:
         Per rank, seconds (0.0 for an inference stream).
     """
-    from engine.dependency import COMPUTE_OPS, Op
-
     out = []
     for stream in execution.streams:
         last = max((i for i, ins in enumerate(stream) if ins.op in COMPUTE_OPS), default=-1)

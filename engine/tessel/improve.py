@@ -2,7 +2,7 @@
 
 Tessel (:func:`engine.tessel.search.tessel_search`) builds a schedule from a periodic repetend
 and completes it with a warmup and a cooldown (Lin et al., "Tessel", HPCA 2024, section IV-B;
-:mod:`engine.tessel.completion`). The whole-schedule CP-SAT model of :mod:`engine.tessel.exact`
+:mod:`engine.tessel.completion`). The whole-schedule CP-SAT model of :mod:`engine.tessel.exact_model`
 finds shorter schedules for moderate ``m`` when hinted with Tessel's, but the full model is too
 large to improve quickly beyond a few micro-batches. :func:`improve_schedule` keeps the model
 small: it re-solves one *neighbourhood* at a time with every other instance fixed.
@@ -11,19 +11,19 @@ The search
 ----------
 The incumbent is a solution of the exact model: start ticks of every block instance ``(i, b)``.
 It starts as the input schedule's per-device orders executed as soon as possible (durations and
-lags in ticks), FIFO-relabelled (:meth:`engine.tessel.exact.ExactProblem.asap`; the relabelled
-times are a solution of the model, see :mod:`engine.tessel.exact`), and its makespan caps the
+lags in ticks), FIFO-relabelled (:meth:`engine.tessel.exact_model.ExactProblem.asap`; the relabelled
+times are a solution of the model, see :mod:`engine.tessel.exact_model`), and its makespan caps the
 model's. Each *round*:
 
 1. takes a *window*: ``size`` consecutive instances in the order of their start times (a time
    window across all devices), and fixes every other instance at its start tick;
-2. solves the neighbourhood model (:meth:`engine.tessel.exact.ExactProblem.build` with ``fixed``:
+2. solves the neighbourhood model (:meth:`engine.tessel.exact_model.ExactProblem.build` with ``fixed``:
    only the free instances are variables; the dependencies, FIFO chains and in-flight
    precedences that tie them to fixed ones become their domains; the fixed intervals and memory
    terms they can meet stay as constants) with CP-SAT, minimising lexicographically the makespan
    and then the sum of the window's start ticks (so a window that cannot change the makespan is
    packed as early as it can go), hinted with the incumbent;
-3. re-times the resulting orders as soon as possible (:meth:`~engine.tessel.exact.ExactProblem.asap`:
+3. re-times the resulting orders as soon as possible (:meth:`~engine.tessel.exact_model.ExactProblem.asap`:
    every later instance moves up into the room the window made, at no solver cost; memory fits
    because a device's memory depends on its order alone) and accepts the result when
    ``(makespan, sum of all start ticks)`` decreased.
@@ -47,7 +47,7 @@ of work, independent of machine speed and load) summed over the rounds, plus a c
 for what the solver does not count (:data:`ROUND_CHARGE_S`, :data:`CHARGE_PER_INSTANCE_S`: building
 the neighbourhood model and re-timing the schedule in Python). On these small models CP-SAT
 counts about 0.1 deterministic second per wall second (a 2-core x86 machine; the completion's
-:data:`engine.tessel.search.COMPLETION_DET_PER_S` measures the same rate), so a budget of 0.1 is
+:data:`engine.tessel.budget.COMPLETION_DET_PER_S` measures the same rate), so a budget of 0.1 is
 about 1-2 s of wall time, 0.3 about 3-5 s and 1.0 about 8-13 s. With ``workers=1`` the result
 depends only on the inputs, the budget and ``seed``: two runs, loaded or not, give the same
 orders. ``time_limit`` (wall seconds, the whole call) is a guard for a slow or loaded machine:
@@ -57,7 +57,7 @@ The returned schedule is never worse than the input: its makespan is evaluated l
 (simulated, with ``comm`` when given) and the input is returned unchanged unless the result is
 strictly shorter.
 
-Sources: the model is :mod:`engine.tessel.exact`'s (Tessel's problem, HPCA 2024 section III);
+Sources: the model is :mod:`engine.tessel.exact_model`'s (Tessel's problem, HPCA 2024 section III);
 the completion it improves on is Tessel's (HPCA 2024 section IV-B); large-neighbourhood search
 is P. Shaw, "Using Constraint Programming and Local Search Methods to Solve Vehicle Routing
 Problems" (CP 1998): relax a part of the incumbent, re-solve it exactly with constraint
@@ -80,10 +80,13 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from ortools.sat.python import cp_model
 
+from engine.dependency import lower
 from engine.errors import RunError, ScheduleError, TesselError
 from engine.placement import Placement
 from engine.schedule import Schedule
-from engine.tessel.exact import ExactProblem, Inst, prepare_exact
+from engine.simulate import simulate
+from engine.tessel.comm import transfer_lags
+from engine.tessel.exact_model import ExactProblem, Inst, prepare_exact
 from engine.tessel.repetend import EXACT_REL_TOL
 
 if TYPE_CHECKING:
@@ -190,7 +193,7 @@ def improve_schedule(
     """A schedule no longer than ``schedule`` (usually shorter), by large-neighbourhood search.
 
     See the module docstring for the search. The rounds re-solve windows of the exact
-    whole-schedule model (:mod:`engine.tessel.exact`) around the incumbent, starting from the
+    whole-schedule model (:mod:`engine.tessel.exact_model`) around the incumbent, starting from the
     input's start times, with the makespan capped by the input's.
 
     Budget (Tessel's schedules of the abstract shapes, ``make_shape(..., activation=2)``, a
@@ -237,9 +240,6 @@ def improve_schedule(
         InfeasibleMemoryError: the limit is below :func:`engine.tessel.bounds.memory_floor`.
         RunError: CP-SAT rejected a neighbourhood model (a bug here).
     """
-    from engine.dependency import lower
-    from engine.simulate import simulate
-
     t0 = time.perf_counter()
     budget = _positive("deterministic_time", deterministic_time)
     wall = _positive("time_limit", time_limit)
@@ -248,8 +248,6 @@ def improve_schedule(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TesselError(f"seed must be an integer, got {seed!r}")
     if lags is None and comm is not None:
-        from engine.tessel.comm import transfer_lags
-
         lags = transfer_lags(placement, comm.p2p_time)
     m = schedule.num_micro_batches
     prob = prepare_exact(placement, m, memory_limit=memory_limit, lags=lags, hint=schedule, hint_must_fit=True)
@@ -296,7 +294,7 @@ def improve_schedule(
 
 
 class _Search:
-    """The rounds of :func:`improve_schedule` over an :class:`~engine.tessel.exact.ExactProblem`."""
+    """The rounds of :func:`improve_schedule` over an :class:`~engine.tessel.exact_model.ExactProblem`."""
 
     def __init__(self, prob: ExactProblem, *, budget: float, deadline: float, seed: int, workers: int) -> None:
         assert prob.hint_starts is not None

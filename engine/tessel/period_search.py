@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import networkx as nx
+
 from engine.placement import Placement
 from engine.tessel.repetend import (
     Repetend,
@@ -180,7 +182,7 @@ class PeriodSearch:
         objective: ``"throughput"`` or ``"latency"``; ``rate_ticks``: ticks per micro-batch no
         repetend can beat (the rate bound); ``clock``: the deterministic clock; ``time_limit``:
         seconds, which the shares of the module's constants are of; ``seed``, ``workers``: CP-SAT's;
-        ``control``: a :class:`~engine.tessel.search.SearchControl` or ``None``; ``on_step``:
+        ``control``: a :class:`~engine.tessel.control.SearchControl` or ``None``; ``on_step``:
         ``(window, period_tried, status) -> None`` after every solve (progress reporting).
     """
 
@@ -371,8 +373,6 @@ class PeriodSearch:
 
 def critical_ticks(placement: Placement, sc) -> int:
     """The critical path of one micro-batch in solver ticks (durations and lags)."""
-    import networkx as nx
-
     g = placement.dependency_graph()
     longest: dict[int, int] = {}
     for i in nx.topological_sort(g):

@@ -36,9 +36,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
+import networkx as nx
 from ortools.sat.python import cp_model
 
 from engine.placement import Placement
@@ -227,8 +228,6 @@ def expand(placement: Placement, r: int) -> Placement:
     """
     if r == 1:
         return placement
-    from dataclasses import replace
-
     K, S = len(placement.blocks), placement.num_segments
     blocks = [replace(b, segment=k * S + b.segment, deps=tuple(k * K + d for d in b.deps))
               for k in range(r) for b in placement.blocks]
@@ -269,8 +268,6 @@ def build_model(placement: Placement, sc: Scaled, period: int, memory_cap: list[
     starts, offsets, ends = [], [], []
     ivs: list[tuple] = []
     # an offset grows by at most MAX_STAGGER per dependency: bound it by the block's depth
-    import networkx as nx
-
     depth: dict[int, int] = {}
     for i in nx.topological_sort(pl.dependency_graph()):
         depth[i] = 1 + max((depth[a] for a in pl.blocks[i].deps), default=-1)
@@ -519,8 +516,6 @@ def sequential_repetend(placement: Placement, sc: Scaled) -> Repetend:
     Always valid; its memory is the memory floor. The period is the sum of all block
     durations and lags (multi-device blocks counted once).
     """
-    import networkx as nx
-
     g = placement.dependency_graph()
     t = 0
     starts = [0] * len(placement.blocks)

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import math
 
+from engine.baselines.generic import one_f_one_b_any
+from engine.dependency import lower
+from engine.errors import TesselError
 from engine.placement import Placement
+from engine.simulate import simulate
 from engine.tessel.repetend import Repetend
 
 
@@ -20,11 +24,6 @@ def policy_starts(placement: Placement, memory_limit=None, *, probe_micro_batche
     """Start times ``(micro-batch, block index) -> seconds`` of the memory-aware 1F1B policy's
     schedule of ``probe_micro_batches`` micro-batches, simulated (with ``comm``'s transfers, or
     free); ``None`` when the policy cannot run under the limit."""
-    from engine.baselines.generic import one_f_one_b_any
-    from engine.dependency import lower
-    from engine.errors import TesselError
-    from engine.simulate import simulate
-
     try:
         sched = one_f_one_b_any(placement, probe_micro_batches, memory_limit=memory_limit)
     except TesselError:

@@ -25,7 +25,10 @@ from engine.shapes import make_shape
 from engine.simulate import simulate
 from engine.tessel import InfeasibleMemoryError, tessel_search
 from engine.tessel.bounds import makespan_lower_bound, memory_floor
-from engine.tessel.exact import _activation_pieces, _asap, _in_flight_precedences, exact_schedule
+from engine.tessel.exact import exact_schedule
+from engine.tessel.exact_memory import activation_pieces as _activation_pieces
+from engine.tessel.exact_memory import in_flight_precedences as _in_flight_precedences
+from engine.tessel.exact_model import _asap
 
 
 # ----------------------------------------------------------------------------- placements

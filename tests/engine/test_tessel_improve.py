@@ -23,7 +23,7 @@ from engine.simulate import simulate
 from engine.tessel import makespan_lower_bound, tessel_search
 from engine.tessel.bounds import memory_floor
 from engine.tessel.comm import transfer_lags
-from engine.tessel.exact import prepare_exact
+from engine.tessel.exact_model import prepare_exact
 from engine.tessel.improve import ImproveResult, improve_schedule
 
 
