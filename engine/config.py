@@ -221,7 +221,7 @@ class ParallelConfig:
         """Raise :class:`engine.transform.TransformError` if a degree, the micro-batch count or size,
         or ``overlap_chunks`` is not a positive integer (``0``, negatives, floats and booleans are
         refused, never replaced by a default), or the bucket size or transformations are malformed."""
-        from engine.transform import TransformError  # local: engine.transform re-exports this class
+        from engine.errors import TransformError  # local: engine.transform re-exports this class
 
         for name in self._INTS + ("overlap_chunks",):
             v = getattr(self, name)
@@ -280,7 +280,8 @@ class ParallelConfig:
                                   f"{', '.join(map(repr, OPTIMIZER_KINDS))}")
             kw["optimizer"] = opt
         if "transforms" in d:
-            from engine.coconet import CoCoNetError, parse_transforms
+            from engine.coconet import parse_transforms
+            from engine.errors import CoCoNetError
 
             names = fields.need(d, "transforms", list, f"{path}.transforms")
             if not all(isinstance(x, str) for x in names):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from engine.config import ParallelConfig
-from engine.errors import TesselError
+from engine.errors import TransformError
 from engine.placement import TensorSpec
 
 #: Bytes resident per parameter byte with Adam in the parameter dtype: parameter, gradient,
@@ -36,10 +36,6 @@ PARAM_STATE_FACTOR = 3
 OPTIMIZERS = ("adam", "adama")
 
 _REPLICATED_MODULES = ("LayerNorm", "RMSNorm", "LlamaRMSNorm", "GPT2LayerNorm", "Dropout")
-
-
-class TransformError(TesselError, ValueError):
-    """A parallel configuration cannot be applied to the model (the message says what to change)."""
 
 
 def check_optimizer(optimizer: str) -> str:
@@ -145,7 +141,6 @@ class Segment:
 def is_block_layer(layer: str) -> bool:
     """A ModuleList element (``...h.3``, ``...layers.3``) is a transformer block."""
     return layer.rsplit(".", 1)[-1].isdigit()
-
 
 
 def _tp_divisor(node: dict, tp: int, vocab_layers: frozenset[str] = frozenset(),

@@ -137,15 +137,14 @@ import torch
 from torch_geometric.data import Data
 
 from engine.cost.profiler import cache_dir as tessel_cache_dir
+from engine.errors import GraphError
 from engine.io.atomic import atomic_write_bytes
-from tasks.base import TaskError
 from tasks.corpus import _find_py_files, stdlib_root
 from tasks.graph_forms import GRAPH_FORMS
 
 __all__ = [
     "CODE_GRAPH_VERSION",
     "GRAPH_FORMS",
-    "GraphError",
     "graph_from_spec",
     "cpython_code_graph",
     "graph_stats",
@@ -159,11 +158,6 @@ log = logging.getLogger(__name__)
 
 CODE_GRAPH_VERSION = 1
 """Version of the code-graph builder; part of the cache key (bump it when the graph changes)."""
-
-
-class GraphError(TaskError):
-    """A graph cannot be built or is malformed (a bad argument, a broken invariant, a corpus too
-    small for the classes asked for); ``str(err)`` is one sentence naming the fix."""
 
 
 # ----------------------------------------------------------------------------- checks and statistics

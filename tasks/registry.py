@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from tasks.base import Task, TaskContext, TaskError
+from engine.errors import TaskError
+from tasks.base import Task, TaskContext
 
 __all__ = ["TASKS", "get_task", "check_task_name", "model_vocab_size", "task_for_plan"]
 

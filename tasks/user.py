@@ -48,7 +48,8 @@ from typing import Any
 
 import torch
 
-from tasks.base import Task, TaskContext, TaskError, Unit
+from engine.errors import TaskError
+from tasks.base import Task, TaskContext, Unit
 
 __all__ = ["UserTask", "load_user_task", "REQUIRED_METHODS"]
 

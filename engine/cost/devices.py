@@ -27,13 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from engine.errors import TesselError
-
-
-class CostModelError(TesselError, ValueError):
-    """A bad argument to the cost model: an unknown device/link/dtype/collective name, a
-    negative size, a malformed serialized cost model. It is a :class:`ValueError`."""
-
+from engine.errors import CostModelError
 
 #: Canonical dtype names used as keys of :attr:`DeviceSpec.peak_flops`, with accepted aliases.
 DTYPE_ALIASES: dict[str, str] = {

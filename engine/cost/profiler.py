@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from engine.cost.devices import CostModelError
 from engine.envelope import Envelope
+from engine.errors import CostModelError
 from engine.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)

@@ -53,7 +53,7 @@ from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from engine.errors import TesselError
+from engine.errors import CharacterizeError
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,6 @@ _OP_NAMESPACES = ("aten", "prims", "torch_scatter", "torch_sparse", "torch_clust
 
 _LAYER_RANGE = re.compile(r"^gnn\.layer(\d+)$")
 _EVALUATE = "autograd::engine::evaluate_function:"
-
-
-class CharacterizeError(TesselError, ValueError):
-    """A characterization was asked for with bad input (a mode, a count, a tensor shape)."""
 
 
 def kernel_class(name: str) -> str:
@@ -691,6 +687,6 @@ def pivot(rows: Iterable[Mapping[str, Any]], by: Sequence[str], column: str,
     return out
 
 
-__all__ = ["GRAPH_STAGES", "KERNEL_CLASSES", "LOSS", "MODES", "OUTSIDE", "PHASES", "STAGES", "CharacterizeError",
+__all__ = ["GRAPH_STAGES", "KERNEL_CLASSES", "LOSS", "MODES", "OUTSIDE", "PHASES", "STAGES",
            "Characterization", "ProfileGraph", "characterize", "find_layers", "kernel_class", "layer_ranges", "pivot",
            "sweep"]

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from engine.cost import roofline
-from engine.cost.devices import DTYPE_BYTES, LINKS, CostModelError, canonical_dtype
+from engine.cost.devices import DTYPE_BYTES, LINKS, canonical_dtype
 from engine.cost.model import CostModel
 from engine.envelope import FieldReader
+from engine.errors import CostModelError
 
 log = logging.getLogger(__name__)
 

@@ -37,11 +37,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine import __version__
-from engine.cost.devices import CostModelError
 from engine.envelope import Envelope, FieldReader
-from engine.errors import PlanFormatError
+from engine.errors import CostModelError, GNNPlanError, PlanFormatError
 from engine.gnn.cost import GNNCostModel, LayerShape, layer_shapes
-from engine.gnn.errors import GNNError
 from engine.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -60,10 +58,6 @@ MAX_PARTITIONS = 256
 STEP_KINDS = ("pre", "chunk", "apply", "allgather", "reducescatter", "allreduce", "optim")
 #: The collective step kinds.
 COLLECTIVE_STEPS = ("allgather", "reducescatter", "allreduce")
-
-
-class GNNPlanError(GNNError):
-    """A GNN plan cannot be made: a budget too small, a bad partition count or device count."""
 
 
 # ---------------------------------------------------------------------------------------------- parts
@@ -451,7 +445,6 @@ def graph_from_spec(spec: str, seed: int = 0) -> Any:
     return from_spec(spec, seed)
 
 
-
 def expected_chunks(stats: GraphStats, partitions: int, self_loops: bool) -> tuple[list[int], list[list[int]]]:
     """Interval sizes and chunk edge counts expected from the statistics alone.
 
@@ -602,8 +595,9 @@ def _partitioner(model: Any, stats: GraphStats, edge_index: Any, order: str) -> 
     order, computed once, for every ``p``)."""
     import torch
 
+    from engine.errors import PartitionError
     from engine.gnn.models import build_gnn
-    from engine.gnn.partition import GraphPartition, PartitionError, locality_order
+    from engine.gnn.partition import GraphPartition, locality_order
 
     if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2 or edge_index.shape[0] != 2:
         raise GNNPlanError(f"edge_index must be a [2, E] tensor, got {type(edge_index).__name__}.")
@@ -769,5 +763,5 @@ def load_gnn_plan(path: str | Path) -> GNNPlan:
 
 
 __all__ = ["GNN_PLAN_FORMAT", "GNN_PLAN_VERSION", "MAX_PARTITIONS", "STEP_KINDS", "GNNPlan",
-           "GNNPlanError", "GraphStats", "Pass", "Step", "balance_intervals", "build_schedule", "expected_chunks",
+           "GraphStats", "Pass", "Step", "balance_intervals", "build_schedule", "expected_chunks",
            "fmt_bytes", "graph_from_spec", "load_gnn_plan", "make_gnn_plan", "partition_chunks", "save_gnn_plan"]

@@ -84,7 +84,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 from torch_geometric.utils import add_self_loops, degree, remove_self_loops, scatter, softmax
 
-from engine.gnn.errors import GNNError
+from engine.errors import GNNError
 
 GATHER_KINDS = ("sum", "mean", "max", "softmax")
 """The gather (reduce) kinds a :class:`SAGALayer` may use."""

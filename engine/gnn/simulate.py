@@ -29,8 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.errors import GNNPlanError
 from engine.gnn.cost import ADAM_STATES, VATTR_BYTES_PER_VERTEX, GNNCostModel, LayerShape, param_count
-from engine.gnn.plan import COLLECTIVE_STEPS, GNNPlan, GNNPlanError, Pass
+from engine.gnn.plan import COLLECTIVE_STEPS, GNNPlan, Pass
 from engine.timeline import Event, Timeline
 
 #: Stream of the chunk loads (``engine.timeline.STREAMS`` has compute, send, recv, collective).

@@ -61,31 +61,15 @@ import torch
 import torch.fx
 from torch import nn
 
-from engine.errors import TesselError
+from engine.errors import CaptureError
 
 from .flops import count_flops, dropout_saved_bytes, op_kind, op_name, saves_inputs, saves_output, target_str
 from .layering import ROOT_LAYER, Layering, attach_layers, module_of
 from .opgraph import OpGraph
 
-__all__ = ["capture", "CaptureError", "TraceFailure", "trace_failure"]
+__all__ = ["capture", "TraceFailure", "trace_failure"]
 
 log = logging.getLogger(__name__)
-
-
-
-class CaptureError(TesselError, RuntimeError):
-    """``torch.export`` could not trace the model (a :class:`~engine.errors.TesselError`; still a
-    ``RuntimeError`` for existing ``except RuntimeError`` handlers).
-
-    The message names the module (path and class) and source line where tracing failed,
-    quotes PyTorch's own error, and says what to try. ``module_path`` and ``cause`` are also
-    available as attributes."""
-
-    def __init__(self, message: str, *, module_path: str | None = None,
-                 cause: BaseException | None = None):
-        super().__init__(message)
-        self.module_path = module_path
-        self.cause = cause
 
 
 # ---------------------------------------------------------------------------------------------

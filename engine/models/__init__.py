@@ -2,11 +2,11 @@
 
 Public API::
 
-    from engine.models import build_model, list_models, ModelBundle, ModelNotFoundError
+    from engine.models import build_model, list_models, ModelBundle
     bundle = build_model("gpt2", batch_size=1, seq_len=1024)   # meta device: no weights
 """
 from .gpt import GPT, GPTConfig, lm_loss
-from .registry import ModelBundle, ModelNotFoundError, build_model, list_models, register_model
+from .registry import ModelBundle, build_model, list_models, register_model
 
-__all__ = ["build_model", "list_models", "register_model", "ModelBundle", "ModelNotFoundError",
+__all__ = ["build_model", "list_models", "register_model", "ModelBundle",
            "GPT", "GPTConfig", "lm_loss"]

@@ -23,33 +23,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from engine.errors import TesselError
+from engine.errors import ModelArgumentError, ModelBuildError, ModelNotFoundError, TesselError
 
 from . import hf as _hf
 from .gpt import GPT, GPTConfig
 
-__all__ = ["MODEL_DTYPES", "ModelArgumentError", "ModelBuildError", "ModelBundle", "ModelNotFoundError",
+__all__ = ["MODEL_DTYPES", "ModelBundle",
            "build_model", "example_inputs_note", "list_models", "register_model"]
 
 #: The parameter/activation dtypes a model can be built in (``--dtype``): floating point only, the
 #: ones the cost tables have a peak for.
 MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-
-
-class ModelNotFoundError(TesselError, ValueError):
-    """Unknown model name; the message lists the valid names and the ``module:callable`` form."""
-
-
-class ModelBuildError(TesselError, TypeError):
-    """A user's ``module:callable`` cannot build a model: it is not a Python function or
-    ``nn.Module`` class (a built-in such as ``os.system``, a plain value), it needs arguments Tessel
-    cannot give, it raised, or it returned something other than an ``nn.Module`` or a
-    ``(module, example_inputs)`` tuple."""
-
-
-class ModelArgumentError(TesselError, ValueError):
-    """A build argument is out of range: ``batch_size`` or ``seq_len`` below 1, ``seq_len`` beyond
-    the model's position table, a dtype outside :data:`MODEL_DTYPES`."""
 
 
 #: Modules whose example inputs Tessel made up (the user's callable returned only a module) ->

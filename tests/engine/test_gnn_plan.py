@@ -17,12 +17,11 @@ import re
 import pytest
 import torch
 
-from engine.errors import PlanFormatError
+from engine.errors import GNNPlanError, PlanFormatError
 from engine.gnn.cost import GNNCostModel, layer_shapes, param_count
 from engine.gnn.models import GNN_KINDS, GNNConfig, build_gnn
 from engine.gnn.plan import (
     GNNPlan,
-    GNNPlanError,
     GraphStats,
     balance_intervals,
     expected_chunks,

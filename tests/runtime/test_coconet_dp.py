@@ -190,7 +190,7 @@ def test_overlap_grad_sync_trains_like_one_process_and_overlaps_the_last_backwar
 def test_both_transformations_together_are_refused_in_one_sentence():
     """The sharded update reduce-scatters each segment once after its last backward (no bucketed
     reduce-scatter, ZeRO-2 style, yet): asking for both is refused, naming the two."""
-    from engine.coconet import CoCoNetError
+    from engine.errors import CoCoNetError
     from engine.planner import make_plan
 
     with pytest.raises(CoCoNetError, match="'overlap-grad-sync' .* 'sharded-update'"):

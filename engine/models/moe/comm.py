@@ -248,7 +248,7 @@ def check_expert_parallel(layers: Iterable[MoELayer], ep: int, model: str = "the
         engine.transform.TransformError: names the model, its expert count, ``dp`` and the dp
             values that work.
     """
-    from engine.transform import TransformError
+    from engine.errors import TransformError
 
     for ml in layers:
         if ml.num_experts % ep:
