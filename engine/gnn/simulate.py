@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import GNNPlanError
 from engine.gnn.cost import ADAM_STATES, VATTR_BYTES_PER_VERTEX, GNNCostModel, LayerShape, param_count
-from engine.gnn.plan import COLLECTIVE_STEPS, GNNPlan, Pass
+from engine.gnn.plan_parts import COLLECTIVE_STEPS, Pass, StreamingPlan
 from engine.timeline import Event, Timeline
 
 #: Stream of the chunk loads (``engine.timeline.STREAMS`` has compute, send, recv, collective).
@@ -59,7 +59,7 @@ class PassMemory:
     transient: int
 
 
-def static_bytes(plan: GNNPlan) -> int:
+def static_bytes(plan: StreamingPlan) -> int:
     """Bytes resident on every device for the whole epoch: parameters with their gradients and
     Adam's two moments (:data:`~engine.gnn.cost.ADAM_STATES` copies), the input features and
     the per-vertex attributes (degrees) of all N vertices."""
@@ -69,7 +69,7 @@ def static_bytes(plan: GNNPlan) -> int:
             + n * VATTR_BYTES_PER_VERTEX)
 
 
-def pass_memory(plan: GNNPlan, device: int) -> list[PassMemory]:
+def pass_memory(plan: StreamingPlan, device: int) -> list[PassMemory]:
     """Per pass of ``device`` (in the plan's order), what it allocates and frees.
 
     With ``e`` bytes per element, N vertices, ``n_d`` the device's vertices:
@@ -117,7 +117,7 @@ def pass_memory(plan: GNNPlan, device: int) -> list[PassMemory]:
     return out
 
 
-def memory_bound(plan: GNNPlan) -> list[int]:
+def memory_bound(plan: StreamingPlan) -> list[int]:
     """Per device, an upper bound of its simulated memory curve: the largest over its passes of
     the resident bytes during the pass plus the pass's transients (:func:`pass_memory`). The
     planner chooses P by it, so a made plan's simulated memory never exceeds the budget."""
@@ -205,7 +205,7 @@ def _segments(ps: Pass) -> list[tuple[list, str | None]]:
     return segs
 
 
-def simulate_gnn(plan: GNNPlan, cost: GNNCostModel | None = None, *, check_memory: bool = True) -> GNNSimulation:
+def simulate_gnn(plan: StreamingPlan, cost: GNNCostModel | None = None, *, check_memory: bool = True) -> GNNSimulation:
     """Simulate one training epoch of ``plan`` (see the module docstring for the rules).
 
     Args:
@@ -287,7 +287,7 @@ def simulate_gnn(plan: GNNPlan, cost: GNNCostModel | None = None, *, check_memor
     return sim
 
 
-def _run_steps(plan: GNNPlan, cost: GNNCostModel, layer: LayerShape, ph: str, tag: str, steps: list, d: _Device,
+def _run_steps(plan: StreamingPlan, cost: GNNCostModel, layer: LayerShape, ph: str, tag: str, steps: list, d: _Device,
                events: list[Event]) -> None:
     """Simulate one device's steps up to the next collective (see the module docstring)."""
     li = layer.index

@@ -159,7 +159,8 @@ def _graph(plan: GNNPlan) -> Any:
         LaunchError: (``kind="setup"``) the plan names no graph, an unknown one, or one whose
             statistics are not the plan's.
     """
-    from engine.gnn.plan import GraphStats, graph_from_spec
+    from engine.gnn.plan import graph_from_spec
+    from engine.gnn.plan_parts import GraphStats
     from tasks.graphs import graph_stats
 
     if not plan.graph_spec:
