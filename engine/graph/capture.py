@@ -52,6 +52,7 @@ import operator
 import re
 import sys
 import traceback
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -67,9 +68,27 @@ from .flops import count_flops, dropout_saved_bytes, op_kind, op_name, saves_inp
 from .layering import ROOT_LAYER, Layering, attach_layers, module_of
 from .opgraph import OpGraph
 
-__all__ = ["capture", "TraceFailure", "trace_failure"]
+__all__ = ["capture", "TraceFailure", "example_inputs_note", "note_example_inputs", "trace_failure"]
 
 log = logging.getLogger(__name__)
+
+#: Modules whose example inputs were made up for them (a user's ``module:callable`` returned only a
+#: module) -> how, and how to give the module's own; added to a capture failure of that module.
+_INPUTS_NOTES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def note_example_inputs(module: nn.Module, note: str) -> None:
+    """Record that ``module``'s example inputs were made up, and how (``note``, e.g. ``"'pkg:make'
+    returned only a module, so Tessel gave it example inputs of the causal-lm task (int64 [1, 128]);
+    return (module, example_inputs) ..."``): a capture failure of ``module`` then ends with the note
+    instead of a generic hint. The record lives as long as the module (a weak reference)."""
+    _INPUTS_NOTES[module] = note
+
+
+def example_inputs_note(module: nn.Module) -> str | None:
+    """The note :func:`note_example_inputs` recorded for ``module``, or ``None`` when its inputs
+    came from the model's own definition."""
+    return _INPUTS_NOTES.get(module)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,10 +221,7 @@ def trace_failure(e: BaseException, model: nn.Module) -> TraceFailure:
 
 def _capture_error(e: BaseException, model: nn.Module, name: str) -> CaptureError:
     """One line: where tracing failed, PyTorch's first line, and what to try; for a user model
-    whose example inputs Tessel made up (:func:`engine.models.registry.example_inputs_note`), how
-    to give its own instead."""
-    from engine.models.registry import example_inputs_note
-
+    whose example inputs Tessel made up (:func:`example_inputs_note`), how to give its own instead."""
     f = trace_failure(e, model)
     module_txt = (f"module '{f.module_path or '<root>'}' ({f.module_type})" if f.module_type
                   else "the model's top-level code")
@@ -263,7 +279,7 @@ def capture(model: Any, example_inputs: tuple | Any = None, *, name: str | None 
 
     Args:
         model: an ``nn.Module`` (ideally on the ``meta`` device), or a
-            :class:`engine.models.registry.ModelBundle` (its module, example inputs, name,
+            :class:`engine.models.bundle.ModelBundle` (its module, example inputs, name,
             batch size and sequence length are used).
         example_inputs: tuple of example tensors (a single tensor is wrapped), e.g. int64 token
             ids ``[batch, seq]`` on ``meta``. Their shapes are baked into the graph (no dynamic

@@ -79,7 +79,7 @@ def _plan(model: str, schedule: str, transforms: tuple[str, ...] = (), optimizer
 
 
 def _batches(plan) -> list[tuple]:
-    from tasks import task_for_plan
+    from engine.models import task_for_plan
 
     task = task_for_plan(plan, seed=0)
     return [tuple(task.train_batch(i, DP * M * MBS)) for i in range(STEPS)]
