@@ -236,7 +236,8 @@ class _ListScheduler:
         if self.one_f_one_b and not self.is_bwd[i]:
             for d in self.devs[i]:
                 if mb not in self.left_on[d]:  # a NEW micro-batch on d
-                    if self.caps[d] is not None and self.in_flight[d] >= self.caps[d] and not self.override:
+                    cap = self.caps[d]
+                    if cap is not None and self.in_flight[d] >= cap and not self.override:
                         return False
                     if (self.limits is not None
                             and self.pl.reserved_bytes(d) + self.mem_reserved[d] + self.footprint[d] > self.limits[d]):

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from tqdm.auto import tqdm
+
 from engine.envelope import Envelope
 from engine.errors import CostModelError
 from engine.io.atomic import atomic_write_text
@@ -384,8 +386,6 @@ def _profile(nodes, device, warmup, repeat, cache_path, progress, cache, max_byt
             todo.append((sig, node))
 
     if todo:
-        from tqdm.auto import tqdm
-
         newly_skipped: dict[str, str] = {}
         for sig, node in tqdm(todo, desc=f"profiling ops on {device}", unit="op", disable=not progress):
             try:

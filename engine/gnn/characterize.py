@@ -48,6 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
+import networkx as nx
 import torch
 from torch import nn
 from torch.autograd import DeviceType
@@ -149,8 +150,6 @@ class ProfileGraph:
         Raises:
             CharacterizeError: ``num_nodes < 2`` or ``avg_degree`` outside ``(0, num_nodes - 1]``.
         """
-        import networkx as nx
-
         if num_nodes < 2:
             raise CharacterizeError(f"an Erdos-Renyi graph needs at least 2 vertices, got {num_nodes}.")
         if not 0 < avg_degree <= num_nodes - 1:
@@ -163,8 +162,6 @@ class ProfileGraph:
     def from_networkx(cls, graph: Any, name: str) -> ProfileGraph:
         """A networkx graph (vertices relabelled 0..N-1 in iteration order; an undirected edge
         becomes both directions, as ``torch_geometric.utils.from_networkx`` does)."""
-        import networkx as nx
-
         g = nx.convert_node_labels_to_integers(graph)
         if not g.is_directed():
             g = g.to_directed()

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 from engine import __version__
 from engine.envelope import Envelope, FieldReader
-from engine.errors import CostModelError, GNNPlanError, PlanFormatError
+from engine.errors import CostModelError, GNNPlanError, PartitionError, PlanFormatError
 from engine.gnn.cost import GNNCostModel, LayerShape, layer_shapes
 from engine.gnn.plan_parts import COLLECTIVE_STEPS, STEP_KINDS, GraphStats, Pass, Step
 from engine.gnn.simulate import memory_bound, simulate_gnn
@@ -491,7 +491,6 @@ def _partitioner(model: Any, stats: GraphStats, edge_index: Any, order: str) -> 
     order, computed once, for every ``p``)."""
     import torch
 
-    from engine.errors import PartitionError
     from engine.gnn.models import build_gnn
     from engine.gnn.partition import GraphPartition, locality_order
 

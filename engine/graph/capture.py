@@ -488,7 +488,7 @@ class _Operands:
 def _add_placeholder(g: OpGraph, walk: _Walk, node: torch.fx.Node) -> None:
     """Fold a parameter, buffer or constant placeholder into its descriptor; add a tensor graph
     input as a node."""
-    val = node.meta.get("val")
+    val: Any = node.meta.get("val")
     if node.name in walk.p2param:
         fqn = walk.canon.get(walk.p2param[node.name], walk.p2param[node.name])
         walk.folded[node.name] = {"param": fqn, **_tdesc(val)}
