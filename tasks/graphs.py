@@ -893,7 +893,7 @@ def cpython_code_graph(root: str | Path | None = None, feature_dim: int = 256, n
 
     Raises:
         GraphError: an argument is out of range, or the corpus has fewer areas than ``num_classes``.
-        tasks.corpus.DataError: ``root`` is ``None`` and the standard library sources are missing.
+        DataError: ``root`` is ``None`` and the standard library sources are missing.
     """
     if feature_dim < 1:
         raise GraphError(f"feature_dim={feature_dim} must be >= 1 (hashed feature buckets)")

@@ -32,10 +32,10 @@ TASKS: dict[str, str] = {
 """Task names -> one-line descriptions (for ``--help`` and errors)."""
 
 
-#: Built-in task names -> their classes (built with a :class:`~tasks.base.TaskContext`).
-_BUILTINS: dict[str, Callable[[TaskContext], Task]] = {
-    "causal-lm": CausalLM, "masked-lm": MaskedLM, "seq2seq": SpanCorruption, "image-classification": Digits,
-    "contrastive": ContrastivePairs}
+def _builtins() -> dict[str, Callable[[TaskContext], Task]]:
+    """Built-in task names -> their classes (each built with a :class:`~tasks.base.TaskContext`)."""
+    return {"causal-lm": CausalLM, "masked-lm": MaskedLM, "seq2seq": SpanCorruption,
+            "image-classification": Digits, "contrastive": ContrastivePairs}
 
 
 def _unknown(name: str) -> TaskError:
@@ -49,7 +49,7 @@ def check_task_name(name: str) -> str:
     Raises:
         TaskError: neither (the message lists the valid tasks).
     """
-    if name in _BUILTINS:
+    if name in _builtins():
         return name
     mod, sep, attr = name.partition(":")
     if sep and mod and attr:
@@ -66,7 +66,8 @@ def get_task(name: str, ctx: TaskContext | None = None) -> Task:
             imported or breaks the protocol of :mod:`tasks.user`.
     """
     ctx = ctx if ctx is not None else TaskContext()
-    if name in _BUILTINS:
-        return _BUILTINS[name](ctx)
+    builtins = _builtins()
+    if name in builtins:
+        return builtins[name](ctx)
     check_task_name(name)
     return load_user_task(name, ctx)

@@ -36,7 +36,7 @@ Example (``tests/tasks/user_task_example.py``): reversed-bytes prediction for a 
     def make_task(seq_len, seed=0): return ReverseBytes(seq_len, seed)
 
 The object is wrapped in a :class:`UserTask`, which checks every batch and loss it returns and
-raises :class:`~tasks.base.TaskError` (one sentence naming the task) when it breaks the protocol.
+raises :class:`~engine.errors.TaskError` (one sentence naming the task) when it breaks the protocol.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every device has a ``load`` stream (host-to-device chunk loads) and a ``compute`
 Scatter/ApplyEdge/Gather, the dense ``apply_vertex_pre`` / ``apply_vertex`` of its intervals, the
 optimizer), and takes part in the ``collective`` stream's all-gathers, reduce-scatters and
 all-reduce (NGra, USENIX ATC'19, section 4: the next chunk's transfer overlaps the current
-chunk's compute). The rules, per device and pass (:class:`~engine.gnn.plan.Pass`):
+chunk's compute). The rules, per device and pass (:class:`~engine.gnn.plan_parts.Pass`):
 
 * the steps run in their order on the compute stream; a ``chunk`` step's compute starts when
   the compute stream is free and its load has ended;
