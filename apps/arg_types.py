@@ -24,7 +24,8 @@ def transform_names(text: str) -> tuple[str, ...]:
     Raises:
         argparse.ArgumentTypeError: an unknown name (the message lists the valid ones).
     """
-    from engine.coconet import CoCoNetError, parse_transforms
+    from engine.coconet import parse_transforms
+    from engine.errors import CoCoNetError
 
     try:
         return parse_transforms(text)
@@ -112,7 +113,8 @@ def link_name(text: str) -> str:
     Raises:
         argparse.ArgumentTypeError: it does not; the message lists the forms.
     """
-    from engine.cost import CostModelError, parse_link
+    from engine.cost import parse_link
+    from engine.errors import CostModelError
 
     try:
         parse_link(text)

@@ -46,18 +46,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from engine.errors import TesselError
+from engine.errors import CoCoNetError
 
-__all__ = ["TRANSFORMS", "TransformSpec", "CoCoNetError", "check_transforms", "parse_transforms",
+__all__ = ["TRANSFORMS", "TransformSpec", "check_transforms", "parse_transforms",
            "DEFAULT_GRAD_BUCKET_BYTES", "DEFAULT_OVERLAP_CHUNKS", "gradient_buckets"]
 
 #: PyTorch DDP's default bucket size (``bucket_cap_mb=25``).
 DEFAULT_GRAD_BUCKET_BYTES = 25 * 2**20
 DEFAULT_OVERLAP_CHUNKS = 4
-
-
-class CoCoNetError(TesselError, ValueError):
-    """A transformation that does not exist, or whose preconditions the plan lacks (one sentence)."""
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, get_args
 
+from engine.coconet import parse_transforms
 from engine.envelope import FieldReader
-from engine.errors import PlanFormatError
+from engine.errors import CoCoNetError, PlanFormatError, TransformError
 
 OptimizerKind = Literal["adam", "adama"]
 """The optimizer memory model of a plan (see :func:`engine.transform.gradient_bytes`)."""
@@ -218,11 +219,9 @@ class ParallelConfig:
         return self.pp * self.virtual_stages
 
     def check(self) -> None:
-        """Raise :class:`engine.transform.TransformError` if a degree, the micro-batch count or size,
+        """Raise :class:`~engine.errors.TransformError` if a degree, the micro-batch count or size,
         or ``overlap_chunks`` is not a positive integer (``0``, negatives, floats and booleans are
         refused, never replaced by a default), or the bucket size or transformations are malformed."""
-        from engine.transform import TransformError  # local: engine.transform re-exports this class
-
         for name in self._INTS + ("overlap_chunks",):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -231,8 +230,6 @@ class ParallelConfig:
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 4 or bucket % 4:
             raise TransformError(f"grad_bucket_bytes must be a positive multiple of 4 (float32 elements), got "
                                  f"{self.grad_bucket_bytes!r}")
-        from engine.coconet import parse_transforms
-
         if tuple(parse_transforms(self.transforms)) != tuple(self.transforms):
             raise TransformError(f"transforms {list(self.transforms)} must be distinct names in the order of "
                                  "engine.coconet.TRANSFORMS; build them with engine.coconet.parse_transforms")
@@ -280,8 +277,6 @@ class ParallelConfig:
                                   f"{', '.join(map(repr, OPTIMIZER_KINDS))}")
             kw["optimizer"] = opt
         if "transforms" in d:
-            from engine.coconet import CoCoNetError, parse_transforms
-
             names = fields.need(d, "transforms", list, f"{path}.transforms")
             if not all(isinstance(x, str) for x in names):
                 raise fields.fail(f"{path}.transforms", f" should be a list of names, got {names!r}")

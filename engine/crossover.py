@@ -63,7 +63,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from engine.errors import TesselError
+from engine.errors import CrossoverError
 from engine.timeline import Event, Timeline
 
 #: How co-located jobs share the devices: ``"crossover"`` (a compute token passed at the
@@ -73,14 +73,6 @@ Mode = Literal["crossover", "uncoordinated", "sequential"]
 #: The modes :func:`predict_colocated` understands, in the order :func:`compare_modes` returns them.
 MODES: tuple[str, ...] = get_args(Mode)
 _TOKEN_OPS = ("F", "B", "I", "W")
-
-
-class CrossoverError(TesselError, ValueError):
-    """Jobs that cannot be co-located (a pipeline plan, different device counts, bad mode...).
-
-    The runtime raises its subclass :class:`runtime.runner.CrossoverLaunchError` (also a
-    ``LaunchError``) when a co-located launch fails, so ``except CrossoverError`` catches both.
-    """
 
 
 @dataclass(frozen=True)
@@ -594,7 +586,6 @@ def ideal_pair_cycle(compute: float, comm: float) -> dict[str, float]:
 __all__ = [
     "MODES",
     "ColocatedPrediction",
-    "CrossoverError",
     "JobProfile",
     "StepTask",
     "compare_modes",

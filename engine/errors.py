@@ -1,4 +1,4 @@
-"""Exceptions shared by the engine.
+"""Exceptions of the engine and the tasks, every class defined here (the runtime keeps its own).
 
 Every error a user can cause derives from :class:`TesselError`, so the CLI can print
 its one-sentence message and exit non-zero without a traceback. The CLI's exit statuses:
@@ -37,6 +37,111 @@ class RunError(TesselError):
 
 class PlacementError(TesselError, ValueError):
     """A placement is malformed: a device out of range, a cycle, a backward without forward."""
+
+
+# ------------------------------------------------------------------ plans, shapes, transformations
+class TransformError(TesselError, ValueError):
+    """A parallel configuration cannot be applied to the model (the message says what to change);
+    raised by :mod:`engine.transform` and ``ParallelConfig.check``."""
+
+
+class CoCoNetError(TesselError, ValueError):
+    """A CoCoNet transformation that does not exist, or whose preconditions the plan lacks (one
+    sentence; :mod:`engine.coconet`)."""
+
+
+class UnknownShapeError(TesselError, ValueError):
+    """A shape name that is not in :data:`engine.shapes.SHAPES` (a user mistake: exit status 2, one
+    sentence)."""
+
+
+class CrossoverError(TesselError, ValueError):
+    """Jobs that cannot be co-located (a pipeline plan, different device counts, bad mode...;
+    :mod:`engine.crossover`).
+
+    The runtime raises its subclass :class:`runtime.runner.CrossoverLaunchError` (also a
+    ``LaunchError``) when a co-located launch fails, so ``except CrossoverError`` catches both.
+    """
+
+
+class OutputPathError(TesselError):
+    """An output folder or file cannot be written: the folder is a file, a target is a folder
+    (:mod:`engine.io.atomic`)."""
+
+
+# ------------------------------------------------------------------ models, capture, cost model
+class ModelNotFoundError(TesselError, ValueError):
+    """Unknown model name; the message lists the valid names and the ``module:callable`` form
+    (:mod:`engine.models.registry`)."""
+
+
+class ModelBuildError(TesselError, TypeError):
+    """A user's ``module:callable`` cannot build a model: it is not a Python function or
+    ``nn.Module`` class (a built-in such as ``os.system``, a plain value), it needs arguments Tessel
+    cannot give, it raised, or it returned something other than an ``nn.Module`` or a
+    ``(module, example_inputs)`` tuple."""
+
+
+class ModelArgumentError(TesselError, ValueError):
+    """A build argument is out of range: ``batch_size`` or ``seq_len`` below 1, ``seq_len`` beyond
+    the model's position table, a dtype outside :data:`engine.models.registry.MODEL_DTYPES`."""
+
+
+class CaptureError(TesselError, RuntimeError):
+    """``torch.export`` could not trace the model (:func:`engine.graph.capture`; a
+    :class:`TesselError`, still a ``RuntimeError`` for existing ``except RuntimeError`` handlers).
+
+    The message names the module (path and class) and source line where tracing failed,
+    quotes PyTorch's own error, and says what to try. ``module_path`` and ``cause`` are also
+    available as attributes."""
+
+    def __init__(self, message: str, *, module_path: str | None = None,
+                 cause: BaseException | None = None):
+        super().__init__(message)
+        self.module_path = module_path
+        self.cause = cause
+
+
+class CostModelError(TesselError, ValueError):
+    """A bad argument to the cost model (:mod:`engine.cost`): an unknown device/link/dtype/collective
+    name, a negative size, a malformed serialized cost model. It is a :class:`ValueError`."""
+
+
+# ------------------------------------------------------------------ graph neural networks
+class GNNError(TesselError, ValueError):
+    """A GNN config, layer argument or graph is malformed (:mod:`engine.gnn`); ``str(err)`` is one
+    sentence naming the fix."""
+
+
+class PartitionError(GNNError):
+    """A graph partition was asked for with bad input, or no partition count fits a memory budget
+    (:mod:`engine.gnn.partition`)."""
+
+
+class GNNPlanError(GNNError):
+    """A GNN plan cannot be made: a budget too small, a bad partition count or device count
+    (:mod:`engine.gnn.plan`)."""
+
+
+class CharacterizeError(TesselError, ValueError):
+    """A GNN characterization was asked for with bad input (a mode, a count, a tensor shape;
+    :mod:`engine.gnn.characterize`)."""
+
+
+# ------------------------------------------------------------------ tasks (data and losses)
+class TaskError(TesselError, ValueError):
+    """A task cannot be built or used (unknown name, a model its data does not fit, a user task
+    without the required methods; :mod:`tasks`); the message says what to change."""
+
+
+class DataError(TesselError, FileNotFoundError):
+    """A task's corpus cannot be built: no source directory, or too little text in it
+    (:mod:`tasks.corpus`)."""
+
+
+class GraphError(TaskError):
+    """A graph cannot be built or is malformed (a bad argument, a broken invariant, a corpus too
+    small for the classes asked for; :mod:`tasks.graphs`); ``str(err)`` is one sentence naming the fix."""
 
 
 class ScheduleError(TesselError):

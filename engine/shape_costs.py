@@ -35,6 +35,8 @@ from engine.transform import (
     gradient_bytes,
     is_block_layer,
     layer_costs,
+    tied_copy_bytes,
+    tied_parameter_groups,
 )
 
 
@@ -111,8 +113,6 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             "grad": chunk[-1].grad,
         })
     if tied_module is not None:   # as add_tied_copies counts them for make_plan's segments
-        from engine.transform import tied_copy_bytes, tied_parameter_groups
-
         extra, largest = tied_copy_bytes(tied_parameter_groups(tied_module, [p["layers"] for p in parts]))
         for seg, nbytes in extra.items():
             parts[seg].update(param_bytes=parts[seg]["param_bytes"] + nbytes, tied_copy_bytes=nbytes,

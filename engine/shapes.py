@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Sequence
 
 from engine.envelope import is_instance
-from engine.errors import PlacementError, TesselError
+from engine.errors import PlacementError, UnknownShapeError
 from engine.io.placement_json import parse_blocks
 from engine.placement import MAX_DEVICES, BlockSpec, Placement, TensorSpec, pipeline_placement
 
@@ -556,10 +556,6 @@ def _canonical(name: str) -> str | None:
     if key.endswith("shape") and key[: -len("shape")] in SHAPES:
         return key[: -len("shape")]
     return None
-
-
-class UnknownShapeError(TesselError, ValueError):
-    """A shape name that is not in :data:`SHAPES` (a user mistake: exit status 2, one sentence)."""
 
 
 def make_shape(name: str, n: int, **kw) -> Placement:

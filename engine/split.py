@@ -27,6 +27,8 @@ from typing import Literal, get_args
 
 from torch import nn
 
+from engine.models.gpt import GPT
+
 __all__ = ["SplitMethod", "SPLIT_METHODS", "choose_split", "supports_layer_split"]
 
 SplitMethod = Literal["tracer", "module", "layers"]
@@ -52,8 +54,6 @@ def supports_layer_split(module: nn.Module) -> bool:
     model, or a Hugging Face
     causal LM with ``model.embed_tokens`` (an ``nn.Embedding``), ``model.layers`` (an
     ``nn.ModuleList``), ``model.norm``, ``model.rotary_emb`` and an ``nn.Linear`` ``lm_head``."""
-    from engine.models.gpt import GPT
-
     if isinstance(module, GPT) or _is_two_tower(module):
         return True
     inner = getattr(module, "model", None)

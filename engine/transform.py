@@ -14,12 +14,13 @@ gradients once per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from engine.config import ParallelConfig
-from engine.errors import TesselError
-from engine.placement import TensorSpec
+from engine.dependency import TiedGroup
+from engine.errors import TransformError
+from engine.placement import TensorSpec, dtype_bytes
 
 #: Bytes resident per parameter byte with Adam in the parameter dtype: parameter, gradient,
 #: and Adam's two moments (m, v): 4x the parameter bytes.
@@ -36,10 +37,6 @@ PARAM_STATE_FACTOR = 3
 OPTIMIZERS = ("adam", "adama")
 
 _REPLICATED_MODULES = ("LayerNorm", "RMSNorm", "LlamaRMSNorm", "GPT2LayerNorm", "Dropout")
-
-
-class TransformError(TesselError, ValueError):
-    """A parallel configuration cannot be applied to the model (the message says what to change)."""
 
 
 def check_optimizer(optimizer: str) -> str:
@@ -147,7 +144,6 @@ def is_block_layer(layer: str) -> bool:
     return layer.rsplit(".", 1)[-1].isdigit()
 
 
-
 def _tp_divisor(node: dict, tp: int, vocab_layers: frozenset[str] = frozenset(),
                 sequence_parallel: bool = False) -> int:
     """How many ways an op's work splits under TP, as the runtime shards a stage
@@ -197,8 +193,6 @@ def _largest_param_bytes(node: dict) -> int:
     by the parameter bytes counted at this op (tied or reused parameters count at first use)."""
     if not node.get("param_bytes"):
         return 0
-    from engine.placement import dtype_bytes
-
     best = 0
 
     def walk(a) -> None:
@@ -505,8 +499,6 @@ def tied_parameter_groups(module, segment_layers: Sequence[Sequence[str]]):
         ``list[engine.dependency.TiedGroup]``: groups held by 2+ segments (sorted members,
         ``nbytes`` = bytes of one copy), sorted by their members.
     """
-    from engine.dependency import TiedGroup
-
     aliases: dict[int, list[str]] = {}
     tensors: dict[int, Any] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -555,8 +547,6 @@ def add_tied_copies(segments: list[Segment], groups) -> list[Segment]:
     its own gradient and Adam states), so the other holders get ``nbytes`` added to
     ``param_bytes`` (and ``max_param_bytes`` raised to it). Returns new segments (inputs untouched).
     """
-    from dataclasses import replace
-
     extra, largest = tied_copy_bytes(groups)
     return [replace(s, param_bytes=s.param_bytes + extra.get(s.index, 0),
                     max_param_bytes=max(s.max_param_bytes, largest.get(s.index, 0))) for s in segments]

@@ -161,7 +161,8 @@ class LaunchConfig(_ClusterConfig):
                 raise LaunchError(f"unknown p2p_matching {self.p2p_matching!r}; use one of "
                                   f"{_choices(P2P_MATCHING)}", kind="setup")
         if self.task is not None:
-            from tasks import TaskError, check_task_name
+            from engine.errors import TaskError
+            from tasks import check_task_name
 
             try:
                 check_task_name(self.task)

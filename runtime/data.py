@@ -6,6 +6,7 @@ may not import ``runtime``); this module keeps the names importable from ``runti
 
 from __future__ import annotations
 
-from tasks.corpus import ByteCorpus, DataError, stdlib_root
+from engine.errors import DataError
+from tasks.corpus import ByteCorpus, stdlib_root
 
 __all__ = ["ByteCorpus", "DataError", "stdlib_root"]

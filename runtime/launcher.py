@@ -442,7 +442,8 @@ def _plan_task(plan: Plan, config: LaunchConfig) -> tuple[Plan, Any]:
     """
     from dataclasses import replace
 
-    from tasks import TaskError, task_for_plan
+    from engine.errors import TaskError
+    from engine.models import task_for_plan
 
     if config.task is not None and config.task != plan.model.task:
         plan = replace(plan, model=replace(plan.model, task=config.task))

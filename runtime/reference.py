@@ -108,11 +108,10 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
 
     Same arguments and errors as :func:`reference_losses`; returns a :class:`ReferenceRun`.
     """
-    from engine.models import build_model
+    from engine.models import build_model, task_for_plan
     from runtime.moe_train import advance_gates, has_moe, lm_objective, moe_metrics
     from runtime.worker.batches import as_batch_tuple
     from runtime.worker.errors import WorkerError
-    from tasks import task_for_plan
 
     if optimizer not in ("adam", "adama", "sgd"):
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of 'adam', 'adama', 'sgd'")

@@ -27,8 +27,7 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from engine.crossover import CrossoverError
-from engine.errors import RunError, TesselError
+from engine.errors import CrossoverError, RunError, TesselError
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.io import Plan

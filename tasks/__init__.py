@@ -12,15 +12,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tasks.base import Task, TaskContext, TaskError, Unit
-    from tasks.registry import TASKS, check_task_name, get_task, task_for_plan
+    from tasks.base import Task, TaskContext, Unit
+    from tasks.registry import TASKS, check_task_name, get_task
 
 #: Exported name -> the module defining it.
-_EXPORTS = {"Task": "tasks.base", "TaskContext": "tasks.base", "TaskError": "tasks.base", "Unit": "tasks.base",
-            "TASKS": "tasks.registry", "check_task_name": "tasks.registry", "get_task": "tasks.registry",
-            "task_for_plan": "tasks.registry"}
+_EXPORTS = {"Task": "tasks.base", "TaskContext": "tasks.base", "Unit": "tasks.base",
+            "TASKS": "tasks.registry", "check_task_name": "tasks.registry", "get_task": "tasks.registry"}
 
-__all__ = ["TASKS", "Task", "TaskContext", "TaskError", "Unit", "check_task_name", "get_task", "task_for_plan"]
+__all__ = ["TASKS", "Task", "TaskContext", "Unit", "check_task_name", "get_task"]
 
 
 def __getattr__(name: str) -> Any:

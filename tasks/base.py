@@ -25,17 +25,10 @@ from typing import Literal
 
 import torch
 
-from engine.errors import TesselError
-
-__all__ = ["Task", "TaskContext", "TaskError", "Unit"]
+__all__ = ["Task", "TaskContext", "Unit"]
 
 Unit = Literal["tokens", "samples"]
 """What a task's throughput counts: ``tokens`` (language tasks) or ``samples`` (everything else)."""
-
-
-class TaskError(TesselError, ValueError):
-    """A task cannot be built or used (unknown name, a model its data does not fit, a user task
-    without the required methods); the message says what to change."""
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.errors import DataError, TaskError
 from tasks import _seed
-from tasks.base import Task, TaskContext, TaskError, Unit
-from tasks.corpus import DataError, _find_py_files, stdlib_root
+from tasks.base import Task, TaskContext, Unit
+from tasks.corpus import _find_py_files, stdlib_root
 
 __all__ = ["ContrastivePairs", "function_pairs", "contrastive_loss", "PAD"]
 

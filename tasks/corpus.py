@@ -35,15 +35,11 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import TesselError
+from engine.errors import DataError
 
-__all__ = ["ByteCorpus", "DataError", "stdlib_root"]
+__all__ = ["ByteCorpus", "stdlib_root"]
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
-class DataError(TesselError, FileNotFoundError):
-    """The corpus cannot be built: no source directory, or too little text in it."""
 
 
 def stdlib_root() -> Path:

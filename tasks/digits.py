@@ -19,8 +19,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from engine.errors import TaskError
 from tasks import _seed
-from tasks.base import Task, TaskContext, TaskError, Unit
+from tasks.base import Task, TaskContext, Unit
 
 __all__ = ["Digits", "load_digits_tensors", "TRAIN_SIZE", "NUM_CLASSES"]
 

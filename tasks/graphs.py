@@ -133,19 +133,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch_geometric.data import Data
+from torch_geometric.datasets import KarateClub
+from torch_geometric.utils import contains_self_loops, degree, is_undirected, subgraph, to_undirected
 
-from engine.cost.profiler import cache_dir as tessel_cache_dir
+from engine.errors import GraphError
 from engine.io.atomic import atomic_write_bytes
-from tasks.base import TaskError
+from engine.io.cache import cache_dir as tessel_cache_dir
 from tasks.corpus import _find_py_files, stdlib_root
 from tasks.graph_forms import GRAPH_FORMS
 
 __all__ = [
     "CODE_GRAPH_VERSION",
     "GRAPH_FORMS",
-    "GraphError",
     "graph_from_spec",
     "cpython_code_graph",
     "graph_stats",
@@ -159,11 +161,6 @@ log = logging.getLogger(__name__)
 
 CODE_GRAPH_VERSION = 1
 """Version of the code-graph builder; part of the cache key (bump it when the graph changes)."""
-
-
-class GraphError(TaskError):
-    """A graph cannot be built or is malformed (a bad argument, a broken invariant, a corpus too
-    small for the classes asked for); ``str(err)`` is one sentence naming the fix."""
 
 
 # ----------------------------------------------------------------------------- checks and statistics
@@ -180,7 +177,6 @@ def validate_graph(data: Data, undirected: bool = True) -> None:
             range, self loops, duplicate or one-way edges, overlapping or non-covering masks,
             negative labels).
     """
-    from torch_geometric.utils import contains_self_loops, is_undirected
 
     x, ei, y = getattr(data, "x", None), getattr(data, "edge_index", None), getattr(data, "y", None)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32:
@@ -230,7 +226,6 @@ def graph_stats(data: Data) -> dict[str, Any]:
     Raises:
         GraphError: ``data`` has no ``x`` / ``edge_index``.
     """
-    from torch_geometric.utils import degree
 
     x, ei = getattr(data, "x", None), getattr(data, "edge_index", None)
     if not isinstance(x, torch.Tensor) or not isinstance(ei, torch.Tensor):
@@ -297,7 +292,6 @@ def karate_club() -> Data:
     Source: Zachary (1977); PyG's ``KarateClub`` dataset. The same edges are
     ``networkx.karate_club_graph()`` (checked in the tests).
     """
-    from torch_geometric.datasets import KarateClub
 
     d = KarateClub()[0]
     train = d.train_mask.clone()
@@ -324,7 +318,6 @@ def _dedupe(src: torch.Tensor, dst: torch.Tensor, num_nodes: int, undirected: bo
     destination): what ``torch_geometric.utils.to_undirected`` / ``coalesce`` return after
     ``remove_self_loops`` (checked in the tests), computed with one NumPy sort of ``src << bits | dst``
     keys (a few times faster than ``coalesce`` on tens of millions of edges)."""
-    import numpy as np
 
     bits = max(1, (num_nodes - 1).bit_length())          # key = src << bits | dst sorts as (src, dst)
     keep = src != dst
@@ -803,7 +796,6 @@ def _build_code_graph(root: Path, files: list[Path], feature_dim: int, num_class
                       split: str, train_fraction: float, val_fraction: float, seed: int) -> Data:
     """Parse, resolve, label, featurise and split (no cache); see :func:`cpython_code_graph`."""
     from sklearn.feature_extraction.text import HashingVectorizer
-    from torch_geometric.utils import subgraph, to_undirected
 
     t0 = time.perf_counter()
     top_names = {p.relative_to(root).parts[0].removesuffix(".py") for p in files}
@@ -901,7 +893,7 @@ def cpython_code_graph(root: str | Path | None = None, feature_dim: int = 256, n
 
     Raises:
         GraphError: an argument is out of range, or the corpus has fewer areas than ``num_classes``.
-        tasks.corpus.DataError: ``root`` is ``None`` and the standard library sources are missing.
+        DataError: ``root`` is ``None`` and the standard library sources are missing.
     """
     if feature_dim < 1:
         raise GraphError(f"feature_dim={feature_dim} must be >= 1 (hashed feature buckets)")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch_geometric.data import Data
 
-from tasks.base import TaskError
+from engine.errors import TaskError
 
 __all__ = ["NodeClassificationTask", "Split", "features_only_mlp", "train_full_graph"]
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.errors import TaskError
 from tasks import _seed
-from tasks.base import Task, TaskContext, TaskError, Unit
+from tasks.base import Task, TaskContext, Unit
 from tasks.span import MEAN_SPAN, NOISE_DENSITY, _lengths, span_corruption_lengths
 from tasks.text import _seq_len, byte_corpus, token_loss
 

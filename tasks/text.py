@@ -24,9 +24,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from engine.errors import DataError, TaskError
 from tasks import _seed
-from tasks.base import Task, TaskContext, TaskError, Unit
-from tasks.corpus import ByteCorpus, DataError
+from tasks.base import Task, TaskContext, Unit
+from tasks.corpus import ByteCorpus
 
 __all__ = ["CausalLM", "MaskedLM", "byte_corpus", "split_rows", "token_loss", "MASK_PROB", "IGNORE_INDEX"]
 

@@ -36,7 +36,7 @@ Example (``tests/tasks/user_task_example.py``): reversed-bytes prediction for a 
     def make_task(seq_len, seed=0): return ReverseBytes(seq_len, seed)
 
 The object is wrapped in a :class:`UserTask`, which checks every batch and loss it returns and
-raises :class:`~tasks.base.TaskError` (one sentence naming the task) when it breaks the protocol.
+raises :class:`~engine.errors.TaskError` (one sentence naming the task) when it breaks the protocol.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from typing import Any
 
 import torch
 
-from tasks.base import Task, TaskContext, TaskError, Unit
+from engine.errors import TaskError
+from tasks.base import Task, TaskContext, Unit
 
 __all__ = ["UserTask", "load_user_task", "REQUIRED_METHODS"]
 

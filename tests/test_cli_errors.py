@@ -176,8 +176,8 @@ def test_unsupported_dtype_is_one_sentence_listing_the_supported(capsys, tmp_pat
                                "--json")
     assert status == 2
     assert_one_error_line(err, "--dtype", "int8", "float32, bfloat16, float16")
+    from engine.errors import ModelArgumentError
     from engine.models import build_model
-    from engine.models.registry import ModelArgumentError
 
     with pytest.raises(ModelArgumentError, match="float32, bfloat16, float16"):   # the root, not only argparse
         build_model("gpt2-tiny", dtype=torch.int8)
@@ -224,7 +224,7 @@ def test_non_positive_and_non_finite_numbers_are_refused(capsys, tmp_path, monke
 @pytest.mark.parametrize("field, value", [("dp", True), ("tp", True)])
 def test_parallel_config_refuses_booleans_as_degrees(field, value):
     from engine.config import ParallelConfig
-    from engine.transform import TransformError
+    from engine.errors import TransformError
 
     with pytest.raises(TransformError, match=field):
         ParallelConfig(**{field: value}).check()
@@ -249,16 +249,16 @@ def test_launch_refuses_wrong_numbers_before_ray(capsys, tmp_path, monkeypatch, 
                                 {"memory_limit": 0.0}])
 def test_make_plan_refuses_what_the_cli_refuses(kw):
     """The library call, not only the CLI: ``virtual_stages=0`` was replaced by the default."""
+    from engine.errors import TransformError
     from engine.planner import make_plan
-    from engine.transform import TransformError
 
     with pytest.raises(TransformError, match="virtual_stages|memory_limit"):
         make_plan("gpt2-tiny", devices=2, micro_batches=4, **kw)
 
 
 def test_seq_len_zero_is_refused_at_the_root():
+    from engine.errors import ModelArgumentError
     from engine.models import build_model
-    from engine.models.registry import ModelArgumentError
 
     with pytest.raises(ModelArgumentError, match="seq_len"):
         build_model("gpt2-tiny", seq_len=0)

@@ -10,7 +10,8 @@ import pytest
 
 from apps.cli import main
 from engine.gnn.models import GNNConfig
-from engine.gnn.plan import GraphStats, load_gnn_plan, make_gnn_plan
+from engine.gnn.plan import load_gnn_plan, make_gnn_plan
+from engine.gnn.plan_parts import GraphStats
 from tasks.graphs import karate_club
 
 

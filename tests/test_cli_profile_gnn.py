@@ -56,7 +56,7 @@ def test_bad_graph_specs_exit_2_with_one_sentence(spec, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("tessel profile-gnn: error: ") and "\n" not in err and err.endswith(".")
     assert spec in err
-    from tasks.graphs import GraphError
+    from engine.errors import GraphError
 
     with pytest.raises((GraphSpecError, GraphError)):  # er: is the CLI's own form, the rest tasks.graphs'
         parse_graph(spec)

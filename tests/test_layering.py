@@ -1,9 +1,10 @@
 """The layering contracts (pyproject.toml ``[tool.importlinter]``, run by ``make lint``).
 
 ``engine`` imports no ray/panel/bokeh/runtime/planner_ui/apps; ``runtime`` no panel/bokeh/
-planner_ui/apps (docs/ARCHITECTURE.md). The repository keeps them, and the same contracts, run
-on a small throw-away tree whose ``engine`` imports ``ray``, fail and name the broken contract and
-the offending import (so a kept contract is not a contract that checks nothing).
+planner_ui/apps; ``tasks`` of ``engine`` only ``engine.errors`` and ``engine.io`` (docs/ARCHITECTURE.md).
+The repository keeps them, and the same contracts, run on a small throw-away tree whose ``engine``
+imports ``ray`` (or whose ``tasks`` import the model registry), fail and name the broken contract
+and the offending import (so a kept contract is not a contract that checks nothing).
 """
 
 from __future__ import annotations
@@ -67,3 +68,23 @@ def test_a_forbidden_import_breaks_the_engine_contract(tmp_path):
     assert "engine is the planning core: no ray, panel, bokeh, runtime, UI or apps BROKEN" in out
     assert "runtime executes plans: no panel, bokeh, UI or apps KEPT" in out
     assert "engine.bad -> ray" in out
+
+
+def test_a_task_importing_the_engine_beyond_errors_and_io_breaks_the_tasks_contract(tmp_path):
+    for pkg in ("engine", "engine/io", "engine/models", "runtime", "planner_ui", "apps", "tasks"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "engine" / "errors.py").write_text("class TaskError(Exception):\n    pass\n")
+    (tmp_path / "engine" / "io" / "atomic.py").write_text("import engine.errors\n")
+    (tmp_path / "engine" / "models" / "registry.py").write_text("import math\n")
+    (tmp_path / "tasks" / "ok.py").write_text("import engine.errors\nimport engine.io\nimport engine.io.atomic\n")
+    (tmp_path / "tasks" / "bad.py").write_text("import engine.models.registry\n")
+    config = tmp_path / "contracts.toml"
+    config.write_text(_contracts_toml())
+    p = _lint_imports(tmp_path, "--config", str(config))
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "engine is the planning core: no ray, panel, bokeh, runtime, UI or apps KEPT" in out
+    assert "tasks is not allowed to import engine" in out
+    assert "tasks.bad -> engine.models.registry" in out
+    assert "tasks.ok" not in out

@@ -39,7 +39,7 @@ import networkx as nx
 from engine.baselines.common import check_micro_batches, finish_schedule
 from engine.errors import ScheduleError
 from engine.placement import Placement
-from engine.schedule import Block, Schedule
+from engine.schedule import Block, Schedule, validate
 
 __all__ = ["gpipe_any", "one_f_one_b_any", "in_flight_caps"]
 
@@ -90,166 +90,214 @@ def _limits(memory_limit, n: int) -> list[float] | None:
 
 def _list_schedule(placement: Placement, m: int, policy: str, memory_limit=None) -> tuple[list[list[Block]], dict]:
     """The event-driven list scheduler shared by both policies; returns (orders, meta)."""
-    pl = placement
-    n = pl.num_devices
-    nb = len(pl.blocks)
-    pos = _chain_positions(pl)
-    is_bwd = [b.kind in _BACKWARD_KINDS for b in pl.blocks]
-    devs = [b.devices for b in pl.blocks]
-    dur = [b.duration for b in pl.blocks]
-    dependents: list[list[int]] = [[] for _ in range(nb)]
-    for i, b in enumerate(pl.blocks):
-        for dep in b.deps:
-            dependents[dep].append(i)
-    n_deps = [len(b.deps) for b in pl.blocks]
-    blocks_on = [pl.blocks_on(d) for d in range(n)]
+    return _ListScheduler(placement, m, policy, memory_limit).run()
 
-    # policy state
-    one_f_one_b = policy == "1f1b"
-    fwd_left = [m * sum(1 for i in blocks_on[d] if not is_bwd[i]) for d in range(n)]  # GPipe's drain gate
-    caps = in_flight_caps(pl) if one_f_one_b else [None] * n
-    per_mb_on = [len(blocks_on[d]) for d in range(n)]
-    left_on: list[dict[int, int]] = [dict() for _ in range(n)]  # device -> mb -> blocks not finished
-    in_flight = [0] * n
-    limits = _limits(memory_limit, n) if one_f_one_b else None
-    mem_reserved = [0] * n  # worst-case memory of the micro-batches in flight (memory_limit)
-    held_by: list[tuple[int, int] | None] = [None] * n  # device held for a waiting multi-device block
-    footprint = [0] * n
-    kept = [0] * n
-    if limits is not None:
+
+class _ListScheduler:
+    """One run of the event-driven list scheduler (see the module docstring) under the ``gpipe``
+    or ``1f1b`` policy. At each event time ``t``: finished blocks release their devices and their
+    dependents (:meth:`_complete`), then ready blocks start in priority order where the policy
+    admits them and their devices are free (:meth:`_start_ready`), then time advances to the next
+    completion (:meth:`run`)."""
+
+    def __init__(self, placement: Placement, m: int, policy: str, memory_limit) -> None:
+        pl = self.pl = placement
+        self.m, self.policy = m, policy
+        n = self.n = pl.num_devices
+        nb = self.nb = len(pl.blocks)
+        self.pos = _chain_positions(pl)
+        self.is_bwd = [b.kind in _BACKWARD_KINDS for b in pl.blocks]
+        self.devs = [b.devices for b in pl.blocks]
+        self.dur = [b.duration for b in pl.blocks]
+        self.dependents: list[list[int]] = [[] for _ in range(nb)]
+        for i, b in enumerate(pl.blocks):
+            for dep in b.deps:
+                self.dependents[dep].append(i)
+        n_deps = [len(b.deps) for b in pl.blocks]
+        blocks_on = [pl.blocks_on(d) for d in range(n)]
+
+        # policy state
+        self.one_f_one_b = policy == "1f1b"
+        self.fwd_left = [m * sum(1 for i in blocks_on[d] if not self.is_bwd[i]) for d in range(n)]  # GPipe's drain gate
+        self.caps = in_flight_caps(pl) if self.one_f_one_b else [None] * n
+        self.per_mb_on = [len(blocks_on[d]) for d in range(n)]
+        self.left_on: list[dict[int, int]] = [dict() for _ in range(n)]  # device -> mb -> blocks not finished
+        self.in_flight = [0] * n
+        self.limits = _limits(memory_limit, n) if self.one_f_one_b else None
+        self.mem_reserved = [0] * n  # worst-case memory of the micro-batches in flight (memory_limit)
+        self.held_by: list[tuple[int, int] | None] = [None] * n  # device held for a waiting multi-device block
+        self.footprint, self.kept = self._footprints(blocks_on)
+
+        # event state
+        self.remaining = [[n_deps[i]] * m for i in range(nb)]
+        self.ready: list[tuple] = sorted((self.prio(i, mb), i, mb) for mb in range(m) for i in range(nb)
+                                         if n_deps[i] == 0)  # sorted list of (prio, i, mb)
+        self.free_at = [0.0] * n
+        self.running: list[tuple[float, int, int, int]] = []  # (end, seq, i, mb)
+        self.started: list[tuple[float, int, int, int]] = []  # (start, seq, i, mb)
+        self.seq = 0
+        self.override = False  # admit one forward over its device's cap (stall breaker)
+        self.overrides = 0
+        self.finished = 0
+
+    def _footprints(self, blocks_on: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Per device, with a memory limit: the worst case one micro-batch can hold there (all of
+        its allocations) and what a finished micro-batch leaves allocated (non-zero only if its
+        frees do not balance its allocations, e.g. a forward-only placement with memory).
+
+        Raises:
+            ScheduleError: one micro-batch does not fit a device's limit (rule ``"memory"``).
+        """
+        pl, n = self.pl, self.n
+        footprint = [0] * n
+        kept = [0] * n
+        if self.limits is None:
+            return footprint, kept
         for d in range(n):
-            # worst case one micro-batch can hold on d: all of its allocations there
             footprint[d] = sum(pl.blocks[i].memory for i in blocks_on[d] if pl.blocks[i].memory > 0)
-            # what a finished micro-batch leaves allocated (non-zero only if its frees do not
-            # balance its allocations on d, e.g. a forward-only placement with memory)
             kept[d] = max(0, sum(pl.blocks[i].memory for i in blocks_on[d]))
-            if pl.reserved_bytes(d) + footprint[d] > limits[d]:
+            if pl.reserved_bytes(d) + footprint[d] > self.limits[d]:
                 raise ScheduleError(
                     "memory",
                     f"1f1b cannot fit one micro-batch on device {d}: static and gradient memory "
                     f"{pl.reserved_bytes(d)} + "
-                    f"{footprint[d]} activation exceeds the memory limit {limits[d]:g}", d,
+                    f"{footprint[d]} activation exceeds the memory limit {self.limits[d]:g}", d,
                 )
+        return footprint, kept
 
-    if one_f_one_b:
-        def prio(i: int, mb: int) -> tuple:
-            return (0 if is_bwd[i] else 1, mb, pos[i])
-    else:
-        def prio(i: int, mb: int) -> tuple:
-            return (1 if is_bwd[i] else 0, mb, pos[i])
+    def prio(self, i: int, mb: int) -> tuple:
+        """Start priority of block ``i`` of micro-batch ``mb`` (smaller first): 1F1B puts backward
+        kinds first, GPipe forwards; then the micro-batch, then the chain position."""
+        if self.one_f_one_b:
+            return (0 if self.is_bwd[i] else 1, mb, self.pos[i])
+        return (1 if self.is_bwd[i] else 0, mb, self.pos[i])
 
-    remaining = [[n_deps[i]] * m for i in range(nb)]
-    ready: list[tuple] = []  # sorted list of (prio, i, mb)
-    for mb in range(m):
-        for i in range(nb):
-            if n_deps[i] == 0:
-                ready.append((prio(i, mb), i, mb))
-    ready.sort()
-    free_at = [0.0] * n
-    running: list[tuple[float, int, int, int]] = []  # (end, seq, i, mb)
-    started: list[tuple[float, int, int, int]] = []  # (start, seq, i, mb)
-    seq = 0
-    override = False  # admit one forward over its device's cap (stall breaker)
-    overrides = 0
-    t = 0.0
-    total = nb * m
-    finished = 0
-    while finished < total:
-        # 1. completions at or before t
+    def run(self) -> tuple[list[list[Block]], dict]:
+        """Schedule every block instance; ``(orders, meta)``.
+
+        Raises:
+            ScheduleError: nothing can start under the memory limit (rule ``"memory"``).
+        """
+        t = 0.0
+        total = self.nb * self.m
+        while self.finished < total:
+            self._complete(t)
+            self._start_ready(t)
+            if self.running:
+                nxt = self.running[0][0]
+                if nxt > t:
+                    t = nxt
+            elif self.finished < total:
+                if self.one_f_one_b and not self.override and self.ready:
+                    # every device waits for a micro-batch that another device's cap keeps out: admit
+                    # the first waiting forward over its cap rather than deadlock (a safety net for
+                    # multi-chain placements; never needed on the built-in shapes or in fuzzing)
+                    self.override = True
+                    continue
+                stuck = ", ".join(str(Block(self.pl.blocks[i].segment, self.pl.blocks[i].kind, mb))
+                                  for _, i, mb in self.ready[:4])
+                raise ScheduleError(
+                    "memory",
+                    f"{self.policy} stalls under the memory limit: nothing can start at time {t:g} "
+                    f"(ready: {stuck or 'none'}); raise memory_limit",
+                )
+        return self._result()
+
+    def _complete(self, t: float) -> None:
+        """Finish every block ending at or before ``t``: update the policies' counters and make
+        the dependents whose dependencies have all finished ready."""
         newly = []
-        while running and running[0][0] <= t:
-            _, _, i, mb = heapq.heappop(running)
-            finished += 1
-            for d in devs[i]:
-                if not is_bwd[i]:
-                    fwd_left[d] -= 1
-                if one_f_one_b:
-                    left = left_on[d][mb] - 1
-                    left_on[d][mb] = left
+        while self.running and self.running[0][0] <= t:
+            _, _, i, mb = heapq.heappop(self.running)
+            self.finished += 1
+            for d in self.devs[i]:
+                if not self.is_bwd[i]:
+                    self.fwd_left[d] -= 1
+                if self.one_f_one_b:
+                    left = self.left_on[d][mb] - 1
+                    self.left_on[d][mb] = left
                     if left == 0:
-                        in_flight[d] -= 1
-                        mem_reserved[d] -= footprint[d] - kept[d]
-            for j in dependents[i]:
-                remaining[j][mb] -= 1
-                if remaining[j][mb] == 0:
-                    newly.append((prio(j, mb), j, mb))
+                        self.in_flight[d] -= 1
+                        self.mem_reserved[d] -= self.footprint[d] - self.kept[d]
+            for j in self.dependents[i]:
+                self.remaining[j][mb] -= 1
+                if self.remaining[j][mb] == 0:
+                    newly.append((self.prio(j, mb), j, mb))
         if newly:
-            ready.extend(newly)
-            ready.sort()
-        # 2. start candidates in priority order
+            self.ready.extend(newly)
+            self.ready.sort()
+
+    def _admits(self, i: int, mb: int) -> bool:
+        """The policy's gate: GPipe starts a backward only after every forward of its devices;
+        1F1B starts a NEW micro-batch's forward on a device only under its in-flight cap (unless the
+        stall breaker is on) and its memory limit."""
+        if not self.one_f_one_b and self.is_bwd[i]:
+            return all(self.fwd_left[d] == 0 for d in self.devs[i])
+        if self.one_f_one_b and not self.is_bwd[i]:
+            for d in self.devs[i]:
+                if mb not in self.left_on[d]:  # a NEW micro-batch on d
+                    cap = self.caps[d]
+                    if cap is not None and self.in_flight[d] >= cap and not self.override:
+                        return False
+                    if (self.limits is not None
+                            and self.pl.reserved_bytes(d) + self.mem_reserved[d] + self.footprint[d] > self.limits[d]):
+                        return False
+        return True
+
+    def _start_ready(self, t: float) -> None:
+        """Start, in priority order, every ready block the policy admits whose devices are all free
+        and not held for another block; a multi-device block that finds a device busy holds its devices."""
         keep = []
-        for item in ready:
+        for item in self.ready:
             _, i, mb = item
             key = (i, mb)
-            if any(held_by[d] is not None and held_by[d] != key for d in devs[i]):
+            if any(self.held_by[d] is not None and self.held_by[d] != key for d in self.devs[i]):
                 keep.append(item)  # a device is held for a waiting multi-device block
                 continue
-            ok = True
-            if not one_f_one_b and is_bwd[i]:
-                ok = all(fwd_left[d] == 0 for d in devs[i])
-            if one_f_one_b and not is_bwd[i]:
-                for d in devs[i]:
-                    if mb not in left_on[d]:  # a NEW micro-batch on d
-                        if caps[d] is not None and in_flight[d] >= caps[d] and not override:
-                            ok = False
-                            break
-                        if limits is not None and pl.reserved_bytes(d) + mem_reserved[d] + footprint[d] > limits[d]:
-                            ok = False
-                            break
-            if not ok:
+            if not self._admits(i, mb):
                 keep.append(item)
                 continue
-            if any(free_at[d] > t for d in devs[i]):
-                if len(devs[i]) > 1:
+            if any(self.free_at[d] > t for d in self.devs[i]):
+                if len(self.devs[i]) > 1:
                     # hold its free devices so it is not starved by the staggered pipeline
-                    for d in devs[i]:
-                        held_by[d] = key
+                    for d in self.devs[i]:
+                        self.held_by[d] = key
                 keep.append(item)
                 continue
-            for d in devs[i]:
-                held_by[d] = None
-                free_at[d] = t + dur[i]
-                if one_f_one_b and mb not in left_on[d]:
-                    left_on[d][mb] = per_mb_on[d]
-                    in_flight[d] += 1
-                    mem_reserved[d] += footprint[d]
-            if override and not is_bwd[i]:
-                override = False
-                overrides += 1
-            heapq.heappush(running, (t + dur[i], seq, i, mb))
-            started.append((t, seq, i, mb))
-            seq += 1
-        ready = keep
-        # 3. next event
-        if running:
-            nxt = running[0][0]
-            if nxt > t:
-                t = nxt
-        elif finished < total:
-            if one_f_one_b and not override and ready:
-                # every device waits for a micro-batch that another device's cap keeps out: admit
-                # the first waiting forward over its cap rather than deadlock (a safety net for
-                # multi-chain placements; never needed on the built-in shapes or in fuzzing)
-                override = True
-                continue
-            stuck = ", ".join(str(Block(pl.blocks[i].segment, pl.blocks[i].kind, mb)) for _, i, mb in ready[:4])
-            raise ScheduleError(
-                "memory",
-                f"{policy} stalls under the memory limit: nothing can start at time {t:g} "
-                f"(ready: {stuck or 'none'}); raise memory_limit",
-            )
-    orders: list[list[Block]] = [[] for _ in range(n)]
-    makespan = 0.0
-    for start, _, i, mb in sorted(started):
-        b = pl.blocks[i]
-        for d in b.devices:
-            orders[d].append(Block(b.segment, b.kind, mb))
-        makespan = max(makespan, start + dur[i])
-    meta = {"policy": policy, "placement": pl.name, "makespan": makespan, "greedy": "event-driven list scheduling"}
-    if one_f_one_b:
-        meta["in_flight_caps"] = caps
-        meta["cap_overrides"] = overrides
-    return orders, meta
+            self._start(i, mb, t)
+        self.ready = keep
+
+    def _start(self, i: int, mb: int, t: float) -> None:
+        for d in self.devs[i]:
+            self.held_by[d] = None
+            self.free_at[d] = t + self.dur[i]
+            if self.one_f_one_b and mb not in self.left_on[d]:
+                self.left_on[d][mb] = self.per_mb_on[d]
+                self.in_flight[d] += 1
+                self.mem_reserved[d] += self.footprint[d]
+        if self.override and not self.is_bwd[i]:
+            self.override = False
+            self.overrides += 1
+        heapq.heappush(self.running, (t + self.dur[i], self.seq, i, mb))
+        self.started.append((t, self.seq, i, mb))
+        self.seq += 1
+
+    def _result(self) -> tuple[list[list[Block]], dict]:
+        """Each device's blocks in start order (ties: the order they started), and the meta."""
+        pl = self.pl
+        orders: list[list[Block]] = [[] for _ in range(self.n)]
+        makespan = 0.0
+        for start, _, i, mb in sorted(self.started):
+            b = pl.blocks[i]
+            for d in b.devices:
+                orders[d].append(Block(b.segment, b.kind, mb))
+            makespan = max(makespan, start + self.dur[i])
+        meta = {"policy": self.policy, "placement": pl.name, "makespan": makespan,
+                "greedy": "event-driven list scheduling"}
+        if self.one_f_one_b:
+            meta["in_flight_caps"] = self.caps
+            meta["cap_overrides"] = self.overrides
+        return orders, meta
 
 
 def gpipe_any(placement: Placement, m: int) -> Schedule:
@@ -332,7 +380,5 @@ def one_f_one_b_any(placement: Placement, m: int, memory_limit: float | Sequence
     if memory_limit is not None:
         meta["memory_limit"] = memory_limit if isinstance(memory_limit, (int, float)) else list(memory_limit)
     s = Schedule(placement, m, orders, name="1f1b", meta=meta)
-    from engine.schedule import validate
-
     validate(s, memory_limit)
     return s

@@ -1,14 +1,14 @@
 """Cost model: device/link tables, roofline op times, alpha-beta communication, a
 :class:`CostModel` for whole clusters, and an op profiler with a per-hardware JSON cache.
 
-Units: seconds, bytes, FLOP/s (see ``docs/ARCHITECTURE.md``).
+Units: seconds, bytes, FLOP/s (see ``docs/ARCHITECTURE.md``). Its error, :class:`~engine.errors.CostModelError`,
+lives in :mod:`engine.errors`.
 """
 
 from engine.cost.comm import COLLECTIVES, collective_time, p2p_time
 from engine.cost.devices import (
     DEVICES,
     LINKS,
-    CostModelError,
     DeviceSpec,
     LinkSpec,
     canonical_dtype,
@@ -23,7 +23,7 @@ from engine.cost.profiler import ProfileTable, device_key, profile_ops, signatur
 from engine.cost.roofline import op_time, ridge_intensity
 
 __all__ = [
-    "COLLECTIVES", "DEVICES", "LINKS", "CostModel", "CostModelError", "DeviceSpec", "LinkSpec",
+    "COLLECTIVES", "DEVICES", "LINKS", "CostModel", "DeviceSpec", "LinkSpec",
     "ProfileTable", "canonical_dtype", "collective_time", "device_key", "emulated_link", "get_device", "get_link",
     "op_time", "p2p_time", "parse_link", "parse_rate", "profile_ops", "ridge_intensity", "signature",
 ]

@@ -38,7 +38,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from engine.cost.devices import CostModelError
+from engine.errors import CostModelError
 from engine.timeline import Timeline
 
 COMPUTE_KINDS = ("F", "B", "I", "W")

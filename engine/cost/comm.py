@@ -35,7 +35,8 @@ uses (p-1)/p for alltoall).
 
 from __future__ import annotations
 
-from engine.cost.devices import CostModelError, LinkSpec
+from engine.cost.devices import LinkSpec
+from engine.errors import CostModelError
 
 #: Collective kinds understood by :func:`collective_time`.
 COLLECTIVES = ("allreduce", "allgather", "reducescatter", "broadcast", "alltoall")

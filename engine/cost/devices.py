@@ -25,15 +25,15 @@ use ``dtype="tfloat32"`` (alias ``"tf32"``) which maps to the tensor-core TF32 p
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
-from engine.errors import TesselError
+from engine.errors import CostModelError
 
-
-class CostModelError(TesselError, ValueError):
-    """A bad argument to the cost model: an unknown device/link/dtype/collective name, a
-    negative size, a malformed serialized cost model. It is a :class:`ValueError`."""
-
+try:
+    import psutil
+except ImportError:  # an installation without psutil: _total_memory falls back to POSIX sysconf
+    psutil = None
 
 #: Canonical dtype names used as keys of :attr:`DeviceSpec.peak_flops`, with accepted aliases.
 DTYPE_ALIASES: dict[str, str] = {
@@ -150,10 +150,8 @@ def _cpu_flags_and_mhz() -> tuple[set[str], float]:
 
 def _total_memory() -> int:
     try:
-        import psutil
-
         return int(psutil.virtual_memory().total)
-    except Exception:  # psutil missing: POSIX fallback
+    except Exception:  # psutil missing (None) or failing: POSIX fallback
         try:
             return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         except (ValueError, OSError, AttributeError):
@@ -253,8 +251,6 @@ def parse_rate(text: str | float) -> float:
         CostModelError (a ValueError): not a positive rate in bits (tc's ``bps`` means bytes per
             second and is refused); the message shows the accepted spellings.
     """
-    import re
-
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
     else:

@@ -9,17 +9,10 @@ from dataclasses import asdict, dataclass
 from typing import Iterable
 
 from engine.cost import comm, roofline
-from engine.cost.devices import (
-    DTYPE_BYTES,
-    CostModelError,
-    DeviceSpec,
-    LinkSpec,
-    canonical_dtype,
-    get_device,
-    get_link,
-)
+from engine.cost.devices import DTYPE_BYTES, DeviceSpec, LinkSpec, canonical_dtype, get_device, get_link
 from engine.cost.profiler import ProfileTable, signature
 from engine.envelope import Envelope, join_path
+from engine.errors import CostModelError
 
 COST_FORMAT = "tessel-cost-model"
 COST_VERSION = 1

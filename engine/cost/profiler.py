@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from engine.cost.devices import CostModelError
+from tqdm.auto import tqdm
+
 from engine.envelope import Envelope
+from engine.errors import CostModelError
 from engine.io.atomic import atomic_write_text
+from engine.io.cache import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -191,12 +194,6 @@ def device_key(device: str = "cpu") -> str:
             raise CostModelError(f"device {device!r}: CUDA is not available on this machine")
         return f"cuda|{torch.cuda.get_device_name(dev)}|torch={torch.__version__}"
     raise CostModelError(f"unsupported profiling device {device!r}; valid: 'cpu', 'cuda[:i]'")
-
-
-def cache_dir() -> Path:
-    """``$TESSEL_CACHE_DIR`` if set, else ``~/.cache/tessel``."""
-    env = os.environ.get("TESSEL_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "tessel"
 
 
 def default_cache_path(key: str) -> Path:
@@ -389,8 +386,6 @@ def _profile(nodes, device, warmup, repeat, cache_path, progress, cache, max_byt
             todo.append((sig, node))
 
     if todo:
-        from tqdm.auto import tqdm
-
         newly_skipped: dict[str, str] = {}
         for sig, node in tqdm(todo, desc=f"profiling ops on {device}", unit="op", disable=not progress):
             try:

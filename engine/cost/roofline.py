@@ -12,7 +12,8 @@ The ridge point, where both terms are equal, is at an arithmetic intensity (FLOP
 
 from __future__ import annotations
 
-from engine.cost.devices import CostModelError, DeviceSpec
+from engine.cost.devices import DeviceSpec
+from engine.errors import CostModelError
 
 
 def compute_time(flops: float, device: DeviceSpec, dtype: str) -> float:

@@ -5,11 +5,7 @@ Modules (imported on demand, so that ``import engine.gnn`` stays light):
 - :mod:`engine.gnn.saga`: ``SAGALayer`` (the SAGA-NN stages and the chunk API) and the built-in
   layers ``GCNLayer``, ``GATLayer``, ``SAGELayer``, ``GINLayer``, ``GatedGCNLayer``.
 - :mod:`engine.gnn.models`: ``GNNConfig``, ``GNNModel``, ``build_gnn``, ``GNN_KINDS``.
-- :mod:`engine.gnn.errors`: ``GNNError`` (re-exported here).
+
+Their errors (``GNNError``, ``PartitionError``, ``GNNPlanError``, ``CharacterizeError``) are in
+:mod:`engine.errors`.
 """
-
-from __future__ import annotations
-
-from engine.gnn.errors import GNNError
-
-__all__ = ["GNNError"]

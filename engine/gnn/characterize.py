@@ -48,12 +48,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
+import networkx as nx
 import torch
 from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from engine.errors import TesselError
+from engine.errors import CharacterizeError
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,6 @@ _OP_NAMESPACES = ("aten", "prims", "torch_scatter", "torch_sparse", "torch_clust
 
 _LAYER_RANGE = re.compile(r"^gnn\.layer(\d+)$")
 _EVALUATE = "autograd::engine::evaluate_function:"
-
-
-class CharacterizeError(TesselError, ValueError):
-    """A characterization was asked for with bad input (a mode, a count, a tensor shape)."""
 
 
 def kernel_class(name: str) -> str:
@@ -153,8 +150,6 @@ class ProfileGraph:
         Raises:
             CharacterizeError: ``num_nodes < 2`` or ``avg_degree`` outside ``(0, num_nodes - 1]``.
         """
-        import networkx as nx
-
         if num_nodes < 2:
             raise CharacterizeError(f"an Erdos-Renyi graph needs at least 2 vertices, got {num_nodes}.")
         if not 0 < avg_degree <= num_nodes - 1:
@@ -167,8 +162,6 @@ class ProfileGraph:
     def from_networkx(cls, graph: Any, name: str) -> ProfileGraph:
         """A networkx graph (vertices relabelled 0..N-1 in iteration order; an undirected edge
         becomes both directions, as ``torch_geometric.utils.from_networkx`` does)."""
-        import networkx as nx
-
         g = nx.convert_node_labels_to_integers(graph)
         if not g.is_directed():
             g = g.to_directed()
@@ -691,6 +684,6 @@ def pivot(rows: Iterable[Mapping[str, Any]], by: Sequence[str], column: str,
     return out
 
 
-__all__ = ["GRAPH_STAGES", "KERNEL_CLASSES", "LOSS", "MODES", "OUTSIDE", "PHASES", "STAGES", "CharacterizeError",
+__all__ = ["GRAPH_STAGES", "KERNEL_CLASSES", "LOSS", "MODES", "OUTSIDE", "PHASES", "STAGES",
            "Characterization", "ProfileGraph", "characterize", "find_layers", "kernel_class", "layer_ranges", "pivot",
            "sweep"]

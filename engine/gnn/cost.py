@@ -31,15 +31,19 @@ pipeline blocks. Units: seconds, bytes, FLOPs.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
+import numpy as np
+
 from engine.cost import roofline
-from engine.cost.devices import DTYPE_BYTES, LINKS, CostModelError, canonical_dtype
+from engine.cost.devices import DTYPE_BYTES, LINKS, canonical_dtype
 from engine.cost.model import CostModel
 from engine.envelope import FieldReader
+from engine.errors import CostModelError
 
 log = logging.getLogger(__name__)
 
@@ -467,7 +471,6 @@ class GNNCostModel:
             CostModelError (a ValueError): no usable record, a malformed record, or one naming a
                 layer or interval the plan does not have.
         """
-        import numpy as np
         from scipy.optimize import nnls
 
         p = len(intervals)
@@ -540,8 +543,6 @@ def _occupancy(records: list[dict]) -> dict[int, float]:
     tensors, writing the aggregate, Python) counts; its own duration when it is the last one, when
     another compute record starts in between, or when the next is a chunk whose load ended after it
     (the gap is then waiting for the load)."""
-    import bisect
-
     load_end = {(r["layer"], r["phase"], r["i"], r["j"]): r["end"] for r in records if r["kind"] == "load"}
     starts = sorted(r["start"] for r in records if r["kind"] != "load")
     runs: dict[tuple, list[int]] = {}

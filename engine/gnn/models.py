@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from engine.gnn.errors import GNNError
+from engine.errors import GNNError
 from engine.gnn.saga import GatedGCNLayer, GATLayer, GCNLayer, GINLayer, SAGALayer, SAGELayer
 
 GNN_KINDS = ("gcn", "gat", "sage", "gin", "gated-gcn")

@@ -29,7 +29,7 @@ import scipy.sparse
 import torch
 from scipy.sparse.csgraph import reverse_cuthill_mckee
 
-from engine.gnn.errors import GNNError
+from engine.errors import PartitionError
 
 __all__ = [
     "EdgeChunk",
@@ -50,10 +50,6 @@ __all__ = [
 MAX_PARTITIONS = 1024
 
 ORDERS = ("rcm", "identity")
-
-
-class PartitionError(GNNError):
-    """A graph partition was asked for with bad input, or no partition count fits a memory budget."""
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,11 @@ ATC 2019, section 4):
 * ``P`` is the smallest power of two (at least ``num_devices``) whose predicted peak memory
   (:func:`engine.gnn.simulate.memory_bound`) fits the budget.
 
-The plan is simulated by :mod:`engine.gnn.simulate`; its times and memory come from
-:class:`~engine.gnn.cost.GNNCostModel`. Files are written atomically; loading errors are
-:class:`~engine.errors.PlanFormatError` naming the field path. Units: seconds and bytes.
+Its parts (:class:`~engine.gnn.plan_parts.GraphStats`, :class:`~engine.gnn.plan_parts.Step`,
+:class:`~engine.gnn.plan_parts.Pass`) are in :mod:`engine.gnn.plan_parts`. The plan is simulated by
+:mod:`engine.gnn.simulate`; its times and memory come from :class:`~engine.gnn.cost.GNNCostModel`.
+Files are written atomically; loading errors are :class:`~engine.errors.PlanFormatError` naming the
+field path. Units: seconds and bytes.
 """
 
 from __future__ import annotations
@@ -32,16 +34,17 @@ import dataclasses
 import json
 import logging
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from engine import __version__
-from engine.cost.devices import CostModelError
 from engine.envelope import Envelope, FieldReader
-from engine.errors import PlanFormatError
+from engine.errors import CostModelError, GNNPlanError, PartitionError, PlanFormatError
 from engine.gnn.cost import GNNCostModel, LayerShape, layer_shapes
-from engine.gnn.errors import GNNError
+from engine.gnn.plan_parts import COLLECTIVE_STEPS, STEP_KINDS, GraphStats, Pass, Step
+from engine.gnn.simulate import memory_bound, simulate_gnn
 from engine.io.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -56,118 +59,9 @@ GNN_PLAN_ENVELOPE = Envelope(
 )
 #: The largest ``P`` the planner tries (the schedule lists ``P**2`` chunks per layer and pass).
 MAX_PARTITIONS = 256
-#: Kinds of a schedule step (see :class:`Step`).
-STEP_KINDS = ("pre", "chunk", "apply", "allgather", "reducescatter", "allreduce", "optim")
-#: The collective step kinds.
-COLLECTIVE_STEPS = ("allgather", "reducescatter", "allreduce")
 
 
-class GNNPlanError(GNNError):
-    """A GNN plan cannot be made: a budget too small, a bad partition count or device count."""
-
-
-# ---------------------------------------------------------------------------------------------- parts
-@dataclass(frozen=True)
-class GraphStats:
-    """The statistics of a graph a plan needs.
-
-    Attributes:
-        num_vertices: vertices N.
-        num_edges: directed edges E (an undirected edge counts twice), without the self-loops a
-            GCN or GAT layer adds.
-        feature_dim: width of the input vertex features.
-        num_classes: classes of the node-classification task (the model's output width).
-    """
-
-    num_vertices: int
-    num_edges: int
-    feature_dim: int
-    num_classes: int
-
-    def __post_init__(self) -> None:
-        for name in ("num_vertices", "feature_dim", "num_classes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise GNNPlanError(f"graph {name} must be a positive integer, got {v!r}.")
-        if isinstance(self.num_edges, bool) or not isinstance(self.num_edges, int) or self.num_edges < 0:
-            raise GNNPlanError(f"graph num_edges must be a non-negative integer, got {self.num_edges!r}.")
-
-    @classmethod
-    def of(cls, obj: Any) -> "GraphStats":
-        """Read the statistics from a :class:`GraphStats`, a dict or an object (``tasks.graphs.graph_stats``'s
-        result) with ``num_vertices``/``num_nodes``, ``num_edges``, ``feature_dim``/``num_features``
-        and ``num_classes``.
-
-        Raises:
-            GNNPlanError: a field is missing or not a positive integer.
-        """
-        if isinstance(obj, GraphStats):
-            return obj
-        names = {"num_vertices": ("num_vertices", "num_nodes"), "num_edges": ("num_edges",),
-                 "feature_dim": ("feature_dim", "num_features", "feature_width"),
-                 "num_classes": ("num_classes", "classes")}
-        out: dict[str, Any] = {}
-        for key, options in names.items():
-            for o in options:
-                v = obj.get(o) if isinstance(obj, dict) else getattr(obj, o, None)
-                if v is not None:
-                    out[key] = int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-                    break
-            else:
-                raise GNNPlanError(f"graph statistics lack {key} (looked for {', '.join(options)}); pass "
-                                   "tasks.graphs.graph_stats(spec) or a GraphStats.")
-        return cls(**out)
-
-    def to_dict(self) -> dict:
-        """``{"num_vertices", "num_edges", "feature_dim", "num_classes"}``."""
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of a device's streaming schedule.
-
-    Attributes:
-        kind: ``"pre"`` (``apply_vertex_pre`` of destination interval ``j``; its backward in a
-            backward pass), ``"chunk"`` (load chunk ``(i, j)`` on the load stream, then its
-            Scatter/ApplyEdge/Gather, or their recomputation and backward, on the compute stream),
-            ``"apply"`` (``apply_vertex`` of interval ``j``, or its backward), ``"allgather"``
-            (the layer's vertex data from every device), ``"reducescatter"`` (the source gradients
-            to their owners), ``"allreduce"`` (the parameter gradients) or ``"optim"`` (the
-            optimizer step).
-        i: source interval of a chunk; -1 otherwise.
-        j: destination interval of a chunk, ``pre`` or ``apply``; -1 otherwise.
-    """
-
-    kind: str
-    i: int = -1
-    j: int = -1
-
-    def to_json(self) -> list:
-        """``[kind, i, j]``."""
-        return [self.kind, self.i, self.j]
-
-
-@dataclass
-class Pass:
-    """One layer's forward or backward on one device: its steps in order.
-
-    Attributes:
-        layer: the layer index (0 = first).
-        phase: ``"F"`` (forward) or ``"B"`` (backward).
-        steps: the ordered steps; loads follow the order of the ``chunk`` steps, one ahead of
-            the compute (double buffering).
-    """
-
-    layer: int
-    phase: str
-    steps: list[Step]
-
-    def to_dict(self) -> dict:
-        """``{"layer", "phase", "steps": [[kind, i, j], ...]}``."""
-        return {"layer": self.layer, "phase": self.phase, "steps": [s.to_json() for s in self.steps]}
-
-
+# ---------------------------------------------------------------------------------------------- the plan
 @dataclass
 class GNNPlan:
     """A chunk-streamed GNN training plan (see the module docstring).
@@ -256,10 +150,6 @@ class GNNPlan:
             CostModelError: no usable record, one that names a layer or interval this plan lacks,
                 or a non-positive epoch time.
         """
-        import statistics
-
-        from engine.gnn.simulate import memory_bound, simulate_gnn
-
         cost = self.cost.calibrate(records, self.layers, self.chunk_edges, self.intervals)
         if epoch_seconds is not None:
             secs = [float(t) for t in epoch_seconds]
@@ -444,12 +334,11 @@ def graph_from_spec(spec: str, seed: int = 0) -> Any:
     spec names: :func:`tasks.graphs.graph_from_spec` (``karate``, ``cpython``, ``rmat:SCALE:EDGE_FACTOR``).
 
     Raises:
-        tasks.graphs.GraphError: an unknown name or malformed numbers (one sentence listing the forms).
+        GraphError: an unknown name or malformed numbers (one sentence listing the forms).
     """
     from tasks.graphs import graph_from_spec as from_spec
 
     return from_spec(spec, seed)
-
 
 
 def expected_chunks(stats: GraphStats, partitions: int, self_loops: bool) -> tuple[list[int], list[list[int]]]:
@@ -603,7 +492,7 @@ def _partitioner(model: Any, stats: GraphStats, edge_index: Any, order: str) -> 
     import torch
 
     from engine.gnn.models import build_gnn
-    from engine.gnn.partition import GraphPartition, PartitionError, locality_order
+    from engine.gnn.partition import GraphPartition, locality_order
 
     if not isinstance(edge_index, torch.Tensor) or edge_index.dim() != 2 or edge_index.shape[0] != 2:
         raise GNNPlanError(f"edge_index must be a [2, E] tensor, got {type(edge_index).__name__}.")
@@ -664,8 +553,6 @@ def make_gnn_plan(model_config: Any, graph: Any, devices: int = 1, budget_bytes:
             the graph.
         CostModelError: an unknown device type or link.
     """
-    from engine.gnn.simulate import memory_bound, simulate_gnn
-
     if isinstance(graph, str):
         from tasks.graphs import graph_stats
 
@@ -768,6 +655,6 @@ def load_gnn_plan(path: str | Path) -> GNNPlan:
     return GNNPlan.from_dict(d, source=str(path))
 
 
-__all__ = ["GNN_PLAN_FORMAT", "GNN_PLAN_VERSION", "MAX_PARTITIONS", "STEP_KINDS", "GNNPlan",
-           "GNNPlanError", "GraphStats", "Pass", "Step", "balance_intervals", "build_schedule", "expected_chunks",
-           "fmt_bytes", "graph_from_spec", "load_gnn_plan", "make_gnn_plan", "partition_chunks", "save_gnn_plan"]
+__all__ = ["GNN_PLAN_FORMAT", "GNN_PLAN_VERSION", "MAX_PARTITIONS", "GNNPlan", "balance_intervals", "build_schedule",
+           "expected_chunks", "fmt_bytes", "graph_from_spec", "load_gnn_plan", "make_gnn_plan", "partition_chunks",
+           "save_gnn_plan"]

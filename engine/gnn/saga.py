@@ -82,9 +82,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
+from torch_geometric.nn import GATConv, GCNConv, GINConv, ResGatedGraphConv, SAGEConv
 from torch_geometric.utils import add_self_loops, degree, remove_self_loops, scatter, softmax
 
-from engine.gnn.errors import GNNError
+from engine.errors import GNNError
 
 GATHER_KINDS = ("sum", "mean", "max", "softmax")
 """The gather (reduce) kinds a :class:`SAGALayer` may use."""
@@ -484,8 +485,6 @@ class GCNLayer(SAGALayer):
         Raises:
             GNNError: the conv is not a ``GCNConv`` with ``normalize=True`` and ``improved=False``.
         """
-        from torch_geometric.nn import GCNConv
-
         _require(isinstance(conv, GCNConv), f"GCNLayer.from_pyg needs a GCNConv, got {type(conv).__name__}.")
         _require(conv.normalize and not conv.improved,
                  "GCNLayer.from_pyg supports GCNConv with normalize=True and improved=False only.")
@@ -564,8 +563,6 @@ class GATLayer(SAGALayer):
             GNNError: the conv has edge features, a residual, separate source/destination weights
                 (bipartite) or a non-zero dropout, which this layer does not implement.
         """
-        from torch_geometric.nn import GATConv
-
         _require(isinstance(conv, GATConv), f"GATLayer.from_pyg needs a GATConv, got {type(conv).__name__}.")
         _require(isinstance(conv.in_channels, int) and conv.lin is not None,
                  "GATLayer.from_pyg supports a GATConv with one in_channels (not bipartite) only.")
@@ -633,8 +630,6 @@ class SAGELayer(SAGALayer):
         Raises:
             GNNError: the conv projects or normalises, or its aggregation is not mean, max or sum.
         """
-        from torch_geometric.nn import SAGEConv
-
         _require(isinstance(conv, SAGEConv), f"SAGELayer.from_pyg needs a SAGEConv, got {type(conv).__name__}.")
         aggr = {"add": "sum"}.get(conv.aggr, conv.aggr) if isinstance(conv.aggr, str) else conv.aggr
         _require(aggr in ("mean", "max", "sum"),
@@ -699,8 +694,6 @@ class GINLayer(SAGALayer):
         Raises:
             GNNError: the conv is not a ``GINConv`` or its widths cannot be inferred from its ``nn``.
         """
-        from torch_geometric.nn import GINConv
-
         _require(isinstance(conv, GINConv), f"GINLayer.from_pyg needs a GINConv, got {type(conv).__name__}.")
         layer = cls(copy.deepcopy(conv.nn), eps=conv.initial_eps,
                     train_eps=isinstance(conv.eps, torch.nn.Parameter))
@@ -743,8 +736,6 @@ class GatedGCNLayer(SAGALayer):
         Raises:
             GNNError: the conv has edge features, a gate other than the sigmoid, or two input widths.
         """
-        from torch_geometric.nn import ResGatedGraphConv
-
         _require(isinstance(conv, ResGatedGraphConv),
                  f"GatedGCNLayer.from_pyg needs a ResGatedGraphConv, got {type(conv).__name__}.")
         _require(conv.edge_dim is None and isinstance(conv.act, nn.Sigmoid) and isinstance(conv.in_channels, int),

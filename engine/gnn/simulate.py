@@ -4,7 +4,7 @@ Every device has a ``load`` stream (host-to-device chunk loads) and a ``compute`
 Scatter/ApplyEdge/Gather, the dense ``apply_vertex_pre`` / ``apply_vertex`` of its intervals, the
 optimizer), and takes part in the ``collective`` stream's all-gathers, reduce-scatters and
 all-reduce (NGra, USENIX ATC'19, section 4: the next chunk's transfer overlaps the current
-chunk's compute). The rules, per device and pass (:class:`~engine.gnn.plan.Pass`):
+chunk's compute). The rules, per device and pass (:class:`~engine.gnn.plan_parts.Pass`):
 
 * the steps run in their order on the compute stream; a ``chunk`` step's compute starts when
   the compute stream is free and its load has ended;
@@ -29,8 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.errors import GNNPlanError
 from engine.gnn.cost import ADAM_STATES, VATTR_BYTES_PER_VERTEX, GNNCostModel, LayerShape, param_count
-from engine.gnn.plan import COLLECTIVE_STEPS, GNNPlan, GNNPlanError, Pass
+from engine.gnn.plan_parts import COLLECTIVE_STEPS, Pass, StreamingPlan
 from engine.timeline import Event, Timeline
 
 #: Stream of the chunk loads (``engine.timeline.STREAMS`` has compute, send, recv, collective).
@@ -58,7 +59,7 @@ class PassMemory:
     transient: int
 
 
-def static_bytes(plan: GNNPlan) -> int:
+def static_bytes(plan: StreamingPlan) -> int:
     """Bytes resident on every device for the whole epoch: parameters with their gradients and
     Adam's two moments (:data:`~engine.gnn.cost.ADAM_STATES` copies), the input features and
     the per-vertex attributes (degrees) of all N vertices."""
@@ -68,7 +69,7 @@ def static_bytes(plan: GNNPlan) -> int:
             + n * VATTR_BYTES_PER_VERTEX)
 
 
-def pass_memory(plan: GNNPlan, device: int) -> list[PassMemory]:
+def pass_memory(plan: StreamingPlan, device: int) -> list[PassMemory]:
     """Per pass of ``device`` (in the plan's order), what it allocates and frees.
 
     With ``e`` bytes per element, N vertices, ``n_d`` the device's vertices:
@@ -116,7 +117,7 @@ def pass_memory(plan: GNNPlan, device: int) -> list[PassMemory]:
     return out
 
 
-def memory_bound(plan: GNNPlan) -> list[int]:
+def memory_bound(plan: StreamingPlan) -> list[int]:
     """Per device, an upper bound of its simulated memory curve: the largest over its passes of
     the resident bytes during the pass plus the pass's transients (:func:`pass_memory`). The
     planner chooses P by it, so a made plan's simulated memory never exceeds the budget."""
@@ -204,7 +205,7 @@ def _segments(ps: Pass) -> list[tuple[list, str | None]]:
     return segs
 
 
-def simulate_gnn(plan: GNNPlan, cost: GNNCostModel | None = None, *, check_memory: bool = True) -> GNNSimulation:
+def simulate_gnn(plan: StreamingPlan, cost: GNNCostModel | None = None, *, check_memory: bool = True) -> GNNSimulation:
     """Simulate one training epoch of ``plan`` (see the module docstring for the rules).
 
     Args:
@@ -286,7 +287,7 @@ def simulate_gnn(plan: GNNPlan, cost: GNNCostModel | None = None, *, check_memor
     return sim
 
 
-def _run_steps(plan: GNNPlan, cost: GNNCostModel, layer: LayerShape, ph: str, tag: str, steps: list, d: _Device,
+def _run_steps(plan: StreamingPlan, cost: GNNCostModel, layer: LayerShape, ph: str, tag: str, steps: list, d: _Device,
                events: list[Event]) -> None:
     """Simulate one device's steps up to the next collective (see the module docstring)."""
     li = layer.index

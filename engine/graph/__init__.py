@@ -2,10 +2,10 @@
 
 Public API::
 
-    from engine.graph import capture, CaptureError, OpGraph, LayerSummary
+    from engine.graph import capture, OpGraph, LayerSummary
     g = capture(module, example_inputs, name="gpt2")   # torch.export, strict=False, meta tensors
 """
-from .capture import CaptureError, capture
+from .capture import capture
 from .opgraph import LayerSummary, OpGraph
 
-__all__ = ["capture", "CaptureError", "OpGraph", "LayerSummary"]
+__all__ = ["capture", "OpGraph", "LayerSummary"]

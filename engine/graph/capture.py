@@ -52,6 +52,7 @@ import operator
 import re
 import sys
 import traceback
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -61,31 +62,33 @@ import torch
 import torch.fx
 from torch import nn
 
-from engine.errors import TesselError
+from engine.errors import CaptureError
 
 from .flops import count_flops, dropout_saved_bytes, op_kind, op_name, saves_inputs, saves_output, target_str
 from .layering import ROOT_LAYER, Layering, attach_layers, module_of
 from .opgraph import OpGraph
 
-__all__ = ["capture", "CaptureError", "TraceFailure", "trace_failure"]
+__all__ = ["capture", "TraceFailure", "example_inputs_note", "note_example_inputs", "trace_failure"]
 
 log = logging.getLogger(__name__)
 
+#: Modules whose example inputs were made up for them (a user's ``module:callable`` returned only a
+#: module) -> how, and how to give the module's own; added to a capture failure of that module.
+_INPUTS_NOTES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 
 
-class CaptureError(TesselError, RuntimeError):
-    """``torch.export`` could not trace the model (a :class:`~engine.errors.TesselError`; still a
-    ``RuntimeError`` for existing ``except RuntimeError`` handlers).
+def note_example_inputs(module: nn.Module, note: str) -> None:
+    """Record that ``module``'s example inputs were made up, and how (``note``, e.g. ``"'pkg:make'
+    returned only a module, so Tessel gave it example inputs of the causal-lm task (int64 [1, 128]);
+    return (module, example_inputs) ..."``): a capture failure of ``module`` then ends with the note
+    instead of a generic hint. The record lives as long as the module (a weak reference)."""
+    _INPUTS_NOTES[module] = note
 
-    The message names the module (path and class) and source line where tracing failed,
-    quotes PyTorch's own error, and says what to try. ``module_path`` and ``cause`` are also
-    available as attributes."""
 
-    def __init__(self, message: str, *, module_path: str | None = None,
-                 cause: BaseException | None = None):
-        super().__init__(message)
-        self.module_path = module_path
-        self.cause = cause
+def example_inputs_note(module: nn.Module) -> str | None:
+    """The note :func:`note_example_inputs` recorded for ``module``, or ``None`` when its inputs
+    came from the model's own definition."""
+    return _INPUTS_NOTES.get(module)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,10 +221,7 @@ def trace_failure(e: BaseException, model: nn.Module) -> TraceFailure:
 
 def _capture_error(e: BaseException, model: nn.Module, name: str) -> CaptureError:
     """One line: where tracing failed, PyTorch's first line, and what to try; for a user model
-    whose example inputs Tessel made up (:func:`engine.models.registry.example_inputs_note`), how
-    to give its own instead."""
-    from engine.models.registry import example_inputs_note
-
+    whose example inputs Tessel made up (:func:`example_inputs_note`), how to give its own instead."""
     f = trace_failure(e, model)
     module_txt = (f"module '{f.module_path or '<root>'}' ({f.module_type})" if f.module_type
                   else "the model's top-level code")
@@ -279,7 +279,7 @@ def capture(model: Any, example_inputs: tuple | Any = None, *, name: str | None 
 
     Args:
         model: an ``nn.Module`` (ideally on the ``meta`` device), or a
-            :class:`engine.models.registry.ModelBundle` (its module, example inputs, name,
+            :class:`engine.models.bundle.ModelBundle` (its module, example inputs, name,
             batch size and sequence length are used).
         example_inputs: tuple of example tensors (a single tensor is wrapped), e.g. int64 token
             ids ``[batch, seq]`` on ``meta``. Their shapes are baked into the graph (no dynamic
@@ -344,185 +344,232 @@ def capture(model: Any, example_inputs: tuple | Any = None, *, name: str | None 
 
 
 def _build(ep: "torch.export.ExportedProgram", model: nn.Module, name: str) -> OpGraph:
-    gm = ep.graph_module
-    sig = ep.graph_signature
-    p2param = dict(sig.inputs_to_parameters)
-    p2buf = dict(sig.inputs_to_buffers)
-    p2const = dict(sig.inputs_to_lifted_tensor_constants)
+    """The OpGraph of an exported program: one node per kept op and graph input, in program order
+    (every attribute as the module docstring derives it), then the layers and the model's totals."""
+    canon, params = _canonical_params(model)
+    walk = _Walk(ep.graph_signature, canon, params)
+    lay = Layering(model)
+    g = OpGraph()
+    for node in ep.graph_module.graph.nodes:
+        if node.op == "placeholder":
+            _add_placeholder(g, walk, node)
+        elif node.op == "get_attr":
+            walk.subgraphs[node.name] = str(node.target)
+        elif node.op == "output":
+            _add_output(g, node, walk.kept)
+        elif node.op == "call_function" and not op_name(node.target).startswith(("_assert", "sym_constrain")):
+            _add_op(g, walk, node, ep.graph_module, lay, model)
+    for n in g.nodes:
+        if g.nodes[n]["op"] == "placeholder":
+            g.nodes[n]["input_only"] = True
+    _assign_layers(g, walk.module_layer)
+    g.graph.update(model_name=name, **_model_totals(model, canon, params, g))
+    return g
 
+
+def _canonical_params(model: nn.Module) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """``(canon, params)``: every parameter name -> the first name of its tensor in
+    ``named_parameters()`` (tied names map to the first), and first name -> tensor."""
     canon: dict[str, str] = {}
     first_by_id: dict[int, str] = {}
     params: dict[str, torch.Tensor] = {}
     for pn, p in model.named_parameters(remove_duplicate=False):
         canon[pn] = first_by_id.setdefault(id(p), pn)
         params.setdefault(canon[pn], p)
-    tied = {a: c for a, c in canon.items() if a != c}
-    num_params = sum(p.numel() for p in params.values())
-    param_bytes_total = sum(p.numel() * p.element_size() for p in params.values())
-    buffer_bytes = sum(b.numel() * b.element_size() for _, b in model.named_buffers())
+    return canon, params
+
+
+def _model_totals(model: nn.Module, canon: dict[str, str], params: dict[str, torch.Tensor],
+                  g: OpGraph) -> dict[str, Any]:
+    """The graph-level facts of the model: ``dtype`` (of most parameter bytes, else the first float
+    output), ``num_params``, ``param_bytes`` and ``buffer_bytes`` (tied parameters once), and
+    ``tied_params`` (each other name of a tied parameter -> its first name)."""
     dt_bytes: Counter = Counter()
     for t in params.values():
         dt_bytes[_dtype_str(t.dtype)] += t.numel() * t.element_size()
+    return dict(
+        dtype=(dt_bytes.most_common(1)[0][0] if dt_bytes else _first_dtype(g)),
+        num_params=int(sum(p.numel() for p in params.values())),
+        param_bytes=int(sum(p.numel() * p.element_size() for p in params.values())),
+        buffer_bytes=int(sum(b.numel() * b.element_size() for _, b in model.named_buffers())),
+        tied_params={a: c for a, c in canon.items() if a != c},
+    )
 
-    lay = Layering(model)
-    g = OpGraph()
-    folded: dict[str, dict[str, Any]] = {}   # param/buffer/constant placeholder -> descriptor
-    subgraphs: dict[str, str] = {}            # get_attr node -> submodule name
-    kept: dict[str, torch.fx.Node] = {}
-    param_like: set[str] = set()               # views of parameters (not activations)
-    input_only: dict[str, bool] = {}
-    view_base: dict[str, str] = {}             # view node -> storage root node
-    seen_params: set[str] = set()
-    module_layer: dict[str, str | None] = {}
 
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            val = node.meta.get("val")
-            if node.name in p2param:
-                fqn = canon.get(p2param[node.name], p2param[node.name])
-                folded[node.name] = {"param": fqn, **_tdesc(val)}
-            elif node.name in p2buf:
-                folded[node.name] = {"buffer": p2buf[node.name], **_tdesc(val)}
-            elif node.name in p2const:
-                folded[node.name] = {"constant": p2const[node.name], **_tdesc(val)}
-            elif isinstance(val, torch.Tensor):
-                g.add_node(node.name, **_base_attrs(node.name, "placeholder", node.name,
-                                                    "input", "", "", val))
-                kept[node.name] = node
-                input_only[node.name] = True
-            continue
-        if node.op == "get_attr":
-            subgraphs[node.name] = str(node.target)
-            continue
-        if node.op == "output":
-            _add_output(g, node, kept)
-            continue
-        if node.op != "call_function":
-            continue
-        oname = op_name(node.target)
-        if oname.startswith(("_assert", "sym_constrain")):
-            continue
+class _Walk:
+    """What the walk over an exported program's nodes has seen so far (:func:`_build`).
 
-        val = node.meta.get("val")
-        kind = op_kind(node.target)
-        tstr = target_str(node.target)
-        mpath, mtype = module_of(node, lay, model)
-        module_layer[node.name] = lay.layer_of(mpath)
+    Attributes:
+        p2param, p2buf, p2const: placeholder name -> parameter / buffer / lifted constant name.
+        canon, params: see :func:`_canonical_params`.
+        folded: parameter, buffer and constant placeholders -> their descriptors (no graph node).
+        subgraphs: ``get_attr`` node -> the submodule (HOP subgraph) it names.
+        kept: nodes of the graph so far (graph inputs and ops).
+        param_like: views of parameters (e.g. ``weight.t()``): not activations.
+        input_only: node -> whether it depends on graph inputs, buffers and constants only.
+        view_base: view node -> the node owning its storage.
+        seen_params: parameters an earlier op already used (bytes count at first use).
+        module_layer: op -> the layer of its module (``None``: a backbone op, attached later).
+    """
 
-        act_inputs: list[str] = []
-        pnames: list[str] = []
-        n_tensor_operands = 0
-        only_inputs = True
+    def __init__(self, sig: Any, canon: dict[str, str], params: dict[str, torch.Tensor]):
+        self.p2param = dict(sig.inputs_to_parameters)
+        self.p2buf = dict(sig.inputs_to_buffers)
+        self.p2const = dict(sig.inputs_to_lifted_tensor_constants)
+        self.canon = canon
+        self.params = params
+        self.folded: dict[str, dict[str, Any]] = {}
+        self.subgraphs: dict[str, str] = {}
+        self.kept: dict[str, torch.fx.Node] = {}
+        self.param_like: set[str] = set()
+        self.input_only: dict[str, bool] = {}
+        self.view_base: dict[str, str] = {}
+        self.seen_params: set[str] = set()
+        self.module_layer: dict[str, str | None] = {}
 
-        # this node's lists, bound as defaults (describe runs within this iteration only)
-        def describe(a: Any, pnames: list[str] = pnames, act_inputs: list[str] = act_inputs) -> Any:
-            nonlocal n_tensor_operands, only_inputs
-            if isinstance(a, torch.fx.Node):
-                if a.name in folded:
-                    d = folded[a.name]
-                    n_tensor_operands += 1
-                    if "param" in d:
-                        only_inputs = False
-                        if d["param"] not in pnames:
-                            pnames.append(d["param"])
-                    return dict(d)
-                if a.name in subgraphs:
-                    return {"subgraph": subgraphs[a.name]}
-                if a.name not in kept:
-                    return None
-                v = a.meta.get("val")
-                n_tensor_operands += 1
-                if a.name not in act_inputs:
-                    act_inputs.append(a.name)
-                only_inputs = only_inputs and input_only.get(a.name, False)
-                if isinstance(v, torch.Tensor):
-                    return {**_tdesc(v), "node": a.name}
-                if isinstance(v, (list, tuple)):
-                    return [{**_tdesc(t), "node": a.name} if isinstance(t, torch.Tensor)
-                            else _literal(t) for t in v]
-                return _literal(v)
-            if isinstance(a, (list, tuple)):
-                return [describe(x) for x in a]
-            if isinstance(a, dict):
-                return {str(k): describe(v) for k, v in a.items()}
-            return _literal(a)
-
-        args_desc = [describe(a) for a in node.args]
-        kwargs_desc = {k: describe(v) for k, v in node.kwargs.items()}
-
-        arg_vals = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
-        kwarg_vals = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
-        if kind == "hop":
-            flops = _hop_flops(node, gm)
-        else:
-            flops = count_flops(node.target, tuple(arg_vals), dict(kwarg_vals), val)
-
-        # parameters: bytes at first use
+    def first_use_bytes(self, pnames: list[str]) -> int:
+        """Bytes of the parameters ``pnames`` that no earlier op used (then marked used)."""
         pbytes = 0
         for pn in pnames:
-            if pn not in seen_params:
-                seen_params.add(pn)
-                param = params.get(pn)
+            if pn not in self.seen_params:
+                self.seen_params.add(pn)
+                param = self.params.get(pn)
                 if param is not None:
                     pbytes += param.numel() * param.element_size()
+        return pbytes
 
-        # views of parameters (e.g. weight.t()) are not activations
-        if kind == "view" and (pnames or act_inputs) and all(a in param_like for a in act_inputs):
-            param_like.add(node.name)
-        activations = [a for a in act_inputs if a not in param_like]
-        input_only[node.name] = only_inputs
 
-        # storage roots for views
-        if kind == "view" and activations:
-            view_base[node.name] = view_base.get(activations[0], activations[0])
+class _Operands:
+    """One op's operands as :meth:`describe` meets them: the parameters (``pnames``) and
+    activations (``act_inputs``) it reads, in first-use order, how many tensor operands it has, and
+    whether all of them derive from graph inputs only (``only_inputs``)."""
 
-        # saved tensors
-        saved: list[str] = []
-        saved_bytes = 0
-        saved_self = 0
-        if saves_inputs(node.target, n_tensor_operands):
-            for a in activations:
-                root = view_base.get(a, a)
-                if root not in saved:
-                    saved.append(root)
-                saved_bytes += _val_bytes(kept[a].meta.get("val")) if a in kept else 0
-        if saves_output(node.target):
-            saved_self += _val_bytes(val if not isinstance(val, (list, tuple)) else val[0])
-        if kind == "dropout":
-            saved_self += dropout_saved_bytes(node.target, tuple(arg_vals), dict(kwarg_vals),
-                                              val)
-        if saved_self:
-            saved.append(node.name)
-            saved_bytes += saved_self
+    def __init__(self, walk: _Walk):
+        self.walk = walk
+        self.pnames: list[str] = []
+        self.act_inputs: list[str] = []
+        self.n_tensor_operands = 0
+        self.only_inputs = True
 
-        attrs = _base_attrs(node.name, "call_function", tstr, kind, mpath, mtype, val)
-        attrs.update(
-            input_bytes=sum(_val_bytes(kept[a].meta.get("val")) for a in activations),
-            flops=float(flops), param_bytes=int(pbytes), param_names=pnames,
-            saved_bytes=int(saved_bytes), saved=saved, saved_self_bytes=int(saved_self),
-            input_only=bool(only_inputs), args=args_desc, kwargs=kwargs_desc,
-        )
-        if node.target is operator.getitem and len(node.args) > 1:
-            src = node.args[0]
-            sval = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
-            idx = node.args[1]
-            if isinstance(sval, (list, tuple)) and isinstance(idx, int):
-                attrs["getitem_index"] = sum(isinstance(t, torch.Tensor) for t in sval[:idx])
-        g.add_node(node.name, **attrs)
-        kept[node.name] = node
-        for a in act_inputs:
-            g.add_edge(a, node.name, bytes=_edge_bytes(kept[a], node))
+    def describe(self, a: Any) -> Any:
+        """The JSON-able descriptor of an FX argument (see the module docstring's ``args``)."""
+        w = self.walk
+        if isinstance(a, torch.fx.Node):
+            if a.name in w.folded:
+                d = w.folded[a.name]
+                self.n_tensor_operands += 1
+                if "param" in d:
+                    self.only_inputs = False
+                    if d["param"] not in self.pnames:
+                        self.pnames.append(d["param"])
+                return dict(d)
+            if a.name in w.subgraphs:
+                return {"subgraph": w.subgraphs[a.name]}
+            if a.name not in w.kept:
+                return None
+            v = a.meta.get("val")
+            self.n_tensor_operands += 1
+            if a.name not in self.act_inputs:
+                self.act_inputs.append(a.name)
+            self.only_inputs = self.only_inputs and w.input_only.get(a.name, False)
+            if isinstance(v, torch.Tensor):
+                return {**_tdesc(v), "node": a.name}
+            if isinstance(v, (list, tuple)):
+                return [{**_tdesc(t), "node": a.name} if isinstance(t, torch.Tensor)
+                        else _literal(t) for t in v]
+            return _literal(v)
+        if isinstance(a, (list, tuple)):
+            return [self.describe(x) for x in a]
+        if isinstance(a, dict):
+            return {str(k): self.describe(v) for k, v in a.items()}
+        return _literal(a)
 
-    for n in g.nodes:
-        if g.nodes[n]["op"] == "placeholder":
-            g.nodes[n]["input_only"] = True
-    _assign_layers(g, module_layer)
-    g.graph.update(
-        model_name=name, dtype=(dt_bytes.most_common(1)[0][0] if dt_bytes else _first_dtype(g)),
-        num_params=int(num_params), param_bytes=int(param_bytes_total),
-        buffer_bytes=int(buffer_bytes), tied_params=tied,
+
+def _add_placeholder(g: OpGraph, walk: _Walk, node: torch.fx.Node) -> None:
+    """Fold a parameter, buffer or constant placeholder into its descriptor; add a tensor graph
+    input as a node."""
+    val: Any = node.meta.get("val")
+    if node.name in walk.p2param:
+        fqn = walk.canon.get(walk.p2param[node.name], walk.p2param[node.name])
+        walk.folded[node.name] = {"param": fqn, **_tdesc(val)}
+    elif node.name in walk.p2buf:
+        walk.folded[node.name] = {"buffer": walk.p2buf[node.name], **_tdesc(val)}
+    elif node.name in walk.p2const:
+        walk.folded[node.name] = {"constant": walk.p2const[node.name], **_tdesc(val)}
+    elif isinstance(val, torch.Tensor):
+        g.add_node(node.name, **_base_attrs(node.name, "placeholder", node.name, "input", "", "", val))
+        walk.kept[node.name] = node
+        walk.input_only[node.name] = True
+
+
+def _add_op(g: OpGraph, walk: _Walk, node: torch.fx.Node, gm: torch.fx.GraphModule, lay: Layering,
+            model: nn.Module) -> None:
+    """Add one ``call_function`` op: its module and layer, operands, FLOPs, parameter bytes at first
+    use, saved tensors, and an edge from every activation it reads."""
+    val = node.meta.get("val")
+    kind = op_kind(node.target)
+    mpath, mtype = module_of(node, lay, model)
+    walk.module_layer[node.name] = lay.layer_of(mpath)
+    ops = _Operands(walk)
+    args_desc = [ops.describe(a) for a in node.args]
+    kwargs_desc = {k: ops.describe(v) for k, v in node.kwargs.items()}
+    arg_vals = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
+    kwarg_vals = torch.fx.node.map_arg(node.kwargs, lambda n: n.meta.get("val"))
+    if kind == "hop":
+        flops = _hop_flops(node, gm)
+    else:
+        flops = count_flops(node.target, tuple(arg_vals), dict(kwarg_vals), val)
+    pbytes = walk.first_use_bytes(ops.pnames)
+    # views of parameters (e.g. weight.t()) are not activations
+    if kind == "view" and (ops.pnames or ops.act_inputs) and all(a in walk.param_like for a in ops.act_inputs):
+        walk.param_like.add(node.name)
+    activations = [a for a in ops.act_inputs if a not in walk.param_like]
+    walk.input_only[node.name] = ops.only_inputs
+    if kind == "view" and activations:   # storage roots for views
+        walk.view_base[node.name] = walk.view_base.get(activations[0], activations[0])
+    saved, saved_bytes, saved_self = _saved_tensors(walk, node, kind, activations, ops.n_tensor_operands,
+                                                    tuple(arg_vals), dict(kwarg_vals), val)
+    attrs = _base_attrs(node.name, "call_function", target_str(node.target), kind, mpath, mtype, val)
+    attrs.update(
+        input_bytes=sum(_val_bytes(walk.kept[a].meta.get("val")) for a in activations),
+        flops=float(flops), param_bytes=int(pbytes), param_names=ops.pnames,
+        saved_bytes=int(saved_bytes), saved=saved, saved_self_bytes=int(saved_self),
+        input_only=bool(ops.only_inputs), args=args_desc, kwargs=kwargs_desc,
     )
-    return g
+    if node.target is operator.getitem and len(node.args) > 1:
+        src = node.args[0]
+        sval = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+        idx = node.args[1]
+        if isinstance(sval, (list, tuple)) and isinstance(idx, int):
+            attrs["getitem_index"] = sum(isinstance(t, torch.Tensor) for t in sval[:idx])
+    g.add_node(node.name, **attrs)
+    walk.kept[node.name] = node
+    for a in ops.act_inputs:
+        g.add_edge(a, node.name, bytes=_edge_bytes(walk.kept[a], node))
+
+
+def _saved_tensors(walk: _Walk, node: torch.fx.Node, kind: str, activations: list[str], n_tensor_operands: int,
+                   arg_vals: tuple, kwarg_vals: dict, val: Any) -> tuple[list[str], int, int]:
+    """``(saved, saved_bytes, saved_self_bytes)`` of an op for its backward: the storage roots of the
+    activations it saves (the rule table of :mod:`engine.graph.flops`), then itself when it saves
+    its output or a dropout mask."""
+    saved: list[str] = []
+    saved_bytes = 0
+    saved_self = 0
+    if saves_inputs(node.target, n_tensor_operands):
+        for a in activations:
+            root = walk.view_base.get(a, a)
+            if root not in saved:
+                saved.append(root)
+            saved_bytes += _val_bytes(walk.kept[a].meta.get("val")) if a in walk.kept else 0
+    if saves_output(node.target):
+        saved_self += _val_bytes(val if not isinstance(val, (list, tuple)) else val[0])
+    if kind == "dropout":
+        saved_self += dropout_saved_bytes(node.target, arg_vals, kwarg_vals, val)
+    if saved_self:
+        saved.append(node.name)
+        saved_bytes += saved_self
+    return saved, saved_bytes, saved_self
 
 
 def _first_dtype(g: OpGraph) -> str | None:

@@ -14,11 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping
 
-from engine.errors import TesselError
-
-
-class OutputPathError(TesselError):
-    """An output folder or file cannot be written: the folder is a file, a target is a folder."""
+from engine.errors import OutputPathError
 
 
 def _umask() -> int:

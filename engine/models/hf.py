@@ -17,7 +17,9 @@ from the first block to the others; in eager mode HF uses ``is_causal=True`` ins
 """
 from __future__ import annotations
 
+import inspect
 import json
+import sys
 from typing import Any
 
 import torch
@@ -86,7 +88,6 @@ _CLASSES: dict[str, type] = {}
 
 def _cache_kw(hf_cls: type) -> dict[str, Any]:
     """``use_cache=False`` where the HF forward takes it (decoders), nothing elsewhere (BERT)."""
-    import inspect
     cls_any: Any = hf_cls
     forward = cls_any.forward
     params = inspect.signature(forward).parameters
@@ -123,7 +124,6 @@ class _ImageLogitsOnly:
 def input_names(hf_cls: type) -> tuple[str, ...]:
     """The positional inputs of the logits-only form of ``hf_cls``: ``("input_ids",)``,
     ``("input_ids", "decoder_input_ids")`` (encoder-decoder) or ``("pixel_values",)``."""
-    import inspect
     if getattr(hf_cls, "main_input_name", "input_ids") == "pixel_values":
         return ("pixel_values",)
     cls_any: Any = hf_cls
@@ -154,7 +154,6 @@ def logits_only_class(hf_cls: type) -> type:
 def is_hf_model(module: Any) -> bool:
     """``module`` is a ``transformers.PreTrainedModel`` (without importing transformers if it is
     not loaded yet)."""
-    import sys
     tr = sys.modules.get("transformers")
     return tr is not None and isinstance(module, tr.PreTrainedModel)
 

@@ -1,4 +1,4 @@
-"""Model registry: build a model and its example inputs by name.
+"""Model registry: model names -> builders of a module and its JSON-able configuration.
 
 Names (see :func:`list_models`): HF configs (``gpt2-tiny``, ``gpt2``, ``gpt2-xl``,
 ``gpt3-175b``, ``llama-tiny``, ``llama-7b``; :mod:`engine.models.hf`), the in-project
@@ -6,98 +6,55 @@ Names (see :func:`list_models`): HF configs (``gpt2-tiny``, ``gpt2``, ``gpt2-xl`
 (:mod:`engine.models.moe`), anything added with :func:`register_model`, and user
 code as ``"package.module:callable"``.
 
-User callables: ``build_model("mypkg.models:make_net")`` imports ``mypkg.models`` and calls
-``make_net(**kw)`` where ``kw`` holds those of ``batch_size``, ``seq_len``, ``device``, ``dtype``
-that the callable's signature accepts, inside ``with torch.device(device):``. It returns either
-an ``nn.Module`` — then the example input is int64 token ids ``[batch_size, seq_len or 128]``
-(language-model convention) — or a ``(module, example_inputs)`` tuple.
+User callables (:func:`build_user_module`): ``"mypkg.models:make_net"`` imports ``mypkg.models`` and
+calls ``make_net(**kw)`` where ``kw`` holds those of ``batch_size``, ``seq_len``, ``device``,
+``dtype`` that the callable's signature accepts, inside ``with torch.device(device):``. It returns
+either an ``nn.Module`` (then its example inputs come from its task) or a ``(module,
+example_inputs)`` tuple.
+
+This module knows no task: :func:`engine.models.bundle.build_model` joins a registry model with the
+example inputs its task gives (a :class:`~engine.models.bundle.ModelBundle`).
 """
 from __future__ import annotations
 
 import importlib
 import inspect
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from engine.errors import TesselError
+from engine.errors import ModelArgumentError, ModelBuildError, ModelNotFoundError, TesselError
 
 from . import hf as _hf
+from .cnn import digits_cnn
 from .gpt import GPT, GPTConfig
+from .moe.gpt_moe import GPTMoE, GPTMoEConfig
+from .two_tower import TwoTower, TwoTowerConfig
 
-__all__ = ["MODEL_DTYPES", "ModelArgumentError", "ModelBuildError", "ModelBundle", "ModelNotFoundError",
-           "build_model", "example_inputs_note", "list_models", "register_model"]
+__all__ = ["MODEL_DTYPES", "ModelSpec", "build_user_module", "byte_gpt2_builder", "check_build_args", "infer_task",
+           "is_user_model", "list_models", "model_spec", "register_model", "two_tower_builder"]
 
 #: The parameter/activation dtypes a model can be built in (``--dtype``): floating point only, the
 #: ones the cost tables have a peak for.
 MODEL_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
-class ModelNotFoundError(TesselError, ValueError):
-    """Unknown model name; the message lists the valid names and the ``module:callable`` form."""
-
-
-class ModelBuildError(TesselError, TypeError):
-    """A user's ``module:callable`` cannot build a model: it is not a Python function or
-    ``nn.Module`` class (a built-in such as ``os.system``, a plain value), it needs arguments Tessel
-    cannot give, it raised, or it returned something other than an ``nn.Module`` or a
-    ``(module, example_inputs)`` tuple."""
-
-
-class ModelArgumentError(TesselError, ValueError):
-    """A build argument is out of range: ``batch_size`` or ``seq_len`` below 1, ``seq_len`` beyond
-    the model's position table, a dtype outside :data:`MODEL_DTYPES`."""
-
-
-#: Modules whose example inputs Tessel made up (the user's callable returned only a module) ->
-#: a description of those inputs, for the capture error (:func:`example_inputs_note`).
-_MADE_UP_INPUTS: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
-
-
-def example_inputs_note(module: nn.Module) -> str | None:
-    """How Tessel made up the example inputs of ``module`` when a user's ``module:callable``
-    returned only a module (e.g. ``"'pkg:make' returned only a module, so it was given int64
-    token ids [1, 128]; ..."``), or ``None`` when the inputs came from the model's own definition.
-    :func:`engine.graph.capture` adds it to a capture failure."""
-    return _MADE_UP_INPUTS.get(module)
-
-
 @dataclass
-class ModelBundle:
-    """A model ready to capture.
+class ModelSpec:
+    """A registered model (:func:`register_model` documents each field).
 
     Attributes:
-        module: the ``nn.Module`` (on the requested device; ``meta`` allocates no weights).
-        example_inputs: positional forward inputs, e.g. ``(input_ids,)`` int64 ``[batch, seq]``.
-        name: registry name (or the ``module:callable`` string).
-        source: ``"hf"`` (transformers config), ``"zoo"`` (in-project) or ``"user"``.
-        config: JSON-able model configuration.
-        batch_size, seq_len: shape of the example inputs (``seq_len`` None when not a sequence
-            model).
-        task: the task the model trains on (``causal-lm``, ``masked-lm``, ``seq2seq``,
-            ``image-classification`` or a user's ``module:callable``; see :mod:`tasks`).
+        name: the registry name.
+        description: one line for :func:`list_models`.
+        source: ``"hf"`` (transformers config) or ``"zoo"`` (in-project).
+        builder: ``builder(device=..., dtype=...) -> (module, config_dict)``.
+        default_seq_len: tokens per sample when none is asked for (0: not a sequence model).
+        vocab_size, max_seq_len: read from the config dict.
+        task: the built-in task the model trains on.
     """
 
-    module: nn.Module
-    example_inputs: tuple
-    name: str
-    source: str
-    config: dict = field(default_factory=dict)
-    batch_size: int = 1
-    seq_len: int | None = None
-    task: str = "causal-lm"
-
-    def capture(self, **kwargs: Any):
-        """Shortcut for ``engine.graph.capture(self, **kwargs)`` -> OpGraph."""
-        from engine.graph import capture
-        return capture(self, **kwargs)
-
-
-@dataclass
-class _Spec:
     name: str
     description: str
     source: str
@@ -108,7 +65,7 @@ class _Spec:
     task: str = "causal-lm"
 
 
-_REGISTRY: dict[str, _Spec] = {}
+_REGISTRY: dict[str, ModelSpec] = {}
 
 
 def register_model(name: str, builder: Callable[..., tuple[nn.Module, dict]], *,
@@ -128,7 +85,7 @@ def register_model(name: str, builder: Callable[..., tuple[nn.Module, dict]], *,
         task: the built-in task it trains on (its example inputs follow the task: token ids
             ``[B, T]``; seq2seq adds decoder ids ``[B, T']``; images ``[B, 1, 8, 8]``).
     """
-    _REGISTRY[name] = _Spec(name, description, source, builder, default_seq_len, vocab_size,
+    _REGISTRY[name] = ModelSpec(name, description, source, builder, default_seq_len, vocab_size,
                             max_seq_len, task)
 
 
@@ -157,7 +114,6 @@ register_model("tessel-gpt", _build_tessel_gpt,
 
 def _gpt_moe_builder(gate: str) -> Callable[..., tuple[nn.Module, dict]]:
     def build(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
-        from .moe.gpt_moe import GPTMoE, GPTMoEConfig
         cfg = GPTMoEConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=128,
                            num_experts=4, gate=gate)
         with torch.device(device):
@@ -207,7 +163,6 @@ register_model("gpt2-small-cpu", _build_gpt2_small_cpu,
 
 
 def _build_digits_cnn(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
-    from .cnn import digits_cnn
     with torch.device(device):
         m = digits_cnn()
     return m.to(dtype=dtype), {"architecture": "digits_cnn", "num_classes": 10, "image": [1, 8, 8]}
@@ -223,7 +178,6 @@ def two_tower_builder(**shape: int | float) -> Callable[..., tuple[nn.Module, di
     """A builder of :class:`engine.models.two_tower.TwoTower` with ``TwoTowerConfig(**shape)``, for
     :func:`register_model` (``two-tower-tiny`` and the benchmarks' larger two-tower models)."""
     def build(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
-        from .two_tower import TwoTower, TwoTowerConfig
         cfg = TwoTowerConfig(**shape)  # type: ignore[arg-type]
         with torch.device(device):
             m = TwoTower(cfg)
@@ -260,68 +214,30 @@ def _not_found(name: str, why: str = "") -> ModelNotFoundError:
         f"(module, example_inputs) tuple).")
 
 
-def _token_ids(batch: int, seq: int, vocab: int, device: Any) -> torch.Tensor:
-    if torch.device(device).type == "meta":
-        return torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+def is_user_model(name: str) -> bool:
+    """Whether ``name`` is user code (``package.module:callable``) rather than a registered name."""
+    return ":" in name and name not in _REGISTRY
 
 
-def build_model(name: str, *, batch_size: int = 1, seq_len: int | None = None,
-                device: str | torch.device = "meta",
-                dtype: torch.dtype = torch.float32, task: str | None = None) -> ModelBundle:
-    """Build model ``name`` and example inputs.
-
-    Args:
-        name: a name from :func:`list_models` or ``"package.module:callable"``.
-        batch_size: batch dimension of the example inputs.
-        seq_len: sequence length (default: the model's usual context, e.g. 1024 for gpt2,
-            2048 for gpt3-175b / llama-7b, 128 for the tiny models).
-        device: ``"meta"`` (default: shapes only, no memory) or a real device.
-        dtype: floating-point dtype of parameters.
-        task: the task (``causal-lm``, ``masked-lm``, ``seq2seq``, ``image-classification``,
-            ``module:callable``); ``None``: the model's own (built-in) or :func:`infer_task`
-            (user code). It decides the example inputs of a user model that returns none.
-
-    Returns:
-        :class:`ModelBundle`; built-in models take ``(input_ids,)`` int64 ``[batch, seq]``
-        (zeros on meta, seeded random ids elsewhere) and return logits ``[batch, seq, vocab]``.
+def model_spec(name: str) -> ModelSpec:
+    """The registered model ``name``.
 
     Raises:
-        ModelNotFoundError: unknown name, or a ``module:callable`` that cannot be imported.
-        ModelArgumentError: (a ValueError) ``batch_size`` or ``seq_len`` below 1, ``seq_len``
-            beyond the model's position table, ``dtype`` not one of :data:`MODEL_DTYPES`.
-        ModelBuildError: (a TypeError) a ``module:callable`` that is not a Python function or
-            ``nn.Module`` class, needs arguments Tessel cannot give, raises, or returns something
-            other than a module or ``(module, example_inputs)`` (checked before it is called where
-            possible).
+        ModelNotFoundError: no model has that name (the message lists them and the user-code form).
     """
-    _check_build_args(batch_size, seq_len, dtype)
-    if ":" in name and name not in _REGISTRY:
-        return _build_user(name, batch_size=batch_size, seq_len=seq_len, device=device,
-                           dtype=dtype, task=task)
     spec = _REGISTRY.get(name)
     if spec is None:
         raise _not_found(name)
-    module, config = spec.builder(device=device, dtype=dtype)
-    if spec.task == "image-classification":
-        shape = tuple(config.get("image", (1, 8, 8)))
-        images = torch.zeros((batch_size, *shape), dtype=dtype, device=device)
-        return ModelBundle(module=module, example_inputs=(images,), name=name, source=spec.source,
-                           config=config, batch_size=batch_size, seq_len=None, task=task or spec.task)
-    seq = seq_len or spec.default_seq_len
-    limit = spec.max_seq_len(config)
-    if limit is not None and seq > limit:
-        raise ModelArgumentError(f"seq_len {seq} exceeds {name}'s maximum of {limit} positions; use "
-                                 f"--seq-len {limit} or less")
-    inputs = example_token_inputs(spec.task, batch_size, seq, spec.vocab_size(config), device)
-    return ModelBundle(module=module, example_inputs=inputs, name=name, source=spec.source,
-                       config=config, batch_size=batch_size, seq_len=seq, task=task or spec.task)
+    return spec
 
 
-def _check_build_args(batch_size: Any, seq_len: Any, dtype: Any) -> None:
+def check_build_args(batch_size: Any, seq_len: Any, dtype: Any) -> None:
     """Refuse a batch size or sequence length below 1 and a dtype outside :data:`MODEL_DTYPES`
-    (one sentence each; ``seq_len=None`` means the model's default)."""
+    (one sentence each; ``seq_len=None`` means the model's default).
+
+    Raises:
+        ModelArgumentError: one of them is out of range.
+    """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ModelArgumentError(f"batch_size (the micro-batch size) must be a whole number >= 1, got {batch_size!r}")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
@@ -332,23 +248,20 @@ def _check_build_args(batch_size: Any, seq_len: Any, dtype: Any) -> None:
         raise ModelArgumentError(f"dtype {name} is not supported; use one of {', '.join(MODEL_DTYPES)}")
 
 
-def example_token_inputs(task: str, batch: int, seq: int, vocab: int, device: Any) -> tuple:
-    """Example inputs of a text task: ``(input_ids [batch, seq],)``, plus ``decoder_input_ids
-    [batch, T']`` for ``seq2seq`` (``T'`` = the span-corruption target length,
-    :func:`tasks.span.span_corruption_lengths`); ``(text_ids, code_ids)``, ``[batch, seq]`` each, for
-    ``contrastive``."""
-    ids = _token_ids(batch, seq, vocab, device)
-    if task == "contrastive":   # a two-tower model: the text ids and the code ids
-        return (ids, _token_ids(batch, seq, vocab, device))
-    if task != "seq2seq":
-        return (ids,)
-    from tasks.span import span_corruption_lengths
-    _, tgt = span_corruption_lengths(seq)
-    return (ids, _token_ids(batch, tgt, vocab, device))
+def build_user_module(name: str, *, batch_size: int, seq_len: int | None, device: Any,
+                      dtype: torch.dtype) -> tuple[nn.Module, tuple | None]:
+    """Import and call a user's ``package.module:callable`` (see the module docstring).
 
+    Returns:
+        ``(module, example_inputs)``: the module on ``device`` in ``dtype`` (a Hugging Face model made
+        logits-only, without a cache), and its example inputs as a tuple, or ``None`` when the callable
+        returned only a module.
 
-def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
-                dtype: torch.dtype, task: str | None = None) -> ModelBundle:
+    Raises:
+        ModelNotFoundError: the module cannot be imported or lacks the attribute.
+        ModelBuildError: the module raised while importing; the callable is not a Python function or
+            ``nn.Module`` class, needs arguments Tessel cannot give, raised, or returned something else.
+    """
     mod_name, _, attr = name.partition(":")
     try:
         mod = importlib.import_module(mod_name)
@@ -381,7 +294,7 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
         module, inputs = result
     else:
         raise ModelBuildError(f"{name} returned {type(result).__name__}; expected an nn.Module or "
-                        f"(module, example_inputs)")
+                              f"(module, example_inputs)")
     module = module.to(device=device, dtype=dtype)
     if _hf.is_hf_model(module):   # transparent: same module tree, forward returns logits
         module.__class__ = _hf.logits_only_class(type(module))
@@ -390,40 +303,7 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
             hf_config.use_cache = False
     if inputs is not None and not isinstance(inputs, tuple):
         inputs = tuple(inputs) if isinstance(inputs, list) else (inputs,)
-    task = task or infer_task(module, inputs)
-    seq = seq_len
-    made_up = inputs is None
-    if inputs is None:
-        if task == "image-classification":
-            raise ModelBuildError(f"{name} returned only a module for an image task; return "
-                                  "(module, example_inputs) with example images [batch, C, H, W]")
-        if ":" in task:
-            from tasks import TaskContext, get_task
-            ctx = TaskContext(seq_len=seq_len, vocab_size=_vocab(module), model_name=name)
-            inputs = tuple(get_task(task, ctx).example_inputs(batch_size))
-            if torch.device(device).type == "meta":
-                inputs = tuple(t.to("meta") for t in inputs)
-        else:
-            seq = seq_len or 128
-            inputs = example_token_inputs(task, batch_size, seq, _vocab(module) or 2, device)
-    if made_up:
-        shapes = ", ".join(f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}" for t in inputs
-                           if isinstance(t, torch.Tensor))
-        _MADE_UP_INPUTS[module] = (f"{name} returned only a module, so Tessel gave it example inputs of the "
-                                   f"{task} task ({shapes}); return (module, example_inputs) from {name} with "
-                                   "inputs of the shapes and dtypes its forward takes")
-    first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
-    if first is not None and first.dim() >= 1:
-        batch_size = int(first.shape[0])
-        if seq is None and first.dim() >= 2 and not first.is_floating_point():
-            seq = int(first.shape[1])
-    cfg: Any = getattr(module, "config", None)
-    config: dict = {"callable": name, "class": type(module).__name__}
-    if hasattr(cfg, "to_dict"):
-        import json
-        config["config"] = json.loads(json.dumps(cfg.to_dict(), default=str))
-    return ModelBundle(module=module, example_inputs=inputs, name=name, source="user",
-                       config=config, batch_size=batch_size, seq_len=seq, task=task)
+    return module, inputs
 
 
 def _first_line(e: BaseException) -> str:
@@ -467,11 +347,6 @@ def _call_arguments(name: str, fn: Any, offered: dict[str, Any]) -> dict[str, An
                               f"passes only those of {', '.join(offered)} that the callable takes; give the others "
                               "defaults or wrap it in a function without them")
     return {k: v for k, v in offered.items() if var_kw or k in params}
-
-
-def _vocab(module: nn.Module) -> int | None:
-    v = getattr(getattr(module, "config", None), "vocab_size", None)
-    return int(v) if v else None
 
 
 def infer_task(module: nn.Module, inputs: tuple | None) -> str:

@@ -12,19 +12,32 @@ Rules, checked in this order, the first violation raised as :class:`ScheduleErro
 5. ``memory``: the peak memory of each device stays within the limit.
 
 Dependency direction: :mod:`engine.schedule.schedule` imports this module (``Schedule.validate``
-delegates here); this module needs only the schedule's attributes and names ``Schedule`` for
-type checking alone, so there is no import cycle.
+delegates here), never the reverse: the functions here take any :class:`BlockOrders` (a
+placement, a micro-batch count and per-device block orders), which a ``Schedule`` is.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
+
+import networkx as nx
 
 from engine.errors import ScheduleError
+from engine.placement import Placement
 from engine.schedule.block import Block
 
-if TYPE_CHECKING:  # only for annotations: schedule.py imports this module, never the reverse
-    from engine.schedule.schedule import Schedule
+
+class BlockOrders(Protocol):
+    """What validation reads of a schedule (:class:`~engine.schedule.schedule.Schedule` is one):
+    the placement, ``m`` micro-batches and every device's block order."""
+
+    placement: Placement
+    num_micro_batches: int
+    orders: list[list[Block]]
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of the placement."""
 
 
 def _fmt_gib(x: float) -> str:
@@ -32,7 +45,7 @@ def _fmt_gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB" if abs(x) >= 2**26 else f"{x:,.0f}"
 
 
-def _check_membership(s: Schedule) -> None:
+def _check_membership(s: BlockOrders) -> None:
     pl, m = s.placement, s.num_micro_batches
     if m < 1:
         raise ScheduleError("micro-batches", f"a schedule needs at least one micro-batch, got {m}")
@@ -64,7 +77,7 @@ def _check_membership(s: Schedule) -> None:
                     raise ScheduleError("completeness", f"block {b} is missing from device {d}'s order", d, str(b))
 
 
-def _check_same_device_deps(s: Schedule) -> None:
+def _check_same_device_deps(s: BlockOrders) -> None:
     """Rule 3, over transitive dependencies: ``0B0`` before ``0F0`` on one device is a
     dependency violation even though ``0B0`` depends on ``0F0`` only through other devices.
 
@@ -78,8 +91,6 @@ def _check_same_device_deps(s: Schedule) -> None:
     is the first in device order, then position (the dependency named is the latest one on that
     device), so the result does not depend on the traversal.
     """
-    import networkx as nx
-
     pl = s.placement
     m = s.num_micro_batches
     index = {b.key: i for i, b in enumerate(pl.blocks)}
@@ -114,7 +125,7 @@ def _check_same_device_deps(s: Schedule) -> None:
                                           f"(position {i} < {j})", d, str(b))
 
 
-def _check_deadlock(s: Schedule) -> None:
+def _check_deadlock(s: BlockOrders) -> None:
     """Kahn's algorithm over blocks: an order edge per device, a dependency edge per dep."""
     pl = s.placement
     ptr = [0] * pl.num_devices
@@ -178,7 +189,7 @@ def gradient_events(placement, order: Sequence[Block]) -> list[tuple[int, int]]:
     return out
 
 
-def _levels(s: Schedule, d: int) -> list[tuple[int, int]]:
+def _levels(s: BlockOrders, d: int) -> list[tuple[int, int]]:
     """Device ``d``: ``(during, after)`` bytes for each block of its order.
 
     ``during``: the level while the block runs (its allocation, a gradient buffer it allocates
@@ -196,7 +207,7 @@ def _levels(s: Schedule, d: int) -> list[tuple[int, int]]:
     return out
 
 
-def memory_profile(s: Schedule) -> list[list[int]]:
+def memory_profile(s: BlockOrders) -> list[list[int]]:
     """Per device, the memory in bytes after each block of its order (static memory included).
 
     Memory changes at block granularity: a block's ``memory`` delta (activation allocated by F,
@@ -208,14 +219,14 @@ def memory_profile(s: Schedule) -> list[list[int]]:
     return [[after for _, after in _levels(s, d)] for d in range(len(s.orders))]
 
 
-def peak_memory(s: Schedule) -> list[int]:
+def peak_memory(s: BlockOrders) -> list[int]:
     """Peak bytes per device: static memory plus the maximum, over the blocks of the order, of
     in-flight activations, gradient buffers held and the running block's transient gradient."""
     return [max([s.placement.static_bytes(d)] + [during for during, _ in _levels(s, d)])
             for d in range(len(s.orders))]
 
 
-def validate(s: Schedule, memory_limit: float | Sequence[float] | None = None) -> None:
+def validate(s: BlockOrders, memory_limit: float | Sequence[float] | None = None) -> None:
     """Check a schedule; raise :class:`ScheduleError` naming the first violated rule.
 
     Args:

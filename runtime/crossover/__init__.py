@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.crossover import MODES, CrossoverError
+from engine.crossover import MODES
+from engine.errors import CrossoverError
 from runtime.crossover.token import (
     ComputeToken,
     TokenError,

@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.gnn.errors import GNNError
+from engine.errors import GNNError
 from engine.gnn.models import GNNModel
 from engine.gnn.partition import GraphPartition
 from engine.gnn.saga import SAGALayer

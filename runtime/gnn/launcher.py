@@ -45,8 +45,7 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.errors import TesselError
-from engine.gnn.errors import GNNError
+from engine.errors import GNNError, TesselError
 from engine.gnn.plan import GNNPlan
 from engine.timeline import Event, Timeline
 from runtime import cluster as _cluster
@@ -160,7 +159,8 @@ def _graph(plan: GNNPlan) -> Any:
         LaunchError: (``kind="setup"``) the plan names no graph, an unknown one, or one whose
             statistics are not the plan's.
     """
-    from engine.gnn.plan import GraphStats, graph_from_spec
+    from engine.gnn.plan import graph_from_spec
+    from engine.gnn.plan_parts import GraphStats
     from tasks.graphs import graph_stats
 
     if not plan.graph_spec:
@@ -285,7 +285,7 @@ def _calibrated(executed: GNNPlan, records: Sequence[Sequence[Any]], epoch_secon
     """The executed plan calibrated on one rank's chunk records of one epoch and that epoch's wall time
     (whose excess over the calibrated simulation, the collectives and the loss among it, becomes the
     cost model's epoch overhead); ``None``, logged, where it cannot be."""
-    from engine.cost.devices import CostModelError
+    from engine.errors import CostModelError
 
     usable = [r for r in records if r[4] in ("load", "compute") and int(r[0]) >= 0 and int(r[3]) >= 0]
     try:

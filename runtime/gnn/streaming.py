@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from engine.gnn.errors import GNNError
+from engine.errors import GNNError
 from engine.gnn.models import GNNModel
 from engine.gnn.partition import GraphPartition
 from engine.gnn.saga import GatherAcc, SAGALayer

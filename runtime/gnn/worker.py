@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.gnn.errors import GNNError
+from engine.errors import GNNError
 from runtime.gnn.distributed import CollectiveRecord, DistributedStreamedGNN
 
 __all__ = ["DTYPES", "GNNWorker", "record_tuple"]

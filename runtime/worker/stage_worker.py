@@ -222,7 +222,7 @@ class StageWorker:
         """The plan's task (``plan.model.task``, :func:`tasks.task_for_plan`): its ``loss`` is the last
         segment's loss and its ``num_inputs`` how many leading batch tensors are model inputs. The
         data seed does not matter here (the driver draws the batches). Raises ``tasks.TaskError``."""
-        from tasks import task_for_plan
+        from engine.models import task_for_plan
 
         return task_for_plan(plan, seed=0)
 

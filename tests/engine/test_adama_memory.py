@@ -12,18 +12,14 @@ import pytest
 from engine.baselines import build_schedule
 from engine.baselines.generic import one_f_one_b_any
 from engine.dependency import lower
+from engine.errors import TransformError
 from engine.io.placement_json import placement_from_dict, placement_to_dict
 from engine.io.plan import Plan, load_plan, save_plan
 from engine.placement import PlacementError, pipeline_placement
 from engine.planner import make_plan, resimulate
 from engine.schedule import gradient_events, memory_profile, peak_memory
 from engine.simulate import simulate
-from engine.transform import (
-    PARAM_STATE_FACTOR,
-    TransformError,
-    gradient_bytes,
-    training_state_bytes,
-)
+from engine.transform import PARAM_STATE_FACTOR, gradient_bytes, training_state_bytes
 
 MODEL = "gpt2-small-cpu"  # 4.9M parameters, byte vocabulary, plans in a few seconds
 

@@ -8,8 +8,7 @@ import pytest
 
 from engine.cost import CostModel
 from engine.cost.calibrate import CalibratedCost, Calibration, calibrate
-from engine.cost.devices import CostModelError
-from engine.errors import TesselError
+from engine.errors import CostModelError, TesselError
 from engine.io.plan import Plan
 from engine.planner import lower_plan, make_plan, resimulate, with_calibration
 from engine.schedule import Schedule

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 from engine.baselines import build_schedule
-from engine.coconet import TRANSFORMS, CoCoNetError, check_transforms, gradient_buckets, parse_transforms
+from engine.coconet import TRANSFORMS, check_transforms, gradient_buckets, parse_transforms
 from engine.dependency import Op, lower
+from engine.errors import CoCoNetError
 from engine.placement import pipeline_placement
 from engine.simulate import simulate
 

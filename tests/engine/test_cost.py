@@ -312,7 +312,8 @@ def test_profile_table_load_rejects_garbage(tmp_path):
 def test_links_from_their_spelling():
     """Table names, the emulated network (a shared medium at the loopback's latency) and a
     RATE@LATENCY link; wrong spellings are one sentence."""
-    from engine.cost import CostModelError, emulated_link, parse_link, parse_rate
+    from engine.cost import emulated_link, parse_link, parse_rate
+    from engine.errors import CostModelError
 
     assert parse_link("NVLink") is LINKS["nvlink"]
     e = parse_link("emulated:1gbit")

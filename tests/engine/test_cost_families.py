@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.errors import TransformError
 from engine.graph import capture
 from engine.graph.flops import count_flops, grouped_mm_flops
 from engine.io import load_plan, save_plan
@@ -24,7 +25,7 @@ from engine.models import build_model
 from engine.models.moe.comm import HF_GATE, find_moe_layers
 from engine.models.moe.hf_moe import hf_moe_blocks, traceable_experts
 from engine.planner import lower_plan, make_plan
-from engine.transform import TransformError, boundary_spec
+from engine.transform import boundary_spec
 
 B, T = 2, 16
 

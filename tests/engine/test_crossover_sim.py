@@ -10,7 +10,6 @@ from engine.crossover import (
     COMM_CPU_SHARE,
     MODES,
     ColocatedPrediction,
-    CrossoverError,
     JobProfile,
     compare_modes,
     compare_profiles,
@@ -19,7 +18,7 @@ from engine.crossover import (
     predict_colocated,
     predict_profiles,
 )
-from engine.errors import TesselError
+from engine.errors import CrossoverError, TesselError
 from engine.io.trace import timeline_to_trace
 from engine.planner import make_plan
 from engine.timeline import Event, Timeline

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cost.devices import CostModelError
 from engine.cost.model import COST_ENVELOPE, CostModel
 from engine.cost.profiler import ProfileTable
 from engine.envelope import Envelope, FieldReader, join_path
-from engine.errors import PlacementError, PlanFormatError, TesselError
+from engine.errors import CostModelError, PlacementError, PlanFormatError, TesselError
 from engine.io.placement_json import PLACEMENT_ENVELOPE, placement_from_dict, placement_to_dict
 from engine.io.plan import PLAN_ENVELOPE
 from engine.shapes import SHAPES, make_shape

@@ -15,13 +15,13 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from engine.errors import CharacterizeError
 from engine.gnn.characterize import (
     GRAPH_STAGES,
     KERNEL_CLASSES,
     LOSS,
     OUTSIDE,
     STAGES,
-    CharacterizeError,
     ProfileGraph,
     characterize,
     find_layers,

@@ -13,12 +13,10 @@ import re
 import pytest
 import torch
 
-from engine.errors import TesselError
-from engine.gnn import GNNError
+from engine.errors import GNNError, PartitionError, TesselError
 from engine.gnn.models import GNNConfig, build_gnn
 from engine.gnn.partition import (
     GraphPartition,
-    PartitionError,
     choose_partitions,
     locality_order,
     max_chunk_edges,

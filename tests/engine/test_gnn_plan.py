@@ -17,19 +17,11 @@ import re
 import pytest
 import torch
 
-from engine.errors import PlanFormatError
+from engine.errors import GNNPlanError, PlanFormatError
 from engine.gnn.cost import GNNCostModel, layer_shapes, param_count
 from engine.gnn.models import GNN_KINDS, GNNConfig, build_gnn
-from engine.gnn.plan import (
-    GNNPlan,
-    GNNPlanError,
-    GraphStats,
-    balance_intervals,
-    expected_chunks,
-    load_gnn_plan,
-    make_gnn_plan,
-    save_gnn_plan,
-)
+from engine.gnn.plan import GNNPlan, balance_intervals, expected_chunks, load_gnn_plan, make_gnn_plan, save_gnn_plan
+from engine.gnn.plan_parts import GraphStats
 from engine.gnn.simulate import memory_bound, simulate_gnn, static_bytes
 
 BIG = GraphStats(num_vertices=1 << 20, num_edges=16 << 20, feature_dim=128, num_classes=16)

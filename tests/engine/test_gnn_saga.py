@@ -18,8 +18,7 @@ import torch
 from torch_geometric.datasets import KarateClub
 from torch_geometric.nn import GATConv, GCNConv, GINConv, ResGatedGraphConv, SAGEConv
 
-from engine.errors import TesselError
-from engine.gnn import GNNError
+from engine.errors import GNNError, TesselError
 from engine.gnn.models import GNN_KINDS, GNNConfig, build_gnn
 from engine.gnn.saga import GatedGCNLayer, GATLayer, GCNLayer, GINLayer, SAGALayer, SAGELayer
 

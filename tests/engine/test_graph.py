@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.graph import CaptureError, LayerSummary, OpGraph, capture
+from engine.errors import CaptureError
+from engine.graph import LayerSummary, OpGraph, capture
 from engine.graph.flops import count_flops, op_kind
 from engine.models import build_model
 

@@ -8,7 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from engine.models import GPT, GPTConfig, ModelBundle, ModelNotFoundError, build_model, list_models, lm_loss
+from engine.errors import ModelNotFoundError
+from engine.models import GPT, GPTConfig, ModelBundle, build_model, list_models, lm_loss
 
 BUILTIN = ["gpt2-tiny", "gpt2", "gpt2-xl", "llama-7b", "gpt3-175b", "tessel-gpt", "llama-tiny"]
 

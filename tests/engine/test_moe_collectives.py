@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.cost import CostModel
-from engine.errors import PlanFormatError
+from engine.errors import PlanFormatError, TransformError
 from engine.io import timeline_to_trace
 from engine.io.plan import Plan, load_plan, save_plan
 from engine.models.moe import DTSGate, MoEFeedForward, SwitchGate, Top2Gate
@@ -24,7 +24,6 @@ from engine.models.moe.comm import (
 )
 from engine.planner import lower_plan, make_plan, resimulate
 from engine.simulate import simulate
-from engine.transform import TransformError
 
 # gpt-moe-tiny: hidden 64, 4 experts in blocks 1 and 3, Switch capacity factor 1.25, 128 tokens
 HIDDEN, E, TOKENS = 64, 4, 128

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.transform import ParallelConfig, TransformError, balanced_partition
+from engine.errors import TransformError
+from engine.transform import ParallelConfig, balanced_partition
 
 
 def test_partition_minimises_the_slowest_segment():

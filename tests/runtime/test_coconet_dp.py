@@ -79,7 +79,7 @@ def _plan(model: str, schedule: str, transforms: tuple[str, ...] = (), optimizer
 
 
 def _batches(plan) -> list[tuple]:
-    from tasks import task_for_plan
+    from engine.models import task_for_plan
 
     task = task_for_plan(plan, seed=0)
     return [tuple(task.train_batch(i, DP * M * MBS)) for i in range(STEPS)]
@@ -190,7 +190,7 @@ def test_overlap_grad_sync_trains_like_one_process_and_overlaps_the_last_backwar
 def test_both_transformations_together_are_refused_in_one_sentence():
     """The sharded update reduce-scatters each segment once after its last backward (no bucketed
     reduce-scatter, ZeRO-2 style, yet): asking for both is refused, naming the two."""
-    from engine.coconet import CoCoNetError
+    from engine.errors import CoCoNetError
     from engine.planner import make_plan
 
     with pytest.raises(CoCoNetError, match="'overlap-grad-sync' .* 'sharded-update'"):

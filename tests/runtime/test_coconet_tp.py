@@ -52,7 +52,7 @@ def _plan(model: str, schedule: str, dp: int, tp: int, pp: int, transforms: str 
 
 
 def _batches(plan, dp: int) -> list[tuple]:
-    from tasks import task_for_plan
+    from engine.models import task_for_plan
     task = task_for_plan(plan, seed=0)
     return [tuple(task.train_batch(i, dp * M * MBS)) for i in range(STEPS)]
 
@@ -224,7 +224,7 @@ def test_refusals_are_one_sentence_at_setup(transforms, seq, match):
     """``chunked-overlap`` with ``tp-split``, and a sequence ``tp`` does not divide, are refused by the
     planner in one sentence; a plan file edited by hand to ask for them anyway is refused by the worker's
     setup before it joins any process group, again in one sentence."""
-    from engine.coconet import CoCoNetError
+    from engine.errors import CoCoNetError
     from engine.planner import make_plan
     from runtime.stage import RuntimeNotSupported
     from runtime.worker import StageWorker, WorkerConfig

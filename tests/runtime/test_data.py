@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.data import ByteCorpus, DataError
+from engine.errors import DataError
+from runtime.data import ByteCorpus
 
 
 @pytest.fixture(scope="module")

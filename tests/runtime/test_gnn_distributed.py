@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from engine.gnn.errors import GNNError
+from engine.errors import GNNError
 
 WORLD = 2
 SCENARIOS = [  # (kind, P, assignment)

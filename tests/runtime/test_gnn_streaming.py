@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.gnn import GNNError
+from engine.errors import GNNError
 from engine.gnn.models import GNN_KINDS, GNNConfig, GNNModel, build_gnn
 from engine.gnn.partition import choose_partitions, partition_for_model, predict_streamed_peak
 from engine.gnn.saga import SAGELayer

@@ -56,7 +56,7 @@ def _plan(model: str, schedule: str, world: int, dp: int):
 
 
 def _batches(plan, dp: int) -> list[tuple]:
-    from tasks import task_for_plan
+    from engine.models import task_for_plan
     task = task_for_plan(plan, seed=0)
     return [tuple(task.train_batch(i, dp * M * MBS)) for i in range(STEPS)]
 

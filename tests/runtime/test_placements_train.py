@@ -44,9 +44,9 @@ def _search_plan(model: str, shape: str, devices: int = 2):
 @pytest.mark.parametrize("shape", ["m", "nn", "x"])
 @pytest.mark.parametrize("model", ["llama-tiny", "tessel-gpt"])
 def test_all_device_placements_train_like_one_process(pool, model, shape):
+    from engine.models import task_for_plan
     from runtime.reference import reference_run
     from runtime.worker import merge_model_state
-    from tasks import task_for_plan
 
     plan = _search_plan(model, shape)
     pl = plan.schedule.placement
@@ -81,9 +81,9 @@ def test_two_towers_on_the_k_placement_train_like_one_process(pool):
     contrastive head): each tower on its own device, the parameter-free head on both (replicated),
     the head's input gradients split between the two towers; 3 Adam steps on CPython docstring /
     function-body pairs equal one process."""
+    from engine.models import task_for_plan
     from runtime.reference import reference_run
     from runtime.worker import merge_model_state
-    from tasks import task_for_plan
 
     plan = _search_plan("two-tower-tiny", "k")
     pl = plan.schedule.placement
@@ -107,10 +107,10 @@ def test_two_towers_on_a_plain_pipeline_train_like_one_process(pool, schedule):
     """The same two-tower model on the plain V pipeline (Tessel's yardstick for K): eager stages
     carrying both towers' sides (``runtime.stage_layers.TwoTowerRunStage``: the code ids ride along
     the text tower's stage) equal one process for 3 Adam steps."""
+    from engine.models import task_for_plan
     from engine.planner import make_plan
     from runtime.reference import reference_run
     from runtime.worker import merge_model_state
-    from tasks import task_for_plan
 
     plan = make_plan("two-tower-tiny", devices=2, micro_batches=M, schedule=schedule, device_type="cpu",
                      micro_batch_size=MBS, seq_len=SEQ).plan

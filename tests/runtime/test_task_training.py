@@ -58,9 +58,9 @@ def _plan(schedule: str, task: str | None):
 
 
 def _train_and_compare(pool, plan, task_name: str) -> None:
+    from engine.models import task_for_plan
     from runtime.reference import reference_run
     from runtime.worker import merge_model_state
-    from tasks import task_for_plan
 
     task = task_for_plan(plan, seed=0)
     assert task.name == task_name
@@ -126,10 +126,9 @@ def test_single_process_reference_of_every_task(model, task_name):
     """The reference trains each zoo model on its own task; its first micro-batch loss is the hand
     count ``-mean log softmax(output)[target]`` over the positions with a target (``-100``: none)
     of the same model (same seed) on the same rows, and the losses go down."""
-    from engine.models import build_model
+    from engine.models import build_model, task_for_plan
     from engine.planner import make_plan
     from runtime.reference import reference_run
-    from tasks import task_for_plan
 
     plan = make_plan(model, devices=2, micro_batches=2, schedule="1f1b", device_type="cpu", micro_batch_size=2,
                      seq_len=None if task_name == "image-classification" else SEQ).plan

@@ -50,7 +50,7 @@ def _plan(model: str, schedule: str, dp: int, tp: int, pp: int):
 
 
 def _batches(plan, dp: int) -> list[tuple]:
-    from tasks import task_for_plan
+    from engine.models import task_for_plan
     task = task_for_plan(plan, seed=0)
     return [tuple(task.train_batch(i, dp * M * MBS)) for i in range(STEPS)]
 

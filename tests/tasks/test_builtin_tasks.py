@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tasks import TASKS, TaskContext, TaskError, get_task
+from engine.errors import TaskError
+from tasks import TASKS, TaskContext, get_task
 from tasks.corpus import ByteCorpus
 from tasks.span import span_corruption_lengths
 

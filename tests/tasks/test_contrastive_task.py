@@ -10,7 +10,8 @@ import ast
 import pytest
 import torch
 
-from tasks import TaskContext, TaskError, get_task
+from engine.errors import TaskError
+from tasks import TaskContext, get_task
 from tasks.contrastive import PAD, contrastive_loss, function_pairs
 
 T = 48

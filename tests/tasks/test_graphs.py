@@ -16,16 +16,9 @@ import torch
 from sklearn.feature_extraction.text import HashingVectorizer
 from torch_geometric.utils import coalesce, contains_self_loops, degree, is_undirected, remove_self_loops, to_undirected
 
+from engine.errors import GraphError
 from tasks import graphs
-from tasks.graphs import (
-    GraphError,
-    cpython_code_graph,
-    graph_stats,
-    karate_club,
-    random_masks,
-    rmat_graph,
-    validate_graph,
-)
+from tasks.graphs import cpython_code_graph, graph_stats, karate_club, random_masks, rmat_graph, validate_graph
 
 
 @pytest.fixture(scope="session")

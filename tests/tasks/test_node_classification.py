@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch_geometric.nn import GCN
 
+from engine.errors import TaskError
 from engine.gnn.models import GNNConfig, build_gnn
-from tasks.base import TaskError
 from tasks.graphs import cpython_code_graph, karate_club
 from tasks.node_classification import NodeClassificationTask, features_only_mlp, train_full_graph
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from user_task_example import ByteClassTask, byte_class
 
-from tasks import TaskContext, TaskError, get_task
+from engine.errors import TaskError
+from tasks import TaskContext, get_task
 from tasks.registry import check_task_name
 
 CTX = TaskContext(seq_len=16, vocab_size=256, seed=4, model_name="gpt2-tiny")

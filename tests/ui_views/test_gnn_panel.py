@@ -10,7 +10,8 @@ pytest.importorskip("torch_geometric")
 
 def test_plan_matches_the_engine_and_is_shown():
     from engine.gnn.models import GNNConfig
-    from engine.gnn.plan import GraphStats, graph_from_spec, make_gnn_plan
+    from engine.gnn.plan import graph_from_spec, make_gnn_plan
+    from engine.gnn.plan_parts import GraphStats
     from planner_ui.gnn_panel import GNNPanel
     from tasks.graphs import graph_stats
 

@@ -13,7 +13,8 @@ from bokeh.embed import json_item
 from bokeh.layouts import column
 
 from engine.gnn.models import GNNConfig
-from engine.gnn.plan import GraphStats, make_gnn_plan
+from engine.gnn.plan import make_gnn_plan
+from engine.gnn.plan_parts import GraphStats
 from engine.gnn.simulate import simulate_gnn
 from planner_ui.gnn_view import LOAD_COLOR, GNNPlanView, gnn_lane_columns
 

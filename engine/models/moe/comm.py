@@ -44,6 +44,8 @@ from typing import Iterable, Sequence
 
 from torch import nn
 
+from engine.errors import TransformError
+
 from .gates import BaseGate, DTSGate, SwitchGate, Top2Gate
 from .hf_moe import HFMoEBlock, hf_moe_blocks
 from .layer import MoEFeedForward
@@ -245,11 +247,9 @@ def check_expert_parallel(layers: Iterable[MoELayer], ep: int, model: str = "the
     """Raise unless every MoE layer's experts split evenly over ``ep`` (= dp) replicas.
 
     Raises:
-        engine.transform.TransformError: names the model, its expert count, ``dp`` and the dp
+        TransformError: names the model, its expert count, ``dp`` and the dp
             values that work.
     """
-    from engine.transform import TransformError
-
     for ml in layers:
         if ml.num_experts % ep:
             ok = ", ".join(str(d) for d in valid_ep_degrees(ml.num_experts))
