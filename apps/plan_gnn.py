@@ -92,7 +92,8 @@ def run_gnn(args: argparse.Namespace) -> dict:
             (checked before planning; the folder is left as it was).
     """
     from engine.gnn.models import GNN_KINDS, GNNConfig
-    from engine.gnn.plan import GraphStats, graph_from_spec, make_gnn_plan
+    from engine.gnn.plan import graph_from_spec, make_gnn_plan
+    from engine.gnn.plan_parts import GraphStats
     from engine.gnn.simulate import simulate_gnn
     from engine.io.atomic import atomic_write_files, check_output_folder
     from tasks.graphs import graph_stats

@@ -249,7 +249,9 @@ def _timing_child(case: Case, parts: int, epochs: int, budget_bytes: int) -> dic
     """In a fresh process (one thread): ``epochs`` interleaved PyG full-graph and streamed epochs from the
     same weights, and the plan's predictions: uncalibrated, calibrated on epoch 1 (the first on this
     graph) and on epoch 2. Returns plain numbers (seconds, losses)."""
-    from engine.gnn.plan import GNNPlanError, GraphStats, make_gnn_plan
+    from engine.errors import GNNPlanError
+    from engine.gnn.plan import make_gnn_plan
+    from engine.gnn.plan_parts import GraphStats
     from runtime.gnn.streaming import train_step
     from tasks.graphs import graph_stats
 
@@ -306,10 +308,10 @@ def _mib(nbytes: float) -> float:
 def memory_series(kind: str, scales: list[int], edge_factor: int, budget: int, timeout_s: float,
                   log: Any) -> list[dict]:
     """Per graph size: the measured full-graph and streamed step peaks (each series stops at its first miss)."""
+    from engine.errors import PartitionError
     from engine.gnn.models import build_gnn
     from engine.gnn.partition import (
         MAX_PARTITIONS,
-        PartitionError,
         choose_partitions,
         partition_for_model,
         predict_streamed_peak,

@@ -106,7 +106,8 @@ class GNNPanel(pn.viewable.Viewer):
     def make_plan(self):
         """Plan the form's model on its graph; returns the :class:`~engine.gnn.plan.GNNPlan`, or ``None``
         with :attr:`message` set to the one-sentence reason."""
-        from engine.gnn.plan import GraphStats, make_gnn_plan
+        from engine.gnn.plan import make_gnn_plan
+        from engine.gnn.plan_parts import GraphStats
         from tasks.graphs import graph_stats
 
         try:
