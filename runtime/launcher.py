@@ -131,7 +131,7 @@ def check_launchable(plan: Plan, *, name: str = "the plan") -> None:
         engine.errors.TesselError: a parallel degree that is not a positive integer
             (``ParallelConfig.check``).
     """
-    from engine.plan_check import check_plan
+    from engine.plan.check import check_plan
 
     check_plan(plan, name=name)
 
@@ -281,7 +281,7 @@ def _measure(plan: Plan, loop: _Loop, *, ws: int, pp: int, steps: int, backend: 
              unit: str, units_per_step: int) -> dict:
     """The measured and predicted timelines' figures for :class:`LaunchResult` (and the trace); the
     prediction is ``engine.plan_metrics.predict``'s, the one every command prints."""
-    from engine.plan_metrics import predict
+    from engine.plan.metrics import predict
 
     timelines = [merge_timeline(r, pp) for r in loop.recent]
     timeline = (timelines[-1] if timelines else merge_timeline(loop.last_results, pp)) if loop.last_results else None

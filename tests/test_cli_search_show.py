@@ -12,7 +12,7 @@ import pytest
 from apps.cli import main
 from engine.io import load_plan
 from engine.io.placement_json import save_placement
-from engine.plan_metrics import predicted_metrics
+from engine.plan import predicted_metrics
 from engine.shapes import make_shape
 
 FAST = ["--time-limit", "1", "--micro-batches", "4"]

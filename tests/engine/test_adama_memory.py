@@ -15,7 +15,7 @@ from engine.dependency import lower
 from engine.io.placement_json import placement_from_dict, placement_to_dict
 from engine.io.plan import Plan, load_plan, save_plan
 from engine.placement import PlacementError, pipeline_placement
-from engine.planner import make_plan, resimulate
+from engine.plan import make_plan, resimulate
 from engine.schedule import gradient_events, memory_profile, peak_memory
 from engine.simulate import simulate
 from engine.transform import (

@@ -11,7 +11,7 @@ from engine.cost.calibrate import CalibratedCost, Calibration, calibrate
 from engine.cost.devices import CostModelError
 from engine.errors import TesselError
 from engine.io.plan import Plan
-from engine.planner import lower_plan, make_plan, resimulate, with_calibration
+from engine.plan import lower_plan, make_plan, resimulate, with_calibration
 from engine.schedule import Schedule
 from engine.simulate import simulate
 from engine.timeline import Event, Timeline

@@ -22,7 +22,7 @@ from engine.models.moe.comm import (
     moe_segment_collectives,
     segment_moe_layers,
 )
-from engine.planner import lower_plan, make_plan, resimulate
+from engine.plan import lower_plan, make_plan, resimulate
 from engine.simulate import simulate
 from engine.transform import TransformError
 

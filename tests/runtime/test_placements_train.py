@@ -35,7 +35,7 @@ def pool():
 
 
 def _search_plan(model: str, shape: str, devices: int = 2):
-    from engine.search_plan import model_search_plan
+    from engine.plan import model_search_plan
 
     return model_search_plan(model, shape, devices, M, micro_batch_size=MBS, seq_len=SEQ, device_type="cpu",
                              time_limit=10).plan
@@ -107,7 +107,7 @@ def test_two_towers_on_a_plain_pipeline_train_like_one_process(pool, schedule):
     """The same two-tower model on the plain V pipeline (Tessel's yardstick for K): eager stages
     carrying both towers' sides (``runtime.stage_layers.TwoTowerRunStage``: the code ids ride along
     the text tower's stage) equal one process for 3 Adam steps."""
-    from engine.planner import make_plan
+    from engine.plan import make_plan
     from runtime.reference import reference_run
     from runtime.worker import merge_model_state
     from tasks import task_for_plan

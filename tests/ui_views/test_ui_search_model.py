@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.planner import make_plan
+from engine.plan import make_plan
 from engine.shapes import shape_names
 from planner_ui.gantt import GanttView
 from planner_ui.graph_view import GraphView
