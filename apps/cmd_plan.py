@@ -23,9 +23,9 @@ from apps.output import fmt_gib, fmt_ms, table
 from apps.plan_gnn import add_gnn_arguments, run_gnn
 from engine.baselines import SCHEDULES
 from engine.coconet import CoCoNetError
+from engine.io import trace as trace_io
 from engine.io.atomic import atomic_write_files, check_output_folder
 from engine.io.torch_csv import schedule_to_csv_text
-from engine.io.trace import timeline_to_trace
 from engine.placement import TensorSpec, dtype_bytes
 
 HELP = "plan a model on N devices with a predefined schedule and write plan/trace/csv"
@@ -86,7 +86,7 @@ def plan_files(res) -> dict[str, str]:
     of a :class:`engine.plan.make.PlanResult`, for :func:`engine.io.atomic.atomic_write_files`."""
     meta = {"schedule": res.plan.schedule.name, **{k: v for k, v in res.plan.metrics.items() if k != "bubble_ratios"}}
     return {"plan.json": json.dumps(res.plan.to_dict(), indent=1),
-            "trace.json": json.dumps(timeline_to_trace(res.timeline, metadata=meta)),
+            "trace.json": json.dumps(trace_io.timeline_to_trace(res.timeline, metadata=meta)),
             "schedule.csv": schedule_to_csv_text(res.plan.schedule)}
 
 

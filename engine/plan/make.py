@@ -40,7 +40,7 @@ from engine.models.moe.comm import (
 )
 from engine.models.moe.hf_moe import traceable_experts
 from engine.placement import Placement
-from engine.plan.limits import check_memory_limit
+from engine.plan.limits import MemoryLimitError, check_memory_limit
 from engine.plan.metrics import predict_execution
 from engine.schedule import Schedule
 from engine.split import choose_split
@@ -250,7 +250,10 @@ def parallel_config(devices: int, *, micro_batches: int, schedule: str, dp: int 
     if devices < 1 or dp < 1 or tp < 1:
         raise TransformError(f"devices, dp and tp must be positive, got devices={devices}, dp={dp}, tp={tp}")
     if memory_limit is not None:
-        check_memory_limit(memory_limit, what="memory_limit (bytes)")
+        try:
+            check_memory_limit(memory_limit, what="memory_limit (bytes)")
+        except MemoryLimitError as e:   # a planning argument: the planner's error, as every other one here
+            raise TransformError(str(e)) from None
     if devices % (dp * tp):
         raise TransformError(f"--devices {devices} is not divisible by dp*tp = {dp * tp}; pick devices = dp * tp * pp")
     req = placement_requirements(schedule)
