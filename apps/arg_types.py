@@ -6,14 +6,17 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["dtype_name", "link_name", "non_negative_int", "port_number", "positive_float", "positive_int",
-           "transform_help", "transform_names"]
+from engine.coconet import TRANSFORMS, parse_transforms
+from engine.cost import parse_link
+from engine.errors import CoCoNetError, CostModelError
+from engine.plan.limits import MemoryLimitError, check_memory_limit
+
+__all__ = ["dtype_name", "link_name", "memory_limit", "non_negative_int", "port_number", "positive_float",
+           "positive_int", "transform_help", "transform_names"]
 
 
 def transform_help() -> str:
     """The ``--transform`` help: CoCoNet's transformations (:data:`engine.coconet.TRANSFORMS`)."""
-    from engine.coconet import TRANSFORMS
-
     return ("CoCoNet's computation/communication transformations, comma-separated: "
             + "; ".join(f"{t.name}: {t.summary} (needs {t.needs})" for t in TRANSFORMS.values()))
 
@@ -24,9 +27,6 @@ def transform_names(text: str) -> tuple[str, ...]:
     Raises:
         argparse.ArgumentTypeError: an unknown name (the message lists the valid ones).
     """
-    from engine.coconet import parse_transforms
-    from engine.errors import CoCoNetError
-
     try:
         return parse_transforms(text)
     except CoCoNetError as e:
@@ -65,6 +65,20 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
     return value
+
+
+def memory_limit(text: str) -> float:
+    """A per-device memory limit (GiB or activation units): :func:`engine.plan.limits.check_memory_limit`,
+    the check the app's Search tab and the planning functions make (``0``, negatives, ``nan`` and
+    ``inf`` are refused).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else, in one sentence.
+    """
+    try:
+        return check_memory_limit(text)
+    except MemoryLimitError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def port_number(text: str) -> int:
@@ -113,9 +127,6 @@ def link_name(text: str) -> str:
     Raises:
         argparse.ArgumentTypeError: it does not; the message lists the forms.
     """
-    from engine.cost import parse_link
-    from engine.errors import CostModelError
-
     try:
         parse_link(text)
     except CostModelError as e:

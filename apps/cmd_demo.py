@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> dict:
     from apps.cmd_plan import OUTPUT_FILES, plan_files
     from apps.launch_progress import TqdmProgress
     from engine.io.atomic import atomic_write_files, check_output_folder
-    from engine.planner import make_plan
+    from engine.plan.make import make_plan
     from runtime import launch
     from runtime.config import LaunchConfig
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import shlex
 import sys
@@ -43,6 +44,9 @@ from typing import Iterator
 from apps.arg_types import non_negative_int, positive_float, positive_int
 from apps.output import fmt_gib, fmt_ms, table
 from engine.errors import TesselError
+from engine.gnn.plan import GNN_PLAN_FORMAT, load_gnn_plan
+from engine.io import load_plan, save_plan, write_trace
+from engine.plan.calibrate import calibrate_plan as calibrate_measured
 
 HELP = "train a plan on Ray actors and compare measured with predicted step times"
 
@@ -294,7 +298,6 @@ def _predict(plans: list, mode: str, steps: int) -> dict | None:
 
 def run_crossover(args: argparse.Namespace, mode: str) -> dict:
     """``tessel launch a.json b.json --crossover``: :func:`runtime.crossover.launch_crossover`."""
-    from engine.io import load_plan, write_trace
     from runtime.config import CrossoverConfig
     from runtime.crossover import launch_crossover
     from runtime.launcher import check_launchable
@@ -328,7 +331,6 @@ def _show_progress(args: argparse.Namespace) -> bool:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from engine.io import load_plan
     from runtime import launch
     from runtime.config import LaunchConfig
     from runtime.launcher import check_launchable
@@ -370,7 +372,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def calibrate_plan(plan, res, path: Path, out=sys.stdout) -> dict:
-    """Calibrate ``plan`` from a launch's measured steps, save it, and check it on later steps.
+    """Calibrate ``plan`` from a launch's measured steps, save it, and check it on later steps
+    (:func:`engine.plan.calibrate.calibrate_plan`, then the saving and the line printed here).
 
     Uses the launch's kept timelines (``LaunchResult.timelines``), the launch's first step
     (warm-up) left out. With at least 4 of them, the first half calibrates and the prediction is
@@ -386,33 +389,17 @@ def calibrate_plan(plan, res, path: Path, out=sys.stdout) -> dict:
     Raises:
         CostModelError: the launch kept no measured timeline.
     """
-    import statistics
-
-    from engine.cost.calibrate import calibrate
-    from engine.io import save_plan
-    from engine.planner import with_calibration
-
     tls = list(res.timelines)
     if len(tls) > 1 and res.start_step == 0 and len(tls) == len(res.losses):
         tls = tls[1:]
-    new, tl = with_calibration(plan, calibrate(tls))
-    save_plan(new, path)
-    held_out = len(tls) >= 4
-    if held_out:
-        half = len(tls) // 2
-        _, tl = with_calibration(plan, calibrate(tls[:half]))
-        checked = tls[half:]
-    else:
-        checked = tls
-    measured = statistics.median(t.makespan for t in checked)
-    err = measured / tl.makespan - 1 if tl.makespan > 0 else math.nan
-    n = len(checked)
-    how = (f"calibrated on {len(tls) - n} steps, checked on the {n} later ones" if held_out else
+    check = calibrate_measured(plan, tls)
+    save_plan(check.plan, path)
+    n = check.checked
+    how = (f"calibrated on {check.steps - n} steps, checked on the {n} later ones" if check.held_out else
            f"calibrated from {n} measured step{'s' if n != 1 else ''}")
-    print(f"{how}: step makespan {fmt_ms(tl.makespan)} predicted vs {fmt_ms(measured)} measured (median), "
-          f"{err:+.1%}; calibrated plan: {path}", file=out)
-    return {"path": str(path), "predicted_makespan": tl.makespan, "measured_makespan": measured,
-            "error": err, "steps": len(tls), "held_out": held_out}
+    print(f"{how}: step makespan {fmt_ms(check.predicted_makespan)} predicted vs {fmt_ms(check.measured_makespan)} "
+          f"measured (median), {check.error:+.1%}; calibrated plan: {path}", file=out)
+    return {"path": str(path), **check.to_dict()}
 
 
 # ----------------------------------------------------------------------------------------- GNN plans
@@ -435,10 +422,6 @@ def _gnn_refused(args: argparse.Namespace) -> str | None:
 def _is_gnn_plan(path: Path) -> bool:
     """Whether ``path`` is a JSON file whose ``format`` is ``tessel-gnn-plan`` (anything else is left
     to the pipeline plan's loader and its errors)."""
-    import json
-
-    from engine.gnn.plan import GNN_PLAN_FORMAT
-
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -492,7 +475,6 @@ def run_gnn(args: argparse.Namespace) -> dict:
         engine.errors.TesselError: several plans, or a flag that does not apply to a GNN plan (one sentence).
         LaunchError, PlanFormatError: from the launch (one sentence; exit status 2).
     """
-    from engine.io import write_trace
     from runtime.gnn.launcher import launch_gnn
 
     if len(args.plan) > 1:
@@ -506,8 +488,6 @@ def run_gnn(args: argparse.Namespace) -> dict:
         res = launch_gnn(plan_path, epochs=args.epochs, address=args.address, device=args.device,
                          step_timeout=args.step_timeout)
     report_gnn(res)
-    from engine.gnn.plan import load_gnn_plan
-
     planned_for = load_gnn_plan(plan_path).device_type
     ran_on = "cpu" if res.backend == "gloo" else "cuda"
     if (planned_for == "cpu") != (ran_on == "cpu"):

@@ -4,6 +4,7 @@ and write ``plan.json``, ``trace.json`` (Perfetto) and ``schedule.csv`` (torch p
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import sys
 import time
@@ -12,6 +13,7 @@ from apps.arg_types import (
     LINK_HELP,
     dtype_name,
     link_name,
+    memory_limit,
     positive_float,
     positive_int,
     transform_help,
@@ -19,13 +21,17 @@ from apps.arg_types import (
 )
 from apps.output import fmt_gib, fmt_ms, table
 from apps.plan_gnn import add_gnn_arguments, run_gnn
+from engine.baselines import SCHEDULES
+from engine.errors import CoCoNetError
+from engine.io import trace as trace_io
+from engine.io.atomic import atomic_write_files, check_output_folder
+from engine.io.torch_csv import schedule_to_csv_text
+from engine.placement import TensorSpec, dtype_bytes
 
 HELP = "plan a model on N devices with a predefined schedule and write plan/trace/csv"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from engine.baselines import SCHEDULES
-
     p.add_argument("--model", default="gpt2",
                    help="built-in name (see `tessel models`) or module:callable (default gpt2)")
     p.add_argument("--devices", type=positive_int, default=4, help="total devices = dp * tp * pp (default 4)")
@@ -44,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or package.module:callable (default: the model's own)")
     p.add_argument("--dtype", type=dtype_name, default="float32",
                    help="parameter/activation dtype: float32, bfloat16, float16 (default float32)")
-    p.add_argument("--memory-limit", type=positive_float, default=None,
+    p.add_argument("--memory-limit", type=memory_limit, default=None,
                    help="GiB per device (default: the device's capacity)")
     p.add_argument("--optimizer", choices=("adam", "adama"), default="adam",
                    help="memory model of the optimizer: adam (gradient accumulation: a gradient buffer per stage "
@@ -64,8 +70,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _bucket_bytes(mib: float) -> int:
     """``--bucket-mib`` in bytes, a multiple of 4 (float32 elements); a non-positive size is a user error."""
-    from engine.coconet import CoCoNetError
-
     if not mib > 0:
         raise CoCoNetError(f"--bucket-mib must be positive, got {mib:g}")
     return max(4, int(mib * 2**20) // 4 * 4)
@@ -79,15 +83,10 @@ def plan_files(res) -> dict[str, str]:
     """The texts of ``plan.json`` (as :func:`engine.io.save_plan` writes it), ``trace.json``
     (Perfetto, :func:`engine.io.trace.timeline_to_trace`, with the schedule and the plan's scalar
     metrics as metadata) and ``schedule.csv`` (torch pipelining, :func:`engine.io.torch_csv.schedule_to_csv_text`)
-    of a :class:`engine.planner.PlanResult`, for :func:`engine.io.atomic.atomic_write_files`."""
-    import json
-
-    from engine.io.torch_csv import schedule_to_csv_text
-    from engine.io.trace import timeline_to_trace
-
+    of a :class:`engine.plan.make.PlanResult`, for :func:`engine.io.atomic.atomic_write_files`."""
     meta = {"schedule": res.plan.schedule.name, **{k: v for k, v in res.plan.metrics.items() if k != "bubble_ratios"}}
     return {"plan.json": json.dumps(res.plan.to_dict(), indent=1),
-            "trace.json": json.dumps(timeline_to_trace(res.timeline, metadata=meta)),
+            "trace.json": json.dumps(trace_io.timeline_to_trace(res.timeline, metadata=meta)),
             "schedule.csv": schedule_to_csv_text(res.plan.schedule)}
 
 
@@ -97,12 +96,11 @@ def run(args: argparse.Namespace) -> dict:
     Raises:
         OutputPathError: ``-o`` is an existing file or one of the files is a folder (checked
             before planning; the folder is then left as it was).
-        TesselError: every planning mistake (:func:`engine.planner.make_plan`).
+        TesselError: every planning mistake (:func:`engine.plan.make.make_plan`).
     """
     if args.gnn is not None:
         return run_gnn(args)
-    from engine.io.atomic import atomic_write_files, check_output_folder
-    from engine.planner import make_plan
+    from engine.plan.make import make_plan  # captures the model: loads torch
 
     out = check_output_folder(args.output, OUTPUT_FILES)
 
@@ -196,8 +194,6 @@ def stage_rows(plan) -> list[dict]:
     ``boundary_bytes`` (sent to the next stage per micro-batch, every tensor crossing the cut; 0
     for the last). Works on loaded plans (a plan without ``boundary_bytes`` uses its ``output``
     tensors)."""
-    from engine.placement import TensorSpec, dtype_bytes
-
     try:
         elem = dtype_bytes(str(plan.model.dtype or "float32"))
     except ValueError:

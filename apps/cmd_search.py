@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Callable
 
-from apps.arg_types import LINK_HELP, link_name, positive_int
+from apps.arg_types import LINK_HELP, link_name, memory_limit, positive_float, positive_int
 from apps.output import table
-from engine.shapes import SHAPES
+from engine.errors import PlacementError, PlanFormatError, TesselError
+from engine.io import Plan, schedule_to_csv_text
+from engine.io.atomic import atomic_write_files, check_output_folder
+from engine.io.placement_json import load_placement
+from engine.io.trace import timeline_to_trace
+from engine.placement import Placement
+from engine.plan import ScheduleMetrics, compare_baselines, plan_from_search, predicted_metrics
+from engine.plan.from_search import ABSTRACT_MODEL
+from engine.shapes import SHAPES, make_shape
+from engine.timeline import Timeline
 
 HELP = ("search a schedule for a placement (V, X, M, NN, K, interleaved, MLLM, finetune, AlphaFold or a JSON file) "
         "with Tessel")
@@ -31,21 +41,6 @@ OUTPUT_NAMES = ("plan.json", "trace.json", "schedule.csv")
 DEFAULT_DEVICES = 4
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (seconds, GiB or activation units).
-
-    Raises:
-        argparse.ArgumentTypeError: anything else (0, negatives, NaN, infinity, not a number).
-    """
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default="v",
                    help="a shape (" + "; ".join(f"{s.name}: {s.description}" for s in SHAPES.values())
@@ -54,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"devices of the shape (default {DEFAULT_DEVICES}; a placement file has its own, and a "
                         "different --devices is refused)")
     p.add_argument("--micro-batches", type=positive_int, default=16, help="micro-batches per step (default 16)")
-    p.add_argument("--memory-limit", type=positive_float, default=None,
+    p.add_argument("--memory-limit", type=memory_limit, default=None,
                    help="per-device limit: activation units (abstract) or GiB (with --model); default none")
     p.add_argument("--model", default=None, help="use this model's real costs (e.g. gpt2); default abstract units")
     p.add_argument("--device-type", default="h100", help="cost table with --model (default h100)")
@@ -86,47 +81,108 @@ def _from_file(args) -> bool:
     return Path(args.placement).suffix == ".json" or Path(args.placement).is_file()
 
 
-def _placements(args):
-    """(placement, variant(name) for the V baselines, memory scale, model dict, cost, parts)."""
-    from engine.io.placement_json import load_placement
-    from engine.shapes import make_shape
+def _placements(args) -> tuple[Placement, Callable[[str], Placement] | None, int, dict]:
+    """The abstract placement searched: ``(placement, variant(name) for the V baselines, memory
+    scale, the plan's model section)``.
 
+    Raises:
+        PlacementError: a placement file whose devices differ from ``--devices``.
+        TesselError: an unknown shape, too few devices for it.
+    """
     kw = {"split_backward": args.split_backward, "forward_only": args.inference}
     if _from_file(args):
-        from engine.errors import PlacementError
-
         pl = load_placement(args.placement)
         if args.devices is not None and args.devices != pl.num_devices:
             raise PlacementError(f"--devices {args.devices} does not match the placement file {args.placement}, "
                                  f"which places its blocks on {pl.num_devices} devices; drop --devices or pass "
                                  f"--devices {pl.num_devices}")
-        return pl, None, 1, {"name": str(args.placement), "source": "placement-json"}, None, []
-    if args.model is None:
-        n = args.devices or DEFAULT_DEVICES
-        pl = make_shape(args.placement, n, activation=_HALF, **kw)
+        return pl, None, 1, {"name": str(args.placement), "source": "placement-json"}
+    n = args.devices or DEFAULT_DEVICES
+    pl = make_shape(args.placement, n, activation=_HALF, **kw)
 
-        def variant(name: str):
-            if name == "interleaved":
-                return make_shape("interleaved", n, forward=0.5, backward=1.0, activation=_HALF // 2,
-                                  forward_only=args.inference)
-            return make_shape("v", n, activation=_HALF, split_backward=True)
+    def variant(name: str) -> Placement:
+        if name == "interleaved":
+            return make_shape("interleaved", n, forward=0.5, backward=1.0, activation=_HALF // 2,
+                              forward_only=args.inference)
+        return make_shape("v", n, activation=_HALF, split_backward=True)
 
-        return pl, variant, _HALF, {"name": "abstract", "source": "units", "forward": 1.0, "backward": 2.0}, None, []
-    return None, None, 1, None, None, []
+    return pl, variant, _HALF, dict(ABSTRACT_MODEL)
 
 
-def _model_search(args, limit):
-    """``tessel search --model``: :func:`engine.search_plan.model_search_plan` (a launchable plan)."""
-    from engine.search_plan import model_search_plan
+def _search_options(args) -> dict[str, Any]:
+    """The :func:`engine.tessel.tessel_search` options of the command line (both searches)."""
+    return dict(time_limit=args.time_limit, seed=args.seed, objective=args.objective,
+                progress_bar=not args.json and sys.stderr.isatty(), completion_stall=args.completion_stall,
+                max_window_micro_batches=args.max_window, window_micro_batches=args.window, fallback_baselines=True)
 
-    return model_search_plan(
+
+@dataclass
+class _Searched:
+    """One search's outcome: the result, the placement searched, the plan and its timeline, and
+    what the table's rows need (``variant``, ``cost``, ``row_predict``; the model search's
+    :class:`engine.plan.model_search.SearchPlan` for its plain-pipeline yardstick)."""
+
+    result: Any
+    placement: Placement
+    plan: Plan
+    timeline: Timeline
+    variant: Callable[[str], Placement] | None
+    cost: Any
+    row_predict: Callable
+    mem_scale: int = 1
+    model_search: Any = None
+
+
+def _model_search(args, limit: float | None) -> _Searched:
+    """``tessel search --model``: :func:`engine.plan.model_search.model_search_plan` (a launchable plan)."""
+    from engine.plan.model_search import model_search_plan
+
+    sp = model_search_plan(
         args.model, args.placement, args.devices or DEFAULT_DEVICES, args.micro_batches,
-        micro_batch_size=args.micro_batch_size,
-        seq_len=args.seq_len, device_type=args.device_type, memory_limit=limit, link=args.link,
-        split_backward=args.split_backward, forward_only=args.inference, time_limit=args.time_limit,
-        seed=args.seed, objective=args.objective, progress_bar=not args.json and sys.stderr.isatty(),
-        completion_stall=args.completion_stall, max_window_micro_batches=args.max_window,
-        window_micro_batches=args.window, fallback_baselines=True)
+        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, device_type=args.device_type,
+        memory_limit=limit, link=args.link, split_backward=args.split_backward, forward_only=args.inference,
+        **_search_options(args))
+    return _Searched(sp.result, sp.placement, sp.plan, sp.timeline, sp.variant, sp.cost, sp.predict, model_search=sp)
+
+
+def _abstract_search(args) -> _Searched:
+    """``tessel search`` on an abstract placement (a shape in units or a placement file): the
+    search and its plan (:func:`engine.plan.from_search.plan_from_search`)."""
+    from engine.tessel import tessel_search
+
+    pl, variant, mem_scale, model = _placements(args)
+    gib = 2**30 if args.model else 1   # --model with a placement file: the limit stays in GiB
+    limit = args.memory_limit * gib * mem_scale if args.memory_limit is not None else None
+    res = tessel_search(pl, args.micro_batches, memory_limit=limit, **_search_options(args))
+    plan, timeline = plan_from_search(res, memory_limit=limit, memory_scale=mem_scale, model=model)
+
+    def row_predict(schedule) -> dict:
+        return predicted_metrics(replace(plan, schedule=schedule, metrics={}, meta=dict(plan.meta)))
+
+    return _Searched(res, pl, plan, timeline, variant, None, row_predict, mem_scale=mem_scale)
+
+
+def _search(args) -> _Searched:
+    """The search the command line asks for, an infeasible memory limit restated in its units.
+
+    Raises:
+        TesselError: an infeasible limit (naming the smallest feasible one), or the search's own errors.
+    """
+    from engine.tessel import InfeasibleMemoryError
+
+    use_model = args.model is not None and not _from_file(args)
+    gib = 2**30 if args.model else 1
+    unit = "GiB" if args.model else "units"
+    mem_scale = 1 if use_model or _from_file(args) else _HALF
+    try:
+        if use_model:
+            return _model_search(args, args.memory_limit * gib if args.memory_limit is not None else None)
+        return _abstract_search(args)
+    except InfeasibleMemoryError as e:  # restate in the user's units
+        raise TesselError(
+            f"--memory-limit {args.memory_limit:g} {unit} is infeasible: device {e.device} needs more even with one "
+            f"micro-batch at a time; the smallest feasible limit is {e.smallest / mem_scale / gib:.4g} {unit}"
+        ) from None
 
 
 def _optimal_note(res) -> str:
@@ -148,88 +204,45 @@ def _placement_label(placement, searched) -> str:
     return "on placement " + ", ".join(what)
 
 
-def run(args: argparse.Namespace) -> dict:
-    from engine.compare import compare_baselines
-    from engine.config import ModelRef, ParallelConfig
-    from engine.errors import PlanFormatError, TesselError
-    from engine.io import Plan, schedule_to_csv_text
-    from engine.io.atomic import atomic_write_files, check_output_folder
-    from engine.io.trace import timeline_to_trace
-    from engine.plan_metrics import predict, predicted_metrics
-    from engine.tessel import InfeasibleMemoryError, tessel_search
-
-    out = check_output_folder(args.output, OUTPUT_NAMES)   # before the search, not after it
-    from_file = _from_file(args)
-    use_model = args.model is not None and not from_file
-    pl, variant, mem_scale, model, cost, parts = _placements(args) if not use_model else (None,) * 6
-    mem_scale = mem_scale or 1
-    gib = 2**30 if args.model else 1
-    limit = args.memory_limit * gib * mem_scale if args.memory_limit is not None else None
-    unit = "GiB" if args.model else "units"
-    searched = None
-    try:
-        if use_model:
-            searched = _model_search(args, limit)
-            res, pl, cost, variant = searched.result, searched.placement, searched.cost, searched.variant
-        else:
-            res = tessel_search(pl, args.micro_batches, memory_limit=limit, time_limit=args.time_limit,
-                                seed=args.seed, objective=args.objective,
-                                progress_bar=not args.json and sys.stderr.isatty(),
-                                completion_stall=args.completion_stall, max_window_micro_batches=args.max_window,
-                                window_micro_batches=args.window, fallback_baselines=True)
-    except InfeasibleMemoryError as e:  # restate in the user's units
-        raise TesselError(
-            f"--memory-limit {args.memory_limit:g} {unit} is infeasible: device {e.device} needs more even with one "
-            f"micro-batch at a time; the smallest feasible limit is {e.smallest / mem_scale / gib:.4g} {unit}"
-        ) from None
-    if searched is not None:
-        plan, tessel_tl = searched.plan, searched.timeline
-    else:
-        meta = {"memory_unit": f"1/{mem_scale} activation unit"}
-        if limit is not None:
-            meta["memory_limit"] = limit
-        plan = Plan(model=ModelRef.from_dict(model),
-                    parallel=ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": pl.num_devices,
-                                                       "micro_batches": args.micro_batches,
-                                                       "devices": pl.num_devices, "optimizer": "adam"}),
-                    segments=[{"index": i, **p} for i, p in enumerate(parts)], schedule=res.schedule,
-                    cost=cost.to_dict() if cost else {}, meta=meta)
-        tessel_tl, predicted = predict(plan)
-        plan.metrics = {**res.summary(), **predicted}
-    # every row is a plan's prediction (engine.plan_metrics): the numbers `tessel show` prints for it
-    pm = plan.metrics
-    from engine.compare import ScheduleMetrics
-
+def _rows(args, found: _Searched, limit: float | None) -> list[ScheduleMetrics]:
+    """The table: Tessel's plan, then the baselines on the same placement, each a plan's prediction
+    (:mod:`engine.plan.metrics`: the numbers `tessel show` prints for it); for a model's shape
+    other than V also the same model's plain pipeline."""
+    res, pl, pm = found.result, found.placement, found.plan.metrics
     tess = ScheduleMetrics("tessel", pm["makespan"], pm["bubble_ratio"], list(pm["peak_memory"]),
                            limit is not None and any(p > limit for p in pm["peak_memory"]), res.schedule)
-    if searched is not None:
-        row_predict = searched.predict
-    else:
-        def row_predict(schedule):
-            return predicted_metrics(Plan(plan.model, plan.parallel, plan.segments, schedule, plan.cost, {},
-                                          dict(plan.meta)))
-    rows = [tess] + compare_baselines(pl, args.micro_batches, memory_limit=limit, cost=cost, variant=variant,
-                                      predict=row_predict)
-    if searched is not None and pl.name != "V":   # the yardstick: the same model on a plain pipeline
+    rows = [tess] + compare_baselines(pl, args.micro_batches, memory_limit=limit, cost=found.cost,
+                                      variant=found.variant, predict=found.row_predict)
+    if found.model_search is not None and pl.name != "V":   # the yardstick: the same model on a plain pipeline
         rows = [r for r in rows if r.makespan is not None or r.name not in ("interleaved", "zb-h1")]
-        rows += searched.v_baselines(limit)
+        rows += found.model_search.v_baselines(limit)
+    return rows
 
-    def unit_mem(x):
-        return None if x is None else x / mem_scale / gib
 
-    files = {"plan.json": json.dumps(plan.to_dict(), indent=1),
-             "trace.json": json.dumps(timeline_to_trace(tessel_tl, metadata={"schedule": "tessel",
-                                                                              "placement": pl.name}))}
+def _write(out: Path, found: _Searched) -> tuple[Path, Path, str | None, str]:
+    """Write ``plan.json``, ``trace.json`` and (where it has one) ``schedule.csv`` into ``out``
+    atomically; ``(plan path, trace path, csv path or None, why no CSV)``."""
+    schedule = found.result.schedule
+    files = {"plan.json": json.dumps(found.plan.to_dict(), indent=1),
+             "trace.json": json.dumps(timeline_to_trace(found.timeline, metadata={
+                 "schedule": "tessel", "placement": found.placement.name}))}
+    csv_note = ""
     try:
-        files["schedule.csv"] = schedule_to_csv_text(res.schedule)
+        files["schedule.csv"] = schedule_to_csv_text(schedule)
     except PlanFormatError as e:
         csv_note = str(e)
     written = atomic_write_files(out, files)
-    plan_path, trace_path = written["plan.json"], written["trace.json"]
     csv_path = str(written["schedule.csv"]) if "schedule.csv" in written else None
     if csv_path is None and (out / "schedule.csv").is_file():   # an earlier search's CSV: not this plan's schedule
         (out / "schedule.csv").unlink()
         csv_note += f"; removed the earlier {out / 'schedule.csv'}"
+    return written["plan.json"], written["trace.json"], csv_path, csv_note
+
+
+def _print_search(args, found: _Searched, rows: list[ScheduleMetrics], unit_mem: Callable) -> None:
+    """The search's summary lines and its table."""
+    res, pl = found.result, found.placement
+    unit = "GiB" if args.model else "units"
     tscale = 1e3 if args.model else 1
     tunit = "ms" if args.model else "units"
     print(f"placement {pl.name} on {pl.num_devices} devices, {args.micro_batches} micro-batches"
@@ -261,6 +274,22 @@ def run(args: argparse.Namespace) -> dict:
             trows.append([r.name, f"{r.makespan * tscale:,.4g}", f"{r.bubble_ratio:.1%}",
                           f"{unit_mem(max(r.peak_memory)):,.4g}", "; ".join(notes)])
     print(table(["schedule", f"makespan ({tunit})", "bubble", f"peak memory ({unit})", "note"], trows))
+
+
+def run(args: argparse.Namespace) -> dict:
+    out = check_output_folder(args.output, OUTPUT_NAMES)   # before the search, not after it
+    found = _search(args)
+    res, pl, pm = found.result, found.placement, found.plan.metrics
+    gib = 2**30 if args.model else 1
+    limit = args.memory_limit * gib * found.mem_scale if args.memory_limit is not None else None
+    rows = _rows(args, found, limit)
+    tess = rows[0]
+
+    def unit_mem(x):
+        return None if x is None else x / found.mem_scale / gib
+
+    plan_path, trace_path, csv_path, csv_note = _write(out, found)
+    _print_search(args, found, rows, unit_mem)
     print(f"wrote {plan_path}, {trace_path}" + (f", {csv_path}" if csv_path else f" (no CSV: {csv_note})"))
     return {
         "plan": str(plan_path), "trace": str(trace_path), "csv": csv_path,

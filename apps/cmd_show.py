@@ -1,5 +1,5 @@
 """Load a plan JSON (or a torch pipelining CSV against a plan's placement), validate it,
-re-simulate it and print its metrics: :func:`engine.plan_metrics.predicted_metrics`, the numbers
+re-simulate it and print its metrics: :func:`engine.plan.metrics.predicted_metrics`, the numbers
 ``tessel plan`` and ``tessel search`` print for the same plan. An abstract plan (``tessel search``
 without ``--model``) is shown in its units, not in milliseconds and GiB."""
 
@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 
-from apps.arg_types import positive_float
+from apps.arg_types import memory_limit
 from apps.output import fmt_gib, fmt_ms, table
+from engine.io import load_plan, read_torch_csv
+from engine.plan import check_plan, is_abstract, predicted_metrics
 
 HELP = "validate and re-simulate a plan file"
 
@@ -16,7 +18,7 @@ HELP = "validate and re-simulate a plan file"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", help="path to plan.json")
     p.add_argument("--csv", default=None, help="replace the plan's schedule by this torch pipelining CSV")
-    p.add_argument("--memory-limit", type=positive_float, default=None,
+    p.add_argument("--memory-limit", type=memory_limit, default=None,
                    help="GiB per device to validate against (activation units for an abstract plan)")
 
 
@@ -35,10 +37,6 @@ def _abstract_memory_scale(plan) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from engine.io import load_plan, read_torch_csv
-    from engine.plan_check import check_plan
-    from engine.plan_metrics import is_abstract, predicted_metrics
-
     plan = load_plan(args.plan)
     if args.csv:
         plan.schedule = read_torch_csv(args.csv, plan.placement)

@@ -20,7 +20,7 @@ Memory (each optimizer in its own fresh subprocess):
 - **RSS**: peak resident set size (``ru_maxrss``) minus the RSS after imports, from a separate
   subprocess without the profiler. Secondary: the glibc allocator keeps freed pages, so RSS
   differences are noisy.
-- **predicted**: ``engine.planner.make_plan(model, devices=1, micro_batches=N, optimizer=...,
+- **predicted**: ``engine.plan.make.make_plan(model, devices=1, micro_batches=N, optimizer=...,
   device_type="cpu")``'s ``peak_memory`` (the planner's memory model: parameters + m + v, Adam's
   gradient buffer from the first backward to the step, transient gradient of the largest
   tensor, activations from the captured graph).
@@ -205,7 +205,7 @@ def _run_worker(mode: str, **kw) -> dict:
 # ----------------------------------------------------------------------------- measurements
 def predicted_peak(model_name: str, kind: str, n: int) -> int:
     """The planner's predicted peak bytes on one CPU device (``make_plan(..., optimizer=kind)``)."""
-    from engine.planner import make_plan
+    from engine.plan.make import make_plan
 
     register_large()
     res = make_plan(model_name, devices=1, micro_batches=n, schedule="1f1b", device_type="cpu",

@@ -140,7 +140,7 @@ def run_link(params: dict) -> list[dict]:
 
     import ray
 
-    from engine.planner import make_plan
+    from engine.plan.make import make_plan
     from runtime.crossover import CrossoverConfig, launch_crossover
     from runtime.session import StepCallback
 

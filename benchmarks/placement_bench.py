@@ -2,7 +2,7 @@
 
 The yardstick (issue 16) is what a user would otherwise run: the same model cut into a plain
 pipeline (the V placement) with GPipe, 1F1B, interleaved 1F1B or ZB-H1. Tessel searches the
-placement the model suggests (``engine.search_plan.model_search_plan``): M for a large-vocabulary
+placement the model suggests (``engine.plan.model_search.model_search_plan``): M for a large-vocabulary
 language model (the embedding and the LM head vocab-parallel over all devices, a pipeline of
 blocks between them), K for a two-tower model (each tower on half of the devices, the contrastive
 head on all), and X and NN for comparison.
@@ -55,8 +55,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 def predicted_case(model: str, shape: str, n: int, m: int, mbs: int, seq: int, time_limit: float) -> dict:
     """Tessel on ``shape`` (plain and split backward) against the V baselines of ``model``, simulated
     with the H100 cost model; one row (times in seconds)."""
-    from engine.compare import measure
-    from engine.search_plan import model_search_plan
+    from engine.plan.compare import measure
+    from engine.plan.model_search import model_search_plan
 
     best, sp_best, search_s = None, None, 0.0
     for split in (False, True):

@@ -4,7 +4,7 @@
     at a time on this machine (one intra-op thread, as each rank runs), backward = 2x forward;
     "segments": each segment's real forward + backward timed alone (``runtime.profile``);
     "calibrated": block, optimizer and p2p costs from a separate short profiling launch
-    (``engine.cost.calibrate``, ``engine.planner.with_calibration``), which carries what only the
+    (``engine.cost.calibrate``, ``engine.plan.calibrate.with_calibration``), which carries what only the
     running system shows (ranks sharing cores, Python/autograd overheads, the real optimizer
     speed); "same launch": calibrated from the first steps of the measured launch itself (as an
     autotuner profiles its first iterations), which also removes launch-to-launch variation (how
@@ -81,7 +81,7 @@ def predicted_vs_measured(devices: int, steps: int, profile_steps: int = 4, *, d
     with data-parallel degree ``dp``, on ``link``: ``unshaped`` (this machine's loopback) or a tc
     rate (planned with ``link="emulated:RATE"`` and launched inside a namespace shaped to it)."""
     from engine.cost.calibrate import calibrate
-    from engine.planner import make_plan, with_calibration, with_segment_times
+    from engine.plan import make_plan, with_calibration, with_segment_times
     from runtime.profile import measure_segment_times
 
     emulated = link != "unshaped"

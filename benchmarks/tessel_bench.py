@@ -16,7 +16,7 @@ shorter and fits the limit), the makespan lower bound (``lb``) and the gap to it
 (b) ``models``: ``gpt2`` and ``llama-7b`` (``--models``; ``MODEL@LINK`` for another link between
 the ranks, by default also gpt2 over a 10 Gbit/s Ethernet link and llama-7b over InfiniBand) on
 the H100 table with its links, shapes
-``--model-shapes`` on ``--model-devices`` devices, through ``engine.search_plan.model_search_plan``
+``--model-shapes`` on ``--model-devices`` devices, through ``engine.plan.model_search.model_search_plan``
 as ``tessel search --model`` runs it. ``search ms`` is the search's makespan (the step it
 predicts, transfers, optimizer step and tied all-reduce included), ``plan ms`` the written plan's
 predicted makespan after ``save_plan``/``load_plan`` (what ``tessel show`` prints), ``solver ms``
@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.baselines.generic import gpipe_any, one_f_one_b_any  # noqa: E402
-from engine.compare import measure  # noqa: E402
+from engine.plan.compare import measure  # noqa: E402
 from engine.shapes import make_shape  # noqa: E402
 from engine.tessel import exact_schedule, makespan_lower_bound, memory_floor, tessel_search  # noqa: E402
 
@@ -121,8 +121,8 @@ def exact_case(shape: str, n: int, limit_name: str, limit: float, m: int, time_l
 def model_case(model: str, shape: str, n: int, m: int, time_limit: float, device_type: str,
                link: str | None = None) -> dict:
     from engine.io import load_plan, save_plan
-    from engine.plan_metrics import predicted_metrics
-    from engine.search_plan import model_search_plan
+    from engine.plan.metrics import predicted_metrics
+    from engine.plan.model_search import model_search_plan
 
     t0 = time.perf_counter()
     sp = model_search_plan(model, shape, n, m, device_type=device_type, time_limit=time_limit, link=link)

@@ -180,7 +180,7 @@ def bench_schedule(schedule: str, steps: int, warmup: int, lr: float, tmpdir: Pa
     import torch
 
     from engine.io import write_torch_csv
-    from engine.planner import make_plan
+    from engine.plan.make import make_plan
 
     plan = make_plan(MODEL, devices=PP, micro_batches=M, schedule=schedule, device_type="cpu",
                      micro_batch_size=MBS, seq_len=SEQ).plan

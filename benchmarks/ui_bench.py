@@ -228,7 +228,7 @@ def render_times(blocks: int, repeat: int) -> dict:
 
 def edit_times(edits: int) -> dict:
     """Server-side seconds of single-position block moves on GPT-2, 8 devices x 64 micro-batches."""
-    from engine.planner import make_plan
+    from engine.plan.make import make_plan
     from planner_ui.gantt import GanttView
     from planner_ui.state import PlanState
 

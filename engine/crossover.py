@@ -9,7 +9,7 @@ and communication ``M`` per step, the ideal pair cycle (both jobs one step) is
 
 :func:`predict_colocated` takes the jobs' own plans (``engine.io.Plan``; ``pp=1``, ``tp=1``,
 ``dp=N``, every job on the same ``N`` devices), reads each job's step from the plan's own
-simulation (:func:`engine.planner.resimulate`: its F/B/I/W compute blocks, its ALLREDUCE
+simulation (:func:`engine.plan.calibrate.resimulate`: its F/B/I/W compute blocks, its ALLREDUCE
 events and its OPTIM step, seconds) and predicts how the jobs interleave in one of three modes:
 
 ``"crossover"``
@@ -64,6 +64,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from engine.errors import CrossoverError
+from engine.plan.calibrate import resimulate
 from engine.timeline import Event, Timeline
 
 #: How co-located jobs share the devices: ``"crossover"`` (a compute token passed at the
@@ -252,7 +253,7 @@ COMM_CPU_SHARE = {"loopback": 0.65}
 def job_profile(plan, name: str = "A") -> JobProfile:
     """The step of a data-parallel ``plan`` (an :class:`engine.io.plan.Plan`) as a :class:`JobProfile`.
 
-    Durations come from the plan's own simulation (:func:`engine.planner.resimulate`, i.e. its
+    Durations come from the plan's own simulation (:func:`engine.plan.calibrate.resimulate`, i.e. its
     stored cost model): the F/B/I/W events of device 0 in start order, its ALLREDUCE events,
     its OPTIM step; the memory curve and static memory of device 0; tokens per step =
     ``plan.model.batch_size * plan.model.seq_len`` (0 when the plan records no batch size).
@@ -260,8 +261,6 @@ def job_profile(plan, name: str = "A") -> JobProfile:
     Raises:
         CrossoverError: a pipeline (``pp > 1``) or tensor-parallel (``tp > 1``) plan.
     """
-    from engine.planner import resimulate  # local: planner imports heavy modules
-
     par = plan.parallel
     pp = max(par.pp, plan.placement.num_devices)   # pipeline ranks: a placement on several devices is one
     tp, dp = par.tp, par.dp

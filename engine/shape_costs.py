@@ -59,14 +59,14 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             every part holding a tied parameter (GPT-2's ``wte``/``lm_head``) after the first keeps
             its own copy, added to its ``param_bytes`` (``max_param_bytes`` raised to it) and
             recorded as ``tied_copy_bytes``
-            (:func:`engine.transform.tied_parameter_groups`, as :func:`engine.planner.make_plan`
+            (:func:`engine.transform.tied_parameter_groups`, as :func:`engine.plan.make.make_plan`
             counts them with ``add_tied_copies``), so static memory and gradient buffers include
             it. ``None``: parameters are counted once, at first use.
 
     An all-device segment with parameters is tensor-parallel over its ``n`` devices and costs what
     :func:`engine.transform.layer_costs` gives at ``tp = n`` (per-op sharding, Megatron's
     all-reduces; backward = ``backward_factor`` x compute + the same communication), as a
-    ``tp = n`` stage of :func:`engine.planner.make_plan` does.
+    ``tp = n`` stage of :func:`engine.plan.make.make_plan` does.
 
     Returns:
         ``(placement, parts)``: the placement (seconds, bytes) and per model part its ``layers``,

@@ -43,6 +43,11 @@ Collective events (stream ``"collective"``): ``"allreduce s<segment>"`` (``"allr
 b<bucket>"``), ``"reducescatter s<segment>"``, ``"allgather s<segment>"``, ``"allgather <block>"``,
 ``"a2a <block>"``, ``"allreduce tied"``.
 
+Each op has one handler (:data:`HANDLERS`, keyed by :class:`~engine.dependency.Op` like the
+runtime's ``runtime.worker.interpreter.HANDLERS``) over a :class:`SimState` holding the clocks,
+the streams' free times and the memory; a handler returns whether its instruction ran or the
+rank must wait.
+
 The result is a :class:`~engine.timeline.Timeline`, the same structure the runtime measures.
 A rank that can never proceed raises :class:`~engine.errors.DeadlockError` naming every
 waiting rank and instruction.
@@ -50,9 +55,10 @@ waiting rank and instruction.
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, cast
 
-from engine.dependency import COMPUTE_OPS, ExecutionPlan, Op
+from engine.dependency import COMPUTE_OPS, ExecutionPlan, Instruction, Op
 from engine.errors import DeadlockError
 from engine.timeline import Event, Timeline
 
@@ -80,6 +86,247 @@ class FreeComm:
         return 0.0
 
 
+@dataclass(slots=True)
+class SimState:
+    """The simulator's state while it runs one step (seconds from the step's start, bytes).
+
+    Attributes:
+        plan: the instruction streams simulated.
+        cost: the cost model.
+        pc: per rank, the index of its next instruction.
+        clock: per rank, when its compute stream is free.
+        send_free: per rank, when its send stream is free.
+        coll_free: per rank, when its collective stream is free.
+        coll_pending: per rank, when its last posted data-parallel collective ends (``OPTIM`` waits for it).
+        mem: per rank, the bytes allocated now; ``mem_curve`` their ``(time, bytes)`` steps.
+        arrivals: ``(block, src, dst)`` -> ``(start, end)`` of each posted transfer.
+        barrier: a multi-device block (or a tied all-reduce's key) -> the ranks that reached it.
+        tied_seen: per rank, ``{ranks: tied all-reduces passed}``.
+        last_block: per rank, ``(start, end)`` of its latest compute block.
+        span: a compute block -> the number of ranks whose stream holds it.
+        events: the timeline's events so far.
+    """
+
+    plan: ExecutionPlan
+    cost: CommCost
+    pc: list[int]
+    clock: list[float]
+    send_free: list[float]
+    coll_free: list[float]
+    coll_pending: list[float]
+    mem: list[int]
+    mem_curve: list[list[tuple[float, int]]]
+    last_block: list[tuple[float, float]]
+    tied_seen: list[dict[tuple[int, ...], int]]
+    span: dict
+    arrivals: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    barrier: dict = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    dp_groups: dict[int, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, plan: ExecutionPlan, cost: CommCost) -> "SimState":
+        """Every rank at time 0 with its static memory."""
+        n = plan.num_ranks
+        mem = list(plan.static_memory) if plan.static_memory else [0] * n
+        span: dict = {}
+        for stream in plan.streams:
+            for ins in stream:
+                if ins.op in COMPUTE_OPS:
+                    span[ins.block] = span.get(ins.block, 0) + 1
+        return cls(plan, cost, pc=[0] * n, clock=[0.0] * n, send_free=[0.0] * n, coll_free=[0.0] * n,
+                   coll_pending=[0.0] * n, mem=mem, mem_curve=[[(0.0, mem[r])] for r in range(n)],
+                   last_block=[(0.0, 0.0)] * n, tied_seen=[dict() for _ in range(n)], span=span)
+
+    def dp_group(self, r: int) -> list[int]:
+        """The data-parallel replicas of rank ``r``: ``[r, r + n, ..., r + (dp-1) n]``."""
+        g = self.dp_groups.get(r)
+        if g is None:
+            n = self.plan.num_ranks
+            g = self.dp_groups[r] = [r + k * n for k in range(self.plan.dp)]
+        return g
+
+    def run_compute(self, ranks: list[int], ins: Instruction) -> None:
+        """Run compute block ``ins`` on ``ranks`` together: its event, the tensor-parallel
+        collectives drawn inside it, its memory, and each rank's clock and ``pc``."""
+        start = max(self.clock[r] for r in ranks)
+        end = start + ins.duration
+        blk = ins.block
+        assert blk is not None
+        name = str(blk)
+        inner = self.plan.tp_collectives.get(blk.segment, ()) if ins.op in (Op.F, Op.B, Op.I) else ()
+        if ins.op != Op.F:
+            inner = tuple(reversed(inner))
+        gap = max(0.0, ins.duration - sum(c[2] for c in inner)) / len(inner) if inner else 0.0
+        up = max(ins.memory, 0) + ins.hold + ins.transient
+        down = min(ins.memory, 0) - ins.transient
+        for r in ranks:
+            self.events.append(Event(r, "compute", ins.op, name, start, end, 0, blk.micro_batch, blk.segment))
+            self.clock[r] = end
+            self.last_block[r] = (start, end)
+            t = start
+            for kind, nb, sec in inner:   # tensor-parallel collectives inside the block (its duration has them)
+                t += gap
+                self.events.append(Event(r, "collective", kind.upper(), f"tp {kind} {name}", t, t + sec, nb,
+                                         blk.micro_batch, blk.segment))
+                t += sec
+            if up:
+                self.mem[r] += up
+                self.mem_curve[r].append((start, self.mem[r]))
+            if down:
+                self.mem[r] += down
+                self.mem_curve[r].append((end, self.mem[r]))
+            self.pc[r] += 1
+
+
+#: A handler runs rank ``r``'s next instruction and returns ``True``, or returns ``False`` when
+#: the rank must wait (a transfer not yet posted, a multi-rank barrier not yet complete).
+Handler = Callable[[SimState, int, Instruction], bool]
+
+
+def _compute(s: SimState, r: int, ins: Instruction) -> bool:
+    """``F``/``B``/``I``/``W``: a block on several ranks starts when all of them reach it."""
+    k = s.span.get(ins.block, 1)
+    if k == 1:
+        s.run_compute([r], ins)
+        return True
+    arrived = s.barrier.setdefault(ins.block, [])
+    if r not in arrived:
+        arrived.append(r)
+    if len(arrived) < k:
+        return False
+    del s.barrier[ins.block]
+    s.run_compute(arrived, ins)
+    return True
+
+
+def _send(s: SimState, r: int, ins: Instruction) -> bool:
+    """``SEND``: posted on the send stream once it is free; the compute stream does not wait."""
+    blk = ins.block
+    assert blk is not None
+    start = max(s.clock[r], s.send_free[r])
+    end = start + s.cost.p2p_time(ins.nbytes, r, cast(int, ins.peer))
+    s.send_free[r] = end
+    s.arrivals[(blk, r, ins.peer)] = (start, end)
+    s.events.append(Event(r, "send", "SEND", f"{blk}>{ins.peer}", start, end, ins.nbytes, blk.micro_batch,
+                          blk.segment))
+    s.pc[r] += 1
+    return True
+
+
+def _recv(s: SimState, r: int, ins: Instruction) -> bool:
+    """``RECV``: waits until the matching transfer has been posted, then until it has arrived."""
+    a = s.arrivals.get((ins.block, ins.peer, r))
+    if a is None:
+        return False
+    blk = ins.block
+    assert blk is not None
+    s.events.append(Event(r, "recv", "RECV", f"{blk}<{ins.peer}", a[0], a[1], ins.nbytes, blk.micro_batch,
+                          blk.segment))
+    if a[1] > s.clock[r]:
+        s.clock[r] = a[1]
+    s.pc[r] += 1
+    return True
+
+
+def _tied_allreduce(s: SimState, r: int, ins: Instruction) -> bool:
+    """A tied-weight ``ALLREDUCE``: a barrier of its holders, each ready once its compute stream
+    reached it and its data-parallel collectives finished; advances every holder."""
+    key = ("tied", ins.ranks, s.tied_seen[r].get(ins.ranks, 0))
+    arrived = s.barrier.setdefault(key, [])
+    if r not in arrived:
+        arrived.append(r)
+    holders = sorted({h for h in ins.ranks if 0 <= h < s.plan.num_ranks} | {r})
+    if any(h not in arrived for h in holders):
+        return False
+    del s.barrier[key]
+    start = max(max(s.clock[h], s.coll_pending[h]) for h in holders)
+    end = start + s.cost.collective_time("allreduce", ins.nbytes, list(ins.ranks))
+    for h in holders:
+        s.events.append(Event(h, "collective", "ALLREDUCE", "allreduce tied", start, end, ins.nbytes, -1, -1))
+        s.clock[h] = end
+        s.coll_free[h] = max(s.coll_free[h], end)
+        s.tied_seen[h][ins.ranks] = s.tied_seen[h].get(ins.ranks, 0) + 1
+        s.pc[h] += 1
+    return True
+
+
+def _dp_collective(s: SimState, r: int, ins: Instruction) -> bool:
+    """A data-parallel ``ALLREDUCE`` / ``REDUCESCATTER`` / parameter ``ALLGATHER``: posted on the
+    collective stream (a bucket with ``ready < 1`` once that fraction of the last block ran)."""
+    ready = s.clock[r]
+    if ins.ready < 1.0:   # a gradient bucket: final part-way through the last backward
+        b0, b1 = s.last_block[r]
+        ready = b0 + ins.ready * (b1 - b0)
+    start = max(ready, s.coll_free[r])
+    kind = str(ins.op).lower()
+    end = start + s.cost.collective_time(kind, ins.nbytes, s.dp_group(r))
+    s.coll_free[r] = end
+    s.coll_pending[r] = max(s.coll_pending[r], end)
+    label = f"{kind} s{ins.segment}" + (f" b{ins.bucket}" if ins.bucket is not None else "")
+    s.events.append(Event(r, "collective", str(ins.op), label, start, end, ins.nbytes, -1,
+                          ins.segment if ins.segment is not None else -1))
+    s.pc[r] += 1
+    return True
+
+
+def _allreduce(s: SimState, r: int, ins: Instruction) -> bool:
+    """``ALLREDUCE``: tied weights (``ranks`` set) or data-parallel gradients."""
+    return _tied_allreduce(s, r, ins) if ins.ranks else _dp_collective(s, r, ins)
+
+
+def _alltoall(s: SimState, r: int, ins: Instruction) -> bool:
+    """``ALLTOALL``: blocking on the compute path over the rank's expert-parallel group."""
+    n = s.plan.num_ranks
+    start = s.clock[r]
+    group = s.dp_group(r) if ins.group == s.plan.dp else [r + k * n for k in range(max(1, ins.group))]
+    end = start + s.cost.collective_time("alltoall", ins.nbytes, group)
+    s.clock[r] = end
+    blk = ins.block
+    s.events.append(Event(r, "collective", "ALLTOALL", f"a2a {blk}", start, end, ins.nbytes,
+                          blk.micro_batch if blk is not None else -1, ins.segment if ins.segment is not None else -1))
+    s.pc[r] += 1
+    return True
+
+
+def _allgather(s: SimState, r: int, ins: Instruction) -> bool:
+    """``ALLGATHER``: of a received block (scatter-send: blocking, over the tensor group) or of a
+    segment's parameters (sharded-update: a data-parallel collective)."""
+    blk = ins.block
+    if blk is None:
+        return _dp_collective(s, r, ins)
+    n = s.plan.num_ranks
+    start = s.clock[r]
+    end = start + s.cost.collective_time("allgather", ins.nbytes, [r + k * n for k in range(ins.group)])
+    s.clock[r] = end
+    s.events.append(Event(r, "collective", "ALLGATHER", f"allgather {blk}", start, end, ins.nbytes, blk.micro_batch,
+                          blk.segment))
+    s.pc[r] += 1
+    return True
+
+
+def _optim(s: SimState, r: int, ins: Instruction) -> bool:
+    """``OPTIM``: after the rank's data-parallel collectives; frees the gradient buffers at its end."""
+    start = max(s.clock[r], s.coll_pending[r])
+    end = start + s.cost.optimizer_time(ins.nbytes)
+    s.events.append(Event(r, "compute", "OPTIM", "optimizer", start, end, ins.nbytes, -1, -1))
+    s.clock[r] = end
+    if ins.memory:
+        s.mem[r] += ins.memory
+        s.mem_curve[r].append((end, s.mem[r]))
+    s.pc[r] += 1
+    return True
+
+
+#: The handler of each op (:class:`Op` is a ``StrEnum``: a plain-string op finds its handler too);
+#: an op missing here runs as a compute block.
+HANDLERS: dict[str, Handler] = {
+    Op.F: _compute, Op.B: _compute, Op.I: _compute, Op.W: _compute,
+    Op.SEND: _send, Op.RECV: _recv, Op.ALLREDUCE: _allreduce, Op.ALLTOALL: _alltoall,
+    Op.REDUCESCATTER: _dp_collective, Op.ALLGATHER: _allgather, Op.OPTIM: _optim,
+}
+
+
 def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
     """Simulate one step of an execution plan.
 
@@ -93,181 +340,45 @@ def simulate(plan: ExecutionPlan, cost: CommCost | None = None) -> Timeline:
     Raises:
         DeadlockError: some ranks wait forever; ``err.waiting`` maps rank -> instruction.
     """
-    cost = cost or FreeComm()
+    s = SimState.start(plan, cost or FreeComm())
     n = plan.num_ranks
     streams = plan.streams
-    pc = [0] * n
-    clock = [0.0] * n
-    send_free = [0.0] * n
-    coll_free = [0.0] * n
-    coll_pending = [0.0] * n
-    mem = list(plan.static_memory) if plan.static_memory else [0] * n
-    mem_curve: list[list[tuple[float, int]]] = [[(0.0, mem[r])] for r in range(n)]
-    arrivals: dict[tuple, tuple[float, float]] = {}  # (block, src, dst) -> (start, end)
-    barrier: dict = {}  # multi-device block / tied all-reduce key -> ranks arrived
-    # rank -> {ranks tuple: tied all-reduces passed}
-    tied_seen: list[dict[tuple[int, ...], int]] = [dict() for _ in range(n)]
-    events: list[Event] = []
-    p2p = cost.p2p_time
-    dp_ranks_cache: dict[int, list[int]] = {}
-    last_block = [(0.0, 0.0)] * n   # (start, end) of each rank's latest compute block
-
-    def dp_group(r: int) -> list[int]:
-        g = dp_ranks_cache.get(r)
-        if g is None:
-            g = dp_ranks_cache[r] = [r + k * n for k in range(plan.dp)]
-        return g
-
-    def run_compute(ranks: list[int], ins) -> None:
-        start = max(clock[r] for r in ranks)
-        end = start + ins.duration
-        name = str(ins.block)
-        inner = plan.tp_collectives.get(ins.block.segment, ()) if ins.op in (Op.F, Op.B, Op.I) else ()
-        if ins.op != Op.F:
-            inner = tuple(reversed(inner))
-        gap = max(0.0, ins.duration - sum(c[2] for c in inner)) / len(inner) if inner else 0.0
-        for r in ranks:
-            events.append(Event(r, "compute", ins.op, name, start, end, 0, ins.block.micro_batch, ins.block.segment))
-            clock[r] = end
-            last_block[r] = (start, end)
-            t = start
-            for kind, nb, sec in inner:   # tensor-parallel collectives inside the block (its duration has them)
-                t += gap
-                events.append(Event(r, "collective", kind.upper(), f"tp {kind} {name}", t, t + sec, nb,
-                                    ins.block.micro_batch, ins.block.segment))
-                t += sec
-            up = max(ins.memory, 0) + ins.hold + ins.transient
-            if up:
-                mem[r] += up
-                mem_curve[r].append((start, mem[r]))
-            down = min(ins.memory, 0) - ins.transient
-            if down:
-                mem[r] += down
-                mem_curve[r].append((end, mem[r]))
-            pc[r] += 1
-
-    # span of each compute block instance = number of ranks whose stream holds it
-    span: dict = {}
-    for r in range(n):
-        for ins in streams[r]:
-            if ins.op in COMPUTE_OPS:
-                span[ins.block] = span.get(ins.block, 0) + 1
-
-    remaining = n
     done = [len(streams[r]) == 0 for r in range(n)]
-    remaining -= sum(done)
+    remaining = n - sum(done)
     while remaining:
         progressed = False
         for r in range(n):
             if done[r]:
                 continue
             stream = streams[r]
-            while pc[r] < len(stream):
-                ins = stream[pc[r]]
-                op = ins.op
-                if op == Op.SEND:
-                    assert ins.block is not None
-                    start = max(clock[r], send_free[r])
-                    end = start + p2p(ins.nbytes, r, cast(int, ins.peer))
-                    send_free[r] = end
-                    arrivals[(ins.block, r, ins.peer)] = (start, end)
-                    events.append(Event(r, "send", "SEND", f"{ins.block}>{ins.peer}", start, end, ins.nbytes,
-                                        ins.block.micro_batch, ins.block.segment))
-                    pc[r] += 1
-                elif op == Op.RECV:
-                    a = arrivals.get((ins.block, ins.peer, r))
-                    if a is None:
-                        break
-                    assert ins.block is not None
-                    events.append(Event(r, "recv", "RECV", f"{ins.block}<{ins.peer}", a[0], a[1], ins.nbytes,
-                                        ins.block.micro_batch, ins.block.segment))
-                    if a[1] > clock[r]:
-                        clock[r] = a[1]
-                    pc[r] += 1
-                elif op == Op.ALLREDUCE and ins.ranks:
-                    key = ("tied", ins.ranks, tied_seen[r].get(ins.ranks, 0))
-                    arrived = barrier.setdefault(key, [])
-                    if r not in arrived:
-                        arrived.append(r)
-                    holders = sorted({h for h in ins.ranks if 0 <= h < n} | {r})
-                    if any(h not in arrived for h in holders):
-                        break
-                    del barrier[key]
-                    start = max(max(clock[h], coll_pending[h]) for h in holders)
-                    end = start + cost.collective_time("allreduce", ins.nbytes, list(ins.ranks))
-                    for h in holders:
-                        events.append(Event(h, "collective", "ALLREDUCE", "allreduce tied", start, end, ins.nbytes,
-                                            -1, -1))
-                        clock[h] = end
-                        coll_free[h] = max(coll_free[h], end)
-                        tied_seen[h][ins.ranks] = tied_seen[h].get(ins.ranks, 0) + 1
-                        pc[h] += 1
-                elif op == Op.ALLTOALL:
-                    start = clock[r]
-                    group = dp_group(r) if ins.group == plan.dp else [r + k * n for k in range(max(1, ins.group))]
-                    end = start + cost.collective_time("alltoall", ins.nbytes, group)
-                    clock[r] = end
-                    blk = ins.block
-                    events.append(Event(r, "collective", "ALLTOALL", f"a2a {blk}", start, end, ins.nbytes,
-                                        blk.micro_batch if blk is not None else -1,
-                                        ins.segment if ins.segment is not None else -1))
-                    pc[r] += 1
-                elif op == Op.ALLGATHER and ins.block is not None:   # scatter-send: the tensor group's gather
-                    start = clock[r]
-                    end = start + cost.collective_time("allgather", ins.nbytes, [r + k * n for k in range(ins.group)])
-                    clock[r] = end
-                    events.append(Event(r, "collective", "ALLGATHER", f"allgather {ins.block}", start, end,
-                                        ins.nbytes, ins.block.micro_batch, ins.block.segment))
-                    pc[r] += 1
-                elif op in (Op.ALLREDUCE, Op.REDUCESCATTER, Op.ALLGATHER):
-                    ready = clock[r]
-                    if ins.ready < 1.0:   # a gradient bucket: final part-way through the last backward
-                        b0, b1 = last_block[r]
-                        ready = b0 + ins.ready * (b1 - b0)
-                    start = max(ready, coll_free[r])
-                    kind = str(op).lower()
-                    end = start + cost.collective_time(kind, ins.nbytes, dp_group(r))
-                    coll_free[r] = end
-                    coll_pending[r] = max(coll_pending[r], end)
-                    label = f"{kind} s{ins.segment}" + (f" b{ins.bucket}" if ins.bucket is not None else "")
-                    events.append(Event(r, "collective", str(op), label, start, end,
-                                        ins.nbytes, -1, ins.segment if ins.segment is not None else -1))
-                    pc[r] += 1
-                elif op == Op.OPTIM:
-                    start = max(clock[r], coll_pending[r])
-                    end = start + cost.optimizer_time(ins.nbytes)
-                    events.append(Event(r, "compute", "OPTIM", "optimizer", start, end, ins.nbytes, -1, -1))
-                    clock[r] = end
-                    if ins.memory:
-                        mem[r] += ins.memory
-                        mem_curve[r].append((end, mem[r]))
-                    pc[r] += 1
-                else:  # compute
-                    k = span.get(ins.block, 1)
-                    if k == 1:
-                        run_compute([r], ins)
-                    else:
-                        arrived = barrier.setdefault(ins.block, [])
-                        if r not in arrived:
-                            arrived.append(r)
-                        if len(arrived) < k:
-                            break
-                        del barrier[ins.block]
-                        run_compute(arrived, ins)
+            while s.pc[r] < len(stream):
+                ins = stream[s.pc[r]]
+                if not HANDLERS.get(ins.op, _compute)(s, r, ins):
+                    break
                 progressed = True
-            if pc[r] >= len(stream) and not done[r]:
+            if s.pc[r] >= len(stream):
                 done[r] = True
                 remaining -= 1
                 progressed = True
         if not progressed and remaining:
-            # ranks finished by another rank's multi-device block are not deadlocked
-            for r in range(n):
-                if not done[r] and pc[r] >= len(streams[r]):
-                    done[r] = True
-                    remaining -= 1
-            if not remaining:
-                break
-            waiting = {r: str(streams[r][pc[r]]) for r in range(n) if not done[r]}
-            detail = "; ".join(f"rank {r} waits at {w}" for r, w in waiting.items())
-            raise DeadlockError(f"the instruction streams deadlock: {detail}", waiting)
-    return Timeline(events, mem_curve, n, list(plan.static_memory))
+            remaining = _check_deadlock(s, done, remaining)
+    return Timeline(s.events, s.mem_curve, n, list(plan.static_memory))
+
+
+def _check_deadlock(s: SimState, done: list[bool], remaining: int) -> int:
+    """After a round without progress: ranks finished by another rank's multi-device block are
+    done (returns the ranks still running, 0 when none); any other waiting rank is a deadlock.
+
+    Raises:
+        DeadlockError: naming every waiting rank and its instruction.
+    """
+    streams = s.plan.streams
+    for r in range(len(streams)):
+        if not done[r] and s.pc[r] >= len(streams[r]):
+            done[r] = True
+            remaining -= 1
+    if not remaining:
+        return 0
+    waiting = {r: str(streams[r][s.pc[r]]) for r in range(len(streams)) if not done[r]}
+    detail = "; ".join(f"rank {r} waits at {w}" for r, w in waiting.items())
+    raise DeadlockError(f"the instruction streams deadlock: {detail}", waiting)

@@ -128,7 +128,7 @@ def initial_plan(model: str, devices: int, micro_batches: int, schedule: str, de
     """``(plan, graph, timeline)`` of a session's first plan, made once per process and shared.
 
     Every browser session of ``tessel serve`` opens on the same model: it is captured, planned
-    (:func:`engine.planner.make_plan`) and simulated (:func:`engine.planner.resimulate`) once.
+    (:func:`engine.plan.make.make_plan`) and simulated (:func:`engine.plan.calibrate.resimulate`) once.
     The plan, its OpGraph and Timeline are immutable in the app (an edit makes a new Schedule and
     Plan with ``dataclasses.replace``); each session's :class:`PlanState` holds its own copies of
     the Plan and Schedule objects (:func:`copy.copy`), so renaming an edited schedule cannot touch
@@ -137,7 +137,7 @@ def initial_plan(model: str, devices: int, micro_batches: int, schedule: str, de
     Raises:
         engine.errors.TesselError: the model cannot be planned with these settings.
     """
-    from engine.planner import make_plan, resimulate
+    from engine.plan import make_plan, resimulate
 
     res = make_plan(model, devices=devices, micro_batches=micro_batches, schedule=schedule, device_type=device_type)
     return res.plan, res.graph, resimulate(res.plan)

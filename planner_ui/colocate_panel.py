@@ -44,7 +44,7 @@ _CUSTOM = "custom: "
 def plan_on_link(plan: Plan, link: str | LinkSpec) -> Plan:
     """A copy of ``plan`` whose cost model has ``link`` within and across nodes.
 
-    Its simulation (:func:`engine.planner.resimulate`, what :func:`engine.crossover.job_profile`
+    Its simulation (:func:`engine.plan.calibrate.resimulate`, what :func:`engine.crossover.job_profile`
     reads) then times the all-reduces and point-to-point transfers on ``link``; compute times
     are unchanged. ``plan.meta["link"]`` records the link's name.
 

@@ -23,7 +23,7 @@ from bokeh.plotting import figure
 
 from engine.errors import TesselError
 from engine.io.plan import Plan
-from engine.planner import resimulate
+from engine.plan import resimulate
 from engine.schedule import Schedule
 from engine.timeline import Timeline
 from planner_ui.background import bokeh_safe
@@ -31,7 +31,7 @@ from planner_ui.sources import PALETTE
 from planner_ui.state import PlanState, abstract_plan
 
 _GIB = 2**30
-#: Baseline schedules of a model plan, re-planned with :func:`engine.planner.make_plan`.
+#: Baseline schedules of a model plan, re-planned with :func:`engine.plan.make.make_plan`.
 MODEL_BASELINES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -135,10 +135,10 @@ class CompareView(pn.viewable.Viewer):
     def add_baselines(self) -> list[str]:
         """Add the predefined schedules of the current plan's model or placement.
 
-        A model plan is re-planned with :func:`engine.planner.make_plan` (same model, devices,
+        A model plan is re-planned with :func:`engine.plan.make.make_plan` (same model, devices,
         DP/TP, micro-batches, micro-batch size, sequence length, dtype and cost model) for each of
         GPipe, 1F1B, interleaved 1F1B and ZB-H1. An abstract plan gets
-        :func:`engine.compare.compare_baselines` on its placement (GPipe and 1F1B on any
+        :func:`engine.plan.compare.compare_baselines` on its placement (GPipe and 1F1B on any
         placement; ZB-H1 on the plain V). Schedules that do not apply are listed in the message.
         Returns the names added.
         """
@@ -157,8 +157,8 @@ class CompareView(pn.viewable.Viewer):
         return added
 
     def _abstract_baselines(self, plan: Plan) -> tuple[list[str], list[str]]:
-        from engine.compare import compare_baselines
         from engine.cost import CostModel
+        from engine.plan.compare import compare_baselines
         from planner_ui.search_panel import abstract_v_variant
 
         cost = CostModel.from_dict(plan.cost) if plan.cost else None
@@ -176,7 +176,7 @@ class CompareView(pn.viewable.Viewer):
 
     def _model_baselines(self, plan: Plan) -> tuple[list[str], list[str]]:
         from engine.cost import CostModel
-        from engine.planner import make_plan
+        from engine.plan.make import make_plan
 
         par, model = plan.parallel, plan.model
         cost = CostModel.from_dict(plan.cost) if plan.cost else None

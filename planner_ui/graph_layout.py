@@ -95,7 +95,7 @@ def plan_segments(plan) -> list[dict]:
     """The plan's ``segments`` with ``devices`` filled in from its placement.
 
     A segment's devices are those of its forward block (``placement.spec("F", index)``), which
-    is how :func:`engine.planner.placement_from_segments` places it. Segments that already
+    is how :func:`engine.plan.make.placement_from_segments` places it. Segments that already
     carry ``devices`` keep them. Returns ``[]`` for a plan without segments (abstract plans).
     """
     if plan is None:

@@ -1,6 +1,6 @@
 """The "Plan a model" form: capture a model, split it, schedule it, and show the result.
 
-Runs :func:`engine.planner.make_plan` (torch.export capture on the meta device, SuperScaler
+Runs :func:`engine.plan.make.make_plan` (torch.export capture on the meta device, SuperScaler
 phase 1 split, a predefined schedule, lowering and simulation) and loads the result into the
 shared :class:`~planner_ui.state.PlanState` with its operator graph.
 """
@@ -14,6 +14,7 @@ from engine.baselines import SCHEDULES
 from engine.coconet import TRANSFORMS
 from engine.errors import TesselError
 from engine.models.registry import list_models
+from engine.plan.make import make_plan
 from planner_ui.background import run_in_background
 from planner_ui.state import PlanState
 
@@ -46,7 +47,7 @@ def describe_shown(plan) -> str:
 
 class PlanForm(pn.viewable.Viewer):
     """Form with model, devices, micro-batches, schedule, device type, DP/TP; "Plan" runs
-    :func:`engine.planner.make_plan` and loads the plan and graph into ``state``.
+    :func:`engine.plan.make.make_plan` and loads the plan and graph into ``state``.
 
     Parameters mirror ``tessel plan``: ``model`` (registry name or ``module:callable``),
     ``devices`` (= dp x tp x pp), ``micro_batches``, ``schedule``, ``device_type``, ``dp``, ``tp``,
@@ -101,8 +102,6 @@ class PlanForm(pn.viewable.Viewer):
         self._spinner.value = self._spinner.visible = event.new
 
     def _make(self):
-        from engine.planner import make_plan
-
         return make_plan(self.model.strip(), devices=self.devices, micro_batches=self.micro_batches,
                          schedule=self.schedule, device_type=self.device_type, dp=self.dp, tp=self.tp,
                          optimizer=self.optimizer, transforms=list(self.transforms), link=self.link.strip() or None)

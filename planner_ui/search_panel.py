@@ -6,7 +6,7 @@ What is searched depends on the plan loaded in :class:`~planner_ui.state.PlanSta
   Tessel shapes of THIS model (:func:`model_shape_options`: V, X, M, NN and interleaved for a
   decoder LM, K only for a two-branch model such as ``two-tower-tiny``) on ``devices`` devices,
   with the memory limit in GiB. The search is
-  :func:`engine.search_plan.model_search_plan` (capture, the shape's placement with the model's
+  :func:`engine.plan.model_search.model_search_plan` (capture, the shape's placement with the model's
   costs from the plan's own cost model, the Tessel search) and its result, a launchable plan of
   the same model (name, micro-batch size, sequence length, task), replaces the loaded plan: the
   Model graph tab keeps its graph, the Gantt shows the searched schedule, the Launch tab trains it;
@@ -14,6 +14,12 @@ What is searched depends on the plan loaded in :class:`~planner_ui.state.PlanSta
   ``v``/``x``/``m``/``nn``/``k``/``interleaved`` in abstract units (:func:`engine.shapes.make_shape`),
   loaded as an abstract plan;
 * either way, :data:`CURRENT`: the loaded plan's own placement, re-scheduled.
+
+Every searched schedule becomes a plan through :func:`engine.plan.from_search.plan_from_search`,
+the function ``tessel search`` uses, with the search options ``tessel search`` uses (the 1F1B
+policy's schedule kept where it is shorter), so the app and the CLI save the same plan for the
+same search. The memory limit is checked as ``--memory-limit`` is
+(:func:`engine.plan.limits.check_memory_limit`: a finite number above 0).
 
 The user picks the placement, the micro-batches, an optional per-device memory limit, a time
 limit and a seed, and presses Run. The search then runs in a daemon ``threading.Thread`` and can
@@ -43,8 +49,18 @@ from typing import Any, cast
 import panel as pn
 import param
 
-from engine.compare import ScheduleMetrics, compare_baselines, measure
+from engine.cost import CostModel
 from engine.errors import TesselError
+from engine.plan import (
+    ScheduleMetrics,
+    check_memory_limit,
+    compare_baselines,
+    measure,
+    plan_from_search,
+    resimulate,
+)
+from engine.plan.model_search import model_search_plan
+from engine.shape_costs import model_shape_placement
 from engine.shapes import SHAPES, make_shape, shape_names
 from engine.tessel import (
     InfeasibleMemoryError,
@@ -95,9 +111,6 @@ def model_shape_options(plan, graph, devices: int) -> tuple[list[str], dict[str,
     graph = _plan_graph(plan, graph)
     if graph is None:
         return list(SHAPES), {}
-    from engine.cost import CostModel
-    from engine.shape_costs import model_shape_placement
-
     cost = CostModel.from_dict(plan.cost) if plan.cost else CostModel.for_device("h100")
     offered: list[str] = []
     refused: dict[str, str] = {}
@@ -115,7 +128,7 @@ class _Job:
     """What one search needs, prepared (and validated) on the UI thread."""
 
     def __init__(self, placement, m, limit, time_limit, seed, *, base_plan, cost, variant, abstract, max_window=3,
-                 model_shape=None, devices=None):
+                 model_shape=None, devices=None, current=None):
         self.placement = placement        # the searched placement (None until a model shape's search builds it)
         self.m = m
         self.limit = limit                # in the placement's internal units (bytes or units)
@@ -128,6 +141,7 @@ class _Job:
         self.abstract = abstract
         self.model_shape = model_shape    # a shape of base_plan's model (model_search_plan), else None
         self.devices = devices            # devices of the model shape
+        self.current = current            # the loaded plan whose own placement is searched (CURRENT), else None
         self.time_factor, self.time_unit = (1.0, "units") if abstract else (1e3, "ms")
         self.mem_factor, self.mem_unit = (1.0, "units") if abstract else (float(_GIB), "GiB")
 
@@ -165,9 +179,10 @@ class SearchPanel(pn.viewable.Viewer):
     Outputs: :attr:`result` (the last :class:`~engine.tessel.SearchResult`), :attr:`baselines`
     (``ScheduleMetrics`` of GPipe/1F1B/... on the same placement), :attr:`searched_plan` (the
     plan a model shape's search loaded, else ``None``), ``progress_text``, ``result_text``,
-    ``running``. The searched schedule is loaded into ``state``: the model's searched plan for a
-    model shape (``engine.search_plan.model_search_plan``), an abstract plan for an abstract shape,
-    the loaded plan with the new schedule for the current plan's placement. Errors (an infeasible
+    ``running``. The searched schedule is loaded into ``state`` as
+    :func:`engine.plan.from_search.plan_from_search` makes it: the model's searched plan for a
+    model shape (``engine.plan.model_search.model_search_plan``), an abstract plan for an abstract
+    shape, the loaded plan with the new schedule for the current plan's placement. Errors (an infeasible
     memory limit, bad devices, a shape the model cannot fill, ...) go to ``state.message`` with
     kind ``"error"`` and leave the plan unchanged.
     """
@@ -353,12 +368,10 @@ class SearchPanel(pn.viewable.Viewer):
     # ------------------------------------------------------------------ preparing
     def _prepare(self) -> _Job:
         """The search's inputs, checked; raises TesselError / ValueError with a user sentence."""
-        from engine.cost import CostModel
-
         m = int(self.micro_batches)
         if m < 1:
             raise TesselError(f"micro-batches must be at least 1, got {m}")
-        limit_units = None if self.memory_limit is None else float(self.memory_limit)
+        limit_units = None if self.memory_limit is None else check_memory_limit(self.memory_limit)
         max_window = int(self.max_window)
         if self.shape == CURRENT:
             plan = self._st.plan
@@ -385,7 +398,8 @@ class SearchPanel(pn.viewable.Viewer):
         limit = None if limit_units is None else limit_units * (1.0 if abstract else _GIB)
         variant = abstract_v_variant(placement) if abstract else None
         return _Job(placement, m, limit, float(self.time_limit), int(self.seed), base_plan=base, cost=cost,
-                    variant=variant, abstract=abstract, max_window=max_window)
+                    variant=variant, abstract=abstract, max_window=max_window,
+                    current=self._st.plan if self.shape == CURRENT else None)
 
     # ------------------------------------------------------------------ running
     def start(self) -> bool:
@@ -423,7 +437,7 @@ class SearchPanel(pn.viewable.Viewer):
                 return
             res = tessel_search(job.placement, job.m, memory_limit=job.limit, time_limit=job.time_limit,
                                 seed=job.seed, progress=self._on_progress, control=control,
-                                max_window_micro_batches=job.max_window)
+                                max_window_micro_batches=job.max_window, fallback_baselines=True)
             tess = _measure(job, res.schedule)
             try:
                 base = compare_baselines(job.placement, job.m, memory_limit=job.limit, cost=job.cost,
@@ -448,13 +462,12 @@ class SearchPanel(pn.viewable.Viewer):
         (interleaved and ZB-H1 on a V from ``SearchPlan.variant``) and, for another shape, on the
         same model's plain pipeline (``SearchPlan.v_baselines``), all timed as schedules alone
         (like ``tessel search --model``)."""
-        from engine.search_plan import model_search_plan
-
         bp = job.base_plan
         sp = model_search_plan(bp.model.name, job.model_shape, job.devices, job.m,
                                micro_batch_size=bp.model.micro_batch_size, seq_len=bp.model.seq_len,
-                               cost=job.cost, memory_limit=job.limit, time_limit=job.time_limit, seed=job.seed,
-                               progress=self._on_progress, control=control, max_window_micro_batches=job.max_window)
+                               task=bp.model.task, cost=job.cost, memory_limit=job.limit, time_limit=job.time_limit,
+                               seed=job.seed, progress=self._on_progress, control=control,
+                               max_window_micro_batches=job.max_window, fallback_baselines=True)
         job.placement = sp.placement
         res = sp.result
         tess = measure(res.schedule, job.limit, sp.cost)
@@ -465,7 +478,7 @@ class SearchPanel(pn.viewable.Viewer):
                 base += sp.v_baselines(job.limit)   # on a plain pipeline, rows "<schedule> (V)"
         except (TesselError, ValueError) as e:
             base = [ScheduleMetrics("baselines", None, None, None, note=str(e))]
-        return ("ok", res, tess, base, _searched_model_plan(sp.plan, bp, job.limit, job.model_shape))
+        return ("ok", res, tess, base, sp.plan)
 
     def _on_progress(self, p: SearchProgress) -> None:
         self._progress = p  # one reference assignment: atomic
@@ -579,9 +592,6 @@ class SearchPanel(pn.viewable.Viewer):
 
     def _apply(self, job: _Job, res: SearchResult, tess: ScheduleMetrics, base: list[ScheduleMetrics],
                model_plan=None, *, elapsed: float) -> None:
-        sched = res.schedule
-        if job.limit is not None:
-            sched.meta["memory_limit"] = job.limit  # PlanState enforces it on later edits
         cancelled = self._control is not None and self._control.cancelled
         how = ("cancelled; best schedule so far" if cancelled
                else ("time limit hit; best schedule so far" if res.timed_out else "done"))
@@ -590,19 +600,7 @@ class SearchPanel(pn.viewable.Viewer):
                f"(lower bound {job.t(res.period_lower_bound)}), "
                f"makespan {job.t(tess.makespan)}")
         try:
-            if model_plan is not None:
-                self._st.load(model_plan, message=msg, graph=_plan_graph(model_plan, self._st.graph))
-            elif job.base_plan is not None:
-                bp = job.base_plan
-                m = sched.num_micro_batches
-                model = bp.model
-                if model.recorded("micro_batch_size"):
-                    model = replace(model, batch_size=model.micro_batch_size * m * bp.parallel.dp)
-                plan = replace(bp, schedule=sched, model=model, parallel=replace(bp.parallel, micro_batches=m),
-                               meta={**bp.meta, "searched": "tessel"})
-                self._st.load(plan, message=msg, graph=self._st.graph)
-            else:
-                self._st.load(sched, message=msg)
+            self._load_searched(job, res, model_plan, msg)
         except TesselError as e:
             self._fail(f"the searched schedule could not be loaded: {e}")
             return
@@ -615,6 +613,20 @@ class SearchPanel(pn.viewable.Viewer):
         self.param.update(progress_value=100,
                           progress_text=f"{how}: {res.steps} solver calls in {elapsed:.1f} s",
                           result_text=text)
+
+    def _load_searched(self, job: _Job, res: SearchResult, model_plan, msg: str) -> None:
+        """Load the searched plan (:func:`engine.plan.from_search.plan_from_search`): a model
+        shape's plan (its memory limit, when the search had none, stays the loaded plan's), the
+        loaded plan with the searched schedule (:data:`CURRENT`), or the abstract placement's plan."""
+        if model_plan is not None:
+            cap = job.base_plan.metrics.get("memory_capacity") if job.limit is None else None
+            self._st.load(model_plan, message=msg, graph=_plan_graph(model_plan, self._st.graph))
+            if cap:
+                self._st.memory_limit = float(cap)
+            return
+        plan, timeline = plan_from_search(res, job.current, memory_limit=job.limit)
+        graph = self._st.graph if job.base_plan is not None else None
+        self._st.load(plan, message=msg, graph=graph, timeline=timeline)
 
     @staticmethod
     def _summary(job: _Job, res: SearchResult, tess: ScheduleMetrics, base: list[ScheduleMetrics]) -> str:
@@ -641,21 +653,6 @@ class SearchPanel(pn.viewable.Viewer):
         self._st.message = text
 
 
-def _searched_model_plan(plan, base_plan, limit: float | None, shape: str):
-    """The plan ``model_search_plan`` returned, as the loaded model plan's successor: its model
-    keeps the loaded plan's task and parameter count (the search captures the same model with the
-    same micro-batch size and sequence length, in float32), its memory capacity is the search's limit (else
-    the loaded plan's), and ``meta`` records the search."""
-    model = replace(plan.model, task=base_plan.model.task or plan.model.task, dtype=plan.model.dtype or "float32",
-                    num_params=plan.model.num_params or base_plan.model.num_params)
-    metrics: dict[str, Any] = dict(plan.metrics)
-    cap = limit if limit is not None else base_plan.metrics.get("memory_capacity")
-    if cap:
-        metrics["memory_capacity"] = cap
-    return replace(plan, model=model, metrics=metrics,
-                   meta={**plan.meta, "searched": "tessel", "shape": shape})
-
-
 def _model_plan_note(state: PlanState, base_plan) -> str:
     """What the summary adds for a model shape's plan (loaded in ``state``, searched from
     ``base_plan``): the Gantt's full step vs the schedules alone, what the search did not carry
@@ -679,11 +676,9 @@ def _model_plan_note(state: PlanState, base_plan) -> str:
 def _measure(job: _Job, schedule) -> ScheduleMetrics:
     """Metrics of ``schedule``: for a model plan, re-simulated like the state does (the plan's
     DP degree and parameter bytes: gradient sync and optimizer step included); else
-    :func:`engine.compare.measure`."""
+    :func:`engine.plan.compare.measure`."""
     if job.base_plan is None:
         return measure(schedule, job.limit, job.cost)
-    from engine.planner import resimulate
-
     tl = resimulate(replace(job.base_plan, schedule=schedule))
     peak = tl.peak_memory()
     over = job.limit is not None and any(p > job.limit for p in peak)

@@ -7,7 +7,7 @@ its logic is tested without a browser and it works the same in ``panel serve`` a
 An edit moves one block within its device's order (a :class:`~engine.schedule.Schedule` is an
 order per device, not fixed start times). The engine validates the edited schedule
 (dependency, deadlock, memory: :func:`engine.schedule.validate.validate`); a valid edit is
-applied and the timeline re-simulated (:func:`engine.planner.resimulate`), an invalid one is
+applied and the timeline re-simulated (:func:`engine.plan.calibrate.resimulate`), an invalid one is
 rejected and the message names the broken rule. Undo/redo keep the applied edits.
 """
 
@@ -21,7 +21,7 @@ import param
 from engine.config import ModelRef, ParallelConfig
 from engine.errors import ScheduleError, TesselError
 from engine.io.plan import Plan
-from engine.planner import resimulate
+from engine.plan import resimulate
 from engine.schedule import Schedule, parse_action
 from engine.timeline import Timeline
 

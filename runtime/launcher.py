@@ -131,7 +131,7 @@ def check_launchable(plan: Plan, *, name: str = "the plan") -> None:
         engine.errors.TesselError: a parallel degree that is not a positive integer
             (``ParallelConfig.check``).
     """
-    from engine.plan_check import check_plan
+    from engine.plan.check import check_plan
 
     check_plan(plan, name=name)
 
@@ -254,7 +254,7 @@ def predicted_rate(plan: Plan, metrics: dict | None, *, unit: str, units_per_ste
     """The throughput ``plan`` predicts for a launch, in the launch's ``unit`` per second, or
     ``None`` when there is no prediction (never ``0``).
 
-    ``metrics`` is the plan's freshly predicted metrics (``engine.plan_metrics.predict``, the numbers
+    ``metrics`` is the plan's freshly predicted metrics (``engine.plan.metrics.predict``, the numbers
     ``tessel plan``/``search``/``show`` print), or ``None`` when the prediction failed; then the
     plan's saved ``plan.metrics`` are read instead. Their ``tokens_per_second`` is the prediction when
     the launch counts tokens of the batch the plan was made for (its ``tokens_per_step``, where
@@ -280,8 +280,8 @@ def predicted_rate(plan: Plan, metrics: dict | None, *, unit: str, units_per_ste
 def _measure(plan: Plan, loop: _Loop, *, ws: int, pp: int, steps: int, backend: str, trace_path: Any,
              unit: str, units_per_step: int) -> dict:
     """The measured and predicted timelines' figures for :class:`LaunchResult` (and the trace); the
-    prediction is ``engine.plan_metrics.predict``'s, the one every command prints."""
-    from engine.plan_metrics import predict
+    prediction is ``engine.plan.metrics.predict``'s, the one every command prints."""
+    from engine.plan.metrics import predict
 
     timelines = [merge_timeline(r, pp) for r in loop.recent]
     timeline = (timelines[-1] if timelines else merge_timeline(loop.last_results, pp)) if loop.last_results else None

@@ -3,7 +3,7 @@
 The engine's op profiler times aten ops one by one and takes backward as a multiple of
 forward; this module times the real stage modules (``runtime.stage.build_stages``) on one
 micro-batch, forward and full backward, with one intra-op thread as every rank runs. Plug the
-result into the plan with :func:`engine.planner.with_segment_times` for a prediction that
+result into the plan with :func:`engine.plan.calibrate.with_segment_times` for a prediction that
 carries the runtime's own overheads (Python dispatch, autograd, the real backward cost).
 """
 

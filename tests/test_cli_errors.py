@@ -207,9 +207,9 @@ def test_unsupported_dtype_is_one_sentence_listing_the_supported(capsys, tmp_pat
     (["demo", "--step-timeout", "nan"], "--step-timeout"),
 ])
 def test_non_positive_and_non_finite_numbers_are_refused(capsys, tmp_path, monkeypatch, args, option):
-    import engine.planner
+    import engine.plan.make
 
-    monkeypatch.setattr(engine.planner, "make_plan", lambda *a, **k: pytest.fail("planned with a wrong argument"))
+    monkeypatch.setattr(engine.plan.make, "make_plan", lambda *a, **k: pytest.fail("planned with a wrong argument"))
     for mod in (cmd_demo, cmd_serve):   # never start a server or a Ray job with a wrong argument
         monkeypatch.setattr(mod, "run", lambda args: pytest.fail("ran with a wrong argument"))
     out_dir = tmp_path / "out"
@@ -250,7 +250,7 @@ def test_launch_refuses_wrong_numbers_before_ray(capsys, tmp_path, monkeypatch, 
 def test_make_plan_refuses_what_the_cli_refuses(kw):
     """The library call, not only the CLI: ``virtual_stages=0`` was replaced by the default."""
     from engine.errors import TransformError
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     with pytest.raises(TransformError, match="virtual_stages|memory_limit"):
         make_plan("gpt2-tiny", devices=2, micro_batches=4, **kw)
@@ -268,9 +268,9 @@ def test_seq_len_zero_is_refused_at_the_root():
 # outputs: checked before planning, written all-or-nothing
 # ------------------------------------------------------------------------------------------------
 def test_output_that_is_a_file_fails_before_planning(capsys, tmp_path, monkeypatch):
-    import engine.planner
+    import engine.plan.make
 
-    monkeypatch.setattr(engine.planner, "make_plan", lambda *a, **k: pytest.fail("planned into a file"))
+    monkeypatch.setattr(engine.plan.make, "make_plan", lambda *a, **k: pytest.fail("planned into a file"))
     target = tmp_path / "taken"
     target.write_text("keep me")
     status, err, _ = run_cli(capsys, "plan", "--model", "gpt2-tiny", "-o", str(target), "--json")
@@ -286,9 +286,9 @@ def test_output_that_is_a_file_fails_before_planning(capsys, tmp_path, monkeypat
 def test_output_folder_with_a_folder_in_a_files_place_is_left_unchanged(capsys, tmp_path, monkeypatch, argv, names,
                                                                         blocked):
     import engine.gnn.plan
-    import engine.planner
+    import engine.plan.make
 
-    monkeypatch.setattr(engine.planner, "make_plan", lambda *a, **k: pytest.fail("planned before checking -o"))
+    monkeypatch.setattr(engine.plan.make, "make_plan", lambda *a, **k: pytest.fail("planned before checking -o"))
     monkeypatch.setattr(engine.gnn.plan, "make_gnn_plan", lambda *a, **k: pytest.fail("planned before checking -o"))
     out = tmp_path / "out"
     out.mkdir()

@@ -12,7 +12,7 @@ import pytest
 from apps.cli import main
 from engine.io import load_plan
 from engine.io.placement_json import save_placement
-from engine.plan_metrics import predicted_metrics
+from engine.plan import predicted_metrics
 from engine.shapes import make_shape
 
 FAST = ["--time-limit", "1", "--micro-batches", "4"]
@@ -122,7 +122,7 @@ def test_lower_bound_names_its_placement_and_rows_on_other_placements(tmp_path, 
 
 
 def test_show_refuses_a_plan_whose_declared_micro_batches_are_not_its_orders(tmp_path, capsys):
-    """``tessel show`` checks the plan's consistency as ``tessel launch`` does (engine.plan_check):
+    """``tessel show`` checks the plan's consistency as ``tessel launch`` does (engine.plan.check):
     a plan declaring 10^6 micro-batches whose orders hold 4 was shown as valid."""
     out = tmp_path / "o"
     assert cli(["search", "--placement", "v", *FAST, "-o", str(out)], capsys)[0] == 0

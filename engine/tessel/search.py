@@ -139,7 +139,7 @@ def tessel_search(
             all-reduce and optimizer step, :func:`engine.tessel.comm.step_tail`): part of the
             search's own makespan (``SearchResult.solver_makespan``).
         evaluate: ``schedule -> seconds``, the makespan of one step running a schedule as the plan
-            will predict it (e.g. :func:`engine.plan_metrics.predicted_metrics` of the plan, optimizer
+            will predict it (e.g. :func:`engine.plan.metrics.predicted_metrics` of the plan, optimizer
             step included); the completions and fallbacks are compared by it and it is the result's
             ``makespan``. Default: the schedule simulated with ``comm``.
         objective: ``"throughput"`` (shortest period) or, for inference, ``"latency"`` (the

@@ -16,7 +16,7 @@ from engine.errors import TransformError
 from engine.io.placement_json import placement_from_dict, placement_to_dict
 from engine.io.plan import Plan, load_plan, save_plan
 from engine.placement import PlacementError, pipeline_placement
-from engine.planner import make_plan, resimulate
+from engine.plan import make_plan, resimulate
 from engine.schedule import gradient_events, memory_profile, peak_memory
 from engine.simulate import simulate
 from engine.transform import PARAM_STATE_FACTOR, gradient_bytes, training_state_bytes

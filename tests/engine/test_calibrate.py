@@ -1,4 +1,4 @@
-"""Profile-guided calibration (engine.cost.calibrate, engine.planner.with_calibration)."""
+"""Profile-guided calibration (engine.cost.calibrate, engine.plan.calibrate.with_calibration)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from engine.cost import CostModel
 from engine.cost.calibrate import CalibratedCost, Calibration, calibrate
 from engine.errors import CostModelError, TesselError
 from engine.io.plan import Plan
-from engine.planner import lower_plan, make_plan, resimulate, with_calibration
+from engine.plan import lower_plan, make_plan, resimulate, with_calibration
 from engine.schedule import Schedule
 from engine.simulate import simulate
 from engine.timeline import Event, Timeline

@@ -127,7 +127,7 @@ def test_scatter_send_sends_a_slice_and_gathers_it():
 
 def test_plans_record_their_transformations():
     from engine.io import Plan
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     res = make_plan("gpt2-tiny", devices=2, dp=2, micro_batches=2, device_type="cpu", seq_len=32,
                     transforms="sharded-update", grad_bucket_bytes=64 * 1024)
@@ -135,7 +135,7 @@ def test_plans_record_their_transformations():
     assert par.transforms == ("sharded-update",)
     again = Plan.from_dict(res.plan.to_dict())
     assert again.parallel.transforms == par.transforms
-    from engine.planner import lower_plan
+    from engine.plan import lower_plan
 
     ops = [str(i.op) for i in lower_plan(again).streams[0]]
     assert "REDUCESCATTER" in ops and "ALLGATHER" in ops

@@ -24,7 +24,7 @@ from engine.io import load_plan, save_plan
 from engine.models import build_model
 from engine.models.moe.comm import HF_GATE, find_moe_layers
 from engine.models.moe.hf_moe import hf_moe_blocks, traceable_experts
-from engine.planner import lower_plan, make_plan
+from engine.plan import lower_plan, make_plan
 from engine.transform import boundary_spec
 
 B, T = 2, 16

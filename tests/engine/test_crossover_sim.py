@@ -20,7 +20,7 @@ from engine.crossover import (
 )
 from engine.errors import CrossoverError, TesselError
 from engine.io.trace import timeline_to_trace
-from engine.planner import make_plan
+from engine.plan import make_plan
 from engine.timeline import Event, Timeline
 
 
@@ -222,7 +222,7 @@ def test_an_all_reduce_that_uses_the_processor_slows_overlapped_compute():
 
 def test_cpu_plans_get_the_loopback_cpu_share():
     from engine.crossover import COMM_CPU_SHARE, job_profile
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     cpu = job_profile(make_plan("gpt2-tiny", devices=2, dp=2, micro_batches=1, device_type="cpu").plan)
     gpu = job_profile(make_plan("gpt2-tiny", devices=2, dp=2, micro_batches=1, device_type="h100").plan)
@@ -233,7 +233,7 @@ def test_cpu_plans_get_the_loopback_cpu_share():
 def test_job_profile_counts_moe_all_to_alls_as_token_time():
     """An expert-parallel MoE job's all-to-alls block its compute path (the runtime runs them
     inside the F/B blocks, holding the token): the profile's compute time includes them."""
-    from engine.planner import make_plan, resimulate
+    from engine.plan import make_plan, resimulate
 
     plan = make_plan("gpt-moe-tiny", devices=2, dp=2, micro_batches=2, device_type="cpu").plan
     evs = [e for e in resimulate(plan).events if e.rank == 0]

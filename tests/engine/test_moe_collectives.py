@@ -22,7 +22,7 @@ from engine.models.moe.comm import (
     moe_segment_collectives,
     segment_moe_layers,
 )
-from engine.planner import lower_plan, make_plan, resimulate
+from engine.plan import lower_plan, make_plan, resimulate
 from engine.simulate import simulate
 
 # gpt-moe-tiny: hidden 64, 4 experts in blocks 1 and 3, Switch capacity factor 1.25, 128 tokens

@@ -1,4 +1,4 @@
-"""One set of predicted numbers per plan: ``engine.plan_metrics.predicted_metrics`` from the plan
+"""One set of predicted numbers per plan: ``engine.plan.metrics.predicted_metrics`` from the plan
 alone equals what ``tessel plan``, ``tessel search`` (plan and table) and ``tessel show`` print, and
 what the plan file saves (issue 20, "Numbers that disagree")."""
 
@@ -11,9 +11,7 @@ import pytest
 
 from apps.cli import main
 from engine.io import load_plan, save_plan
-from engine.plan_metrics import METRIC_KEYS, predicted_metrics
-from engine.planner import make_plan, resimulate
-from engine.search_plan import model_search_plan
+from engine.plan import METRIC_KEYS, make_plan, model_search_plan, predicted_metrics, resimulate
 
 
 def cli_json(argv: list[str], capsys) -> dict:

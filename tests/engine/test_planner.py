@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.planner import make_plan, resimulate
+from engine.plan import make_plan, resimulate
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import random
 import pytest
 
 from engine.baselines.generic import gpipe_any, one_f_one_b_any
-from engine.compare import measure
 from engine.errors import PlacementError, TesselError
 from engine.io.placement_json import placement_from_dict, placement_to_dict
 from engine.placement import Placement, TensorSpec
+from engine.plan import measure
 from engine.shapes import (
     SHAPES,
     alphafold_shape,

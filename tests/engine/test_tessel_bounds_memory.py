@@ -15,8 +15,8 @@ from dataclasses import replace
 import pytest
 
 from engine.baselines.generic import one_f_one_b_any
-from engine.compare import measure
 from engine.placement import Placement
+from engine.plan import measure
 from engine.schedule import Block, Schedule
 from engine.shapes import custom_placement, make_shape
 from engine.tessel.bounds import in_flight_bound, makespan_lower_bound, memory_time_bound

@@ -130,8 +130,7 @@ def test_model_search_plan_makespan_is_the_plans():
     """``tessel search --model``: the search's makespan is the written plan's predicted one (its
     transfers, optimizer step and tied all-reduce included), and the search's own tick model agrees
     within the rounding of durations to ticks."""
-    from engine.plan_metrics import predicted_metrics
-    from engine.search_plan import model_search_plan
+    from engine.plan import model_search_plan, predicted_metrics
 
     sp = model_search_plan("gpt2-tiny", "v", 4, 8, time_limit=3)
     res = sp.result

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.compare import measure
 from engine.errors import TesselError
+from engine.plan import measure
 from engine.shapes import make_shape
 from engine.tessel import tessel_search
 from engine.tessel.bounds import memory_time_bound

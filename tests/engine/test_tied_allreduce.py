@@ -13,7 +13,7 @@ from engine.errors import DeadlockError, PlanFormatError
 from engine.io.plan import Plan, load_plan, save_plan
 from engine.models import build_model
 from engine.placement import pipeline_placement
-from engine.planner import lower_plan, make_plan, resimulate
+from engine.plan import lower_plan, make_plan, resimulate
 from engine.schedule import Block
 from engine.simulate import simulate
 from engine.transform import tied_parameter_groups

@@ -19,10 +19,10 @@ import torch.distributed.pipelining.schedules as S
 from torch.distributed.pipelining.stage import PipelineStage
 
 from engine.baselines import build_schedule, dualpipe_v, looped_bfs, placement_requirements, zbv_placement
-from engine.compare import measure
 from engine.errors import PlacementError, ScheduleError
 from engine.io import write_torch_csv
 from engine.placement import pipeline_placement
+from engine.plan import measure
 from engine.tessel import tessel_search
 
 PYTORCH = {"looped-bfs": S.ScheduleLoopedBFS, "dualpipev": S.ScheduleDualPipeV}

@@ -101,7 +101,7 @@ def test_chunked_overlap_hides_part_of_the_row_parallel_all_reduce(llama):
 
 
 def test_the_simulator_draws_tensor_parallel_collectives_inside_their_blocks():
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     res = make_plan("llama-tiny", devices=2, tp=2, micro_batches=2, device_type="cpu", micro_batch_size=2,
                     seq_len=32, transforms="tp-split")

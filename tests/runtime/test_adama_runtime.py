@@ -256,7 +256,7 @@ def test_weight_backward_folds_each_micro_batch_like_backward():
 
 # ----------------------------------------------------------------------------- errors, CLI
 def test_unknown_optimizer_is_refused_with_the_valid_names(tmp_path):
-    from engine.planner import make_plan
+    from engine.plan import make_plan
     from runtime import LaunchError, launch
     from runtime.config import LaunchConfig
     from runtime.reference import reference_losses
@@ -286,7 +286,7 @@ def test_cli_launch_optimizer_flag():
 # ----------------------------------------------------------------------------- Ray launch
 @pytest.mark.timeout(400)
 def test_ray_launch_with_adama_trains_and_resumes(ray_local, tmp_path):
-    from engine.planner import make_plan
+    from engine.plan import make_plan
     from runtime import LaunchError, launch
     from runtime import checkpoint as ck
     from runtime.config import LaunchConfig

@@ -70,7 +70,7 @@ def pool():
 
 # ----------------------------------------------------------------------------- helpers
 def _plan(model: str, schedule: str, transforms: tuple[str, ...] = (), optimizer: str = "adam", tp: int = 1):
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     pp = 4 // (DP * tp)
     return make_plan(model, devices=DP * tp * pp, dp=DP, tp=tp, micro_batches=M, schedule=schedule,
@@ -191,7 +191,7 @@ def test_both_transformations_together_are_refused_in_one_sentence():
     """The sharded update reduce-scatters each segment once after its last backward (no bucketed
     reduce-scatter, ZeRO-2 style, yet): asking for both is refused, naming the two."""
     from engine.errors import CoCoNetError
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     with pytest.raises(CoCoNetError, match="'overlap-grad-sync' .* 'sharded-update'"):
         make_plan("tessel-gpt", devices=4, dp=2, micro_batches=M, schedule="zb-h1", device_type="cpu",

@@ -45,7 +45,7 @@ def pool():
 
 
 def _plan(model: str, schedule: str, dp: int, tp: int, pp: int, transforms: str = ""):
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     return make_plan(model, devices=dp * tp * pp, dp=dp, tp=tp, micro_batches=M, schedule=schedule,
                      device_type="cpu", micro_batch_size=MBS, seq_len=SEQ, transforms=transforms or None).plan
@@ -225,7 +225,7 @@ def test_refusals_are_one_sentence_at_setup(transforms, seq, match):
     planner in one sentence; a plan file edited by hand to ask for them anyway is refused by the worker's
     setup before it joins any process group, again in one sentence."""
     from engine.errors import CoCoNetError
-    from engine.planner import make_plan
+    from engine.plan import make_plan
     from runtime.stage import RuntimeNotSupported
     from runtime.worker import StageWorker, WorkerConfig
 

@@ -25,7 +25,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from engine.planner import make_plan
+from engine.plan import make_plan
 from runtime import checkpoint as ck
 from runtime.crossover import (
     ComputeToken,

@@ -34,7 +34,7 @@ from fake_worker import FakeWorker, pickle_by_value  # noqa: E402
 
 from apps import cli  # noqa: E402
 from engine.errors import RunError  # noqa: E402
-from engine.planner import make_plan  # noqa: E402
+from engine.plan import make_plan  # noqa: E402
 from runtime import checkpoint as ck  # noqa: E402
 from runtime.config import LaunchConfig  # noqa: E402
 from runtime.launcher import launch  # noqa: E402
@@ -284,7 +284,7 @@ def test_a_rank_that_dies_is_a_run_failure_not_a_user_mistake(plan_dict, tmp_pat
 
 def test_predicted_throughput_is_the_plans_or_says_there_is_none(plan_dict):
     from engine.io import Plan
-    from engine.plan_metrics import predicted_metrics
+    from engine.plan import predicted_metrics
     from runtime.launcher import predicted_rate
 
     plan = Plan.from_dict(plan_dict)

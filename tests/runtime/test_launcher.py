@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 from fake_worker import FakeWorker, pickle_by_value  # noqa: E402
 
 from engine.errors import TesselError  # noqa: E402
-from engine.planner import make_plan  # noqa: E402
+from engine.plan import make_plan  # noqa: E402
 from runtime import LaunchError, LaunchResult, launch  # noqa: E402
 from runtime import checkpoint as ck  # noqa: E402
 from runtime.cluster import TINY_CPU, choose_backend  # noqa: E402
@@ -137,7 +137,7 @@ def test_calibration_from_measured_steps_predicts_them(straight, plan):
     calibrated plan's compute per rank matches what was measured (the makespan still depends
     on the simulator's model of waits and communication)."""
     from engine.cost.calibrate import calibrate
-    from engine.planner import with_calibration
+    from engine.plan import with_calibration
 
     res, _, _ = straight
     cal = calibrate(res.timelines[1:])

@@ -49,7 +49,7 @@ _REF: dict = {}
 def _plan(model: str, schedule: str, world: int, dp: int):
     key = (model, schedule, world, dp)
     if key not in _PLANS:
-        from engine.planner import make_plan
+        from engine.plan import make_plan
         _PLANS[key] = make_plan(model, devices=world, dp=dp, micro_batches=M, schedule=schedule, device_type="cpu",
                                 micro_batch_size=MBS, seq_len=None if model == "cnn-digits" else SEQ).plan
     return _PLANS[key]

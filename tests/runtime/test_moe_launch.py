@@ -64,7 +64,7 @@ def pool():
 def _plan(model: str, devices: int, schedule: str):
     key = (model, devices, schedule)
     if key not in _PLANS:
-        from engine.planner import make_plan
+        from engine.plan import make_plan
         _PLANS[key] = make_plan(model, devices=devices, dp=2, micro_batches=M, schedule=schedule,
                                 device_type="cpu", micro_batch_size=MBS, seq_len=SEQ).plan
     return _PLANS[key]
@@ -197,7 +197,7 @@ def test_expert_parallel_pipeline_matches_single_process(pool, model, devices, s
     _check_a2a_events(out, model)
     # the worker lowers its stream from the modules it built; for a fresh plan that is exactly
     # the engine's lowering of the plan (what the prediction simulated)
-    from engine.planner import lower_plan
+    from engine.plan import lower_plan
     planned = lower_plan(_plan(model, devices, schedule)).streams
     for p in out.values():
         want = [{"op": i.op, "block": str(i.block) if i.block is not None else None, "nbytes": i.nbytes,
@@ -259,7 +259,7 @@ def test_ray_launch_reports_gate_metrics_and_resumes_exactly(ray_local, tmp_path
     from apps.cmd_launch import report
     from engine.models import build_model
     from engine.models.moe.gates import DTSGate, dts_temperature
-    from engine.planner import resimulate
+    from engine.plan import resimulate
     from runtime import launch
     from runtime.config import LaunchConfig
 

@@ -13,7 +13,7 @@ from engine.shapes import custom_placement, k_shape
 
 @pytest.fixture(scope="module")
 def plan():
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     return make_plan("llama-tiny", devices=2, micro_batches=2, schedule="1f1b", device_type="cpu",
                      micro_batch_size=2, seq_len=16).plan

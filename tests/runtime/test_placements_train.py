@@ -3,7 +3,7 @@
 The M shape as a language model fills it (the embedding and the final norm + LM head each on all
 devices, vocab-parallel, a pipeline of blocks between them: ``engine.shapes.m_model_shape``) and
 the NN shape (all-device blocks at the start and in the middle of a pipeline), searched by Tessel
-with the model's real costs (``engine.search_plan.model_search_plan``) for a Llama-style model and
+with the model's real costs (``engine.plan.model_search.model_search_plan``) for a Llama-style model and
 a GPT-2-style model (``tessel-gpt``, whose tied ``wte``/``lm_head`` are then two copies sharded over
 all devices in different segments, or, in NN, one sharded copy and one whole) on 2 ranks: each
 all-device segment runs as a tensor-parallel group over its devices (DTensor), the boundary
@@ -35,7 +35,7 @@ def pool():
 
 
 def _search_plan(model: str, shape: str, devices: int = 2):
-    from engine.search_plan import model_search_plan
+    from engine.plan import model_search_plan
 
     return model_search_plan(model, shape, devices, M, micro_batch_size=MBS, seq_len=SEQ, device_type="cpu",
                              time_limit=10).plan
@@ -108,7 +108,7 @@ def test_two_towers_on_a_plain_pipeline_train_like_one_process(pool, schedule):
     carrying both towers' sides (``runtime.stage_layers.TwoTowerRunStage``: the code ids ride along
     the text tower's stage) equal one process for 3 Adam steps."""
     from engine.models import task_for_plan
-    from engine.planner import make_plan
+    from engine.plan import make_plan
     from runtime.reference import reference_run
     from runtime.worker import merge_model_state
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.planner import make_plan, with_segment_times
+from engine.plan import make_plan, with_segment_times
 from runtime.profile import measure_segment_times
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.export.unflatten import InterpreterModule
 
-from engine.planner import make_plan
+from engine.plan import make_plan
 from runtime.stage import build_stages
 
 

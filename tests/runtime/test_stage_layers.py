@@ -15,7 +15,7 @@ import torch
 
 
 def _plan(model: str, devices: int):
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     plan = make_plan(model, devices=devices, micro_batches=devices, schedule="1f1b", device_type="cpu",
                      micro_batch_size=2, seq_len=16).plan

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.models import build_model
-from engine.planner import make_plan
+from engine.plan import make_plan
 from runtime.stage import StageSplitError, TracedStage, build_stages
 from runtime.stage_module import SequentialStage
 

@@ -51,7 +51,7 @@ def pool():
 
 
 def _plan(schedule: str, task: str | None):
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     return make_plan("gpt2-tiny", devices=2, micro_batches=M, schedule=schedule, device_type="cpu",
                      micro_batch_size=MBS, seq_len=SEQ, task=task).plan
@@ -127,7 +127,7 @@ def test_single_process_reference_of_every_task(model, task_name):
     count ``-mean log softmax(output)[target]`` over the positions with a target (``-100``: none)
     of the same model (same seed) on the same rows, and the losses go down."""
     from engine.models import build_model, task_for_plan
-    from engine.planner import make_plan
+    from engine.plan import make_plan
     from runtime.reference import reference_run
 
     plan = make_plan(model, devices=2, micro_batches=2, schedule="1f1b", device_type="cpu", micro_batch_size=2,

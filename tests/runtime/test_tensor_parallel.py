@@ -43,7 +43,7 @@ def pool():
 
 
 def _plan(model: str, schedule: str, dp: int, tp: int, pp: int):
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     return make_plan(model, devices=dp * tp * pp, dp=dp, tp=tp, micro_batches=M, schedule=schedule,
                      device_type="cpu", micro_batch_size=MBS, seq_len=SEQ).plan

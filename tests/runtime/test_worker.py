@@ -74,7 +74,7 @@ _REF: dict = {}
 def _plan(devices: int, schedule: str, *, dp: int = 1, tessel: bool = False):
     key = (devices, schedule, dp, tessel)
     if key not in _PLANS:
-        from engine.planner import make_plan
+        from engine.plan import make_plan
         plan = make_plan("gpt2-tiny", devices=devices, dp=dp, micro_batches=M, schedule=schedule,
                          device_type="cpu", micro_batch_size=MBS, seq_len=SEQ).plan
         if tessel:
@@ -185,7 +185,7 @@ def test_stage_modules_compose_to_the_full_model():
 def test_tensor_parallel_plans_of_models_without_the_layer_split_are_refused():
     """HF GPT-2 (fused Conv1D attention) keeps the tracer split under ``--tp 2``; building its stages
     refuses the plan (tensor-parallel training itself: ``test_tensor_parallel.py``)."""
-    from engine.planner import make_plan
+    from engine.plan import make_plan
     from runtime.stage import RuntimeNotSupported, build_stages
 
     plan = make_plan("gpt2-tiny", devices=4, tp=2, micro_batches=M, schedule="1f1b", device_type="cpu",

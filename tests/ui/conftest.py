@@ -99,7 +99,7 @@ def llama_url():
 def dp_url(tmp_path_factory):
     """URL of a ``tessel serve`` opened on a data-parallel plan file (gpt2-tiny, dp=2 on 2 CPU devices)."""
     from engine.io import save_plan
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     path = tmp_path_factory.mktemp("colocate") / "dp2.json"
     save_plan(make_plan("gpt2-tiny", devices=2, dp=2, micro_batches=1, device_type="cpu").plan, path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.planner import make_plan
+from engine.plan import make_plan
 from planner_ui.gantt import GanttView
 from planner_ui.sources import COMM_OFFSET, KIND_COLORS
 from planner_ui.state import PlanState

@@ -15,7 +15,7 @@ import re
 import pytest
 
 from engine.crossover import compare_modes
-from engine.planner import make_plan, resimulate
+from engine.plan import make_plan, resimulate
 from planner_ui.colocate_panel import LINK_CHOICES, ColocatePanel, plan_on_link
 from planner_ui.crossover_view import fmt_rate
 from planner_ui.state import PlanState

@@ -5,7 +5,7 @@ from __future__ import annotations
 import panel as pn
 
 from engine.baselines.generic import one_f_one_b_any
-from engine.planner import make_plan
+from engine.plan import make_plan
 from engine.shapes import make_shape
 from planner_ui.colocate_panel import ColocatePanel
 from planner_ui.state import PlanState

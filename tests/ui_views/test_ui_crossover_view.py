@@ -7,7 +7,7 @@ import panel as pn
 import pytest
 
 from engine.crossover import JobProfile, compare_profiles, predict_profiles
-from engine.planner import make_plan
+from engine.plan import make_plan
 from planner_ui.crossover_view import (
     CrossoverView,
     crossover_columns,

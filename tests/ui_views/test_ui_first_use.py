@@ -10,7 +10,7 @@ import pytest
 
 import planner_ui.state as state_mod
 from engine.baselines.generic import one_f_one_b_any
-from engine.planner import make_plan
+from engine.plan import make_plan
 from engine.shapes import make_shape
 from planner_ui import app as app_mod
 from planner_ui.colocate_panel import ColocatePanel

@@ -11,7 +11,7 @@ import panel as pn
 import pytest
 
 from engine.baselines.generic import one_f_one_b_any
-from engine.planner import make_plan
+from engine.plan import make_plan
 from engine.shapes import make_shape
 from planner_ui.gantt import GanttView
 from planner_ui.state import PlanState, block_starts
@@ -379,7 +379,7 @@ def test_ten_thousand_blocks_webgl_no_labels():
 
 def test_time_axis_fits_each_new_plan_and_memory_axis_uses_mib_for_small_models():
     from engine.baselines.generic import one_f_one_b_any
-    from engine.planner import make_plan
+    from engine.plan import make_plan
     from engine.shapes import make_shape
     from planner_ui.gantt import GanttView
     from planner_ui.state import PlanState

@@ -10,7 +10,7 @@ import panel as pn
 import pytest
 
 from engine.baselines.generic import one_f_one_b_any
-from engine.planner import make_plan
+from engine.plan import make_plan
 from engine.shapes import make_shape
 from planner_ui.graph_layout import (
     LEVELS,

@@ -16,7 +16,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from engine.planner import make_plan
+from engine.plan import make_plan
 from planner_ui.export_panel import ExportPanel
 from planner_ui.launch_panel import LaunchPanel
 from planner_ui.state import PlanState

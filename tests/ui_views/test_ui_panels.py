@@ -13,8 +13,8 @@ import time
 import pytest
 
 from engine.baselines.generic import gpipe_any, one_f_one_b_any
-from engine.compare import measure
 from engine.io.plan import Plan
+from engine.plan import measure
 from engine.shapes import make_shape
 from engine.tessel import tessel_search
 from planner_ui.compare_view import CompareView
@@ -323,14 +323,14 @@ def test_launch_panel_without_plan():
 # ----------------------------------------------------------------------------- a model plan
 @pytest.fixture(scope="module")
 def tiny():
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     return make_plan("gpt2-tiny", devices=2, micro_batches=4, schedule="1f1b", device_type="cpu",
                      seq_len=32, micro_batch_size=2)
 
 
 def test_search_and_compare_on_a_model_plan(tiny):
-    from engine.planner import make_plan
+    from engine.plan import make_plan
 
     st = PlanState()
     st.load(tiny.plan, graph=tiny.graph)

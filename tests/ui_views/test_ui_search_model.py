@@ -2,7 +2,7 @@
 
 With a model plan in the state, ``SearchPanel`` offers the shapes that model can fill (V, X, M,
 NN and interleaved for a decoder LM; K only for a two-branch model), runs
-``engine.search_plan.model_search_plan`` with the plan's own cost model and micro-batch shape,
+``engine.plan.model_search.model_search_plan`` with the plan's own cost model and micro-batch shape,
 and loads the searched plan of the same model (its graph kept). The last test trains that plan
 on local Ray (gloo, 2 CPU ranks) through the Launch panel and checks the measured overlay.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.planner import make_plan
+from engine.plan import make_plan
 from engine.shapes import shape_names
 from planner_ui.gantt import GanttView
 from planner_ui.graph_view import GraphView

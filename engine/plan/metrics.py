@@ -2,10 +2,11 @@
 
 ``tessel plan``, ``tessel search`` (its plan and its table), ``tessel show``, ``tessel launch``'s
 "predicted" column and the app all print what :func:`predicted_metrics` returns for the same
-plan, so they agree; ``plan.metrics`` as saved by :func:`engine.planner.make_plan` and
-:func:`engine.search_plan.model_search_plan` equals ``predicted_metrics(load_plan(path))``.
+plan, so they agree; ``plan.metrics`` as saved by :func:`engine.plan.make.make_plan` and
+:func:`engine.plan.from_search.plan_from_search` equals ``predicted_metrics(load_plan(path))``
+(plus, for a searched plan, the search's summary).
 
-The prediction lowers the plan with everything it records (:func:`engine.planner.lower_plan`:
+The prediction lowers the plan with everything it records (:func:`engine.plan.lowering.lower_plan`:
 segments' parameter bytes, ``dp``/``tp``, tied weights, CoCoNet transformations, MoE all-to-alls)
 and simulates it (:func:`engine.simulate.simulate`) with its stored cost model
 (``plan.cost``; a calibration in ``plan.meta["calibration"]`` included). A plan without a cost
@@ -18,25 +19,30 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from engine.dependency import ExecutionPlan
-    from engine.io.plan import Plan
-    from engine.timeline import Timeline
+from engine.cost import CostModel
+from engine.cost.calibrate import CalibratedCost, Calibration
+from engine.dependency import ExecutionPlan
+from engine.plan.lowering import lower_plan
+from engine.simulate import simulate
+from engine.timeline import Timeline
 
-__all__ = ["predict", "predicted_metrics", "is_abstract", "tokens_per_step", "METRIC_KEYS"]
+if TYPE_CHECKING:
+    from engine.io.plan import Plan
+
+__all__ = ["predict", "predict_execution", "predicted_metrics", "is_abstract", "tokens_per_step", "METRIC_KEYS"]
 
 #: The keys :func:`predicted_metrics` always returns.
 METRIC_KEYS = ("makespan", "bubble_ratio", "bubble_ratios", "peak_memory", "time_unit", "memory_unit",
                "tokens_per_step", "tokens_per_second", "memory_capacity")
 
 
-def is_abstract(plan: "Plan") -> bool:
+def is_abstract(plan: Plan) -> bool:
     """Whether ``plan`` is in abstract units: it records no cost model (``plan.cost`` empty), as
     ``tessel search`` without ``--model`` (placement shapes or a placement JSON file) writes."""
     return not plan.cost
 
 
-def tokens_per_step(plan: "Plan") -> int:
+def tokens_per_step(plan: Plan) -> int:
     """Tokens (samples for a task without a sequence) one step of ``plan`` trains on:
     ``micro_batch_size x seq_len x micro-batches x data replicas``, where the data replicas are
     ``dp`` times the placement's ``data_per_instance`` (2 for Tessel's X shape: two model
@@ -49,7 +55,7 @@ def tokens_per_step(plan: "Plan") -> int:
     return int(ref.micro_batch_size) * int(ref.seq_len or 1) * int(plan.schedule.num_micro_batches) * replicas
 
 
-def _memory_capacity(plan: "Plan") -> float | None:
+def _memory_capacity(plan: Plan) -> float | None:
     """The per-device memory the plan was checked against: ``plan.meta["memory_limit"]`` (bytes, or
     units for an abstract plan) where the planner recorded one, else the cost model's device
     capacity (bytes); ``None`` for an abstract plan without a limit."""
@@ -58,17 +64,11 @@ def _memory_capacity(plan: "Plan") -> float | None:
         return float(limit)
     if is_abstract(plan):
         return None
-    from engine.cost import CostModel
-
     return float(CostModel.from_dict(plan.cost).device.mem_capacity)
 
 
-def _lower_and_simulate(plan: "Plan") -> tuple["ExecutionPlan", "Timeline"]:
-    from engine.cost import CostModel
-    from engine.cost.calibrate import CalibratedCost, Calibration
-    from engine.planner import lower_plan
-    from engine.simulate import simulate
-
+def _lower_and_simulate(plan: Plan) -> tuple[ExecutionPlan, Timeline]:
+    """The plan's instruction streams and their simulation with its cost model (and calibration)."""
     cost: Any = CostModel.from_dict(plan.cost) if plan.cost else None
     cal = plan.meta.get("calibration")
     if cal and cost is not None:
@@ -77,7 +77,7 @@ def _lower_and_simulate(plan: "Plan") -> tuple["ExecutionPlan", "Timeline"]:
     return execution, simulate(execution, cost)
 
 
-def _metrics(plan: "Plan", timeline: "Timeline") -> dict:
+def _metrics(plan: Plan, timeline: Timeline) -> dict:
     m = timeline.metrics()
     abstract = is_abstract(plan)
     tokens = tokens_per_step(plan)
@@ -92,7 +92,7 @@ def _metrics(plan: "Plan", timeline: "Timeline") -> dict:
     return m
 
 
-def predict(plan: "Plan") -> tuple["Timeline", dict]:
+def predict(plan: Plan) -> tuple[Timeline, dict]:
     """Lower and simulate ``plan`` and compute its metrics.
 
     Returns:
@@ -108,13 +108,13 @@ def predict(plan: "Plan") -> tuple["Timeline", dict]:
     return tl, _metrics(plan, tl)
 
 
-def predict_execution(plan: "Plan") -> tuple["ExecutionPlan", "Timeline", dict]:
+def predict_execution(plan: Plan) -> tuple[ExecutionPlan, Timeline, dict]:
     """:func:`predict` that also returns the lowered instruction streams (for ``make_plan``)."""
     ex, tl = _lower_and_simulate(plan)
     return ex, tl, _metrics(plan, tl)
 
 
-def predicted_metrics(plan: "Plan") -> dict:
+def predicted_metrics(plan: Plan) -> dict:
     """A plan's predicted metrics, from the plan alone.
 
     Returns:

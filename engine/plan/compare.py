@@ -50,7 +50,7 @@ class ScheduleMetrics:
 
 
 #: ``schedule -> metrics dict`` (``makespan``, ``bubble_ratio``, ``peak_memory``): a plan's prediction,
-#: e.g. :meth:`engine.search_plan.SearchPlan.predict` (:func:`engine.plan_metrics.predicted_metrics`).
+#: e.g. :meth:`engine.plan.model_search.SearchPlan.predict` (:func:`engine.plan.metrics.predicted_metrics`).
 Predictor = Callable[[Schedule], dict]
 
 
@@ -62,7 +62,7 @@ def measure(schedule: Schedule, memory_limit=None, cost=None, predict: Optional[
         memory_limit: per-device limit (same units as the placement's memory), or ``None``.
         cost: a cost model for communication, or ``None`` (free).
         predict: where the schedule is part of a plan, the plan's prediction
-            (:func:`engine.plan_metrics.predicted_metrics` of it: tied weights, optimizer step and
+            (:func:`engine.plan.metrics.predicted_metrics` of it: tied weights, optimizer step and
             the plan's cost model included), so the row shows what ``tessel show`` shows for that
             plan; ``None``: the bare schedule lowered without parameters and simulated with ``cost``.
     """

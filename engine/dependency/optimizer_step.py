@@ -1,0 +1,35 @@
+"""Lowering pass: the optimizer step ending every training stream, with CoCoNet's
+``sharded-update`` (each replica updates ``1/dp`` of the parameters, gathers them afterwards,
+and keeps Adam's moments of its shard only)."""
+
+from __future__ import annotations
+
+from engine.dependency.context import LowerContext
+from engine.dependency.instructions import COMPUTE_OPS, Instruction, Op
+
+__all__ = ["add_optimizer_step"]
+
+
+def add_optimizer_step(ctx: LowerContext) -> None:
+    """With ``sharded-update`` and ``dp > 1``, take ``2 x (1 - 1/dp)`` of each rank's parameter
+    bytes (Adam's ``m`` and ``v`` of the other replicas' shards) off its static memory. On a
+    training stream (:attr:`LowerContext.training`), append ``OPTIM``: ``nbytes`` the rank's
+    parameter bytes (``1/dp`` of them when sharded), ``memory`` minus the gradient buffers its
+    blocks held (``zero_grad`` after the update); sharded, then one ``ALLGATHER`` of each local
+    segment's parameters (``group = dp``)."""
+    opts = ctx.options
+    dp = opts.dp
+    sharded = "sharded-update" in opts.transforms and dp > 1
+    if sharded:   # Adam's m and v of the other replicas' shards are not kept
+        for d, pb in enumerate(ctx.param_bytes):
+            ctx.static_memory[d] = max(0, ctx.static_memory[d] - 2 * (pb - pb // dp))
+    if not ctx.training:
+        return
+    seg_bytes = opts.segment_param_bytes or {}
+    for d, stream in enumerate(ctx.streams):
+        held = sum(ins.hold for ins in stream if ins.op in COMPUTE_OPS)
+        pb = ctx.param_bytes[d]
+        stream.append(Instruction(Op.OPTIM, None, nbytes=pb // dp if sharded else pb, memory=-held))
+        if sharded:
+            stream.extend(Instruction(Op.ALLGATHER, None, nbytes=seg_bytes[seg], segment=seg, group=dp)
+                          for seg in ctx.segments_on[d] if seg_bytes.get(seg, 0))

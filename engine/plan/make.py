@@ -1,0 +1,422 @@
+"""The whole planning pipeline in one call: capture -> transform -> schedule -> lower -> simulate.
+
+``make_plan("gpt2", devices=4, micro_batches=8, schedule="1f1b")`` returns a
+:class:`PlanResult` with the :class:`~engine.io.Plan` (ready for ``save_plan``), the predicted
+:class:`~engine.timeline.Timeline` and the captured :class:`~engine.graph.OpGraph`. One function
+per phase: :func:`parallel_config` (the arguments), :func:`capture_model`,
+:func:`transform_model` (SuperScaler phase 1: segments and their placement), the schedule,
+:func:`build_plan`, and the prediction (:func:`engine.plan.metrics.predict_execution`).
+
+This module captures models, so it imports torch (``engine.plan`` loads it lazily).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping, Sequence, cast
+
+import torch
+
+from engine.baselines import build_schedule, placement_requirements
+from engine.coconet import (
+    DEFAULT_GRAD_BUCKET_BYTES,
+    DEFAULT_OVERLAP_CHUNKS,
+    check_transforms,
+    parse_transforms,
+)
+from engine.config import ModelRef, OptimizerKind
+from engine.cost import CostModel, profile_ops
+from engine.dependency import ExecutionPlan, TiedGroup
+from engine.graph import OpGraph, capture
+from engine.io.plan import Plan
+from engine.models import ModelBundle, build_model
+from engine.models.moe.comm import (
+    MoELayer,
+    check_expert_parallel,
+    expert_param_bytes_per_rank,
+    find_moe_layers,
+    segment_moe_layers,
+)
+from engine.models.moe.hf_moe import traceable_experts
+from engine.placement import Placement
+from engine.plan.limits import MemoryLimitError, check_memory_limit
+from engine.plan.metrics import predict_execution
+from engine.schedule import Schedule
+from engine.split import choose_split
+from engine.timeline import Timeline
+from engine.transform import (
+    LOSS_PARALLEL_TASKS,
+    PARAM_STATE_FACTOR,
+    ParallelConfig,
+    Segment,
+    TransformError,
+    add_tied_copies,
+    check_optimizer,
+    gradient_bytes,
+    split_segments,
+    tied_parameter_groups,
+)
+
+
+@dataclass
+class PlanResult:
+    """What :func:`make_plan` produces.
+
+    Attributes:
+        plan: the versioned plan (save with :func:`engine.io.save_plan`).
+        timeline: the predicted timeline of one step.
+        graph: the captured operator graph of one micro-batch.
+        execution: the per-rank instruction streams.
+        warnings: things the user should know (memory above capacity, ...).
+        timings: seconds spent in each phase (``capture``, ``transform``, ``schedule``, ``simulate``).
+    """
+
+    plan: Plan
+    timeline: Timeline
+    graph: OpGraph
+    execution: ExecutionPlan
+    warnings: list[str] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+
+def placement_from_segments(segments: list[Segment], config: ParallelConfig, schedule: str = "1f1b", *,
+                            forward_only: bool = False, optimizer: str = "adam",
+                            tied_grad_bytes: Mapping[int, int] | None = None) -> Placement:
+    """The placement a predefined schedule needs (looped V/interleaved, or ZB-V's V shape), with
+    durations, activation memory and boundary tensors from the segments.
+
+    Memory of a training placement: static memory per device = parameters of its segments with
+    Adam's m and v (``PARAM_STATE_FACTOR`` = 3 x parameter bytes, for both optimizers); per
+    segment, the gradient buffer and transient gradient of
+    :func:`engine.transform.gradient_bytes` (``adam``: a buffer of the segment's parameter bytes
+    from its first backward to the optimizer step; ``adama``: only a transient gradient of its
+    largest parameter tensor during each backward, plus ``tied_grad_bytes[segment]``: the
+    gradients of tied copies, which ``runtime.worker`` does not fold but keeps until the step)
+    as ``grad_memory``/``grad_transient``. Inference (``forward_only``): the parameters only.
+
+    Raises:
+        TransformError: an unknown optimizer.
+    """
+    check_optimizer(optimizer)
+    req = placement_requirements(schedule)
+    base = req.make_placement(
+        config.pp, virtual_stages=config.virtual_stages,
+        forward=[s.forward_time for s in segments], backward=[s.backward_time for s in segments],
+        activation_bytes=[s.activation_bytes for s in segments], forward_only=forward_only,
+        outputs=[s.output for s in segments],
+        input_grads=[segments[i - 1].output_grad if i > 0 else None for i in range(len(segments))],
+    )
+    static = [0] * config.pp
+    for s in segments:
+        static[base.spec("F", s.index).devices[0]] += s.param_bytes * (1 if forward_only else PARAM_STATE_FACTOR)
+    if forward_only:
+        return replace(base, static_memory=tuple(static))
+    tied_g = dict(tied_grad_bytes or {}) if optimizer == "adama" else {}
+    grads = [gradient_bytes(optimizer, s.param_bytes, s.max_param_bytes) for s in segments]
+    grads = [(g + tied_g.get(s.index, 0), t) for (g, t), s in zip(grads, segments)]
+    return replace(base, static_memory=tuple(static), grad_memory=tuple(g for g, _ in grads),
+                   grad_transient=tuple(t for _, t in grads))
+
+
+def make_plan(
+    model: str | ModelBundle,
+    *,
+    task: str | None = None,
+    devices: int = 4,
+    micro_batches: int = 8,
+    schedule: str = "1f1b",
+    device_type: str = "h100",
+    dp: int = 1,
+    tp: int = 1,
+    virtual_stages: int | None = None,
+    micro_batch_size: int = 1,
+    seq_len: int | None = None,
+    dtype: str = "float32",
+    memory_limit: float | None = None,
+    optimizer: str = "adam",
+    cost: CostModel | None = None,
+    profile: bool = False,
+    link: str | None = None,
+    transforms: str | Sequence[str] | None = None,
+    grad_bucket_bytes: int = DEFAULT_GRAD_BUCKET_BYTES,
+    overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS,
+    progress: Callable[[str], None] | None = None,
+) -> PlanResult:
+    """Plan a model end to end.
+
+    Args:
+        model: a registry name (``gpt2``, ``gpt3-175b``, ``module:callable``...) or a built bundle.
+        task: the training task recorded in the plan (``causal-lm``, ``masked-lm``, ``seq2seq``,
+            ``image-classification``, ``module:callable``; :mod:`tasks`); ``None``: the model's own.
+        devices: total devices; the pipeline degree is ``devices / (dp * tp)``.
+        micro_batches: ``m`` per step.
+        schedule: ``gpipe``, ``1f1b``, ``interleaved`` or ``zb-h1``.
+        device_type: cost table entry (``h100``, ``a100``, ``cpu``).
+        dp, tp: data- and tensor-parallel degrees.
+        virtual_stages: segments per rank (default 2 for ``interleaved``, else 1).
+        micro_batch_size: samples per micro-batch.
+        seq_len: tokens per sample (model default if ``None``).
+        dtype: parameter/activation dtype of the captured model and the cost table's peak
+            (``float32``, ``bfloat16``, ``float16``).
+        memory_limit: bytes per device for the split and the memory check (device capacity if ``None``).
+        optimizer: ``adam`` (``torch.optim.Adam`` with gradient accumulation: each stage holds a
+            gradient buffer of its parameter bytes from its first backward to the optimizer step)
+            or ``adama`` (AdamA: micro-batch gradients folded into m and v and freed; only a
+            transient gradient of the largest parameter tensor during each backward, and
+            data-parallel replicas all-reduce m and v, 2x the parameter bytes, once per step).
+            Recorded in ``plan.parallel.optimizer``; the predicted memory curves and peaks
+            follow it.
+        cost: a prepared cost model (e.g. with profiled op times); overrides ``device_type`` and ``link``.
+        link: the link between every pair of ranks (:func:`engine.cost.parse_link`: ``nvlink``,
+            ``infiniband``, ``emulated:1gbit`` for the emulated network, ``10gbit@5us``); ``None``:
+            the device's defaults (NVLink within a node and InfiniBand across for GPUs, loopback
+            for ``cpu``).
+        profile: time every distinct op of the captured graph on this machine (cached, see
+            :func:`engine.cost.profile_ops`) and use the measured times; ``device_type`` should then
+            describe this machine (``cpu`` here).
+        transforms: CoCoNet's transformations (``"sharded-update,overlap-grad-sync"`` or a list;
+            :mod:`engine.coconet`), recorded in ``plan.parallel.transforms``, lowered, simulated and
+            executed by the runtime.
+        grad_bucket_bytes: the bucket size of ``overlap-grad-sync`` (bytes, a multiple of 4).
+        overlap_chunks: the chunks of ``chunked-overlap``.
+        progress: called with the name of each phase as it starts.
+
+    Raises:
+        TesselError: bad names or degrees, an unknown optimizer, a model that cannot be captured,
+            a schedule that needs more micro-batches, a transformation the plan cannot take (each a
+            one-sentence message).
+    """
+    say = progress or (lambda _msg: None)
+    timings: dict[str, float] = {}
+    config = parallel_config(devices, micro_batches=micro_batches, schedule=schedule, dp=dp, tp=tp,
+                             virtual_stages=virtual_stages, micro_batch_size=micro_batch_size,
+                             memory_limit=memory_limit, optimizer=optimizer, transforms=transforms,
+                             grad_bucket_bytes=grad_bucket_bytes, overlap_chunks=overlap_chunks)
+
+    t0 = time.perf_counter()
+    say("capture")
+    captured = capture_model(model, config, task=task, seq_len=seq_len, dtype=dtype)
+    timings["capture"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    say("transform")
+    if cost is None:
+        cost = _cost_model(captured.graph, device_type, link=link, profile=profile, dtype=dtype, say=say,
+                           warnings=captured.warnings)
+    cut = transform_model(captured, config, cost, schedule, memory_limit=memory_limit)
+    timings["transform"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    say("schedule")
+    sched: Schedule = build_schedule(schedule, cut.placement, micro_batches)
+    sched.validate(memory_limit)
+    timings["schedule"] = time.perf_counter() - t0
+
+    plan = build_plan(captured, cut, config, sched, cost, memory_limit=memory_limit)
+
+    t0 = time.perf_counter()
+    say("simulate")
+    # the plan's numbers come from the plan alone (engine.plan.metrics), as show/search/launch compute them
+    execution, timeline, metrics = predict_execution(plan)
+    plan.metrics = metrics
+    timings["simulate"] = time.perf_counter() - t0
+
+    warnings = cut.warnings
+    cap = memory_limit if memory_limit is not None else cost.device.mem_capacity
+    over = [d for d, p in enumerate(metrics["peak_memory"]) if p > cap]
+    if over:
+        warnings.append(
+            f"predicted peak memory on device(s) {over} is above {cap / 2**30:.1f} GiB; "
+            "add devices, tensor parallelism (--tp) or fewer micro-batches in flight (1f1b)"
+        )
+    return PlanResult(plan, timeline, captured.graph, execution, warnings, timings)
+
+
+def parallel_config(devices: int, *, micro_batches: int, schedule: str, dp: int = 1, tp: int = 1,
+                    virtual_stages: int | None = None, micro_batch_size: int = 1, memory_limit: float | None = None,
+                    optimizer: str = "adam", transforms: str | Sequence[str] | None = None,
+                    grad_bucket_bytes: int = DEFAULT_GRAD_BUCKET_BYTES,
+                    overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS) -> ParallelConfig:
+    """:func:`make_plan`'s arguments checked, as the plan's :class:`~engine.config.ParallelConfig`
+    (``pp = devices / (dp * tp)``; ``virtual_stages`` default: the schedule's).
+
+    Raises:
+        TesselError: an unknown optimizer, transformation or schedule; non-positive degrees;
+            devices not divisible by ``dp * tp``; a memory limit that is not a positive finite number.
+    """
+    check_optimizer(optimizer)
+    tf = parse_transforms(transforms)
+    if devices < 1 or dp < 1 or tp < 1:
+        raise TransformError(f"devices, dp and tp must be positive, got devices={devices}, dp={dp}, tp={tp}")
+    if memory_limit is not None:
+        try:
+            check_memory_limit(memory_limit, what="memory_limit (bytes)")
+        except MemoryLimitError as e:   # a planning argument: the planner's error, as every other one here
+            raise TransformError(str(e)) from None
+    if devices % (dp * tp):
+        raise TransformError(f"--devices {devices} is not divisible by dp*tp = {dp * tp}; pick devices = dp * tp * pp")
+    req = placement_requirements(schedule)
+    vs = req.virtual_stages if virtual_stages is None else virtual_stages
+    config = ParallelConfig(dp=dp, tp=tp, pp=devices // (dp * tp), virtual_stages=vs, micro_batches=micro_batches,
+                            micro_batch_size=micro_batch_size, transforms=tf, grad_bucket_bytes=grad_bucket_bytes,
+                            overlap_chunks=overlap_chunks, optimizer=cast(OptimizerKind, optimizer))
+    config.check()
+    return config
+
+
+@dataclass
+class CapturedModel:
+    """:func:`capture_model`'s result.
+
+    Attributes:
+        bundle: the built model, its example inputs and task.
+        graph: the operator graph of one micro-batch.
+        moe_layers: the model's MoE layers (expert parallelism over the data-parallel group).
+        split: the stage split the runtime will use (:func:`engine.split.choose_split`).
+        warnings: things the user should know, gathered while planning.
+    """
+
+    bundle: ModelBundle
+    graph: OpGraph
+    moe_layers: list[MoELayer]
+    split: str
+    warnings: list[str] = field(default_factory=list)
+
+
+def capture_model(model: str | ModelBundle, config: ParallelConfig, *, task: str | None = None,
+                  seq_len: int | None = None, dtype: str = "float32") -> CapturedModel:
+    """Build (unless given) and capture ``model`` for one micro-batch of ``config.micro_batch_size``
+    samples, after checking its experts split over ``config.dp`` and the plan's transformations
+    (:func:`engine.coconet.check_transforms`); HF MoE blocks are captured with a traceable
+    implementation of their experts (same math and FLOPs).
+
+    Raises:
+        TesselError: an unknown dtype or model, experts that do not split over ``dp``, a
+            transformation the plan cannot take, a model that cannot be captured.
+    """
+    tdtype = getattr(torch, dtype, None)
+    if not isinstance(tdtype, torch.dtype):
+        raise TransformError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    bundle = model if isinstance(model, ModelBundle) else build_model(
+        model, batch_size=config.micro_batch_size, seq_len=seq_len, dtype=tdtype, task=task)
+    if task is not None:
+        bundle.task = task
+    dp, tp = config.dp, config.tp
+    # MoE expert parallelism over the data-parallel group: experts must split evenly over dp
+    moe_layers = find_moe_layers(bundle.module, max(1, bundle.batch_size * (bundle.seq_len or 1)))
+    check_expert_parallel(moe_layers, dp, bundle.name)
+    split = choose_split(bundle.module, tp)
+    check_transforms(config.transforms, dp=dp, tp=tp, pp=config.pp, optimizer=config.optimizer, split=split,
+                     expert_parallel=dp > 1 and bool(moe_layers), seq_len=bundle.seq_len)
+    with traceable_experts(bundle.module):
+        graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
+    return CapturedModel(bundle, graph, moe_layers, split)
+
+
+def _cost_model(graph: OpGraph, device_type: str, *, link: str | None, profile: bool, dtype: str,
+                say: Callable[[str], None], warnings: list[str]) -> CostModel:
+    """The cost model of ``device_type`` (``profile``: with the op times measured on this machine,
+    a warning appended when this machine is not that kind of device)."""
+    table = None
+    if profile:
+        say("profile")
+        ops = [graph.nodes[n] for n in graph.nodes if graph.nodes[n].get("op") == "call_function"]
+        local = "cuda" if torch.cuda.is_available() else "cpu"
+        if (local == "cpu") != (device_type == "cpu"):
+            warnings.append(f"op times were measured on this machine ({local}) but --device-type is {device_type}")
+        table = profile_ops(ops, device=local)
+    return CostModel.for_device(device_type, link=link, inter_link=link, profile=table, dtype=dtype)
+
+
+@dataclass
+class TransformedModel:
+    """:func:`transform_model`'s result (SuperScaler phase 1).
+
+    Attributes:
+        segments: the stages, with tied copies and this rank's share of the experts counted.
+        tied: the tied-parameter groups across segments.
+        segment_moe: each segment's MoE layers.
+        placement: the placement the schedule needs, with the segments' costs and memory.
+        warnings: the capture's warnings plus the split's.
+    """
+
+    segments: list[Segment]
+    tied: list[TiedGroup]
+    segment_moe: dict[int, list[MoELayer]]
+    placement: Placement
+    warnings: list[str]
+
+
+def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostModel, schedule: str, *,
+                    memory_limit: float | None = None) -> TransformedModel:
+    """Cut the captured graph into segments under ``memory_limit`` (bytes per device;
+    :func:`engine.transform.split_segments`), count the tied copies and each expert-parallel
+    rank's experts in them, and build the placement ``schedule`` needs
+    (:func:`placement_from_segments`).
+
+    Raises:
+        TransformError: a split that does not fit.
+    """
+    bundle, optimizer = captured.bundle, config.optimizer
+    segments, warnings = split_segments(captured.graph, cost, config, memory_limit=memory_limit, optimizer=optimizer,
+                                        loss_parallel=bundle.task in LOSS_PARALLEL_TASKS)
+    seg_layers = [s.layers for s in segments]
+    tied = tied_parameter_groups(bundle.module, seg_layers)
+    segments = add_tied_copies(segments, tied)
+    seg_moe = segment_moe_layers(captured.moe_layers, seg_layers)
+    segments = [_expert_parallel_split(s, seg_moe.get(s.index, []), config.dp, config.tp) for s in segments]
+    placement = placement_from_segments(segments, config, schedule, optimizer=optimizer,
+                                        tied_grad_bytes=_tied_bytes_per_segment(tied))
+    return TransformedModel(segments, tied, seg_moe, placement, captured.warnings + warnings)
+
+
+def build_plan(captured: CapturedModel, cut: TransformedModel, config: ParallelConfig, schedule: Schedule,
+               cost: CostModel, *, memory_limit: float | None = None) -> Plan:
+    """The :class:`~engine.io.Plan` of ``schedule`` on the transformed model (no metrics yet)."""
+    bundle, graph = captured.bundle, captured.graph
+    mbs = config.micro_batch_size
+    return Plan(
+        model=ModelRef(name=bundle.name, source=bundle.source, config=bundle.config,
+                       micro_batch_size=mbs, batch_size=mbs * config.micro_batches * config.dp,
+                       seq_len=bundle.seq_len, dtype=graph.graph.get("dtype", "float32"),
+                       num_params=graph.graph.get("num_params"), task=bundle.task, split=captured.split),
+        parallel=config,
+        segments=[_segment_dict(s, cut.segment_moe.get(s.index, [])) for s in cut.segments],
+        schedule=schedule,
+        cost=cost.to_dict(),
+        meta={"warnings": cut.warnings, **({"memory_limit": memory_limit} if memory_limit is not None else {})},
+        tied_weights=[g.to_dict() for g in cut.tied],
+    )
+
+
+def _expert_parallel_split(seg: Segment, moe: list[MoELayer], dp: int, tp: int) -> Segment:
+    """``seg`` with the parameter bytes of ONE expert-parallel rank: of each MoE layer's experts
+    (``expert_param_bytes``, already split ``tp`` ways like every parameter) a replica holds
+    ``1/dp`` (``ep = dp``). Unchanged without MoE layers or with ``dp == 1``."""
+    if not moe or dp <= 1:
+        return seg
+    full = sum(ml.expert_param_bytes for ml in moe) // tp
+    mine = expert_param_bytes_per_rank(moe, dp) // tp
+    return replace(seg, param_bytes=max(0, seg.param_bytes - full + mine))
+
+
+def _segment_dict(seg: Segment, moe: list[MoELayer]) -> dict:
+    """The plan JSON dict of a segment; ``"moe"`` (its MoE layers, :class:`MoELayer` dicts) only
+    when it has any, so plans of dense models are unchanged."""
+    d = seg.to_dict()
+    if moe:
+        d["moe"] = [ml.to_dict() for ml in moe]
+    return d
+
+
+def _tied_bytes_per_segment(tied: list[TiedGroup]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for g in tied:
+        for s in g.segments():
+            out[s] = out.get(s, 0) + g.nbytes
+    return out
+
+
+__all__ = ["CapturedModel", "PlanResult", "TransformedModel", "build_plan", "capture_model", "make_plan",
+           "parallel_config", "placement_from_segments", "transform_model"]
