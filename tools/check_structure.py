@@ -70,8 +70,28 @@ def _resolve(module: str, node: ast.ImportFrom | ast.Import, alias: str | None =
         pkg = pkg if is_pkg else pkg[:-1]
         pkg = pkg[: len(pkg) - (node.level - 1)]
         base = ".".join(pkg + ([base] if base else []))
-    # ``from pkg import sub`` may import a submodule
-    return [base] + [f"{base}.{a.name}" for a in node.names]
+    # ``from pkg import sub`` may import a submodule, or a name ``pkg`` loads lazily (PEP 562)
+    lazy = _lazy_names(base)
+    return [base] + [f"{base}.{a.name}" for a in node.names] + [lazy[a.name] for a in node.names if a.name in lazy]
+
+
+@lru_cache(maxsize=None)
+def _lazy_names(module: str) -> dict[str, str]:
+    """Names a module with a PEP 562 ``__getattr__`` loads on first use -> the module defining
+    them, read off its ``if TYPE_CHECKING:`` imports (how such a module declares them)."""
+    path = _path_of(module)
+    if path is None:
+        return {}
+    body = _tree(path).body
+    if not any(isinstance(s, ast.FunctionDef) and s.name == "__getattr__" for s in body):
+        return {}
+    out: dict[str, str] = {}
+    for s in body:
+        if isinstance(s, ast.If) and _is_type_checking(s.test):
+            for imp in s.body:
+                if isinstance(imp, ast.ImportFrom) and imp.module and not imp.level:
+                    out.update({a.asname or a.name: imp.module for a in imp.names})
+    return out
 
 
 def _path_of(module: str) -> Path | None:
