@@ -1,7 +1,7 @@
 """The GNN characterization profiler: time per layer x SAGA-NN stage and per kernel class.
 
 This reproduces the measurement of *Architectural Implications of Graph Neural Networks*
-(Zhang et al., IEEE CAL 2020; abstract in ``shared/papers/abstracts.txt``): GNN time is broken
+(Zhang et al., IEEE CAL 2020): GNN time is broken
 down by the stages of NGra's SAGA-NN abstraction (Ma et al., USENIX ATC'19, section 3: Scatter,
 ApplyEdge, Gather, ApplyVertex) and by the kind of kernel that runs (irregular, memory-bound
 gathers/scatters versus dense matrix multiplication versus elementwise work), per model, per
