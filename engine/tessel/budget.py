@@ -180,6 +180,13 @@ class SearchBudget:
         """Wall seconds left before :attr:`deadline` (negative once past it)."""
         return self.deadline - time.perf_counter()
 
+    def note_deadline(self, deadline: float) -> None:
+        """Record a wall-clock ``deadline`` (a ``time.perf_counter()`` value) that a phase was given
+        and may have been cut by: if it has passed, :attr:`wall_guard_hit` is set (a bound or a
+        deferral cut short by the clock may differ between runs)."""
+        if time.perf_counter() >= deadline:
+            self.wall_guard_hit = True
+
     def rate_bound_deadline(self) -> float:
         """``time.perf_counter()`` value the rate bound (one micro-batch) must be done by."""
         return time.perf_counter() + self.bound_share * self.time_limit

@@ -347,7 +347,10 @@ def _rate_bound(task: _Task, budget: SearchBudget) -> float:
     one micro-batch (:func:`engine.tessel.bounds.memory_time_bound`; 0 without a limit). Its term is
     quadratic in the blocks: a small share of the time."""
     if task.caps is not None and task.has_memory:
-        return memory_time_bound(task.placement, 1, task.caps, deadline=budget.rate_bound_deadline())
+        deadline = budget.rate_bound_deadline()
+        bound = memory_time_bound(task.placement, 1, task.caps, deadline=deadline)
+        budget.note_deadline(deadline)
+        return bound
     return 0.0
 
 
@@ -356,9 +359,11 @@ def _makespan_bound(task: _Task, budget: SearchBudget, rate_s: float) -> float:
     under the limit, and ``m`` times the rate bound). The memory-aware terms grow with the blocks
     (quadratic) and ``m``: a share of what time is left."""
     tail = list(task.tail) if task.tail else None
-    return max(makespan_lower_bound(task.placement, task.m, memory_limit=task.caps, lags=task.lags, tail=tail,
-                                    deadline=budget.makespan_bound_deadline()),
-               task.m * rate_s)
+    deadline = budget.makespan_bound_deadline()
+    bound = makespan_lower_bound(task.placement, task.m, memory_limit=task.caps, lags=task.lags, tail=tail,
+                                 deadline=deadline)
+    budget.note_deadline(deadline)
+    return max(bound, task.m * rate_s)
 
 
 def _period_search(task: _Task, budget: SearchBudget, rate_s: float, reporter: ProgressReporter) -> PeriodSearch:
@@ -417,7 +422,7 @@ def _period_phase(task: _Task, budget: SearchBudget, search: PeriodSearch, windo
     optimal_at_resolution = search.at_bound() or c.best.period <= c.proven_lo
     # at the best window: least latency, then least memory (bounded effort: a polish)
     search.polish(c, task.has_memory, critical_ticks(task.placement, search.window(1).sc))
-    budget.wall_guard_hit = clock.wall_hit
+    budget.wall_guard_hit = budget.wall_guard_hit or clock.wall_hit
     return _Found(window=c, best=c.best, optimal=optimal_at_resolution and not task.rounded,
                   optimal_at_resolution=optimal_at_resolution, timed_out=clock.timed_out)
 
@@ -441,6 +446,7 @@ def _deferral_phase(task: _Task, budget: SearchBudget, search: PeriodSearch, fou
     scored = []
     for k, (cc, rp, src) in enumerate(pool):
         d_rep, span = defer_sinks(cc.pl, rp, task.m, defer_caps, r=cc.r, deadline=defer_deadline, lags=cc.lags_s)
+        budget.note_deadline(defer_deadline)
         scored.append((span, k, cc, d_rep, rp, src))
         if span <= ms_lb * (1 + 1e-9):
             break  # the makespan lower bound: nothing can be shorter
@@ -543,8 +549,11 @@ def _improvement_phase(task: _Task, budget: SearchBudget, found: _Found, schedul
     improve_s = min(improve_nominal, wall_left)
     schedule.meta["tessel"]["improve"] = "not run"
     build_s = len(task.placement.blocks) * task.m / MODEL_INSTANCES_PER_S
-    if (improve and task.objective == "throughput" and makespan > ms_lb * (1 + 1e-9)
-            and improve_s > budget.improve_min_s + build_s and not task.cancelled()):
+    wants = (improve and task.objective == "throughput" and makespan > ms_lb * (1 + 1e-9)
+             and improve_nominal > budget.improve_min_s + build_s and not task.cancelled())
+    if wants and improve_s <= budget.improve_min_s + build_s:
+        budget.wall_guard_hit = True   # its deterministic budget would run it; the wall clock cannot
+    elif wants:
         better = improve_schedule(task.placement, schedule, memory_limit=task.caps_or_peak(found.best), lags=task.lags,
                                   evaluate=task.step_makespan,
                                   deterministic_time=budget.improve_det_per_s * improve_nominal,
