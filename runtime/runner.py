@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.crossover import CrossoverError
 from engine.errors import RunError, TesselError
+from engine.io import Plan, load_plan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from engine.io import Plan
     from runtime.cluster import ActorPool
 
 __all__ = ["CrossoverLaunchError", "CrossoverLaunchFailure", "LaunchError", "LaunchFailure", "LaunchInterrupted",
@@ -127,8 +127,6 @@ def as_plan(plan: Any, *, caller: str = "launch") -> Plan:
         TypeError: ``plan`` is none of these (the message names ``caller``).
         engine.errors.PlanFormatError: a malformed plan dict or file.
     """
-    from engine.io import Plan, load_plan
-
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):

@@ -27,7 +27,7 @@ def _with(plan, pl, split="tracer", segments=None):
 
 
 def _refusal(plan) -> str:
-    from runtime.stage import RuntimeNotSupported, check_executable
+    from runtime.stages import RuntimeNotSupported, check_executable
 
     with pytest.raises(RuntimeNotSupported) as e:
         check_executable(plan)
