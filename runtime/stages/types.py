@@ -87,38 +87,34 @@ class StageModule(nn.Module):
 
 @dataclass
 class PipelineStages:
-    """Everything :func:`build_stages` derives from a plan.
-
-    Attributes:
-        modules: segment index -> :class:`StageModule` (all segments; a worker keeps its own).
-        split: the method that built them, ``"tracer"``, ``"module"`` or ``"layers"``
-            (:mod:`runtime.stages.build`).
-        boundaries: ``boundaries[s]`` describes the outputs of segment ``s`` = inputs of segment
-            ``s + 1`` (``s`` in ``0 .. S-2``), one :class:`TensorMeta` per tensor, for one micro-batch.
-        inputs: metas of every model input (segment 0's inputs, e.g. ``input_ids`` and T5's
-            ``decoder_input_ids``).
-        output: meta of the logits (the last segment's single output, any rank).
-        tied: tied-parameter groups, each a list of ``(segment, parameter name)`` across which
-            gradients must be summed (only groups with 2+ members).
-        removed: ``(segment, parameter name)`` of unused leftover parameters that were removed.
-        micro_batch_size, seq_len: the static micro-batch shape the stages were built for
-            (``seq_len`` 0 for models without a sequence, such as image classifiers).
-        aliases: the unsplit model's names of one shared parameter, one sorted list per parameter
-            with 2+ names (T5's ``shared.weight`` / ``encoder.embed_tokens.weight`` / ...; BERT's
-            ``cls.predictions.bias`` / ``cls.predictions.decoder.bias``); a stage holds such a
-            parameter under one or some of them, and the merged checkpoint restores every name.
-        chains: the placement's forward chains (:meth:`engine.placement.Placement.chains`): one for
-            every shape but X, whose second chain holds copies of the first chain's stages.
-    """
+    """Everything :func:`runtime.stages.build_stages` derives from a plan."""
 
     modules: dict[int, StageModule]
+    """Segment index -> :class:`StageModule` (all segments; a worker keeps its own)."""
     boundaries: list[list[TensorMeta]]
+    """``boundaries[s]`` describes the outputs of segment ``s`` = inputs of its consumer (``s`` in
+    ``0 .. S-2``), one :class:`TensorMeta` per tensor, for one micro-batch."""
     inputs: list[TensorMeta]
+    """Metas of every model input (segment 0's inputs, e.g. ``input_ids`` and T5's ``decoder_input_ids``)."""
     output: TensorMeta
+    """Meta of the logits (the last segment's single output, any rank)."""
     tied: list[list[tuple[int, str]]] = field(default_factory=list)
+    """Tied-parameter groups, each a list of ``(segment, parameter name)`` across which gradients
+    must be summed (only groups with 2+ members)."""
     removed: list[tuple[int, str]] = field(default_factory=list)
+    """``(segment, parameter name)`` of unused leftover parameters that were removed."""
     micro_batch_size: int = 1
+    """The static micro-batch size the stages were built for."""
     seq_len: int = 1
+    """The static sequence length the stages were built for (0 for models without a sequence,
+    such as image classifiers)."""
     split: str = "tracer"
+    """The method that built them, ``"tracer"``, ``"module"`` or ``"layers"`` (:mod:`runtime.stages.build`)."""
     aliases: list[list[str]] = field(default_factory=list)
+    """The unsplit model's names of one shared parameter, one sorted list per parameter with 2+
+    names (T5's ``shared.weight`` / ``encoder.embed_tokens.weight`` / ...; BERT's
+    ``cls.predictions.bias`` / ``cls.predictions.decoder.bias``); a stage holds such a parameter
+    under one or some of them, and the merged checkpoint restores every name."""
     chains: list[list[int]] = field(default_factory=list)
+    """The placement's forward chains (:meth:`engine.placement.Placement.replica_chains`): one for
+    every shape but X, whose second chain holds copies of the first chain's stages."""
