@@ -59,7 +59,7 @@ def _torch_side(plan, rank: int, world: int, lr: float):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    from runtime.stage import build_stages
+    from runtime.stages import build_stages
 
     st = build_stages(plan, seed=0)
     pl = plan.schedule.placement

@@ -304,7 +304,7 @@ class Placement:
         on exactly the previous one's (``[[0, 1, ..., S-1]]`` for V, M, NN; two chains for X, whose
         placement instance carries one micro-batch through each model replica). Segments joined
         otherwise (K's loss block) end the list at the first segment that fits no chain, which
-        :func:`runtime.stage.check_executable` then names."""
+        :func:`runtime.stages.check_executable` then names."""
         out: list[list[int]] = []
         for s in range(self.num_segments):
             if not self.has("F", s):

@@ -487,7 +487,7 @@ def tied_parameter_groups(module, segment_layers: Sequence[Sequence[str]]):
     e.g. GPT-2's ``transformer.wte.weight`` and ``lm_head.weight``) is held by every segment whose
     layers contain one of its names (``name == layer`` or ``name`` starts with ``layer + "."``);
     after a pipeline split each such segment holds its own copy and the copies' gradients must be
-    summed at the optimizer step (``runtime.stage.PipelineStages.tied``, Megatron-LM's embedding
+    summed at the optimizer step (``runtime.stages.PipelineStages.tied``, Megatron-LM's embedding
     all-reduce). A segment holding several names of one parameter holds one copy (its first name).
     Works on meta-device models.
 

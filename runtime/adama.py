@@ -43,6 +43,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 from engine.errors import TesselError
@@ -161,8 +162,6 @@ class AdamA(Optimizer):
     def sync_states(self, group=None, params: Iterable[torch.Tensor] | None = None) -> None:
         """Average ``m`` and ``v`` over the data-parallel process ``group`` (``torch.distributed``,
         one flat ``all_reduce`` each) before :meth:`step`; see the module docstring for the formula."""
-        import torch.distributed as dist
-
         ps = list(params) if params is not None else [p for g in self.param_groups for p in g["params"]]
         if not ps:
             return

@@ -44,6 +44,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 import uuid
 import zipfile
@@ -148,8 +149,6 @@ def capture_rng(_owner: Any = None) -> dict:
 
     The ignored first argument lets it run on an actor via ``actor.__ray_call__.remote(capture_rng)``.
     """
-    import sys
-
     st: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = torch.cuda.get_rng_state_all()
@@ -161,8 +160,6 @@ def capture_rng(_owner: Any = None) -> dict:
 
 def restore_rng(_owner: Any, st: dict | None) -> None:
     """Restore :func:`capture_rng` states in this process (``actor.__ray_call__.remote(restore_rng, st)``)."""
-    import sys
-
     if not st:
         return
     if "python" in st:

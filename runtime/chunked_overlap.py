@@ -49,7 +49,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
+
+try:   # registers torch.ops.symm_mem where this torch build has symmetric memory
+    import torch.distributed._symmetric_memory  # noqa: F401
+except (ImportError, RuntimeError):   # pragma: no cover - builds without it take the chunked path
+    pass
 
 __all__ = ["ChunkedRowwiseLinear", "ChunkedRowwiseMatmul", "ChunkedRowwiseParallel", "chunked_rowwise_matmul"]
 
@@ -62,8 +68,6 @@ def _fused_available(x: torch.Tensor, group: Any) -> bool:
     try:
         if dist.get_backend(group) != "nccl":
             return False
-        import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
-
         op = getattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter", None)
     except (ImportError, RuntimeError, AttributeError):
         return False
@@ -154,8 +158,6 @@ class ChunkedRowwiseLinear(nn.Linear):
     overlap_chunks: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor, Shard
-
         if isinstance(x, DTensor):
             x = x.redistribute(x.device_mesh, [Shard(-1)]).to_local()
         w: Any = self.weight
@@ -176,8 +178,6 @@ class ChunkedRowwiseParallel(ParallelStyle):
         self.chunks = max(1, int(chunks))
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
         if not isinstance(module, nn.Linear):
             raise TypeError(f"chunked-overlap shards nn.Linear layers, not {type(module).__name__}")
         src = getattr(self, "src_data_rank", 0)

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+import psutil
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -301,10 +302,6 @@ def shutdown_ray(owned: bool) -> None:
 
 def _wait_children_gone(timeout: float) -> None:
     """Wait until this process's Ray child processes (raylet, gcs_server, ...) have exited."""
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        return
     deadline = time.monotonic() + timeout
     me = psutil.Process()
     while time.monotonic() < deadline:

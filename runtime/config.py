@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from engine.crossover import MODES, Mode
+from engine.errors import TaskError
 from runtime.runner import CrossoverLaunchError, LaunchError
 from runtime.worker.config import OPTIMIZERS, P2P_MATCHING, OptimizerName, P2PMatching
+from tasks import check_task_name
 
 #: ``device``: ``"auto"`` (NCCL on GPUs when the cluster has one per rank, else gloo on CPU),
 #: ``"cpu"`` or ``"cuda"``.
@@ -161,9 +163,6 @@ class LaunchConfig(_ClusterConfig):
                 raise LaunchError(f"unknown p2p_matching {self.p2p_matching!r}; use one of "
                                   f"{_choices(P2P_MATCHING)}", kind="setup")
         if self.task is not None:
-            from engine.errors import TaskError
-            from tasks import check_task_name
-
             try:
                 check_task_name(self.task)
             except TaskError as e:

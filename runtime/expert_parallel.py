@@ -34,6 +34,10 @@ all-to-alls as communication blocks. Sources: GShard (Lepikhin et al. 2020) dens
 """
 from __future__ import annotations
 
+import copy
+import os
+import shutil
+import tempfile
 import time
 from typing import cast
 
@@ -156,9 +160,6 @@ def gloo_supports_all_to_all() -> bool:
     unavailable or the collective raises (then all-to-all would have to be emulated, e.g. with
     ``all_gather``, which moves ``P`` times the bytes).
     """
-    import os
-    import shutil
-    import tempfile
     if not dist.is_available() or not dist.is_gloo_available():
         return False
     if dist.is_initialized():
@@ -242,7 +243,6 @@ class ExpertParallelMoE(MoEFeedForward):
 
         The dense layer is left untouched, so a test can compare both.
         """
-        import copy
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         e = layer.gate.num_experts
         if e % world:

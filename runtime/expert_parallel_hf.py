@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.errors import TesselError
+from engine.models.moe.hf_moe import is_hf_moe_block
 from runtime.expert_parallel import _EXPERT_ATTR, VariableAllToAll, variable_all_to_all
 
 __all__ = ["HFExpertParallel", "HFExpertParallelError", "VariableAllToAll", "hf_expert_parallelize",
@@ -244,8 +245,6 @@ def hf_expert_parallelize(model: nn.Module, group: Any = None) -> list[tuple[str
     Raises:
         HFExpertParallelError: see :meth:`HFExpertParallel.from_experts`.
     """
-    from engine.models.moe.hf_moe import is_hf_moe_block
-
     blocks = [(n, m) for n, m in model.named_modules()
               if is_hf_moe_block(m) and not isinstance(m.experts, HFExpertParallel)]
     out = []

@@ -81,19 +81,23 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence, cast
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Sequence, cast
 
-from engine.errors import TesselError
+from engine.errors import TaskError, TesselError
+from engine.io import Plan, write_trace
+from engine.models import task_for_plan
+from engine.plan.check import check_plan
+from engine.plan.metrics import predict
 from runtime import cluster as _cluster
+from runtime import worker as _worker
+from runtime.checkpoint import step_dir_name
 from runtime.config import LaunchConfig, check_optimizer
 from runtime.launch_result import LaunchResult, finish_times, merge_moe_metrics, merge_timeline
 from runtime.runner import LaunchError, LaunchFailure, LaunchInterrupted, Runner, as_plan
 from runtime.session import StepReport, TrainingCallback, TrainingSession, restore_checkpoint, resume_point
+from runtime.stages import check_executable, check_transforms
 from runtime.worker.config import OptimizerName, WorkerConfig
-
-if TYPE_CHECKING:  # pragma: no cover
-    from engine.io import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +135,6 @@ def check_launchable(plan: Plan, *, name: str = "the plan") -> None:
         engine.errors.TesselError: a parallel degree that is not a positive integer
             (``ParallelConfig.check``).
     """
-    from engine.plan.check import check_plan
-
     check_plan(plan, name=name)
 
 
@@ -202,8 +204,6 @@ def _stop_on_sigint() -> Iterator[_StopRequest]:
 def _interrupted(session: TrainingSession, done: int) -> LaunchInterrupted:
     """The :class:`LaunchInterrupted` after ``done`` completed steps, their checkpoint written first
     (unless the cadence just wrote it, or the session has no checkpoint folder)."""
-    from runtime.checkpoint import step_dir_name
-
     path = session.checkpoint
     if session.checkpoint_dir is not None and (path is None or os.path.basename(path) != step_dir_name(done)):
         path = session.save(done)
@@ -281,14 +281,10 @@ def _measure(plan: Plan, loop: _Loop, *, ws: int, pp: int, steps: int, backend: 
              unit: str, units_per_step: int) -> dict:
     """The measured and predicted timelines' figures for :class:`LaunchResult` (and the trace); the
     prediction is ``engine.plan.metrics.predict``'s, the one every command prints."""
-    from engine.plan.metrics import predict
-
     timelines = [merge_timeline(r, pp) for r in loop.recent]
     timeline = (timelines[-1] if timelines else merge_timeline(loop.last_results, pp)) if loop.last_results else None
     trace_paths: dict[str, str] = {}
     if timeline is not None and trace_path is not None:
-        from engine.io import write_trace
-
         trace_paths["measured"] = str(write_trace(timeline, os.fspath(trace_path), metadata={
             "schedule": plan.schedule.name, "backend": backend, "step": steps - 1,
             "world_size": ws, "measured": True}))
@@ -347,7 +343,7 @@ def launch(
         engine.errors.ScheduleError: the plan fails :func:`check_launchable` (before Ray starts).
         CheckpointError: ``resume`` with a checkpoint of another plan or world size, or with no
             intact checkpoint (each damaged one is skipped with a warning naming the damaged file).
-        runtime.stage.RuntimeNotSupported: the plan uses multi-device blocks, a non-chain placement,
+        runtime.stages.RuntimeNotSupported: the plan uses multi-device blocks, a non-chain placement,
             tensor parallelism on a model without the layer split, or a CoCoNet transformation the
             runtime does not execute.
         engine.errors.PlanFormatError: a malformed plan file.
@@ -358,14 +354,8 @@ def launch(
     check_launchable(plan)  # a deadlock, a backward before its forward, ... refused before any Ray work
     par = plan.parallel
     dp, pp = par.dp, par.pp
-    from runtime.stage import RuntimeNotSupported, check_executable
-    from runtime.worker.config import EXECUTED_TRANSFORMS
-
     check_executable(plan)  # RuntimeNotSupported (a TesselError) before any Ray work: multi-device blocks, ...
-    missing = [t for t in par.transforms if t not in EXECUTED_TRANSFORMS]
-    if missing:
-        raise RuntimeNotSupported(f"the runtime does not execute the transformation {missing[0]!r} yet; plan without "
-                                  f"it (executed: {', '.join(sorted(EXECUTED_TRANSFORMS)) or 'none'})")
+    check_transforms(par.transforms)
     ws = dp * par.tp * pp   # one actor per (replica, tensor rank, pipeline rank)
     m = par.micro_batches
     mbs = plan.model.micro_batch_size
@@ -378,9 +368,7 @@ def launch(
     ck, last_ck = resume_point(config.checkpoint_dir, resume=config.resume, plan=plan, world_size=ws, steps=steps,
                                optimizer=optimizer, error=lambda msg, **kw: LaunchError(msg, kind="setup", **kw))
     if worker_cls is None:
-        from runtime.worker import StageWorker
-
-        worker_cls = StageWorker
+        worker_cls = _worker.StageWorker   # looked up now: tests substitute runtime.worker.StageWorker
     owned = False
     pool = None
     started = False
@@ -440,11 +428,6 @@ def _plan_task(plan: Plan, config: LaunchConfig) -> tuple[Plan, Any]:
     Raises:
         LaunchError: (``kind="setup"``) the task is unknown or does not fit the model.
     """
-    from dataclasses import replace
-
-    from engine.errors import TaskError
-    from engine.models import task_for_plan
-
     if config.task is not None and config.task != plan.model.task:
         plan = replace(plan, model=replace(plan.model, task=config.task))
     try:

@@ -42,6 +42,8 @@ import torch
 from torch import nn
 
 from engine.models.gpt import GPT, GPTConfig, lm_loss
+from engine.models.moe.gpt_moe import GPTMoE, GPTMoEConfig
+from engine.models.moe.layer import MoEFeedForward
 from runtime.data import ByteCorpus
 from tasks.text import split_rows, token_loss
 
@@ -52,7 +54,6 @@ __all__ = ["MoETrainResult", "train_moe", "build_tiny", "dense_tiny_config", "TI
 
 
 def _moe_layers(model: nn.Module) -> list:
-    from engine.models.moe.layer import MoEFeedForward
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
@@ -149,7 +150,6 @@ def build_tiny(name: str, **gate_kw) -> nn.Module:
         if gate_kw:
             raise ValueError(f"the dense model takes no gate arguments, got {sorted(gate_kw)}")
         return GPT(dense_tiny_config())
-    from engine.models.moe.gpt_moe import GPTMoE, GPTMoEConfig
     cfg = GPTMoEConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=128,
                        num_experts=4, gate=gate, gate_kw=dict(gate_kw))
     return GPTMoE(cfg)
@@ -202,7 +202,6 @@ class MoETrainResult:
 
 
 def _active_params(model: nn.Module) -> int:
-    from engine.models.moe.layer import MoEFeedForward
     total = sum(p.numel() for p in model.parameters())
     for m in model.modules():
         if isinstance(m, MoEFeedForward):

@@ -1,7 +1,7 @@
 """Measure each segment's forward and backward time on this machine, as the runtime runs it.
 
 The engine's op profiler times aten ops one by one and takes backward as a multiple of
-forward; this module times the real stage modules (``runtime.stage.build_stages``) on one
+forward; this module times the real stage modules (``runtime.stages.build_stages``) on one
 micro-batch, forward and full backward, with one intra-op thread as every rank runs. Plug the
 result into the plan with :func:`engine.plan.calibrate.with_segment_times` for a prediction that
 carries the runtime's own overheads (Python dispatch, autograd, the real backward cost).
@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from runtime.stage import build_stages
+from runtime.stages import build_stages
 
 
 def measure_segment_times(plan, *, repeat: int = 5, warmup: int = 2, seed: int = 0, threads: int = 1
@@ -32,7 +32,7 @@ def measure_segment_times(plan, *, repeat: int = 5, warmup: int = 2, seed: int =
         segment's forward includes the cross-entropy loss.
 
     Raises:
-        RuntimeNotSupported: the plan cannot be executed by the runtime (see ``runtime.stage``).
+        RuntimeNotSupported: the plan cannot be executed by the runtime (see ``runtime.stages.checks``).
     """
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -2,7 +2,7 @@
 
 :func:`reference_losses` trains the plan's model, unsplit, in one process, with exactly the
 numerics a pipelined run must reproduce: the same seed (``torch.manual_seed(seed)`` right before
-the model is built, as in :func:`runtime.stage.build_stages`), float32, the same micro-batches,
+the model is built, as in :func:`runtime.stages.build_stages`), float32, the same micro-batches,
 gradient accumulation of ``loss_j / n`` over the ``n = dp * m`` micro-batches of a batch (one
 backward per micro-batch, in order), then one optimizer step per batch.
 
@@ -16,7 +16,7 @@ explicit attention mask vs the eager ``is_causal`` path), far below ``rtol=1e-4`
 AdamA (``optimizer="adama"``, :class:`runtime.adama.AdamA`): every micro-batch backward is of
 ``loss_j / (dp*m)`` and each parameter's gradient is folded into ``m``/``v`` by a
 post-accumulate-grad hook as soon as it is accumulated, EXCEPT the parameters the pipeline holds
-as separate tied copies in two or more segments (:func:`runtime.stage.tied_groups`, e.g. GPT-2's
+as separate tied copies in two or more segments (:func:`runtime.stages.tied_groups`, e.g. GPT-2's
 ``wte``/``lm_head`` split across segments): those keep their gradient over the whole batch and are
 folded once before ``step()``, which is what :class:`runtime.worker.StageWorker` does (their
 gradient is the sum over copies, known only at the end of the step). A plan whose tied weight
@@ -42,9 +42,17 @@ micro_batch_size)``), or, for causal-lm, the legacy int64 ``[rows, seq_len + 1]`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+from engine.models import build_model, task_for_plan
+from runtime.adama import AdamA
+from runtime.moe_train import advance_gates, has_moe, lm_objective, moe_metrics
+from runtime.stages import tied_groups
+from runtime.worker.batches import as_batch_tuple
+from runtime.worker.errors import WorkerError
 
 __all__ = ["reference_losses", "reference_run", "ReferenceRun"]
 
@@ -108,11 +116,6 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
 
     Same arguments and errors as :func:`reference_losses`; returns a :class:`ReferenceRun`.
     """
-    from engine.models import build_model, task_for_plan
-    from runtime.moe_train import advance_gates, has_moe, lm_objective, moe_metrics
-    from runtime.worker.batches import as_batch_tuple
-    from runtime.worker.errors import WorkerError
-
     if optimizer not in ("adam", "adama", "sgd"):
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of 'adam', 'adama', 'sgd'")
     mbs = plan.model.micro_batch_size
@@ -168,8 +171,6 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
 
 def _mean(metrics: list[dict]) -> dict:
     """Mean of per-micro-batch metric dicts (keys with a finite value in every dict)."""
-    import math
-
     keys = ("temperature", "experts_per_token", "load_cv", "dropped_fraction", "balance_loss")
     return {k: sum(d[k] for d in metrics) / len(metrics) for k in keys
             if metrics and all(k in d and math.isfinite(d[k]) for d in metrics)}
@@ -178,13 +179,10 @@ def _mean(metrics: list[dict]) -> dict:
 def _adama(plan, model, *, seed: int, lr: float, kw: dict):
     """AdamA over ``model`` with the pipeline's folding split: ``(optimizer, unfolded params)``.
 
-    The parameters that :func:`runtime.stage.tied_groups` reports as copies in two or more
+    The parameters that :func:`runtime.stages.tied_groups` reports as copies in two or more
     segments (matched by name; in the unsplit model the names are aliases of one parameter) go to
     a second param group without a fold hook; every other parameter folds in its own hook.
     """
-    from runtime.adama import AdamA
-    from runtime.stage import tied_groups
-
     with torch.random.fork_rng(devices=[]):   # tied_groups builds (and seeds) its own copy
         tied_names = {name for group in tied_groups(plan, seed=seed) for _, name in group}
     aliases: dict[int, list[str]] = {}

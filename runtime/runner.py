@@ -28,9 +28,9 @@ import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.errors import CrossoverError, RunError, TesselError
+from engine.io import Plan, load_plan
 
 if TYPE_CHECKING:  # pragma: no cover
-    from engine.io import Plan
     from runtime.cluster import ActorPool
 
 __all__ = ["CrossoverLaunchError", "CrossoverLaunchFailure", "LaunchError", "LaunchFailure", "LaunchInterrupted",
@@ -126,8 +126,6 @@ def as_plan(plan: Any, *, caller: str = "launch") -> Plan:
         TypeError: ``plan`` is none of these (the message names ``caller``).
         engine.errors.PlanFormatError: a malformed plan dict or file.
     """
-    from engine.io import Plan, load_plan
-
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):

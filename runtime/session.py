@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from runtime import checkpoint as _ckpt
+from runtime.runner import LaunchFailure
 
 if TYPE_CHECKING:  # pragma: no cover
     from runtime.runner import Runner
@@ -416,8 +417,6 @@ class TrainingSession:
                                          extra={"losses": self.history, "val_losses": self.val_history, **self.meta},
                                          keep=self.keep_checkpoints)
         except OSError as e:
-            from runtime.runner import LaunchFailure
-
             kept = f"; the last checkpoint {self.checkpoint} is kept" if self.checkpoint else ""
             raise LaunchFailure(f"the checkpoint after {done} steps could not be written to {self.checkpoint_dir} "
                                 f"({e.strerror or e}){kept}; free space or fix the folder's permissions and resume",

@@ -1,6 +1,6 @@
 """Tensor parallelism inside a pipeline stage, with ``torch.distributed.tensor`` (DTensor).
 
-A stage of a ``tp > 1`` plan is an eager decoder stage (:mod:`runtime.stage_layers`) run by the
+A stage of a ``tp > 1`` plan is an eager decoder stage (:mod:`runtime.stages.layer_split`) run by the
 ``tp`` ranks of its tensor-parallel group; :func:`apply_tensor_parallel` shards it over their
 1-D :class:`~torch.distributed.device_mesh.DeviceMesh` with
 ``torch.distributed.tensor.parallel.parallelize_module``, Megatron-LM style, as torchtitan's
@@ -49,7 +49,7 @@ change the plan :func:`stage_tp_plan` builds:
   lookups of all ``T`` positions are reduce-scattered to ``Shard(0)``, this rank's ``T/tp``
   positions), a Hugging Face decoder as a ``Shard(1)`` ``DTensor`` of the global shape (its model
   builds the causal mask and the rotary tables from the hidden state's shape), which the stage
-  unwraps at its output and wraps back at its input (:class:`runtime.stage_layers.HFDecoderStage`),
+  unwraps at its output and wraps back at its input (:class:`runtime.stages.layer_split.HFDecoderStage`),
   so a pipeline boundary carries the local ``[B, T/tp, H]`` shard.
 - ``chunked-overlap`` (CoCoNet section 4): every row-parallel layer runs as
   :class:`runtime.chunked_overlap.ChunkedRowwiseParallel`, its matmul and all-reduce pipelined over
@@ -67,8 +67,19 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from engine.errors import TesselError
+from engine.models.gpt import CausalSelfAttention
+from runtime.chunked_overlap import ChunkedRowwiseParallel
+from runtime.stages.layer_split import GPTStage, HFDecoderStage
 
 __all__ = ["GPT_SP_PLAN", "GPT_TP_PLAN", "HF_SP_PLAN", "TensorParallelError", "apply_tensor_parallel",
            "coconet_tp_refusal", "has_lm_head", "local_grad", "local_tensor", "shard_dims", "shard_view",
@@ -143,11 +154,7 @@ def has_lm_head(stage: nn.Module) -> bool:
 
 def _family_plan(stage: Any) -> tuple[dict[str, str], str, str, dict[str, int]]:
     """(block plan, embedding path, head path, sizes that must divide by tp) of a stage."""
-    from runtime.stage_layers import GPTStage, HFDecoderStage
-
     if isinstance(stage, GPTStage):
-        from engine.models.gpt import CausalSelfAttention
-
         heads = [m.n_head for m in stage.modules() if isinstance(m, CausalSelfAttention)]
         return dict(GPT_TP_PLAN), "transformer.wte", "lm_head", {"attention heads": heads[0]} if heads else {}
     if isinstance(stage, HFDecoderStage):
@@ -185,11 +192,6 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
             decoder layers are not laid out as Llama's, or both ``sequence_parallel`` and
             ``overlap_chunks``.
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-
-    from runtime.stage_layers import HFDecoderStage
-
     block_plan, embed, head, sizes = _family_plan(stage)
     for what, n in sizes.items():
         if n % tp:
@@ -207,8 +209,6 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
 
     def rowwise() -> Any:
         if overlap_chunks:
-            from runtime.chunked_overlap import ChunkedRowwiseParallel
-
             return ChunkedRowwiseParallel(overlap_chunks)
         if sequence_parallel:   # reduce-scatter over the sequence; GPT keeps its residual stream local
             return RowwiseParallel(output_layouts=Shard(1), use_local_output=not hf)
@@ -283,8 +283,6 @@ def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False
     Raises:
         TensorParallelError: see :func:`stage_tp_plan`.
     """
-    from torch.distributed.tensor.parallel import parallelize_module
-
     tp = mesh.size()
     plan = stage_tp_plan(stage, tp, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel,
                          overlap_chunks=overlap_chunks)
@@ -311,8 +309,6 @@ def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False
 
 def shard_dims(module: nn.Module) -> dict[str, int]:
     """``{state_dict key: dim}`` of every DTensor parameter of ``module`` sharded on one dim."""
-    from torch.distributed.tensor import DTensor, Shard
-
     out: dict[str, int] = {}
     for k, v in module.state_dict(keep_vars=True).items():
         if isinstance(v, DTensor):
@@ -349,8 +345,6 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
 def shard_view(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The slice of ``full`` (shaped like ``p``'s global shape) that ``p``'s local shard covers
     (``torch.chunk`` along its ``Shard`` dim, DTensor's layout); ``full`` itself for a plain tensor."""
-    from torch.distributed.tensor import Shard
-
     if local_tensor(p) is p:
         return full
     d: Any = p
@@ -376,8 +370,6 @@ def from_local_state(state: dict[str, torch.Tensor], like: dict[str, torch.Tenso
     """Inverse of :func:`to_local_state` for a module ``state_dict``: each entry whose counterpart in
     ``like`` (``module.state_dict(keep_vars=True)``) is a DTensor becomes a DTensor with the same mesh
     and placements around the saved local shard."""
-    from torch.distributed.tensor import DTensor
-
     out = {}
     for k, v in state.items():
         ref = like.get(k)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy"]
@@ -75,8 +76,6 @@ def vocab_parallel_cross_entropy(logits: Any, target: torch.Tensor, *, ignore_in
     Raises:
         ValueError: another ``reduction``, or logits that are not 2-D and sharded on dim 1.
     """
-    from torch.distributed.tensor import Shard
-
     placements = tuple(getattr(logits, "placements", ()))
     if logits.dim() != 2 or placements != (Shard(1),):
         raise ValueError(f"vocab-parallel cross-entropy needs 2-D logits sharded on dim 1, got shape "
@@ -105,8 +104,6 @@ def _plain_class_targets(args: tuple, kwargs: dict) -> bool:
         return False
     if not isinstance(target, torch.Tensor) or target.dtype != torch.long or target.dim() != 1:
         return False
-    from torch.distributed.tensor import DTensor, Shard
-
     return (isinstance(logits, DTensor) and logits.dim() == 2 and not isinstance(target, DTensor)
             and tuple(logits.placements) == (Shard(1),))
 

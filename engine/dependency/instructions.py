@@ -142,7 +142,7 @@ class Instruction:
 @dataclass(frozen=True)
 class TiedGroup:
     """Parameters shared by several segments (one copy per segment), whose gradients are summed
-    across the copies at the optimizer step (``runtime.stage.PipelineStages.tied``).
+    across the copies at the optimizer step (``runtime.stages.PipelineStages.tied``).
 
     Attributes:
         members: ``(segment, parameter name)`` of every copy, sorted, e.g.

@@ -1,7 +1,7 @@
 """Node -> layer attribution of a traced ``torch.fx`` graph, shared by the capture and the stage split.
 
 The planner (:func:`engine.graph.capture.capture`) cuts a model into segments of *layers*, and the
-runtime (``runtime.stage``) cuts the exported graph of the same model at the same layers, so both
+runtime (``runtime.stages``) cuts the exported graph of the same model at the same layers, so both
 must attribute every op to the same layer. The rules (also in :mod:`engine.graph.capture`):
 
 * an op's module is the innermost entry of its FX ``nn_module_stack`` meta;

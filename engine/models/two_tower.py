@@ -9,7 +9,7 @@ baselines, Husain et al., 2019). The towers are independent until the head, so e
 its own devices; the head needs both embeddings.
 
 Module paths (what the planner's layers and the runtime's layer split read,
-:func:`engine.split.supports_layer_split`, ``runtime.stage_layers.split_two_towers``):
+:func:`engine.split.supports_layer_split`, ``runtime.stages.layer_split.split_two_towers``):
 
 - ``text.wte`` / ``code.wte``: byte embeddings ``[vocab, n_embd]``; ``text.wpe`` / ``code.wpe``:
   positions ``[block_size, n_embd]``;
@@ -73,7 +73,7 @@ class Tower(nn.Module):
     """One encoder: byte ids ``[B, T]`` (int64) -> embedding ``[B, proj_dim]``.
 
     Embeddings (``wte`` + ``wpe``), ``n_layer`` bidirectional blocks (``h``), ``ln_f``, the mean over
-    the ``T`` positions, and ``proj``. ``runtime.stage_layers.TowerStage`` runs a contiguous run of
+    the ``T`` positions, and ``proj``. ``runtime.stages.layer_split.TowerStage`` runs a contiguous run of
     it with exactly these operations.
 
     Raises:

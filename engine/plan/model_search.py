@@ -93,7 +93,7 @@ class SearchPlan:
 
 def _tied_groups(module: Any, parts: list[dict], num_segments: int) -> tuple[list[dict], list]:
     """The segments of a search plan's ``parts`` and their tied-weight groups, as
-    ``runtime.stage.build_stages`` builds them.
+    ``runtime.stages.build_stages`` builds them.
 
     The model's own tied parameters (GPT-2's ``wte``/``lm_head``) are held by every part whose
     layers contain them (:func:`engine.transform.tied_parameter_groups`); each holder but the first
@@ -231,7 +231,7 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
 
     A placement with multi-device blocks or model replicas (X) records ``split="layers"`` where the
     model has the layer split (:func:`engine.split.supports_layer_split`); other models keep their usual split and
-    ``runtime.stage.check_executable`` refuses to launch them, naming the block.
+    ``runtime.stages.check_executable`` refuses to launch them, naming the block.
     """
     spec = find_shape(shape)
     if spec is None:

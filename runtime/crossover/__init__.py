@@ -20,6 +20,7 @@ runtime); a failed co-located launch raises its subclass ``CrossoverLaunchError`
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from engine.crossover import MODES
@@ -63,7 +64,5 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'runtime.crossover' has no attribute {name!r}")

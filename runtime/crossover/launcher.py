@@ -64,14 +64,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from runtime import checkpoint as _ckpt
 from runtime import cluster as _cluster
 from runtime.config import CrossoverConfig, check_optimizer, per_job
 from runtime.crossover.actor import CrossoverActor
 from runtime.crossover.result import CrossoverJobResult, CrossoverResult, job_label, job_timeline, run_timeline
 from runtime.crossover.token import TokenInterval
+from runtime.data import ByteCorpus
 from runtime.runner import CrossoverLaunchError, CrossoverLaunchFailure, LaunchError, LaunchFailure, Runner, as_plan
 from runtime.session import StepReport, TrainingCallback, TrainingSession, restore_checkpoint, resume_point
+from runtime.stages import check_executable
 
 __all__ = ["CrossoverJobResult", "CrossoverResult", "launch_crossover"]
 
@@ -108,10 +112,8 @@ def _check_plans(loaded: list, names: list[str]) -> int:
 
     Raises:
         CrossoverLaunchError: a pipeline plan, different world sizes, a model without ``seq_len``.
-        runtime.stage.RuntimeNotSupported: a plan the runtime cannot execute.
+        runtime.stages.RuntimeNotSupported: a plan the runtime cannot execute.
     """
-    from runtime.stage import check_executable
-
     ws = None
     for j, plan in enumerate(loaded):
         check_executable(plan)
@@ -193,8 +195,6 @@ def _start_actors(js: _Jobs, config: CrossoverConfig) -> tuple[_cluster.ActorPoo
     Raises:
         CrossoverLaunchError: (``kind="cluster"``) the cluster cannot host the jobs.
     """
-    import ray
-
     ws, step_timeout, fail_at = js.ws, config.step_timeout, js.fail_at
     job_specs = [{"plan": js.loaded[j].to_dict(), "seed": js.seeds[j], "lr": js.lrs[j],
                   "optimizer": js.optimizers[j]} for j in range(js.n)]
@@ -244,8 +244,6 @@ def _job_session(j: int, js: _Jobs, job: CrossoverJobResult, runner: Runner, ck:
                  config: CrossoverConfig, backend: str) -> TrainingSession:
     """Job ``j``'s :class:`TrainingSession`; its losses, validation losses and step times are the
     lists of its :class:`CrossoverJobResult` (so a failed job keeps its progress)."""
-    from runtime.data import ByteCorpus
-
     plan = js.loaded[j]
     par = plan.parallel
     m = par.micro_batches
@@ -310,8 +308,6 @@ def _run_job(session: TrainingSession, job: CrossoverJobResult, phase: _TimedPha
 
 def _token_records(pool: _cluster.ActorPool) -> tuple[list[TokenInterval], list[int]]:
     """Every device's compute sections (sorted by device, then acquisition) and most holders."""
-    import ray
-
     intervals: list[TokenInterval] = []
     max_holders: list[int] = []
     for a in pool.actors:
@@ -404,7 +400,7 @@ def launch_crossover(
             or a failed job (after the other jobs finished; ``.job``, ``.rank`` and ``.result``
             set) unless ``config.raise_on_failure`` is off.
         runtime.checkpoint.CheckpointError: ``resume`` from a checkpoint of another plan.
-        runtime.stage.RuntimeNotSupported: a plan the runtime cannot execute.
+        runtime.stages.RuntimeNotSupported: a plan the runtime cannot execute.
     """
     config = config if config is not None else CrossoverConfig()
     t_start = time.perf_counter()

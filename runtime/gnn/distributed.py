@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed import _functional_collectives as fc
 
 from engine.errors import GNNError
 from engine.gnn.models import GNNModel
@@ -308,8 +309,6 @@ class DistributedStreamedGNN:
         successor torch 2.13 names for ``torch.distributed.nn.functional.all_gather``); its backward
         is a sum reduce-scatter of the ranks' gradients (recorded as ``reducescatter`` of ``index``;
         the forward as ``allgather``)."""
-        from torch.distributed import _functional_collectives as fc
-
         counts = [hi - lo for lo, hi in self.row_ranges]
         width = max(counts)
         nbytes = self.partition.num_nodes * math.prod(own.shape[1:]) * own.element_size()

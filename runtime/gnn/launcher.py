@@ -43,15 +43,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import ray
 import torch
 
-from engine.errors import GNNError, TesselError
-from engine.gnn.plan import GNNPlan
+from engine.errors import CostModelError, GNNError, TesselError
+from engine.gnn.models import build_gnn
+from engine.gnn.partition import partition_for_model
+from engine.gnn.plan import GNNPlan, GraphStats, build_schedule, graph_from_spec, load_gnn_plan, partition_chunks
+from engine.gnn.simulate import simulate_gnn
 from engine.timeline import Event, Timeline
 from runtime import cluster as _cluster
-from runtime.gnn.distributed import owned_rows
+from runtime.gnn.distributed import OPTIMIZER, owned_rows
+from runtime.gnn.streaming import APPLY_VERTEX, APPLY_VERTEX_PRE
 from runtime.gnn.worker import DTYPES, GNNWorker
 from runtime.runner import LaunchError, Runner
+from tasks.graphs import graph_stats
 
 __all__ = ["GNNLaunchResult", "LaunchError", "as_gnn_plan", "launch_gnn", "measured_timeline"]
 
@@ -141,8 +147,6 @@ def as_gnn_plan(plan: Any) -> GNNPlan:
         TypeError: ``plan`` is none of these.
         engine.errors.PlanFormatError: a malformed plan (the message names the field path).
     """
-    from engine.gnn.plan import load_gnn_plan
-
     if isinstance(plan, GNNPlan):
         return plan
     if isinstance(plan, dict):
@@ -159,10 +163,6 @@ def _graph(plan: GNNPlan) -> Any:
         LaunchError: (``kind="setup"``) the plan names no graph, an unknown one, or one whose
             statistics are not the plan's.
     """
-    from engine.gnn.plan import graph_from_spec
-    from engine.gnn.plan_parts import GraphStats
-    from tasks.graphs import graph_stats
-
     if not plan.graph_spec:
         raise LaunchError("the GNN plan names no graph (graph.spec is empty, it was made from statistics), so there "
                           "is nothing to train on; re-plan with `tessel plan --gnn KIND --graph SPEC`.", kind="setup")
@@ -187,10 +187,6 @@ def _partition(plan: GNNPlan, edge_index: torch.Tensor) -> tuple[Any, str, bool]
         LaunchError: (``kind="setup"``) the intervals are not the plan's, or a plan counted on a
             partition (``chunk_source == "partition"``) whose chunk sizes neither order gives.
     """
-    from engine.gnn.models import build_gnn
-    from engine.gnn.partition import partition_for_model
-    from engine.gnn.plan import partition_chunks
-
     with torch.device("meta"):   # only the first layer's prepare_edges is needed: no weights
         model = build_gnn(plan.model)
     n = plan.graph.num_vertices
@@ -217,8 +213,6 @@ def _partition(plan: GNNPlan, edge_index: torch.Tensor) -> tuple[Any, str, bool]
 
 def _executed_plan(plan: GNNPlan, partition: Any) -> GNNPlan:
     """The plan with the real partition's chunk sizes (and the schedule over its non-empty chunks)."""
-    from engine.gnn.plan import build_schedule, partition_chunks
-
     _, chunks = partition_chunks(partition)
     if chunks == plan.chunk_edges:
         return plan
@@ -228,9 +222,6 @@ def _executed_plan(plan: GNNPlan, partition: Any) -> GNNPlan:
 
 def _event_name(layer: int, phase: str, i: int, j: int, kind: str, op: str) -> tuple[str, str]:
     """The Timeline ``(op, name)`` of a record, named as :mod:`engine.gnn.simulate` names its events."""
-    from runtime.gnn.distributed import OPTIMIZER
-    from runtime.gnn.streaming import APPLY_VERTEX, APPLY_VERTEX_PRE
-
     tag = f"L{layer}{phase}"
     if kind == "collective":
         if layer < 0:
@@ -285,8 +276,6 @@ def _calibrated(executed: GNNPlan, records: Sequence[Sequence[Any]], epoch_secon
     """The executed plan calibrated on one rank's chunk records of one epoch and that epoch's wall time
     (whose excess over the calibrated simulation, the collectives and the loss among it, becomes the
     cost model's epoch overhead); ``None``, logged, where it cannot be."""
-    from engine.errors import CostModelError
-
     usable = [r for r in records if r[4] in ("load", "compute") and int(r[0]) >= 0 and int(r[3]) >= 0]
     try:
         return executed.calibrated(usable, [epoch_seconds])
@@ -350,8 +339,6 @@ def launch_gnn(plan: Any, epochs: int | None = None, *, address: str | None = No
     pool = None
     clean = False
     try:
-        import ray
-
         owned = _cluster.init_ray(address)
         graph_ref, part_ref = ray.put(graph), ray.put(partition)
         plan_dict = plan.to_dict()
@@ -397,8 +384,6 @@ def launch_gnn(plan: Any, epochs: int | None = None, *, address: str | None = No
 def _result(plan: GNNPlan, executed: GNNPlan, outs: list[list[dict]], first: list[dict], final: dict,
             params: dict, **kw: Any) -> GNNLaunchResult:
     """The :class:`GNNLaunchResult` of the ranks' per-epoch answers."""
-    from engine.gnn.simulate import simulate_gnn
-
     last = outs[-1]
     timeline = measured_timeline([o["records"] for o in last], [o["memory_bytes"] for o in last])
     times = [max(o["seconds"] for o in res) for res in outs]

@@ -19,10 +19,13 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
 from engine.errors import GNNError
+from engine.gnn.models import build_gnn
+from engine.gnn.plan import GNNPlan
 from runtime.gnn.distributed import CollectiveRecord, DistributedStreamedGNN
 
 __all__ = ["DTYPES", "GNNWorker", "record_tuple"]
@@ -43,10 +46,8 @@ def record_tuple(rec: Any, t0: float) -> tuple:
 def _rss_bytes() -> int:
     """Resident bytes of this process (``psutil``)."""
     try:
-        import psutil
-
         return int(psutil.Process(os.getpid()).memory_info().rss)
-    except Exception:  # pragma: no cover - psutil is a dependency
+    except Exception:  # pragma: no cover - the process table cannot be read
         return 0
 
 
@@ -94,9 +95,6 @@ class GNNWorker:
         Raises:
             GNNError: an unknown dtype, or the plan / partition the executor refuses.
         """
-        from engine.gnn.models import build_gnn
-        from engine.gnn.plan import GNNPlan
-
         if self.dtype not in DTYPES:
             raise GNNError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
         dtype = DTYPES[self.dtype]

@@ -23,7 +23,7 @@ class ReceiveBuffers:
             ``s`` (segment ``s`` -> ``s + 1``) of its micro-batch; a ``RECV`` of a backward
             (``B``/``I``) block of segment ``s`` gets the gradient buffers (the boundary tensors
             with ``requires_grad``) of boundary ``s - 1``.
-        boundaries: per boundary, the tensors' metadata (``runtime.stage`` boundary metas).
+        boundaries: per boundary, the tensors' metadata (:class:`runtime.stages.TensorMeta`).
         empty: allocates an uninitialised tensor for one metadata (on the worker's device).
         grad_boundary: for a ``RECV`` of the backward of segment ``c``, the producer segment whose
             output gradients it carries to this rank (default ``c - 1``: a chain).

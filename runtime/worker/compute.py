@@ -1,36 +1,35 @@
 """The compute instructions of a stage worker: stage forward (``F``), full backward (``B``) and
 the zero-bubble split backward (``I`` input gradients, ``W`` weight gradients), with the task's
-loss (``StageWorker.task.loss``: cross-entropy for the language tasks), the MoE aux losses and
-activation accounting (``docs/runtime-worker.md``, "What a rank does in a step")."""
+loss (:attr:`ExecContext.loss <runtime.worker.context.ExecContext.loss>`: cross-entropy for the
+language tasks), the MoE aux losses and activation accounting (``docs/runtime-worker.md``, "What a
+rank does in a step"). Every function reads the rank's :class:`~runtime.worker.context.ExecContext`."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.tensor.parallel import loss_parallel
 
+from runtime.vocab_parallel_loss import VocabParallelCrossEntropy
+from runtime.worker.context import ExecContext
 from runtime.worker.metrics import metric_floats
 from runtime.worker.step_state import StepState
-
-if TYPE_CHECKING:
-    from runtime.worker.stage_worker import StageWorker
 
 __all__ = ["backward", "backward_input", "backward_weight", "forward", "loss_context", "loss_value"]
 
 
-def loss_context(w: StageWorker, s: int) -> contextlib.AbstractContextManager:
-    """For a segment whose LM head keeps its logits vocab-sharded (``w.loss_parallel_segments``):
-    the task's cross-entropy and its backward run on the shards, all-reducing only the softmax
-    statistics (:class:`runtime.vocab_parallel_loss.VocabParallelCrossEntropy`, Megatron's
-    vocab-parallel loss, for plain ``F.cross_entropy``; ``torch.distributed.tensor.parallel.
-    loss_parallel()`` for any other use of the sharded logits); a no-op context otherwise."""
-    if s not in w.loss_parallel_segments:
+def loss_context(vocab_sharded: bool) -> contextlib.AbstractContextManager:
+    """For a segment whose LM head keeps its logits vocab-sharded (``vocab_sharded``, a segment of
+    :attr:`LocalStages.loss_parallel <runtime.worker.context.LocalStages.loss_parallel>`): the task's
+    cross-entropy and its backward run on the shards, all-reducing only the softmax statistics
+    (:class:`runtime.vocab_parallel_loss.VocabParallelCrossEntropy`, Megatron's vocab-parallel loss,
+    for plain ``F.cross_entropy``; ``torch.distributed.tensor.parallel.loss_parallel()`` for any
+    other use of the sharded logits); a no-op context otherwise."""
+    if not vocab_sharded:
         return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from runtime.vocab_parallel_loss import VocabParallelCrossEntropy
-
     stack = contextlib.ExitStack()
     stack.enter_context(loss_parallel())
     stack.enter_context(VocabParallelCrossEntropy())
@@ -43,60 +42,61 @@ def loss_value(loss: torch.Tensor) -> float:
     return float((to_local() if to_local is not None else loss).detach())
 
 
-def forward(w: StageWorker, s: int, j: int, st: StepState) -> None:
+def forward(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     """``F`` of segment ``s``, micro-batch ``j``: inputs are the model inputs (a segment no forward
     feeds: the task's input tensors of the micro-batch, in ``task.input_names`` order, or the ones
-    the plan gives it, ``w.seg_inputs``), else the outputs of its producers (``w.preds[s]``, in
+    the plan gives it, ``flow.seg_inputs``), else the outputs of its producers (``flow.preds[s]``, in
     order: the previous segment of a chain; K's loss block: both branches' ends), each from the
     receive buffers (producer elsewhere) or the producer's local detached outputs; keeps the
     context its backward needs and counts the saved activations."""
-    if s in w.input_segments:
-        row = st.model_inputs[w.data_index(s, j)]
-        ins: tuple = tuple(row[k] for k in w.seg_inputs[s]) if s in w.seg_inputs else tuple(row)
+    flow = ctx.flow
+    if s in flow.input_segments:
+        row = st.model_inputs[flow.data_index(s, j)]
+        ins: tuple = tuple(row[k] for k in flow.seg_inputs[s]) if s in flow.seg_inputs else tuple(row)
     else:
         parts: list = []
-        for p in w.preds[s]:
-            src = w.buffers.act.get((p, j))
+        for p in flow.preds[s]:
+            src = ctx.transport.buffers.act.get((p, j))
             if src is None:                       # the producer ran on this rank
                 src = st.outputs.pop((p, j))
             parts.extend(t.detach().requires_grad_(True) if meta.requires_grad else t.detach()
-                         for t, meta in zip(src, w.boundaries[p]))
+                         for t, meta in zip(src, flow.boundaries[p]))
         ins = tuple(parts)
-    meter = w.meter
-    if w.config.track_activations and s not in meter.per_segment:
+    meter = ctx.meter
+    if ctx.track_activations and s not in meter.per_segment:
         with meter.hooks():   # the step's first forward of this segment: count what it saves
-            outs, loss, aux = _run_stage(w, s, j, ins, st)
+            outs, loss, aux = _run_stage(ctx, s, j, ins, st)
         meter.add((s, j), segment=s)
     else:
-        outs, loss, aux = _run_stage(w, s, j, ins, st)
-        if w.config.track_activations:   # static shapes: every micro-batch saves what the first did
+        outs, loss, aux = _run_stage(ctx, s, j, ins, st)
+        if ctx.track_activations:   # static shapes: every micro-batch saves what the first did
             meter.add((s, j), nbytes=meter.per_segment[s])
-    if s not in w.loss_segments:
+    if s not in flow.loss_segments:
         st.outputs[(s, j)] = outs
     st.ctx[(s, j)] = (ins, outs, loss, aux)
 
 
-def _run_stage(w: StageWorker, s: int, j: int, ins: tuple, st: StepState) -> tuple[Any, Any, Any]:
+def _run_stage(ctx: ExecContext, s: int, j: int, ins: tuple, st: StepState) -> tuple[Any, Any, Any]:
     """Run segment ``s`` on micro-batch ``j``: ``(outputs, scaled task loss or None, scaled MoE aux
     loss or None)``; a chain's last segment's loss is ``task.loss(outputs[0], *targets_d)`` for its data
-    micro-batch ``d = w.data_index(s, j)`` (X: each model replica carries its own micro-batch); scale
+    micro-batch ``d = flow.data_index(s, j)`` (X: each model replica carries its own micro-batch); scale
     ``1/m`` (``1/(dp*m)`` with AdamA, whose folded gradients are the single-process ``grad(loss / (dp * m))``)."""
-    outs = w.modules[s](*ins)
-    aux = _collect_moe(w, s, j, st)
-    if s not in w.loss_segments:
+    outs = ctx.local.modules[s](*ins)
+    aux = _collect_moe(ctx, s, j, st)
+    if s not in ctx.flow.loss_segments:
         return outs, None, aux
-    d = w.data_index(s, j)
-    with loss_context(w, s):
-        loss = w.task.loss(outs[0], *st.targets[d])
+    d = ctx.flow.data_index(s, j)
+    with loss_context(s in ctx.local.loss_parallel):
+        loss = ctx.loss(outs[0], *st.targets[d])
     st.losses[d] = loss_value(loss)
-    return outs, loss * w.loss_scale, aux
+    return outs, loss * ctx.loss_scale, aux
 
 
-def _collect_moe(w: StageWorker, s: int, j: int, st: StepState) -> torch.Tensor | None:
+def _collect_moe(ctx: ExecContext, s: int, j: int, st: StepState) -> torch.Tensor | None:
     """After segment ``s``'s forward of micro-batch ``j``: the sum of its MoE layers' aux
     (load-balancing) losses times the loss scale (``None`` without MoE layers), and their
     routing metrics into ``st.moe``. Drops the layers' references to the routing tensors."""
-    layers = w.moe_layers.get(s)
+    layers = ctx.local.moe_layers.get(s)
     if not layers:
         return None
     auxes = []
@@ -110,21 +110,22 @@ def _collect_moe(w: StageWorker, s: int, j: int, st: StepState) -> torch.Tensor 
         return None
     aux = torch.stack(auxes).sum()
     st.aux[(s, j)] = float(aux.detach())
-    return aux * w.loss_scale
+    return aux * ctx.loss_scale
 
 
-def _roots(w: StageWorker, s: int, j: int, st: StepState) -> tuple[list, list | None]:
+def _roots(ctx: ExecContext, s: int, j: int, st: StepState) -> tuple[list, list | None]:
     """(tensors, grad_tensors) the backward of (s, j) starts from."""
+    flow = ctx.flow
     _ins, outs, loss, aux = st.ctx[(s, j)]
-    if s in w.loss_segments:
+    if s in flow.loss_segments:
         return [loss if aux is None else loss + aux], None
-    grads = w.buffers.grad.get((s, j))
+    grads = ctx.transport.buffers.grad.get((s, j))
     if grads is None:                          # the consumer ran on this rank: its slice for s
-        c = w.succ[s]
+        c = flow.succ[s]
         assert c is not None   # only loss segments have no consumer
-        lo, hi = w.grad_slices[c][s]
+        lo, hi = flow.grad_slices[c][s]
         grads = st.in_grads[(c, j)][lo:hi]
-    tensors = [o for o, meta in zip(outs, w.boundaries[s]) if meta.requires_grad]
+    tensors = [o for o, meta in zip(outs, flow.boundaries[s]) if meta.requires_grad]
     grads = list(grads)
     if aux is not None:   # the stage's MoE aux loss is a second root of its backward
         tensors.append(aux)
@@ -132,55 +133,54 @@ def _roots(w: StageWorker, s: int, j: int, st: StepState) -> tuple[list, list | 
     return tensors, grads
 
 
-def _diff_inputs(w: StageWorker, s: int, ins: tuple) -> list:
-    if s in w.input_segments:
+def _diff_inputs(ctx: ExecContext, s: int, ins: tuple) -> list:
+    if s in ctx.flow.input_segments:
         return []
-    return [x for x, meta in zip(ins, w.in_metas[s]) if meta.requires_grad]
+    return [x for x, meta in zip(ins, ctx.flow.in_metas[s]) if meta.requires_grad]
 
 
-def backward(w: StageWorker, s: int, j: int, st: StepState) -> None:
+def backward(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     """``B``: ``torch.autograd.backward`` from the received (or local) output gradients (the
     scaled loss on the last segment); keeps the input gradients to send."""
-    tensors, grads = _roots(w, s, j, st)
+    tensors, grads = _roots(ctx, s, j, st)
     ins = st.ctx.pop((s, j))[0]
-    with loss_context(w, s):
+    with loss_context(s in ctx.local.loss_parallel):
         torch.autograd.backward(tensors, grads)
-    w.meter.free((s, j))
-    if s not in w.input_segments:
+    ctx.meter.free((s, j))
+    if s not in ctx.flow.input_segments:
         st.in_grads[(s, j)] = [x.grad if x.grad is not None else torch.zeros_like(x)
-                               for x in _diff_inputs(w, s, ins)]
+                               for x in _diff_inputs(ctx, s, ins)]
 
 
-def backward_input(w: StageWorker, s: int, j: int, st: StepState) -> None:
+def backward_input(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     """``I``: input gradients only (``torch.distributed.pipelining``'s ``stage_backward_input``);
     a segment without differentiable inputs leaves the whole backward to its ``W``."""
-    from torch.distributed.pipelining._backward import stage_backward_input
-    tensors, grads = _roots(w, s, j, st)
-    xs = _diff_inputs(w, s, st.ctx[(s, j)][0])
+    tensors, grads = _roots(ctx, s, j, st)
+    xs = _diff_inputs(ctx, s, st.ctx[(s, j)][0])
     if not xs:   # nothing to send (segment 0): W runs the whole backward
         st.wstate[(s, j)] = ("full", tensors, grads)
         return
-    with loss_context(w, s):
-        dinputs, groups = stage_backward_input(tensors, grads, xs, iter(w.seg_params[s]))
+    with loss_context(s in ctx.local.loss_parallel):
+        dinputs, groups = stage_backward_input(tensors, grads, xs, iter(ctx.local.params[s]))
     st.wstate[(s, j)] = ("groups", groups)
     st.in_grads[(s, j)] = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, dinputs)]
 
 
-def backward_weight(w: StageWorker, s: int, j: int, st: StepState) -> None:
+def backward_weight(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     """``W``: weight gradients (``stage_backward_weight``), or the full backward after a no-op ``I``;
     with AdamA the segment's folded parameters are folded explicitly (no hooks fire here)."""
-    from torch.distributed.pipelining._backward import stage_backward_weight
     state = st.wstate.pop((s, j))
+    sharded = s in ctx.local.loss_parallel
     if state[0] == "full":
-        with loss_context(w, s):
+        with loss_context(sharded):
             torch.autograd.backward(state[1], state[2])
     else:
         # retain_graph: torch's parameter groups can share graph nodes (T5's position bias feeds
         # every block; BERT's head); the first group's pass would free what the next one needs.
         # The graph is released when the context is dropped right below.
-        with loss_context(w, s):
-            stage_backward_weight(iter(w.seg_params[s]), state[1], retain_graph=True)
-        if w.opt.adama:   # stage_backward_weight assigns .grad without firing the fold hooks
-            w.opt.fold(w.opt.folded[s])
+        with loss_context(sharded):
+            stage_backward_weight(iter(ctx.local.params[s]), state[1], retain_graph=True)
+        if ctx.opt.adama:   # stage_backward_weight assigns .grad without firing the fold hooks
+            ctx.opt.fold(ctx.opt.folded[s])
     st.ctx.pop((s, j), None)
-    w.meter.free((s, j))
+    ctx.meter.free((s, j))

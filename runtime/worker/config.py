@@ -5,16 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, get_args
 
-__all__ = ["EXECUTED_TRANSFORMS", "OPTIMIZERS", "P2P_MATCHING", "Backend", "OptimizerName", "P2PMatching",
+__all__ = ["OPTIMIZERS", "P2P_MATCHING", "Backend", "OptimizerName", "P2PMatching",
            "WorkerConfig"]
-
-#: CoCoNet's transformations (``engine.coconet``) the stage worker executes; a plan with another
-#: one is refused at setup in one sentence. ``tp-split`` and ``chunked-overlap``:
-#: :mod:`runtime.tensor_parallel`, :mod:`runtime.chunked_overlap`; ``scatter-send``:
-#: :mod:`runtime.worker.tp_comm`; ``sharded-update`` and ``overlap-grad-sync``:
-#: :mod:`runtime.worker.grad_sync`, :mod:`runtime.worker.optimizer`.
-EXECUTED_TRANSFORMS: frozenset[str] = frozenset({"tp-split", "scatter-send", "chunked-overlap", "sharded-update",
-                                                  "overlap-grad-sync"})
 
 Backend = Literal["gloo", "nccl"]
 P2PMatching = Literal["auto", "tags", "ordered"]
@@ -36,7 +28,7 @@ class WorkerConfig:
 
     backend: Backend = "gloo"
     """``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors). Anything else is refused by setup
-    (:class:`~runtime.stage.RuntimeNotSupported`)."""
+    (:class:`~runtime.stages.RuntimeNotSupported`)."""
 
     device: str | None = None
     """``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``None``: ``"cuda"`` with ``nccl``, else ``"cpu"``.

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from runtime.stages import RuntimeNotSupported
 from runtime.worker.config import P2P_MATCHING
 from runtime.worker.errors import WorkerError
 
@@ -46,8 +47,6 @@ def resolve_device(backend: str, device_name: str, p2p_matching: str, sync_timin
         WorkerError: an unknown device or matching mode, nccl without CUDA, gloo with CUDA,
             tags with nccl, no usable GPU.
     """
-    from runtime.stage import RuntimeNotSupported
-
     if backend not in ("gloo", "nccl"):
         raise RuntimeNotSupported(f"backend {backend!r}: the stage worker runs 'gloo' (CPU tensors) or "
                                   "'nccl' (CUDA tensors)")
@@ -101,7 +100,7 @@ def cpu_copy(t: torch.Tensor) -> torch.Tensor:
 def module_to(module: torch.nn.Module, device: torch.device) -> None:
     """Move a stage module to ``device``, including its traced ``inner`` graph module.
 
-    A :class:`runtime.stage.StageModule` registers ``inner``'s own parameters and buffers on
+    A :class:`runtime.stages.StageModule` registers ``inner``'s own parameters and buffers on
     itself too (names stay unprefixed), so ``module.to()`` alone would leave ``inner``'s buffer
     slots on the old device (``Module._apply`` replaces buffers by new tensors); this moves both
     and re-links the outer slots to ``inner``'s tensors, and moves plain tensor attributes (traced

@@ -42,7 +42,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from engine.coconet import DEFAULT_GRAD_BUCKET_BYTES, gradient_buckets
 from engine.dependency import Instruction, Op
 from engine.timeline import Event
 from runtime.tensor_parallel import local_grad, local_tensor, shard_view
@@ -311,8 +313,6 @@ class GradientSync:
     def _build_buckets(self, stream: Sequence[Instruction], bucket_bytes: int | None) -> None:
         """Cut each bucketed segment's flat gradient buffer like the engine's lowering, find its last
         backward block in ``stream`` and register the gradient hooks."""
-        from engine.coconet import DEFAULT_GRAD_BUCKET_BYTES, gradient_buckets
-
         counts: dict[int, int] = {}
         first: dict[int, int] = {}
         for idx, ins in enumerate(stream):
@@ -562,7 +562,5 @@ def set_local_grad(p: torch.nn.Parameter, value: torch.Tensor) -> None:
     if local_tensor(p) is p:
         p.grad = value.clone()
     else:
-        from torch.distributed.tensor import DTensor
-
         d: Any = p
         p.grad = DTensor.from_local(value.clone(), d.device_mesh, d.placements, run_check=False)

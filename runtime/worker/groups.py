@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ProcessGroups", "build_groups", "connect_pairs", "init_default_group"]
 
@@ -103,8 +104,6 @@ def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Se
                 out.tied.append((i, g, tuple(pranks)))
     if pair_orders is not None:
         out.pairs = _pair_groups(rank, pp, dp * tp, seg_rank, pair_orders)
-    from torch.distributed.device_mesh import DeviceMesh
-
     for dset in sorted({d for d in devices.values() if len(d) > 1}):
         for v in range(dp * tp):
             ranks = [v * pp + d for d in dset]

@@ -6,20 +6,24 @@ in setup"."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Sequence
 
 from engine.dependency import Instruction, TiedGroup, lower
 from engine.models.moe.comm import find_moe_layers, moe_segment_collectives
 from engine.plan.lowering import plan_lower_options
 from runtime.tensor_parallel import local_tensor
-
-if TYPE_CHECKING:
-    from runtime.worker.stage_worker import StageWorker
+from runtime.worker.context import LocalStages, RankCoords
 
 __all__ = ["local_stream"]
 
 
-def local_stream(w: StageWorker, plan: Any, tied_bytes: list[int]) -> list[Instruction]:
+def _local_bytes(params: Sequence[Any]) -> int:
+    """Bytes of ``params`` on this rank (a tensor-parallel parameter counts its local shard)."""
+    return sum(local_tensor(p).numel() * p.element_size() for p in params)
+
+
+def local_stream(plan: Any, *, local: LocalStages, coords: RankCoords, tied: Sequence[Sequence[tuple[int, str]]],
+                 tied_bytes: Sequence[int], optimizer_name: str | None, tokens: int) -> list[Instruction]:
     """This pipeline rank's instruction stream (``engine.dependency.lower``): the plan's
     :class:`~engine.dependency.LowerOptions` (its CoCoNet transformations and bucket size, its
     segments' tensor-parallel collectives, ...) with what this worker actually built in place of
@@ -29,15 +33,24 @@ def local_stream(w: StageWorker, plan: Any, tied_bytes: list[int]) -> list[Instr
     markers with the engine's byte formula, ``engine.models.moe.comm.moe_segment_collectives``),
     the tied groups (a tied ``ALLREDUCE`` before ``OPTIM`` where their copies span pipeline
     ranks), the worker's ``dp``/``tp`` and optimizer. For a fresh plan this equals
-    ``engine.plan.lowering.lower_plan(plan)``'s stream of this rank."""
-    seg_bytes = {s: sum(local_tensor(p).numel() * p.element_size() for p in w.seg_params[s]) for s in w.segments}
-    ar_bytes = {s: sum(local_tensor(p).numel() * p.element_size() for p in w.dp_params[s]) for s in w.segments}
-    tokens = w.mbs * w.seq_len
-    alltoalls = {s: moe_segment_collectives(find_moe_layers(w.modules[s], tokens), w.ep, "F")
-                 for s in w.segments if w.moe_layers[s]} if w.ep > 1 else {}
-    tied = [TiedGroup(tuple(sorted((int(s), str(n)) for s, n in group)), int(nb))
-            for group, nb in zip(w.tied, tied_bytes)]
-    options = replace(plan_lower_options(plan), dp=w.dp, tp=w.tp, segment_param_bytes=seg_bytes,
-                      segment_allreduce_bytes=ar_bytes, alltoalls=alltoalls, tied=tied,
-                      optimizer_kind="adama" if w.optimizer_name == "adama" else "adam")
-    return lower(plan.schedule, options).streams[w.pp_rank]
+    ``engine.plan.lowering.lower_plan(plan)``'s stream of this rank.
+
+    Args:
+        plan: the loaded plan (:class:`engine.io.Plan`).
+        local: this rank's stage modules and their parameters.
+        coords: where this rank sits (``dp``, ``tp``, pipeline rank).
+        tied: each tied group's ``(segment, parameter name)`` members.
+        tied_bytes: bytes of one copy of each tied group (same order as ``tied``).
+        optimizer_name: the worker's optimizer (``adama`` lowers AdamA's state all-reduce).
+        tokens: tokens of one micro-batch (``micro_batch_size x seq_len``), for the all-to-all bytes.
+    """
+    seg_bytes = {s: _local_bytes(local.params[s]) for s in local.segments}
+    ar_bytes = {s: _local_bytes(local.dp_params[s]) for s in local.segments}
+    alltoalls = {s: moe_segment_collectives(find_moe_layers(local.modules[s], tokens), local.ep, "F")
+                 for s in local.segments if local.moe_layers[s]} if local.ep > 1 else {}
+    groups = [TiedGroup(tuple(sorted((int(s), str(n)) for s, n in group)), int(nb))
+              for group, nb in zip(tied, tied_bytes)]
+    options = replace(plan_lower_options(plan), dp=coords.dp, tp=coords.tp, segment_param_bytes=seg_bytes,
+                      segment_allreduce_bytes=ar_bytes, alltoalls=alltoalls, tied=groups,
+                      optimizer_kind="adama" if optimizer_name == "adama" else "adam")
+    return lower(plan.schedule, options).streams[coords.pp_rank]

@@ -7,6 +7,7 @@ import math
 import os
 from typing import Any
 
+import psutil
 import torch
 
 __all__ = ["ActivationMeter", "MemorySampler", "mean_metrics", "metric_floats", "rss"]
@@ -33,7 +34,6 @@ def rss() -> int:
         pass
     try:
         if _PROC is None or _PROC.pid != pid:
-            import psutil
             _PROC = psutil.Process(pid)
         return int(_PROC.memory_info().rss)
     except Exception:  # pragma: no cover - psutil is a dependency

@@ -19,7 +19,7 @@ import torch
 from engine.models.moe.hf_moe import is_hf_moe_block
 from engine.models.moe.layer import MoEFeedForward
 from runtime.expert_parallel import ExpertParallelMoE
-from runtime.expert_parallel_hf import HFExpertParallel
+from runtime.expert_parallel_hf import HFExpertParallel, HFExpertParallelError
 from runtime.worker.errors import WorkerError
 
 __all__ = ["expert_parallel_layers", "expert_parallelize", "has_moe"]
@@ -61,8 +61,6 @@ def expert_parallelize(modules: Mapping[int, torch.nn.Module], dp: int, ep_group
         WorkerError: a layer's expert count ``E`` is not divisible by ``dp``, or an HF block's
             experts use a layout :class:`HFExpertParallel` does not implement.
     """
-    from runtime.expert_parallel_hf import HFExpertParallelError
-
     for module in modules.values():
         for name, layer in [(n, m) for n, m in module.named_modules() if type(m) is MoEFeedForward]:
             e = layer.gate.num_experts

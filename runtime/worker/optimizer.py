@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from runtime.adama import AdamA
 from runtime.tensor_parallel import local_grad, local_tensor
 from runtime.worker.device import cpu_copy
 from runtime.worker.errors import WorkerError
@@ -200,8 +202,6 @@ class WorkerOptimizer:
 
     def _build_adama(self, lr: float, seg_params: dict[int, list[torch.nn.Parameter]], tied_ids: set[int], dp: int,
                      device: torch.device) -> None:
-        from runtime.adama import AdamA
-
         self._split_folded(seg_params, tied_ids)
         folded = [p for s in seg_params for p in self.folded[s]]
         unfolded = [p for s in seg_params for p in self.unfolded[s]]
@@ -223,8 +223,6 @@ class WorkerOptimizer:
         """``sharded-update``: one :class:`SegmentShard` per segment and the optimizer over their flat
         parameter shards; AdamA also gets its per-step :attr:`accumulator`. Raises
         :class:`WorkerError` for non-float32 parameters."""
-        from runtime.adama import AdamA
-
         for p in self.params:
             if p.dtype != torch.float32:
                 raise WorkerError(f"'sharded-update' keeps float32 parameter shards; a parameter of shape "
@@ -459,8 +457,6 @@ class WorkerOptimizer:
         if self.adama:
             self.bind_flat_states()
         if self._tp_sharded():
-            from torch.distributed.tensor import DTensor
-
             for p, state in self.optimizer.state.items():
                 if local_tensor(p) is p:
                     continue

@@ -14,6 +14,7 @@ torch.distributed ``isend``/``irecv``.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
 from runtime.worker.errors import WorkerError
@@ -71,8 +72,6 @@ def stream_messages(stream, peer: int, op: str, counts) -> list[Message]:
 def _first_mismatch(sent: list, expected: list) -> str | None:
     """``None`` when ``sent`` and ``expected`` hold the same messages (as multisets), else the
     first difference: in the sender's order, then in the receiver's."""
-    from collections import Counter
-
     have, need = Counter(sent), Counter(expected)
     if have == need:
         return None

@@ -1,5 +1,6 @@
 """StageWorker: one rank of a pipelined (and data-parallel) training run, composed of the
-package's parts (groups, p2p, buffers, optimizer, interpreter, metrics). Design and lifecycle:
+package's parts (groups, p2p, buffers, optimizer, interpreter, metrics), to which it hands the
+narrow state each uses (:mod:`runtime.worker.context`). Design and lifecycle:
 ``docs/runtime-worker.md``."""
 
 from __future__ import annotations
@@ -10,14 +11,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from engine.dependency import COMPUTE_OPS, Instruction, Op, lower
-from engine.models.moe.layer import MoEFeedForward
-from runtime.expert_parallel import ExpertParallelMoE, is_expert_param
-from runtime.tensor_parallel import apply_tensor_parallel, coconet_tp_refusal, has_lm_head, local_tensor
+from engine.io.plan import Plan
+from engine.models import task_for_plan
+from runtime.expert_parallel import ExpertParallelMoE
+from runtime.stages import RuntimeNotSupported, build_stages, check_executable, check_transforms, retarget_device
+from runtime.tensor_parallel import apply_tensor_parallel, coconet_tp_refusal, has_lm_head
 from runtime.worker.batches import MicroBatch, split_batch
 from runtime.worker.buffers import ReceiveBuffers
-from runtime.worker.config import EXECUTED_TRANSFORMS, OPTIMIZERS, WorkerConfig
+from runtime.worker.config import OPTIMIZERS, WorkerConfig
+from runtime.worker.context import ExecContext, LocalStages, RankCoords, Transport, empty_on
+from runtime.worker.dataflow import Dataflow
 from runtime.worker.device import module_to, resolve_device
 from runtime.worker.errors import WorkerError
 from runtime.worker.evaluation import evaluate_loss
@@ -25,11 +31,11 @@ from runtime.worker.grad_sync import GradientSync, TiedCopies, transform_refusal
 from runtime.worker.groups import ProcessGroups, build_groups, connect_pairs, init_default_group
 from runtime.worker.lowering import local_stream
 from runtime.worker.metrics import ActivationMeter, rss
-from runtime.worker.moe import expert_parallel_layers, expert_parallelize, has_moe
+from runtime.worker.moe import expert_parallelize, has_moe
 from runtime.worker.optimizer import WorkerOptimizer
 from runtime.worker.p2p import OrderedMatching, P2PMatcher, TagMatching
 from runtime.worker.p2p_order import check_own_stream, pair_send_orders
-from runtime.worker.state import load_worker_state, worker_state
+from runtime.worker.state import CheckpointSource, load_worker_state, worker_state
 from runtime.worker.training_step import run_step
 
 __all__ = ["StageWorker"]
@@ -67,7 +73,7 @@ class StageWorker:
         self._sync: Any = None
         self.p2p_mode = "tags"
 
-    # ------------------------------------------------------------------ views kept for callers and tests
+    # ------------------------------------------------------------------ views kept for callers, tests and lowering
     @property
     def optimizer(self) -> Any:
         """The ``torch.optim`` optimizer (``None`` without parameters)."""
@@ -91,6 +97,66 @@ class StageWorker:
     @property
     def _fold_hooks(self) -> list:
         return self.opt.fold_hooks
+
+    @property
+    def pp(self) -> int:
+        """Pipeline ranks."""
+        return self.coords.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas."""
+        return self.coords.dp
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel ranks per pipeline rank."""
+        return self.coords.tp
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline rank."""
+        return self.coords.pp_rank
+
+    @property
+    def dp_index(self) -> int:
+        """This rank's data-parallel replica."""
+        return self.coords.dp_index
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's tensor rank."""
+        return self.coords.tp_rank
+
+    @property
+    def segments(self) -> list[int]:
+        """The segments this rank runs."""
+        return self.local.segments
+
+    @property
+    def modules(self) -> dict[int, nn.Module]:
+        """Segment -> this rank's stage module."""
+        return self.local.modules
+
+    @property
+    def seg_params(self) -> dict[int, list[nn.Parameter]]:
+        """Segment -> its parameters."""
+        return self.local.params
+
+    @property
+    def dp_params(self) -> dict[int, list[nn.Parameter]]:
+        """Segment -> the parameters its data-parallel all-reduce averages."""
+        return self.local.dp_params
+
+    @property
+    def moe_layers(self) -> dict[int, list[tuple[str, Any]]]:
+        """Segment -> its MoE layers."""
+        return self.local.moe_layers
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel degree."""
+        return self.local.ep
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> dict:
@@ -120,65 +186,55 @@ class StageWorker:
         self.task = self._resolve_task(plan)
         init_default_group(self.config.backend, self.master_addr, self.master_port, self.rank, self.world_size,
                            float(self.config.timeout_s), self.device if self._cuda else None)
-        tied_bytes, removed = self._build_stages(plan)
-        self.moe_layers = {s: [(n, m) for n, m in self.modules[s].named_modules() if isinstance(m, MoEFeedForward)]
-                           for s in self.segments}
-        # ExpertParallelMoE layers and the HFExpertParallel experts of HF MoE blocks (their comm_log)
-        self.ep_layers: list[Any] = expert_parallel_layers(self.modules)
-        if self._cuda:
-            from runtime.stage import retarget_device
-            for s in self.segments:
-                module_to(self.modules[s], self.device)
-                retarget_device(self.modules[s], self.device)   # traced factory calls say device=cpu
-        self.seg_params = {s: [p for p in self.modules[s].parameters()] for s in self.segments}
-        # this rank's bytes: a tensor-parallel parameter (DTensor) counts its local shard
-        self._local_params = [local_tensor(p) for s in self.segments for p in self.seg_params[s]]
-        # expert parameters (each owned by one replica) stay out of the data-parallel all-reduce
-        self.dp_params = {s: [p for p in self.seg_params[s] if not is_expert_param(p)] for s in self.segments}
-        self.expert_params = [p for s in self.segments for p in self.seg_params[s] if is_expert_param(p)]
+        modules, model_has_moe, tied_bytes, removed = self._build_stages(plan)
+        self.local = self._parallelize(modules, model_has_moe)
         # loss scale of a micro-batch (CE and MoE aux): the optimizer sees sum_j grad(loss_j / m)
         # averaged over replicas (Adam/SGD), or AdamA's folded grad(loss_j / (dp * m))
-        n_data = self.m * len(self.chains)   # data micro-batches per replica and step (X: two per instance)
-        self.loss_scale = 1.0 / (self.dp * n_data) if self.optimizer_name == "adama" else 1.0 / n_data
-        self._build_stream(plan, tied_bytes)
+        n_data = self.flow.num_micro_batches * len(self.flow.chains)   # per replica and step (X: two per instance)
+        loss_scale = 1.0 / (self.dp * n_data) if self.optimizer_name == "adama" else 1.0 / n_data
+        buffers = self._build_stream(plan, tied_bytes)
         if self.p2p_mode == "ordered":   # after this rank's checks: a rank whose stream fails them raises, not blocks
             connect_pairs(self.rank, self.groups.pairs, self.device, self.timeout)
-        self._build_exchange()
-        self._build_optimizer()
-        static_ptrs = {p.untyped_storage().data_ptr() for p in self._local_params} | self.buffers.storage_ptrs()
-        self.meter = ActivationMeter(static_ptrs)
+        self.transport = self._build_exchange(buffers)
+        self._build_optimizer(self._tied_copies())
+        local_params = self.local.local_params()
+        static_ptrs = {p.untyped_storage().data_ptr() for p in local_params} | buffers.storage_ptrs()
+        self.ctx = ExecContext(coords=self.coords, flow=self.flow, local=self.local, transport=self.transport,
+                               opt=self.opt, grad_sync=self.grad_sync, meter=ActivationMeter(static_ptrs),
+                               loss=self.task.loss, loss_scale=loss_scale,
+                               track_activations=self.config.track_activations)
         self._ready = True
+        return self._setup_info(t0, local_params, removed)
+
+    def _setup_info(self, t0: float, local_params: list[torch.Tensor], removed: list) -> dict:
+        """What :meth:`setup` returns (see there)."""
+        local = self.local
         return {
             "rank": self.rank, "pp_rank": self.pp_rank, "dp_index": self.dp_index, "tp_rank": self.tp_rank,
-            "segments": list(self.segments), "params": sum(p.numel() for p in self._local_params),
-            "param_bytes": sum(p.numel() * p.element_size() for p in self._local_params),
-            "tensor_parallel": {s: dict(d) for s, d in self.tp_dims.items()},
-            "loss_parallel": sorted(self.loss_parallel_segments),
-            "buffer_bytes": self.buffers.nbytes, "num_buffers": self.buffers.count,
+            "segments": list(local.segments), "params": sum(p.numel() for p in local_params),
+            "param_bytes": sum(p.numel() * p.element_size() for p in local_params),
+            "tensor_parallel": {s: dict(d) for s, d in local.tp_dims.items()},
+            "loss_parallel": sorted(local.loss_parallel),
+            "buffer_bytes": self.transport.buffers.nbytes, "num_buffers": self.transport.buffers.count,
             "stream_length": len(self.stream), "tied": [[list(x) for x in g] for g in self.tied],
-            "removed": removed, "boundaries": [[m.to_dict() for m in b] for b in self.boundaries],
+            "removed": removed, "boundaries": [[m.to_dict() for m in b] for b in self.flow.boundaries],
             "optimizer": self.optimizer_name, "setup_time": time.perf_counter() - t0, "rss": rss(),
             "device": str(self.device), "backend": self.config.backend, "p2p_matching": self.p2p_mode,
             "p2p_pairs": [list(k) for k in sorted(self.groups.pairs)],
-            "moe_layers": {s: [n for n, _ in self.moe_layers[s]] for s in self.segments if self.moe_layers[s]},
-            "expert_parallel": self.ep,
+            "moe_layers": {s: [n for n, _ in local.moe_layers[s]] for s in local.segments if local.moe_layers[s]},
+            "expert_parallel": local.ep,
             "experts": {n: (m.global_expert_ids() if isinstance(m, ExpertParallelMoE) else list(range(len(m.experts))))
-                        for s in self.segments for n, m in self.moe_layers[s]},
+                        for s in local.segments for n, m in local.moe_layers[s]},
         }
 
     def _check_plan(self) -> Any:
         """Rebuild and check the plan, the world size, the rank, the device/matching options and the
         optimizer name; set the rank's coordinates. Returns the plan."""
-        from engine.io.plan import Plan
-        from runtime.stage import check_executable
-
         plan = Plan.from_dict(self.plan_dict, source="plan_dict")
         check_executable(plan)
         self.plan = plan
-        pl = plan.schedule.placement
-        self.pp = pl.num_devices
-        self.dp = plan.parallel.dp
-        self.tp = plan.parallel.tp
+        self.coords = RankCoords(rank=self.rank, pp=plan.schedule.placement.num_devices, dp=plan.parallel.dp,
+                                 tp=plan.parallel.tp)
         if self.world_size != self.dp * self.tp * self.pp:
             raise WorkerError(f"world_size {self.world_size} != dp * tp * pp = {self.dp} * {self.tp} * {self.pp}; "
                               "start one worker per (replica, tensor rank, pipeline rank)")
@@ -192,28 +248,15 @@ class StageWorker:
             raise WorkerError("optimizer 'adama' with tensor parallelism (tp > 1) is not supported; "
                               "use optimizer 'adam' or 'sgd', or tp = 1")
         self.optimizer_name = name
-        missing = [t for t in plan.parallel.transforms if t not in EXECUTED_TRANSFORMS]
-        if missing:
-            from runtime.stage import RuntimeNotSupported
-
-            raise RuntimeNotSupported(f"the runtime does not execute the transformation {missing[0]!r} yet; plan "
-                                      f"without it (executed: {', '.join(sorted(EXECUTED_TRANSFORMS)) or 'none'})")
+        check_transforms(plan.parallel.transforms)
         # CoCoNet's tensor-parallel transformations (runtime.tensor_parallel, runtime.worker.tp_comm)
         tf = set(plan.parallel.transforms) if self.tp > 1 else set()
         why = coconet_tp_refusal(tf, tp=self.tp, seq_len=int(plan.model.seq_len or 0))
         if why:
-            from runtime.stage import RuntimeNotSupported
-
             raise RuntimeNotSupported(why)
         self.sequence_parallel = "tp-split" in tf   # boundaries are [B, T/tp, H] sequence shards
         self.scatter_send = "scatter-send" in tf and not self.sequence_parallel   # 1/tp slices + all-gather
         self.overlap_chunks = int(plan.parallel.overlap_chunks) if "chunked-overlap" in tf else 0
-        self.pp_rank = self.rank % self.pp
-        self.replica = self.rank // self.pp   # pipeline replica: the ranks exchanging p2p (groups.py)
-        self.dp_index = self.replica // self.tp
-        self.tp_rank = self.replica % self.tp
-        self.m = int(plan.schedule.num_micro_batches)
-        self.S = pl.num_segments
         if self._cuda:
             torch.cuda.set_device(self.device)
         return plan
@@ -222,8 +265,6 @@ class StageWorker:
         """The plan's task (``plan.model.task``, :func:`tasks.task_for_plan`): its ``loss`` is the last
         segment's loss and its ``num_inputs`` how many leading batch tensors are model inputs. The
         data seed does not matter here (the driver draws the batches). Raises ``tasks.TaskError``."""
-        from engine.models import task_for_plan
-
         return task_for_plan(plan, seed=0)
 
     def _resolve_device_and_matching(self) -> None:
@@ -238,41 +279,42 @@ class StageWorker:
         self.p2p_mode = r.p2p_mode
         self._sync = r.sync
 
-    def _build_stages(self, plan: Any) -> tuple[list[int], list]:
-        """Build the stage modules (``runtime.stage.build_stages``), keep this rank's, create every
-        process group (:func:`runtime.worker.groups.build_groups`; the ordered pair groups are
-        connected later, after :meth:`_build_stream`'s checks) and split the MoE layers over the
-        EP group. Returns the tied groups' bytes per copy and the pruned parameters."""
-        from runtime.stage import build_stages
-
-        pl = plan.schedule.placement
+    def _build_stages(self, plan: Any) -> tuple[dict[int, nn.Module], bool, list[int], list]:
+        """Build the stage modules (:func:`runtime.stages.build_stages`), the placement's dataflow
+        (:class:`~runtime.worker.dataflow.Dataflow`) and (ordered matching) every pair's send order.
+        Returns this rank's stage modules, whether the model has MoE layers, the tied groups' bytes per
+        copy and the pruned parameters."""
         stages = build_stages(plan, seed=int(self.config.seed))
         self.mbs = stages.micro_batch_size
         self.seq_len = stages.seq_len
         # tp-split: a boundary tensor is this tensor rank's sequence shard [B, T/tp, H]
-        self.boundaries = ([[m.sequence_shard(self.tp) for m in b] for b in stages.boundaries]
-                           if self.sequence_parallel else stages.boundaries)
+        boundaries = ([[m.sequence_shard(self.tp) for m in b] for b in stages.boundaries]
+                      if self.sequence_parallel else stages.boundaries)
+        self.flow = Dataflow.from_plan(plan, boundaries)
         # tensors crossing each boundary forward / with a gradient back (one message each)
-        self._counts = [(len(b), sum(1 for m in b if m.requires_grad)) for b in self.boundaries]
-        ordered = self.p2p_mode == "ordered"
+        self._counts = [(len(b), sum(1 for m in b if m.requires_grad)) for b in self.flow.boundaries]
         # every rank checks every pair alike, before any collective call
+        ordered = self.p2p_mode == "ordered"
         self._pair_orders = pair_send_orders(self._peer_streams(plan), self._counts) if ordered else {}
         self.tied = stages.tied
-        self._dataflow(plan)
         self.aliases = stages.aliases
         removed = [list(x) for x in stages.removed]
         # a segment runs on its forward's device set: several pipeline ranks = a tensor-parallel block
-        self.seg_devices = {s: tuple(pl.spec("F", s).devices) for s in range(self.S)}
-        self.seg_rank = {s: d[0] for s, d in self.seg_devices.items()}
-        self.segments = sorted(s for s in range(self.S) if self.pp_rank in self.seg_devices[s])
-        self.modules = {s: stages.modules[s] for s in self.segments}
-        model_has_moe = has_moe(stages.modules)   # MoEFeedForward layers or HF sparse MoE blocks
+        devices = self.flow.seg_devices
+        modules: dict[int, nn.Module] = {s: stages.modules[s] for s in sorted(devices) if self.pp_rank in devices[s]}
         tied_bytes = []   # bytes of one copy of each tied group (for the tied ALLREDUCE instructions)
         for group in self.tied:
             s0, n0 = group[0]
             p0 = dict(stages.modules[s0].named_parameters())[n0]
             tied_bytes.append(p0.numel() * p0.element_size())
-        del stages
+        return modules, has_moe(stages.modules), tied_bytes, removed
+
+    def _parallelize(self, modules: dict[int, nn.Module], model_has_moe: bool) -> LocalStages:
+        """Create every process group (:func:`runtime.worker.groups.build_groups`, in the same order on
+        every rank; the ordered pair groups are connected later, after :meth:`_build_stream`'s checks),
+        shard each local stage over its tensor-parallel mesh, split the MoE layers over the EP group and
+        move the stages to the device. Returns the rank's :class:`~runtime.worker.context.LocalStages`."""
+        flow = self.flow
         expert_parallel = self.dp > 1 and model_has_moe
         if expert_parallel and self.optimizer_name == "adama":
             raise WorkerError(
@@ -281,72 +323,36 @@ class StageWorker:
                 "micro-batches through the all-to-all; use optimizer 'adam' or 'sgd', or dp = 1")
         self.groups: ProcessGroups = build_groups(
             rank=self.rank, pp=self.pp, dp=self.dp, expert_parallel=expert_parallel, tied=self.tied,
-            seg_rank=self.seg_rank, pair_orders=self._pair_orders if ordered else None, tp=self.tp,
-            device_type=self.device.type, seg_devices=self.seg_devices)
+            seg_rank={s: d[0] for s, d in flow.seg_devices.items()},
+            pair_orders=self._pair_orders if self.p2p_mode == "ordered" else None, tp=self.tp,
+            device_type=self.device.type, seg_devices=flow.seg_devices)
         # tensor parallelism: shard each local stage over this rank's TP group, or a multi-device
         # segment over the mesh of its device set (DTensor)
-        self.tp_dims: dict[int, dict[str, int]] = {}
+        tp_dims: dict[int, dict[str, int]] = {}
         # loss parallel: a sharded LM head keeps its logits vocab-sharded when the task's loss takes them
-        self.loss_parallel_segments: set[int] = set()
-        for s in self.segments:
-            mesh = self.groups.block_meshes.get(self.seg_devices[s], self.groups.tp_mesh)
+        loss_parallel: set[int] = set()
+        for s, module in modules.items():
+            mesh = self.groups.block_meshes.get(flow.seg_devices[s], self.groups.tp_mesh)
             # a multi-device segment without parameters (K's contrastive head) runs replicated
-            if mesh is not None and any(True for _ in self.modules[s].parameters()):
-                lp = bool(self.task.vocab_parallel_loss) and s in self.loss_segments and has_lm_head(self.modules[s])
+            if mesh is not None and any(True for _ in module.parameters()):
+                lp = bool(self.task.vocab_parallel_loss) and s in flow.loss_segments and has_lm_head(module)
                 tp_mesh = mesh is self.groups.tp_mesh   # CoCoNet's transformations: the plan's TP groups only
-                self.tp_dims[s] = apply_tensor_parallel(
-                    self.modules[s], mesh, loss_parallel=lp, sequence_parallel=self.sequence_parallel and tp_mesh,
+                tp_dims[s] = apply_tensor_parallel(
+                    module, mesh, loss_parallel=lp, sequence_parallel=self.sequence_parallel and tp_mesh,
                     overlap_chunks=self.overlap_chunks if tp_mesh else 0)
                 if lp:
-                    self.loss_parallel_segments.add(s)
+                    loss_parallel.add(s)
         # per local segment: (this rank's shard index, shards) of its tensor-parallel parameters
-        self.seg_shard = {s: ((self.seg_devices[s].index(self.pp_rank), len(self.seg_devices[s]))
-                              if len(self.seg_devices[s]) > 1 else (self.tp_rank, self.tp)) for s in self.segments}
-        self.ep = self.dp if expert_parallel else 1
+        shard = {s: ((flow.seg_devices[s].index(self.pp_rank), len(flow.seg_devices[s]))
+                     if len(flow.seg_devices[s]) > 1 else (self.tp_rank, self.tp)) for s in modules}
         if expert_parallel:
-            expert_parallelize(self.modules, self.dp, self.groups.ep)
-        return tied_bytes, removed
-
-    def _dataflow(self, plan: Any) -> None:
-        """The placement's forward DAG between segments: ``preds[s]`` (the segments whose outputs
-        ``s`` takes, in order), ``succ[s]`` (the one segment taking ``s``'s outputs, ``None`` for a
-        loss segment), the input and loss segments, the model inputs of each input segment
-        (``seg_inputs``: the plan segment's ``inputs`` indices, e.g. one tower's ids in K; default
-        all), each segment's input metas and, per consumer, which slice of its input gradients
-        belongs to which producer (``grad_slices``). A chain has ``preds[s] == [s - 1]``. Model
-        replicas (X) are chains too: ``chains``/``chain_of`` say which data micro-batch each carries."""
-        pl = plan.schedule.placement
-        self.preds = {s: [pl.blocks[i].segment for i in pl.spec("F", s).deps] for s in range(self.S)}
-        self.succ: dict[int, int | None] = {s: None for s in range(self.S)}
-        for c, ps in self.preds.items():
-            for p in ps:
-                self.succ[p] = c
-        self.input_segments = {s for s, ps in self.preds.items() if not ps}
-        self.loss_segments = {s for s, c in self.succ.items() if c is None}
-        self.chains = pl.replica_chains()
-        self.chain_of = {s: c for c, chain in enumerate(self.chains) for s in chain}
-        self.seg_inputs = {int(g["index"]): [int(k) for k in g["inputs"]] for g in plan.segments
-                           if g.get("inputs") is not None}
-        self.in_metas = {c: [m for p in ps for m in self.boundaries[p]] for c, ps in self.preds.items()}
-        self.grad_slices: dict[int, dict[int, tuple[int, int]]] = {}
-        for c, ps in self.preds.items():
-            at, sl = 0, {}
-            for p in ps:
-                k = sum(1 for m in self.boundaries[p] if m.requires_grad)
-                sl[p] = (at, at + k)
-                at += k
-            self.grad_slices[c] = sl
-
-    def grad_producer(self, c: int, pp_rank: int | None = None) -> int:
-        """The producer of segment ``c`` whose backward runs on pipeline rank ``pp_rank`` (this rank by
-        default): where ``c``'s backward sends, or from where this rank receives, input gradients.
-        Raises :class:`WorkerError` when none does."""
-        rank = self.pp_rank if pp_rank is None else pp_rank
-        for p in self.preds[c]:
-            if rank in self.seg_devices[p]:
-                return p
-        raise WorkerError(f"segment {c}'s backward sends input gradients to pipeline rank {rank}, which runs none "
-                          f"of its producers {self.preds[c]}")
+            expert_parallelize(modules, self.dp, self.groups.ep)
+        if self._cuda:
+            for module in modules.values():
+                module_to(module, self.device)
+                retarget_device(module, self.device)   # traced factory calls say device=cpu
+        return LocalStages.collect(modules, ep=self.dp if expert_parallel else 1, tp_dims=tp_dims, shard=shard,
+                                   loss_parallel=loss_parallel)
 
     def _peer_streams(self, plan: Any) -> list[list[Instruction]]:
         """Every pipeline rank's stream as far as point-to-point goes: the order in which each rank
@@ -356,12 +362,19 @@ class StageWorker:
         computes the same list, which is what lets it post receives in its peers' send order."""
         return lower(plan.schedule, dp=self.dp).streams
 
-    def _build_stream(self, plan: Any, tied_bytes: list[int]) -> None:
-        """This rank's stream (:func:`~runtime.worker.lowering.local_stream`), checked; the index
-        after which ``on_sync_start`` fires; the receive buffers."""
-        self.stream: list[Instruction] = local_stream(self, plan, tied_bytes)
+    def _grad_producer(self, c: int) -> int:
+        """The producer of segment ``c`` whose backward runs on this pipeline rank
+        (:meth:`Dataflow.grad_producer <runtime.worker.dataflow.Dataflow.grad_producer>`)."""
+        return self.flow.grad_producer(c, self.pp_rank)
+
+    def _build_stream(self, plan: Any, tied_bytes: list[int]) -> ReceiveBuffers:
+        """This rank's stream (:func:`~runtime.worker.lowering.local_stream`), checked, and the index
+        after which ``on_sync_start`` fires; returns the receive buffers."""
+        self.stream: list[Instruction] = local_stream(plan, local=self.local, coords=self.coords, tied=self.tied,
+                                                      tied_bytes=tied_bytes, optimizer_name=self.optimizer_name,
+                                                      tokens=self.mbs * self.seq_len)
         for ins in self.stream:
-            if ins.op in COMPUTE_OPS and (ins.block is None or ins.block.segment not in self.modules):
+            if ins.op in COMPUTE_OPS and (ins.block is None or ins.block.segment not in self.local.modules):
                 seg = ins.block.segment if ins.block is not None else None
                 raise WorkerError(f"pipeline rank {self.pp_rank}'s stream runs {ins} but segment "
                                   f"{seg} is not placed here")
@@ -371,76 +384,57 @@ class StageWorker:
                                  if self.stream[i].op in (Op.ALLREDUCE, Op.REDUCESCATTER)), last_compute)
         if self.p2p_mode == "ordered":   # the real stream sends in the order its peers were told
             check_own_stream(self.stream, self.pp_rank, self._pair_orders, self._counts)
-        self.buffers = ReceiveBuffers(self.stream, self.boundaries, self._empty, grad_boundary=self.grad_producer,
-                                      wire_parts=self.tp if self.scatter_send else 1)
-        self._max_tensors = max([len(x) for x in self.boundaries] + [1])
+        device = self.device
+        return ReceiveBuffers(self.stream, self.flow.boundaries, lambda meta: empty_on(meta, device),
+                              grad_boundary=self._grad_producer, wire_parts=self.tp if self.scatter_send else 1)
 
-    def _build_exchange(self) -> None:
-        """The point-to-point matcher and the local tied groups' copies and gradient buffers."""
+    def _build_exchange(self, buffers: ReceiveBuffers) -> Transport:
+        """The point-to-point matcher over ``buffers``, and the rank's :class:`~runtime.worker.context.Transport`."""
+        max_tensors = max([len(x) for x in self.flow.boundaries] + [1])
+        m = self.flow.num_micro_batches
         if self.p2p_mode == "ordered":
-            self.p2p: P2PMatcher = OrderedMatching(self.rank, self.pp, self.buffers, self.m, self._max_tensors,
-                                                   self.groups.pairs, self._pair_orders)
+            p2p: P2PMatcher = OrderedMatching(self.rank, self.pp, buffers, m, max_tensors, self.groups.pairs,
+                                              self._pair_orders)
         else:
-            self.p2p = TagMatching(self.rank, self.pp, self.buffers, self.m, self._max_tensors)
-        self.p2p.grad_boundary = self.grad_producer
+            p2p = TagMatching(self.rank, self.pp, buffers, m, max_tensors)
+        p2p.grad_boundary = self._grad_producer
         if self.scatter_send:   # each tensor rank sends its 1/tp slice; the receivers all-gather (tp_comm)
-            self.p2p.wire_slice = (self.tp, self.tp_rank)
-        named = {(s, n): p for s in self.segments for n, p in self.modules[s].named_parameters()}
-        self.tied_local: list[TiedCopies] = []
+            p2p.wire_slice = (self.tp, self.tp_rank)
+        return Transport(device=self.device, sync=self._sync, timeout=self.timeout, groups=self.groups,
+                         buffers=buffers, p2p=p2p)
+
+    def _tied_copies(self) -> list[TiedCopies]:
+        """This rank's copies of each tied group it holds, with a zero gradient buffer of the global shape."""
+        named = {(s, n): p for s in self.local.segments for n, p in self.local.modules[s].named_parameters()}
+        out: list[TiedCopies] = []
         for i, g, pranks in self.groups.tied:
             group = self.tied[i]
             mine = [named[(s, n)] for s, n in group if (s, n) in named]
             label = "+".join(f"s{s}:{n}" for s, n in group)
             full = torch.zeros(mine[0].shape, dtype=mine[0].dtype, device=self.device)   # global shape
-            self.tied_local.append(TiedCopies(g, mine, full, label, pranks))
+            out.append(TiedCopies(g, mine, full, label, pranks))
+        return out
 
-    def _build_optimizer(self) -> None:
-        """The optimizer (:class:`~runtime.worker.optimizer.WorkerOptimizer`) and the gradient
-        collectives (:class:`~runtime.worker.grad_sync.GradientSync`)."""
+    def _build_optimizer(self, tied_local: list[TiedCopies]) -> None:
+        """The optimizer (:attr:`opt`, a :class:`~runtime.worker.optimizer.WorkerOptimizer`) and the
+        gradient collectives (:attr:`grad_sync`, a :class:`~runtime.worker.grad_sync.GradientSync`) over
+        ``tied_local``."""
         assert self.optimizer_name is not None
         par = self.plan.parallel   # CoCoNet's sharded-update / overlap-grad-sync (runtime.worker.grad_sync)
         why = transform_refusal(par.transforms, optimizer=self.optimizer_name, dp=self.dp, expert_parallel=self.ep > 1)
         if why:
-            from runtime.stage import RuntimeNotSupported
-
             raise RuntimeNotSupported(why)
-        tied_ids = {id(p) for tc in self.tied_local for p in tc.params}
-        self.opt = WorkerOptimizer(self.optimizer_name, float(self.config.lr), self.seg_params, tied_ids, self.dp,
+        tied_ids = {id(p) for tc in tied_local for p in tc.params}
+        self.opt = WorkerOptimizer(self.optimizer_name, float(self.config.lr), self.local.params, tied_ids, self.dp,
                                    self.device, sharded="sharded-update" in par.transforms, shard_index=self.dp_index)
-        self.grad_sync = GradientSync(self.rank, self.dp, self.groups.dp, self.opt, self.dp_params, self.tied_local,
+        self.grad_sync = GradientSync(self.rank, self.dp, self.groups.dp, self.opt, self.local.dp_params, tied_local,
                                       self.device, self._sync, self.timeout, stream=self.stream,
                                       bucket_bytes=par.grad_bucket_bytes)
-
-    def _empty(self, meta: Any) -> torch.Tensor:
-        """An uninitialised tensor of ``meta``'s shape and dtype on this worker's device."""
-        if not self._cuda:
-            return meta.empty()
-        return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-
-    @property
-    def last_segment(self) -> int:
-        """The first chain's last segment (it computes the loss; every chain's last segment does,
-        :attr:`loss_segments`)."""
-        return self.chains[0][-1]
-
-    @property
-    def has_loss(self) -> bool:
-        """This rank runs the last segment."""
-        return any(s in self.modules for s in self.loss_segments)
-
-    def data_index(self, s: int, j: int) -> int:
-        """The data micro-batch that placement instance ``j`` carries through segment ``s``: ``j`` on the
-        first chain, ``c * m + j`` on chain ``c`` (the X shape's second model replica)."""
-        return self.chain_of[s] * self.m + j
 
     def receive_buffers(self) -> dict[str, torch.Tensor]:
         """The pre-allocated receive buffers by name (``"act b1 mb0 t0"``, ``"grad b1 mb0 t0"``);
         the same tensor objects every step (tests compare their ``data_ptr``)."""
-        return self.buffers.by_name()
-
-    def _grad_bytes(self) -> int:
-        return sum(local_tensor(p.grad).numel() * p.grad.element_size() for ps in self.seg_params.values()
-                   for p in ps if p.grad is not None)
+        return self.transport.buffers.by_name()
 
     def _split_batch(self, batch: Any, per_replica: int | None = None
                      ) -> tuple[list[MicroBatch], list[MicroBatch]]:
@@ -452,6 +446,12 @@ class StageWorker:
         return split_batch(batch, dp=self.dp, dp_index=self.dp_index, mbs=self.mbs, seq_len=self.seq_len,
                            per_replica=per_replica, device=self.device if self._cuda else None,
                            num_inputs=self.task.num_inputs)
+
+    def _checkpoint_source(self) -> CheckpointSource:
+        """What :meth:`state_dict` saves and :meth:`load_state_dict` restores."""
+        return CheckpointSource(rank=self.rank, pp_rank=self.pp_rank, dp_index=self.dp_index,
+                                segments=self.local.segments, modules=self.local.modules, opt=self.opt,
+                                aliases=self.aliases, tp_dims=self.local.tp_dims, seg_shard=self.local.shard)
 
     # ------------------------------------------------------------------ step, evaluate, checkpoints
     def step(self, step: int, batch: Any) -> dict:
@@ -489,8 +489,10 @@ class StageWorker:
                 S, instruction I (INS): ..."`` chained to the cause.
             WorkerError: not set up, or a batch of the wrong shape.
         """
-        model_inputs, targets = self._split_batch(batch, per_replica=self.m * len(self.chains))
-        return run_step(self, step, model_inputs, targets)
+        per_replica = self.flow.num_micro_batches * len(self.flow.chains)   # X: two data micro-batches per instance
+        model_inputs, targets = self._split_batch(batch, per_replica=per_replica)
+        return run_step(self.ctx, self.stream, step, model_inputs, targets, config=self.config,
+                        sync_index=self._sync_index)
 
     @torch.no_grad()
     def evaluate(self, batch: Any) -> float | None:
@@ -512,10 +514,11 @@ class StageWorker:
         model_inputs, targets = self._split_batch(batch)
         if self.config.on_compute_start is not None:
             self.config.on_compute_start(None)
-        total = evaluate_loss(self, model_inputs, targets)
+        total = evaluate_loss(model_inputs, targets, coords=self.coords, flow=self.flow, local=self.local,
+                              transport=self.transport, loss=self.task.loss)
         if self.config.on_sync_start is not None:
             self.config.on_sync_start(None)
-        if not self.has_loss:
+        if not self.ctx.has_loss:
             return None
         mean = torch.tensor([total / len(model_inputs)], dtype=torch.float64,
                             device=self.device if self._cuda else None)
@@ -538,7 +541,7 @@ class StageWorker:
         """
         if not self._ready:
             raise WorkerError("call setup() before state_dict()")
-        return worker_state(self)
+        return worker_state(self._checkpoint_source(), compact=self._cuda)
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore :meth:`state_dict` output (strict: every parameter of every local segment),
@@ -549,7 +552,7 @@ class StageWorker:
         """
         if not self._ready:
             raise WorkerError("call setup() before load_state_dict()")
-        load_worker_state(self, sd)
+        load_worker_state(self._checkpoint_source(), sd)
 
     def shutdown(self) -> None:
         """Remove the AdamA fold hooks and the gradient-bucket hooks and destroy the process group

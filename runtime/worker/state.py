@@ -3,26 +3,49 @@ unsplit model's state merged from every rank (``docs/runtime-worker.md``, "Check
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 import torch
+from torch import nn
 
+from runtime.expert_parallel_hf import HFExpertParallel
 from runtime.tensor_parallel import from_local_state, local_tensor
 from runtime.worker.device import cpu_copy
 from runtime.worker.errors import WorkerError
 
-if TYPE_CHECKING:
-    from runtime.worker.stage_worker import StageWorker
+__all__ = ["CheckpointSource", "expert_slices", "load_worker_state", "merge_model_state", "worker_state"]
 
-__all__ = ["expert_slices", "load_worker_state", "merge_model_state", "worker_state"]
+
+@dataclass
+class CheckpointSource:
+    """What one rank's checkpoint is made of (:func:`worker_state`, :func:`load_worker_state`)."""
+
+    rank: int
+    """The global rank."""
+    pp_rank: int
+    """Its pipeline rank."""
+    dp_index: int
+    """Its data-parallel replica."""
+    segments: list[int]
+    """The segments it runs, ascending."""
+    modules: dict[int, nn.Module]
+    """Segment -> stage module."""
+    opt: Any
+    """The optimizer (:class:`~runtime.worker.optimizer.WorkerOptimizer`: ``state_dict(compact)``,
+    ``load_state_dict``, ``params_changed``)."""
+    aliases: list[list[str]]
+    """The unsplit model's names of each shared parameter (:attr:`runtime.stages.PipelineStages.aliases`)."""
+    tp_dims: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Segment -> ``{state_dict key: sharded dim}`` of its tensor-parallel parameters."""
+    seg_shard: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Segment -> ``(shard index, shards)`` of its tensor-parallel parameters."""
 
 
 def expert_slices(module: torch.nn.Module) -> dict[str, list[int]]:
     """``{state_dict key: [first expert, end expert, E]}`` for each expert-sliced parameter of
     ``module`` (the 3-D weights of :class:`~runtime.expert_parallel_hf.HFExpertParallel`), under
     every key ``module.state_dict()`` gives it; ``{}`` without such parameters."""
-    from runtime.expert_parallel_hf import HFExpertParallel
-
     owned: dict[int, list[int]] = {}
     for m in module.modules():
         if isinstance(m, HFExpertParallel):
@@ -33,7 +56,7 @@ def expert_slices(module: torch.nn.Module) -> dict[str, list[int]]:
     return {k: owned[id(v)] for k, v in module.state_dict(keep_vars=True).items() if id(v) in owned}
 
 
-def worker_state(w: StageWorker) -> dict:
+def worker_state(w: CheckpointSource, *, compact: bool = False) -> dict:
     """:meth:`StageWorker.state_dict`: ``{"rank", "pp_rank", "dp_index", "segments": {segment:
     {param name: CPU tensor}}, "optimizer": CPU state_dict or None, "expert_slices": {param name:
     [first expert, end expert, E]}}``; ``expert_slices`` names the entries that hold only this
@@ -42,17 +65,19 @@ def worker_state(w: StageWorker) -> dict:
     names the entries that hold only this rank's shard (tensor rank of ``tp``, or the rank's place in
     a multi-device block's device set) (tensor parallelism saves each rank's local shard,
     no collective); ``aliases``: the unsplit model's names of each shared
-    parameter (:attr:`runtime.stage.PipelineStages.aliases`), for :func:`merge_model_state`."""
+    parameter (:attr:`runtime.stages.PipelineStages.aliases`), for :func:`merge_model_state`.
+    ``compact``: the optimizer state as :meth:`WorkerOptimizer.state_dict
+    <runtime.worker.optimizer.WorkerOptimizer.state_dict>` compacts it (on CUDA)."""
     segs = {s: {k: cpu_copy(local_tensor(v)) for k, v in w.modules[s].state_dict().items()} for s in w.segments}
-    opt = w.opt.state_dict(compact=w._cuda)
+    opt = w.opt.state_dict(compact=compact)
     slices = {k: v for s in w.segments for k, v in expert_slices(w.modules[s]).items()}
-    tp_dims = getattr(w, "tp_dims", {})   # absent on workers built without tensor parallelism (test stubs)
+    tp_dims = getattr(w, "tp_dims", {})   # absent on stand-ins built without tensor parallelism (test stubs)
     shards = {k: [dim, *w.seg_shard[s]] for s in w.segments for k, dim in tp_dims.get(s, {}).items()}
     return {"rank": w.rank, "pp_rank": w.pp_rank, "dp_index": w.dp_index, "segments": segs, "optimizer": opt,
             "expert_slices": slices, "tp_shards": shards, "aliases": [list(g) for g in w.aliases]}
 
 
-def load_worker_state(w: StageWorker, sd: dict) -> None:
+def load_worker_state(w: CheckpointSource, sd: dict) -> None:
     """:meth:`StageWorker.load_state_dict`. Raises :class:`WorkerError` when the checkpoint holds
     other segments than this rank runs."""
     segs = {int(k): v for k, v in sd["segments"].items()}

@@ -17,32 +17,31 @@ such ``RECV`` (forward and backward), an ``ALLGATHER`` with ``block`` set to the
 
 With ``tp-split`` the boundary is already this rank's ``[B, T/tp, H]`` sequence shard: it is sent
 as is and no all-gather follows (``runtime.tensor_parallel``). Reached only for plans whose
-transformations ``runtime.worker.config.EXECUTED_TRANSFORMS`` lists.
+transformations ``runtime.stages.checks.EXECUTED_TRANSFORMS`` lists.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from engine.dependency import Instruction
 from engine.timeline import Event
+from runtime.worker.context import RankCoords, Transport
+from runtime.worker.dataflow import Dataflow
 from runtime.worker.errors import WorkerError
 from runtime.worker.step_state import StepState
-
-if TYPE_CHECKING:
-    from runtime.worker.stage_worker import StageWorker
 
 __all__ = ["gather_boundary"]
 
 
-def gather_boundary(w: StageWorker, ins: Instruction, st: StepState) -> None:
+def gather_boundary(ins: Instruction, st: StepState, *, coords: RankCoords, flow: Dataflow,
+                    transport: Transport) -> None:
     """``ALLGATHER`` of a received block (``scatter-send``): all-gather the ``1/tp`` slices of its
     boundary tensors (the wire buffers ``[B, T/tp, H]`` its ``RECV`` filled) from this rank's tensor
     group (``dist.all_gather_into_tensor`` into the staging buffer ``[tp * B, T/tp, H]``, then one copy
     into the whole receive buffer ``[B, T, H]``, slice ``k`` at positions ``[k*T/tp, (k+1)*T/tp)``).
     Blocks until done; one ``collective`` event ``"allgather <block>"`` with the whole tensors' bytes.
+    ``coords``: this rank; ``flow``: the placement's DAG; ``transport``: its buffers and tensor group.
 
     Raises:
         WorkerError: the plan does not slice boundaries (no ``scatter-send``), or nothing was received
@@ -50,18 +49,19 @@ def gather_boundary(w: StageWorker, ins: Instruction, st: StepState) -> None:
     """
     pb = ins.block
     assert pb is not None
-    bufs = w.buffers
-    if bufs.wire_parts == 1 or w.groups.tp_mesh is None:
+    bufs = transport.buffers
+    tp_mesh = transport.groups.tp_mesh
+    if bufs.wire_parts == 1 or tp_mesh is None:
         raise WorkerError(f"{ins} gathers a boundary slice, but this worker sends whole boundaries "
                           "(its plan has no 'scatter-send' with tp > 1)")
     j = pb.micro_batch
     if pb.kind == "F":
         key, whole, wire = (pb.segment, j), bufs.act, bufs.wire_act
     else:
-        key, whole, wire = (w.grad_producer(pb.segment), j), bufs.grad, bufs.wire_grad
+        key, whole, wire = (flow.grad_producer(pb.segment, coords.pp_rank), j), bufs.grad, bufs.wire_grad
     if key not in wire:
-        raise WorkerError(f"{ins}: pipeline rank {w.pp_rank} received nothing for {pb}")
-    group = w.groups.tp_mesh.get_group()
+        raise WorkerError(f"{ins}: pipeline rank {coords.pp_rank} received nothing for {pb}")
+    group = tp_mesh.get_group()
     parts = bufs.wire_parts
     start = st.now()
     for full, piece in zip(whole[key], wire[key]):
@@ -71,7 +71,7 @@ def gather_boundary(w: StageWorker, ins: Instruction, st: StepState) -> None:
         rest = tuple(piece.shape[2:])
         # staging [parts, B, T/parts, ...] -> full [B, parts, T/parts, ...]
         full.view(b, parts, t, *rest).copy_(staging.view(parts, b, t, *rest).transpose(0, 1))
-    if w._sync is not None:
-        w._sync()
-    st.events.append(Event(w.rank, "collective", "ALLGATHER", f"allgather {pb}", start, st.now(),
+    if transport.sync is not None:
+        transport.sync()
+    st.events.append(Event(coords.rank, "collective", "ALLGATHER", f"allgather {pb}", start, st.now(),
                            sum(x.numel() * x.element_size() for x in whole[key]), j, pb.segment))

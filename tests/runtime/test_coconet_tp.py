@@ -226,7 +226,7 @@ def test_refusals_are_one_sentence_at_setup(transforms, seq, match):
     setup before it joins any process group, again in one sentence."""
     from engine.errors import CoCoNetError
     from engine.plan import make_plan
-    from runtime.stage import RuntimeNotSupported
+    from runtime.stages import RuntimeNotSupported
     from runtime.worker import StageWorker, WorkerConfig
 
     kwargs = dict(devices=4, dp=1, tp=2, micro_batches=M, schedule="1f1b", device_type="cpu",

@@ -135,7 +135,7 @@ def test_module_to_moves_the_inner_graph_module_and_keeps_slots_linked():
     assert outer.w is inner.w and outer.b is inner.b and outer.child is inner.child
 
     # the real stage modules: nothing reachable stays on the CPU
-    from runtime.stage import build_stages
+    from runtime.stages import build_stages
 
     st = build_stages(_plan(2, "1f1b"), seed=0)
     for m in st.modules.values():
@@ -150,8 +150,8 @@ def test_module_to_moves_the_inner_graph_module_and_keeps_slots_linked():
 def test_retargeted_stages_run_on_another_device():
     """The traced graphs create tensors with ``device=cpu`` (GPT-2's position ``arange``,
     ``_assert_tensor_metadata``): moved to another device (``meta`` stands in for a GPU) the stage
-    forward fails until :func:`runtime.stage.retarget_device` rewrites those arguments."""
-    from runtime.stage import build_stages, retarget_device
+    forward fails until :func:`runtime.stages.tracer_split.retarget_device` rewrites those arguments."""
+    from runtime.stages import build_stages, retarget_device
     from runtime.worker.device import module_to as _module_to
 
     st = build_stages(_plan(2, "1f1b"), seed=0)

@@ -229,7 +229,7 @@ def test_stage_modules_run_the_eager_moe_layers():
     DTS-Gate's temperature follows its update counter; the split model equals the unsplit one."""
     from engine.models import build_model
     from engine.models.moe.layer import MoEFeedForward
-    from runtime.stage import build_stages
+    from runtime.stages import build_stages
 
     plan = _plan("gpt-moe-tiny-dts", 4, "1f1b")   # pp = 2: h.1 on segment 0, h.3 on segment 1
     st = build_stages(plan, seed=0)

@@ -1,5 +1,5 @@
 """Placements the runtime does not execute are refused before any process starts, each in one
-sentence naming the block and why (``runtime.stage.check_executable``)."""
+sentence naming the block and why (``runtime.stages.check_executable``)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _with(plan, pl, split="tracer", segments=None):
 
 
 def _refusal(plan) -> str:
-    from runtime.stage import RuntimeNotSupported, check_executable
+    from runtime.stages import RuntimeNotSupported, check_executable
 
     with pytest.raises(RuntimeNotSupported) as e:
         check_executable(plan)

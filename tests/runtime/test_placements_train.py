@@ -105,7 +105,7 @@ def test_two_towers_on_the_k_placement_train_like_one_process(pool):
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_two_towers_on_a_plain_pipeline_train_like_one_process(pool, schedule):
     """The same two-tower model on the plain V pipeline (Tessel's yardstick for K): eager stages
-    carrying both towers' sides (``runtime.stage_layers.TwoTowerRunStage``: the code ids ride along
+    carrying both towers' sides (``runtime.stages.layer_split.TwoTowerRunStage``: the code ids ride along
     the text tower's stage) equal one process for 3 Adam steps."""
     from engine.models import task_for_plan
     from engine.plan import make_plan

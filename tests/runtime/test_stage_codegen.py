@@ -6,7 +6,7 @@ import torch
 from torch.export.unflatten import InterpreterModule
 
 from engine.plan import make_plan
-from runtime.stage import build_stages
+from runtime.stages import build_stages
 
 
 def _set_interpreter(stages, flag: bool) -> int:

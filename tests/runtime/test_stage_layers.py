@@ -1,4 +1,4 @@
-"""The layer split (``runtime.stage_layers``): eager decoder stages equal the unsplit model.
+"""The layer split (``runtime.stages.layer_split``): eager decoder stages equal the unsplit model.
 
 For a Llama-style HF model and the in-project GPT, at 2 and 4 segments: the stage chain's logits
 and every parameter gradient equal the unsplit model's (they run the same eager modules, so
@@ -26,7 +26,7 @@ def _plan(model: str, devices: int):
 @pytest.mark.parametrize("model", ["llama-tiny", "tessel-gpt"])
 def test_layer_stages_equal_the_unsplit_model(model, devices):
     from engine.models import build_model
-    from runtime.stage import build_stages
+    from runtime.stages import build_stages
 
     plan = _plan(model, devices)
     st = build_stages(plan, seed=0)
@@ -58,8 +58,8 @@ def test_layer_stages_equal_the_unsplit_model(model, devices):
 
 def test_segments_that_are_not_runs_of_blocks_are_refused():
     from engine.models import build_model
-    from runtime.stage_layers import split_layers
-    from runtime.stage_types import StageSplitError
+    from runtime.stages import StageSplitError
+    from runtime.stages.layer_split import split_layers
 
     model = build_model("tessel-gpt", batch_size=2, seq_len=16, device="cpu").module
     with pytest.raises(StageSplitError, match=r"contiguous run of its 4 decoder blocks.*\[\[0, 2\], \[1, 3\]\]"):
@@ -84,8 +84,8 @@ def test_two_tower_chain_stages_equal_the_unsplit_model(cuts):
     ``wpe``, inside a tower, at the tower boundary, before the head) chained stage after stage gives
     the unsplit model's logits and, backward, its gradients."""
     from engine.models import build_model
-    from runtime.stage_layers import TwoTowerRunStage, split_two_towers
-    from runtime.stage_types import StageSplitError
+    from runtime.stages import StageSplitError
+    from runtime.stages.layer_split import TwoTowerRunStage, split_two_towers
 
     torch.manual_seed(0)
     m = build_model("two-tower-tiny", batch_size=3, seq_len=16, device="cpu").module

@@ -13,8 +13,7 @@ import torch
 
 from engine.models import build_model
 from engine.plan import make_plan
-from runtime.stage import StageSplitError, TracedStage, build_stages
-from runtime.stage_module import SequentialStage
+from runtime.stages import SequentialStage, StageSplitError, TracedStage, build_stages
 
 RTOL, ATOL = 1e-5, 1e-6
 USER = "split_user_models:make_net"

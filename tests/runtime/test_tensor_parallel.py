@@ -156,7 +156,7 @@ def _without_key_bias(name: str, t: torch.Tensor, model) -> torch.Tensor:
 def test_a_model_without_a_tensor_parallel_split_is_refused_in_one_sentence():
     """HF GPT-2's fused Conv1D attention has no layer split: the plan records the tracer split and
     the runtime refuses ``tp > 1`` before any process starts, naming the model and the fix."""
-    from runtime.stage import RuntimeNotSupported, check_executable
+    from runtime.stages import RuntimeNotSupported, check_executable
 
     plan = _plan("gpt2-tiny", "1f1b", 1, 2, 2)
     assert plan.model.split == "tracer"

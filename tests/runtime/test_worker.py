@@ -156,7 +156,7 @@ def _check_tied_copies_equal(out: dict) -> None:
 # ----------------------------------------------------------------------------- stage building (no processes)
 def test_stage_modules_compose_to_the_full_model():
     from engine.models import build_model
-    from runtime.stage import build_stages
+    from runtime.stages import build_stages
 
     plan = _plan(4, "interleaved")   # 8 segments: wte | wpe | drop | h.0 | h.1 | h.2 | h.3 | ln_f+lm_head
     st = build_stages(plan, seed=0)
@@ -186,7 +186,7 @@ def test_tensor_parallel_plans_of_models_without_the_layer_split_are_refused():
     """HF GPT-2 (fused Conv1D attention) keeps the tracer split under ``--tp 2``; building its stages
     refuses the plan (tensor-parallel training itself: ``test_tensor_parallel.py``)."""
     from engine.plan import make_plan
-    from runtime.stage import RuntimeNotSupported, build_stages
+    from runtime.stages import RuntimeNotSupported, build_stages
 
     plan = make_plan("gpt2-tiny", devices=4, tp=2, micro_batches=M, schedule="1f1b", device_type="cpu",
                      micro_batch_size=MBS, seq_len=SEQ).plan

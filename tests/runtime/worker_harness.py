@@ -42,15 +42,15 @@ def cached_build_stages(plan, *, seed: int = 0):
     no longer uses the objects."""
     from engine.models.moe.hf_moe import is_hf_moe_block
     from engine.models.moe.layer import MoEFeedForward
-    from runtime import stage
+    from runtime import stages
 
     if plan.parallel.tp > 1:   # tensor parallelism shards the stages in place: build them afresh
-        return stage._real_build_stages(plan, seed=seed)
+        return stages.build_stages(plan, seed=seed)
     key = (plan.model.name, plan.model.micro_batch_size, plan.model.seq_len, seed,
            tuple(tuple(s["layers"]) for s in plan.segments), plan.parallel.tp, plan.model.split)
     hit = _STAGE_CACHE.get(key)
     if hit is None:
-        st = stage._real_build_stages(plan, seed=seed)
+        st = stages.build_stages(plan, seed=seed)
         init = {i: {k: v.clone() for k, v in m.state_dict().items()} for i, m in st.modules.items()}
         moe = [(i, name, m) for i, sm in st.modules.items() for name, m in sm.named_modules()
                if type(m) is MoEFeedForward]
@@ -60,7 +60,7 @@ def cached_build_stages(plan, *, seed: int = 0):
     st, init, moe, hf, rng = hit
     for block, experts in hf:   # a worker's expert parallelism replaced them in place
         block.experts = experts
-    stage.check_executable(plan)
+    stages.check_executable(plan)
     for i, name, layer in moe:
         parent_name, _, attr = name.rpartition(".")
         sm = st.modules[i]
@@ -98,10 +98,10 @@ def _pool_main(slot: int, tasks, results) -> None:
     import transformers  # noqa: F401
     from torch.distributed import pipelining  # noqa: F401
 
-    from runtime import stage, worker  # noqa: F401 - import while the parent prepares plans
+    from runtime import stages, worker  # noqa: F401 - import while the parent prepares plans
+    from runtime.worker import stage_worker
 
-    stage._real_build_stages = stage.build_stages
-    stage.build_stages = cached_build_stages
+    stage_worker.build_stages = cached_build_stages   # the worker's setup builds through the cache
     fns: dict = {}
     while True:
         task = tasks.get()

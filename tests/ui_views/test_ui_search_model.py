@@ -78,7 +78,7 @@ def test_a_two_tower_model_offers_k(two_tower, llama):
     assert panel.run_search(wait=True) is not None, st.message
     plan = st.plan
     assert plan.model.name == "two-tower-tiny" and plan.placement.name == "K"
-    from runtime.stage import check_executable
+    from runtime.stages import check_executable
 
     check_executable(plan)
 
@@ -106,7 +106,7 @@ def test_m_search_loads_a_launchable_plan_of_the_same_model(llama):
     assert tuple(plan.placement.spec("F", last).devices) == (0, 1)
     assert all(len(plan.placement.spec("F", s).devices) == 1 for s in range(1, last))
     # the runtime accepts it
-    from runtime.stage import check_executable
+    from runtime.stages import check_executable
 
     check_executable(plan)
     # the summary: Tessel vs the baselines on the same placement and on the model's plain pipeline

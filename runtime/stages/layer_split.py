@@ -5,7 +5,7 @@ torchtitan's way of building pipeline stages (``torchtitan/distributed/pipeline.
 the stage does not own are removed, and the model's own eager modules run its layers. Nothing is
 traced, so each transformer block stays an ``nn.Module`` whose ``nn.Linear`` projections
 ``torch.distributed.tensor.parallel.parallelize_module`` can shard (:mod:`runtime.tensor_parallel`);
-the traced split (:mod:`runtime.stage_split`) flattens them into graph ops with frozen head counts.
+the traced split (:mod:`runtime.stages.split_policy`) flattens them into graph ops with frozen head counts.
 
 Two decoder-only families are supported (:func:`layer_split_family`):
 
@@ -24,7 +24,7 @@ Two decoder-only families are supported (:func:`layer_split_family`):
   (V, interleaved) a stage is any contiguous run of the layers ``text.*``, ``code.*``, ``head``
   and carries both sides (:class:`TwoTowerRunStage`).
 
-Chain interface (:class:`runtime.stage_types.StageModule`): the first stage takes the token ids
+Chain interface (:class:`runtime.stages.types.StageModule`): the first stage takes the token ids
 ``[micro_batch, seq]`` (int64), a middle stage the hidden state ``[micro_batch, seq, hidden]``, and
 the last stage returns ``(logits [micro_batch, seq, vocab],)``. Every stage returns a tuple.
 
@@ -40,8 +40,12 @@ from typing import Any, Sequence, cast
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
-from runtime.stage_types import StageModule
+from engine.models.gpt import GPT
+from engine.split import supports_layer_split
+from runtime.stages.errors import StageSplitError
+from runtime.stages.types import StageModule
 
 __all__ = ["HFDecoderStage", "GPTStage", "JoinStage", "TowerStage", "TwoTowerRunStage", "layer_split_family",
            "layer_split_refusal", "split_layers", "split_two_towers"]
@@ -50,9 +54,6 @@ __all__ = ["HFDecoderStage", "GPTStage", "JoinStage", "TowerStage", "TwoTowerRun
 def layer_split_family(model: nn.Module) -> str | None:
     """``"hf-decoder"``, ``"tessel-gpt"``, or ``None`` when the layer split cannot cut ``model``
     (:func:`engine.split.supports_layer_split`)."""
-    from engine.models.gpt import GPT
-    from engine.split import supports_layer_split
-
     if not supports_layer_split(model):
         return None
     if isinstance(model, GPT):
@@ -106,8 +107,6 @@ class HFDecoderStage(StageModule):
         again. Returns ``(logits [B, T, vocab],)`` on the last stage, else ``(hidden,)``."""
         mesh = self.sequence_mesh
         if mesh is not None and not self.first:
-            from torch.distributed.tensor import DTensor, Shard
-
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
         kw = {"input_ids": x} if self.first else {"inputs_embeds": x}
         h = self.model(**kw, use_cache=False).last_hidden_state
@@ -249,11 +248,9 @@ def split_two_towers(model: Any, segment_layers: list[list[str]], name: str, *,
     contiguous run of the model's layers.
 
     Raises:
-        runtime.stage_types.StageSplitError: (DAG) a segment mixing towers; (chain) segments that
+        runtime.stages.errors.StageSplitError: (DAG) a segment mixing towers; (chain) segments that
             do not cover the layers in model order.
     """
-    from runtime.stage_types import StageSplitError
-
     out: dict[int, StageModule] = {}
     if chain:
         order = ([f"text.{p}" for p in _tower_parts(model.text)] + [f"code.{p}" for p in _tower_parts(model.code)]
@@ -299,12 +296,10 @@ def split_layers(model: Any, segment_layers: list[list[str]], name: str, *,
     branches (K; only the two-tower model has one).
 
     Raises:
-        runtime.stage_types.StageSplitError: the model is not of a supported family, or a segment's
+        runtime.stages.errors.StageSplitError: the model is not of a supported family, or a segment's
             layers are not a contiguous run of decoder blocks in model order (the embedding on the
             first segment, the final norm and head on the last).
     """
-    from runtime.stage_types import StageSplitError
-
     family = layer_split_family(model)
     if family is None:
         raise StageSplitError(layer_split_refusal(model, name))

@@ -25,7 +25,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from runtime.stage_types import StageModule, StageSplitError
+from runtime.stages.errors import StageSplitError
+from runtime.stages.types import StageModule
 
 __all__ = ["SequentialStage", "sequential_segments", "split_sequential"]
 

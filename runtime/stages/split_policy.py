@@ -35,10 +35,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
+from torch.distributed.pipelining._IR import aten_pipe_split_alias
 
-from runtime.stage_types import StageSplitError
+from engine.graph.layering import fx_layers, is_assertion
+from runtime.stages.errors import StageSplitError
 
-__all__ = ["StageSplitError", "inline_wrapped_regions", "segment_of_nodes", "segment_split_policy"]
+__all__ = ["inline_wrapped_regions", "segment_of_nodes", "segment_split_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +156,6 @@ def segment_of_nodes(graph: fx.Graph, model: nn.Module, segment_layers: Sequence
     Returns:
         ``call_function`` / ``call_module`` node -> segment, monotone along data dependencies.
     """
-    from engine.graph.layering import fx_layers
-
     seg_of_layer: dict[str, int] = {}
     for i, layers in enumerate(segment_layers):
         for lay in layers:
@@ -197,10 +197,6 @@ def segment_split_policy(model: nn.Module, segment_layers: Sequence[Sequence[str
     Raises (from the policy):
         StageSplitError: a segment gets no op (its layers compute nothing in the traced forward).
     """
-    from torch.distributed.pipelining._IR import aten_pipe_split_alias
-
-    from engine.graph.layering import is_assertion
-
     S = len(segment_layers)
 
     def policy(gm: fx.GraphModule) -> fx.GraphModule:
