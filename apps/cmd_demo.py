@@ -11,6 +11,9 @@ import sys
 import time
 
 from apps.arg_types import positive_float, positive_int
+from apps.cmd_launch import calibrate_plan, report
+from apps.cmd_plan import OUTPUT_FILES, plan_files
+from engine.io.atomic import atomic_write_files, check_output_folder
 
 HELP = "plan a small GPT-2 on 4 CPU pipeline ranks, train it on Ray, compare with the prediction"
 
@@ -36,10 +39,7 @@ def demo_model() -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from apps.cmd_launch import calibrate_plan, report
-    from apps.cmd_plan import OUTPUT_FILES, plan_files
     from apps.launch_progress import TqdmProgress
-    from engine.io.atomic import atomic_write_files, check_output_folder
     from engine.plan.make import make_plan
     from runtime import launch
     from runtime.config import LaunchConfig

@@ -43,10 +43,12 @@ from typing import Iterator
 
 from apps.arg_types import non_negative_int, positive_float, positive_int
 from apps.output import fmt_gib, fmt_ms, table
+from engine.crossover import predict_colocated
 from engine.errors import TesselError
 from engine.gnn.plan import GNN_PLAN_FORMAT, load_gnn_plan
 from engine.io import load_plan, save_plan, write_trace
 from engine.plan.calibrate import calibrate_plan as calibrate_measured
+from runtime.runner import LaunchInterrupted
 
 HELP = "train a plan on Ray actors and compare measured with predicted step times"
 
@@ -285,10 +287,6 @@ def report_crossover(res, predicted: dict | None = None, out=sys.stdout) -> dict
 def _predict(plans: list, mode: str, steps: int) -> dict | None:
     """The simulator's prediction of the co-located run (``engine.crossover``), or ``None``."""
     try:
-        from engine.crossover import predict_colocated
-    except ImportError:
-        return None
-    try:
         p = predict_colocated(list(plans), mode, steps=max(1, steps))
     except Exception:  # a prediction is a bonus: never fail the launch for it
         return None
@@ -334,8 +332,6 @@ def run(args: argparse.Namespace) -> dict:
     from runtime import launch
     from runtime.config import LaunchConfig
     from runtime.launcher import check_launchable
-    from runtime.runner import LaunchInterrupted
-
     if any(_is_gnn_plan(Path(p)) for p in args.plan):
         return run_gnn(args)
     if args.epochs is not None:

@@ -8,6 +8,8 @@ import argparse
 import sys
 
 from apps.arg_types import port_number, positive_int
+from engine.errors import TesselError
+from engine.io import load_plan
 
 HELP = "serve the planner app in the browser (http://127.0.0.1:5006 by default)"
 
@@ -35,8 +37,6 @@ def check_args(args: argparse.Namespace) -> None:
     Raises:
         TesselError: an unreadable plan file, a model that cannot be built, a port outside 0..65535.
     """
-    from engine.errors import TesselError
-    from engine.io import load_plan
     from engine.models import build_model
 
     if args.plan:

@@ -13,6 +13,8 @@ import sys
 import threading
 from typing import Any, TextIO
 
+from tqdm.auto import tqdm
+
 from runtime.session import StepReport, TrainingCallback
 
 __all__ = ["LineProgress", "TqdmProgress"]
@@ -40,8 +42,6 @@ class TqdmProgress(TrainingCallback):
         self.bar: Any = None
 
     def on_start(self, *, start_step: int, steps: int, job: int | None = None) -> None:
-        from tqdm.auto import tqdm
-
         self.bar = tqdm(total=steps, initial=start_step, unit="step", desc="train", file=self.file or sys.stderr,
                         dynamic_ncols=True)
 

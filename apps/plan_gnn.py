@@ -19,6 +19,12 @@ from pathlib import Path
 from apps.arg_types import positive_float, positive_int
 from apps.output import fmt_ms, table
 from engine.errors import TesselError
+from engine.gnn.plan import graph_from_spec, make_gnn_plan
+from engine.gnn.plan_parts import GraphStats
+from engine.gnn.simulate import simulate_gnn
+from engine.io.atomic import atomic_write_files, atomic_write_text, check_output_folder
+from engine.io.trace import timeline_to_trace
+from engine.timeline import STREAMS
 from tasks.graph_forms import GRAPH_FORMS
 
 
@@ -55,9 +61,6 @@ def gnn_trace_text(plan, sim) -> str:
     """The simulated epoch as a Perfetto trace's JSON text (:func:`engine.io.trace.timeline_to_trace`),
     with the chunk loads on a ``load`` track of their own while ``engine.timeline.STREAMS`` has no
     ``load`` stream (without it they would share the compute track and overlap its slices)."""
-    from engine.io.trace import timeline_to_trace
-    from engine.timeline import STREAMS
-
     meta = {"format": "tessel-gnn-plan", "epoch_time": sim.epoch_time, "partitions": plan.partitions,
             "graph": plan.graph_spec, "model": plan.model.kind}
     trace = timeline_to_trace(sim.timeline, name="tessel-gnn", metadata=meta)
@@ -77,8 +80,6 @@ def write_gnn_trace(plan, sim, path: Path) -> Path:
     Raises:
         OSError: the file cannot be written.
     """
-    from engine.io.atomic import atomic_write_text
-
     return atomic_write_text(path, gnn_trace_text(plan, sim))
 
 
@@ -92,10 +93,6 @@ def run_gnn(args: argparse.Namespace) -> dict:
             (checked before planning; the folder is left as it was).
     """
     from engine.gnn.models import GNN_KINDS, GNNConfig
-    from engine.gnn.plan import graph_from_spec, make_gnn_plan
-    from engine.gnn.plan_parts import GraphStats
-    from engine.gnn.simulate import simulate_gnn
-    from engine.io.atomic import atomic_write_files, check_output_folder
     from tasks.graphs import graph_stats
 
     out = check_output_folder(args.output, GNN_OUTPUT_FILES)

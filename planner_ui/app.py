@@ -16,8 +16,10 @@ import gc
 
 import panel as pn
 import param
+from bokeh.document import Document
 
 from engine.io.plan import Plan, load_plan
+from engine.plan import make_plan, resimulate
 from planner_ui.colocate_panel import ColocatePanel
 from planner_ui.compare_view import CompareView
 from planner_ui.export_panel import ExportPanel
@@ -137,8 +139,6 @@ def initial_plan(model: str, devices: int, micro_batches: int, schedule: str, de
     Raises:
         engine.errors.TesselError: the model cannot be planned with these settings.
     """
-    from engine.plan import make_plan, resimulate
-
     res = make_plan(model, devices=devices, micro_batches=micro_batches, schedule=schedule, device_type=device_type)
     return res.plan, res.graph, resimulate(res.plan)
 
@@ -154,8 +154,6 @@ def warm_up(*, model: str | None = "gpt2", plan: str | Plan | None = None, devic
     """
     if plan is None and model:
         initial_plan(model, devices, micro_batches, schedule, device_type)
-    from bokeh.document import Document
-
     # one throw-away session rendered into a document: Bokeh's and Panel's first-use costs are paid here
     build_app(model=model, plan=plan, devices=devices, micro_batches=micro_batches, schedule=schedule,
               device_type=device_type).template().server_doc(Document())

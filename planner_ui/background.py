@@ -10,6 +10,7 @@ allows there.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable
 
@@ -58,8 +59,6 @@ def bokeh_safe(method: Callable) -> Callable:
     deployment: unlocked"), which collects them and sends them to the browser. Outside a server
     session (Jupyter, tests) it does nothing.
     """
-    import functools
-
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
         with pn.io.unlocked():

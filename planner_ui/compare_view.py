@@ -21,12 +21,16 @@ import param
 from bokeh.models import ColumnDataSource, FactorRange, HoverTool
 from bokeh.plotting import figure
 
+from engine.cost import CostModel
 from engine.errors import TesselError
 from engine.io.plan import Plan
 from engine.plan import resimulate
+from engine.plan.compare import compare_baselines
+from engine.plan.make import make_plan
 from engine.schedule import Schedule
 from engine.timeline import Timeline
 from planner_ui.background import bokeh_safe
+from planner_ui.search_panel import abstract_v_variant
 from planner_ui.sources import PALETTE
 from planner_ui.state import PlanState, abstract_plan
 
@@ -157,10 +161,6 @@ class CompareView(pn.viewable.Viewer):
         return added
 
     def _abstract_baselines(self, plan: Plan) -> tuple[list[str], list[str]]:
-        from engine.cost import CostModel
-        from engine.plan.compare import compare_baselines
-        from planner_ui.search_panel import abstract_v_variant
-
         cost = CostModel.from_dict(plan.cost) if plan.cost else None
         pl = plan.placement
         rows = compare_baselines(pl, plan.schedule.num_micro_batches, memory_limit=self.state.memory_limit, cost=cost,
@@ -175,9 +175,6 @@ class CompareView(pn.viewable.Viewer):
         return added, skipped
 
     def _model_baselines(self, plan: Plan) -> tuple[list[str], list[str]]:
-        from engine.cost import CostModel
-        from engine.plan.make import make_plan
-
         par, model = plan.parallel, plan.model
         cost = CostModel.from_dict(plan.cost) if plan.cost else None
         cap = plan.metrics.get("memory_capacity")

@@ -23,11 +23,16 @@ import logging
 
 import panel as pn
 import param
+import torch
 
 from engine.errors import TesselError
-from engine.gnn.models import GNN_KINDS
+from engine.gnn.characterize import characterize
+from engine.gnn.models import GNN_KINDS, GNNConfig, build_gnn
+from engine.gnn.plan import graph_from_spec, make_gnn_plan
+from engine.gnn.plan_parts import GraphStats
 from planner_ui.gnn_profile_view import GNNProfileView
 from planner_ui.gnn_view import GNNPlanView
+from tasks.graphs import graph_stats
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +94,11 @@ class GNNPanel(pn.viewable.Viewer):
         self._alert.visible = bool(self.message)
 
     def _data(self):
-        from engine.gnn.plan import graph_from_spec
-
         if self.graph not in self._data_cache:
             self._data_cache[self.graph] = graph_from_spec(self.graph)
         return self._data_cache[self.graph]
 
     def _config(self, data):
-        from engine.gnn.models import GNNConfig
-        from tasks.graphs import graph_stats
-
         st = graph_stats(data)
         heads = self.heads if self.kind == "gat" else 1
         return GNNConfig(self.kind, st["feature_dim"], self.hidden, st["num_classes"], self.layers, heads)
@@ -106,10 +106,6 @@ class GNNPanel(pn.viewable.Viewer):
     def make_plan(self):
         """Plan the form's model on its graph; returns the :class:`~engine.gnn.plan.GNNPlan`, or ``None``
         with :attr:`message` set to the one-sentence reason."""
-        from engine.gnn.plan import make_gnn_plan
-        from engine.gnn.plan_parts import GraphStats
-        from tasks.graphs import graph_stats
-
         try:
             data = self._data()
             config = self._config(data)
@@ -127,11 +123,6 @@ class GNNPanel(pn.viewable.Viewer):
     def profile(self, repeats: int = 3) -> int:
         """Characterize the form's model on its graph (inference and training, one thread); adds the rows
         to the profile view and returns how many were added (0 with :attr:`message` set on a mistake)."""
-        import torch
-
-        from engine.gnn.characterize import characterize
-        from engine.gnn.models import build_gnn
-
         try:
             data = self._data()
             torch.manual_seed(0)
