@@ -39,12 +39,15 @@ demo: setup
 test: setup browser
 	$(PY) -m pytest -q
 
-# ruff (pyflakes, pycodestyle, isort, bugbear), mypy on engine/ and runtime/, and the layering
-# contracts (import-linter; pyproject.toml [tool.importlinter]).
+# ruff (pyflakes, pycodestyle, isort, bugbear), mypy on engine/ and runtime/, the layering
+# contracts (import-linter; pyproject.toml [tool.importlinter]), and the structure checks
+# (tools/check_structure.py: functions of at most 150 lines, function-local imports only to
+# defer a heavy dependency).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+	$(PY) tools/check_structure.py
 
 bench: setup
 	$(PY) benchmarks/engine_bench.py

@@ -12,6 +12,7 @@ Usage::
 
     python tools/check_structure.py            # the whole project; exit status 1 on a violation
     python tools/check_structure.py engine/tessel --count   # one folder; also count local imports
+    python tools/check_structure.py --root DIR               # another tree with the same packages
 
 Module-level imports under ``if TYPE_CHECKING:`` are not followed (they do not run).
 """
@@ -217,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="*", default=list(PACKAGES), help="folders or files (default: the packages)")
     ap.add_argument("--count", action="store_true", help="print the number of function-local imports")
+    ap.add_argument("--root", type=Path, default=None, help="the tree to check (default: this repository)")
     args = ap.parse_args(argv)
+    if args.root is not None:
+        global ROOT
+        ROOT = args.root.resolve()
     files = _source_files(args.paths)
     problems = long_functions(files)
     bad, count = local_imports(files)
