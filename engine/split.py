@@ -1,6 +1,6 @@
 """Which stage-construction method the runtime uses for a model (recorded as ``plan.model.split``).
 
-Two well-kept anchors cut a model into pipeline stages (``runtime.stages.build_stages``):
+Three methods cut a model into pipeline stages (``runtime.stages.build_stages``):
 
 - ``"tracer"``: ``torch.distributed.pipelining.pipeline`` traces the whole model with
   ``torch.export`` and splits the graph between the plan's segments. It handles any forward that

@@ -423,7 +423,7 @@ def launch(
 
 def _plan_task(plan: Plan, config: LaunchConfig) -> tuple[Plan, Any]:
     """The plan the workers get (``model.task`` set to ``config.task`` when it overrides the plan's)
-    and its task (:func:`tasks.task_for_plan`, data seed ``config.data_seed``).
+    and its task (:func:`engine.models.bundle.task_for_plan`, data seed ``config.data_seed``).
 
     Raises:
         LaunchError: (``kind="setup"``) the task is unknown or does not fit the model.

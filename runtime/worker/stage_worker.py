@@ -262,9 +262,9 @@ class StageWorker:
         return plan
 
     def _resolve_task(self, plan: Any) -> Any:
-        """The plan's task (``plan.model.task``, :func:`tasks.task_for_plan`): its ``loss`` is the last
+        """The plan's task (``plan.model.task``, :func:`engine.models.bundle.task_for_plan`): its ``loss`` is the last
         segment's loss and its ``num_inputs`` how many leading batch tensors are model inputs. The
-        data seed does not matter here (the driver draws the batches). Raises ``tasks.TaskError``."""
+        data seed does not matter here (the driver draws the batches). Raises ``engine.errors.TaskError``."""
         return task_for_plan(plan, seed=0)
 
     def _resolve_device_and_matching(self) -> None:
