@@ -337,7 +337,7 @@ def launch(
         LaunchInterrupted: SIGINT during the steps: raised after the current step and its
             checkpoint (a ``KeyboardInterrupt``; a second SIGINT raises a plain one at once).
         LaunchError: (``kind="setup"``, before Ray starts) ``steps < 1``, an unknown optimizer or
-            p2p matching, an unknown task or one that does not fit the model (``tasks.TaskError``'s
+            p2p matching, an unknown task or one that does not fit the model (``engine.errors.TaskError``'s
             sentence), ``resume`` without a checkpoint folder holding a checkpoint, or ``resume``
             from a checkpoint written with another optimizer.
         engine.errors.ScheduleError: the plan fails :func:`check_launchable` (before Ray starts).

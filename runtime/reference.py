@@ -104,7 +104,7 @@ def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimize
 
     Raises:
         ValueError: a batch of the wrong shape or an unknown optimizer.
-        tasks.TaskError: the task cannot be built for the model.
+        engine.errors.TaskError: the task cannot be built for the model.
     """
     return reference_run(plan, batches, seed=seed, lr=lr, optimizer=optimizer, optimizer_kw=optimizer_kw,
                          task=task).losses
