@@ -28,16 +28,38 @@ capture error).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+from collections.abc import Iterator, Mapping
+from types import ModuleType
 from typing import NoReturn
 
-from apps import cmd_demo, cmd_launch, cmd_models, cmd_plan, cmd_profile_gnn, cmd_search, cmd_serve, cmd_show
 from apps.output import emit_json
 from engine.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILURE, EXIT_USER_ERROR, TesselError
 
-COMMANDS = {"plan": cmd_plan, "search": cmd_search, "models": cmd_models, "show": cmd_show, "launch": cmd_launch,
-            "demo": cmd_demo, "serve": cmd_serve, "profile-gnn": cmd_profile_gnn}
+
+class CommandRegistry(Mapping[str, ModuleType]):
+    """Sub-command name -> the module implementing it (``HELP``, ``add_arguments``, ``run``),
+    imported on first access: a run imports only its own command (``tessel search`` on a placement
+    loads no launcher, GNN or profiling code), ``tessel --help`` imports them all."""
+
+    def __init__(self, modules: dict[str, str]) -> None:
+        self._modules = modules
+
+    def __getitem__(self, name: str) -> ModuleType:
+        return importlib.import_module(self._modules[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+COMMANDS = CommandRegistry({"plan": "apps.cmd_plan", "search": "apps.cmd_search", "models": "apps.cmd_models",
+                            "show": "apps.cmd_show", "launch": "apps.cmd_launch", "demo": "apps.cmd_demo",
+                            "serve": "apps.cmd_serve", "profile-gnn": "apps.cmd_profile_gnn"})
 
 EXIT_STATUSES = (f"exit statuses: {EXIT_OK} success; {EXIT_USER_ERROR} a user mistake (a wrong argument, model, "
                  f"plan or file; one sentence on stderr says what and how to fix it); {EXIT_RUN_FAILURE} a run "
@@ -61,12 +83,22 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser with one sub-parser per command module (``add_arguments``/``run``)."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argparse parser with one sub-parser per command module (``add_arguments``/``run``).
+
+    Args:
+        command: the only command the parser needs to parse (``main`` passes the first argument
+            when it names one): the other sub-parsers are left empty and their modules are not
+            imported. ``None``: all of them, as ``tessel --help`` shows them.
+    """
     p = _Parser(prog="tessel", description="Tessel Planner: plan, schedule and simulate distributed DNN training.",
                 epilog=EXIT_STATUSES)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, mod in COMMANDS.items():
+    for name in COMMANDS:
+        if command is not None and name != command:
+            sub.add_parser(name)
+            continue
+        mod = COMMANDS[name]
         sp = sub.add_parser(name, help=mod.HELP, description=mod.__doc__, epilog=EXIT_STATUSES)
         mod.add_arguments(sp)
         sp.add_argument("--json", action="store_true",
@@ -148,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     verbose = "-v" in argv or "--verbose" in argv
     command = next((a for a in argv if a in COMMANDS), None)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv[0] if argv and argv[0] in COMMANDS else None).parse_args(argv)
     except UsageError as e:
         _configure_logging(verbose=verbose)
         return _fail(command, e, json_out=json_out, verbose=False)
