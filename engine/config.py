@@ -24,6 +24,8 @@ from typing import Any, ClassVar, Literal, get_args
 from engine.coconet import parse_transforms
 from engine.envelope import FieldReader
 from engine.errors import CoCoNetError, PlanFormatError, TransformError
+from engine.precision import PRECISIONS
+from engine.recompute import RECOMPUTE
 
 OptimizerKind = Literal["adam", "adama"]
 """The optimizer memory model of a plan (see :func:`engine.transform.gradient_bytes`)."""
@@ -183,6 +185,13 @@ class ParallelConfig:
             by default; a multiple of 4, the float32 element).
         overlap_chunks: chunks of ``chunked-overlap`` (the sequence of a row-parallel matmul split
             this many ways).
+        precision: the precision policy (:mod:`engine.precision`, PyTorch Lightning's names):
+            ``32-true``, ``bf16-mixed``, ``16-mixed`` or ``bf16-true``; it sets the compute dtype,
+            the bytes per parameter of weights, gradients, master weights and optimizer states,
+            and how the runtime trains. A plan file without it was planned as ``32-true``.
+        recompute: activation recomputation (:mod:`engine.recompute`): ``none``, ``selective``
+            (the attention core) or ``full`` (each layer keeps only its input). A plan file
+            without it recomputes nothing.
         extra: keys of the JSON section this version does not know, written back unchanged.
         json_keys: the keys of the JSON section this was read from, in order (``None`` when built
             in code: ``to_dict`` then writes every field); not part of equality.
@@ -202,6 +211,8 @@ class ParallelConfig:
     transforms: tuple[str, ...] = ()
     grad_bucket_bytes: int = 25 * 2**20
     overlap_chunks: int = 4
+    precision: str = "32-true"
+    recompute: str = "none"
     extra: dict[str, Any] = field(default_factory=dict)
     json_keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
     implied: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
@@ -230,6 +241,10 @@ class ParallelConfig:
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 4 or bucket % 4:
             raise TransformError(f"grad_bucket_bytes must be a positive multiple of 4 (float32 elements), got "
                                  f"{self.grad_bucket_bytes!r}")
+        if self.precision not in PRECISIONS:
+            raise TransformError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        if self.recompute not in RECOMPUTE:
+            raise TransformError(f"unknown recomputation {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
         if tuple(parse_transforms(self.transforms)) != tuple(self.transforms):
             raise TransformError(f"transforms {list(self.transforms)} must be distinct names in the order of "
                                  "engine.coconet.TRANSFORMS; build them with engine.coconet.parse_transforms")
@@ -246,6 +261,8 @@ class ParallelConfig:
                 values["grad_bucket_bytes"] = self.grad_bucket_bytes
             if "chunked-overlap" in self.transforms:
                 values["overlap_chunks"] = self.overlap_chunks
+        values["precision"] = self.precision
+        values["recompute"] = self.recompute
         return _write(self, values)
 
     @classmethod
@@ -261,8 +278,9 @@ class ParallelConfig:
                 its schedule); they are not written back unless changed (:attr:`implied`).
 
         Raises:
-            PlanFormatError: ``d`` is not a dict, a degree is not an int, or ``optimizer`` is not
-                one of ``adam``, ``adama`` (the message names the field path, e.g. ``parallel.pp``).
+            PlanFormatError: ``d`` is not a dict, a degree is not an int, ``optimizer`` is not
+                one of ``adam``, ``adama``, or ``precision`` / ``recompute`` is not a known policy /
+                granularity (the message names the field path, e.g. ``parallel.pp``).
         """
         d = _section(d, path, fields)
         kw: dict[str, Any] = {k: fields.need(d, k, int, f"{path}.{k}") for k in cls._INTS if k in d}
@@ -287,7 +305,14 @@ class ParallelConfig:
         for key in ("grad_bucket_bytes", "overlap_chunks"):
             if key in d:
                 kw[key] = fields.need(d, key, int, f"{path}.{key}")
-        known = set(cls._INTS) | {"devices", "optimizer", "transforms", "grad_bucket_bytes", "overlap_chunks"}
+        for key, names in (("precision", PRECISIONS), ("recompute", RECOMPUTE)):
+            if key in d:
+                value = fields.need(d, key, str, f"{path}.{key}")
+                if value not in names:
+                    raise fields.fail(f"{path}.{key}", f" is {value!r}; expected one of {', '.join(map(repr, names))}")
+                kw[key] = value
+        known = set(cls._INTS) | {"devices", "optimizer", "transforms", "grad_bucket_bytes", "overlap_chunks",
+                                  "precision", "recompute"}
         extra = {k: v for k, v in d.items() if k not in known}
         return cls(**kw, extra=extra, json_keys=tuple(d), implied=implied)
 
