@@ -14,10 +14,11 @@ serialises its outgoing transfers, and a collective stream for data-parallel all
   buffers are pre-allocated, so no memory changes).
 - ``ALLREDUCE`` (data-parallel, ``ranks`` empty): asynchronous on the collective stream
   (data-parallel replicas are symmetric, so one replica is simulated; the group is the device
-  ids of the rank's data-parallel group in the plan's layout, :mod:`engine.layout`); ``OPTIM`` waits for all of the rank's all-reduces and then
-  runs for ``cost.optimizer_time(nbytes)``; the gradient buffers are freed at its end. A bucket of
-  ``overlap-grad-sync`` (``ready < 1``) may start once that fraction of the rank's last compute
-  block has run: its all-reduce overlaps the rest of the backward.
+  ids of the rank's data-parallel group in the plan's layout, :mod:`engine.layout`); ``OPTIM``
+  waits for all of the rank's all-reduces and then runs for ``cost.optimizer_time(nbytes)``; the
+  gradient buffers are freed at its end. A bucket of ``overlap-grad-sync`` (``ready < 1``) may
+  start once that fraction of the rank's last compute block has run: its all-reduce overlaps
+  the rest of the backward.
 - ``REDUCESCATTER`` (``sharded-update``): like a data-parallel ALLREDUCE, timed as a
   reduce-scatter. ``ALLGATHER`` of a segment's parameters (``sharded-update``, after ``OPTIM``):
   asynchronous on the collective stream; the step ends when it has finished. ``ALLGATHER`` of a

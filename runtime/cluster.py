@@ -285,7 +285,7 @@ def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_
         args_for_rank: ``f(rank, master_addr, master_port) -> (args, kwargs)`` of the constructor.
         timeout: seconds for the placement group and the rendezvous task.
         device_of: per rank its device id (``engine.layout.world_devices``); rank ``r`` runs in
-            bundle :func:`rank_bundles`\ ``[r]``. Default: rank ``r`` is device ``r``.
+            the bundle ``rank_bundles(...)[r]`` (:func:`rank_bundles`). Default: rank ``r`` is device ``r``.
 
     Returns:
         the pool; actors are created asynchronously (their constructors run when first called).
@@ -301,8 +301,8 @@ def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_
         actors = []
         for r in range(world_size):
             args, kwargs = args_for_rank(r, addr, port)
-            opts = dict(backend.actor_options(), max_restarts=0, max_task_retries=0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundles[r]))
+            where = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundles[r])
+            opts = dict(backend.actor_options(), max_restarts=0, max_task_retries=0, scheduling_strategy=where)
             actors.append(remote_cls.options(**opts).remote(*args, **kwargs))
     except BaseException:
         remove_placement_group(pg)
