@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.cost import CostModel
+from engine.cost import comm
 from engine.errors import PlanFormatError, TransformError
 from engine.io import Plan, load_plan
 from engine.layout import DEFAULT_ORDER, LAYOUTS, LEGACY, WORLD_ORDER, RankLayout, world_devices
@@ -95,6 +96,10 @@ def test_dp8_tp8_gradient_allreduce_is_timed_over_the_inter_node_link(dp8_tp8, t
     real = [8 * d for d in range(8)]   # tensor rank 0 of each replica: device t + 8*d, one per node
     assert len({cost.node_of(r) for r in real}) == 8
     assert ev.end - ev.start == pytest.approx(cost.collective_time("allreduce", ev.nbytes, real), rel=1e-12)
+    # ... which is a ring all-reduce of 8 over InfiniBand (engine.cost.comm, the alpha-beta model)
+    assert ev.end - ev.start == pytest.approx(comm.collective_time("allreduce", ev.nbytes, 8, cost.inter_link),
+                                              rel=1e-12)
+    assert cost.inter_link.name == "infiniband"
     # the old grouping (r + k*n over the pipeline ranks: devices 0..7, one node, NVLink) was faster
     old = cost.collective_time("allreduce", ev.nbytes, list(range(8)))
     assert ev.end - ev.start > 2 * old
