@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cost import CostModel
-from engine.cost import comm
+from engine.cost import CostModel, comm
 from engine.errors import PlanFormatError, TransformError
 from engine.io import Plan, load_plan
 from engine.layout import DEFAULT_ORDER, LAYOUTS, LEGACY, WORLD_ORDER, RankLayout, world_devices
