@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal, get_args
 from engine.coconet import parse_transforms
 from engine.envelope import FieldReader
 from engine.errors import CoCoNetError, PlanFormatError, TransformError
+from engine.layout import DEFAULT_ORDER, LAYOUTS, LEGACY
 from engine.precision import PRECISIONS
 from engine.recompute import RECOMPUTE
 
@@ -192,11 +193,18 @@ class ParallelConfig:
         recompute: activation recomputation (:mod:`engine.recompute`): ``none``, ``selective``
             (the attention core) or ``full`` (each layer keeps only its input). A plan file
             without it recomputes nothing.
+        layout: how the ranks are laid out on the devices (:mod:`engine.layout`): the order of
+            the dimensions from the fastest-varying, Megatron-LM's ``tp-dp-pp`` by default
+            (device ``t + tp*d + tp*dp*p``: tensor groups inside a node), or another of
+            :data:`engine.layout.LAYOUTS`. A plan file without it was simulated in the ``legacy``
+            layout (tensor ranks folded, ``device = p + pp*d``) and keeps it (written back only
+            once changed).
         extra: keys of the JSON section this version does not know, written back unchanged.
         json_keys: the keys of the JSON section this was read from, in order (``None`` when built
             in code: ``to_dict`` then writes every field); not part of equality.
-        implied: degrees the section lacked and :meth:`from_dict` filled in (a plan's
-            ``micro_batches`` from its schedule); ``to_dict`` writes them only once changed.
+        implied: values the section lacked and :meth:`from_dict` filled in (a plan's
+            ``micro_batches`` from its schedule, ``layout`` = ``legacy``); ``to_dict`` writes them
+            only once changed.
 
     ``devices`` (``dp * tp * pp``) is derived; the JSON section records it too.
     """
@@ -213,9 +221,10 @@ class ParallelConfig:
     overlap_chunks: int = 4
     precision: str = "32-true"
     recompute: str = "none"
+    layout: str = DEFAULT_ORDER
     extra: dict[str, Any] = field(default_factory=dict)
     json_keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
-    implied: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    implied: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     _INTS: ClassVar[tuple[str, ...]] = ("dp", "tp", "pp", "virtual_stages", "micro_batches", "micro_batch_size")
 
@@ -245,6 +254,8 @@ class ParallelConfig:
             raise TransformError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if self.recompute not in RECOMPUTE:
             raise TransformError(f"unknown recomputation {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
+        if self.layout not in LAYOUTS:
+            raise TransformError(f"unknown rank layout {self.layout!r}; use one of {', '.join(LAYOUTS)}")
         if tuple(parse_transforms(self.transforms)) != tuple(self.transforms):
             raise TransformError(f"transforms {list(self.transforms)} must be distinct names in the order of "
                                  "engine.coconet.TRANSFORMS; build them with engine.coconet.parse_transforms")
@@ -263,6 +274,7 @@ class ParallelConfig:
                 values["overlap_chunks"] = self.overlap_chunks
         values["precision"] = self.precision
         values["recompute"] = self.recompute
+        values["layout"] = self.layout
         return _write(self, values)
 
     @classmethod
@@ -279,13 +291,15 @@ class ParallelConfig:
 
         Raises:
             PlanFormatError: ``d`` is not a dict, a degree is not an int, ``optimizer`` is not
-                one of ``adam``, ``adama``, or ``precision`` / ``recompute`` is not a known policy /
-                granularity (the message names the field path, e.g. ``parallel.pp``).
+                one of ``adam``, ``adama``, or ``precision`` / ``recompute`` / ``layout`` is not a known
+                policy / granularity / layout (the message names the field path, e.g. ``parallel.pp``).
         """
         d = _section(d, path, fields)
         kw: dict[str, Any] = {k: fields.need(d, k, int, f"{path}.{k}") for k in cls._INTS if k in d}
-        implied = {k: v for k, v in (implied or {}).items() if k in cls._INTS and k not in d}
-        kw.update(implied)
+        filled: dict[str, Any] = {k: v for k, v in (implied or {}).items() if k in cls._INTS and k not in d}
+        kw.update(filled)
+        if "layout" not in d:   # written before the layout was recorded: simulated as legacy
+            kw["layout"] = filled["layout"] = LEGACY
         if "devices" in d:
             fields.need(d, "devices", int, f"{path}.devices")
         if "optimizer" in d:
@@ -305,16 +319,16 @@ class ParallelConfig:
         for key in ("grad_bucket_bytes", "overlap_chunks"):
             if key in d:
                 kw[key] = fields.need(d, key, int, f"{path}.{key}")
-        for key, names in (("precision", PRECISIONS), ("recompute", RECOMPUTE)):
+        for key, names in (("precision", PRECISIONS), ("recompute", RECOMPUTE), ("layout", LAYOUTS)):
             if key in d:
                 value = fields.need(d, key, str, f"{path}.{key}")
                 if value not in names:
                     raise fields.fail(f"{path}.{key}", f" is {value!r}; expected one of {', '.join(map(repr, names))}")
                 kw[key] = value
         known = set(cls._INTS) | {"devices", "optimizer", "transforms", "grad_bucket_bytes", "overlap_chunks",
-                                  "precision", "recompute"}
+                                  "precision", "recompute", "layout"}
         extra = {k: v for k, v in d.items() if k not in known}
-        return cls(**kw, extra=extra, json_keys=tuple(d), implied=implied)
+        return cls(**kw, extra=extra, json_keys=tuple(d), implied=filled)
 
 
 __all__ = ["OPTIMIZER_KINDS", "ModelRef", "OptimizerKind", "ParallelConfig"]

@@ -13,11 +13,12 @@ serialises its outgoing transfers, and a collective stream for data-parallel all
 - ``RECV``: the compute stream waits until the matching transfer has arrived (receive
   buffers are pre-allocated, so no memory changes).
 - ``ALLREDUCE`` (data-parallel, ``ranks`` empty): asynchronous on the collective stream
-  (data-parallel replicas are symmetric, so one replica is simulated; the group is
-  ``[r, r + n, ..., r + (dp-1) n]``); ``OPTIM`` waits for all of the rank's all-reduces and then
-  runs for ``cost.optimizer_time(nbytes)``; the gradient buffers are freed at its end. A bucket of
-  ``overlap-grad-sync`` (``ready < 1``) may start once that fraction of the rank's last compute
-  block has run: its all-reduce overlaps the rest of the backward.
+  (data-parallel replicas are symmetric, so one replica is simulated; the group is the device
+  ids of the rank's data-parallel group in the plan's layout, :mod:`engine.layout`); ``OPTIM``
+  waits for all of the rank's all-reduces and then runs for ``cost.optimizer_time(nbytes)``; the
+  gradient buffers are freed at its end. A bucket of ``overlap-grad-sync`` (``ready < 1``) may
+  start once that fraction of the rank's last compute block has run: its all-reduce overlaps
+  the rest of the backward.
 - ``REDUCESCATTER`` (``sharded-update``): like a data-parallel ALLREDUCE, timed as a
   reduce-scatter. ``ALLGATHER`` of a segment's parameters (``sharded-update``, after ``OPTIM``):
   asynchronous on the collective stream; the step ends when it has finished. ``ALLGATHER`` of a
@@ -27,13 +28,21 @@ serialises its outgoing transfers, and a collective stream for data-parallel all
   path. It starts when the rank's compute stream reaches it (``runtime.worker`` runs it on its
   own process group, so it does not queue behind a pending data-parallel all-reduce; link
   contention between the two is not modelled), lasts
-  ``cost.collective_time("alltoall", nbytes, group)`` (the rank's ``group`` replicas
-  ``[r, r + n, ...]``, i.e. its data-parallel group) and advances the rank's clock.
+  ``cost.collective_time("alltoall", nbytes, group)`` (its data-parallel group's devices) and
+  advances the rank's clock.
 - Tied-weight ``ALLREDUCE`` (``ranks`` set): synchronous across the holding pipeline ranks, a
   barrier like a multi-device block. Each holder is ready once its compute stream reaches it AND
   its pending data-parallel all-reduces have finished (``runtime.worker`` waits for them first,
   then sums the tied gradients, then steps); it starts at the latest holder's ready time, lasts
   ``cost.collective_time("allreduce", nbytes, ranks)`` and advances every holder's clock.
+
+**Device ids.** A stream is one pipeline rank ``r`` of data-parallel replica 0 with its ``tp``
+tensor ranks folded into it (a block's duration includes its tensor-parallel collectives). Every
+transfer and collective is timed between the DEVICE ids of the ranks taking part
+(:meth:`engine.dependency.ExecutionPlan.device_of` / ``device_group``, from the plan's
+:mod:`engine.layout`: Megatron's ``tp-dp-pp`` puts rank ``r`` on device ``tp * dp * r``; the
+``legacy`` layout of older plans on device ``r``), so the cost model, which puts device ``i`` on
+node ``i // devices_per_node``, picks the link the real ranks share.
 
 Tensor-parallel collectives inside a block (``ExecutionPlan.tp_collectives``: Megatron's all-reduces,
 or CoCoNet's ``tp-split`` reduce-scatters and all-gathers) are drawn within the block's span
@@ -60,6 +69,7 @@ from typing import Callable, Protocol, cast
 
 from engine.dependency import COMPUTE_OPS, ExecutionPlan, Instruction, Op
 from engine.errors import DeadlockError
+from engine.layout import LEGACY
 from engine.timeline import Event, Timeline
 
 
@@ -105,6 +115,8 @@ class SimState:
         last_block: per rank, ``(start, end)`` of its latest compute block.
         span: a compute block -> the number of ranks whose stream holds it.
         events: the timeline's events so far.
+        dp_groups, devices: per rank, its data-parallel group's device ids and its device id
+            (:mod:`engine.layout`, cached).
     """
 
     plan: ExecutionPlan
@@ -123,6 +135,7 @@ class SimState:
     barrier: dict = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     dp_groups: dict[int, list[int]] = field(default_factory=dict)
+    devices: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def start(cls, plan: ExecutionPlan, cost: CommCost) -> "SimState":
@@ -139,12 +152,20 @@ class SimState:
                    last_block=[(0.0, 0.0)] * n, tied_seen=[dict() for _ in range(n)], span=span)
 
     def dp_group(self, r: int) -> list[int]:
-        """The data-parallel replicas of rank ``r``: ``[r, r + n, ..., r + (dp-1) n]``."""
+        """The device ids of rank ``r``'s data-parallel group
+        (:meth:`~engine.dependency.ExecutionPlan.device_group`: in the default layout
+        ``[t + tp*d + tp*dp*r for d in range(dp)]`` with ``t = 0``; legacy ``[r, r + n, ...]``)."""
         g = self.dp_groups.get(r)
         if g is None:
-            n = self.plan.num_ranks
-            g = self.dp_groups[r] = [r + k * n for k in range(self.plan.dp)]
+            g = self.dp_groups[r] = self.plan.device_group("data", r)
         return g
+
+    def device(self, r: int) -> int:
+        """The device id of pipeline rank ``r``'s stream (:meth:`~engine.dependency.ExecutionPlan.device_of`)."""
+        d = self.devices.get(r)
+        if d is None:
+            d = self.devices[r] = self.plan.device_of(r)
+        return d
 
     def run_compute(self, ranks: list[int], ins: Instruction) -> None:
         """Run compute block ``ins`` on ``ranks`` together: its event, the tensor-parallel
@@ -205,7 +226,7 @@ def _send(s: SimState, r: int, ins: Instruction) -> bool:
     blk = ins.block
     assert blk is not None
     start = max(s.clock[r], s.send_free[r])
-    end = start + s.cost.p2p_time(ins.nbytes, r, cast(int, ins.peer))
+    end = start + s.cost.p2p_time(ins.nbytes, s.device(r), s.device(cast(int, ins.peer)))
     s.send_free[r] = end
     s.arrivals[(blk, r, ins.peer)] = (start, end)
     s.events.append(Event(r, "send", "SEND", f"{blk}>{ins.peer}", start, end, ins.nbytes, blk.micro_batch,
@@ -241,7 +262,8 @@ def _tied_allreduce(s: SimState, r: int, ins: Instruction) -> bool:
         return False
     del s.barrier[key]
     start = max(max(s.clock[h], s.coll_pending[h]) for h in holders)
-    end = start + s.cost.collective_time("allreduce", ins.nbytes, list(ins.ranks))
+    end = start + s.cost.collective_time("allreduce", ins.nbytes, [s.device(h) if 0 <= h < s.plan.num_ranks else h
+                                                                   for h in ins.ranks])
     for h in holders:
         s.events.append(Event(h, "collective", "ALLREDUCE", "allreduce tied", start, end, ins.nbytes, -1, -1))
         s.clock[h] = end
@@ -277,9 +299,12 @@ def _allreduce(s: SimState, r: int, ins: Instruction) -> bool:
 
 def _alltoall(s: SimState, r: int, ins: Instruction) -> bool:
     """``ALLTOALL``: blocking on the compute path over the rank's expert-parallel group."""
-    n = s.plan.num_ranks
     start = s.clock[r]
-    group = s.dp_group(r) if ins.group == s.plan.dp else [r + k * n for k in range(max(1, ins.group))]
+    group = s.dp_group(r)
+    if ins.group != s.plan.dp:   # a hand-built stream's group: the first ``group`` replicas' devices
+        n = s.plan.num_ranks
+        group = [r + k * n for k in range(max(1, ins.group))] if s.plan.layout == LEGACY \
+            else [s.plan.rank_layout().device(0, k, r) for k in range(min(max(1, ins.group), s.plan.dp))]
     end = start + s.cost.collective_time("alltoall", ins.nbytes, group)
     s.clock[r] = end
     blk = ins.block
@@ -295,9 +320,11 @@ def _allgather(s: SimState, r: int, ins: Instruction) -> bool:
     blk = ins.block
     if blk is None:
         return _dp_collective(s, r, ins)
-    n = s.plan.num_ranks
     start = s.clock[r]
-    end = start + s.cost.collective_time("allgather", ins.nbytes, [r + k * n for k in range(ins.group)])
+    n = s.plan.num_ranks
+    group = [r + k * n for k in range(ins.group)] if s.plan.layout == LEGACY \
+        else s.plan.device_group("tensor", r)[:max(1, ins.group)]
+    end = start + s.cost.collective_time("allgather", ins.nbytes, group)
     s.clock[r] = end
     s.events.append(Event(r, "collective", "ALLGATHER", f"allgather {blk}", start, end, ins.nbytes, blk.micro_batch,
                           blk.segment))

@@ -83,7 +83,7 @@ from planner_ui.gantt_edit import (
     header_html,
     measured_columns,
 )
-from planner_ui.sources import COMPUTE_HEIGHT, PALETTE, memory_columns
+from planner_ui.sources import COMPUTE_HEIGHT, PALETTE, memory_columns, row_labels
 from planner_ui.state import EditResult, PlanState
 
 _ALERT_TYPES = {"info": "info", "success": "success", "error": "danger"}
@@ -352,7 +352,9 @@ class GanttView(pn.viewable.Viewer):
         fig = self.figure
         fig.y_range.start, fig.y_range.end = n - 0.5, -0.5
         fig.yaxis.ticker = FixedTicker(ticks=list(range(n)))
-        fig.yaxis.major_label_overrides = {i: f"device {i}" for i in range(n)}
+        par = st.plan.parallel if st.plan is not None else None
+        fig.yaxis.major_label_overrides = row_labels(n, tp=par.tp, dp=par.dp, layout=par.layout) if par \
+            else row_labels(n)
         self._sync_x_range()
         if self.height is None:
             fig.height = int(min(640, max(200, 70 + 46 * n)))

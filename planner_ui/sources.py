@@ -8,6 +8,7 @@ placements, ``mem_scale=1``).
 
 from __future__ import annotations
 
+from engine.layout import DEFAULT_ORDER, LEGACY, RankLayout
 from engine.schedule import Schedule
 from engine.timeline import Timeline
 
@@ -147,3 +148,25 @@ def metrics_summary(timeline: Timeline, memory_limit: float | None = None) -> di
 
 __all__ = ["KIND_COLORS", "COMM_DESCRIPTIONS", "PALETTE", "gantt_columns", "memory_columns", "metrics_summary",
            "segment_color", "COMPUTE_HEIGHT", "COMM_HEIGHT", "COMM_OFFSET", "GANTT_COLUMNS"]
+
+
+def row_labels(rows: int, *, tp: int = 1, dp: int = 1, layout: str = DEFAULT_ORDER) -> dict[int, str]:
+    """The Gantt's row labels: row ``r`` is pipeline rank ``r`` of data-parallel replica 0 with its
+    ``tp`` tensor ranks folded in. With ``tp = dp = 1`` it is ``"device r"``; otherwise its
+    ``(pp, dp, tp)`` indices and device ids in the plan's layout (:mod:`engine.layout`), e.g.
+    ``"pp 1 · dp 0 · tp 0-7 (devices 64-71)"`` (``legacy``: the one id the simulator gave it).
+
+    Raises:
+        engine.errors.TransformError: a degree below 1 or an unknown layout.
+    """
+    if tp * dp == 1:
+        return {r: f"device {r}" for r in range(rows)}
+    lay = RankLayout(tp, dp, max(1, rows), layout)
+    out = {}
+    for r in range(rows):
+        tps = "tp 0" if tp == 1 else f"tp 0-{tp - 1}"
+        ids = [lay.device(0, 0, r)] if layout == LEGACY else lay.group_of("tensor", lay.device(0, 0, r))
+        where = f"device {ids[0]}" if len(ids) == 1 else f"devices {ids[0]}-{ids[-1]}"
+        out[r] = f"pp {r} · dp 0 · {tps} ({where})"
+    return out
+

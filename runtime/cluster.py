@@ -1,7 +1,10 @@
 """Ray cluster plumbing for a launch: connect, reserve, create one actor per rank, tear down.
 
 One :class:`ActorPool` holds a placement group with one bundle per planned rank (strategy
-``"PACK"``: all ranks on as few nodes as possible) and one stage-worker actor per bundle.
+``"PACK"``: all ranks on as few nodes as possible) and one stage-worker actor per bundle. Which
+bundle a rank gets follows the plan's rank layout (:mod:`engine.layout`): the bundles are
+numbered node by node and the rank of device id ``i`` takes the ``i``-th, so device ``i`` sits on
+the ``i // devices_per_node``-th node as the cost model assumed (:func:`rank_bundles`).
 
 Resources (chosen once at start-up by :func:`choose_backend`; the code path is otherwise the same):
 
@@ -35,7 +38,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import psutil
 import ray
@@ -43,6 +46,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.errors import TesselError
+
+log = logging.getLogger(__name__)
 
 #: CPU share of each rank's bundle and actor on the CPU path (Ray needs a non-zero resource).
 TINY_CPU = 0.01
@@ -220,11 +225,11 @@ def reserve(world_size: int, backend: Backend, *, timeout: float = 60.0):
     return pg
 
 
-def rendezvous_address(pg, *, timeout: float = 60.0) -> tuple[str, int]:
-    """Node IP and a free port where rank 0 (bundle 0 of ``pg``) runs: the process group's TCP store."""
+def rendezvous_address(pg, *, timeout: float = 60.0, bundle: int = 0) -> tuple[str, int]:
+    """Node IP and a free port where rank 0 (bundle ``bundle`` of ``pg``) runs: the process group's TCP store."""
     task = ray.remote(_node_rendezvous).options(
         num_cpus=TINY_CPU,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
     )
     ref = task.remote()
     ready, _ = ray.wait([ref], timeout=timeout)
@@ -234,16 +239,53 @@ def rendezvous_address(pg, *, timeout: float = 60.0) -> tuple[str, int]:
     return ray.get(ref)
 
 
+def rank_bundles(world_size: int, bundle_nodes: Mapping[int, Any], device_of: Sequence[int] | None = None) -> list[int]:
+    """The placement-group bundle of each rank, so that device id ``i`` (:mod:`engine.layout`) sits
+    on the ``i // devices_per_node``-th node: the bundles are numbered node by node (nodes in the
+    order of their first bundle, bundles ascending within a node) and rank ``r`` takes the
+    ``device_of[r]``-th of them (default: rank ``r`` is device ``r``). With the plan's layout
+    (``engine.layout.world_devices``) a tensor group's consecutive devices share a node.
+
+    Args:
+        world_size: ranks = bundles.
+        bundle_nodes: bundle index -> its node id (``ray.util.placement_group_table(pg)
+            ["bundles_to_node_id"]``; a missing bundle counts as one unknown node).
+        device_of: per rank, its device id, a permutation of ``0 .. world_size-1``.
+
+    Raises:
+        ClusterError: ``device_of`` is not such a permutation.
+    """
+    devices = list(device_of) if device_of is not None else list(range(world_size))
+    if sorted(devices) != list(range(world_size)):
+        raise ClusterError(f"the ranks' device ids {devices} are not a permutation of 0..{world_size - 1}")
+    first: dict[Any, int] = {}
+    for b in range(world_size):
+        first.setdefault(bundle_nodes.get(b), b)
+    by_node = sorted(range(world_size), key=lambda b: (first[bundle_nodes.get(b)], b))
+    return [by_node[d] for d in devices]
+
+
+def _bundle_nodes(pg) -> dict[int, Any]:
+    """Bundle index -> node id of a ready placement group (empty when Ray does not say)."""
+    try:
+        return dict(ray.util.placement_group_table(pg).get("bundles_to_node_id") or {})
+    except Exception:   # an older/newer Ray without the table: bundles in index order
+        log.warning("could not read the placement group's bundle nodes; ranks take bundles in order")
+        return {}
+
+
 def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_rank, *,
-                  timeout: float = 60.0) -> ActorPool:
+                  timeout: float = 60.0, device_of: Sequence[int] | None = None) -> ActorPool:
     """Reserve the placement group and start one ``worker_cls`` actor per rank.
 
     Args:
         worker_cls: a plain class (wrapped with ``ray.remote`` here) or an existing Ray actor class.
-        world_size: ranks (= dp * pp of the plan).
+        world_size: ranks (= dp * tp * pp of the plan).
         backend: from :func:`choose_backend`.
         args_for_rank: ``f(rank, master_addr, master_port) -> (args, kwargs)`` of the constructor.
         timeout: seconds for the placement group and the rendezvous task.
+        device_of: per rank its device id (``engine.layout.world_devices``); rank ``r`` runs in
+            the bundle ``rank_bundles(...)[r]`` (:func:`rank_bundles`). Default: rank ``r`` is device ``r``.
 
     Returns:
         the pool; actors are created asynchronously (their constructors run when first called).
@@ -253,13 +295,14 @@ def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_
     """
     pg = reserve(world_size, backend, timeout=timeout)
     try:
-        addr, port = rendezvous_address(pg, timeout=timeout)
+        bundles = rank_bundles(world_size, _bundle_nodes(pg), device_of)
+        addr, port = rendezvous_address(pg, timeout=timeout, bundle=bundles[0])
         remote_cls: Any = worker_cls if hasattr(worker_cls, "remote") else ray.remote(worker_cls)
         actors = []
         for r in range(world_size):
             args, kwargs = args_for_rank(r, addr, port)
-            opts = dict(backend.actor_options(), max_restarts=0, max_task_retries=0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r))
+            where = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundles[r])
+            opts = dict(backend.actor_options(), max_restarts=0, max_task_retries=0, scheduling_strategy=where)
             actors.append(remote_cls.options(**opts).remote(*args, **kwargs))
     except BaseException:
         remove_placement_group(pg)
@@ -268,7 +311,8 @@ def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_
 
 
 def start_actors(worker_cls: type, world_size: int, device: str, make_args: Callable[[Backend], Any], *,
-                 step_timeout: float, error: Callable[..., Exception]) -> tuple[ActorPool, Backend]:
+                 step_timeout: float, error: Callable[..., Exception],
+                 device_of: Sequence[int] | None = None) -> tuple[ActorPool, Backend]:
     """Both launchers' start: :func:`choose_backend`, then :func:`create_actors` with a timeout of
     ``max(step_timeout, 60)`` seconds.
 
@@ -279,13 +323,16 @@ def start_actors(worker_cls: type, world_size: int, device: str, make_args: Call
         make_args: ``make_args(backend)`` is the ``args_for_rank`` of :func:`create_actors`.
         step_timeout: the launch's per-call timeout, seconds.
         error: the launcher's error class, called as ``error(message, kind="cluster")``.
+        device_of: per rank its device id (as in :func:`create_actors`; passed only when given).
 
     Raises:
         the ``error``: a :class:`ClusterError` (no fitting cluster, resources not reserved), chained.
     """
     try:
         backend = choose_backend(world_size, device)
-        pool = create_actors(worker_cls, world_size, backend, make_args(backend), timeout=max(step_timeout, 60.0))
+        placed = {"device_of": device_of} if device_of is not None else {}
+        pool = create_actors(worker_cls, world_size, backend, make_args(backend), timeout=max(step_timeout, 60.0),
+                             **placed)
     except ClusterError as e:
         raise error(str(e), kind="cluster") from e
     return pool, backend
@@ -323,4 +370,4 @@ def _is_ray_process(p) -> bool:
 
 
 __all__ = ["Backend", "ActorPool", "ClusterError", "TINY_CPU", "init_ray", "choose_backend", "free_port",
-           "reserve", "rendezvous_address", "create_actors", "start_actors", "shutdown_ray"]
+           "reserve", "rendezvous_address", "rank_bundles", "create_actors", "start_actors", "shutdown_ray"]

@@ -86,6 +86,7 @@ from typing import Any, Iterator, Sequence, cast
 
 from engine.errors import TaskError, TesselError
 from engine.io import Plan, write_trace
+from engine.layout import LEGACY, world_devices
 from engine.models import task_for_plan
 from engine.plan.check import check_plan
 from engine.plan.metrics import predict
@@ -140,7 +141,9 @@ def check_launchable(plan: Plan, *, name: str = "the plan") -> None:
 
 def _start_workers(worker_cls: type, plan_dict: dict, ws: int, config: LaunchConfig,
                    optimizer: str) -> tuple[_cluster.ActorPool, _cluster.Backend]:
-    """Choose the backend and start one ``worker_cls`` actor per rank (``runtime.cluster``).
+    """Choose the backend and start one ``worker_cls`` actor per rank (``runtime.cluster``), world
+    rank ``w`` on the bundle of device ``engine.layout.world_devices(...)[w]`` (the plan's layout:
+    tensor groups inside a node).
 
     Raises:
         LaunchError: (``kind="cluster"``) the cluster cannot host the plan.
@@ -156,8 +159,11 @@ def _start_workers(worker_cls: type, plan_dict: dict, ws: int, config: LaunchCon
             return ((plan_dict, r, ws, addr, port), {"config": wc})
         return args_for_rank
 
+    par = plan_dict["parallel"]
+    devices = world_devices(par.get("tp", 1), par.get("dp", 1), par.get("pp", 1), par.get("layout", LEGACY))
+    placed = {"device_of": devices} if devices != list(range(ws)) else {}   # default: rank r on device r
     return _cluster.start_actors(worker_cls, ws, config.device, make_args, step_timeout=config.step_timeout,
-                                 error=LaunchError)
+                                 error=LaunchError, **placed)
 
 
 @dataclass

@@ -64,7 +64,8 @@ class LowerContext:
         inner = {int(s): tuple((str(k), int(b), float(t)) for k, b, t in v)
                  for s, v in (opts.segment_tp_collectives or {}).items() if v}
         return ExecutionPlan(self.streams, self.static_memory, dp=opts.dp, param_bytes=self.param_bytes,
-                             schedule_name=self.schedule.name, tp_collectives=inner)
+                             schedule_name=self.schedule.name, tp_collectives=inner, tp=opts.tp,
+                             layout=opts.layout)
 
 
 def block_tail_end(stream: list[Instruction], i: int) -> int:

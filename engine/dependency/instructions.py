@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from engine.layout import DEFAULT_ORDER, RankLayout
 from engine.placement import TensorSpec
 from engine.schedule import Block
 
@@ -181,6 +182,10 @@ class ExecutionPlan:
         tp_collectives: per segment, the tensor-parallel collectives inside its forward block, in
             order, ``(kind, bytes, seconds)`` (included in the block's duration; the backward runs
             as many in reverse); the simulator draws them in the communication lane.
+        tp: tensor-parallel degree (the tensor ranks of each pipeline rank are folded into its
+            stream: one stream per pipeline rank of data-parallel replica 0).
+        layout: the rank layout (:mod:`engine.layout`) whose device ids the streams' collectives
+            and transfers run between (:meth:`device_of`, :meth:`device_group`).
     """
 
     streams: list[list[Instruction]]
@@ -189,10 +194,36 @@ class ExecutionPlan:
     param_bytes: list[int] = field(default_factory=list)
     schedule_name: str = "custom"
     tp_collectives: dict[int, tuple[tuple[str, int, float], ...]] = field(default_factory=dict)
+    tp: int = 1
+    layout: str = DEFAULT_ORDER
 
     @property
     def num_ranks(self) -> int:
         return len(self.streams)
+
+    def rank_layout(self) -> RankLayout:
+        """The :class:`~engine.layout.RankLayout` of the job: ``tp x dp x num_ranks`` devices
+        (the pipeline ranks are the streams)."""
+        return RankLayout(max(1, self.tp), max(1, self.dp), max(1, self.num_ranks), self.layout)
+
+    def device_of(self, rank: int) -> int:
+        """The device id of pipeline rank ``rank``'s stream: tensor rank 0 of replica 0
+        (legacy: ``rank``)."""
+        return self.rank_layout().device(0, 0, rank)
+
+    def device_group(self, kind: str, rank: int) -> list[int]:
+        """The device ids of the ``kind`` group (``tensor``, ``data``, ``pipeline``) of pipeline rank
+        ``rank``'s device (:meth:`device_of`), ascending in that dimension's index. Legacy: the
+        data group ``[r, r + n, ..., r + (dp-1) n]``, the tensor group ``[r, r + n, ...]`` of ``tp``
+        ids (what the simulator timed before the layout was recorded).
+
+        Raises:
+            engine.errors.TransformError: an unknown kind.
+        """
+        lay = self.rank_layout()
+        if lay.legacy and kind == "tensor":
+            return [rank + k * self.num_ranks for k in range(max(1, self.tp))]
+        return lay.group_of(kind, lay.device(0, 0, rank))
 
     def num_instructions(self) -> int:
         return sum(len(s) for s in self.streams)

@@ -12,6 +12,7 @@ from typing import Mapping, Sequence
 
 from engine.coconet import parse_transforms
 from engine.dependency.instructions import TiedGroup
+from engine.layout import DEFAULT_ORDER, check_layout
 
 __all__ = ["OPTIMIZER_KINDS", "LowerOptions"]
 
@@ -90,9 +91,15 @@ class LowerOptions:
     (``Segment.tp_collectives``: ``(kind, bytes, seconds)``), kept in
     :attr:`engine.dependency.ExecutionPlan.tp_collectives` for the simulator to draw."""
 
+    layout: str = DEFAULT_ORDER
+    """How the ranks sit on devices (:mod:`engine.layout`; ``plan.parallel.layout``): kept in
+    :attr:`engine.dependency.ExecutionPlan.layout`, whose device ids the simulator times each
+    collective and transfer over."""
+
     def __post_init__(self) -> None:
         if int(self.dp) < 1 or int(self.tp) < 1:
             raise ValueError(f"dp and tp must be at least 1, got dp={self.dp}, tp={self.tp}")
+        check_layout(self.layout)
         if self.optimizer_kind not in OPTIMIZER_KINDS:
             raise ValueError(f"unknown optimizer {self.optimizer_kind!r}; use 'adam' or 'adama'")
         if self.grad_bucket_bytes is not None and self.grad_bucket_bytes < 0:

@@ -3,7 +3,7 @@
 
 :func:`plan_lower_options` reads the plan (``dp``/``tp``, the segments' parameter bytes and
 tensor-parallel collectives, the MoE layers of each segment, the tied weights, the CoCoNet
-transformations and the optimizer); :func:`lower_plan` lowers it (SuperScaler phase 3,
+transformations, the optimizer and the rank layout); :func:`lower_plan` lowers it (SuperScaler phase 3,
 :func:`engine.dependency.lower`). ``runtime.worker.lowering`` replaces the bytes with what its
 modules measure (:func:`dataclasses.replace`), so its stream equals :func:`lower_plan`'s for a
 fresh plan.
@@ -95,7 +95,8 @@ def plan_lower_options(plan: Plan, *, segment_param_bytes: Mapping[int, int] | N
     the segments' parameter bytes, the bytes their data-parallel all-reduce carries (parameter
     bytes less this replica's experts), the MoE all-to-alls of each segment with ``dp > 1``, the
     tied weights, the segments' tensor-parallel collectives, the CoCoNet transformations and
-    their gradient bucket size, and the optimizer.
+    their gradient bucket size, the optimizer and the rank layout (``plan.parallel.layout``, whose
+    device ids the simulator times every collective over: :mod:`engine.layout`).
 
     Args:
         plan: the plan.
@@ -124,7 +125,8 @@ def plan_lower_options(plan: Plan, *, segment_param_bytes: Mapping[int, int] | N
     return LowerOptions(dp=par.dp, tp=par.tp, segment_param_bytes=seg_bytes, segment_allreduce_bytes=replicated,
                         optimizer_kind=opt if opt in OPTIMIZER_KINDS else "adam", alltoalls=alltoalls,
                         tied=plan_tied_groups(plan), transforms=par.transforms,
-                        grad_bucket_bytes=par.grad_bucket_bytes, segment_tp_collectives=inner)
+                        grad_bucket_bytes=par.grad_bucket_bytes, segment_tp_collectives=inner,
+                        layout=par.layout)
 
 
 def lower_plan(plan: Plan, options: LowerOptions | None = None, **overrides: Any) -> ExecutionPlan:

@@ -5,7 +5,11 @@ point-to-point pair groups (``docs/runtime-worker.md``, "What a rank does in set
 Rank layout: global rank ``r = (dp_index * tp + tp_rank) * pp + pp_rank``. ``r // pp`` is the rank's
 *pipeline replica*: the ``pp`` ranks that exchange activations and gradients point to point (tensor
 rank ``t`` of a stage talks to tensor rank ``t`` of the next, the activations being replicated
-across a TP group); with ``tp = 1`` it is the data-parallel replica, as before."""
+across a TP group); with ``tp = 1`` it is the data-parallel replica, as before. This numbering is
+``engine.layout``'s order ``pp-tp-dp`` (:func:`world_layout`); every group below is a group of
+that layout, and the launcher places world rank ``w`` on the device the plan's layout gives its
+``(tp, dp, pp)`` indices (``engine.layout.world_devices``: Megatron's ``tp-dp-pp`` by default, so
+a tensor group stays inside a node)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ProcessGroups", "build_groups", "connect_pairs", "init_default_group"]
+from engine.layout import WORLD_ORDER, RankLayout
+
+__all__ = ["ProcessGroups", "build_groups", "connect_pairs", "init_default_group", "world_layout"]
 
 
 def init_default_group(backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
@@ -62,7 +68,9 @@ def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Se
     """Create the worker's groups. Every rank calls ``dist.new_group`` for every group in the same
     order (DP, then EP, then tied, then pairs, then the TP mesh), as torch.distributed requires. The
     pair groups are not connected here: the worker checks its own stream first, then calls
-    :func:`connect_pairs`.
+    :func:`connect_pairs`. The groups are those of :func:`world_layout` (``engine.layout``'s
+    ``groups("data" | "tensor" | "pipeline")`` over the world ranks), so they hold the same ranks
+    as the plan's layout and the simulator's groups, numbered as world ranks.
 
     Args:
         rank: this global rank (``(dp_index * tp + tp_rank) * pp + pp_rank``, module docstring).
@@ -76,61 +84,66 @@ def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Se
         pair_orders: ordered matching: ``(sender, receiver)`` pipeline ranks -> messages (the
             pairs with training traffic); ``None``: tag matching, no pair groups.
     """
-    pp_rank, replica = rank % pp, rank // pp
-    tp_rank = replica % tp
+    world = world_layout(tp, dp, pp)
+    pp_rank = world.coords(rank)[2]
+    pipes = world.groups("pipeline")   # each pipeline replica's ranks, by pipeline rank
     out = ProcessGroups()
     if dp > 1:
-        for p in range(pp):
-            for t in range(tp):
-                g = dist.new_group([(d * tp + t) * pp + p for d in range(dp)])
-                if (p, t) == (pp_rank, tp_rank):
-                    out.dp = g
+        for ranks in world.groups("data"):
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                out.dp = g
     if expert_parallel:
-        for p in range(pp):
-            for t in range(tp):
-                g = dist.new_group([(d * tp + t) * pp + p for d in range(dp)])
-                if (p, t) == (pp_rank, tp_rank):
-                    out.ep = g
+        for ranks in world.groups("data"):
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                out.ep = g
     devices = seg_devices if seg_devices is not None else {s: (r,) for s, r in seg_rank.items()}
     by_ranks: dict[tuple[int, ...], Any] = {}   # one group per holder set: X ties every parameter pairwise
     for i, group in enumerate(tied):
         pranks = sorted({d for s, _ in group for d in devices[s]})
-        for v in range(dp * tp):
-            granks = tuple(v * pp + r for r in pranks)
+        for pipe in pipes:
+            granks = tuple(pipe[r] for r in pranks)
             if len(granks) > 1 and granks not in by_ranks:
                 by_ranks[granks] = dist.new_group(list(granks))
             g = by_ranks.get(granks)
-            if v == replica and pp_rank in pranks:
+            if rank in pipe and pp_rank in pranks:
                 out.tied.append((i, g, tuple(pranks)))
     if pair_orders is not None:
-        out.pairs = _pair_groups(rank, pp, dp * tp, seg_rank, pair_orders)
+        out.pairs = _pair_groups(rank, pipes, seg_rank, pair_orders)
     for dset in sorted({d for d in devices.values() if len(d) > 1}):
-        for v in range(dp * tp):
-            ranks = [v * pp + d for d in dset]
+        for pipe in pipes:
+            ranks = [pipe[d] for d in dset]
             g = dist.new_group(ranks)
-            if v == replica and pp_rank in dset:
+            if rank in pipe and pp_rank in dset:
                 out.block_meshes[dset] = DeviceMesh.from_group(g, device_type, mesh=ranks, mesh_dim_names=("tp",))
     if tp > 1:   # a 1-D mesh over our own group (init_device_mesh would cache meshes across worlds)
-        for d in range(dp):
-            for p in range(pp):
-                ranks = [(d * tp + t) * pp + p for t in range(tp)]
-                g = dist.new_group(ranks)
-                if (d, p) == (replica // tp, pp_rank):
-                    out.tp_mesh = DeviceMesh.from_group(g, device_type, mesh=ranks, mesh_dim_names=("tp",))
+        for ranks in world.groups("tensor"):
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                out.tp_mesh = DeviceMesh.from_group(g, device_type, mesh=ranks, mesh_dim_names=("tp",))
     return out
 
 
-def _pair_groups(rank: int, pp: int, dp: int, seg_rank: dict[int, int],
+def world_layout(tp: int, dp: int, pp: int) -> RankLayout:
+    """The world ranks' :class:`~engine.layout.RankLayout` (order :data:`engine.layout.WORLD_ORDER`,
+    ``(dp_index * tp + tp_rank) * pp + pp_rank``); ``engine.layout.world_devices`` gives each
+    world rank's device id in the plan's layout, where the launcher places it."""
+    return RankLayout(tp, dp, pp, WORLD_ORDER)
+
+
+def _pair_groups(rank: int, pipes: list[list[int]], seg_rank: dict[int, int],
                  pair_orders: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
     """One 2-rank group per ORDERED pair of world ranks with traffic (training SEND/RECV in every
-    pipeline replica, ``dp`` of them, plus evaluation's forward boundaries), each carrying messages
-    from its first rank to its second only; created by every rank for every pair, in sorted order."""
+    pipeline replica, ``pipes`` listing each replica's world ranks by pipeline rank, plus
+    evaluation's forward boundaries), each carrying messages from its first rank to its second
+    only; created by every rank for every pair, in sorted order."""
     pairs = set(pair_orders)
     for s in range(len(seg_rank) - 1):   # evaluate()'s forward traffic
         a, b = seg_rank[s], seg_rank[s + 1]
         if a != b:
             pairs.add((a, b))
-    world_pairs = sorted((d * pp + a, d * pp + b) for d in range(dp) for a, b in pairs)
+    world_pairs = sorted((pipe[a], pipe[b]) for pipe in pipes for a, b in pairs)
     mine = {}
     for src, dst in world_pairs:
         g = dist.new_group([src, dst])

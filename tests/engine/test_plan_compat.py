@@ -56,7 +56,7 @@ def test_v1_search_plans_keep_missing_keys_missing_and_unknown_keys():
 def test_built_in_code_writes_every_field_in_the_v1_order():
     par = ParallelConfig(pp=2, micro_batches=4)
     assert list(par.to_dict()) == ["dp", "tp", "pp", "virtual_stages", "micro_batches", "micro_batch_size",
-                                   "devices", "optimizer", "precision", "recompute"]
+                                   "devices", "optimizer", "precision", "recompute", "layout"]
     assert list(ModelRef("m").to_dict()) == ["name", "source", "config", "micro_batch_size", "batch_size",
                                              "seq_len", "dtype", "num_params", "task", "split"]
 
