@@ -530,6 +530,12 @@ def _add_op(g: OpGraph, walk: _Walk, node: torch.fx.Node, gm: torch.fx.GraphModu
         walk.view_base[node.name] = walk.view_base.get(activations[0], activations[0])
     elif _is_fused_attention_relayout(g, walk, node, activations):
         walk.view_base[node.name] = walk.view_base[activations[0]]
+    elif _is_noop_cast(walk, node, activations, val):
+        walk.view_base[node.name] = walk.view_base.get(activations[0], activations[0])
+    elif kind == "dropout" and activations and not dropout_saved_bytes(node.target, tuple(arg_vals),
+                                                                       dict(kwarg_vals), val):
+        # ATen's dropout returns its input itself when p == 0 or not training (Dropout.cpp)
+        walk.view_base[node.name] = walk.view_base.get(activations[0], activations[0])
     saved, saved_bytes, saved_self = _saved_tensors(walk, node, kind, activations, ops.n_tensor_operands,
                                                     tuple(arg_vals), dict(kwarg_vals), val)
     attrs = _base_attrs(node.name, "call_function", target_str(node.target), kind, mpath, mtype, val)
@@ -575,6 +581,19 @@ def _saved_tensors(walk: _Walk, node: torch.fx.Node, kind: str, activations: lis
         saved.append(f"{node.name}{MASK_SUFFIX}" if kind == "dropout" else node.name)
         saved_bytes += saved_self
     return saved, saved_bytes, saved_self
+
+
+def _is_noop_cast(walk: _Walk, node: torch.fx.Node, activations: list[str], val: Any) -> bool:
+    """``tensor.to(...)`` to the dtype (and device) it already has: ``Tensor.to`` returns the tensor
+    itself (no copy; ``aten._to_copy`` would copy, and is not this)."""
+    if op_name(node.target) != "to" or not activations or not isinstance(val, torch.Tensor):
+        return False
+    names = [a.name for a in getattr(getattr(node.target, "_schema", None), "arguments", [])]
+    copy = node.kwargs.get("copy", node.args[names.index("copy")] if "copy" in names[:len(node.args)] else False)
+    if copy:
+        return False
+    src = walk.kept[activations[0]].meta.get("val") if activations[0] in walk.kept else None
+    return isinstance(src, torch.Tensor) and src.dtype == val.dtype and src.device == val.device
 
 
 def _is_fused_attention_relayout(g: OpGraph, walk: _Walk, node: torch.fx.Node, activations: list[str]) -> bool:
