@@ -197,7 +197,7 @@ def test_make_plan_with_full_recompute(monkeypatch, tmp_path):
     for left, right, seg in zip(cols["left"], cols["right"], cols["segment"]):
         assert right - left == pytest.approx(rc[seg])
     assert recompute_columns(base.timeline, base.plan.segments)["left"] == []
-    from planner_ui.gantt import GanttView   # panel: imported by the one check that needs it
+    from planner_ui.gantt import GanttView  # panel: imported by the one check that needs it
     from planner_ui.state import PlanState
 
     state = PlanState()
