@@ -418,3 +418,32 @@ def pipeline_placement(
                 chain = len(blocks) - 1
     name = "V" if virtual_stages == 1 else "interleaved"
     return Placement(num_devices, tuple(blocks), name=name, static_memory=tuple(static_memory))
+
+
+def recompute_in_input_grad(placement: Placement, recompute_time: Sequence[float]) -> Placement:
+    """``placement`` with each segment's recomputed forward counted in its ``I`` block.
+
+    A segment's backward time (``B``, or ``I`` + ``W`` split by ``weight_grad_fraction``)
+    includes ``recompute_time[segment]`` seconds of recomputed forward (activation
+    recomputation, :mod:`engine.recompute`). That forward runs before the input gradient, so
+    with a split backward it belongs to ``I`` alone: of ``I + W = b`` seconds the split gave
+    ``W`` the share ``W / b`` of the recompute too; this moves it to ``I`` (``I + W`` unchanged).
+    ``B`` blocks, and segments without recomputation, are unchanged.
+
+    Args:
+        placement: a placement whose ``I``/``W`` durations already include the recompute.
+        recompute_time: seconds per segment (one per segment, or fewer: the rest count 0).
+
+    Returns:
+        A new :class:`Placement` (the input untouched).
+    """
+    durations = [b.duration for b in placement.blocks]
+    for s, rc in enumerate(recompute_time):
+        if rc <= 0 or not (placement.has("I", s) and placement.has("W", s)):
+            continue
+        i, w = placement.index("I", s), placement.index("W", s)
+        total = durations[i] + durations[w]
+        shift = min(rc * durations[w] / total, durations[w]) if total > 0 else 0.0
+        durations[i] += shift
+        durations[w] -= shift
+    return placement.with_durations(durations)

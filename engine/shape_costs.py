@@ -26,7 +26,8 @@ from dataclasses import replace
 from typing import Any
 
 from engine.errors import TesselError
-from engine.placement import Placement, TensorSpec
+from engine.placement import Placement, TensorSpec, recompute_in_input_grad
+from engine.recompute import check_recompute, segment_recompute
 from engine.shapes import SHAPES, find_shape, m_model_shape
 from engine.transform import (
     PARAM_STATE_FACTOR,
@@ -42,7 +43,8 @@ from engine.transform import (
 
 def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bool = False,
                           forward_only: bool = False, optimizer: str = "adam",
-                          loss_parallel: bool = False, tied_module: Any = None) -> tuple[Placement, list[dict]]:
+                          loss_parallel: bool = False, tied_module: Any = None,
+                          recompute: str = "none") -> tuple[Placement, list[dict]]:
     """The ``shape`` placement on ``n`` devices with the captured model's costs.
 
     Args:
@@ -62,6 +64,12 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             (:func:`engine.transform.tied_parameter_groups`, as :func:`engine.plan.make.make_plan`
             counts them with ``add_tied_copies``), so static memory and gradient buffers include
             it. ``None``: parameters are counted once, at first use.
+        recompute: activation recomputation (:data:`engine.recompute.RECOMPUTE`): each part keeps
+            what the granularity keeps (``activation_bytes``), its backward includes the recomputed
+            forward (``recompute_time``; in ``I`` with ``split_backward``), and each device's static
+            memory holds its largest recomputation working set (``recompute_transient_bytes``), as
+            :func:`engine.transform.split_segments` and :func:`engine.plan.make.placement_from_segments`
+            count them for ``make_plan``.
 
     An all-device segment with parameters is tensor-parallel over its ``n`` devices and costs what
     :func:`engine.transform.layer_costs` gives at ``tp = n`` (per-op sharding, Megatron's
@@ -71,13 +79,14 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
     Returns:
         ``(placement, parts)``: the placement (seconds, bytes) and per model part its ``layers``,
         ``forward_time``, ``backward_time``, ``activation_bytes``, ``param_bytes``,
-        ``max_param_bytes``.
+        ``max_param_bytes`` (and ``recompute_time``, ``recompute_transient_bytes`` when not 0).
 
     Raises:
         TesselError: the K shape on a model that is not two branches joined by a head, too few
-            layers for the shape, or an unknown optimizer.
+            layers for the shape, an unknown optimizer or recomputation granularity.
     """
     check_optimizer(optimizer)
+    check_recompute(recompute)
     spec = find_shape(shape)
     if spec is None:
         usable = [s.name for s in SHAPES.values() if s.model_parts is not None or s.name == "k"]
@@ -106,7 +115,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         parts.append({
             "layers": [lc.name for lc in chunk],
             "forward_time": sum(lc.forward_time for lc in chunk),
-            "activation_bytes": sum(lc.activation_bytes for lc in chunk),
+            **_recompute_fields(chunk, recompute),
             "param_bytes": sum(lc.param_bytes for lc in chunk),
             "max_param_bytes": max((lc.max_param_bytes for lc in chunk), default=0),
             "output": chunk[-1].output,
@@ -131,9 +140,10 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         chunk = tp_layers[ranges[q][0]:ranges[q][1]]
         comm = sum(lc.tp_comm_time for lc in chunk)
         parts[q].update(forward_time=sum(lc.forward_time for lc in chunk), tp_comm_time=comm,
-                        activation_bytes=sum(lc.activation_bytes for lc in chunk))
+                        **_recompute_fields(chunk, recompute))
     fwd, bwd, act, outs, grads = [], [], [], [], []
     static = [0] * n
+    working = [0] * n
     grad_buf, grad_tr = [], []
     for s in range(n_seg):
         p = parts[part_of(s)]
@@ -141,7 +151,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         out: TensorSpec | None = p["output"]
         comm = p.get("tp_comm_time", 0.0)
         fwd.append(f)
-        bwd.append(cost.backward_factor * (f - comm) + comm)
+        bwd.append(cost.backward_factor * (f - comm) + comm + p["recompute_time"])
         act.append(a)
         outs.append(out)
         prev = part_of(s) - 1
@@ -149,19 +159,33 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         devs = probe.spec("F", s).devices
         for d in devs:
             static[d] += p["param_bytes"] * (1 if forward_only else PARAM_STATE_FACTOR) // len(devs)
+            working[d] = max(working[d], 0 if forward_only else p["recompute_transient_bytes"])
         buf, tr = gradient_bytes(optimizer, p["param_bytes"], p["max_param_bytes"])
         grad_buf.append(buf // len(devs))
         grad_tr.append(tr // len(devs))
+    static = [x + w for x, w in zip(static, working)]
     pl = build(n, forward_times=fwd, backward_times=bwd, activation_bytes=act, outputs=outs,
                     input_grads=grads, split_backward=split_backward, forward_only=forward_only, static_memory=static)
     if not forward_only:
         pl = replace(pl, grad_memory=tuple(grad_buf), grad_transient=tuple(grad_tr))
+        pl = recompute_in_input_grad(pl, [parts[part_of(s)]["recompute_time"] for s in range(n_seg)])
     for p in parts:
         comm = p.setdefault("tp_comm_time", 0.0)
-        p["backward_time"] = cost.backward_factor * (p["forward_time"] - comm) + comm
+        p["backward_time"] = cost.backward_factor * (p["forward_time"] - comm) + comm + p["recompute_time"]
+        for key in ("recompute_time", "recompute_transient_bytes"):
+            if not p[key]:
+                del p[key]
         p["output"] = p["output"].to_dict() if p["output"] else None
         p["grad"] = p["grad"].to_dict() if p["grad"] else None
     return pl, parts
+
+
+def _recompute_fields(chunk: list, recompute: str) -> dict[str, Any]:
+    """A part's ``activation_bytes``, ``recompute_time`` and ``recompute_transient_bytes`` under
+    ``recompute`` (:func:`engine.recompute.segment_recompute` of its layers' costs)."""
+    rc = segment_recompute([lc.activation() for lc in chunk], recompute)
+    return {"activation_bytes": rc.kept_bytes, "recompute_time": rc.recompute_time,
+            "recompute_transient_bytes": rc.working_set_bytes}
 
 
 def _around_blocks(names: list[str]) -> tuple[int, int] | None:

@@ -21,6 +21,15 @@ from engine.config import ParallelConfig
 from engine.dependency import TiedGroup
 from engine.errors import TransformError
 from engine.placement import TensorSpec, dtype_bytes
+from engine.recompute import (
+    MASK_SUFFIX,
+    LayerActivation,
+    attention_core_ops,
+    kept_bytes,
+    segment_recompute,
+    stage_granularities,
+    working_set_bytes,
+)
 
 #: Bytes resident per parameter byte with Adam in the parameter dtype: parameter, gradient,
 #: and Adam's two moments (m, v): 4x the parameter bytes.
@@ -103,6 +112,13 @@ class Segment:
         tp_collectives: its layers' forward tensor-parallel collectives, ``(kind, bytes,
             seconds)`` in order (:func:`layer_costs`), included in ``forward_time``; drawn inside its
             blocks (the backward's are the same in reverse).
+        recompute: its activation recomputation granularity (:data:`engine.recompute.RECOMPUTE`);
+            ``activation_bytes`` is what that granularity keeps
+            (:func:`engine.recompute.segment_recompute`).
+        recompute_time: seconds of forward its backward runs again, included in
+            ``backward_time`` (in the ``I`` block when the backward is split); 0 without.
+        recompute_transient_bytes: bytes live only while its backward runs: the recomputed
+            activations of its largest layer (full) or attention core (selective); 0 without.
     """
 
     index: int
@@ -118,6 +134,9 @@ class Segment:
     max_param_bytes: int = 0
     output_grad: TensorSpec | None = None
     tp_collectives: tuple[tuple[str, int, float], ...] = ()
+    recompute: str = "none"
+    recompute_time: float = 0.0
+    recompute_transient_bytes: int = 0
 
     @property
     def boundary_bytes(self) -> int:
@@ -126,7 +145,9 @@ class Segment:
 
     def to_dict(self) -> dict:
         """The plan JSON form: ``output`` lists every boundary tensor (``parts``), and
-        ``boundary_bytes`` / ``output_grad`` say what crosses the cut forward / backward."""
+        ``boundary_bytes`` / ``output_grad`` say what crosses the cut forward / backward;
+        ``recompute``, ``recompute_time`` and ``recompute_transient_bytes`` appear only when set (a
+        plan without recomputation is unchanged)."""
         return {
             "index": self.index, "layers": self.layers, "flops": self.flops, "param_bytes": self.param_bytes,
             "max_param_bytes": self.max_param_bytes,
@@ -136,6 +157,10 @@ class Segment:
             "boundary_bytes": self.boundary_bytes,
             "output_grad": self.output_grad.to_dict() if self.output_grad else None,
             **({"tp_collectives": [list(c) for c in self.tp_collectives]} if self.tp_collectives else {}),
+            **({"recompute": self.recompute} if self.recompute != "none" else {}),
+            **({"recompute_time": self.recompute_time} if self.recompute_time else {}),
+            **({"recompute_transient_bytes": self.recompute_transient_bytes}
+               if self.recompute_transient_bytes else {}),
         }
 
 
@@ -174,7 +199,14 @@ _ROW_PARALLEL = ("c_proj", "o_proj", "down_proj", "out_proj", "dense_4h_to_h", "
 
 @dataclass
 class LayerCost:
-    """Per-layer costs after TP split (internal to the partitioner, exposed for tests/UI)."""
+    """Per-layer costs after TP split (internal to the partitioner, exposed for tests/UI).
+
+    ``activation_bytes`` is what the layer keeps with no recomputation; ``block_input_bytes``
+    (the hidden state entering a transformer block; 0 for other layers), ``attention_core_bytes``
+    and ``attention_core_time`` (its eager attention core's saved bytes and forward seconds,
+    :func:`engine.recompute.attention_core_ops`) are what :mod:`engine.recompute` needs to count
+    the other granularities (:meth:`activation`). Bytes and seconds on one TP rank.
+    """
 
     name: str
     forward_time: float
@@ -186,6 +218,15 @@ class LayerCost:
     max_param_bytes: int = 0
     grad: TensorSpec | None = None
     tp_collectives: tuple[tuple[str, int, float], ...] = ()
+    block_input_bytes: int = 0
+    attention_core_bytes: int = 0
+    attention_core_time: float = 0.0
+
+    def activation(self) -> LayerActivation:
+        """The layer's :class:`engine.recompute.LayerActivation`."""
+        return LayerActivation(self.name, is_block_layer(self.name), self.activation_bytes,
+                               self.attention_core_bytes, self.block_input_bytes, self.forward_time,
+                               self.attention_core_time)
 
 
 def _largest_param_bytes(node: dict) -> int:
@@ -269,19 +310,23 @@ def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False, sequen
         flops = 0.0
         pbytes = 0
         pmax = 0
-        act = 0
         row_matmul = 0.0
+        core, interior = attention_core_ops(graph, ls.ops) if is_block_layer(ls.name) else (frozenset(), frozenset())
+        core_time = 0.0
+        divisor = _Divisor(graph, tp, vocab, sequence_parallel, core)
         for op in ls.ops:
             node = graph.nodes[op]
-            k = _tp_divisor(node, tp, vocab, sequence_parallel)
+            k = divisor(op)
             dt = cost.op_time(node, shard=k)
             t += dt
+            if op in core:
+                core_time += dt
             if str(node.get("module_path", "")).endswith(_ROW_PARALLEL) and node.get("flops"):
                 row_matmul += dt
             flops += node.get("flops", 0.0) / k
             pbytes += node.get("param_bytes", 0) // k
             pmax = max(pmax, _largest_param_bytes(node) // k)
-            act += node.get("saved_bytes", 0) // k
+        act, core_bytes = saved_activation_bytes(graph, ls.ops, divisor.of_saved, interior)
         output, grad = boundary_spec(graph, ls)
         comm = 0.0
         hidden = TensorSpec(output.shape, output.dtype).nbytes if output else 0
@@ -305,9 +350,67 @@ def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False, sequen
                 scale = (comm - hidden_s) / comm if comm > 0 else 1.0
                 colls = [(kind, nb, sec * scale) for kind, nb, sec in colls]
                 comm -= hidden_s
+        block_input = prev_hidden // (tp if sequence_parallel else 1) if is_block_layer(ls.name) else 0
         prev_hidden = hidden or prev_hidden
-        out.append(LayerCost(ls.name, t + comm, flops, pbytes, act, comm, output, pmax, grad, tuple(colls)))
+        out.append(LayerCost(ls.name, t + comm, flops, pbytes, act, comm, output, pmax, grad, tuple(colls),
+                             block_input, core_bytes, core_time))
     return out
+
+
+class _Divisor:
+    """How many ways an op's work (``__call__``) and its output kept for the backward
+    (:meth:`of_saved`) split over the TP ranks: :func:`_tp_divisor`, except that the attention
+    ``core`` runs on the rank's heads (its dropout too, unlike a replicated Dropout elsewhere) and
+    tensors computed from the inputs only (attention masks, position ids, rotary tables) are built
+    whole on every rank."""
+
+    def __init__(self, graph, tp: int, vocab: frozenset[str], sequence_parallel: bool, core: frozenset[str]):
+        self.graph, self.tp, self.vocab, self.sp, self.core = graph, tp, vocab, sequence_parallel, core
+
+    def __call__(self, op: str) -> int:
+        if op in self.core:
+            return self.tp
+        return _tp_divisor(self.graph.nodes[op], self.tp, self.vocab, self.sp)
+
+    def of_saved(self, op: str) -> int:
+        return 1 if self.graph.nodes[op].get("input_only") else self(op)
+
+
+def saved_activation_bytes(graph, ops: Sequence[str], divisor,
+                           interior: frozenset[str] = frozenset()) -> tuple[int, int]:
+    """``(saved, core)``: bytes one layer's ``ops`` keep for the backward on one TP rank, and of
+    them those produced by the ``interior`` ops (the attention core selective recomputation drops).
+
+    Every saved tensor counts once, by its storage (the ``saved`` entries of the capture: a
+    tensor several ops save, or saves through views, once; a dropout's mask apart from its
+    output), divided by the tensor-parallel ``divisor(op)`` of the op that PRODUCED it, not of
+    the op saving it: a column-parallel projection keeps its replicated input (the LayerNorm
+    output) whole on every rank, as Megatron-LM does (Korthikanti et al. 2022, section 4.1: the
+    ``10·s·b·h`` that tensor parallelism does not divide), and a tensor produced in an earlier
+    layer (the block input) by that layer's rule.
+
+    Args:
+        graph: the :class:`~engine.graph.OpGraph`.
+        ops: the layer's op ids.
+        divisor: ``op id -> int``, how many ways an op's output is split over the TP ranks.
+        interior: op ids whose saved tensors are the attention core's.
+    """
+    roots: dict[str, tuple[int, str]] = {}
+    for op in ops:
+        for root in graph.nodes[op].get("saved", []):
+            producer = root.removesuffix(MASK_SUFFIX) if root.endswith(MASK_SUFFIX) else root
+            if producer not in graph:
+                producer = op
+            size = (int(graph.nodes[op].get("saved_self_bytes", 0)) if root == op or root not in graph
+                    else int(graph.nodes[root].get("output_bytes", 0)))
+            roots[root] = (size, producer)
+    total = core = 0
+    for size, producer in roots.values():
+        b = size // divisor(producer)
+        total += b
+        if producer in interior:
+            core += b
+    return total, core
 
 
 _FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
@@ -348,11 +451,12 @@ def boundary_spec(graph, summary) -> tuple[TensorSpec | None, TensorSpec | None]
     return fwd, grad
 
 
-def balanced_partition(weights: Sequence[float], k: int, *, fits=None) -> list[tuple[int, int]]:
+def balanced_partition(weights: Sequence[float], k: int, *, fits=None, fits_segment=None) -> list[tuple[int, int]]:
     """Split ``weights`` into ``k`` contiguous non-empty ranges minimising the largest sum.
 
     Linear-partition dynamic program, O(k * n^2). ``fits(i, j)`` (optional) says whether the
-    range ``[i, j)`` may form one segment (e.g. it fits in device memory).
+    range ``[i, j)`` may form one segment (e.g. it fits in device memory); ``fits_segment(s, i,
+    j)`` (optional) whether it may form segment ``s`` (e.g. under that stage's recomputation).
 
     Returns:
         ``k`` half-open ranges ``(start, end)`` covering ``0..n``.
@@ -374,7 +478,8 @@ def balanced_partition(weights: Sequence[float], k: int, *, fits=None) -> list[t
     for j in range(1, k + 1):
         for i in range(j, n - (k - j) + 1):
             for s in range(j - 1, i):
-                if best[j - 1][s] == INF or (fits is not None and not fits(s, i)):
+                if best[j - 1][s] == INF or (fits is not None and not fits(s, i)) or (
+                        fits_segment is not None and not fits_segment(j - 1, s, i)):
                     continue
                 v = max(best[j - 1][s], prefix[i] - prefix[s])
                 if v < best[j][i]:
@@ -391,7 +496,8 @@ def balanced_partition(weights: Sequence[float], k: int, *, fits=None) -> list[t
 
 
 def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float | None = None,
-                   optimizer: str = "adam", loss_parallel: bool = False) -> tuple[list[Segment], list[str]]:
+                   optimizer: str = "adam", loss_parallel: bool = False,
+                   stage_recompute: Sequence[str] | None = None) -> tuple[list[Segment], list[str]]:
     """Cut the graph into ``config.num_segments`` balanced segments (``config.transforms``: CoCoNet's
     ``tp-split`` and ``chunked-overlap`` change the layers' tensor-parallel costs, :func:`layer_costs`).
 
@@ -406,13 +512,23 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
             model's device capacity.
         optimizer: ``adam`` or ``adama`` (:data:`OPTIMIZERS`).
         loss_parallel: see :func:`layer_costs`.
+        stage_recompute: per-stage activation recomputation overriding ``config.recompute``: one
+            granularity per segment, or one per pipeline stage (``pp``) applied to its segments
+            (:func:`engine.recompute.stage_granularities`).
+
+    Activation recomputation (``config.recompute``, Korthikanti et al. 2022, section 5): a
+    segment's ``activation_bytes`` is what its granularity keeps per micro-batch
+    (:func:`engine.recompute.segment_recompute`); its backward includes the recomputed forward
+    (``recompute_time``); the memory bound adds the recomputation's working set
+    (``recompute_transient_bytes``) to the in-flight activations.
 
     Returns:
         ``(segments, warnings)``; a warning says when no memory-feasible split exists and the
         time-balanced split is used anyway (the plan then reports memory above capacity).
 
     Raises:
-        TransformError: bad degrees, an unknown optimizer or more segments than layers.
+        TransformError: bad degrees, an unknown optimizer or granularity, a ``stage_recompute`` of
+            the wrong length, or more segments than layers.
     """
     config.check()
     check_optimizer(optimizer)
@@ -425,34 +541,46 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
             f"the model has {len(layers)} layers, too few for {k} pipeline segments "
             f"(pp={config.pp} x virtual_stages={config.virtual_stages}); use fewer devices or more layers"
         )
+    grans = stage_granularities(config.recompute, k, config.pp, stage_recompute)
     cap = memory_limit if memory_limit is not None else cost.device.mem_capacity
     inflight = min(config.micro_batches, config.pp)
+    acts = [lc.activation() for lc in layers]
     pre_p = [0]
-    pre_a = [0]
     for lc in layers:
         pre_p.append(pre_p[-1] + lc.param_bytes)
-        pre_a.append(pre_a[-1] + lc.activation_bytes)
+    # kept activations (prefix sums) and working set (range max) per granularity in use
+    pre_a = {g: [0] for g in set(grans)}
+    n_l = len(layers)
+    wmax = {g: [[0] * (n_l + 1) for _ in range(n_l + 1)] for g in pre_a}
+    for g, pre in pre_a.items():
+        ws = [working_set_bytes(la, g) for la in acts]
+        for la in acts:
+            pre.append(pre[-1] + kept_bytes(la, g))
+        for i in range(n_l):
+            for j in range(i + 1, n_l + 1):
+                wmax[g][i][j] = max(wmax[g][i][j - 1], ws[j - 1])
 
     # largest parameter tensor of layers i..j-1, for every range (the DP asks O(k n^2) times)
-    n_l = len(layers)
     pmax = [[0] * (n_l + 1) for _ in range(n_l + 1)]
     for i in range(n_l):
         for j in range(i + 1, n_l + 1):
             pmax[i][j] = max(pmax[i][j - 1], layers[j - 1].max_param_bytes)
 
-    def need_of(i: int, j: int) -> int:
-        return training_state_bytes(optimizer, pre_p[j] - pre_p[i], pmax[i][j]) + inflight * (pre_a[j] - pre_a[i])
+    def need_of(seg: int, i: int, j: int) -> int:
+        g = grans[seg]
+        return (training_state_bytes(optimizer, pre_p[j] - pre_p[i], pmax[i][j])
+                + inflight * (pre_a[g][j] - pre_a[g][i]) + wmax[g][i][j])
 
-    def fits(i: int, j: int) -> bool:
-        return need_of(i, j) <= cap
+    def fits(seg: int, i: int, j: int) -> bool:
+        return need_of(seg, i, j) <= cap
 
     warnings: list[str] = []
     weights = [lc.forward_time for lc in layers]
     try:
-        ranges = balanced_partition(weights, k, fits=fits)
+        ranges = balanced_partition(weights, k, fits_segment=fits)
     except TransformError:
         ranges = balanced_partition(weights, k)
-        need = max(need_of(i, j) for i, j in ranges)
+        need = max(need_of(seg, i, j) for seg, (i, j) in enumerate(ranges))
         warnings.append(
             f"no split into {k} segments fits {cap / 2**30:.1f} GiB per device "
             f"(the best needs {need / 2**30:.1f} GiB); "
@@ -463,15 +591,18 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
         part = layers[i:j]
         fwd = sum(lc.forward_time for lc in part)
         comm = sum(lc.tp_comm_time for lc in part)
-        bwd = cost.backward_factor * (fwd - comm) + comm
+        rc = segment_recompute(acts[i:j], grans[idx])
+        bwd = cost.backward_factor * (fwd - comm) + comm + rc.recompute_time
         segments.append(Segment(
             index=idx, layers=[lc.name for lc in part], flops=sum(lc.flops for lc in part),
-            param_bytes=sum(lc.param_bytes for lc in part), activation_bytes=sum(lc.activation_bytes for lc in part),
+            param_bytes=sum(lc.param_bytes for lc in part), activation_bytes=rc.kept_bytes,
             forward_time=fwd, backward_time=bwd, tp_comm_time=comm,
             output=part[-1].output if idx < k - 1 else None,
             max_param_bytes=max((lc.max_param_bytes for lc in part), default=0),
             output_grad=part[-1].grad if idx < k - 1 else None,
             tp_collectives=tuple(c for lc in part for c in lc.tp_collectives),
+            recompute=grans[idx], recompute_time=rc.recompute_time,
+            recompute_transient_bytes=rc.working_set_bytes,
         ))
     return segments, warnings
 

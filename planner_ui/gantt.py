@@ -3,7 +3,9 @@
 :class:`GanttView` draws one row per device (device 0 at the top, x = time in ms, or abstract
 units for plans without a model), every compute block (F/B/I/W/OPTIM) as one rectangle of a
 single Bokeh ``Rect`` glyph on one ``ColumnDataSource`` (coloured by kind, labelled with its
-micro-batch when the plan is small), communication in a thin lane under each row, and below it
+micro-batch when the plan is small), communication in a thin lane under each row, the forward
+that activation recomputation runs again hatched at the start of each ``B``/``I`` block (its
+seconds in the hover; :func:`planner_ui.sources.recompute_columns`), and below it
 one memory step-line per device with the memory limit as a dashed ``Span``. The header shows
 the schedule name, makespan, bubble ratio, peak memory and limit.
 
@@ -83,7 +85,14 @@ from planner_ui.gantt_edit import (
     header_html,
     measured_columns,
 )
-from planner_ui.sources import COMPUTE_HEIGHT, PALETTE, memory_columns, row_labels
+from planner_ui.sources import (
+    COMPUTE_HEIGHT,
+    PALETTE,
+    RECOMPUTE_COLUMNS,
+    memory_columns,
+    recompute_columns,
+    row_labels,
+)
 from planner_ui.state import EditResult, PlanState
 
 _ALERT_TYPES = {"info": "info", "success": "success", "error": "danger"}
@@ -203,6 +212,7 @@ class GanttView(pn.viewable.Viewer):
         self.label_source = ColumnDataSource({"x": [], "y": [], "text": [], "alpha": []})
         self.selection_source = ColumnDataSource({"x": [], "y": [], "width": [], "height": []})
         self.measured_source = ColumnDataSource({k: [] for k in MEASURED_COLUMNS})
+        self.recompute_source = ColumnDataSource({k: [] for k in RECOMPUTE_COLUMNS}, name="tessel-gantt-recompute")
         self.memory_source = ColumnDataSource({"xs": [], "ys": [], "color": [], "label": []})
 
         fig = figure(height=self.height or 300, output_backend=backend, tools="xpan,xwheel_zoom,box_zoom,reset,save",
@@ -218,6 +228,11 @@ class GanttView(pn.viewable.Viewer):
         # tap/drag selection must not restyle blocks (our own highlight is the outline overlay)
         self.block_renderer.selection_glyph = None
         self.block_renderer.nonselection_glyph = None
+        # activation recomputation: the recomputed forward at the start of a B / I block, hatched
+        self.recompute_renderer = fig.quad(left="left", right="right", top="top", bottom="bottom",
+                                           source=self.recompute_source, fill_alpha=0.0, line_color=None,
+                                           hatch_pattern="/", hatch_color="white", hatch_alpha=0.9,
+                                           hatch_scale=8.0)
         self.label_renderer = fig.text(x="x", y="y", text="text", text_alpha="alpha", source=self.label_source,
                                        text_align="center", text_baseline="middle", text_font_size="8pt",
                                        text_color="white")
@@ -232,8 +247,9 @@ class GanttView(pn.viewable.Viewer):
         self.block_hover = HoverTool(renderers=[self.block_renderer], tooltips=self._block_tooltips("ms"))
         self.comm_hover = HoverTool(renderers=[self.comm_renderer], tooltips=self._comm_tooltips("ms"))
         self.measured_hover = HoverTool(renderers=[self.measured_renderer], tooltips=self._measured_tooltips("ms"))
+        self.recompute_hover = HoverTool(renderers=[self.recompute_renderer], tooltips=self._recompute_tooltips("ms"))
         self.box_edit = BoxEditTool(renderers=[self.block_renderer], dimensions="both")
-        fig.add_tools(self.block_hover, self.comm_hover, self.measured_hover,
+        fig.add_tools(self.block_hover, self.comm_hover, self.measured_hover, self.recompute_hover,
                       TapTool(renderers=[self.block_renderer]), self.box_edit)
         # BoxEditTool handles tap, press, pan and move: it is a "multi" gesture tool
         fig.toolbar.active_multi = self.box_edit
@@ -280,6 +296,12 @@ class GanttView(pn.viewable.Viewer):
         return [("op", "@op"), ("what", "@what"), ("transfer", "@name"), ("micro-batch", "@micro_batch"),
                 ("segment", "@segment"), ("device", "@device"), ("start", f"@start{{0.000}} {unit}"),
                 ("end", f"@end{{0.000}} {unit}"), ("duration", f"@duration{{0.000}} {unit}"), ("bytes", "@nbytes{0,0}")]
+
+    @staticmethod
+    def _recompute_tooltips(unit: str) -> list[tuple[str, str]]:
+        return [("block", "@name (@op)"), ("recomputed forward", f"@recompute{{0.000}} {unit} (@granularity)"),
+                ("of the block", f"@duration{{0.000}} {unit}"), ("segment", "@segment"), ("device", "@device"),
+                ("micro-batch", "@micro_batch")]
 
     @staticmethod
     def _measured_tooltips(unit: str) -> list[tuple[str, str]]:
@@ -365,6 +387,7 @@ class GanttView(pn.viewable.Viewer):
         self.block_hover.tooltips = self._block_tooltips(unit)
         self.comm_hover.tooltips = self._comm_tooltips(unit)
         self.measured_hover.tooltips = self._measured_tooltips(unit)
+        self.recompute_hover.tooltips = self._recompute_tooltips(unit)
         mu = self._memory_unit()[1]
         self.memory_hover.tooltips = [("", "@label"), ("time", f"$x{{0.000}} {unit}"), ("memory", f"$y{{0.000}} {mu}")]
 
@@ -384,6 +407,9 @@ class GanttView(pn.viewable.Viewer):
             self.block_source.data = blocks
             self.comm_source.data = comm
             self.label_source.data = labels
+            st = self.state
+            self.recompute_source.data = recompute_columns(
+                st.timeline, st.plan.segments if st.plan is not None else None, scale=st.time_scale[0])
         finally:
             self._syncing = False
 

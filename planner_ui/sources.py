@@ -110,6 +110,50 @@ def gantt_columns(timeline: Timeline, schedule: Schedule | None = None, *, scale
     return cols
 
 
+#: Columns of :func:`recompute_columns` (Bokeh ``Quad`` data plus hover fields).
+RECOMPUTE_COLUMNS = ("left", "right", "top", "bottom", "name", "op", "segment", "device", "micro_batch",
+                     "recompute", "granularity", "duration")
+
+
+def recompute_columns(timeline: Timeline | None, segments: list[dict] | None, *, scale: float = 1e3) -> dict[str, list]:
+    """The recomputed forward inside each backward block, for the Gantt's hatched overlay.
+
+    Activation recomputation (:mod:`engine.recompute`) runs a segment's forward again at the start
+    of its backward: of a ``B`` block, or of an ``I`` block when the backward is split (zero
+    bubble), the first ``recompute_time`` seconds (the plan's segment dicts, present only when not
+    0) are that forward. One row per such block: ``left``/``right`` (start and start + the
+    recompute, capped at the block's length, x ``scale``), ``top``/``bottom`` (the compute block's
+    extent in its device row), ``name`` (``"1B3"``), ``op``, ``segment``, ``device``,
+    ``micro_batch``, ``recompute`` (display units), ``granularity`` (``"full"``, ``"selective"``)
+    and ``duration`` (the whole block's, display units). Empty without a timeline or recomputation.
+    """
+    cols: dict[str, list] = {k: [] for k in RECOMPUTE_COLUMNS}
+    if timeline is None or not segments:
+        return cols
+    rc = {int(sd.get("index", i)): (float(sd.get("recompute_time", 0.0)), str(sd.get("recompute", "full")))
+          for i, sd in enumerate(segments)}
+    for e in timeline.events:
+        if e.stream != "compute" or e.op not in ("B", "I"):
+            continue
+        secs, gran = rc.get(e.segment, (0.0, "none"))
+        if secs <= 0:
+            continue
+        part = min(secs, e.end - e.start)
+        cols["left"].append(e.start * scale)
+        cols["right"].append((e.start + part) * scale)
+        cols["top"].append(e.rank - COMPUTE_HEIGHT / 2)
+        cols["bottom"].append(e.rank + COMPUTE_HEIGHT / 2)
+        cols["name"].append(e.name)
+        cols["op"].append(str(getattr(e.op, "value", e.op)))
+        cols["segment"].append(e.segment)
+        cols["device"].append(e.rank)
+        cols["micro_batch"].append(e.micro_batch)
+        cols["recompute"].append(part * scale)
+        cols["granularity"].append(gran)
+        cols["duration"].append((e.end - e.start) * scale)
+    return cols
+
+
 def memory_columns(timeline: Timeline, *, scale: float = 1e3, mem_scale: float = 2.0**-30) -> list[dict[str, list]]:
     """Per device, a step curve ``{"x": [...], "y": [...]}`` of memory over time.
 
@@ -147,7 +191,8 @@ def metrics_summary(timeline: Timeline, memory_limit: float | None = None) -> di
 
 
 __all__ = ["KIND_COLORS", "COMM_DESCRIPTIONS", "PALETTE", "gantt_columns", "memory_columns", "metrics_summary",
-           "segment_color", "COMPUTE_HEIGHT", "COMM_HEIGHT", "COMM_OFFSET", "GANTT_COLUMNS"]
+           "recompute_columns", "segment_color", "COMPUTE_HEIGHT", "COMM_HEIGHT", "COMM_OFFSET", "GANTT_COLUMNS",
+           "RECOMPUTE_COLUMNS", "row_labels"]
 
 
 def row_labels(rows: int, *, tp: int = 1, dp: int = 1, layout: str = DEFAULT_ORDER) -> dict[int, str]:

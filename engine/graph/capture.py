@@ -63,6 +63,7 @@ import torch.fx
 from torch import nn
 
 from engine.errors import CaptureError
+from engine.recompute import MASK_SUFFIX
 
 from .flops import count_flops, dropout_saved_bytes, op_kind, op_name, saves_inputs, saves_output, target_str
 from .layering import ROOT_LAYER, Layering, attach_layers, module_of
@@ -527,6 +528,14 @@ def _add_op(g: OpGraph, walk: _Walk, node: torch.fx.Node, gm: torch.fx.GraphModu
     walk.input_only[node.name] = ops.only_inputs
     if kind == "view" and activations:   # storage roots for views
         walk.view_base[node.name] = walk.view_base.get(activations[0], activations[0])
+    elif _is_fused_attention_relayout(g, walk, node, activations):
+        walk.view_base[node.name] = walk.view_base[activations[0]]
+    elif _is_noop_cast(walk, node, activations, val):
+        walk.view_base[node.name] = walk.view_base.get(activations[0], activations[0])
+    elif kind == "dropout" and activations and not dropout_saved_bytes(node.target, tuple(arg_vals),
+                                                                       dict(kwarg_vals), val):
+        # ATen's dropout returns its input itself when p == 0 or not training (Dropout.cpp)
+        walk.view_base[node.name] = walk.view_base.get(activations[0], activations[0])
     saved, saved_bytes, saved_self = _saved_tensors(walk, node, kind, activations, ops.n_tensor_operands,
                                                     tuple(arg_vals), dict(kwarg_vals), val)
     attrs = _base_attrs(node.name, "call_function", target_str(node.target), kind, mpath, mtype, val)
@@ -567,9 +576,37 @@ def _saved_tensors(walk: _Walk, node: torch.fx.Node, kind: str, activations: lis
     if kind == "dropout":
         saved_self += dropout_saved_bytes(node.target, arg_vals, kwarg_vals, val)
     if saved_self:
-        saved.append(node.name)
+        # a dropout keeps its mask, a tensor of its own beside its output (which a consumer may
+        # also save, keyed by the node itself): ``"<node>.mask"`` keeps the two apart
+        saved.append(f"{node.name}{MASK_SUFFIX}" if kind == "dropout" else node.name)
         saved_bytes += saved_self
     return saved, saved_bytes, saved_self
+
+
+def _is_noop_cast(walk: _Walk, node: torch.fx.Node, activations: list[str], val: Any) -> bool:
+    """``tensor.to(...)`` to the dtype (and device) it already has: ``Tensor.to`` returns the tensor
+    itself (no copy; ``aten._to_copy`` would copy, and is not this)."""
+    if op_name(node.target) != "to" or not activations or not isinstance(val, torch.Tensor):
+        return False
+    names = [a.name for a in getattr(getattr(node.target, "_schema", None), "arguments", [])]
+    copy = node.kwargs.get("copy", node.args[names.index("copy")] if "copy" in names[:len(node.args)] else False)
+    if copy:
+        return False
+    src = walk.kept[activations[0]].meta.get("val") if activations[0] in walk.kept else None
+    return isinstance(src, torch.Tensor) and src.dtype == val.dtype and src.device == val.device
+
+
+def _is_fused_attention_relayout(g: OpGraph, walk: _Walk, node: torch.fx.Node, activations: list[str]) -> bool:
+    """``contiguous`` of a (transposed) view of a fused attention output: the same storage, not a
+    copy. PyTorch's fused kernels (FlashAttention, memory-efficient, cuDNN, and the CPU flash
+    kernel of ``aten/src/ATen/native/transformers/attention.cpp``) allocate their output as
+    ``[B, S, heads, D]`` and return it transposed to ``[B, heads, S, D]``, so the usual
+    ``out.transpose(1, 2).contiguous()`` before the output projection returns that storage; the
+    projection then saves the tensor SDPA already saved (counted once)."""
+    if op_name(node.target) != "contiguous" or not activations:
+        return False
+    root = walk.view_base.get(activations[0])
+    return root is not None and root in g and g.nodes[root].get("kind") == "attention"
 
 
 def _first_dtype(g: OpGraph) -> str | None:

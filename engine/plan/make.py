@@ -39,7 +39,7 @@ from engine.models.moe.comm import (
     segment_moe_layers,
 )
 from engine.models.moe.hf_moe import traceable_experts
-from engine.placement import Placement
+from engine.placement import Placement, recompute_in_input_grad
 from engine.plan.limits import MemoryLimitError, check_memory_limit
 from engine.plan.metrics import predict_execution
 from engine.schedule import Schedule
@@ -94,6 +94,11 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
     largest parameter tensor during each backward, plus ``tied_grad_bytes[segment]``: the
     gradients of tied copies, which ``runtime.worker`` does not fold but keeps until the step)
     as ``grad_memory``/``grad_transient``. Inference (``forward_only``): the parameters only.
+    With activation recomputation (``Segment.recompute_time``, :mod:`engine.recompute`) the
+    recomputed forward is in the ``I`` block of a split backward
+    (:func:`engine.placement.recompute_in_input_grad`), and each device's static memory holds its
+    largest recomputation working set (``Segment.recompute_transient_bytes``): it is live during a
+    backward, when the in-flight activations are at their level, so the peak counts it in full.
 
     Raises:
         TransformError: an unknown optimizer.
@@ -112,6 +117,12 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
         static[base.spec("F", s.index).devices[0]] += s.param_bytes * (1 if forward_only else PARAM_STATE_FACTOR)
     if forward_only:
         return replace(base, static_memory=tuple(static))
+    base = recompute_in_input_grad(base, [s.recompute_time for s in segments])
+    working = [0] * config.pp   # one backward at a time per device: its largest recomputation working set
+    for s in segments:
+        d = base.spec("F", s.index).devices[0]
+        working[d] = max(working[d], s.recompute_transient_bytes)
+    static = [x + w for x, w in zip(static, working)]
     tied_g = dict(tied_grad_bytes or {}) if optimizer == "adama" else {}
     grads = [gradient_bytes(optimizer, s.param_bytes, s.max_param_bytes) for s in segments]
     grads = [(g + tied_g.get(s.index, 0), t) for (g, t), s in zip(grads, segments)]
