@@ -248,8 +248,9 @@ def config_task(name: str) -> str:
         ModelConfigError: see :func:`load_model_config`.
     """
     cf = load_model_config(name)
-    return {"AutoModelForCausalLM": "causal-lm", "AutoModelForMaskedLM": "masked-lm",
-            "AutoModelForSeq2SeqLM": "seq2seq", "AutoModelForImageClassification": "image-classification"}[cf.auto_class]
+    tasks = {"AutoModelForCausalLM": "causal-lm", "AutoModelForMaskedLM": "masked-lm",
+             "AutoModelForSeq2SeqLM": "seq2seq", "AutoModelForImageClassification": "image-classification"}
+    return tasks[cf.auto_class]
 
 
 def model_choice(model: str | None, model_config: str | None) -> str | None:
