@@ -32,8 +32,11 @@ HELP = "plan a model on N devices with a predefined schedule and write plan/trac
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt2",
+    p.add_argument("--model", default=None,
                    help="built-in name (see `tessel models`) or module:callable (default gpt2)")
+    p.add_argument("--model-config", default=None, metavar="PATH",
+                   help="plan a Hugging Face config.json (or a folder holding one) built on the meta device, "
+                        "e.g. configs/hf/llama-3-8b; instead of --model")
     p.add_argument("--devices", type=positive_int, default=4, help="total devices = dp * tp * pp (default 4)")
     p.add_argument("--micro-batches", type=positive_int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
@@ -100,8 +103,10 @@ def run(args: argparse.Namespace) -> dict:
     """
     if args.gnn is not None:
         return run_gnn(args)
+    from engine.models.hf_config import model_choice  # builds models: loads torch
     from engine.plan.make import make_plan  # captures the model: loads torch
 
+    model = model_choice(args.model, args.model_config) or "gpt2"   # --model-config: the path is the name
     out = check_output_folder(args.output, OUTPUT_FILES)
 
     t0 = time.perf_counter()
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
 
     limit = args.memory_limit * 2**30 if args.memory_limit is not None else None
     res = make_plan(
-        args.model, devices=args.devices, micro_batches=args.micro_batches, schedule=args.schedule,
+        model, devices=args.devices, micro_batches=args.micro_batches, schedule=args.schedule,
         device_type=args.device_type, dp=args.dp, tp=args.tp, virtual_stages=args.virtual_stages,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, memory_limit=limit,
         optimizer=args.optimizer, profile=args.profile, task=args.task, link=args.link,

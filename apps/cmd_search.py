@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-limit", type=memory_limit, default=None,
                    help="per-device limit: activation units (abstract) or GiB (with --model); default none")
     p.add_argument("--model", default=None, help="use this model's real costs (e.g. gpt2); default abstract units")
+    p.add_argument("--model-config", default=None, metavar="PATH",
+                   help="use the real costs of a Hugging Face config.json (or a folder holding one), built on the "
+                        "meta device, e.g. configs/hf/llama-3-8b; instead of --model")
     p.add_argument("--device-type", default="h100", help="cost table with --model (default h100)")
     p.add_argument("--link", type=link_name, default=None, help=LINK_HELP + " (with --model)")
     p.add_argument("--micro-batch-size", type=positive_int, default=1,
@@ -277,6 +280,9 @@ def _print_search(args, found: _Searched, rows: list[ScheduleMetrics], unit_mem:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.model_config is not None:   # the config's path is the model's name
+        from engine.models.hf_config import model_choice  # builds models: loads torch
+        args.model = model_choice(args.model, args.model_config)
     out = check_output_folder(args.output, OUTPUT_NAMES)   # before the search, not after it
     found = _search(args)
     res, pl, pm = found.result, found.placement, found.plan.metrics

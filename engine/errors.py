@@ -87,6 +87,13 @@ class ModelArgumentError(TesselError, ValueError):
     the model's position table, a dtype outside :data:`engine.models.registry.MODEL_DTYPES`."""
 
 
+class ModelConfigError(TesselError, ValueError):
+    """A Hugging Face ``config.json`` cannot be planned (:mod:`engine.models.hf_config`): the path
+    does not exist, a folder holds no ``config.json``, the file is not a JSON object, it has no
+    ``model_type``, or the installed ``transformers`` does not know its architecture or cannot
+    build it."""
+
+
 class CaptureError(TesselError, RuntimeError):
     """``torch.export`` could not trace the model (:func:`engine.graph.capture`; a
     :class:`TesselError`, still a ``RuntimeError`` for existing ``except RuntimeError`` handlers).

@@ -3,8 +3,9 @@
 Names (see :func:`list_models`): HF configs (``gpt2-tiny``, ``gpt2``, ``gpt2-xl``,
 ``gpt3-175b``, ``llama-tiny``, ``llama-7b``; :mod:`engine.models.hf`), the in-project
 ``tessel-gpt`` (:mod:`engine.models.gpt`), ``gpt-moe-tiny`` / ``-top2`` / ``-dts``
-(:mod:`engine.models.moe`), anything added with :func:`register_model`, and user
-code as ``"package.module:callable"``.
+(:mod:`engine.models.moe`), anything added with :func:`register_model`, user
+code as ``"package.module:callable"``, and the path of a Hugging Face ``config.json`` or of a folder
+holding one (:func:`config_model_spec`, :mod:`engine.models.hf_config`; ``--model-config``).
 
 User callables (:func:`build_user_module`): ``"mypkg.models:make_net"`` imports ``mypkg.models`` and
 calls ``make_net(**kw)`` where ``kw`` holds those of ``batch_size``, ``seq_len``, ``device``,
@@ -28,12 +29,14 @@ from torch import nn
 from engine.errors import ModelArgumentError, ModelBuildError, ModelNotFoundError, TesselError
 
 from . import hf as _hf
+from . import hf_config as _hf_config
 from .cnn import digits_cnn
 from .gpt import GPT, GPTConfig
 from .moe.gpt_moe import GPTMoE, GPTMoEConfig
 from .two_tower import TwoTower, TwoTowerConfig
 
-__all__ = ["MODEL_DTYPES", "ModelSpec", "build_user_module", "byte_gpt2_builder", "check_build_args", "infer_task",
+__all__ = ["MODEL_DTYPES", "ModelSpec", "build_user_module", "byte_gpt2_builder", "check_build_args",
+           "config_model_spec", "infer_task",
            "is_user_model", "list_models", "model_spec", "register_model", "two_tower_builder"]
 
 #: The parameter/activation dtypes a model can be built in (``--dtype``): floating point only, the
@@ -215,17 +218,40 @@ def _not_found(name: str, why: str = "") -> ModelNotFoundError:
 
 
 def is_user_model(name: str) -> bool:
-    """Whether ``name`` is user code (``package.module:callable``) rather than a registered name."""
-    return ":" in name and name not in _REGISTRY
+    """Whether ``name`` is user code (``package.module:callable``) rather than a registered name
+    or a Hugging Face config path (:func:`engine.models.hf_config.is_config_name`)."""
+    return ":" in name and name not in _REGISTRY and not _hf_config.is_config_name(name)
+
+
+def config_model_spec(name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of a Hugging Face ``config.json`` path (or a folder holding one):
+    built by :func:`engine.models.hf_config.build_from_config` on the requested device, its
+    default sequence length the config's context, its task from its architecture.
+
+    Raises:
+        ModelConfigError: the file cannot be read or has no ``model_type``
+            (:func:`engine.models.hf_config.load_model_config`).
+    """
+    cf = _hf_config.load_model_config(name)
+
+    def build(device: Any, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+        return _hf_config.build_from_config(name, device=device, dtype=dtype)
+    return ModelSpec(name, f"{cf.model_type} from {cf.path}", "hf", build,
+                     _hf_config.config_default_seq_len(cf.fields), _hf.vocab_size, _hf.max_positions,
+                     _hf_config.config_task(name))
 
 
 def model_spec(name: str) -> ModelSpec:
-    """The registered model ``name``.
+    """The registered model ``name``, or the model of a Hugging Face config path
+    (:func:`config_model_spec`: a name ending in ``.json`` or an existing folder).
 
     Raises:
         ModelNotFoundError: no model has that name (the message lists them and the user-code form).
+        ModelConfigError: a config path that cannot be read (:mod:`engine.models.hf_config`).
     """
     spec = _REGISTRY.get(name)
+    if spec is None and _hf_config.is_config_name(name):
+        return config_model_spec(name)
     if spec is None:
         raise _not_found(name)
     return spec
