@@ -29,12 +29,12 @@ from engine.errors import TesselError
 from engine.placement import Placement, TensorSpec
 from engine.shapes import SHAPES, find_shape, m_model_shape
 from engine.transform import (
-    PARAM_STATE_FACTOR,
     balanced_partition,
     check_optimizer,
     gradient_bytes,
     is_block_layer,
     layer_costs,
+    resident_state_bytes,
     tied_copy_bytes,
     tied_parameter_groups,
 )
@@ -42,7 +42,8 @@ from engine.transform import (
 
 def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bool = False,
                           forward_only: bool = False, optimizer: str = "adam",
-                          loss_parallel: bool = False, tied_module: Any = None) -> tuple[Placement, list[dict]]:
+                          loss_parallel: bool = False, tied_module: Any = None,
+                          precision: str = "32-true") -> tuple[Placement, list[dict]]:
     """The ``shape`` placement on ``n`` devices with the captured model's costs.
 
     Args:
@@ -50,9 +51,13 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         cost: the :class:`~engine.cost.CostModel`.
         shape: ``v``, ``x``, ``m``, ``nn``, ``interleaved``, ``mllm``, or ``k`` (a two-branch model).
         n: devices.
-        optimizer: ``adam`` or ``adama``: static memory is parameters + m + v (3x) either way; the
-            gradient buffer / transient per segment follow :func:`engine.transform.gradient_bytes`
-            (divided among the devices of an all-device segment, like its parameters).
+        optimizer: ``adam`` or ``adama``: static memory is weights, master weights and Adam's
+            m and v either way (:func:`engine.transform.resident_state_bytes`; ``32-true``: 3x the
+            parameter bytes); the gradient buffer / transient per segment follow
+            :func:`engine.transform.gradient_bytes` (divided among the devices of an all-device
+            segment, like its parameters).
+        precision: the precision policy (:mod:`engine.precision`) whose bytes per parameter the
+            static memory and gradient buffers count; the graph is captured in its compute dtype.
         loss_parallel: the task's loss takes vocab-sharded logits, so an all-device LM head pays
             no all-gather of its logits (:func:`engine.transform.layer_costs`).
         tied_module: the captured ``nn.Module``, to count tied weights as the runtime holds them:
@@ -70,8 +75,8 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
 
     Returns:
         ``(placement, parts)``: the placement (seconds, bytes) and per model part its ``layers``,
-        ``forward_time``, ``backward_time``, ``activation_bytes``, ``param_bytes``,
-        ``max_param_bytes``.
+        ``flops`` (forward FLOPs of one micro-batch, the whole part), ``forward_time``,
+        ``backward_time``, ``activation_bytes``, ``param_bytes``, ``max_param_bytes``.
 
     Raises:
         TesselError: the K shape on a model that is not two branches joined by a head, too few
@@ -105,6 +110,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         chunk = layers[i:j]
         parts.append({
             "layers": [lc.name for lc in chunk],
+            "flops": sum(lc.flops for lc in chunk),
             "forward_time": sum(lc.forward_time for lc in chunk),
             "activation_bytes": sum(lc.activation_bytes for lc in chunk),
             "param_bytes": sum(lc.param_bytes for lc in chunk),
@@ -147,9 +153,10 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         prev = part_of(s) - 1
         grads.append(parts[prev]["grad"] if prev >= 0 else None)
         devs = probe.spec("F", s).devices
+        held = p["param_bytes"] if forward_only else resident_state_bytes(p["param_bytes"], precision)
         for d in devs:
-            static[d] += p["param_bytes"] * (1 if forward_only else PARAM_STATE_FACTOR) // len(devs)
-        buf, tr = gradient_bytes(optimizer, p["param_bytes"], p["max_param_bytes"])
+            static[d] += held // len(devs)
+        buf, tr = gradient_bytes(optimizer, p["param_bytes"], p["max_param_bytes"], precision)
         grad_buf.append(buf // len(devs))
         grad_tr.append(tr // len(devs))
     pl = build(n, forward_times=fwd, backward_times=bwd, activation_bytes=act, outputs=outs,

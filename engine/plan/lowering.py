@@ -95,7 +95,7 @@ def plan_lower_options(plan: Plan, *, segment_param_bytes: Mapping[int, int] | N
     the segments' parameter bytes, the bytes their data-parallel all-reduce carries (parameter
     bytes less this replica's experts), the MoE all-to-alls of each segment with ``dp > 1``, the
     tied weights, the segments' tensor-parallel collectives, the CoCoNet transformations and
-    their gradient bucket size, and the optimizer.
+    their gradient bucket size, the optimizer and the precision policy.
 
     Args:
         plan: the plan.
@@ -124,7 +124,8 @@ def plan_lower_options(plan: Plan, *, segment_param_bytes: Mapping[int, int] | N
     return LowerOptions(dp=par.dp, tp=par.tp, segment_param_bytes=seg_bytes, segment_allreduce_bytes=replicated,
                         optimizer_kind=opt if opt in OPTIMIZER_KINDS else "adam", alltoalls=alltoalls,
                         tied=plan_tied_groups(plan), transforms=par.transforms,
-                        grad_bucket_bytes=par.grad_bucket_bytes, segment_tp_collectives=inner)
+                        grad_bucket_bytes=par.grad_bucket_bytes, segment_tp_collectives=inner,
+                        precision=par.precision)
 
 
 def lower_plan(plan: Plan, options: LowerOptions | None = None, **overrides: Any) -> ExecutionPlan:
