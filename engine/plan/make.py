@@ -28,6 +28,7 @@ from engine.coconet import (
 from engine.config import ModelRef, OptimizerKind
 from engine.cost import CostModel, profile_ops
 from engine.dependency import ExecutionPlan, TiedGroup
+from engine.errors import ScheduleError
 from engine.graph import OpGraph, capture
 from engine.io.plan import Plan
 from engine.models import ModelBundle, build_model
@@ -201,9 +202,12 @@ def make_plan(
         progress: called with the name of each phase as it starts.
 
     Raises:
-        TesselError: bad names or degrees, an unknown optimizer, a model that cannot be captured,
-            a schedule that needs more micro-batches, a transformation the plan cannot take (each a
-            one-sentence message).
+        TesselError: bad names or degrees, an unknown optimizer, precision or recomputation, a
+            ``dtype`` that contradicts ``precision``, a model that cannot be captured, a schedule
+            that needs more micro-batches, a transformation the plan cannot take (each a
+            one-sentence message); a schedule above ``memory_limit`` (:class:`ScheduleError`, rule
+            ``memory``) names the term that dominates the peak and the smallest fix
+            (:func:`engine.plan.metrics.memory_advice`).
     """
     say = progress or (lambda _msg: None)
     timings: dict[str, float] = {}
@@ -232,7 +236,13 @@ def make_plan(
     t0 = time.perf_counter()
     say("schedule")
     sched: Schedule = build_schedule(schedule, cut.placement, micro_batches)
-    sched.validate(memory_limit)
+    over_limit: ScheduleError | None = None
+    try:
+        sched.validate(memory_limit)
+    except ScheduleError as e:
+        if e.rule != "memory":
+            raise
+        over_limit = e   # raised below with what dominates the peak and the smallest fix
     timings["schedule"] = time.perf_counter() - t0
 
     plan = build_plan(captured, cut, config, sched, cost, memory_limit=memory_limit)
@@ -243,6 +253,9 @@ def make_plan(
     execution, timeline, metrics = predict_execution(plan)
     plan.metrics = metrics
     timings["simulate"] = time.perf_counter() - t0
+    if over_limit is not None:
+        raise ScheduleError("memory", f"{over_limit}; {memory_advice(plan)}", over_limit.device,
+                            over_limit.block) from None
 
     warnings = cut.warnings
     cap = memory_limit if memory_limit is not None else cost.device.mem_capacity

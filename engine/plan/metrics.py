@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from engine.io.plan import Plan
 
 __all__ = ["predict", "predict_execution", "predicted_metrics", "is_abstract", "tokens_per_step", "METRIC_KEYS",
-           "model_flops", "memory_breakdown", "memory_advice", "MEMORY_BREAKDOWN_KEYS"]
+           "model_flops", "memory_breakdown", "memory_advice", "peak_flops", "plan_facts", "MEMORY_BREAKDOWN_KEYS"]
 
 #: The keys :func:`predicted_metrics` always returns.
 METRIC_KEYS = ("makespan", "bubble_ratio", "bubble_ratios", "peak_memory", "time_unit", "memory_unit",
@@ -145,7 +145,18 @@ def memory_breakdown(plan: Plan, execution: ExecutionPlan, timeline: Timeline) -
             "micro_batches_in_flight": round(_in_flight(plan, timeline, d, act), 3)}
 
 
-def _peak_flops(plan: Plan) -> float:
+def plan_facts(plan: Plan) -> dict:
+    """What every report states about a plan (issue 31): ``precision`` (the policy),
+    ``recompute``, ``seq_len`` (tokens per sequence, ``None`` for a model without one) and
+    ``global_batch`` (sequences per step: micro-batch size x micro-batches x data replicas,
+    :func:`tokens_per_step`'s count without the sequence length)."""
+    par, ref = plan.parallel, plan.model
+    replicas = max(1, int(par.dp)) * max(1, int(plan.placement.data_per_instance))
+    batch = int(ref.micro_batch_size or 1) * int(plan.schedule.num_micro_batches) * replicas
+    return {"precision": par.precision, "recompute": par.recompute, "seq_len": ref.seq_len, "global_batch": batch}
+
+
+def peak_flops(plan: Plan) -> float:
     """The device's dense peak FLOP/s in the plan's compute dtype (the cost model's dtype, the
     policy's compute dtype for a plan made with one); 0.0 when unknown."""
     try:
@@ -172,17 +183,18 @@ def memory_advice(plan: Plan) -> str:
     mb, cap = m.get("memory_breakdown"), m.get("memory_capacity")
     if not mb or not cap:
         return "add devices, tensor parallelism (--tp) or fewer micro-batches in flight (1f1b)"
-    gib = 2**30
+    def size(x: float) -> str:
+        return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.2f} MiB"
     states = mb["weights_and_optimizer_states"] + mb["gradients"]
     act_mb, inflight = mb["activations_per_micro_batch"], mb["micro_batches_in_flight"]
     acts = act_mb * inflight
     peak = max(mb["peak"], states + acts)
     extra = max(0.0, peak - states - acts)   # transients, buffers
     par = plan.parallel
-    where = (f"the peak (device {mb['device']}, {peak / gib:.1f} GiB) is "
-             + (f"weights and optimizer states ({mb['weights_and_optimizer_states'] / gib:.1f} GiB) plus gradients "
-                f"({mb['gradients'] / gib:.1f} GiB)" if states >= acts else
-                f"activations: {act_mb / gib:.2f} GiB per micro-batch x {inflight:g} micro-batches in flight"))
+    where = (f"the peak (device {mb['device']}, {size(peak)}) is "
+             + (f"weights and optimizer states ({size(mb['weights_and_optimizer_states'])}) plus gradients "
+                f"({size(mb['gradients'])})" if states >= acts else
+                f"activations: {size(act_mb)} per micro-batch x {inflight:g} micro-batches in flight"))
     room = cap - extra
     fix = None
     if states >= acts:
@@ -237,7 +249,7 @@ def _metrics(plan: Plan, timeline: Timeline, execution: ExecutionPlan) -> dict:
     flops = model_flops(plan)
     ok = flops > 0 and makespan > 0 and math.isfinite(makespan)
     tflops = flops / makespan / max(1, int(plan.parallel.devices)) / 1e12 if ok else 0.0
-    peak = _peak_flops(plan)
+    peak = peak_flops(plan)
     m["model_flops"] = flops
     m["tflops_per_device"] = tflops
     m["mfu"] = tflops * 1e12 / peak if ok and peak > 0 else None
