@@ -13,7 +13,8 @@ from engine.plan.limits import MemoryLimitError, check_memory_limit
 from engine.precision import PRECISIONS
 from engine.recompute import RECOMPUTE
 
-__all__ = ["PRECISION_HELP", "RECOMPUTE_HELP", "dtype_name", "precision_name", "recompute_name", "link_name", "memory_limit", "non_negative_int", "port_number", "positive_float",
+__all__ = ["PRECISION_HELP", "RECOMPUTE_HELP", "dtype_name", "precision_name", "recompute_name",
+           "link_name", "memory_limit", "non_negative_int", "port_number", "positive_float",
            "positive_int", "transform_help", "transform_names"]
 
 

@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Any, Sequence
 
+from engine.plan.metrics import plan_facts
+
 
 def fmt_ms(seconds: float) -> str:
     """Seconds as milliseconds text."""
@@ -25,8 +27,6 @@ def fmt_bytes(nbytes: float) -> str:
 def facts_line(plan: Any) -> str:
     """:func:`engine.plan.metrics.plan_facts` as one line: ``precision bf16-mixed, sequence length 1,024, global batch 8
     sequences, recomputation none``."""
-    from engine.plan.metrics import plan_facts   # engine.plan.metrics loads the simulator
-
     f = plan_facts(plan)
     seq = f"{f['seq_len']:,}" if f["seq_len"] else "-"
     return (f"precision {f['precision']}, sequence length {seq}, global batch {f['global_batch']:,} sequences, "
@@ -58,8 +58,6 @@ def memory_line(metrics: dict) -> str:
 def report_fields(plan: Any, metrics: dict) -> dict:
     """The ``--json`` fields every planning command adds: :func:`engine.plan.metrics.plan_facts` and the metrics'
     ``model_flops``, ``tflops_per_device``, ``mfu`` and ``memory_breakdown``."""
-    from engine.plan.metrics import plan_facts
-
     return {**plan_facts(plan), **{k: metrics.get(k) for k in ("model_flops", "tflops_per_device", "mfu",
                                                                  "memory_breakdown")}}
 

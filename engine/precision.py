@@ -194,5 +194,6 @@ def compute_dtype_of(precision: str) -> str:
     return get_policy(precision).compute_dtype
 
 
-__all__ = ["CPU_DEFAULT_PRECISION", "compute_dtype_of", "plan_precision", "DTYPE_PRECISION", "GPU_DEFAULT_PRECISION", "POLICIES", "PRECISIONS",
+__all__ = ["CPU_DEFAULT_PRECISION", "compute_dtype_of", "plan_precision",
+           "DTYPE_PRECISION", "GPU_DEFAULT_PRECISION", "POLICIES", "PRECISIONS",
            "PrecisionName", "PrecisionPolicy", "default_precision", "get_policy", "resolve_precision"]

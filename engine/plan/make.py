@@ -41,10 +41,10 @@ from engine.models.moe.comm import (
 )
 from engine.models.moe.hf_moe import traceable_experts
 from engine.placement import Placement
-from engine.precision import get_policy, plan_precision
-from engine.recompute import check_recompute
 from engine.plan.limits import MemoryLimitError, check_memory_limit
 from engine.plan.metrics import memory_advice, predict_execution
+from engine.precision import get_policy, plan_precision
+from engine.recompute import check_recompute
 from engine.schedule import Schedule
 from engine.split import choose_split
 from engine.timeline import Timeline
@@ -120,7 +120,8 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
     if forward_only:
         return replace(base, static_memory=tuple(static))
     pol = get_policy(prec)
-    tied_g = {k: pol.scale(v, pol.grad_bytes) for k, v in (tied_grad_bytes or {}).items()} if optimizer == "adama" else {}
+    tied = tied_grad_bytes or {}
+    tied_g = {k: pol.scale(v, pol.grad_bytes) for k, v in tied.items()} if optimizer == "adama" else {}
     grads = [gradient_bytes(optimizer, s.param_bytes, s.max_param_bytes, prec) for s in segments]
     grads = [(g + tied_g.get(s.index, 0), t) for (g, t), s in zip(grads, segments)]
     return replace(base, static_memory=tuple(static), grad_memory=tuple(g for g, _ in grads),

@@ -15,7 +15,7 @@ import pytest
 
 from engine.models import build_model
 from engine.plan import make_plan, predicted_metrics
-from engine.plan.metrics import METRIC_KEYS, MEMORY_BREAKDOWN_KEYS
+from engine.plan.metrics import MEMORY_BREAKDOWN_KEYS, METRIC_KEYS
 
 H100_BF16_PEAK = 989e12
 
