@@ -114,3 +114,22 @@ def test_old_plans_load_as_32_true_and_resave_identically(name):
         assert m["peak_memory"] == raw["metrics"]["peak_memory"]
     if "makespan" in raw["metrics"] and "search" not in name:
         assert m["makespan"] == pytest.approx(raw["metrics"]["makespan"], rel=1e-12)
+
+
+def test_app_header_states_precision_and_mfu():
+    """The Gantt header (planner_ui.gantt_edit.header_html) shows the plan's precision, sequence,
+    batch, recomputation, TFLOP/s per device and MFU as ``tessel show`` computes them."""
+    from types import SimpleNamespace
+
+    from engine.plan import make_plan
+    from planner_ui.gantt_edit import header_html
+
+    res = make_plan("gpt2-tiny", devices=2, micro_batches=2, seq_len=32, recompute="selective")
+    m = res.timeline.metrics()
+    state = SimpleNamespace(plan=res.plan, timeline=res.timeline, schedule=res.plan.schedule, measured=None,
+                            memory_limit=None, abstract=False, metrics=lambda: m,
+                            fmt_time=lambda s: f"{s * 1e3:.3f} ms")
+    html = header_html(state)
+    assert '<span class="tessel-precision">bf16-mixed</span>, seq 32, global batch 2, recompute selective' in html
+    assert f'MFU <b class="tessel-mfu">{res.plan.metrics["mfu"]:.1%}</b>' in html
+    assert f'<b class="tessel-tflops">{res.plan.metrics["tflops_per_device"]:,.1f}</b>' in html
