@@ -133,3 +133,18 @@ def test_app_header_states_precision_and_mfu():
     assert '<span class="tessel-precision">bf16-mixed</span>, seq 32, global batch 2, recompute selective' in html
     assert f'MFU <b class="tessel-mfu">{res.plan.metrics["mfu"]:.1%}</b>' in html
     assert f'<b class="tessel-tflops">{res.plan.metrics["tflops_per_device"]:,.1f}</b>' in html
+
+
+def test_plan_form_takes_precision_and_recompute():
+    """The app's "Plan a model" form plans with its precision and recomputation (``default``: the
+    device type's policy)."""
+    from planner_ui.plan_form import PlanForm
+    from planner_ui.state import PlanState
+
+    state = PlanState()
+    form = PlanForm(state=state, model="gpt2-tiny", devices=2, micro_batches=2)
+    assert form.plan() and state.plan.parallel.precision == "bf16-mixed"
+    form.precision, form.recompute, form.device_type = "16-mixed", "full", "a100"
+    assert form.plan()
+    assert (state.plan.parallel.precision, state.plan.parallel.recompute) == ("16-mixed", "full")
+    assert "16-mixed, recompute full" in state.message
