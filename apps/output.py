@@ -38,7 +38,7 @@ def mfu_line(metrics: dict) -> str:
     if not metrics.get("model_flops"):
         return ""
     mfu = metrics.get("mfu")
-    return (f"model FLOPs {metrics['model_flops'] / 1e12:,.3f} TFLOP per step, "
+    return (f"model FLOPs {metrics['model_flops'] / 1e12:,.4g} TFLOP per step, "
             f"{metrics['tflops_per_device']:,.2f} TFLOP/s per device"
             + (f", MFU {mfu:.2%}" if mfu is not None else "")
             + " (Megatron-LM's count: 3 x forward; recomputation not counted)")
