@@ -10,8 +10,11 @@ from engine.coconet import TRANSFORMS, parse_transforms
 from engine.cost import parse_link
 from engine.errors import CoCoNetError, CostModelError
 from engine.plan.limits import MemoryLimitError, check_memory_limit
+from engine.precision import PRECISIONS
+from engine.recompute import RECOMPUTE
 
-__all__ = ["dtype_name", "link_name", "memory_limit", "non_negative_int", "port_number", "positive_float",
+__all__ = ["PRECISION_HELP", "RECOMPUTE_HELP", "dtype_name", "precision_name", "recompute_name",
+           "link_name", "memory_limit", "non_negative_int", "port_number", "positive_float",
            "positive_int", "transform_help", "transform_names"]
 
 
@@ -104,6 +107,35 @@ def dtype_name(text: str) -> str:
 
     if text not in MODEL_DTYPES:
         raise argparse.ArgumentTypeError(f"dtype {text!r} is not supported; use one of {', '.join(MODEL_DTYPES)}")
+    return text
+
+
+PRECISION_HELP = ("precision policy (PyTorch Lightning's names): 32-true, bf16-mixed, 16-mixed (low-precision compute, "
+                  "fp32 master weights and Adam states, Megatron-LM's 18 / 20 bytes per parameter) or bf16-true "
+                  "(default: bf16-mixed on GPU device types, 32-true on cpu; --dtype alone keeps its old meaning)")
+RECOMPUTE_HELP = ("activation recomputation: none, selective (the attention core) or full (each layer keeps only its "
+                  "input; Korthikanti et al. 2022) (default none)")
+
+
+def precision_name(text: str) -> str:
+    """A precision policy of :data:`engine.precision.PRECISIONS`.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else; the message lists the four policies.
+    """
+    if text not in PRECISIONS:
+        raise argparse.ArgumentTypeError(f"precision {text!r} is not a policy; use one of {', '.join(PRECISIONS)}")
+    return text
+
+
+def recompute_name(text: str) -> str:
+    """An activation recomputation granularity of :data:`engine.recompute.RECOMPUTE`.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else; the message lists the three.
+    """
+    if text not in RECOMPUTE:
+        raise argparse.ArgumentTypeError(f"recomputation {text!r} is not known; use one of {', '.join(RECOMPUTE)}")
     return text
 
 

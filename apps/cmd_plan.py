@@ -11,15 +11,19 @@ import time
 
 from apps.arg_types import (
     LINK_HELP,
+    PRECISION_HELP,
+    RECOMPUTE_HELP,
     dtype_name,
     link_name,
     memory_limit,
     positive_float,
     positive_int,
+    precision_name,
+    recompute_name,
     transform_help,
     transform_names,
 )
-from apps.output import fmt_gib, fmt_ms, table
+from apps.output import facts_line, fmt_gib, fmt_ms, memory_line, mfu_line, report_fields, table
 from apps.plan_gnn import add_gnn_arguments, run_gnn
 from engine.baselines import SCHEDULES
 from engine.errors import CoCoNetError
@@ -27,6 +31,7 @@ from engine.io import trace as trace_io
 from engine.io.atomic import atomic_write_files, check_output_folder
 from engine.io.torch_csv import schedule_to_csv_text
 from engine.placement import TensorSpec, dtype_bytes
+from engine.precision import get_policy
 
 HELP = "plan a model on N devices with a predefined schedule and write plan/trace/csv"
 
@@ -51,8 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default=None,
                    help="training task recorded in the plan: causal-lm, masked-lm, seq2seq, image-classification "
                         "or package.module:callable (default: the model's own)")
-    p.add_argument("--dtype", type=dtype_name, default="float32",
-                   help="parameter/activation dtype: float32, bfloat16, float16 (default float32)")
+    p.add_argument("--precision", type=precision_name, default=None, help=PRECISION_HELP)
+    p.add_argument("--recompute", type=recompute_name, default="none", help=RECOMPUTE_HELP)
+    p.add_argument("--dtype", type=dtype_name, default=None,
+                   help="the old way to say the precision: float32 (32-true), bfloat16 (bf16-true), float16 "
+                        "(16-mixed); with --precision it must be its compute dtype (default: from --precision)")
     p.add_argument("--memory-limit", type=memory_limit, default=None,
                    help="GiB per device (default: the device's capacity)")
     p.add_argument("--optimizer", choices=("adam", "adama"), default="adam",
@@ -120,7 +128,8 @@ def run(args: argparse.Namespace) -> dict:
     res = make_plan(
         model, devices=args.devices, micro_batches=args.micro_batches, schedule=args.schedule,
         device_type=args.device_type, dp=args.dp, tp=args.tp, virtual_stages=args.virtual_stages,
-        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, memory_limit=limit,
+        micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, precision=args.precision,
+        recompute=args.recompute, memory_limit=limit,
         optimizer=args.optimizer, profile=args.profile, task=args.task, link=args.link,
         transforms=args.transform, grad_bucket_bytes=_bucket_bytes(args.bucket_mib),
         overlap_chunks=args.overlap_chunks, progress=progress,
@@ -136,6 +145,7 @@ def run(args: argparse.Namespace) -> dict:
           f"{len(res.plan.segments)} segments; dp={par.dp} tp={par.tp} pp={par.pp}, "
           f"{par.micro_batches} micro-batches, schedule {res.plan.schedule.name} on {args.device_type}, "
           f"optimizer {par.optimizer}" + (f"; transformations {', '.join(par.transforms)}" if par.transforms else ""))
+    print(facts_line(res.plan))
     if par.tp > 1 or par.dp > 1:
         print(f"one row per pipeline rank: each is a group of tp={par.tp} devices, replicated dp={par.dp} times")
     rows = [[f"rank {d}", fmt_ms(m['makespan'] * (1 - b)), f"{b:.1%}", fmt_gib(p)]
@@ -145,6 +155,9 @@ def run(args: argparse.Namespace) -> dict:
     print(stage_table(stages))
     print(f"makespan {fmt_ms(m['makespan'])}, bubble ratio {m['bubble_ratio']:.1%}, "
           f"{m['tokens_per_second']:,.0f} tokens/s predicted")
+    for line in (mfu_line(m), memory_line(m)):
+        if line:
+            print(line)
     comm = collective_summary(res)
     for line in comm["lines"]:
         print(line)
@@ -162,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
         "segments": len(res.plan.segments), "ops": g.number_of_nodes(), "parallel": par.to_dict(),
         "timings": res.timings, "elapsed": elapsed, "peak_rss": rss, "warnings": res.warnings,
         "alltoalls": comm["alltoalls"], "tied_weights": res.plan.tied_weights, "stages": stages,
-        "moe_flops": moe["flops"],
+        "moe_flops": moe["flops"], **report_fields(res.plan, m),
     }
 
 
@@ -254,10 +267,12 @@ def collective_summary(res) -> dict:
         lines.append(f"expert parallelism (ep = dp = {ex.dp}): {max(per_rank)} all-to-alls per pipeline rank per step "
                      f"({', '.join(_fmt_bytes(b) for b in sizes)} send buffer each), "
                      f"{fmt_ms(max(secs))} of blocking all-to-all on the busiest rank")
+    pol = get_policy(res.plan.parallel.precision)
     for g in res.plan.tied_weights:
         names = " + ".join(f"{n} (segment {seg})" for seg, n in g["members"])
         ranks = sorted({e.rank for e in tl.events if e.name == "allreduce tied"})
         where = f"across pipeline ranks {', '.join(map(str, ranks))}" if ranks else "on one rank (no communication)"
-        lines.append(f"tied weights: {names}, {_fmt_bytes(g['nbytes'])} of gradients all-reduced {where} "
+        lines.append(f"tied weights: {names}, {_fmt_bytes(pol.scale(g['nbytes'], pol.grad_bytes))} of gradients "
+                     f"({pol.grad_dtype}) all-reduced {where} "
                      "before the optimizer step")
     return {"lines": lines, "alltoalls": per_rank}

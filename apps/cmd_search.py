@@ -16,8 +16,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from apps.arg_types import LINK_HELP, link_name, memory_limit, positive_float, positive_int
-from apps.output import table
+from apps.arg_types import (
+    LINK_HELP,
+    PRECISION_HELP,
+    RECOMPUTE_HELP,
+    dtype_name,
+    link_name,
+    memory_limit,
+    positive_float,
+    positive_int,
+    precision_name,
+    recompute_name,
+)
+from apps.output import facts_line, memory_line, mfu_line, report_fields, table
 from engine.errors import PlacementError, PlanFormatError, TesselError
 from engine.io import Plan, schedule_to_csv_text
 from engine.io.atomic import atomic_write_files, check_output_folder
@@ -61,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="samples per micro-batch the model is captured and trained with (--model; default 1)")
     p.add_argument("--seq-len", type=positive_int, default=None,
                    help="sequence length with --model (default: the model's)")
+    p.add_argument("--precision", type=precision_name, default=None, help=PRECISION_HELP + " (with --model)")
+    p.add_argument("--recompute", type=recompute_name, default="none", help=RECOMPUTE_HELP + " (with --model)")
+    p.add_argument("--dtype", type=dtype_name, default=None,
+                   help="with --model, the old way to say the precision: float32 (32-true), bfloat16 (bf16-true), "
+                        "float16 (16-mixed); with --precision it must be its compute dtype")
     p.add_argument("--split-backward", action="store_true", help="split B into I (input grad) and W (weight grad)")
     p.add_argument("--inference", action="store_true", help="forward-only placement")
     p.add_argument("--objective", default="throughput", choices=["throughput", "latency"],
@@ -144,7 +160,7 @@ def _model_search(args, limit: float | None) -> _Searched:
         args.model, args.placement, args.devices or DEFAULT_DEVICES, args.micro_batches,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, device_type=args.device_type,
         memory_limit=limit, link=args.link, split_backward=args.split_backward, forward_only=args.inference,
-        **_search_options(args))
+        precision=args.precision, recompute=args.recompute, dtype=args.dtype, **_search_options(args))
     return _Searched(sp.result, sp.placement, sp.plan, sp.timeline, sp.variant, sp.cost, sp.predict, model_search=sp)
 
 
@@ -277,6 +293,11 @@ def _print_search(args, found: _Searched, rows: list[ScheduleMetrics], unit_mem:
             trows.append([r.name, f"{r.makespan * tscale:,.4g}", f"{r.bubble_ratio:.1%}",
                           f"{unit_mem(max(r.peak_memory)):,.4g}", "; ".join(notes)])
     print(table(["schedule", f"makespan ({tunit})", "bubble", f"peak memory ({unit})", "note"], trows))
+    if found.model_search is not None:
+        print(facts_line(found.plan))
+        for line in (mfu_line(found.plan.metrics), memory_line(found.plan.metrics)):
+            if line:
+                print(line)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -311,4 +332,5 @@ def run(args: argparse.Namespace) -> dict:
         "baselines": {r.name: {**r.to_dict(), "peak_memory": [unit_mem(x) for x in (r.peak_memory or [])],
                                "placement": r.schedule.placement.name if r.schedule is not None else None}
                       for r in rows[1:]},
+        **(report_fields(found.plan, pm) if found.model_search is not None else {}),
     }

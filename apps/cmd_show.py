@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from apps.arg_types import memory_limit
-from apps.output import fmt_gib, fmt_ms, table
+from apps.output import facts_line, fmt_gib, fmt_ms, memory_line, mfu_line, report_fields, table
 from engine.io import load_plan, read_torch_csv
 from engine.plan import check_plan, is_abstract, predicted_metrics
 
@@ -63,4 +63,9 @@ def run(args: argparse.Namespace) -> dict:
         tps = (f", {m['tokens_per_second']:,.0f} tokens/s predicted" if m["tokens_per_second"] > 0
                else "")
         print(f"makespan {fmt_time(m['makespan'])}, bubble ratio {m['bubble_ratio']:.1%}{tps}")
-    return {"valid": True, "schedule": plan.schedule.name, **m}
+        if not abstract:
+            print(facts_line(plan))
+            for line in (mfu_line(m), memory_line(m)):
+                if line:
+                    print(line)
+    return {"valid": True, "schedule": plan.schedule.name, **m, **({} if abstract else report_fields(plan, m))}

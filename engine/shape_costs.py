@@ -30,12 +30,12 @@ from engine.placement import Placement, TensorSpec, recompute_in_input_grad
 from engine.recompute import check_recompute, segment_recompute
 from engine.shapes import SHAPES, find_shape, m_model_shape
 from engine.transform import (
-    PARAM_STATE_FACTOR,
     balanced_partition,
     check_optimizer,
     gradient_bytes,
     is_block_layer,
     layer_costs,
+    resident_state_bytes,
     tied_copy_bytes,
     tied_parameter_groups,
 )
@@ -44,7 +44,7 @@ from engine.transform import (
 def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bool = False,
                           forward_only: bool = False, optimizer: str = "adam",
                           loss_parallel: bool = False, tied_module: Any = None,
-                          recompute: str = "none") -> tuple[Placement, list[dict]]:
+                          recompute: str = "none", precision: str = "32-true") -> tuple[Placement, list[dict]]:
     """The ``shape`` placement on ``n`` devices with the captured model's costs.
 
     Args:
@@ -52,9 +52,13 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         cost: the :class:`~engine.cost.CostModel`.
         shape: ``v``, ``x``, ``m``, ``nn``, ``interleaved``, ``mllm``, or ``k`` (a two-branch model).
         n: devices.
-        optimizer: ``adam`` or ``adama``: static memory is parameters + m + v (3x) either way; the
-            gradient buffer / transient per segment follow :func:`engine.transform.gradient_bytes`
-            (divided among the devices of an all-device segment, like its parameters).
+        optimizer: ``adam`` or ``adama``: static memory is weights, master weights and Adam's
+            m and v either way (:func:`engine.transform.resident_state_bytes`; ``32-true``: 3x the
+            parameter bytes); the gradient buffer / transient per segment follow
+            :func:`engine.transform.gradient_bytes` (divided among the devices of an all-device
+            segment, like its parameters).
+        precision: the precision policy (:mod:`engine.precision`) whose bytes per parameter the
+            static memory and gradient buffers count; the graph is captured in its compute dtype.
         loss_parallel: the task's loss takes vocab-sharded logits, so an all-device LM head pays
             no all-gather of its logits (:func:`engine.transform.layer_costs`).
         tied_module: the captured ``nn.Module``, to count tied weights as the runtime holds them:
@@ -78,8 +82,9 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
 
     Returns:
         ``(placement, parts)``: the placement (seconds, bytes) and per model part its ``layers``,
-        ``forward_time``, ``backward_time``, ``activation_bytes``, ``param_bytes``,
-        ``max_param_bytes`` (and ``recompute_time``, ``recompute_transient_bytes`` when not 0).
+        ``flops`` (forward FLOPs of one micro-batch, the whole part), ``forward_time``,
+        ``backward_time``, ``activation_bytes``, ``param_bytes``, ``max_param_bytes`` (and
+        ``recompute_time``, ``recompute_transient_bytes`` when not 0).
 
     Raises:
         TesselError: the K shape on a model that is not two branches joined by a head, too few
@@ -114,6 +119,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         chunk = layers[i:j]
         parts.append({
             "layers": [lc.name for lc in chunk],
+            "flops": sum(lc.flops for lc in chunk),
             "forward_time": sum(lc.forward_time for lc in chunk),
             **_recompute_fields(chunk, recompute),
             "param_bytes": sum(lc.param_bytes for lc in chunk),
@@ -157,10 +163,11 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
         prev = part_of(s) - 1
         grads.append(parts[prev]["grad"] if prev >= 0 else None)
         devs = probe.spec("F", s).devices
+        held = p["param_bytes"] if forward_only else resident_state_bytes(p["param_bytes"], precision)
         for d in devs:
-            static[d] += p["param_bytes"] * (1 if forward_only else PARAM_STATE_FACTOR) // len(devs)
+            static[d] += held // len(devs)
             working[d] = max(working[d], 0 if forward_only else p["recompute_transient_bytes"])
-        buf, tr = gradient_bytes(optimizer, p["param_bytes"], p["max_param_bytes"])
+        buf, tr = gradient_bytes(optimizer, p["param_bytes"], p["max_param_bytes"], precision)
         grad_buf.append(buf // len(devs))
         grad_tr.append(tr // len(devs))
     static = [x + w for x, w in zip(static, working)]

@@ -21,6 +21,7 @@ from engine.config import ParallelConfig
 from engine.dependency import TiedGroup
 from engine.errors import TransformError
 from engine.placement import TensorSpec, dtype_bytes
+from engine.precision import get_policy
 from engine.recompute import (
     MASK_SUFFIX,
     LayerActivation,
@@ -35,8 +36,9 @@ from engine.recompute import (
 #: and Adam's two moments (m, v): 4x the parameter bytes.
 ADAM_STATE_FACTOR = 4
 
-#: Bytes resident for the whole step per parameter byte with either optimizer: the parameter and
-#: Adam's two moments (m, v). The gradient buffer is modelled separately (see :func:`gradient_bytes`).
+#: Bytes resident for the whole step per parameter byte with either optimizer under ``32-true``: the
+#: parameter and Adam's two moments (m, v). The gradient buffer is modelled separately (see
+#: :func:`gradient_bytes`); other precision policies: :func:`resident_state_bytes`.
 PARAM_STATE_FACTOR = 3
 
 #: Optimizers the memory model knows: ``adam`` (``torch.optim.Adam`` with gradient accumulation:
@@ -59,31 +61,61 @@ def check_optimizer(optimizer: str) -> str:
     return optimizer
 
 
-def gradient_bytes(optimizer: str, param_bytes: int, max_param_bytes: int) -> tuple[int, int]:
-    """``(buffer, transient)`` gradient bytes of a segment with ``param_bytes`` parameter bytes
-    whose largest parameter tensor has ``max_param_bytes`` bytes.
+def gradient_bytes(optimizer: str, param_bytes: int, max_param_bytes: int,
+                   precision: str = "32-true") -> tuple[int, int]:
+    """``(buffer, transient)`` gradient bytes of a segment with ``param_bytes`` bytes of weights
+    (in the policy's weight dtype) whose largest parameter tensor has ``max_param_bytes`` bytes.
 
-    - ``adam``: ``(param_bytes, max_param_bytes)``: the accumulated ``p.grad`` of every
-      parameter from the segment's first backward to the optimizer step, plus, on each later
-      backward, the fresh micro-batch gradient of one parameter before ``p.grad += g``.
-    - ``adama``: ``(0, max_param_bytes)``: no buffer across micro-batches (AdamA, Zhang et al.,
+    Gradients are kept in the policy's gradient dtype (:attr:`engine.precision.PrecisionPolicy.grad_bytes`
+    per parameter: 4 for ``32-true`` and ``bf16-mixed``, 2 for ``16-mixed`` and ``bf16-true``;
+    Megatron-LM's table), i.e. ``param_bytes x grad_bytes / weight_bytes``.
+
+    - ``adam``: the accumulated ``p.grad`` of every parameter from the segment's first backward
+      to the optimizer step, plus, on each later backward, the fresh micro-batch gradient of one
+      parameter before ``p.grad += g``.
+    - ``adama``: ``(0, transient)``: no buffer across micro-batches (AdamA, Zhang et al.,
       ECAI 2023: each gradient is folded into m and v by a post-accumulate-grad hook and freed);
       during each backward, one parameter's micro-batch gradient at a time, bounded by the
       largest parameter tensor of the segment.
 
+    ``32-true``: ``(param_bytes, max_param_bytes)`` for ``adam``, as before policies.
+
     Raises:
-        TransformError: an unknown optimizer.
+        TransformError: an unknown optimizer or precision.
     """
     check_optimizer(optimizer)
-    return (param_bytes if optimizer == "adam" else 0), max_param_bytes
+    pol = get_policy(precision)
+    trans = pol.scale(max_param_bytes, pol.grad_bytes)
+    return (pol.scale(param_bytes, pol.grad_bytes) if optimizer == "adam" else 0), trans
 
 
-def training_state_bytes(optimizer: str, param_bytes: int, max_param_bytes: int) -> int:
-    """Upper bound of a segment's parameter, optimizer-state and gradient bytes at any time of a
-    step: ``4 x param_bytes (+ largest tensor)`` with ``adam``, ``3 x param_bytes + largest tensor``
-    with ``adama`` (the bound the stage split checks against device memory)."""
-    buf, trans = gradient_bytes(optimizer, param_bytes, max_param_bytes)
-    return PARAM_STATE_FACTOR * param_bytes + buf + trans
+def resident_state_bytes(param_bytes: int, precision: str = "32-true", dp_shard: int = 1) -> int:
+    """Bytes resident for the whole step for ``param_bytes`` bytes of weights: weights, fp32
+    master weights, Adam's m and v and (``16-mixed``) the fp32 gradient copy, i.e.
+    ``count x PrecisionPolicy.resident_bytes_per_param`` (``32-true``: ``3 x param_bytes``,
+    :data:`PARAM_STATE_FACTOR`); with the sharded update over ``dp_shard`` replicas the sharded
+    part divided by it (Megatron-LM's distributed optimizer,
+    :meth:`engine.precision.PrecisionPolicy.sharded_saving`).
+
+    Raises:
+        TransformError: an unknown precision.
+    """
+    pol = get_policy(precision)
+    return pol.scale(param_bytes, pol.resident_bytes_per_param) - pol.sharded_saving(param_bytes, dp_shard)
+
+
+def training_state_bytes(optimizer: str, param_bytes: int, max_param_bytes: int, precision: str = "32-true",
+                         dp_shard: int = 1) -> int:
+    """Upper bound of a segment's weight, optimizer-state and gradient bytes at any time of a
+    step: :func:`resident_state_bytes` plus :func:`gradient_bytes`' buffer and transient
+    (``32-true``: ``4 x param_bytes (+ largest tensor)`` with ``adam``, ``3 x param_bytes +
+    largest tensor`` with ``adama``; the bound the stage split checks against device memory).
+
+    Raises:
+        TransformError: an unknown optimizer or precision.
+    """
+    buf, trans = gradient_bytes(optimizer, param_bytes, max_param_bytes, precision)
+    return resident_state_bytes(param_bytes, precision, dp_shard) + buf + trans
 
 
 @dataclass
@@ -506,8 +538,9 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
         cost: the cost model.
         config: parallel degrees.
         memory_limit: bytes per device; segments are bounded so that parameters with Adam states
-            and gradients (:func:`training_state_bytes`: 4x the parameter bytes with ``adam``,
-            3x plus the largest parameter tensor with ``adama``) plus ``min(m, pp)``
+            and gradients under ``config.precision`` (:func:`training_state_bytes`; ``32-true``:
+            4x the parameter bytes with ``adam``, 3x plus the largest parameter tensor with
+            ``adama``; the sharded part divided by ``dp`` with ``sharded-update``) plus ``min(m, pp)``
             micro-batches of activations fit (1F1B's in-flight bound). ``None`` uses the cost
             model's device capacity.
         optimizer: ``adam`` or ``adama`` (:data:`OPTIMIZERS`).
@@ -566,9 +599,11 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
         for j in range(i + 1, n_l + 1):
             pmax[i][j] = max(pmax[i][j - 1], layers[j - 1].max_param_bytes)
 
+    shard = config.dp if "sharded-update" in config.transforms else 1
+
     def need_of(seg: int, i: int, j: int) -> int:
         g = grans[seg]
-        return (training_state_bytes(optimizer, pre_p[j] - pre_p[i], pmax[i][j])
+        return (training_state_bytes(optimizer, pre_p[j] - pre_p[i], pmax[i][j], config.precision, shard)
                 + inflight * (pre_a[g][j] - pre_a[g][i]) + wmax[g][i][j])
 
     def fits(seg: int, i: int, j: int) -> bool:

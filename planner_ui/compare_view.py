@@ -187,7 +187,7 @@ class CompareView(pn.viewable.Viewer):
                     micro_batches=par.micro_batches, schedule=sched,
                     dp=par.dp, tp=par.tp,
                     micro_batch_size=model.micro_batch_size, seq_len=model.seq_len,
-                    dtype=model.dtype or "float32", memory_limit=limit, cost=cost,
+                    precision=par.precision, recompute=par.recompute, memory_limit=limit, cost=cost,
                 )
             except (TesselError, ValueError) as e:
                 skipped.append(f"{sched} ({e})")

@@ -12,6 +12,7 @@ import html
 
 import numpy as np
 
+from engine.plan.metrics import model_flops, peak_flops, plan_facts
 from engine.schedule import Schedule
 from engine.timeline import Timeline
 from planner_ui.sources import COMM_DESCRIPTIONS, COMPUTE_HEIGHT, KIND_COLORS, gantt_columns
@@ -164,12 +165,32 @@ def legend_html(measured: bool = False) -> str:
     return '<div class="tessel-gantt-legend" style="font-size:12px">' + "".join(items) + "</div>"
 
 
+def _model_parts(plan, makespan: float) -> list[str]:
+    """The header's model facts of a (non-abstract) plan: precision, sequence length, global batch,
+    recomputation (:func:`engine.plan.metrics.plan_facts`) and, where the plan's segments record
+    FLOPs, TFLOP/s per device and MFU at the shown schedule's ``makespan`` (seconds;
+    :func:`engine.plan.metrics.model_flops`, Megatron-LM's count)."""
+    f = plan_facts(plan)
+    seq = f"{f['seq_len']:,}" if f["seq_len"] else "-"
+    parts = [f'<span class="tessel-precision">{html.escape(str(f["precision"]))}</span>, seq {seq}, '
+             f'global batch {f["global_batch"]:,}, recompute {html.escape(str(f["recompute"]))}']
+    flops = model_flops(plan)
+    if flops > 0 and makespan > 0:
+        tflops = flops / makespan / max(1, int(plan.parallel.devices)) / 1e12
+        peak = peak_flops(plan)
+        mfu = f' &middot; MFU <b class="tessel-mfu">{tflops * 1e12 / peak:.1%}</b>' if peak > 0 else ""
+        parts.append(f'<b class="tessel-tflops">{tflops:,.1f}</b> TFLOP/s per device{mfu}')
+    return parts
+
+
 def header_html(state) -> str:
-    """Header of the Gantt: schedule name, makespan, bubble ratio, peak memory, limit, legend.
+    """Header of the Gantt: schedule name, makespan, bubble ratio, peak memory, limit, the plan's
+    precision, sequence length, global batch and recomputation, TFLOP/s per device and MFU, legend.
 
     ``state`` is a :class:`~planner_ui.state.PlanState`; text values carry css classes
     (``tessel-makespan``, ``tessel-bubble``, ``tessel-peak-memory``, ``tessel-memory-limit``,
-    ``tessel-measured-makespan``) for browser tests.
+    ``tessel-measured-makespan``, ``tessel-precision``, ``tessel-tflops``, ``tessel-mfu``) for
+    browser tests.
     """
     if state is None or state.plan is None or state.timeline is None:
         return '<div class="tessel-gantt-summary">No plan loaded: plan a model or run a search.</div>' + legend_html()
@@ -192,6 +213,8 @@ def header_html(state) -> str:
         f'limit <b class="tessel-memory-limit">{fmt_memory(limit, abstract)}</b>'
         + (f' <span style="color:#c00">over on device(s) {over}</span>' if over else ""),
     ]
+    if not abstract:
+        parts.extend(_model_parts(state.plan, m["makespan"]))
     if state.measured is not None:
         ms = state.measured.makespan
         rel = (ms / m["makespan"] - 1.0) * 100 if m["makespan"] > 0 else 0.0

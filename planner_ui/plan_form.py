@@ -15,6 +15,8 @@ from engine.coconet import TRANSFORMS
 from engine.errors import TesselError
 from engine.models.registry import list_models
 from engine.plan.make import make_plan
+from engine.precision import PRECISIONS
+from engine.recompute import RECOMPUTE
 from planner_ui.background import run_in_background
 from planner_ui.state import PlanState
 
@@ -52,6 +54,8 @@ class PlanForm(pn.viewable.Viewer):
     Parameters mirror ``tessel plan``: ``model`` (registry name or ``module:callable``),
     ``devices`` (= dp x tp x pp), ``micro_batches``, ``schedule``, ``device_type``, ``dp``, ``tp``,
     ``optimizer`` (``adam`` | ``adama``: the Gantt's memory curves show AdamA's missing gradient buffer),
+    ``precision`` (``default``: the device type's, ``bf16-mixed`` on GPUs and ``32-true`` on cpu; or
+    one of :data:`engine.precision.PRECISIONS`), ``recompute`` (:data:`engine.recompute.RECOMPUTE`),
     ``transforms`` (CoCoNet's transformations, :mod:`engine.coconet`; one the plan cannot take is
     refused in the message bar in one sentence), ``link`` (``engine.cost.parse_link``; empty: the
     device's own).
@@ -71,6 +75,10 @@ class PlanForm(pn.viewable.Viewer):
     optimizer = param.Selector(default="adam", objects=["adam", "adama"], label="Optimizer",
                                doc="adam (gradient buffer until the step) or adama "
                                    "(AdamA: gradients folded and freed per micro-batch)")
+    precision = param.Selector(default="default", objects=["default", *PRECISIONS], label="Precision",
+                               doc="precision policy (default: bf16-mixed on GPU device types, 32-true on cpu)")
+    recompute = param.Selector(default="none", objects=list(RECOMPUTE), label="Recomputation",
+                               doc="activation recomputation: none, selective (attention core) or full")
     transforms = param.ListSelector(default=[], objects=list(TRANSFORMS), label="CoCoNet transformations",
                                     doc="computation/communication transformations (engine.coconet)")
     link = param.String(default="", label="Link", doc="link between ranks (nvlink, emulated:1gbit, 10gbit@5us); "
@@ -104,7 +112,8 @@ class PlanForm(pn.viewable.Viewer):
     def _make(self):
         return make_plan(self.model.strip(), devices=self.devices, micro_batches=self.micro_batches,
                          schedule=self.schedule, device_type=self.device_type, dp=self.dp, tp=self.tp,
-                         optimizer=self.optimizer, transforms=list(self.transforms), link=self.link.strip() or None)
+                         optimizer=self.optimizer, transforms=list(self.transforms), link=self.link.strip() or None,
+                         precision=None if self.precision == "default" else self.precision, recompute=self.recompute)
 
     def _finish(self, res, err: BaseException | None) -> bool:
         self.busy = False
@@ -117,7 +126,8 @@ class PlanForm(pn.viewable.Viewer):
         warn = f" ({'; '.join(res.warnings)})" if res.warnings else ""
         self.state.load(res.plan, graph=res.graph,
                         message=f"planned {self.model}: {self.schedule} on {self.devices} {self.device_type} devices, "
-                                f"{self.micro_batches} micro-batches, {self.optimizer}"
+                                f"{self.micro_batches} micro-batches, {self.optimizer}, "
+                                f"{res.plan.parallel.precision}, recompute {res.plan.parallel.recompute}"
                                 + (f", {', '.join(res.plan.parallel.transforms)}" if res.plan.parallel.transforms
                                    else "")
                                 + f", in {sum(res.timings.values()):.1f} s{warn}")
@@ -143,8 +153,8 @@ class PlanForm(pn.viewable.Viewer):
 
     def __panel__(self):
         w = pn.Param(self.param,
-                     parameters=["devices", "micro_batches", "schedule", "device_type", "dp", "tp", "optimizer",
-                                 "link", "transforms"],
+                     parameters=["devices", "micro_batches", "schedule", "device_type", "dp", "tp", "precision",
+                                 "recompute", "optimizer", "link", "transforms"],
                      widgets={"devices": pn.widgets.IntInput, "micro_batches": pn.widgets.IntInput,
                               "dp": pn.widgets.IntInput, "tp": pn.widgets.IntInput,
                               "transforms": {"type": pn.widgets.CheckBoxGroup, "inline": False}},

@@ -466,6 +466,7 @@ class SearchPanel(pn.viewable.Viewer):
         sp = model_search_plan(bp.model.name, job.model_shape, job.devices, job.m,
                                micro_batch_size=bp.model.micro_batch_size, seq_len=bp.model.seq_len,
                                task=bp.model.task, cost=job.cost, memory_limit=job.limit, time_limit=job.time_limit,
+                               precision=bp.parallel.precision, recompute=bp.parallel.recompute,
                                seed=job.seed, progress=self._on_progress, control=control,
                                max_window_micro_batches=job.max_window, fallback_baselines=True)
         job.placement = sp.placement

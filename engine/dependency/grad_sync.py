@@ -7,19 +7,29 @@ from __future__ import annotations
 from engine.coconet import DEFAULT_GRAD_BUCKET_BYTES, gradient_buckets
 from engine.dependency.context import LowerContext, block_tail_end
 from engine.dependency.instructions import Instruction, Op
+from engine.precision import get_policy
 
 __all__ = ["add_grad_sync", "dp_reduce_bytes"]
 
 
 def dp_reduce_bytes(ctx: LowerContext) -> dict[int, int]:
-    """Bytes each segment's data-parallel reduction carries: ``options.segment_allreduce_bytes``
-    (default ``segment_param_bytes``); with AdamA ``2 x (bytes - tied) + tied`` (Adam's ``m`` and
-    ``v`` of the folded gradients, the tied copies' unfolded gradients once)."""
+    """Bytes each segment's data-parallel reduction carries: the gradients of its replicated
+    parameters (``options.segment_allreduce_bytes``, default ``segment_param_bytes``; weight
+    bytes) in the precision policy's gradient dtype (``bytes x grad_bytes / weight_bytes``:
+    ``32-true`` and ``bf16-mixed`` fp32, ``16-mixed`` and ``bf16-true`` half; Megatron-LM
+    all-reduces its fp32 ``main_grad`` under bf16 and the fp16 gradients under fp16); with AdamA
+    Adam's ``m`` and ``v`` of the folded gradients in the states' dtype and the tied copies'
+    unfolded gradients once (``32-true``: ``2 x (bytes - tied) + tied``).
+
+    Raises:
+        TransformError: an unknown precision in the options.
+    """
     opts = ctx.options
+    pol = get_policy(opts.precision)
     ar = opts.segment_allreduce_bytes if opts.segment_allreduce_bytes is not None else opts.segment_param_bytes
     ar = dict(ar or {})
     if opts.optimizer_kind != "adama":
-        return ar
+        return {seg: pol.scale(b, pol.grad_bytes) for seg, b in ar.items()}
     tied_in_seg: dict[int, int] = {}
     for g in opts.tied or ():
         for s in g.segments():
@@ -27,7 +37,7 @@ def dp_reduce_bytes(ctx: LowerContext) -> dict[int, int]:
     out = {}
     for seg, b in ar.items():
         t = min(tied_in_seg.get(seg, 0), b)
-        out[seg] = 2 * (b - t) + t
+        out[seg] = pol.scale(b - t, pol.state_bytes) + pol.scale(t, pol.grad_bytes)
     return out
 
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 from engine.dependency.context import LowerContext
 from engine.dependency.instructions import COMPUTE_OPS, Instruction, Op
+from engine.precision import get_policy
 
 __all__ = ["add_optimizer_step"]
 
 
 def add_optimizer_step(ctx: LowerContext) -> None:
-    """With ``sharded-update`` and ``dp > 1``, take ``2 x (1 - 1/dp)`` of each rank's parameter
-    bytes (Adam's ``m`` and ``v`` of the other replicas' shards) off its static memory. On a
+    """With ``sharded-update`` and ``dp > 1`` (Megatron-LM's distributed optimizer, ZeRO-1), take
+    the sharded part of the other replicas' shards off each rank's static memory: master weights,
+    Adam's ``m`` and ``v`` and the fp32 gradient copy of the precision policy
+    (:meth:`engine.precision.PrecisionPolicy.sharded_saving`; ``32-true``: ``2 x (p - p // dp)``
+    of its parameter bytes ``p``). On a
     training stream (:attr:`LowerContext.training`), append ``OPTIM``: ``nbytes`` the rank's
     parameter bytes (``1/dp`` of them when sharded), ``memory`` minus the gradient buffers its
     blocks held (``zero_grad`` after the update); sharded, then one ``ALLGATHER`` of each local
@@ -20,9 +24,10 @@ def add_optimizer_step(ctx: LowerContext) -> None:
     opts = ctx.options
     dp = opts.dp
     sharded = "sharded-update" in opts.transforms and dp > 1
-    if sharded:   # Adam's m and v of the other replicas' shards are not kept
+    if sharded:   # master weights and Adam's m and v of the other replicas' shards are not kept
+        pol = get_policy(opts.precision)
         for d, pb in enumerate(ctx.param_bytes):
-            ctx.static_memory[d] = max(0, ctx.static_memory[d] - 2 * (pb - pb // dp))
+            ctx.static_memory[d] = max(0, ctx.static_memory[d] - pol.sharded_saving(pb, dp))
     if not ctx.training:
         return
     seg_bytes = opts.segment_param_bytes or {}

@@ -96,6 +96,13 @@ class LowerOptions:
     :attr:`engine.dependency.ExecutionPlan.layout`, whose device ids the simulator times each
     collective and transfer over."""
 
+    precision: str = "32-true"
+    """The plan's precision policy (:mod:`engine.precision`): the data-parallel and tied-weight
+    all-reduces carry gradients in its gradient dtype (``param bytes x grad_bytes / weight_bytes``)
+    and ``sharded-update`` takes its sharded part (master weights, Adam's states, the fp32
+    gradient copy) of the other replicas' shards off the static memory. ``32-true``: the
+    parameter bytes and Adam's two moments, as before policies."""
+
     def __post_init__(self) -> None:
         if int(self.dp) < 1 or int(self.tp) < 1:
             raise ValueError(f"dp and tp must be at least 1, got dp={self.dp}, tp={self.tp}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from engine.dependency.context import LowerContext
 from engine.dependency.instructions import Instruction, Op, TiedGroup
 from engine.placement import Placement
+from engine.precision import get_policy
 
 __all__ = ["add_tied_allreduces", "holder_ranks"]
 
@@ -24,12 +25,19 @@ def holder_ranks(placement: Placement, group: TiedGroup) -> tuple[int, ...]:
 def add_tied_allreduces(ctx: LowerContext) -> None:
     """On a training stream (:attr:`LowerContext.training`), append for every tied group whose
     copies span 2+ ranks one ``ALLREDUCE`` on each holder (``segment=None``, ``ranks`` = the
-    holders, ``group = len(ranks)``, ``nbytes`` = one copy), in group order; the optimizer pass
-    puts ``OPTIM`` after them."""
+    holders, ``group = len(ranks)``, ``nbytes`` = one copy's gradients in the precision policy's
+    gradient dtype: ``g.nbytes x grad_bytes / weight_bytes``, ``g.nbytes`` under ``32-true``), in
+    group order; the optimizer pass puts ``OPTIM`` after them.
+
+    Raises:
+        TransformError: an unknown precision in the options.
+    """
     if not ctx.training or not ctx.options.tied:
         return
+    pol = get_policy(ctx.options.precision)
     for g in ctx.options.tied:
         ranks = holder_ranks(ctx.placement, g)
         if len(ranks) > 1:
+            nbytes = pol.scale(g.nbytes, pol.grad_bytes)
             for r in ranks:
-                ctx.streams[r].append(Instruction(Op.ALLREDUCE, None, nbytes=g.nbytes, group=len(ranks), ranks=ranks))
+                ctx.streams[r].append(Instruction(Op.ALLREDUCE, None, nbytes=nbytes, group=len(ranks), ranks=ranks))

@@ -95,8 +95,9 @@ def plan_lower_options(plan: Plan, *, segment_param_bytes: Mapping[int, int] | N
     the segments' parameter bytes, the bytes their data-parallel all-reduce carries (parameter
     bytes less this replica's experts), the MoE all-to-alls of each segment with ``dp > 1``, the
     tied weights, the segments' tensor-parallel collectives, the CoCoNet transformations and
-    their gradient bucket size, the optimizer and the rank layout (``plan.parallel.layout``, whose
-    device ids the simulator times every collective over: :mod:`engine.layout`).
+    their gradient bucket size, the optimizer, the precision policy and the rank layout
+    (``plan.parallel.layout``, whose device ids the simulator times every collective over:
+    :mod:`engine.layout`).
 
     Args:
         plan: the plan.
@@ -126,7 +127,7 @@ def plan_lower_options(plan: Plan, *, segment_param_bytes: Mapping[int, int] | N
                         optimizer_kind=opt if opt in OPTIMIZER_KINDS else "adam", alltoalls=alltoalls,
                         tied=plan_tied_groups(plan), transforms=par.transforms,
                         grad_bucket_bytes=par.grad_bucket_bytes, segment_tp_collectives=inner,
-                        layout=par.layout)
+                        layout=par.layout, precision=par.precision)
 
 
 def lower_plan(plan: Plan, options: LowerOptions | None = None, **overrides: Any) -> ExecutionPlan:

@@ -28,6 +28,7 @@ from engine.coconet import (
 from engine.config import ModelRef, OptimizerKind
 from engine.cost import CostModel, profile_ops
 from engine.dependency import ExecutionPlan, TiedGroup
+from engine.errors import ScheduleError
 from engine.graph import OpGraph, capture
 from engine.io.plan import Plan
 from engine.models import ModelBundle, build_model
@@ -41,19 +42,21 @@ from engine.models.moe.comm import (
 from engine.models.moe.hf_moe import traceable_experts
 from engine.placement import Placement, recompute_in_input_grad
 from engine.plan.limits import MemoryLimitError, check_memory_limit
-from engine.plan.metrics import predict_execution
+from engine.plan.metrics import memory_advice, predict_execution
+from engine.precision import get_policy, plan_precision
+from engine.recompute import check_recompute
 from engine.schedule import Schedule
 from engine.split import choose_split
 from engine.timeline import Timeline
 from engine.transform import (
     LOSS_PARALLEL_TASKS,
-    PARAM_STATE_FACTOR,
     ParallelConfig,
     Segment,
     TransformError,
     add_tied_copies,
     check_optimizer,
     gradient_bytes,
+    resident_state_bytes,
     split_segments,
     tied_parameter_groups,
 )
@@ -86,11 +89,13 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
     """The placement a predefined schedule needs (looped V/interleaved, or ZB-V's V shape), with
     durations, activation memory and boundary tensors from the segments.
 
-    Memory of a training placement: static memory per device = parameters of its segments with
-    Adam's m and v (``PARAM_STATE_FACTOR`` = 3 x parameter bytes, for both optimizers); per
-    segment, the gradient buffer and transient gradient of
-    :func:`engine.transform.gradient_bytes` (``adam``: a buffer of the segment's parameter bytes
-    from its first backward to the optimizer step; ``adama``: only a transient gradient of its
+    Memory of a training placement under ``config.precision`` (:mod:`engine.precision`,
+    Megatron-LM's bytes per parameter): static memory per device = weights, master weights and
+    Adam's m and v of its segments (:func:`engine.transform.resident_state_bytes`; ``32-true``:
+    ``PARAM_STATE_FACTOR`` = 3 x parameter bytes, for both optimizers; the sharded update's
+    saving is taken off by the lowering); per segment, the gradient buffer and transient gradient of
+    :func:`engine.transform.gradient_bytes` in the policy's gradient dtype (``adam``: a buffer of
+    the segment's parameters from its first backward to the optimizer step; ``adama``: only a transient gradient of its
     largest parameter tensor during each backward, plus ``tied_grad_bytes[segment]``: the
     gradients of tied copies, which ``runtime.worker`` does not fold but keeps until the step)
     as ``grad_memory``/``grad_transient``. Inference (``forward_only``): the parameters only.
@@ -113,8 +118,10 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
         input_grads=[segments[i - 1].output_grad if i > 0 else None for i in range(len(segments))],
     )
     static = [0] * config.pp
+    prec = config.precision
     for s in segments:
-        static[base.spec("F", s.index).devices[0]] += s.param_bytes * (1 if forward_only else PARAM_STATE_FACTOR)
+        static[base.spec("F", s.index).devices[0]] += (
+            s.param_bytes if forward_only else resident_state_bytes(s.param_bytes, prec))
     if forward_only:
         return replace(base, static_memory=tuple(static))
     base = recompute_in_input_grad(base, [s.recompute_time for s in segments])
@@ -123,8 +130,10 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
         d = base.spec("F", s.index).devices[0]
         working[d] = max(working[d], s.recompute_transient_bytes)
     static = [x + w for x, w in zip(static, working)]
-    tied_g = dict(tied_grad_bytes or {}) if optimizer == "adama" else {}
-    grads = [gradient_bytes(optimizer, s.param_bytes, s.max_param_bytes) for s in segments]
+    pol = get_policy(prec)
+    tied = tied_grad_bytes or {}
+    tied_g = {k: pol.scale(v, pol.grad_bytes) for k, v in tied.items()} if optimizer == "adama" else {}
+    grads = [gradient_bytes(optimizer, s.param_bytes, s.max_param_bytes, prec) for s in segments]
     grads = [(g + tied_g.get(s.index, 0), t) for (g, t), s in zip(grads, segments)]
     return replace(base, static_memory=tuple(static), grad_memory=tuple(g for g, _ in grads),
                    grad_transient=tuple(t for _, t in grads))
@@ -143,7 +152,9 @@ def make_plan(
     virtual_stages: int | None = None,
     micro_batch_size: int = 1,
     seq_len: int | None = None,
-    dtype: str = "float32",
+    dtype: str | None = None,
+    precision: str | None = None,
+    recompute: str = "none",
     memory_limit: float | None = None,
     optimizer: str = "adam",
     cost: CostModel | None = None,
@@ -168,8 +179,17 @@ def make_plan(
         virtual_stages: segments per rank (default 2 for ``interleaved``, else 1).
         micro_batch_size: samples per micro-batch.
         seq_len: tokens per sample (model default if ``None``).
-        dtype: parameter/activation dtype of the captured model and the cost table's peak
-            (``float32``, ``bfloat16``, ``float16``).
+        dtype: the old way to say the precision (``float32`` -> ``32-true``, ``bfloat16`` ->
+            ``bf16-true``, ``float16`` -> ``16-mixed``; :func:`engine.precision.resolve_precision`);
+            with ``precision`` it must be the policy's compute dtype.
+        precision: the precision policy (``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``;
+            :mod:`engine.precision`); ``None``: from ``dtype``, else the device type's default
+            (``bf16-mixed`` on GPUs, ``32-true`` on ``cpu``). The model is captured in the
+            policy's compute dtype (activations stored in it), the cost model uses that dtype's
+            peak, and the memory model counts Megatron-LM's bytes per parameter. Recorded in
+            ``plan.parallel.precision``.
+        recompute: activation recomputation (``none``, ``selective``, ``full``;
+            :mod:`engine.recompute`), recorded in ``plan.parallel.recompute``.
         memory_limit: bytes per device for the split and the memory check (device capacity if ``None``).
         optimizer: ``adam`` (``torch.optim.Adam`` with gradient accumulation: each stage holds a
             gradient buffer of its parameter bytes from its first backward to the optimizer step)
@@ -194,26 +214,33 @@ def make_plan(
         progress: called with the name of each phase as it starts.
 
     Raises:
-        TesselError: bad names or degrees, an unknown optimizer, a model that cannot be captured,
-            a schedule that needs more micro-batches, a transformation the plan cannot take (each a
-            one-sentence message).
+        TesselError: bad names or degrees, an unknown optimizer, precision or recomputation, a
+            ``dtype`` that contradicts ``precision``, a model that cannot be captured, a schedule
+            that needs more micro-batches, a transformation the plan cannot take (each a
+            one-sentence message); a schedule above ``memory_limit`` (:class:`ScheduleError`, rule
+            ``memory``) names the term that dominates the peak and the smallest fix
+            (:func:`engine.plan.metrics.memory_advice`).
     """
     say = progress or (lambda _msg: None)
     timings: dict[str, float] = {}
+    precision = plan_precision(precision, dtype, device_type if cost is None else cost.device.name,
+                               None if cost is None else cost.dtype)
+    compute = get_policy(precision).compute_dtype
     config = parallel_config(devices, micro_batches=micro_batches, schedule=schedule, dp=dp, tp=tp,
                              virtual_stages=virtual_stages, micro_batch_size=micro_batch_size,
                              memory_limit=memory_limit, optimizer=optimizer, transforms=transforms,
-                             grad_bucket_bytes=grad_bucket_bytes, overlap_chunks=overlap_chunks)
+                             grad_bucket_bytes=grad_bucket_bytes, overlap_chunks=overlap_chunks,
+                             precision=precision, recompute=recompute)
 
     t0 = time.perf_counter()
     say("capture")
-    captured = capture_model(model, config, task=task, seq_len=seq_len, dtype=dtype)
+    captured = capture_model(model, config, task=task, seq_len=seq_len, dtype=compute)
     timings["capture"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     say("transform")
     if cost is None:
-        cost = _cost_model(captured.graph, device_type, link=link, profile=profile, dtype=dtype, say=say,
+        cost = _cost_model(captured.graph, device_type, link=link, profile=profile, dtype=compute, say=say,
                            warnings=captured.warnings)
     cut = transform_model(captured, config, cost, schedule, memory_limit=memory_limit)
     timings["transform"] = time.perf_counter() - t0
@@ -221,7 +248,13 @@ def make_plan(
     t0 = time.perf_counter()
     say("schedule")
     sched: Schedule = build_schedule(schedule, cut.placement, micro_batches)
-    sched.validate(memory_limit)
+    over_limit: ScheduleError | None = None
+    try:
+        sched.validate(memory_limit)
+    except ScheduleError as e:
+        if e.rule != "memory":
+            raise
+        over_limit = e   # raised below with what dominates the peak and the smallest fix
     timings["schedule"] = time.perf_counter() - t0
 
     plan = build_plan(captured, cut, config, sched, cost, memory_limit=memory_limit)
@@ -232,15 +265,16 @@ def make_plan(
     execution, timeline, metrics = predict_execution(plan)
     plan.metrics = metrics
     timings["simulate"] = time.perf_counter() - t0
+    if over_limit is not None:
+        raise ScheduleError("memory", f"{over_limit}; {memory_advice(plan)}", over_limit.device,
+                            over_limit.block) from None
 
     warnings = cut.warnings
     cap = memory_limit if memory_limit is not None else cost.device.mem_capacity
     over = [d for d, p in enumerate(metrics["peak_memory"]) if p > cap]
     if over:
-        warnings.append(
-            f"predicted peak memory on device(s) {over} is above {cap / 2**30:.1f} GiB; "
-            "add devices, tensor parallelism (--tp) or fewer micro-batches in flight (1f1b)"
-        )
+        warnings.append(f"predicted peak memory on device(s) {over} is above {cap / 2**30:.1f} GiB; "
+                        + memory_advice(plan))
     return PlanResult(plan, timeline, captured.graph, execution, warnings, timings)
 
 
@@ -248,15 +282,20 @@ def parallel_config(devices: int, *, micro_batches: int, schedule: str, dp: int 
                     virtual_stages: int | None = None, micro_batch_size: int = 1, memory_limit: float | None = None,
                     optimizer: str = "adam", transforms: str | Sequence[str] | None = None,
                     grad_bucket_bytes: int = DEFAULT_GRAD_BUCKET_BYTES,
-                    overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS) -> ParallelConfig:
+                    overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS, precision: str = "32-true",
+                    recompute: str = "none") -> ParallelConfig:
     """:func:`make_plan`'s arguments checked, as the plan's :class:`~engine.config.ParallelConfig`
-    (``pp = devices / (dp * tp)``; ``virtual_stages`` default: the schedule's).
+    (``pp = devices / (dp * tp)``; ``virtual_stages`` default: the schedule's; ``precision`` and
+    ``recompute`` recorded as given: :mod:`engine.precision`, :mod:`engine.recompute`).
 
     Raises:
-        TesselError: an unknown optimizer, transformation or schedule; non-positive degrees;
-            devices not divisible by ``dp * tp``; a memory limit that is not a positive finite number.
+        TesselError: an unknown optimizer, transformation, schedule, precision or recomputation;
+            non-positive degrees; devices not divisible by ``dp * tp``; a memory limit that is not
+            a positive finite number.
     """
     check_optimizer(optimizer)
+    get_policy(precision)
+    check_recompute(recompute)
     tf = parse_transforms(transforms)
     if devices < 1 or dp < 1 or tp < 1:
         raise TransformError(f"devices, dp and tp must be positive, got devices={devices}, dp={dp}, tp={tp}")
@@ -271,7 +310,8 @@ def parallel_config(devices: int, *, micro_batches: int, schedule: str, dp: int 
     vs = req.virtual_stages if virtual_stages is None else virtual_stages
     config = ParallelConfig(dp=dp, tp=tp, pp=devices // (dp * tp), virtual_stages=vs, micro_batches=micro_batches,
                             micro_batch_size=micro_batch_size, transforms=tf, grad_bucket_bytes=grad_bucket_bytes,
-                            overlap_chunks=overlap_chunks, optimizer=cast(OptimizerKind, optimizer))
+                            overlap_chunks=overlap_chunks, optimizer=cast(OptimizerKind, optimizer),
+                            precision=precision, recompute=recompute)
     config.check()
     return config
 

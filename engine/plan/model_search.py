@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from engine.baselines.generic import gpipe_any
 from engine.config import ModelRef, ParallelConfig
 from engine.cost import CostModel
@@ -32,6 +34,8 @@ from engine.plan.from_search import plan_from_search
 from engine.plan.limits import check_memory_limit
 from engine.plan.lowering import lower_plan
 from engine.plan.metrics import predicted_metrics
+from engine.precision import get_policy, plan_precision
+from engine.recompute import check_recompute
 from engine.shape_costs import model_shape_placement
 from engine.shapes import SHAPES, UnknownShapeError, find_shape
 from engine.split import choose_split, supports_layer_split
@@ -130,12 +134,15 @@ class _ModelPlans:
     :func:`model_search_plan` builds a plan of each schedule from."""
 
     def __init__(self, bundle: Any, graph: Any, cost: Any, shape: str, devices: int, *, split_backward: bool,
-                 forward_only: bool, micro_batch_size: int, memory_limit: float | None) -> None:
+                 forward_only: bool, micro_batch_size: int, memory_limit: float | None,
+                 precision: str = "32-true", recompute: str = "none") -> None:
         self.bundle, self.graph, self.cost = bundle, graph, cost
+        self.precision, self.recompute = precision, recompute
         self.devices, self.forward_only, self.micro_batch_size = devices, forward_only, micro_batch_size
         self.placement, self.parts = model_shape_placement(
             graph, cost, shape, devices, split_backward=split_backward, forward_only=forward_only,
-            loss_parallel=bundle.task in LOSS_PARALLEL_TASKS, tied_module=bundle.module)
+            loss_parallel=bundle.task in LOSS_PARALLEL_TASKS, tied_module=bundle.module, precision=precision,
+            recompute=recompute)
         self.variants: dict[str, tuple[Any, list[dict]]] = {}
         multi = any(len(b.devices) > 1 for b in self.placement.blocks)
         replicas = self.placement.data_per_instance > 1
@@ -151,15 +158,15 @@ class _ModelPlans:
     def variant_parts(self, name: str) -> tuple[Any, list[dict]]:
         """The same model's ``interleaved``, ``v`` or (any other name) split-backward V placement and parts."""
         if name not in self.variants:
-            g, c, n, mod = self.graph, self.cost, self.devices, self.bundle.module
+            g, c, n = self.graph, self.cost, self.devices
+            kw = {"tied_module": self.bundle.module, "precision": self.precision, "recompute": self.recompute}
             if name == "interleaved":
                 self.variants[name] = model_shape_placement(g, c, "interleaved", n, forward_only=self.forward_only,
-                                                            tied_module=mod)
+                                                            **kw)
             elif name == "v":
-                self.variants[name] = model_shape_placement(g, c, "v", n, forward_only=self.forward_only,
-                                                            tied_module=mod)
+                self.variants[name] = model_shape_placement(g, c, "v", n, forward_only=self.forward_only, **kw)
             else:
-                self.variants[name] = model_shape_placement(g, c, "v", n, split_backward=True, tied_module=mod)
+                self.variants[name] = model_shape_placement(g, c, "v", n, split_backward=True, **kw)
         return self.variants[name]
 
     def variant(self, name: str) -> Any:
@@ -182,7 +189,8 @@ class _ModelPlans:
                        task=bundle.task, split=split)
         parallel = ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": placement.num_devices,
                                              "micro_batches": schedule.num_micro_batches,
-                                             "devices": placement.num_devices, "optimizer": "adam"})
+                                             "devices": placement.num_devices, "optimizer": "adam",
+                                             "precision": self.precision, "recompute": self.recompute})
         return Plan(model=ref, parallel=parallel, segments=segments, schedule=schedule, cost=self.cost.to_dict(),
                     metrics={}, meta=dict(self.meta), tied_weights=[g.to_dict() for g in tied])
 
@@ -203,7 +211,8 @@ class _ModelPlans:
 def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, *, micro_batch_size: int = 1,
                       seq_len: int | None = None, task: str | None = None, device_type: str = "h100",
                       memory_limit: float | None = None, split_backward: bool = False, forward_only: bool = False,
-                      cost: Any = None, link: str | None = None, **search_kw: Any) -> SearchPlan:
+                      cost: Any = None, link: str | None = None, precision: str | None = None,
+                      recompute: str = "none", dtype: str | None = None, **search_kw: Any) -> SearchPlan:
     """Search ``shape`` on ``devices`` devices for ``model`` and return the plan.
 
     Args:
@@ -222,10 +231,19 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
         cost: a :class:`~engine.cost.CostModel` to use instead of ``device_type``'s.
         link: the link between every pair of ranks (:func:`engine.cost.parse_link`); ``None``: the
             device's defaults; ignored with ``cost``.
+        precision: the precision policy (:mod:`engine.precision`); ``None``: from ``dtype``, else
+            the device type's default (``bf16-mixed`` on GPUs, ``32-true`` on ``cpu``;
+            :func:`engine.precision.resolve_precision`). The model is captured in its compute
+            dtype, the cost model uses that dtype's peak, memory counts its bytes per parameter.
+        recompute: activation recomputation (``none``, ``selective``, ``full``), recorded in
+            ``plan.parallel.recompute``.
+        dtype: the old way to say the precision (``float32``, ``bfloat16``, ``float16``); with
+            ``precision`` it must be the policy's compute dtype.
         search_kw: passed to :func:`engine.tessel.tessel_search` (``time_limit``, ``seed``, ...).
 
     Raises:
-        TesselError: an unknown model or shape, a shape the model cannot fill, a memory limit that
+        TesselError: an unknown model or shape, a shape the model cannot fill, an unknown or
+            contradicting precision / dtype, an unknown recomputation, a memory limit that
             is not a positive finite number, or an infeasible one
             (:class:`engine.tessel.InfeasibleMemoryError`).
 
@@ -240,13 +258,19 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
         raise TesselError(spec.no_model)
     if memory_limit is not None:
         memory_limit = check_memory_limit(memory_limit)
-    bundle = build_model(model, batch_size=micro_batch_size, seq_len=seq_len, task=task)
+    precision = plan_precision(precision, dtype, device_type if cost is None else cost.device.name,
+                               None if cost is None else cost.dtype)
+    check_recompute(recompute)
+    compute = get_policy(precision).compute_dtype
+    bundle = build_model(model, batch_size=micro_batch_size, seq_len=seq_len, task=task,
+                         dtype=getattr(torch, compute))
     if task is not None:
         bundle.task = task
     graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
-    cost = cost if cost is not None else CostModel.for_device(device_type, link=link, inter_link=link)
+    cost = cost if cost is not None else CostModel.for_device(device_type, link=link, inter_link=link, dtype=compute)
     plans = _ModelPlans(bundle, graph, cost, shape, devices, split_backward=split_backward, forward_only=forward_only,
-                        micro_batch_size=micro_batch_size, memory_limit=memory_limit)
+                        micro_batch_size=micro_batch_size, memory_limit=memory_limit, precision=precision,
+                        recompute=recompute)
     pl = plans.placement
     # the search sees what the plan's simulation will time: the transfers between devices (cost
     # model links), each rank's optimizer step and tied-weight all-reduce after its last block, and

@@ -128,7 +128,8 @@ def test_the_searched_placement_counts_tied_copies_as_the_plan_does():
     from engine.models import build_model
     from engine.shape_costs import model_shape_placement
 
-    planned = make_plan("gpt2-tiny", devices=4, micro_batches=4, seq_len=32, schedule="1f1b").plan
+    planned = make_plan("gpt2-tiny", devices=4, micro_batches=4, seq_len=32, schedule="1f1b",
+                        precision="32-true").plan
     bundle = build_model("gpt2-tiny", seq_len=32)
     graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
     pl, _ = model_shape_placement(graph, CostModel.for_device("h100"), "v", 4, tied_module=bundle.module)

@@ -66,6 +66,6 @@ def test_profiled_costs_are_used():
 
 
 def test_bfloat16_halves_parameter_bytes():
-    f32 = make_plan("gpt2-tiny", devices=2, micro_batches=4)
+    f32 = make_plan("gpt2-tiny", devices=2, micro_batches=4, dtype="float32")
     b16 = make_plan("gpt2-tiny", devices=2, micro_batches=4, dtype="bfloat16")
     assert sum(s["param_bytes"] for s in b16.plan.segments) * 2 == sum(s["param_bytes"] for s in f32.plan.segments)

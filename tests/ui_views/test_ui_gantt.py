@@ -401,7 +401,7 @@ def test_plan_form_optimizer_choice_changes_the_memory_curves():
     from planner_ui.state import PlanState
 
     state = PlanState()
-    form = PlanForm(state=state, model="gpt2-tiny", devices=2, micro_batches=4)
+    form = PlanForm(state=state, model="gpt2-tiny", devices=2, micro_batches=4, precision="32-true")
     assert form.plan()
     adam_peak = state.timeline.peak_memory()
     form.optimizer = "adama"
