@@ -185,18 +185,19 @@ class LossScaler:
         device_type: ``"cpu"`` or ``"cuda"``.
         group: the process group over which the inf/nan flag is summed (every rank of the run, so
             all skip the same steps); ``None``: one process (``torch.amp.GradScaler``).
+        init_scale: the first scale (GradScaler's default 2**16).
 
     Use: the backward of :meth:`scale` ``(loss)``; at the optimizer step :meth:`step` (unscale the
     gradients, skip the step if any rank found an inf/nan, else step) and the scale update.
     """
 
-    def __init__(self, device_type: str = "cpu", group: Any = None):
+    def __init__(self, device_type: str = "cpu", group: Any = None, *, init_scale: float = 2.0 ** 16):
         if group is None:
-            self.scaler: Any = torch.amp.GradScaler(device_type)
+            self.scaler: Any = torch.amp.GradScaler(device_type, init_scale=init_scale)
         else:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            self.scaler = ShardedGradScaler(device_type, process_group=group)
+            self.scaler = ShardedGradScaler(device_type, init_scale=init_scale, process_group=group)
         # the scale is created lazily by the first scale(); a stage without a loss never calls it
         self.scaler.scale(torch.zeros((), device=device_type))
         self.skipped = 0

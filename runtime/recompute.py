@@ -17,7 +17,10 @@ Activation Recomputation in Large Transformer Models", MLSys 2023, sections 4 an
 Recomputed forwards are bit-identical to the original on the CPU (same kernels, same inputs; the
 RNG state is restored, ``preserve_rng_state``), so training is unchanged; the zero-bubble split
 backward works too: each of ``I`` and ``W`` is its own autograd pass and non-reentrant checkpoint
-recomputes a block in every pass that needs its tensors.
+recomputes a block in every pass that needs its tensors. Selective checkpointing does not:
+torch's ``_CachedTorchDispatchMode`` hands out each saved tensor once ("only allowed to backward
+once on any region computed under selective activation checkpoint"), so :func:`recompute_refusal`
+refuses ``selective`` with a split backward.
 
 Where it applies: the eager stages of the ``layers`` split (:mod:`runtime.stages.layer_split`);
 the tracer split's stages are exported graphs in which blocks are no longer modules that can be
@@ -122,8 +125,14 @@ def apply_recompute(module: nn.Module, layers: Iterable[str], mode: str) -> list
 
 def recompute_refusal(plan: Any) -> str | None:
     """One sentence saying why the runtime cannot recompute ``plan``'s activations, or ``None``:
-    recomputation needs the layer split (eager decoder stages)."""
+    recomputation needs the layer split (eager decoder stages), and ``selective`` a schedule without
+    the split backward (torch's selective checkpointing consumes what it saved in the first
+    backward pass through a region, and zero-bubble schedules run two, ``I`` then ``W``)."""
     mode = getattr(plan.parallel, "recompute", "none") or "none"
+    if mode == "selective" and plan.schedule.placement.split_backward:
+        return ("selective recomputation runs one backward pass through each block (torch's selective "
+                "activation checkpointing), but this zero-bubble schedule splits the backward into I and W "
+                "passes; use --recompute full with it, or a schedule without the split backward")
     if mode == "none" or plan.model.split == "layers":
         return None
     return (f"activation recomputation {mode!r} runs on eager transformer blocks (the 'layers' split of "

@@ -122,10 +122,11 @@ def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimize
 
 def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: str = "adam",
                   optimizer_kw: dict | None = None, task: str | None = None, precision: str | None = None,
-                  recompute: str | None = None) -> ReferenceRun:
+                  recompute: str | None = None, init_loss_scale: float = 2.0 ** 16) -> ReferenceRun:
     """:func:`reference_losses` with the aux losses, the routing metrics and the trained model.
 
-    Same arguments and errors as :func:`reference_losses`; returns a :class:`ReferenceRun`.
+    Same arguments and errors as :func:`reference_losses`, and ``init_loss_scale``: ``16-mixed``'s
+    first loss scale (the workers' ``WorkerConfig.init_loss_scale``); returns a :class:`ReferenceRun`.
     """
     if optimizer not in ("adam", "adama", "sgd"):
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of 'adam', 'adama', 'sgd'")
@@ -146,7 +147,7 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
     mode = recompute if recompute is not None else (getattr(plan.parallel, "recompute", "none") or "none")
     apply_recompute(model, [str(x) for s in plan.segments for x in s.get("layers") or []], mode)
     apply_precision(model, policy, upcast=True)
-    scaler = LossScaler("cpu") if policy.loss_scaling else None
+    scaler = LossScaler("cpu", init_scale=init_loss_scale) if policy.loss_scaling else None
     with torch.random.fork_rng(devices=[]):   # a user task may draw at construction: keep the model's RNG stream
         the_task = task_for_plan(plan, task=task_name, module=bundle.module, config=bundle.config)
     k = the_task.num_inputs

@@ -434,7 +434,7 @@ class StageWorker:
                                    self.device, sharded="sharded-update" in par.transforms, shard_index=self.dp_index)
         if plan_policy(self.plan).loss_scaling:   # 16-mixed: one loss scale, its skips agreed by every rank
             group = dist.new_group(list(range(self.world_size)), timeout=self.timeout)
-            self.opt.scaler = LossScaler(self.device.type, group)
+            self.opt.scaler = LossScaler(self.device.type, group, init_scale=float(self.config.init_loss_scale))
         self.grad_sync = GradientSync(self.rank, self.dp, self.groups.dp, self.opt, self.local.dp_params, tied_local,
                                       self.device, self._sync, self.timeout, stream=self.stream,
                                       bucket_bytes=par.grad_bucket_bytes)
