@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from engine.precision import PrecisionPolicy, get_policy
 
@@ -61,8 +63,6 @@ def autocast(policy: PrecisionPolicy, device_type: str) -> contextlib.AbstractCo
 def fp16_autocast_works(device_type: str = "cpu") -> bool:
     """Whether ``torch.autocast(device_type, dtype=torch.float16)`` really computes a matmul in
     float16 (older CPU builds warned and stayed in float32)."""
-    import warnings
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -174,7 +174,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     if not hasattr(p, "to_local"):
         return p
     alias = p.to_local().detach()
-    alias.grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+    grad: Any = p.grad
+    alias.grad = grad.to_local() if hasattr(grad, "to_local") else grad
     return alias
 
 
@@ -195,8 +196,6 @@ class LossScaler:
         if group is None:
             self.scaler: Any = torch.amp.GradScaler(device_type, init_scale=init_scale)
         else:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
             self.scaler = ShardedGradScaler(device_type, init_scale=init_scale, process_group=group)
         # the scale is created lazily by the first scale(); a stage without a loss never calls it
         self.scaler.scale(torch.zeros((), device=device_type))

@@ -81,9 +81,10 @@ def _run_stage(ctx: ExecContext, s: int, j: int, ins: tuple, st: StepState) -> t
     loss or None)`` (the stage module runs its precision policy's autocast itself and a loss
     segment returns float32 logits, :func:`runtime.precision.apply_precision`; ``16-mixed`` also
     multiplies both losses by the loss scale, :meth:`WorkerOptimizer.scale_loss
-    <runtime.worker.optimizer.WorkerOptimizer.scale_loss>`); a chain's last segment's loss is ``task.loss(outputs[0], *targets_d)`` for its data
-    micro-batch ``d = flow.data_index(s, j)`` (X: each model replica carries its own micro-batch); scale
-    ``1/m`` (``1/(dp*m)`` with AdamA, whose folded gradients are the single-process ``grad(loss / (dp * m))``)."""
+    <runtime.worker.optimizer.WorkerOptimizer.scale_loss>`); a chain's last segment's loss is
+    ``task.loss(outputs[0], *targets_d)`` for its data micro-batch ``d = flow.data_index(s, j)``
+    (X: each model replica carries its own micro-batch); scale ``1/m`` (``1/(dp*m)`` with AdamA,
+    whose folded gradients are the single-process ``grad(loss / (dp * m))``)."""
     outs = ctx.local.modules[s](*ins)
     aux = _collect_moe(ctx, s, j, st)
     if s not in ctx.flow.loss_segments:

@@ -258,3 +258,30 @@ def _param_stats(merged: dict, model) -> tuple[float, float, float, float]:
         beyond_ulp += int((u > 1).sum())
         total += d.numel()
     return worst, beyond / total, ulps, beyond_ulp / total
+
+
+@pytest.mark.timeout(600)
+def test_a_16_mixed_plan_with_full_recomputation_trains_on_ray_and_resumes(tmp_path):
+    """The launcher path (Ray actors, gloo): ``16-mixed`` with ``full`` recomputation on ZB-H1 over two
+    pipeline ranks, 2 steps and a checkpoint, then a resumed launch for step 3: the three steps'
+    losses equal the single process's with the same policy, and each rank's checkpoint holds the loss
+    scaler's state (scale and growth tracker) that the resumed workers load."""
+    ray = pytest.importorskip("ray")
+    from runtime import checkpoint as ck
+    from runtime import launch
+    from runtime.config import LaunchConfig
+    from runtime.reference import reference_losses
+
+    plan = _plan("zb-h1", "pp2", "16-mixed", "full")
+    try:
+        first = launch(plan, LaunchConfig(steps=2, checkpoint_dir=tmp_path, checkpoint_every=2, step_timeout=120))
+        second = launch(plan, LaunchConfig(steps=3, checkpoint_dir=tmp_path, resume=True, step_timeout=120))
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    ref = reference_losses(plan, _batches(plan), seed=0, lr=LR)
+    got = list(first.losses) + list(second.losses)
+    assert second.start_step == 2 and len(got) == STEPS
+    torch.testing.assert_close(torch.tensor(got), torch.tensor([sum(r) / len(r) for r in ref]), rtol=1e-4, atol=0)
+    state = ck.load_checkpoint(ck.list_checkpoints(tmp_path)[0]).rank_state(0)
+    assert state["loss_scaler"]["scale"] == 2.0 ** 16 and state["loss_scaler"]["_growth_tracker"] == 2
