@@ -37,7 +37,7 @@ What must hold (issue 31, items 1 and 2):
 - policies the runtime does not run (AdamA, or ``sharded-update`` with ``16-mixed``/``bf16-true``)
   and recomputation on the tracer split are refused in one sentence before anything starts.
 
-Time: about 6 minutes (17 worker launches of 2-4 processes, one Ray launch pair).
+Time: about 6 minutes (23 worker launches of 2-4 processes, one Ray launch pair).
 
 There is deliberately no ``tests/runtime/__init__.py`` (see ``test_worker.py``).
 """
