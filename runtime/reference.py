@@ -48,8 +48,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.models import build_model, task_for_plan
+from engine.precision import get_policy
 from runtime.adama import AdamA
 from runtime.moe_train import advance_gates, has_moe, lm_objective, moe_metrics
+from runtime.precision import LossScaler, apply_precision, cast_model, plan_policy
+from runtime.recompute import apply_recompute
 from runtime.stages import tied_groups
 from runtime.worker.batches import as_batch_tuple
 from runtime.worker.errors import WorkerError
@@ -77,10 +80,13 @@ class ReferenceRun:
     aux_losses: list[list[float]] = field(default_factory=list)
     moe: list[dict] = field(default_factory=list)
     model: torch.nn.Module | None = None
+    loss_scale: list[float] = field(default_factory=list)
+    skipped: int = 0
 
 
 def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: str = "adam",
-                     optimizer_kw: dict | None = None, task: str | None = None) -> list[list[float]]:
+                     optimizer_kw: dict | None = None, task: str | None = None, precision: str | None = None,
+                     recompute: str | None = None) -> list[list[float]]:
     """Train the plan's model in one process and return the per micro-batch losses.
 
     Args:
@@ -95,6 +101,8 @@ def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimize
         optimizer_kw: extra keyword arguments of the optimizer (e.g. ``betas``, ``weight_decay``);
             the runtime's workers use the defaults.
         task: a task name overriding ``plan.model.task`` (as ``tessel launch --task`` does).
+        precision, recompute: override ``plan.parallel.precision`` / ``.recompute`` (``None``: the plan's;
+            see the module docstring).
 
     Returns:
         For every batch, ``dp * m`` floats: the task's loss (mean cross-entropy, nats/token, for
@@ -103,18 +111,22 @@ def reference_losses(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimize
         ``losses`` the last-segment ranks return, ordered by replica.
 
     Raises:
-        ValueError: a batch of the wrong shape or an unknown optimizer.
+        ValueError: a batch of the wrong shape, an unknown optimizer, or AdamA with a precision
+            other than ``32-true``.
         engine.errors.TaskError: the task cannot be built for the model.
+        engine.errors.TransformError: an unknown precision or recomputation name.
     """
     return reference_run(plan, batches, seed=seed, lr=lr, optimizer=optimizer, optimizer_kw=optimizer_kw,
-                         task=task).losses
+                         task=task, precision=precision, recompute=recompute).losses
 
 
 def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: str = "adam",
-                  optimizer_kw: dict | None = None, task: str | None = None) -> ReferenceRun:
+                  optimizer_kw: dict | None = None, task: str | None = None, precision: str | None = None,
+                  recompute: str | None = None, init_loss_scale: float = 2.0 ** 16) -> ReferenceRun:
     """:func:`reference_losses` with the aux losses, the routing metrics and the trained model.
 
-    Same arguments and errors as :func:`reference_losses`; returns a :class:`ReferenceRun`.
+    Same arguments and errors as :func:`reference_losses`, and ``init_loss_scale``: ``16-mixed``'s
+    first loss scale (the workers' ``WorkerConfig.init_loss_scale``); returns a :class:`ReferenceRun`.
     """
     if optimizer not in ("adam", "adama", "sgd"):
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of 'adam', 'adama', 'sgd'")
@@ -128,6 +140,14 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
     bundle = build_model(plan.model.name, batch_size=mbs, seq_len=plan.model.seq_len, device="cpu",
                          dtype=torch.float32, task=task_name)
     model = bundle.module.float().train()
+    policy = get_policy(precision) if precision is not None else plan_policy(plan)
+    if optimizer == "adama" and policy.name != "32-true":
+        raise ValueError(f"optimizer 'adama' trains in 32-true only, not {policy.name!r}")
+    cast_model(model, policy)
+    mode = recompute if recompute is not None else (getattr(plan.parallel, "recompute", "none") or "none")
+    apply_recompute(model, [str(x) for s in plan.segments for x in s.get("layers") or []], mode)
+    apply_precision(model, policy, upcast=True)
+    scaler = LossScaler("cpu", init_scale=init_loss_scale) if policy.loss_scaling else None
     with torch.random.fork_rng(devices=[]):   # a user task may draw at construction: keep the model's RNG stream
         the_task = task_for_plan(plan, task=task_name, module=bundle.module, config=bundle.config)
     k = the_task.num_inputs
@@ -152,7 +172,8 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
         for j in range(n):
             rows = tuple(t[j * mbs:(j + 1) * mbs] for t in full)
             loss, aux = lm_objective(model, rows, the_task)
-            ((loss if aux is None else loss + aux) / n).backward()
+            objective = (loss if aux is None else loss + aux) / n
+            (objective if scaler is None else scaler.scale(objective)).backward()
             losses.append(float(loss.detach()))
             if aux is not None:
                 auxes.append(float(aux.detach()))
@@ -160,7 +181,12 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
                 metrics.append(moe_metrics(model))
         if unfolded:
             opt.fold(unfolded)  # type: ignore[attr-defined]  # AdamA: pipeline-tied parameters: the batch's summed gradient, once
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            run.loss_scale.append(scaler.get_scale())
+            run.skipped = scaler.skipped
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         advance_gates(model)
         run.losses.append(losses)

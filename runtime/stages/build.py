@@ -52,6 +52,8 @@ from torch import nn
 
 from engine.models import build_model
 from engine.split import choose_split
+from runtime.precision import apply_precision, cast_model, plan_policy
+from runtime.recompute import apply_recompute
 from runtime.stages.checks import check_executable
 from runtime.stages.eager_moe import restore_eager_moe
 from runtime.stages.errors import RuntimeNotSupported, StageSplitError
@@ -106,6 +108,20 @@ def _keep_buffers_non_persistent(model: nn.Module, modules: dict[int, StageModul
     return n
 
 
+def _apply_policies(plan: Any, modules: dict[int, StageModule], segment_layers: list[list[str]],
+                    preds: dict[int, list[int]], policy: Any) -> None:
+    """The plan's activation recomputation (:func:`runtime.recompute.apply_recompute` on each
+    segment's blocks) and precision policy (:func:`runtime.precision.apply_precision`: autocast
+    around every stage; the stages no other stage takes, whose output is the loss's input, return
+    float32 logits) applied to the freshly split ``modules``, before the probe, so the boundary
+    metas carry the dtypes the stages really exchange (bfloat16 where a stage ends in a matmul)."""
+    recompute = getattr(plan.parallel, "recompute", "none") or "none"
+    fed = {p for ps in preds.values() for p in ps}
+    for i, module in modules.items():
+        apply_recompute(module, segment_layers[i], recompute)
+        apply_precision(module, policy, upcast=i not in fed)
+
+
 def build_stages(plan: Any, *, seed: int = 0) -> PipelineStages:
     """Build, split and probe the plan's model (see the module docstring).
 
@@ -131,6 +147,8 @@ def build_stages(plan: Any, *, seed: int = 0) -> PipelineStages:
     bundle = build_model(plan.model.name, batch_size=mbs, seq_len=plan.model.seq_len, device="cpu",
                          dtype=torch.float32, task=plan.model.task)
     model = bundle.module.float().train()
+    policy = plan_policy(plan)
+    cast_model(model, policy)   # bf16-true: parameters (and Adam's states later) in bfloat16
     seq = int(bundle.seq_len or 0)   # 0: not a sequence model (images)
     sets = tie_sets(model)
 
@@ -147,6 +165,7 @@ def build_stages(plan: Any, *, seed: int = 0) -> PipelineStages:
     modules, method = _split(model, example, segment_layers, plan.model.name, method, chain)
     eager = restore_eager_moe(model, modules)
     _keep_buffers_non_persistent(model, modules)
+    _apply_policies(plan, modules, segment_layers, preds, policy)
 
     given = {int(g["index"]): [int(k) for k in g["inputs"]] for g in segs if g.get("inputs") is not None}
     boundaries, inputs, output = probe_boundaries(modules, example, preds, given, plan.model.name)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from runtime.precision import plan_policy, precision_refusal
+from runtime.recompute import recompute_refusal
 from runtime.stages.errors import RuntimeNotSupported
 
 __all__ = ["EXECUTED_TRANSFORMS", "check_executable", "check_transforms"]
@@ -39,8 +41,14 @@ def check_executable(plan: Any) -> None:
     group over its device set) and any Tessel schedule over them. Tensor parallelism (``tp > 1``: every pipeline
     rank is a group of ``tp`` ranks sharding its stages with DTensor, :mod:`runtime.tensor_parallel`)
     needs the layer split (``plan.model.split == "layers"``: a Llama-family or in-project GPT
-    decoder, :mod:`runtime.stages.layer_split`).
+    decoder, :mod:`runtime.stages.layer_split`). The precision policy must be one the runtime runs
+    with the plan's optimizer and transformations (:func:`runtime.precision.precision_refusal`), and
+    activation recomputation needs the layer split (:func:`runtime.recompute.recompute_refusal`).
     """
+    why = precision_refusal(plan_policy(plan), optimizer=getattr(plan.parallel, "optimizer", None) or "adam",
+                            transforms=plan.parallel.transforms) or recompute_refusal(plan)
+    if why:
+        raise RuntimeNotSupported(why)
     tp = plan.parallel.tp
     if tp > 1 and plan.model.split != "layers":
         raise RuntimeNotSupported(

@@ -78,9 +78,13 @@ def forward(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
 
 def _run_stage(ctx: ExecContext, s: int, j: int, ins: tuple, st: StepState) -> tuple[Any, Any, Any]:
     """Run segment ``s`` on micro-batch ``j``: ``(outputs, scaled task loss or None, scaled MoE aux
-    loss or None)``; a chain's last segment's loss is ``task.loss(outputs[0], *targets_d)`` for its data
-    micro-batch ``d = flow.data_index(s, j)`` (X: each model replica carries its own micro-batch); scale
-    ``1/m`` (``1/(dp*m)`` with AdamA, whose folded gradients are the single-process ``grad(loss / (dp * m))``)."""
+    loss or None)`` (the stage module runs its precision policy's autocast itself and a loss
+    segment returns float32 logits, :func:`runtime.precision.apply_precision`; ``16-mixed`` also
+    multiplies both losses by the loss scale, :meth:`WorkerOptimizer.scale_loss
+    <runtime.worker.optimizer.WorkerOptimizer.scale_loss>`); a chain's last segment's loss is
+    ``task.loss(outputs[0], *targets_d)`` for its data micro-batch ``d = flow.data_index(s, j)``
+    (X: each model replica carries its own micro-batch); scale ``1/m`` (``1/(dp*m)`` with AdamA,
+    whose folded gradients are the single-process ``grad(loss / (dp * m))``)."""
     outs = ctx.local.modules[s](*ins)
     aux = _collect_moe(ctx, s, j, st)
     if s not in ctx.flow.loss_segments:
@@ -89,7 +93,7 @@ def _run_stage(ctx: ExecContext, s: int, j: int, ins: tuple, st: StepState) -> t
     with loss_context(s in ctx.local.loss_parallel):
         loss = ctx.loss(outs[0], *st.targets[d])
     st.losses[d] = loss_value(loss)
-    return outs, loss * ctx.loss_scale, aux
+    return outs, ctx.opt.scale_loss(loss * ctx.loss_scale), aux
 
 
 def _collect_moe(ctx: ExecContext, s: int, j: int, st: StepState) -> torch.Tensor | None:
@@ -110,7 +114,7 @@ def _collect_moe(ctx: ExecContext, s: int, j: int, st: StepState) -> torch.Tenso
         return None
     aux = torch.stack(auxes).sum()
     st.aux[(s, j)] = float(aux.detach())
-    return aux * ctx.loss_scale
+    return ctx.opt.scale_loss(aux * ctx.loss_scale)
 
 
 def _roots(ctx: ExecContext, s: int, j: int, st: StepState) -> tuple[list, list | None]:

@@ -51,6 +51,10 @@ class WorkerConfig:
     lr: float = 1e-3
     """Learning rate."""
 
+    init_loss_scale: float = 2.0 ** 16
+    """``16-mixed``: the dynamic loss scaler's first scale (``torch.amp.GradScaler``'s default 2**16;
+    :class:`runtime.precision.LossScaler`); ignored by the other precision policies."""
+
     optimizer: OptimizerName | None = None
     """``"adam"`` (``torch.optim.Adam``, default betas/eps), ``"adama"`` (:class:`runtime.adama.AdamA`)
     or ``"sgd"``; ``None``: the plan's ``parallel["optimizer"]`` (``"adam"`` when absent). Other

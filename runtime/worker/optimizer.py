@@ -163,6 +163,10 @@ class WorkerOptimizer:
             only folds: its ``m``/``v`` are per-step sums ``(1-b1) sum g``, ``(1-b2) sum g**2``,
             allocated at the step's start and released once reduce-scattered.
         fold_hooks: the folding hooks' handles.
+        scaler: ``16-mixed``'s dynamic loss scaler (:class:`runtime.precision.LossScaler`, set by the
+            worker after construction), or ``None``: :meth:`scale_loss` multiplies every micro-batch
+            loss by its scale and :meth:`step` unscales, skips a step with inf/nan gradients on any
+            rank, and updates the scale.
     """
 
     def __init__(self, name: str, lr: float, seg_params: dict[int, list[torch.nn.Parameter]], tied_ids: set[int],
@@ -181,6 +185,7 @@ class WorkerOptimizer:
         self._chunk_of: dict[int, tuple[int, int]] = {}
         self.fold_hooks: list = []
         self.optimizer: Any = None
+        self.scaler: Any = None
         self.params = [p for ps in seg_params.values() for p in ps]
         if not self.params:
             return
@@ -352,8 +357,15 @@ class WorkerOptimizer:
             for p in expert_params:
                 if p.grad is not None:
                     p.grad.div_(ep)
-        self.optimizer.step()
+        if self.scaler is not None:   # 16-mixed: unscale, skip on inf/nan (agreed by all ranks), update
+            self.scaler.step(self.optimizer)
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (``16-mixed``); ``loss`` itself without a scaler."""
+        return loss if self.scaler is None else self.scaler.scale(loss)
 
     @torch.no_grad()
     def _sharded_step(self) -> None:

@@ -17,6 +17,7 @@ from engine.dependency import COMPUTE_OPS, Instruction, Op, lower
 from engine.io.plan import Plan
 from engine.models import task_for_plan
 from runtime.expert_parallel import ExpertParallelMoE
+from runtime.precision import LossScaler, plan_policy, precision_refusal
 from runtime.stages import RuntimeNotSupported, build_stages, check_executable, check_transforms, retarget_device
 from runtime.tensor_parallel import apply_tensor_parallel, coconet_tp_refusal, has_lm_head
 from runtime.worker.batches import MicroBatch, split_batch
@@ -249,6 +250,10 @@ class StageWorker:
                               "use optimizer 'adam' or 'sgd', or tp = 1")
         self.optimizer_name = name
         check_transforms(plan.parallel.transforms)
+        why = precision_refusal(plan_policy(plan), device_type=self.device.type, optimizer=name,
+                                transforms=plan.parallel.transforms)
+        if why:
+            raise RuntimeNotSupported(why)
         # CoCoNet's tensor-parallel transformations (runtime.tensor_parallel, runtime.worker.tp_comm)
         tf = set(plan.parallel.transforms) if self.tp > 1 else set()
         why = coconet_tp_refusal(tf, tp=self.tp, seq_len=int(plan.model.seq_len or 0))
@@ -427,6 +432,9 @@ class StageWorker:
         tied_ids = {id(p) for tc in tied_local for p in tc.params}
         self.opt = WorkerOptimizer(self.optimizer_name, float(self.config.lr), self.local.params, tied_ids, self.dp,
                                    self.device, sharded="sharded-update" in par.transforms, shard_index=self.dp_index)
+        if plan_policy(self.plan).loss_scaling:   # 16-mixed: one loss scale, its skips agreed by every rank
+            group = dist.new_group(list(range(self.world_size)), timeout=self.timeout)
+            self.opt.scaler = LossScaler(self.device.type, group, init_scale=float(self.config.init_loss_scale))
         self.grad_sync = GradientSync(self.rank, self.dp, self.groups.dp, self.opt, self.local.dp_params, tied_local,
                                       self.device, self._sync, self.timeout, stream=self.stream,
                                       bucket_bytes=par.grad_bucket_bytes)

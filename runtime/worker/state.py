@@ -66,6 +66,10 @@ def worker_state(w: CheckpointSource, *, compact: bool = False) -> dict:
     a multi-device block's device set) (tensor parallelism saves each rank's local shard,
     no collective); ``aliases``: the unsplit model's names of each shared
     parameter (:attr:`runtime.stages.PipelineStages.aliases`), for :func:`merge_model_state`.
+    ``loss_scaler``: ``16-mixed``'s loss scale state (:meth:`runtime.precision.LossScaler.state_dict`:
+    ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``,
+    ``skipped``), ``None`` otherwise; :func:`load_worker_state` restores it, so a resumed run
+    continues with the same scale.
     ``compact``: the optimizer state as :meth:`WorkerOptimizer.state_dict
     <runtime.worker.optimizer.WorkerOptimizer.state_dict>` compacts it (on CUDA)."""
     segs = {s: {k: cpu_copy(local_tensor(v)) for k, v in w.modules[s].state_dict().items()} for s in w.segments}
@@ -73,8 +77,10 @@ def worker_state(w: CheckpointSource, *, compact: bool = False) -> dict:
     slices = {k: v for s in w.segments for k, v in expert_slices(w.modules[s]).items()}
     tp_dims = getattr(w, "tp_dims", {})   # absent on stand-ins built without tensor parallelism (test stubs)
     shards = {k: [dim, *w.seg_shard[s]] for s in w.segments for k, dim in tp_dims.get(s, {}).items()}
+    scaler = getattr(w.opt, "scaler", None)   # 16-mixed: the loss scale and its growth tracker
     return {"rank": w.rank, "pp_rank": w.pp_rank, "dp_index": w.dp_index, "segments": segs, "optimizer": opt,
-            "expert_slices": slices, "tp_shards": shards, "aliases": [list(g) for g in w.aliases]}
+            "expert_slices": slices, "tp_shards": shards, "aliases": [list(g) for g in w.aliases],
+            "loss_scaler": scaler.state_dict() if scaler is not None else None}
 
 
 def load_worker_state(w: CheckpointSource, sd: dict) -> None:
@@ -89,6 +95,9 @@ def load_worker_state(w: CheckpointSource, sd: dict) -> None:
         mod.load_state_dict(from_local_state(segs[s], mod.state_dict(keep_vars=True)))
     w.opt.params_changed()
     w.opt.load_state_dict(sd.get("optimizer"))
+    scaler = getattr(w.opt, "scaler", None)
+    if scaler is not None and sd.get("loss_scaler") is not None:   # resume with the saved loss scale
+        scaler.load_state_dict(sd["loss_scaler"])
 
 
 def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
