@@ -15,7 +15,9 @@ Three methods cut a model into pipeline stages (``runtime.stages.build_stages``)
   and the in-project GPT): each stage is a copy of the model keeping its embedding (first
   stage), its run of decoder blocks, and its final norm and LM head (last stage), run eagerly.
   Tensor parallelism needs it (``parallelize_module`` shards the blocks' ``nn.Linear``
-  projections, which tracing would flatten into graph ops); plans with ``tp > 1`` use it.
+  projections, which tracing would flatten into graph ops); plans with ``tp > 1`` use it, and so
+  do plans with activation recomputation (``torch.utils.checkpoint`` wraps each decoder block,
+  which an exported graph no longer has).
 
 Source: torch.distributed.pipelining (``pipeline``, ``SplitPoint``); torchtitan
 ``torchtitan/distributed/pipeline.py``.
@@ -37,14 +39,15 @@ SplitMethod = Literal["tracer", "module", "layers"]
 SPLIT_METHODS: tuple[str, ...] = get_args(SplitMethod)
 
 
-def choose_split(module: nn.Module, tp: int = 1) -> SplitMethod:
-    """``"layers"`` with tensor parallelism (``tp > 1``) for a decoder-only LM the layer split
-    supports (the runtime refuses the plan otherwise, naming the model), and always for the
+def choose_split(module: nn.Module, tp: int = 1, recompute: str = "none") -> SplitMethod:
+    """``"layers"`` with tensor parallelism (``tp > 1``) or activation recomputation (``recompute``
+    not ``"none"``, :mod:`engine.recompute`) for a decoder-only LM the layer split supports (the
+    runtime refuses the plan otherwise, naming the model), and always for the
     in-project two-tower model (its eager stages carry both towers' inputs along a pipeline, which
     the traced split cannot); else ``"module"`` for an
     ``nn.Sequential`` model (its layers run in order, so a stage is a slice of them), ``"tracer"``
     for every other model."""
-    if (tp > 1 and supports_layer_split(module)) or _is_two_tower(module):
+    if ((tp > 1 or recompute != "none") and supports_layer_split(module)) or _is_two_tower(module):
         return "layers"
     return "module" if isinstance(module, nn.Sequential) else "tracer"
 

@@ -357,7 +357,7 @@ def capture_model(model: str | ModelBundle, config: ParallelConfig, *, task: str
     # MoE expert parallelism over the data-parallel group: experts must split evenly over dp
     moe_layers = find_moe_layers(bundle.module, max(1, bundle.batch_size * (bundle.seq_len or 1)))
     check_expert_parallel(moe_layers, dp, bundle.name)
-    split = choose_split(bundle.module, tp)
+    split = choose_split(bundle.module, tp, config.recompute)
     check_transforms(config.transforms, dp=dp, tp=tp, pp=config.pp, optimizer=config.optimizer, split=split,
                      expert_parallel=dp > 1 and bool(moe_layers), seq_len=bundle.seq_len)
     with traceable_experts(bundle.module):

@@ -150,7 +150,8 @@ class _ModelPlans:
         # copy of the first's stages: both on eager decoder stages; a model without them is still
         # planned, and the runtime refuses its launch in one sentence
         needs_layers = multi or replicas
-        self.split = "layers" if needs_layers and supports_layer_split(bundle.module) else choose_split(bundle.module)
+        self.split = ("layers" if needs_layers and supports_layer_split(bundle.module)
+                      else choose_split(bundle.module, recompute=recompute))
         self.meta: dict[str, Any] = {"memory_unit": "bytes"}
         if memory_limit is not None:
             self.meta["memory_limit"] = memory_limit
@@ -204,7 +205,7 @@ class _ModelPlans:
             return self.build(schedule, self.placement, self.parts, self.split)
         for vpl, vparts in self.variants.values():
             if schedule.placement is vpl:
-                return self.build(schedule, vpl, vparts, choose_split(self.bundle.module))
+                return self.build(schedule, vpl, vparts, choose_split(self.bundle.module, recompute=self.recompute))
         raise ValueError(f"schedule {schedule.name!r} runs on a placement this search did not build")
 
 

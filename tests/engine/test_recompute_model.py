@@ -207,3 +207,17 @@ def test_make_plan_with_full_recompute(monkeypatch, tmp_path):
     assert list(view.recompute_source.data["name"]) == cols["name"]
     assert view.recompute_renderer.glyph.hatch_pattern == "/"
     assert ("recomputed forward", "@recompute{0.000} ms (@granularity)") in view.recompute_hover.tooltips
+
+
+def test_a_recomputing_plan_takes_the_layer_split_the_runtime_needs():
+    """``make_plan(recompute="full")`` of a decoder the layer split supports records the ``layers``
+    split (checkpointing wraps eager blocks), so the runtime accepts it before any Ray work; without
+    recomputation the same model keeps the tracer split."""
+    from engine.plan import make_plan
+    from runtime.stages.checks import check_executable
+
+    kw = dict(device_type="cpu", devices=2, micro_batches=2, schedule="1f1b")
+    full = make_plan("llama-tiny", recompute="full", **kw).plan
+    plain = make_plan("llama-tiny", **kw).plan
+    assert (full.model.split, plain.model.split) == ("layers", "tracer")
+    check_executable(full)
