@@ -686,11 +686,13 @@ def tied_parameter_groups(module, segment_layers: Sequence[Sequence[str]]):
     return sorted(groups, key=lambda g: g.members)
 
 
-def tied_copy_bytes(groups) -> tuple[dict[int, int], dict[int, int]]:
+def tied_copy_bytes(groups, tp: int = 1) -> tuple[dict[int, int], dict[int, int]]:
     """The tied copies each segment holds beyond first use, from :func:`tied_parameter_groups`.
 
     Graph capture counts a shared parameter once, in the segment that uses it first; every other
-    holder of a group keeps its own copy.
+    holder of a group keeps its own copy. With tensor parallelism a holder keeps ``1/tp`` of it:
+    the tied weights are the vocabulary-parallel embedding and LM head (Megatron-LM), sharded over
+    the tensor group like every other parameter the capture counts per tensor rank.
 
     Returns:
         ``(extra, largest)``: per segment index, the bytes of its extra copies and the largest one
@@ -700,19 +702,21 @@ def tied_copy_bytes(groups) -> tuple[dict[int, int], dict[int, int]]:
     largest: dict[int, int] = {}
     for g in groups:
         for s in g.segments()[1:]:  # the first (lowest) segment already counted it at first use
-            extra[s] = extra.get(s, 0) + g.nbytes
-            largest[s] = max(largest.get(s, 0), g.nbytes)
+            share = g.nbytes // max(1, tp)
+            extra[s] = extra.get(s, 0) + share
+            largest[s] = max(largest.get(s, 0), share)
     return extra, largest
 
 
-def add_tied_copies(segments: list[Segment], groups) -> list[Segment]:
+def add_tied_copies(segments: list[Segment], groups, tp: int = 1) -> list[Segment]:
     """Count each tied copy in its segment's parameter bytes.
 
     Graph capture counts a shared parameter once, in the segment that uses it first; after a
     pipeline split every holder of a :func:`tied_parameter_groups` group keeps its own copy (with
-    its own gradient and Adam states), so the other holders get ``nbytes`` added to
-    ``param_bytes`` (and ``max_param_bytes`` raised to it). Returns new segments (inputs untouched).
+    its own gradient and Adam states), so the other holders get ``nbytes / tp`` (one tensor rank's
+    shard, :func:`tied_copy_bytes`) added to ``param_bytes`` (and ``max_param_bytes`` raised to
+    it). Returns new segments (inputs untouched).
     """
-    extra, largest = tied_copy_bytes(groups)
+    extra, largest = tied_copy_bytes(groups, tp)
     return [replace(s, param_bytes=s.param_bytes + extra.get(s.index, 0),
                     max_param_bytes=max(s.max_param_bytes, largest.get(s.index, 0))) for s in segments]

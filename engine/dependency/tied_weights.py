@@ -25,9 +25,11 @@ def holder_ranks(placement: Placement, group: TiedGroup) -> tuple[int, ...]:
 def add_tied_allreduces(ctx: LowerContext) -> None:
     """On a training stream (:attr:`LowerContext.training`), append for every tied group whose
     copies span 2+ ranks one ``ALLREDUCE`` on each holder (``segment=None``, ``ranks`` = the
-    holders, ``group = len(ranks)``, ``nbytes`` = one copy's gradients in the precision policy's
-    gradient dtype: ``g.nbytes x grad_bytes / weight_bytes``, ``g.nbytes`` under ``32-true``), in
-    group order; the optimizer pass puts ``OPTIM`` after them.
+    holders, ``group = len(ranks)``, ``nbytes`` = one tensor rank's share of one copy's gradients
+    in the precision policy's gradient dtype: ``g.nbytes / tp x grad_bytes / weight_bytes``, since
+    the vocabulary-parallel embedding and LM head shard their tied weight over the tensor group as
+    Megatron-LM does; ``g.nbytes`` under ``32-true`` with ``tp = 1``), in group order; the
+    optimizer pass puts ``OPTIM`` after them.
 
     Raises:
         TransformError: an unknown precision in the options.
@@ -38,6 +40,6 @@ def add_tied_allreduces(ctx: LowerContext) -> None:
     for g in ctx.options.tied:
         ranks = holder_ranks(ctx.placement, g)
         if len(ranks) > 1:
-            nbytes = pol.scale(g.nbytes, pol.grad_bytes)
+            nbytes = pol.scale(g.nbytes // max(1, int(ctx.options.tp)), pol.grad_bytes)
             for r in ranks:
                 ctx.streams[r].append(Instruction(Op.ALLREDUCE, None, nbytes=nbytes, group=len(ranks), ranks=ranks))

@@ -414,11 +414,11 @@ def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostM
                                         loss_parallel=bundle.task in LOSS_PARALLEL_TASKS)
     seg_layers = [s.layers for s in segments]
     tied = tied_parameter_groups(bundle.module, seg_layers)
-    segments = add_tied_copies(segments, tied)
+    segments = add_tied_copies(segments, tied, config.tp)
     seg_moe = segment_moe_layers(captured.moe_layers, seg_layers)
     segments = [_expert_parallel_split(s, seg_moe.get(s.index, []), config.dp, config.tp) for s in segments]
     placement = placement_from_segments(segments, config, schedule, optimizer=optimizer,
-                                        tied_grad_bytes=_tied_bytes_per_segment(tied))
+                                        tied_grad_bytes=_tied_bytes_per_segment(tied, config.tp))
     return TransformedModel(segments, tied, seg_moe, placement, captured.warnings + warnings)
 
 
@@ -461,11 +461,12 @@ def _segment_dict(seg: Segment, moe: list[MoELayer]) -> dict:
     return d
 
 
-def _tied_bytes_per_segment(tied: list[TiedGroup]) -> dict[int, int]:
+def _tied_bytes_per_segment(tied: list[TiedGroup], tp: int = 1) -> dict[int, int]:
+    """Per segment, one tensor rank's bytes of the tied weights it holds (``nbytes / tp``)."""
     out: dict[int, int] = {}
     for g in tied:
         for s in g.segments():
-            out[s] = out.get(s, 0) + g.nbytes
+            out[s] = out.get(s, 0) + g.nbytes // max(1, tp)
     return out
 
 

@@ -52,5 +52,8 @@ def local_stream(plan: Any, *, local: LocalStages, coords: RankCoords, tied: Seq
               for group, nb in zip(tied, tied_bytes)]
     options = replace(plan_lower_options(plan), dp=coords.dp, tp=coords.tp, segment_param_bytes=seg_bytes,
                       segment_allreduce_bytes=ar_bytes, alltoalls=alltoalls, tied=groups,
-                      optimizer_kind="adama" if optimizer_name == "adama" else "adam")
+                      optimizer_kind="adama" if optimizer_name == "adama" else "adam",
+                      # the bytes above are measured on this rank's own tensors, whose gradients are
+                      # what it all-reduces (fp32 under autocast, bf16 for bf16-true): no rescaling
+                      precision="32-true")
     return lower(plan.schedule, options).streams[coords.pp_rank]
