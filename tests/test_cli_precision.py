@@ -8,23 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_inprocess import cli
 
-from apps.cli import main
 from engine.io import load_plan
 from engine.plan import predicted_metrics
 
 DATA = Path(__file__).parent / "data"
 
-
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """``tessel ARGV`` in-process: (exit status, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        rc = main(argv)
-    except SystemExit as e:   # argparse's own refusal
-        rc = e.code
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 def _json(out: str) -> dict:

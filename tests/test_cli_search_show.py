@@ -8,8 +8,8 @@ import json
 import re
 
 import pytest
+from cli_inprocess import cli
 
-from apps.cli import main
 from engine.io import load_plan
 from engine.io.placement_json import save_placement
 from engine.plan import predicted_metrics
@@ -17,16 +17,6 @@ from engine.shapes import make_shape
 
 FAST = ["--time-limit", "1", "--micro-batches", "4"]
 
-
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """``tessel ARGV`` in-process: (exit status, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        rc = main(argv)
-    except SystemExit as e:   # argparse's own refusal
-        rc = e.code
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 def test_devices_that_differ_from_the_placement_file_are_refused(tmp_path, capsys):
