@@ -113,8 +113,9 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
         else f"{plan.model.micro_batch_size} samples"
     tp = f", tp={par.tp}" if par.tp > 1 else ""
     say(f"{plan.model.name}: {res.world_size} ranks (dp={res.dp}{tp}, pp={pp}), schedule {plan.schedule.name}, "
-        f"task {res.task}, {par.micro_batches} micro-batches of {shape}, "
-        f"{res.backend} on {'GPUs' if res.backend == 'nccl' else 'CPU'}; steps {res.start_step}..{res.steps - 1} "
+        f"task {res.task}, {par.micro_batches} micro-batches of {shape}, precision {par.precision}, "
+        f"recomputation {par.recompute}, {res.backend} on {'GPUs' if res.backend == 'nccl' else 'CPU'}; "
+        f"steps {res.start_step}..{res.steps - 1} "
         f"in {res.elapsed:.1f} s (setup {res.setup_time:.1f} s)")
     rows = []
     for r in range(pp):
