@@ -139,6 +139,19 @@ def recompute_name(text: str) -> str:
     return text
 
 
+def recompute_names(text: str) -> tuple[str, ...]:
+    """Comma-separated granularities of :data:`engine.recompute.RECOMPUTE`, one per pipeline stage
+    (``full,full,none,none``) or per segment.
+
+    Raises:
+        argparse.ArgumentTypeError: an empty list or an unknown name; the message lists the three.
+    """
+    names = tuple(x.strip() for x in text.split(","))
+    for n in names:
+        recompute_name(n)
+    return names
+
+
 def non_negative_int(text: str) -> int:
     """A whole number >= 0.
 

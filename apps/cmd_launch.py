@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Iterator
 
 from apps.arg_types import non_negative_int, positive_float, positive_int
-from apps.output import fmt_gib, fmt_ms, table
+from apps.output import facts_line, fmt_gib, fmt_ms, table
 from engine.crossover import predict_colocated
 from engine.errors import TesselError
 from engine.gnn.plan import GNN_PLAN_FORMAT, load_gnn_plan
@@ -113,8 +113,8 @@ def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
         else f"{plan.model.micro_batch_size} samples"
     tp = f", tp={par.tp}" if par.tp > 1 else ""
     say(f"{plan.model.name}: {res.world_size} ranks (dp={res.dp}{tp}, pp={pp}), schedule {plan.schedule.name}, "
-        f"task {res.task}, {par.micro_batches} micro-batches of {shape}, precision {par.precision}, "
-        f"recomputation {par.recompute}, {res.backend} on {'GPUs' if res.backend == 'nccl' else 'CPU'}; "
+        f"task {res.task}, {par.micro_batches} micro-batches of {shape}, {facts_line(plan)}, "
+        f"{res.backend} on {'GPUs' if res.backend == 'nccl' else 'CPU'}; "
         f"steps {res.start_step}..{res.steps - 1} "
         f"in {res.elapsed:.1f} s (setup {res.setup_time:.1f} s)")
     rows = []

@@ -20,6 +20,7 @@ from apps.arg_types import (
     positive_int,
     precision_name,
     recompute_name,
+    recompute_names,
     transform_help,
     transform_names,
 )
@@ -58,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or package.module:callable (default: the model's own)")
     p.add_argument("--precision", type=precision_name, default=None, help=PRECISION_HELP)
     p.add_argument("--recompute", type=recompute_name, default="none", help=RECOMPUTE_HELP)
+    p.add_argument("--stage-recompute", type=recompute_names, default=None, metavar="G[,G...]",
+                   help="per-stage recomputation overriding --recompute: one granularity per pipeline stage "
+                        "(e.g. full,full,none,none: the first stages, which hold the most micro-batches in "
+                        "flight under 1F1B, recompute) or per segment")
     p.add_argument("--dtype", type=dtype_name, default=None,
                    help="the old way to say the precision: float32 (32-true), bfloat16 (bf16-true), float16 "
                         "(16-mixed); with --precision it must be its compute dtype (default: from --precision)")
@@ -129,7 +134,7 @@ def run(args: argparse.Namespace) -> dict:
         model, devices=args.devices, micro_batches=args.micro_batches, schedule=args.schedule,
         device_type=args.device_type, dp=args.dp, tp=args.tp, virtual_stages=args.virtual_stages,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, precision=args.precision,
-        recompute=args.recompute, memory_limit=limit,
+        recompute=args.recompute, stage_recompute=args.stage_recompute, memory_limit=limit,
         optimizer=args.optimizer, profile=args.profile, task=args.task, link=args.link,
         transforms=args.transform, grad_bucket_bytes=_bucket_bytes(args.bucket_mib),
         overlap_chunks=args.overlap_chunks, progress=progress,

@@ -29,8 +29,9 @@ def facts_line(plan: Any) -> str:
     sequences, recomputation none``."""
     f = plan_facts(plan)
     seq = f"{f['seq_len']:,}" if f["seq_len"] else "-"
+    rc = f"per stage {','.join(f['stage_recompute'])}" if f.get("stage_recompute") else f["recompute"]
     return (f"precision {f['precision']}, sequence length {seq}, global batch {f['global_batch']:,} sequences, "
-            f"recomputation {f['recompute']}")
+            f"recomputation {rc}")
 
 
 def mfu_line(metrics: dict) -> str:

@@ -17,7 +17,7 @@ and time models count what each keeps and what each recomputes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence, get_args
+from typing import Any, Literal, Sequence, get_args
 
 from engine.errors import TransformError
 
@@ -241,6 +241,19 @@ def stage_granularities(default: str, num_segments: int, pp: int,
                          f"or one per pipeline stage ({pp})")
 
 
+def plan_granularities(plan: Any) -> list[str]:
+    """The granularity each segment of a loaded plan recomputes with: the segment's own
+    ``"recompute"`` where the plan records one (a per-stage override, or any granularity other
+    than ``none``), else ``plan.parallel.recompute`` (``none`` for a plan written before
+    recomputation existed). One entry per ``plan.segments`` item, in order.
+
+    Raises:
+        TransformError: a recorded value that is not a granularity.
+    """
+    default = getattr(plan.parallel, "recompute", "none") or "none"
+    return [check_recompute(str(seg.get("recompute", default))) for seg in plan.segments]
+
+
 __all__ = ["MASK_SUFFIX", "RECOMPUTE", "LayerActivation", "RecomputeName", "SegmentRecompute", "attention_core_ops",
-           "check_recompute", "kept_bytes", "recompute_seconds", "segment_recompute", "stage_granularities",
-           "working_set_bytes"]
+           "check_recompute", "kept_bytes", "plan_granularities", "recompute_seconds", "segment_recompute",
+           "stage_granularities", "working_set_bytes"]

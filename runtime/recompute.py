@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from engine.recompute import check_recompute
+from engine.recompute import check_recompute, plan_granularities
 
 __all__ = ["apply_recompute", "block_names", "recompute_refusal", "selective_policy"]
 
@@ -128,13 +128,14 @@ def recompute_refusal(plan: Any) -> str | None:
     recomputation needs the layer split (eager decoder stages), and ``selective`` a schedule without
     the split backward (torch's selective checkpointing consumes what it saved in the first
     backward pass through a region, and zero-bubble schedules run two, ``I`` then ``W``)."""
-    mode = getattr(plan.parallel, "recompute", "none") or "none"
-    if mode == "selective" and plan.schedule.placement.split_backward:
+    modes = set(plan_granularities(plan))   # every segment's: a per-stage override included
+    if "selective" in modes and plan.schedule.placement.split_backward:
         return ("selective recomputation runs one backward pass through each block (torch's selective "
                 "activation checkpointing), but this zero-bubble schedule splits the backward into I and W "
                 "passes; use --recompute full with it, or a schedule without the split backward")
-    if mode == "none" or plan.model.split == "layers":
+    if modes <= {"none"} or plan.model.split == "layers":
         return None
+    mode = "full" if "full" in modes else "selective"
     return (f"activation recomputation {mode!r} runs on eager transformer blocks (the 'layers' split of "
             f"Llama-family models and tessel-gpt), but {plan.model.name!r} is planned with the "
             f"{plan.model.split or 'default'!r} split, whose stages are exported graphs; plan with "

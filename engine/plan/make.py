@@ -44,7 +44,7 @@ from engine.placement import Placement, recompute_in_input_grad
 from engine.plan.limits import MemoryLimitError, check_memory_limit
 from engine.plan.metrics import memory_advice, predict_execution
 from engine.precision import get_policy, plan_precision
-from engine.recompute import check_recompute
+from engine.recompute import check_recompute, stage_granularities
 from engine.schedule import Schedule
 from engine.split import choose_split
 from engine.timeline import Timeline
@@ -155,6 +155,7 @@ def make_plan(
     dtype: str | None = None,
     precision: str | None = None,
     recompute: str = "none",
+    stage_recompute: Sequence[str] | None = None,
     memory_limit: float | None = None,
     optimizer: str = "adam",
     cost: CostModel | None = None,
@@ -212,6 +213,11 @@ def make_plan(
         grad_bucket_bytes: the bucket size of ``overlap-grad-sync`` (bytes, a multiple of 4).
         overlap_chunks: the chunks of ``chunked-overlap``.
         progress: called with the name of each phase as it starts.
+        stage_recompute: per-stage recomputation overriding ``recompute``: one granularity per
+            pipeline stage (``pp`` values; an interleaved rank's segments share its value) or per
+            segment (:func:`engine.recompute.stage_granularities`); each segment records its own
+            in the plan where it differs from ``recompute``, and the runtime wraps each stage's
+            blocks as its segment says.
 
     Raises:
         TesselError: bad names or degrees, an unknown optimizer, precision or recomputation, a
@@ -232,9 +238,11 @@ def make_plan(
                              grad_bucket_bytes=grad_bucket_bytes, overlap_chunks=overlap_chunks,
                              precision=precision, recompute=recompute)
 
+    grans = stage_granularities(recompute, config.num_segments, config.pp, stage_recompute)
     t0 = time.perf_counter()
     say("capture")
-    captured = capture_model(model, config, task=task, seq_len=seq_len, dtype=compute)
+    captured = capture_model(model, config, task=task, seq_len=seq_len, dtype=compute,
+                             recomputes=any(g != "none" for g in grans))
     timings["capture"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -242,7 +250,8 @@ def make_plan(
     if cost is None:
         cost = _cost_model(captured.graph, device_type, link=link, profile=profile, dtype=compute, say=say,
                            warnings=captured.warnings)
-    cut = transform_model(captured, config, cost, schedule, memory_limit=memory_limit)
+    cut = transform_model(captured, config, cost, schedule, memory_limit=memory_limit,
+                          stage_recompute=None if stage_recompute is None else grans)
     timings["transform"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -336,11 +345,13 @@ class CapturedModel:
 
 
 def capture_model(model: str | ModelBundle, config: ParallelConfig, *, task: str | None = None,
-                  seq_len: int | None = None, dtype: str = "float32") -> CapturedModel:
+                  seq_len: int | None = None, dtype: str = "float32", recomputes: bool | None = None) -> CapturedModel:
     """Build (unless given) and capture ``model`` for one micro-batch of ``config.micro_batch_size``
     samples, after checking its experts split over ``config.dp`` and the plan's transformations
     (:func:`engine.coconet.check_transforms`); HF MoE blocks are captured with a traceable
-    implementation of their experts (same math and FLOPs).
+    implementation of their experts (same math and FLOPs). ``recomputes``: whether any stage
+    recomputes activations (``None``: ``config.recompute`` says), which takes the layer split
+    (:func:`engine.split.choose_split`).
 
     Raises:
         TesselError: an unknown dtype or model, experts that do not split over ``dp``, a
@@ -357,7 +368,9 @@ def capture_model(model: str | ModelBundle, config: ParallelConfig, *, task: str
     # MoE expert parallelism over the data-parallel group: experts must split evenly over dp
     moe_layers = find_moe_layers(bundle.module, max(1, bundle.batch_size * (bundle.seq_len or 1)))
     check_expert_parallel(moe_layers, dp, bundle.name)
-    split = choose_split(bundle.module, tp, config.recompute)
+    if recomputes is None:
+        recomputes = config.recompute != "none"
+    split = choose_split(bundle.module, tp, "full" if recomputes else "none")
     check_transforms(config.transforms, dp=dp, tp=tp, pp=config.pp, optimizer=config.optimizer, split=split,
                      expert_parallel=dp > 1 and bool(moe_layers), seq_len=bundle.seq_len)
     with traceable_experts(bundle.module):
@@ -400,18 +413,21 @@ class TransformedModel:
 
 
 def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostModel, schedule: str, *,
-                    memory_limit: float | None = None) -> TransformedModel:
+                    memory_limit: float | None = None,
+                    stage_recompute: Sequence[str] | None = None) -> TransformedModel:
     """Cut the captured graph into segments under ``memory_limit`` (bytes per device;
     :func:`engine.transform.split_segments`), count the tied copies and each expert-parallel
     rank's experts in them, and build the placement ``schedule`` needs
-    (:func:`placement_from_segments`).
+    (:func:`placement_from_segments`); ``stage_recompute``: the per-segment override of
+    ``config.recompute`` (:func:`engine.transform.split_segments`).
 
     Raises:
         TransformError: a split that does not fit.
     """
     bundle, optimizer = captured.bundle, config.optimizer
     segments, warnings = split_segments(captured.graph, cost, config, memory_limit=memory_limit, optimizer=optimizer,
-                                        loss_parallel=bundle.task in LOSS_PARALLEL_TASKS)
+                                        loss_parallel=bundle.task in LOSS_PARALLEL_TASKS,
+                                        stage_recompute=stage_recompute)
     seg_layers = [s.layers for s in segments]
     tied = tied_parameter_groups(bundle.module, seg_layers)
     segments = add_tied_copies(segments, tied, config.tp)
@@ -433,7 +449,7 @@ def build_plan(captured: CapturedModel, cut: TransformedModel, config: ParallelC
                        seq_len=bundle.seq_len, dtype=graph.graph.get("dtype", "float32"),
                        num_params=graph.graph.get("num_params"), task=bundle.task, split=captured.split),
         parallel=config,
-        segments=[_segment_dict(s, cut.segment_moe.get(s.index, [])) for s in cut.segments],
+        segments=[_segment_dict(s, cut.segment_moe.get(s.index, []), config.recompute) for s in cut.segments],
         schedule=schedule,
         cost=cost.to_dict(),
         meta={"warnings": cut.warnings, **({"memory_limit": memory_limit} if memory_limit is not None else {})},
@@ -452,10 +468,14 @@ def _expert_parallel_split(seg: Segment, moe: list[MoELayer], dp: int, tp: int) 
     return replace(seg, param_bytes=max(0, seg.param_bytes - full + mine))
 
 
-def _segment_dict(seg: Segment, moe: list[MoELayer]) -> dict:
+def _segment_dict(seg: Segment, moe: list[MoELayer], recompute: str = "none") -> dict:
     """The plan JSON dict of a segment; ``"moe"`` (its MoE layers, :class:`MoELayer` dicts) only
-    when it has any, so plans of dense models are unchanged."""
+    when it has any, so plans of dense models are unchanged; ``"recompute"`` whenever the segment's
+    granularity differs from the plan's ``recompute`` (a per-stage override of ``none`` included),
+    so :func:`engine.recompute.plan_granularities` reads every segment's back."""
     d = seg.to_dict()
+    if seg.recompute != recompute:
+        d["recompute"] = seg.recompute
     if moe:
         d["moe"] = [ml.to_dict() for ml in moe]
     return d

@@ -24,6 +24,7 @@ from engine.cost.calibrate import CalibratedCost, Calibration
 from engine.dependency import ExecutionPlan
 from engine.plan.lowering import lower_plan
 from engine.precision import get_policy
+from engine.recompute import plan_granularities
 from engine.simulate import simulate
 from engine.timeline import Timeline
 
@@ -149,11 +150,16 @@ def plan_facts(plan: Plan) -> dict:
     """What every report states about a plan (issue 31): ``precision`` (the policy),
     ``recompute``, ``seq_len`` (tokens per sequence, ``None`` for a model without one) and
     ``global_batch`` (sequences per step: micro-batch size x micro-batches x data replicas,
-    :func:`tokens_per_step`'s count without the sequence length)."""
+    :func:`tokens_per_step`'s count without the sequence length), and ``stage_recompute``: each
+    segment's granularity where a per-stage override makes them differ
+    (:func:`engine.recompute.plan_granularities`), else ``None``."""
     par, ref = plan.parallel, plan.model
     replicas = max(1, int(par.dp)) * max(1, int(plan.placement.data_per_instance))
     batch = int(ref.micro_batch_size or 1) * int(plan.schedule.num_micro_batches) * replicas
-    return {"precision": par.precision, "recompute": par.recompute, "seq_len": ref.seq_len, "global_batch": batch}
+    grans = plan_granularities(plan)
+    stages = grans if any(g != par.recompute for g in grans) else None
+    return {"precision": par.precision, "recompute": par.recompute, "seq_len": ref.seq_len, "global_batch": batch,
+            "stage_recompute": stages}
 
 
 def peak_flops(plan: Plan) -> float:

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from engine.models import build_model
+from engine.recompute import plan_granularities
 from engine.split import choose_split
 from runtime.precision import apply_precision, cast_model, plan_policy
 from runtime.recompute import apply_recompute
@@ -115,10 +116,10 @@ def _apply_policies(plan: Any, modules: dict[int, StageModule], segment_layers: 
     around every stage; the stages no other stage takes, whose output is the loss's input, return
     float32 logits) applied to the freshly split ``modules``, before the probe, so the boundary
     metas carry the dtypes the stages really exchange (bfloat16 where a stage ends in a matmul)."""
-    recompute = getattr(plan.parallel, "recompute", "none") or "none"
+    recompute = plan_granularities(plan)   # each segment's own (a per-stage override) or the plan's
     fed = {p for ps in preds.values() for p in ps}
     for i, module in modules.items():
-        apply_recompute(module, segment_layers[i], recompute)
+        apply_recompute(module, segment_layers[i], recompute[i])
         apply_precision(module, policy, upcast=i not in fed)
 
 
