@@ -185,15 +185,6 @@ def plan_precision(precision: str | None, dtype: str | None, device_type: str, c
     return DTYPE_PRECISION[cost_dtype]
 
 
-def compute_dtype_of(precision: str) -> str:
-    """The compute dtype of policy ``precision`` (``float32``, ``bfloat16`` or ``float16``).
-
-    Raises:
-        TransformError: an unknown policy.
-    """
-    return get_policy(precision).compute_dtype
-
-
-__all__ = ["CPU_DEFAULT_PRECISION", "compute_dtype_of", "plan_precision",
+__all__ = ["CPU_DEFAULT_PRECISION", "plan_precision",
            "DTYPE_PRECISION", "GPU_DEFAULT_PRECISION", "POLICIES", "PRECISIONS",
            "PrecisionName", "PrecisionPolicy", "default_precision", "get_policy", "resolve_precision"]
