@@ -25,6 +25,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from ray_processes import ray_child_processes
+
 from engine.plan import make_plan
 from runtime import checkpoint as ck
 from runtime.crossover import (
@@ -251,17 +253,7 @@ def test_a_failed_job_is_named_and_does_not_hang_the_other(plan, tmp_path):
     assert Path(e.checkpoint).name == "step_000001"      # job 0's last checkpoint is kept and named
     assert took < 120, f"the failure took {took:.0f} s to surface"
     assert not ray.is_initialized()
-    import psutil
-
-    def ray_children():
-        kids = []
-        for p in psutil.Process().children(recursive=True):
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE and "ray" in " ".join(p.cmdline()):
-                    kids.append(p.pid)
-            except psutil.Error:
-                pass
-        return kids
+    ray_children = ray_child_processes
 
     deadline = time.monotonic() + 15
     while ray_children() and time.monotonic() < deadline:

@@ -21,6 +21,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from fake_worker import FakeWorker, pickle_by_value  # noqa: E402
+from ray_processes import ray_child_processes  # noqa: E402
 
 from engine.errors import TesselError  # noqa: E402
 from engine.plan import make_plan  # noqa: E402
@@ -76,17 +77,7 @@ def _alive_actors() -> list[dict]:
 
 
 def _ray_children() -> list[str]:
-    import psutil
-
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            cmd = " ".join(p.cmdline())
-            if p.status() != psutil.STATUS_ZOMBIE and "ray" in cmd:
-                out.append(f"{p.pid} {cmd[:80]}")
-        except psutil.Error:
-            pass
-    return out
+    return ray_child_processes()
 
 
 # ----------------------------------------------------------------------------- real launches

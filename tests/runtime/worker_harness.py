@@ -141,6 +141,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: What the fork server imports once, so each rank's process starts in milliseconds instead of the
+#: five seconds that importing torch, transformers and the runtime takes (on two cores, that import
+#: was most of a tensor-parallel test, whose ranks each need a fresh process).
+PRELOAD = ["torch", "transformers", "torch.distributed.pipelining", "torch.distributed.tensor",
+           "runtime.stages", "runtime.worker"]
+
+
+def _context():
+    """The ``forkserver`` context with :data:`PRELOAD` imported by its server: every rank process is
+    forked from a process that imported them but never ran an operator (no OpenMP pool, no
+    process group, no DTensor cache), so it starts as clean as a spawned one. Falls back to
+    ``spawn`` where ``forkserver`` does not exist (Windows)."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return torch.multiprocessing.get_context("spawn")
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class WorkerPool:
     """``n`` spawned processes that each run one rank of a task at a time (dead ones are respawned).
 
@@ -148,7 +169,7 @@ class WorkerPool:
     """
 
     def __init__(self, n: int = 4):
-        self.ctx = torch.multiprocessing.get_context("spawn")
+        self.ctx = _context()
         self.results = self.ctx.Queue()
         self.tasks: list = [None] * n
         self.procs: list = [None] * n
