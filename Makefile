@@ -36,8 +36,14 @@ serve: setup
 demo: setup
 	$(TESSEL) demo
 
+# The suite in two parts: TEST_WORKERS processes (pytest-xdist), each test file on one of them
+# (its module fixtures, a Ray cluster or a process pool, built once), then the `serial` tests
+# alone (they time themselves or load the machine on purpose). Plain `pytest` runs everything
+# in one process.
+TEST_WORKERS ?= 2
 test: setup browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # ruff (pyflakes, pycodestyle, isort, bugbear), mypy on engine/ and runtime/, the layering
 # contracts (import-linter; pyproject.toml [tool.importlinter]), and the structure checks

@@ -9,12 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_inprocess import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def tessel(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "apps.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    """``tessel ARGS`` in this process (see :func:`cli_inprocess.run_cli`); the user-module test below
+    runs a real subprocess, since its ``PYTHONPATH`` is the point."""
+    p = run_cli(*args)
     if check and p.returncode != 0:
         raise AssertionError(f"tessel {' '.join(args)} failed ({p.returncode}):\n{p.stderr}")
     return p

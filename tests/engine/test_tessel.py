@@ -357,6 +357,7 @@ def test_progress_callback():
     assert {p.status.split()[-1] for p in seen} & {"feasible", "infeasible"}
 
 
+@pytest.mark.serial
 def test_cancel_from_another_thread():
     # at this limit the second solver call alone would run for seconds (up to 0.15 * time_limit):
     # returning fast needs the running CP-SAT solve to be stopped, not just the loop
@@ -388,6 +389,7 @@ def test_cancelled_before_start_raises():
         tessel_search(make_shape("v", 4), 8, control=control)
 
 
+@pytest.mark.serial
 def test_tiny_time_limit_returns_a_valid_schedule():
     pl = make_shape("nn", 8)
     limit = max(memory_floor(pl)) + 1

@@ -64,6 +64,7 @@ def _orders(res):
     return [list(o) for o in res.schedule.orders]
 
 
+@pytest.mark.serial
 def test_same_seed_same_schedule_under_load():
     pl = make_shape("nn", 4, activation=2)
     kw = dict(memory_limit=18, time_limit=10, seed=3)
