@@ -42,7 +42,7 @@ demo: setup
 # in one process.
 TEST_WORKERS ?= 2
 test: setup browser
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30
 	$(PY) -m pytest -q -m serial
 
 # ruff (pyflakes, pycodestyle, isort, bugbear), mypy on engine/ and runtime/, the layering
