@@ -29,3 +29,20 @@ def ray_local():
     yield ray
     if ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def code_graph_cache() -> Path:
+    """The cache folder of the CPython code graph (``tasks.graphs.cpython_code_graph``), shared by every
+    process of the run: the test workers and the notebooks' kernels (``$TESSEL_CACHE_DIR``). The first
+    process to ask builds the graph (about 20 s on two cores) under a file lock; the others wait for it
+    and load the verified cache file (0.1 s) instead of building it again."""
+    from filelock import FileLock
+
+    from tasks.graphs import cpython_code_graph
+
+    folder = Path(os.environ["TESSEL_CACHE_DIR"])
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder / "code-graph.lock")):
+        cpython_code_graph(cache_dir=folder)
+    return folder

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from cli_inprocess import run_cli
 
 
 def tessel(*args: str) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "apps.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+    p = run_cli(*args)   # in this process (tests/cli_inprocess.py): no seconds of importing torch per command
     assert p.returncode == 0, f"tessel {' '.join(args)} failed ({p.returncode}):\n{p.stderr}"
     return p
 

@@ -97,6 +97,7 @@ def test_kernels_land_in_the_stages_the_layer_defines(gat_training):
         assert c.seconds(phase="forward", layer=lay, stage="gather", kernel_class="gather_scatter") > 0
 
 
+@pytest.mark.serial
 def test_backward_is_attributed_to_forward_stages_by_sequence_number(gat_training):
     c = gat_training
     # what no forward stage owns is the autograd engine's own bookkeeping (class "overhead": on this

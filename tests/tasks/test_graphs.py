@@ -21,13 +21,6 @@ from tasks import graphs
 from tasks.graphs import cpython_code_graph, graph_stats, karate_club, random_masks, rmat_graph, validate_graph
 
 
-@pytest.fixture(scope="session")
-def code_graph_cache(tmp_path_factory) -> Path:
-    """One cache folder per session (shared with test_node_classification), so the stdlib graph
-    is built once."""
-    return tmp_path_factory.getbasetemp() / "tessel-code-graph-cache"
-
-
 @pytest.fixture(scope="module")
 def code_graph(code_graph_cache):
     return cpython_code_graph(cache_dir=code_graph_cache)

@@ -18,12 +18,6 @@ from tasks.node_classification import NodeClassificationTask, features_only_mlp,
 HIDDEN, EPOCHS, LR = 32, 60, 0.03
 
 
-@pytest.fixture(scope="session")
-def code_graph_cache(tmp_path_factory):
-    """The same cache folder as tests/tasks/test_graphs.py: the stdlib graph is built once a session."""
-    return tmp_path_factory.getbasetemp() / "tessel-code-graph-cache"
-
-
 @pytest.fixture(scope="module")
 def code_graph(code_graph_cache):
     return cpython_code_graph(cache_dir=code_graph_cache)
