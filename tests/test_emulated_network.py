@@ -60,6 +60,7 @@ def test_unavailable_is_one_sentence(monkeypatch):
 
 
 @needs_netns
+@pytest.mark.serial
 def test_the_cost_model_predicts_a_gloo_all_reduce_on_the_emulated_link():
     """``emulated:RATE`` is a shared medium: a 2-rank ring all-reduce of n bytes moves 2n bytes
     through it; the cost model's prediction is within 20% of gloo's measured time."""

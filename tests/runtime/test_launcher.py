@@ -123,6 +123,7 @@ def test_losses_equal_single_process_reference(straight, plan):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.serial
 def test_calibration_from_measured_steps_predicts_them(straight, plan):
     """Profile-guided prediction: blocks take their measured median durations, so the
     calibrated plan's compute per rank matches what was measured (the makespan still depends
