@@ -38,7 +38,7 @@ demo: setup
 
 # The suite in two parts: TEST_WORKERS processes (pytest-xdist), each test file on one of them
 # (its module fixtures, a Ray cluster or a process pool, built once), then the `serial` tests
-# alone (they time themselves or load the machine on purpose). Plain `pytest` runs everything
+# alone (they compare measured times or load the machine on purpose). Plain `pytest` runs everything
 # in one process.
 TEST_WORKERS ?= 2
 test: setup browser

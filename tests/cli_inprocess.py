@@ -29,6 +29,6 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             rc = main(list(argv))
-        except SystemExit as e:   # argparse's --help
-            rc = e.code if isinstance(e.code, int) else 2
+        except SystemExit as e:   # argparse's --help; the status as Python's exit would give it
+            rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     return subprocess.CompletedProcess(["tessel", *argv], rc, out.getvalue(), err.getvalue())

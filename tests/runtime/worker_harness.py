@@ -1,6 +1,7 @@
 """Shared multi-process harness for StageWorker tests without Ray (not a test module).
 
-A pool of spawned processes (each ``torch.set_num_threads(1)``) runs one "task" at a time per
+A pool of processes forked from a server that preloaded torch and the runtime (each
+``torch.set_num_threads(1)``) runs one "task" at a time per
 process: the parent puts the same task dict (plus ``rank``, ``world``, ``port``, ``id`` and any
 per-rank extras) into every rank's queue, and each child calls the task function named by
 ``"module:function"`` (a module on the child's ``sys.path``, e.g. a test module of this folder)
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import multiprocessing
 import os
 import queue
 import socket
@@ -153,8 +155,6 @@ def _context():
     forked from a process that imported them but never ran an operator (no OpenMP pool, no
     process group, no DTensor cache), so it starts as clean as a spawned one. Falls back to
     ``spawn`` where ``forkserver`` does not exist (Windows)."""
-    import multiprocessing
-
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return torch.multiprocessing.get_context("spawn")
     ctx = torch.multiprocessing.get_context("forkserver")
@@ -163,7 +163,8 @@ def _context():
 
 
 class WorkerPool:
-    """``n`` spawned processes that each run one rank of a task at a time (dead ones are respawned).
+    """``n`` processes (forked from the preloaded server of :func:`_context`) that each run one rank
+    of a task at a time (dead ones are respawned).
 
     Use as a module-scoped fixture and :meth:`close` it at the end.
     """
