@@ -39,7 +39,7 @@ import math
 import shlex
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TextIO
 
 from apps.arg_types import non_negative_int, positive_float, positive_int
 from apps.output import facts_line, fmt_gib, fmt_ms, table
@@ -97,13 +97,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "co-located: crossover.measured.json next to the first plan)")
 
 
-def report(plan, res, *, plan_dir: Path, out=sys.stdout) -> dict:
+def report(plan, res, *, plan_dir: Path, out: TextIO | None = None) -> dict:
     """Print the summary of a launch and return its JSON-able result.
 
     Args:
         plan: the launched ``engine.io.Plan``.
         res: the :class:`runtime.LaunchResult`.
         plan_dir: folder of the plan (where the predicted ``trace.json`` lives).
+        out: where the summary is printed; ``None``: ``sys.stdout`` as it is at the call.
     """
     par = plan.parallel
     pp = res.pp
@@ -247,13 +248,14 @@ def checkpoint_dirs(plan_paths: list[Path], checkpoint_dir: str | None) -> list[
     return out
 
 
-def report_crossover(res, predicted: dict | None = None, out=sys.stdout) -> dict:
+def report_crossover(res, predicted: dict | None = None, out: TextIO | None = None) -> dict:
     """Print the summary of a co-located launch and return its JSON-able result.
 
     Args:
         res: the :class:`runtime.crossover.CrossoverResult`.
         predicted: ``{"aggregate_tokens_per_second": ..., "per_job_tokens_per_second": [...]}`` of
             the simulator, or ``None``.
+        out: where the summary is printed; ``None``: ``sys.stdout`` as it is at the call.
     """
     say = lambda *a: print(*a, file=out)  # noqa: E731
     say(f"{len(res.jobs)} jobs co-located on {res.world_size} actors ({res.backend}), mode {res.mode}; "
@@ -368,7 +370,7 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
-def calibrate_plan(plan, res, path: Path, out=sys.stdout) -> dict:
+def calibrate_plan(plan, res, path: Path, out: TextIO | None = None) -> dict:
     """Calibrate ``plan`` from a launch's measured steps, save it, and check it on later steps
     (:func:`engine.plan.calibrate.calibrate_plan`, then the saving and the line printed here).
 
@@ -376,7 +378,8 @@ def calibrate_plan(plan, res, path: Path, out=sys.stdout) -> dict:
     (warm-up) left out. With at least 4 of them, the first half calibrates and the prediction is
     compared with the median makespan of the second half (steps the calibration did not see);
     with fewer, the calibration is compared with the steps it came from. The saved plan is
-    calibrated from all of them. The plan is written atomically to ``path``.
+    calibrated from all of them. The plan is written atomically to ``path``; the line saying so is
+    printed to ``out`` (``None``: ``sys.stdout`` as it is at the call).
 
     Returns:
         ``{"path", "predicted_makespan", "measured_makespan", "error", "steps", "held_out"}``

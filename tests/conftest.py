@@ -31,6 +31,18 @@ def ray_local():
         ray.shutdown()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_across_modules():
+    """Every test module starts without a Ray connection and leaves none behind: a module that
+    initialised Ray and did not shut it down has it shut down here. Under pytest-xdist a worker
+    runs whichever modules it is given, in any order, so a module reusing another's cluster (one
+    that may have been stopped or broken by that module's fault tests) would depend on the order."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def code_graph_cache() -> Path:
     """The cache folder of the CPython code graph (``tasks.graphs.cpython_code_graph``), shared by every

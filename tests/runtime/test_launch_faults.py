@@ -301,6 +301,7 @@ def test_predicted_throughput_is_the_plans_or_says_there_is_none(plan_dict):
 
 
 def test_the_report_says_when_the_plan_holds_no_prediction(plan_dict, tmp_path):
+    import contextlib
     import io
     from types import SimpleNamespace
 
@@ -317,3 +318,9 @@ def test_the_report_says_when_the_plan_holds_no_prediction(plan_dict, tmp_path):
     d = report(Plan.from_dict({**plan_dict, "metrics": {}}), res, plan_dir=tmp_path, out=out)
     assert "100 tokens/s measured (128 tokens per step), no prediction in the plan;" in out.getvalue()
     assert "0 tokens/s predicted" not in out.getvalue() and d["predicted_tokens_per_second"] is None
+    # without ``out`` the summary goes to sys.stdout as it is at the call, not as it was at import
+    # (an in-process caller that redirects stdout, then closes the stream, must not break later calls)
+    later = io.StringIO()
+    with contextlib.redirect_stdout(later):
+        report(Plan.from_dict({**plan_dict, "metrics": {}}), res, plan_dir=tmp_path)
+    assert "100 tokens/s measured" in later.getvalue()

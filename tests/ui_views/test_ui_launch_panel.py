@@ -2,8 +2,7 @@
 
 The launch runs in the panel's background thread; the test plays the UI thread by calling
 ``poll()`` until the job is done, as the periodic callback does in a served app. Ray is started
-by the launcher (and shut down by it) unless an earlier test module left it running, in which
-case it is reused and shut down at the end of this module.
+by the launcher and shut down by it (no module inherits another's Ray: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -28,24 +27,19 @@ def tiny():
                      seq_len=32, micro_batch_size=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ray_down_after():
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 @pytest.mark.timeout(400)
 def test_launch_streams_losses_and_sets_the_measured_timeline(tiny):
     st = PlanState()
     st.load(tiny.plan, graph=tiny.graph)
     predicted = st.timeline
-    panel = LaunchPanel(state=st, steps=2, launch_kw={"device": "cpu", "step_timeout": 120})
+    panel = LaunchPanel(state=st, steps=2, launch_kw={"device": "cpu", "step_timeout": 60})
     export = ExportPanel(state=st)
     assert export.measured_download.disabled
     job = panel.launch(wait=False)
     assert job is not None and panel.running and panel.run_button.disabled
     seen = []
+    # every wait of the launch has its own timeout (reserve 60 s, rendezvous 60 s, setup and each
+    # step 60 s): a stalled cluster ends the job with the launcher's sentence naming the stall
     deadline = time.monotonic() + 360
     while not job.done and time.monotonic() < deadline:
         panel.poll()
