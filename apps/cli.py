@@ -59,7 +59,8 @@ class CommandRegistry(Mapping[str, ModuleType]):
 
 COMMANDS = CommandRegistry({"plan": "apps.cmd_plan", "search": "apps.cmd_search", "models": "apps.cmd_models",
                             "show": "apps.cmd_show", "launch": "apps.cmd_launch", "demo": "apps.cmd_demo",
-                            "serve": "apps.cmd_serve", "profile-gnn": "apps.cmd_profile_gnn"})
+                            "serve": "apps.cmd_serve", "profile-gnn": "apps.cmd_profile_gnn",
+                            "tune": "apps.cmd_tune"})
 
 EXIT_STATUSES = (f"exit statuses: {EXIT_OK} success; {EXIT_USER_ERROR} a user mistake (a wrong argument, model, "
                  f"plan or file; one sentence on stderr says what and how to fix it); {EXIT_RUN_FAILURE} a run "

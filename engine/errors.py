@@ -151,6 +151,16 @@ class GraphError(TaskError):
     small for the classes asked for; :mod:`tasks.graphs`); ``str(err)`` is one sentence naming the fix."""
 
 
+class TuneError(TesselError, ValueError):
+    """``tessel tune`` cannot answer: a tuning space that holds no configuration or has a value that
+    is not valid (:mod:`engine.tune.space`); ``str(err)`` is one sentence naming the fix (exit status 2)."""
+
+
+class NothingFitsError(TuneError):
+    """No configuration of the tuning space is predicted to fit in the memory limit; ``str(err)``
+    names the smallest change that would fit (:func:`engine.tune.report.nothing_fits_advice`)."""
+
+
 class ScheduleError(TesselError):
     """A schedule violates a rule.
 

@@ -250,13 +250,47 @@ def make_plan(
     if cost is None:
         cost = _cost_model(captured.graph, device_type, link=link, profile=profile, dtype=compute, say=say,
                            warnings=captured.warnings)
-    cut = transform_model(captured, config, cost, schedule, memory_limit=memory_limit,
-                          stage_recompute=None if stage_recompute is None else grans)
+    timings["transform"] = time.perf_counter() - t0
+    res = plan_from_capture(captured, config, cost, schedule, memory_limit=memory_limit,
+                            stage_recompute=None if stage_recompute is None else grans, say=say)
+    res.timings = {**timings, "transform": timings["transform"] + res.timings["transform"],
+                   **{k: v for k, v in res.timings.items() if k != "transform"}}
+    return res
+
+
+def plan_from_capture(captured: CapturedModel, config: ParallelConfig, cost: CostModel, schedule: str, *,
+                      memory_limit: float | None = None, stage_recompute: Sequence[str] | None = None,
+                      say: Callable[[str], None] | None = None, cut: TransformedModel | None = None) -> PlanResult:
+    """:func:`make_plan` after the capture: transform (SuperScaler phase 1), the predefined
+    ``schedule`` (phase 2), the plan, its lowering and simulation (phase 3) and the memory check,
+    for an already captured model and cost model (``tessel tune`` captures once per micro-batch
+    size and calls this for every configuration; :func:`recheck_capture` adapts the capture).
+
+    Args:
+        captured: :func:`capture_model`'s result for ``config.micro_batch_size``.
+        config: the configuration (:func:`parallel_config`).
+        cost: the cost model.
+        schedule: a predefined schedule name (:data:`engine.baselines.SCHEDULES`).
+        memory_limit: bytes per device (device capacity if ``None``).
+        stage_recompute: per-segment granularities overriding ``config.recompute``.
+        say: called with the name of each phase as it starts.
+        cut: :func:`transform_model`'s result for exactly these arguments, when the caller has it.
+
+    Raises:
+        TesselError: as :func:`make_plan` (a split that does not fit, a schedule that needs more
+            micro-batches, a schedule above ``memory_limit``).
+    """
+    say = say or (lambda _msg: None)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if cut is None:
+        cut = transform_model(captured, config, cost, schedule, memory_limit=memory_limit,
+                              stage_recompute=stage_recompute)
     timings["transform"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     say("schedule")
-    sched: Schedule = build_schedule(schedule, cut.placement, micro_batches)
+    sched: Schedule = build_schedule(schedule, cut.placement, config.micro_batches)
     over_limit: ScheduleError | None = None
     try:
         sched.validate(memory_limit)
@@ -278,7 +312,7 @@ def make_plan(
         raise ScheduleError("memory", f"{over_limit}; {memory_advice(plan)}", over_limit.device,
                             over_limit.block) from None
 
-    warnings = cut.warnings
+    warnings = cut.warnings   # the plan's meta warnings are this list: the memory warning joins them
     cap = memory_limit if memory_limit is not None else cost.device.mem_capacity
     over = [d for d, p in enumerate(metrics["peak_memory"]) if p > cap]
     if over:
@@ -364,18 +398,41 @@ def capture_model(model: str | ModelBundle, config: ParallelConfig, *, task: str
         model, batch_size=config.micro_batch_size, seq_len=seq_len, dtype=tdtype, task=task)
     if task is not None:
         bundle.task = task
-    dp, tp = config.dp, config.tp
     # MoE expert parallelism over the data-parallel group: experts must split evenly over dp
     moe_layers = find_moe_layers(bundle.module, max(1, bundle.batch_size * (bundle.seq_len or 1)))
-    check_expert_parallel(moe_layers, dp, bundle.name)
-    if recomputes is None:
-        recomputes = config.recompute != "none"
-    split = choose_split(bundle.module, tp, "full" if recomputes else "none")
-    check_transforms(config.transforms, dp=dp, tp=tp, pp=config.pp, optimizer=config.optimizer, split=split,
-                     expert_parallel=dp > 1 and bool(moe_layers), seq_len=bundle.seq_len)
+    split = _checked_split(bundle, moe_layers, config, recomputes)
     with traceable_experts(bundle.module):
         graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
     return CapturedModel(bundle, graph, moe_layers, split)
+
+
+def recheck_capture(captured: CapturedModel, config: ParallelConfig, *,
+                    recomputes: bool | None = None) -> CapturedModel:
+    """``captured`` (a capture of ``config.micro_batch_size`` samples) for another configuration:
+    its experts checked to split over ``config.dp``, the stage split chosen for ``config.tp`` and
+    recomputation (:func:`engine.split.choose_split`) and the plan's transformations checked
+    (:func:`engine.coconet.check_transforms`). The graph is shared, not copied: a capture does
+    not depend on the degrees. ``recomputes``: whether any stage recomputes (``None``:
+    ``config.recompute != "none"``).
+
+    Raises:
+        TesselError: experts that do not split over ``dp``, a transformation the plan cannot take.
+    """
+    split = _checked_split(captured.bundle, captured.moe_layers, config, recomputes)
+    return CapturedModel(captured.bundle, captured.graph, captured.moe_layers, split, list(captured.warnings))
+
+
+def _checked_split(bundle: ModelBundle, moe_layers: list[MoELayer], config: ParallelConfig,
+                   recomputes: bool | None) -> str:
+    """The stage split of ``bundle`` under ``config`` after the checks that depend on the degrees
+    (experts over ``dp``, the transformations); see :func:`recheck_capture`."""
+    check_expert_parallel(moe_layers, config.dp, bundle.name)
+    if recomputes is None:
+        recomputes = config.recompute != "none"
+    split = choose_split(bundle.module, config.tp, "full" if recomputes else "none")
+    check_transforms(config.transforms, dp=config.dp, tp=config.tp, pp=config.pp, optimizer=config.optimizer,
+                     split=split, expert_parallel=config.dp > 1 and bool(moe_layers), seq_len=bundle.seq_len)
+    return split
 
 
 def _cost_model(graph: OpGraph, device_type: str, *, link: str | None, profile: bool, dtype: str,
@@ -491,4 +548,4 @@ def _tied_bytes_per_segment(tied: list[TiedGroup], tp: int = 1) -> dict[int, int
 
 
 __all__ = ["CapturedModel", "PlanResult", "TransformedModel", "build_plan", "capture_model", "make_plan",
-           "parallel_config", "placement_from_segments", "transform_model"]
+           "parallel_config", "placement_from_segments", "plan_from_capture", "recheck_capture", "transform_model"]

@@ -1,0 +1,405 @@
+"""``tessel tune``'s search: every candidate of a :class:`~engine.tune.space.TuneSpace` planned
+with the same pipeline as ``tessel plan`` and ranked by predicted throughput.
+
+How it stays fast (the space of a 1,536-GPU cluster holds thousands of candidates):
+
+1. **Capture once per micro-batch size** (:func:`engine.plan.make.capture_model`); every other
+   candidate reuses that graph (:func:`engine.plan.make.recheck_capture`) and one cost model.
+2. **Memory bound before anything else**: a device holds at least its share of the parameters'
+   weights and optimizer states (``num_params / (tp pp)`` times the precision policy's bytes per
+   parameter, the sharded part over ``dp`` with the sharded update; Megatron-LM's table). A
+   candidate above the memory limit by that bound alone is not transformed.
+3. **Bounds before simulating**: after the transform (SuperScaler phase 1: the segments and
+   their costs) each device's compute of one step, ``micro-batches x`` its blocks' durations, is
+   a lower bound of the step time, and its weights, optimizer states and gradient buffers one of
+   its peak memory. A candidate whose bounds are both no better than a simulated candidate's
+   predicted step time and peak is dominated (it can be neither the fastest nor on the Pareto
+   front) and is not simulated: branch and bound, exact for the winner and the front.
+4. **Best first**: candidates are visited in order of an estimate (model FLOPs over the devices'
+   peak, times the pipeline's bubble ``(pp - 1) / (m v)`` and the recomputed forward), so good
+   ones are simulated early and the bounds prune the rest; with a time limit the search stops
+   and says how many candidates were not visited.
+
+Everything simulated is planned exactly as :func:`engine.plan.make_plan` plans it
+(:func:`engine.plan.make.plan_from_capture`), so the tuner's best plan predicts what ``tessel
+plan`` with its knobs predicts (a test compares them with exhaustive enumeration).
+
+Related systems: Alpa (Zheng et al., OSDI'22), Galvatron (Miao et al., VLDB'23), Metis
+(Um et al., ATC'24) and nnScaler (Lin et al., OSDI'24) search parallel configurations over a cost
+model; the degrees' rules are Megatron-LM's (Narayanan et al., SC'21, section 3.3).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from engine.cost import CostModel
+from engine.errors import ScheduleError, TesselError
+from engine.models import ModelBundle, build_model
+from engine.plan.make import (
+    CapturedModel,
+    PlanResult,
+    capture_model,
+    parallel_config,
+    plan_from_capture,
+    recheck_capture,
+    transform_model,
+)
+from engine.precision import get_policy, plan_precision
+from engine.tune.space import Candidate, TuneSpace, TuneSpaceError, candidates
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TuneRow", "TuneResult", "tune", "STATUSES"]
+
+#: What became of a candidate: simulated (``ok``: fits; ``over memory``: predicted above the
+#: limit), skipped by a bound (``memory bound``: its weights and optimizer states alone exceed
+#: the limit; ``dominated``: slower and larger than a simulated one by its bounds), ``refused``
+#: (the planner cannot build it: the reason says why), ``not visited`` (the time limit came first).
+STATUSES = ("ok", "over memory", "memory bound", "dominated", "refused", "not visited")
+
+
+@dataclass
+class TuneRow:
+    """One candidate's outcome.
+
+    Attributes:
+        candidate: the configuration.
+        status: one of :data:`STATUSES`.
+        reason: why it was skipped or refused (one sentence), empty for a simulated candidate.
+        step_time: predicted seconds per step (simulated candidates).
+        tokens_per_second: predicted tokens (samples for a task without sequences) per second.
+        mfu: model FLOPs utilization (0..1) or ``None``.
+        peak_memory: predicted peak bytes of the fullest device.
+        bubble_ratio: idle fraction of the devices over the step.
+        time_bound: seconds: the step-time lower bound used for pruning (``None`` if not computed).
+        memory_bound: bytes: the peak-memory lower bound used for pruning.
+    """
+
+    candidate: Candidate
+    status: str
+    reason: str = ""
+    step_time: float | None = None
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    peak_memory: float | None = None
+    bubble_ratio: float | None = None
+    time_bound: float | None = None
+    memory_bound: float | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict:
+        """JSON-able: the knobs, the status and the predicted numbers (seconds, bytes)."""
+        return {**self.candidate.knobs(), "label": self.candidate.label(), "status": self.status,
+                "reason": self.reason, "step_time": self.step_time, "tokens_per_second": self.tokens_per_second,
+                "mfu": self.mfu, "peak_memory": self.peak_memory, "bubble_ratio": self.bubble_ratio}
+
+
+@dataclass
+class TuneResult:
+    """What :func:`tune` returns.
+
+    Attributes:
+        rows: every candidate, ranked: fitting ones by predicted step time (fastest first; ties by
+            peak memory), then those predicted above the limit, then the skipped and refused.
+        best: the fastest fitting candidate's plan (as :func:`engine.plan.make_plan` makes it), or
+            ``None`` when nothing fits.
+        plans: the plans of the rows kept for loading (the top rows and the Pareto front), by
+            row index.
+        pareto: indices of ``rows`` on the Pareto front of throughput against peak memory
+            (fitting rows no other fitting row beats on both), fastest first.
+        memory_limit: bytes per device the candidates were checked against.
+        space: the space searched (heads and layers filled in from the model).
+        wall_time: seconds the search took.
+        timed_out: whether the time limit stopped the search before every candidate was visited.
+        captures: micro-batch sizes captured (one capture each).
+    """
+
+    rows: list[TuneRow]
+    best: PlanResult | None
+    plans: dict[int, PlanResult]
+    pareto: list[int]
+    memory_limit: float
+    space: TuneSpace
+    wall_time: float
+    timed_out: bool = False
+    captures: list[int] = field(default_factory=list)
+
+    def fitting(self) -> list[TuneRow]:
+        """The rows predicted to fit, fastest first."""
+        return [r for r in self.rows if r.fits]
+
+    def counts(self) -> dict[str, int]:
+        """Rows per status."""
+        return {s: sum(1 for r in self.rows if r.status == s) for s in STATUSES}
+
+    def to_dict(self) -> dict:
+        """JSON-able summary: counts, the best row, the Pareto front and every row."""
+        return {"wall_time": self.wall_time, "timed_out": self.timed_out, "memory_limit": self.memory_limit,
+                "counts": self.counts(), "best": self.rows[0].to_dict() if self.best is not None else None,
+                "pareto": self.pareto, "rows": [r.to_dict() for r in self.rows]}
+
+
+def _state_bound(c: Candidate, num_params: int, precision: str) -> float:
+    """Bytes every device holds at least: its ``1 / (tp pp)`` share of the weights, master
+    weights and optimizer states (the sharded part over ``dp`` with the sharded update), and of
+    the gradient buffer for Adam (AdamA keeps none). Megatron-LM's bytes per parameter
+    (:class:`engine.precision.PrecisionPolicy`)."""
+    pol = get_policy(precision)
+    shard = c.dp if "sharded-update" in c.transforms else 1
+    per_param = pol.weight_bytes + pol.sharded_bytes_per_param() / shard
+    if c.optimizer == "adam":
+        per_param += pol.grad_bytes
+    return num_params * per_param / (c.tp * c.pp)
+
+
+def _estimate(c: Candidate, flops_per_sample: float, peak: float) -> float:
+    """A quick step-time estimate that orders the visits (never used to rank): the model's
+    FLOPs over the devices' peak, with the pipeline bubble and the recomputed forward."""
+    compute = 3.0 * flops_per_sample * c.micro_batch_size * c.micro_batches * c.dp / (c.gpus * peak)
+    recompute = {"none": 1.0, "selective": 1.05, "full": 4.0 / 3.0}[c.recompute]
+    bubble = 1.0 + (c.pp - 1) / (c.micro_batches * c.virtual_stages)
+    return compute * recompute * bubble
+
+
+def _placement_bounds(cut, c: Candidate) -> tuple[float, float | None]:
+    """(step-time bound, peak-memory bound or ``None``) from a transformed model's placement:
+    the busiest device's compute (``m x`` its blocks' seconds) and the fullest device's static
+    bytes plus all its gradient buffers (live together at the step; not a bound with the sharded
+    update, whose saving the lowering takes off)."""
+    pl = cut.placement
+    busy = max(pl.busy_time(d) for d in range(pl.num_devices)) * c.micro_batches
+    if "sharded-update" in c.transforms:
+        return busy, None
+    mem = max(pl.static_bytes(d) + sum(pl.grad_bytes(s) for s in pl.grad_segments_on(d))
+              for d in range(pl.num_devices))
+    return busy, float(mem)
+
+
+@dataclass
+class _Context:
+    """What one :func:`tune` call shares across candidates."""
+
+    model: str | ModelBundle
+    task: str | None
+    seq_len: int | None
+    precision: str
+    compute: str
+    cost: CostModel
+    memory_limit: float
+    captures: dict[int, CapturedModel | TesselError] = field(default_factory=dict)
+
+
+def _config(c: Candidate, ctx: _Context):
+    return parallel_config(c.gpus, micro_batches=c.micro_batches, schedule=c.schedule, dp=c.dp, tp=c.tp,
+                           virtual_stages=c.virtual_stages, micro_batch_size=c.micro_batch_size,
+                           memory_limit=ctx.memory_limit, optimizer=c.optimizer, transforms=c.transforms,
+                           precision=ctx.precision, recompute=c.recompute)
+
+
+def _capture(c: Candidate, ctx: _Context) -> CapturedModel:
+    """The capture of ``c.micro_batch_size`` (made once, then reused; a failure is remembered)."""
+    got = ctx.captures.get(c.micro_batch_size)
+    if got is None:
+        # the capture depends only on the micro-batch size: any valid configuration of it will do
+        base = replace(c, tp=1, pp=c.gpus, dp=1, virtual_stages=1, schedule="1f1b", transforms=(), recompute="none",
+                       optimizer="adam")
+        try:
+            got = capture_model(ctx.model, _config(base, ctx), task=ctx.task, seq_len=ctx.seq_len, dtype=ctx.compute,
+                                recomputes=False)
+        except TesselError as e:
+            got = e
+        ctx.captures[c.micro_batch_size] = got
+    if isinstance(got, TesselError):
+        raise got
+    return got
+
+
+def plan_candidate(c: Candidate, ctx: _Context) -> PlanResult:
+    """``c`` planned exactly as :func:`engine.plan.make_plan` would plan it (the shared capture).
+
+    Raises:
+        TesselError: the planner refuses ``c``.
+    """
+    config = _config(c, ctx)
+    captured = recheck_capture(_capture(c, ctx), config)
+    return plan_from_capture(captured, config, ctx.cost, c.schedule, memory_limit=ctx.memory_limit)
+
+
+def _simulated_row(c: Candidate, res: PlanResult, limit: float, bounds: tuple[float | None, float | None]) -> TuneRow:
+    m = res.plan.metrics
+    peak = float(max(m["peak_memory"]))
+    status = "ok" if peak <= limit else "over memory"
+    reason = "" if status == "ok" else \
+        f"predicted peak {peak / 2**30:.1f} GiB is above the limit {limit / 2**30:.1f} GiB"
+    return TuneRow(c, status, reason, step_time=float(m["makespan"]), tokens_per_second=float(m["tokens_per_second"]),
+                   mfu=m.get("mfu"), peak_memory=peak, bubble_ratio=float(m["bubble_ratio"]),
+                   time_bound=bounds[0], memory_bound=bounds[1])
+
+
+def _dominated(t_bound: float, m_bound: float, front: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """A simulated fitting (step time, peak) no worse than the bounds on both, if any."""
+    for t, m in front:
+        if t <= t_bound and m <= m_bound:
+            return t, m
+    return None
+
+
+def _evaluate(c: Candidate, ctx: _Context, num_params: int,
+              front: list[tuple[float, float]]) -> tuple[TuneRow, PlanResult | None]:
+    """One candidate through the bounds and, unless they skip it, the full planning pipeline."""
+    limit = ctx.memory_limit
+    state = _state_bound(c, num_params, ctx.precision)
+    if state > limit:
+        return TuneRow(c, "memory bound", f"its weights and optimizer states alone need {state / 2**30:.1f} GiB per "
+                       f"device, above the limit {limit / 2**30:.1f} GiB", memory_bound=state), None
+    try:
+        config = _config(c, ctx)
+        captured = recheck_capture(_capture(c, ctx), config)
+        cut = transform_model(captured, config, ctx.cost, c.schedule, memory_limit=limit)
+        t_bound, m_place = _placement_bounds(cut, c)
+        m_bound = max(state, m_place or 0.0)
+        if m_bound > limit:
+            return TuneRow(c, "memory bound", f"its weights, optimizer states and gradients need "
+                           f"{m_bound / 2**30:.1f} GiB on a device, above the limit {limit / 2**30:.1f} GiB",
+                           time_bound=t_bound, memory_bound=m_bound), None
+        dom = _dominated(t_bound, m_bound, front)
+        if dom is not None:
+            return TuneRow(c, "dominated", f"at least {t_bound * 1e3:.4g} ms and {m_bound / 2**30:.2f} GiB, no better "
+                           f"than a simulated {dom[0] * 1e3:.4g} ms at {dom[1] / 2**30:.2f} GiB",
+                           time_bound=t_bound, memory_bound=m_bound), None
+        res = plan_from_capture(captured, config, ctx.cost, c.schedule, memory_limit=limit, cut=cut)
+    except ScheduleError as e:
+        if e.rule != "memory":
+            return TuneRow(c, "refused", " ".join(str(e).split())), None
+        return TuneRow(c, "over memory", " ".join(str(e).split()), time_bound=t_bound, memory_bound=m_bound), None
+    except TesselError as e:
+        return TuneRow(c, "refused", " ".join(str(e).split())), None
+    return _simulated_row(c, res, limit, (t_bound, m_bound)), res
+
+
+def _rank_key(r: TuneRow) -> tuple:
+    order = {s: i for i, s in enumerate(STATUSES)}
+    return (order[r.status], r.step_time if r.step_time is not None else math.inf,
+            r.peak_memory if r.peak_memory is not None else math.inf, r.candidate.label())
+
+
+def pareto_front(rows: list[TuneRow]) -> list[int]:
+    """Indices of the fitting rows that no other fitting row beats on both step time and peak
+    memory (equal on both: the first kept), fastest first."""
+    fit = sorted((i for i, r in enumerate(rows) if r.fits), key=lambda i: (rows[i].step_time, rows[i].peak_memory))
+    out: list[int] = []
+    best_mem = math.inf
+    for i in fit:
+        mem = rows[i].peak_memory
+        assert mem is not None
+        if mem < best_mem:
+            out.append(i)
+            best_mem = mem
+    return out
+
+
+def _model_facts(model: str | ModelBundle, seq_len: int | None, task: str | None, compute: str) -> ModelBundle:
+    return model if isinstance(model, ModelBundle) else build_model(model, batch_size=1, seq_len=seq_len,
+                                                                    dtype=getattr(torch, compute), task=task)
+
+
+def _heads_and_layers(bundle: ModelBundle) -> tuple[int | None, int | None]:
+    cfg = bundle.config or {}
+    heads = next((cfg[k] for k in ("num_attention_heads", "n_head", "num_heads", "n_heads") if cfg.get(k)), None)
+    layers = next((cfg[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if cfg.get(k)), None)
+    return (int(heads) if heads else None), (int(layers) if layers else None)
+
+
+def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100", precision: str | None = None,
+         seq_len: int | None = None, task: str | None = None, memory_limit: float | None = None,
+         time_limit: float | None = None, link: str | None = None, cost: CostModel | None = None,
+         keep: int = 10, progress: Callable[[int, int], None] | None = None) -> TuneResult:
+    """Search ``space`` for the fastest configuration of ``model`` that fits in memory.
+
+    Args:
+        model: a registry name, an HF ``config.json`` path (``--model-config``) or a built bundle.
+        space: what may vary (:class:`TuneSpace`); its ``heads`` and ``layers`` are read from the
+            model's config when not given.
+        device_type: the cost table entry (``h100``, ``a100``, ``cpu``).
+        precision: the precision policy (``None``: the device type's default).
+        seq_len: tokens per sample (the model's default if ``None``).
+        task: the training task (``None``: the model's own).
+        memory_limit: bytes per device (``None``: the device's capacity).
+        time_limit: seconds for the whole search (``None``: no limit); candidates not visited by
+            then are rows with status ``not visited``.
+        link: the link between ranks (:func:`engine.cost.parse_link`), both within and across nodes.
+        cost: a prepared cost model (e.g. calibrated from a profiling launch); overrides
+            ``device_type`` and ``link``.
+        keep: how many of the fastest fitting rows keep their plans (besides the Pareto front).
+        progress: called with ``(visited, total)`` after each candidate.
+
+    Returns:
+        the :class:`TuneResult` (``best`` is ``None`` when nothing fits).
+
+    Raises:
+        TesselError: an unknown model, precision or device; an empty space (:class:`TuneSpaceError`).
+    """
+    t_start = time.perf_counter()
+    precision = plan_precision(precision, None, device_type if cost is None else cost.device.name,
+                               None if cost is None else cost.dtype)
+    compute = get_policy(precision).compute_dtype
+    probe = _model_facts(model, seq_len, task, compute)
+    heads, layers = _heads_and_layers(probe)
+    space = replace(space, heads=space.heads if space.heads is not None else heads,
+                    layers=space.layers if space.layers is not None else layers)
+    cands = candidates(space)
+
+    if cost is None:
+        cost = CostModel.for_device(device_type, link=link, inter_link=link, dtype=compute,
+                                    devices_per_node=space.gpus_per_node)
+    limit = float(memory_limit) if memory_limit is not None else float(cost.device.mem_capacity)
+    ctx = _Context(model, task, seq_len, precision, compute, cost, limit)
+    first = _capture(cands[0], ctx)   # an uncapturable model is the user's error, raised here
+    num_params = int(first.graph.graph.get("num_params") or 0)
+    flops = first.graph.total_flops() / max(1, cands[0].micro_batch_size)
+    peak = cost.device.peak(compute)
+    order = sorted(range(len(cands)), key=lambda i: (_estimate(cands[i], flops, peak), i))
+
+    rows: list[TuneRow | None] = [None] * len(cands)
+    results: dict[int, PlanResult] = {}
+    front: list[tuple[float, float]] = []
+    timed_out = False
+    for n, i in enumerate(order):
+        if time_limit is not None and time.perf_counter() - t_start > time_limit:
+            timed_out = True
+            for j in order[n:]:
+                rows[j] = TuneRow(cands[j], "not visited", f"the time limit of {time_limit:g} s came first")
+            break
+        try:
+            row, res = _evaluate(cands[i], ctx, num_params, front)
+        except TuneSpaceError:
+            raise
+        rows[i] = row
+        if res is not None and row.fits:
+            results[i] = res
+            assert row.step_time is not None and row.peak_memory is not None
+            front.append((row.step_time, row.peak_memory))
+        if progress is not None:
+            progress(n + 1, len(cands))
+    done = [r for r in rows if r is not None]
+    ranked_idx = sorted(range(len(done)), key=lambda k: _rank_key(done[k]))
+    ranked = [done[k] for k in ranked_idx]
+    plans_by_cand = {id(rows[i]): res for i, res in results.items()}
+    pareto = pareto_front(ranked)
+    kept = {k for k in range(min(keep, len(ranked))) if ranked[k].fits} | set(pareto)
+    plans = {k: plans_by_cand[id(ranked[k])] for k in sorted(kept) if id(ranked[k]) in plans_by_cand}
+    best = plans.get(0) if ranked and ranked[0].fits else None
+    wall = time.perf_counter() - t_start
+    log.info("tuned %d candidates in %.1f s: %s", len(cands), wall, TuneResult(ranked, best, plans, pareto, limit,
+                                                                              space, wall).counts())
+    return TuneResult(ranked, best, plans, pareto, limit, space, wall, timed_out, sorted(ctx.captures))

@@ -1,0 +1,139 @@
+"""``engine.tune``: the tuner's best equals exhaustive enumeration with ``make_plan``, its bounds
+never exceed what it simulates, the space's rules, the time limit and the nothing-fits sentence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.errors import TesselError, TuneError
+from engine.plan import make_plan
+from engine.tune import Candidate, TuneSpace, candidates, pareto_front, tune
+from engine.tune.report import nothing_fits_advice, why_runner_up_loses
+
+MODEL = "llama-tiny"
+SEQ = 32
+SPACE = TuneSpace(gpus=4, global_batch=8, gpus_per_node=4, micro_batch_sizes=(1, 2), schedules=("1f1b", "zb-h1"),
+                  recompute=("none", "full"), sequence_parallel=False, overlap_grad_sync=False)
+
+
+def _reference(c: Candidate, limit: float | None):
+    """``c`` planned on its own by make_plan: (makespan, peak) or None when refused or over the limit."""
+    try:
+        r = make_plan(MODEL, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches,
+                      micro_batch_size=c.micro_batch_size, schedule=c.schedule, virtual_stages=c.virtual_stages,
+                      recompute=c.recompute, transforms=c.transforms, optimizer=c.optimizer, seq_len=SEQ,
+                      device_type="h100", memory_limit=limit)
+    except TesselError:
+        return None
+    peak = max(r.plan.metrics["peak_memory"])
+    if limit is not None and peak > limit:
+        return None
+    return r.plan.metrics["makespan"], peak
+
+
+@pytest.fixture(scope="module")
+def unlimited():
+    return tune(MODEL, SPACE, device_type="h100", seq_len=SEQ)
+
+
+#: A smaller space for the memory-limited comparison (its reference plans every candidate again).
+SMALL = TuneSpace(gpus=4, global_batch=4, gpus_per_node=4, micro_batch_sizes=(1,), schedules=("1f1b", "zb-h1"),
+                  recompute=("none", "full"), sequence_parallel=False, overlap_grad_sync=False)
+
+
+@pytest.fixture(scope="module")
+def limited():
+    free = tune(MODEL, SMALL, device_type="h100", seq_len=SEQ)
+    peaks = sorted(r.peak_memory for r in free.fitting())
+    limit = peaks[len(peaks) // 2]   # about half the simulated candidates fit
+    return limit, tune(MODEL, SMALL, device_type="h100", seq_len=SEQ, memory_limit=limit)
+
+
+@pytest.mark.parametrize("which", ["unlimited", "limited"])
+def test_the_tuners_best_equals_exhaustive_enumeration(which, unlimited, limited):
+    limit, result = (None, unlimited) if which == "unlimited" else limited
+    ref = {}
+    for c in candidates(result.space):
+        got = _reference(c, limit)
+        if got is not None:
+            ref[c] = got
+    assert ref, "the reference found nothing that fits"
+    best = min(ref, key=lambda c: (ref[c][0], ref[c][1], c.label()))
+    row = result.rows[0]
+    assert row.fits and row.candidate == best
+    assert row.step_time == pytest.approx(ref[best][0], rel=1e-12)
+    assert row.peak_memory == pytest.approx(ref[best][1], rel=1e-12)
+    assert result.best is not None and result.best.plan.metrics["makespan"] == pytest.approx(ref[best][0], rel=1e-12)
+    # every simulated candidate predicts what make_plan predicts for it; none the reference has is lost
+    fitting = {r.candidate: r for r in result.fitting()}
+    for c, r in fitting.items():
+        assert c in ref and r.step_time == pytest.approx(ref[c][0], rel=1e-12)
+    skipped = {r.candidate for r in result.rows if r.status == "dominated"}
+    assert set(ref) <= set(fitting) | skipped
+    if which == "limited":
+        assert result.counts()["memory bound"] + result.counts()["over memory"] > 0
+
+
+def test_bounds_never_exceed_the_simulation(unlimited):
+    sim = [r for r in unlimited.rows if r.step_time is not None]
+    assert len(sim) >= 10
+    for r in sim:
+        assert r.time_bound is not None and r.time_bound <= r.step_time * (1 + 1e-9), r.candidate.label()
+        assert r.memory_bound is not None and r.memory_bound <= r.peak_memory * (1 + 1e-9), r.candidate.label()
+
+
+def test_the_pareto_front_is_every_undominated_fitting_row(unlimited):
+    fit = [(i, r) for i, r in enumerate(unlimited.rows) if r.fits]
+    front = set(unlimited.pareto)
+    for i, r in fit:
+        beaten = any(o.step_time <= r.step_time and o.peak_memory <= r.peak_memory
+                     and (o.step_time, o.peak_memory) != (r.step_time, r.peak_memory) for _, o in fit)
+        if beaten:
+            assert i not in front
+    assert unlimited.pareto[0] == 0 and unlimited.pareto == pareto_front(unlimited.rows)
+    steps = [unlimited.rows[i].step_time for i in unlimited.pareto]
+    mems = [unlimited.rows[i].peak_memory for i in unlimited.pareto]
+    assert steps == sorted(steps) and mems == sorted(mems, reverse=True)
+
+
+def test_the_runner_up_line_names_how_much_slower_and_why(unlimited):
+    line = why_runner_up_loses(unlimited)
+    a, b = unlimited.fitting()[:2]
+    assert b.candidate.label() in line and "differs in" in line
+    if b.step_time > a.step_time:
+        assert f"{b.step_time / a.step_time - 1:.1%} slower" in line
+
+
+def test_the_space_follows_the_degrees_rules():
+    space = TuneSpace(gpus=16, global_batch=32, gpus_per_node=4, heads=6, layers=4)
+    cs = candidates(space)
+    assert cs and all(c.tp * c.pp * c.dp == 16 for c in cs)
+    assert {c.tp for c in cs} == {1, 2}          # divides 4 GPUs per node and 6 heads
+    assert all(c.pp * c.virtual_stages <= 4 for c in cs)
+    assert all(c.micro_batch_size * c.micro_batches * c.dp == 32 for c in cs)
+    assert all(c.schedule == "1f1b" for c in cs if c.pp == 1)
+    assert not any("tp-split" in c.transforms for c in cs if c.tp == 1)
+    assert not any("sharded-update" in c.transforms and "overlap-grad-sync" in c.transforms for c in cs)
+    with pytest.raises(TuneError, match="global batch"):
+        candidates(TuneSpace(gpus=3, global_batch=4, gpus_per_node=1, max_pp=1))
+    with pytest.raises(TuneError, match="unknown schedule"):
+        TuneSpace(gpus=4, global_batch=4, schedules=("1f1c",))
+
+
+def test_a_time_limit_stops_the_search_and_says_so():
+    res = tune(MODEL, SPACE, device_type="h100", seq_len=SEQ, time_limit=1e-9)
+    assert res.timed_out and res.best is None
+    assert all(r.status == "not visited" for r in res.rows)
+    assert "larger --time-limit" in nothing_fits_advice(res)
+
+
+def test_nothing_fits_names_the_smallest_change():
+    space = TuneSpace(gpus=2, global_batch=4, gpus_per_node=2, micro_batch_sizes=(2,), schedules=("1f1b",),
+                      recompute=("none",), sequence_parallel=False, overlap_grad_sync=False)
+    res = tune(MODEL, space, device_type="h100", seq_len=SEQ, memory_limit=2**20)
+    assert res.best is None and not res.fitting()
+    advice = nothing_fits_advice(res)
+    assert advice.startswith("nothing fits in 0.0 GiB per device") and "full recomputation" in advice
+    assert "\n" not in advice and math.isfinite(res.memory_limit)

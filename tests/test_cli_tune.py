@@ -1,0 +1,99 @@
+"""``tessel tune``: the ranked table and the files it writes (a plan that loads and predicts what
+the table says, the CSV of every row, torchtitan's TOML and Megatron-LM's arguments), ``--json``,
+and its refusals in one sentence with exit status 2."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+import tomllib
+
+import pytest
+from cli_inprocess import run_cli
+
+from engine.io import load_plan
+from engine.plan import predicted_metrics
+
+ARGS = ("tune", "--model", "llama-tiny", "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8",
+        "--seq-len", "32", "--micro-batch-sizes", "1,2", "--schedules", "1f1b,zb-h1,interleaved",
+        "--recompute", "none,full")
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tune")
+    p = run_cli(*ARGS, "-o", str(out), "--json", "--top", "5")
+    assert p.returncode == 0, p.stderr
+    return out, p, json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_tune_prints_the_ranked_table_and_the_runner_up_line(tuned):
+    out, p, _ = tuned
+    text = p.stdout
+    assert "configurations" in text and " fit" in text
+    header = next(line for line in text.splitlines() if line.startswith("#"))
+    for col in ("tp", "pp", "dp", "schedule", "recompute", "step ms", "tokens/s", "MFU", "peak GiB", "bubble"):
+        assert col in header
+    assert "the runner-up (" in text and "slower" in text or "same step time" in text
+    assert "Pareto front" in text and "tessel launch it" in text
+
+
+def test_the_written_plan_loads_and_predicts_the_best_row(tuned):
+    out, _, res = tuned
+    plan = load_plan(out / "plan.json")
+    best = res["best"]
+    par = plan.parallel
+    assert (par.tp, par.pp, par.dp, par.micro_batch_size, par.micro_batches, par.recompute) == (
+        best["tp"], best["pp"], best["dp"], best["micro_batch_size"], best["micro_batches"], best["recompute"])
+    assert plan.schedule.name == best["schedule"]
+    assert predicted_metrics(plan)["makespan"] == pytest.approx(best["step_time"], rel=1e-9)
+    assert res["top"][0] == best and res["top"][0]["step_time"] <= res["top"][-1]["step_time"]
+    assert json.loads((out / "trace.json").read_text())["traceEvents"]
+
+
+def test_the_csv_holds_every_row_ranked(tuned):
+    out, _, res = tuned
+    rows = list(csv.DictReader((out / "tune.csv").open()))
+    assert len(rows) == sum(res["counts"].values())
+    assert rows[0]["label"] == res["best"]["label"] and rows[0]["status"] == "ok"
+    ok = [float(r["step_time"]) for r in rows if r["status"] == "ok"]
+    assert ok == sorted(ok)
+
+
+def test_the_runtime_configs_carry_the_best_degrees(tuned):
+    out, _, res = tuned
+    best = res["best"]
+    titan = tomllib.loads((out / "torchtitan.toml").read_text())
+    par = titan["parallelism"]
+    assert par["tensor_parallel_degree"] == best["tp"] and par["pipeline_parallel_degree"] == best["pp"]
+    mega = [line for line in (out / "megatron_args.sh").read_text().splitlines() if not line.startswith("#")]
+    words = shlex.split(" ".join(mega))
+    assert words[words.index("--tensor-model-parallel-size") + 1] == str(best["tp"])
+    assert words[words.index("--micro-batch-size") + 1] == str(best["micro_batch_size"])
+
+
+def test_nothing_fits_is_one_sentence_with_exit_status_2(tmp_path):
+    p = run_cli("tune", "--model", "llama-tiny", "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
+                "--micro-batch-sizes", "2", "--schedules", "1f1b", "--recompute", "none", "--memory-limit", "0.001",
+                "-o", str(tmp_path / "o"))
+    assert p.returncode == 2
+    err = p.stderr.strip()
+    assert err.startswith("tessel tune: error: nothing fits in") and "\n" not in err
+    assert "full recomputation" in err and not (tmp_path / "o" / "plan.json").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("--gpus", "3", "--global-batch", "4", "--gpus-per-node", "1", "--max-pp", "1"), "global batch"),
+    (("--gpus", "4", "--global-batch", "4", "--schedules", "1f1c"), "unknown schedule"),
+    (("--gpus", "4", "--global-batch", "4", "--micro-batch-sizes", "0"), "positive whole numbers"),
+    (("--gpus", "4"), "--global-batch"),
+])
+def test_bad_spaces_are_refused_in_one_sentence(argv, words, tmp_path):
+    p = run_cli("tune", "--model", "llama-tiny", *argv, "-o", str(tmp_path))
+    assert p.returncode == 2 and words in p.stderr and p.stderr.count("\n") <= 2
+
+
+def test_a_model_is_required(tmp_path):
+    p = run_cli("tune", "--gpus", "4", "--global-batch", "4", "-o", str(tmp_path))
+    assert p.returncode == 2 and "--model" in p.stderr
