@@ -27,7 +27,7 @@ from apps.output import table
 from engine.baselines import SCHEDULES
 from engine.errors import NothingFitsError, TuneError
 from engine.io.atomic import atomic_write_files, check_output_folder
-from engine.tune.export import megatron_args, torchtitan_toml
+from engine.tune.export import runtime_config_texts
 from engine.tune.report import TABLE_HEADERS, csv_text, nothing_fits_advice, table_row, why_runner_up_loses
 from engine.tune.space import DEFAULT_SCHEDULES, TuneSpace
 
@@ -99,13 +99,12 @@ def _space(args: argparse.Namespace) -> TuneSpace:
                      optimizers=("adam", "adama") if args.adama else ("adam",), max_tp=args.max_tp, max_pp=args.max_pp)
 
 
-def _output_texts(result) -> dict[str, str]:
+def _output_texts(result, folder) -> dict[str, str]:
+    """The texts of :data:`OUTPUT_FILES`: the best plan's (as ``tessel plan`` writes them), every
+    row as CSV, and the plan as torchtitan and Megatron-LM take it (:mod:`engine.tune.export`)."""
     files = plan_files(result.best)
-    titan, mega = torchtitan_toml(result.best.plan), megatron_args(result.best.plan)
     files["tune.csv"] = csv_text(result)
-    files["torchtitan.toml"] = titan.text
-    notes = "".join(f"# not expressible: {n}\n" for n in mega.not_expressible)
-    files["megatron_args.sh"] = f"# Megatron-LM pretrain_gpt.py arguments of the tuned plan\n{notes}{mega.text}\n"
+    files.update(runtime_config_texts(result.best.plan, folder))   # its schedule.csv is the plan's
     return files
 
 
@@ -145,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
             bar.close()
     if result.best is None:
         raise NothingFitsError(nothing_fits_advice(result))
-    written = atomic_write_files(out, _output_texts(result))
+    written = atomic_write_files(out, _output_texts(result, out))
     counts = result.counts()
     print(f"{result.best.plan.model.name} on {space.gpus} x {args.device_type} ({space.gpus_per_node} per node), "
           f"global batch {space.global_batch}: {len(result.rows)} configurations, {counts['ok']} fit, "

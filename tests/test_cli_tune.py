@@ -7,9 +7,9 @@ from __future__ import annotations
 import csv
 import json
 import shlex
-import tomllib
 
 import pytest
+import tomllib
 from cli_inprocess import run_cli
 
 from engine.io import load_plan
@@ -67,8 +67,8 @@ def test_the_runtime_configs_carry_the_best_degrees(tuned):
     titan = tomllib.loads((out / "torchtitan.toml").read_text())
     par = titan["parallelism"]
     assert par["tensor_parallel_degree"] == best["tp"] and par["pipeline_parallel_degree"] == best["pp"]
-    mega = [line for line in (out / "megatron_args.sh").read_text().splitlines() if not line.startswith("#")]
-    words = shlex.split(" ".join(mega))
+    line = next(x for x in (out / "megatron_args.sh").read_text().splitlines() if x.startswith("MEGATRON_ARGS=("))
+    words = shlex.split(line[len("MEGATRON_ARGS=("):-1])
     assert words[words.index("--tensor-model-parallel-size") + 1] == str(best["tp"])
     assert words[words.index("--micro-batch-size") + 1] == str(best["micro_batch_size"])
 

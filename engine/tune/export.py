@@ -54,7 +54,7 @@ from engine.precision import get_policy
 from engine.recompute import RECOMPUTE, plan_granularities
 
 __all__ = ["RuntimeConfig", "TORCHTITAN_FILE", "MEGATRON_FILE", "SCHEDULE_CSV_FILE", "megatron_args",
-           "torchtitan_toml", "write_runtime_configs"]
+           "runtime_config_texts", "torchtitan_toml", "write_runtime_configs"]
 
 #: File names :func:`write_runtime_configs` writes.
 TORCHTITAN_FILE = "torchtitan.toml"
@@ -648,6 +648,25 @@ def _megatron_script(plan: Plan, cfg: RuntimeConfig) -> str:
     return "\n".join(lines)
 
 
+def runtime_config_texts(plan: Plan, folder: str | os.PathLike) -> dict[str, str]:
+    """The texts :func:`write_runtime_configs` writes into ``folder``: ``{file name: text}``
+    (:data:`TORCHTITAN_FILE`, :data:`MEGATRON_FILE` and, where the TOML replays the plan's order,
+    :data:`SCHEDULE_CSV_FILE`, named in the TOML by its absolute path under ``folder``), for a
+    caller that writes them with other files in one :func:`engine.io.atomic.atomic_write_files`.
+
+    Raises:
+        TransformError: the plan's precision or a segment's recomputation is unknown.
+    """
+    csv_path = str((Path(folder) / SCHEDULE_CSV_FILE).resolve())
+    tt, uses_csv = _torchtitan(plan, csv_path)
+    files: dict[str, str] = {TORCHTITAN_FILE: tt.text}
+    csv = _csv_text(plan) if uses_csv else None
+    if csv is not None:
+        files[SCHEDULE_CSV_FILE] = csv
+    files[MEGATRON_FILE] = _megatron_script(plan, megatron_args(plan))
+    return files
+
+
 def write_runtime_configs(plan: Plan, folder: str | os.PathLike) -> dict[str, Path]:
     """Write :data:`TORCHTITAN_FILE` (:func:`torchtitan_toml`) and :data:`MEGATRON_FILE` (a bash
     file defining the array ``MEGATRON_ARGS`` from :func:`megatron_args`, its header listing
@@ -664,12 +683,4 @@ def write_runtime_configs(plan: Plan, folder: str | os.PathLike) -> dict[str, Pa
         OutputPathError: ``folder`` is a file, or a target is a folder.
         TransformError: the plan's precision or a segment's recomputation is unknown.
     """
-    folder = Path(folder)
-    csv_path = str((folder / SCHEDULE_CSV_FILE).resolve())
-    tt, uses_csv = _torchtitan(plan, csv_path)
-    files: dict[str, str] = {TORCHTITAN_FILE: tt.text}
-    csv = _csv_text(plan) if uses_csv else None
-    if csv is not None:
-        files[SCHEDULE_CSV_FILE] = csv
-    files[MEGATRON_FILE] = _megatron_script(plan, megatron_args(plan))
-    return atomic_write_files(folder, files)
+    return atomic_write_files(folder, runtime_config_texts(plan, folder))
