@@ -529,7 +529,8 @@ def balanced_partition(weights: Sequence[float], k: int, *, fits=None, fits_segm
 
 def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float | None = None,
                    optimizer: str = "adam", loss_parallel: bool = False,
-                   stage_recompute: Sequence[str] | None = None) -> tuple[list[Segment], list[str]]:
+                   stage_recompute: Sequence[str] | None = None,
+                   layers: Sequence[LayerCost] | None = None) -> tuple[list[Segment], list[str]]:
     """Cut the graph into ``config.num_segments`` balanced segments (``config.transforms``: CoCoNet's
     ``tp-split`` and ``chunked-overlap`` change the layers' tensor-parallel costs, :func:`layer_costs`).
 
@@ -548,6 +549,9 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
         stage_recompute: per-stage activation recomputation overriding ``config.recompute``: one
             granularity per segment, or one per pipeline stage (``pp``) applied to its segments
             (:func:`engine.recompute.stage_granularities`).
+        layers: :func:`layer_costs` of ``graph`` and ``cost`` under ``config`` (its ``tp``,
+            ``tp-split`` and ``chunked-overlap``) and ``loss_parallel``, when the caller already
+            has them (``tessel tune`` shares them across configurations); read, not changed.
 
     Activation recomputation (``config.recompute``, Korthikanti et al. 2022, section 5): a
     segment's ``activation_bytes`` is what its granularity keeps per micro-batch
@@ -565,9 +569,10 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
     """
     config.check()
     check_optimizer(optimizer)
-    layers = layer_costs(graph, cost, config.tp, loss_parallel=loss_parallel,
-                         sequence_parallel="tp-split" in config.transforms,
-                         overlap_chunks=config.overlap_chunks if "chunked-overlap" in config.transforms else 1)
+    if layers is None:
+        layers = layer_costs(graph, cost, config.tp, loss_parallel=loss_parallel,
+                             sequence_parallel="tp-split" in config.transforms,
+                             overlap_chunks=config.overlap_chunks if "chunked-overlap" in config.transforms else 1)
     k = config.num_segments
     if k > len(layers):
         raise TransformError(

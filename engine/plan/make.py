@@ -50,6 +50,7 @@ from engine.split import choose_split
 from engine.timeline import Timeline
 from engine.transform import (
     LOSS_PARALLEL_TASKS,
+    LayerCost,
     ParallelConfig,
     Segment,
     TransformError,
@@ -471,12 +472,14 @@ class TransformedModel:
 
 def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostModel, schedule: str, *,
                     memory_limit: float | None = None,
-                    stage_recompute: Sequence[str] | None = None) -> TransformedModel:
+                    stage_recompute: Sequence[str] | None = None,
+                    layers: Sequence[LayerCost] | None = None) -> TransformedModel:
     """Cut the captured graph into segments under ``memory_limit`` (bytes per device;
     :func:`engine.transform.split_segments`), count the tied copies and each expert-parallel
     rank's experts in them, and build the placement ``schedule`` needs
     (:func:`placement_from_segments`); ``stage_recompute``: the per-segment override of
-    ``config.recompute`` (:func:`engine.transform.split_segments`).
+    ``config.recompute``, ``layers``: the layers' costs when the caller has them
+    (:func:`engine.transform.split_segments`).
 
     Raises:
         TransformError: a split that does not fit.
@@ -484,7 +487,7 @@ def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostM
     bundle, optimizer = captured.bundle, config.optimizer
     segments, warnings = split_segments(captured.graph, cost, config, memory_limit=memory_limit, optimizer=optimizer,
                                         loss_parallel=bundle.task in LOSS_PARALLEL_TASKS,
-                                        stage_recompute=stage_recompute)
+                                        stage_recompute=stage_recompute, layers=layers)
     seg_layers = [s.layers for s in segments]
     tied = tied_parameter_groups(bundle.module, seg_layers)
     segments = add_tied_copies(segments, tied, config.tp)

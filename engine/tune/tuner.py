@@ -37,11 +37,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-import torch
-
 from engine.cost import CostModel
 from engine.errors import ScheduleError, TesselError
-from engine.models import ModelBundle, build_model
+from engine.models import ModelBundle
 from engine.plan.make import (
     CapturedModel,
     PlanResult,
@@ -52,6 +50,7 @@ from engine.plan.make import (
     transform_model,
 )
 from engine.precision import get_policy, plan_precision
+from engine.transform import LOSS_PARALLEL_TASKS, LayerCost, layer_costs
 from engine.tune.space import Candidate, TuneSpace, TuneSpaceError, candidates
 
 log = logging.getLogger(__name__)
@@ -172,17 +171,31 @@ def _estimate(c: Candidate, flops_per_sample: float, peak: float) -> float:
 
 
 def _placement_bounds(cut, c: Candidate) -> tuple[float, float | None]:
-    """(step-time bound, peak-memory bound or ``None``) from a transformed model's placement:
-    the busiest device's compute (``m x`` its blocks' seconds) and the fullest device's static
-    bytes plus all its gradient buffers (live together at the step; not a bound with the sharded
-    update, whose saving the lowering takes off)."""
+    """(step-time bound, peak-memory bound or ``None``) from a transformed model's placement.
+
+    Time: on each device, the forwards of every segment before its first one must run before it
+    starts (``head``), then it computes ``m x`` its blocks' seconds one at a time, and without a
+    split backward its last block is a backward whose input gradient must still flow back through
+    those earlier segments (``tail``, their backward blocks); the bound is the largest
+    ``head + m busy + tail``. Memory: the fullest device's static bytes plus all its gradient
+    buffers (live together at the step; not a bound with the sharded update, whose saving the
+    lowering takes off)."""
     pl = cut.placement
-    busy = max(pl.busy_time(d) for d in range(pl.num_devices)) * c.micro_batches
+    segs = sorted({b.segment for b in pl.blocks})
+    split = any(b.kind == "I" for b in pl.blocks)
+    fwd = {s: pl.spec("F", s).duration for s in segs}
+    back = {s: pl.spec("I" if split else "B", s).duration for s in segs}
+    t_bound = 0.0
+    for d in range(pl.num_devices):
+        first = min(b.segment for b in pl.blocks if d in b.devices)
+        head = sum(fwd[s] for s in segs if s < first)
+        tail = 0.0 if split else sum(back[s] for s in segs if s < first)
+        t_bound = max(t_bound, head + pl.busy_time(d) * c.micro_batches + tail)
     if "sharded-update" in c.transforms:
-        return busy, None
+        return t_bound, None
     mem = max(pl.static_bytes(d) + sum(pl.grad_bytes(s) for s in pl.grad_segments_on(d))
               for d in range(pl.num_devices))
-    return busy, float(mem)
+    return t_bound, float(mem)
 
 
 @dataclass
@@ -197,6 +210,7 @@ class _Context:
     cost: CostModel
     memory_limit: float
     captures: dict[int, CapturedModel | TesselError] = field(default_factory=dict)
+    layer_costs: dict[tuple, list[LayerCost]] = field(default_factory=dict)
 
 
 def _config(c: Candidate, ctx: _Context):
@@ -221,6 +235,19 @@ def _capture(c: Candidate, ctx: _Context) -> CapturedModel:
         ctx.captures[c.micro_batch_size] = got
     if isinstance(got, TesselError):
         raise got
+    return got
+
+
+def _layers(c: Candidate, captured: CapturedModel, ctx: _Context) -> list[LayerCost]:
+    """The layers' costs of ``c`` (:func:`engine.transform.layer_costs`), computed once per micro-batch
+    size, tensor degree and sequence parallelism and shared by every pipeline degree and schedule."""
+    sp = "tp-split" in c.transforms
+    key = (c.micro_batch_size, c.tp, sp)
+    got = ctx.layer_costs.get(key)
+    if got is None:
+        got = layer_costs(captured.graph, ctx.cost, c.tp, loss_parallel=captured.bundle.task in LOSS_PARALLEL_TASKS,
+                          sequence_parallel=sp)
+        ctx.layer_costs[key] = got
     return got
 
 
@@ -265,7 +292,8 @@ def _evaluate(c: Candidate, ctx: _Context, num_params: int,
     try:
         config = _config(c, ctx)
         captured = recheck_capture(_capture(c, ctx), config)
-        cut = transform_model(captured, config, ctx.cost, c.schedule, memory_limit=limit)
+        cut = transform_model(captured, config, ctx.cost, c.schedule, memory_limit=limit,
+                              layers=_layers(c, captured, ctx))
         t_bound, m_place = _placement_bounds(cut, c)
         m_bound = max(state, m_place or 0.0)
         if m_bound > limit:
@@ -308,11 +336,6 @@ def pareto_front(rows: list[TuneRow]) -> list[int]:
     return out
 
 
-def _model_facts(model: str | ModelBundle, seq_len: int | None, task: str | None, compute: str) -> ModelBundle:
-    return model if isinstance(model, ModelBundle) else build_model(model, batch_size=1, seq_len=seq_len,
-                                                                    dtype=getattr(torch, compute), task=task)
-
-
 def _heads_and_layers(bundle: ModelBundle) -> tuple[int | None, int | None]:
     cfg = bundle.config or {}
     heads = next((cfg[k] for k in ("num_attention_heads", "n_head", "num_heads", "n_heads") if cfg.get(k)), None)
@@ -353,20 +376,20 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
     precision = plan_precision(precision, None, device_type if cost is None else cost.device.name,
                                None if cost is None else cost.dtype)
     compute = get_policy(precision).compute_dtype
-    probe = _model_facts(model, seq_len, task, compute)
-    heads, layers = _heads_and_layers(probe)
-    space = replace(space, heads=space.heads if space.heads is not None else heads,
-                    layers=space.layers if space.layers is not None else layers)
-    cands = candidates(space)
-
     if cost is None:
         cost = CostModel.for_device(device_type, link=link, inter_link=link, dtype=compute,
                                     devices_per_node=space.gpus_per_node)
     limit = float(memory_limit) if memory_limit is not None else float(cost.device.mem_capacity)
     ctx = _Context(model, task, seq_len, precision, compute, cost, limit)
-    first = _capture(cands[0], ctx)   # an uncapturable model is the user's error, raised here
+    mbs0 = space.micro_batch_sizes[0]
+    # an uncapturable model is the user's error, raised here; the capture also gives heads and layers
+    first = _capture(Candidate(1, space.gpus, 1, 1, mbs0, 1, "1f1b", "none"), ctx)
+    heads, layers = _heads_and_layers(first.bundle)
+    space = replace(space, heads=space.heads if space.heads is not None else heads,
+                    layers=space.layers if space.layers is not None else layers)
+    cands = candidates(space)
     num_params = int(first.graph.graph.get("num_params") or 0)
-    flops = first.graph.total_flops() / max(1, cands[0].micro_batch_size)
+    flops = first.graph.total_flops() / mbs0
     peak = cost.device.peak(compute)
     order = sorted(range(len(cands)), key=lambda i: (_estimate(cands[i], flops, peak), i))
 
