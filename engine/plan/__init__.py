@@ -28,9 +28,9 @@ model may import :mod:`engine.plan.make` directly.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from engine.lazy_names import load_lazy_name
 from engine.plan.calibrate import CalibrationCheck, calibrate_plan, resimulate, with_calibration, with_segment_times
 from engine.plan.check import check_plan
 from engine.plan.compare import ScheduleMetrics, compare_baselines, measure
@@ -64,9 +64,4 @@ __all__ = ["METRIC_KEYS", "CalibrationCheck", "MemoryLimitError", "PlanResult", 
 
 def __getattr__(name: str) -> Any:
     """PEP 562: ``engine.plan.make_plan`` and the other names of :data:`_LAZY`, imported on first use."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return load_lazy_name(__name__, _LAZY, globals(), name)

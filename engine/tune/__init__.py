@@ -10,9 +10,9 @@ The tuner captures models, so it imports torch: its names are loaded on first us
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from engine.lazy_names import load_lazy_name
 from engine.tune.space import Candidate, TuneSpace, TuneSpaceError, candidates
 
 if TYPE_CHECKING:
@@ -28,9 +28,4 @@ __all__ = ["Candidate", "STATUSES", "TuneResult", "TuneRow", "TuneSpace", "TuneS
 
 def __getattr__(name: str) -> Any:
     """PEP 562: ``engine.tune.tune`` and the other names of :data:`_LAZY`, imported on first use."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return load_lazy_name(__name__, _LAZY, globals(), name)
