@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -204,6 +205,38 @@ def _search(args) -> _Searched:
         ) from None
 
 
+def faster_row(rows: list[ScheduleMetrics], searched) -> ScheduleMetrics | None:
+    """The fastest compared row within the memory limit when it beats the searched plan (the first
+    row), else ``None``."""
+    ok = [r for r in rows[1:] if r.makespan is not None and not r.over_limit]
+    best = min(ok, key=lambda r: float(r.makespan or 0.0), default=None)
+    tess = rows[0]
+    if best is None or tess.makespan is None or best.makespan >= tess.makespan * (1 - 1e-9):
+        return None
+    return best
+
+
+def faster_note(args, row: ScheduleMetrics, tess: ScheduleMetrics, searched) -> str:
+    """One line: which compared row is faster than the plan written, and how to get it as a plan."""
+    where = _placement_label(row.schedule.placement, searched) if row.schedule is not None else ""
+    name = row.name.split(" (")[0]
+    if args.model:
+        flags = [f"--model {shlex.quote(str(args.model))}", f"--schedule {name}",
+                 f"--devices {args.devices or DEFAULT_DEVICES}", f"--micro-batches {args.micro_batches}",
+                 f"--device-type {args.device_type}"]
+        for opt in ("micro_batch_size", "seq_len", "precision", "recompute", "link", "memory_limit"):
+            v = getattr(args, opt, None)
+            default = {"recompute": "none", "micro_batch_size": 1}.get(opt)
+            if v is not None and v != default:
+                flags.append(f"--{opt.replace('_', '-')} {shlex.quote(str(v))}")
+        how = f"`tessel plan {' '.join(flags)}` writes it, or `tessel tune` searches every schedule and degree"
+        return (f"note: {row.name}{' ' + where if where else ''} predicts {row.makespan * 1e3:.4g} ms, "
+                f"{1 - row.makespan / tess.makespan:.1%} faster than the searched plan written "
+                f"({tess.makespan * 1e3:.4g} ms); {how}")
+    return (f"note: {row.name}{' ' + where if where else ''} is {1 - row.makespan / tess.makespan:.1%} shorter than "
+            f"the searched plan written ({row.makespan:.4g} against {tess.makespan:.4g} units)")
+
+
 def _optimal_note(res) -> str:
     """", optimal" when the period is proven shortest; a window size's optimum says which size."""
     if not res.optimal:
@@ -318,6 +351,9 @@ def run(args: argparse.Namespace) -> dict:
     plan_path, trace_path, csv_path, csv_note = _write(out, found)
     _print_search(args, found, rows, unit_mem)
     print(f"wrote {plan_path}, {trace_path}" + (f", {csv_path}" if csv_path else f" (no CSV: {csv_note})"))
+    faster = faster_row(rows, found.placement)
+    if faster is not None:
+        print(faster_note(args, faster, tess, found.placement))
     return {
         "plan": str(plan_path), "trace": str(trace_path), "csv": csv_path,
         "period": res.period, "period_lower_bound": res.period_lower_bound, "bubble_ratio": tess.bubble_ratio,
@@ -328,6 +364,7 @@ def run(args: argparse.Namespace) -> dict:
         "completion_time": res.completion_time, "total_time": res.total_time, "optimal": res.optimal,
         "optimal_at_resolution": res.optimal_at_resolution, "rounded": res.rounded, "resolution": res.resolution,
         "wall_guard_hit": res.wall_guard_hit,
+        "faster_row": None if faster is None else {"schedule": faster.name, "makespan": faster.makespan},
         "timed_out": res.timed_out, "window_micro_batches": res.repetend.micro_batches,
         "baselines": {r.name: {**r.to_dict(), "peak_memory": [unit_mem(x) for x in (r.peak_memory or [])],
                                "placement": r.schedule.placement.name if r.schedule is not None else None}

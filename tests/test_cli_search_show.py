@@ -136,3 +136,23 @@ def test_show_memory_limit_is_in_the_plan_units_and_must_be_positive(tmp_path, c
     assert rc == 2 and "memory" in err
     rc, _, err = cli(["show", plan, "--memory-limit", "0"], capsys)
     assert rc == 2 and "argument --memory-limit" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_compared_row_faster_than_the_searched_plan_is_named_with_the_command_that_plans_it(tmp_path, capsys):
+    """llama-tiny on M (4 devices, 8 micro-batches): ZB-H1 on the plain pipeline beats the searched
+    plan; the search says so, and the `tessel plan` command it prints predicts that row's time."""
+    import shlex
+
+    rc, out, _ = cli(["search", "--model", "llama-tiny", "--placement", "m", "--devices", "4", "--micro-batches", "8",
+                      "-o", str(tmp_path / "s"), "--json"], capsys)
+    assert rc == 0
+    res = json.loads(out.strip().splitlines()[-1])
+    faster = res["faster_row"]
+    assert faster is not None and faster["makespan"] < res["makespan"]
+    note = next(line for line in out.splitlines() if line.startswith("note: "))
+    assert f"faster than the searched plan written ({res['makespan'] * 1e3:.4g} ms)" in note
+    words = shlex.split(note.split("`")[1])
+    assert words[:2] == ["tessel", "plan"]
+    rc, out, _ = cli([*words[1:], "-o", str(tmp_path / "p"), "--json"], capsys)
+    planned = json.loads(out.strip().splitlines()[-1])
+    assert rc == 0 and planned["makespan"] == pytest.approx(faster["makespan"], rel=1e-9)
