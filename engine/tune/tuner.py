@@ -211,6 +211,7 @@ class _Context:
     memory_limit: float
     captures: dict[int, CapturedModel | TesselError] = field(default_factory=dict)
     layer_costs: dict[tuple, list[LayerCost]] = field(default_factory=dict)
+    simulated: dict[tuple, TuneRow] = field(default_factory=dict)
 
 
 def _config(c: Candidate, ctx: _Context):
@@ -289,6 +290,7 @@ def _evaluate(c: Candidate, ctx: _Context, num_params: int,
     if state > limit:
         return TuneRow(c, "memory bound", f"its weights and optimizer states alone need {state / 2**30:.1f} GiB per "
                        f"device, above the limit {limit / 2**30:.1f} GiB", memory_bound=state), None
+    sig: tuple | None = None
     try:
         config = _config(c, ctx)
         captured = recheck_capture(_capture(c, ctx), config)
@@ -305,14 +307,35 @@ def _evaluate(c: Candidate, ctx: _Context, num_params: int,
             return TuneRow(c, "dominated", f"at least {t_bound * 1e3:.4g} ms and {m_bound / 2**30:.2f} GiB, no better "
                            f"than a simulated {dom[0] * 1e3:.4g} ms at {dom[1] / 2**30:.2f} GiB",
                            time_bound=t_bound, memory_bound=m_bound), None
+        sig = _signature(c, cut)
+        twin = ctx.simulated.get(sig)
+        if twin is not None:   # planned and simulated already under another name: the same prediction
+            return replace(twin, candidate=c, time_bound=t_bound, memory_bound=m_bound,
+                           reason=twin.reason or f"predicted as {twin.candidate.label()}, whose plan is the same"), None
         res = plan_from_capture(captured, config, ctx.cost, c.schedule, memory_limit=limit, cut=cut)
     except ScheduleError as e:
         if e.rule != "memory":
             return TuneRow(c, "refused", " ".join(str(e).split())), None
-        return TuneRow(c, "over memory", " ".join(str(e).split()), time_bound=t_bound, memory_bound=m_bound), None
+        row = TuneRow(c, "over memory", " ".join(str(e).split()), time_bound=t_bound, memory_bound=m_bound)
+        if sig is not None:
+            ctx.simulated[sig] = row
+        return row, None
     except TesselError as e:
         return TuneRow(c, "refused", " ".join(str(e).split())), None
-    return _simulated_row(c, res, limit, (t_bound, m_bound)), res
+    row = _simulated_row(c, res, limit, (t_bound, m_bound))
+    ctx.simulated[sig] = row
+    return row, res
+
+
+def _signature(c: Candidate, cut) -> tuple:
+    """What the lowering and the simulation read of a transformed candidate: its degrees,
+    micro-batches, schedule, transformations and optimizer, the placement (blocks, durations,
+    memory) and the segments, tied weights and MoE layers (the recomputation granularity's
+    name aside: a granularity that changes nothing on this model, e.g. selective recomputation
+    where the attention core is not a separate op, gives the same signature)."""
+    segs = tuple(tuple(sorted((k, repr(v)) for k, v in s.to_dict().items() if k != "recompute")) for s in cut.segments)
+    return (c.schedule, c.micro_batches, c.micro_batch_size, c.dp, c.tp, c.pp, c.virtual_stages, c.transforms,
+            c.optimizer, repr(cut.placement), segs, repr(cut.tied), repr(sorted(cut.segment_moe.items())))
 
 
 def _rank_key(r: TuneRow) -> tuple:
@@ -420,7 +443,10 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
     plans_by_cand = {id(rows[i]): res for i, res in results.items()}
     pareto = pareto_front(ranked)
     kept = {k for k in range(min(keep, len(ranked))) if ranked[k].fits} | set(pareto)
-    plans = {k: plans_by_cand[id(ranked[k])] for k in sorted(kept) if id(ranked[k]) in plans_by_cand}
+    plans = {}
+    for k in sorted(kept):
+        res = plans_by_cand.get(id(ranked[k]))
+        plans[k] = res if res is not None else plan_candidate(ranked[k].candidate, ctx)   # a twin's own plan
     best = plans.get(0) if ranked and ranked[0].fits else None
     wall = time.perf_counter() - t_start
     log.info("tuned %d candidates in %.1f s: %s", len(cands), wall, TuneResult(ranked, best, plans, pareto, limit,

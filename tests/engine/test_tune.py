@@ -143,3 +143,22 @@ def test_nothing_fits_names_the_smallest_change():
     advice = nothing_fits_advice(res)
     assert advice.startswith("nothing fits in 0.0 GiB per device") and "full recomputation" in advice
     assert "\n" not in advice and math.isfinite(res.memory_limit)
+
+
+def test_a_candidate_whose_plan_equals_a_simulated_ones_takes_its_prediction():
+    """On GPT-2 (tracer split) selective recomputation keeps what none keeps: the tuner simulates
+    one of each pair and gives the other the same prediction, which make_plan confirms."""
+    space = TuneSpace(gpus=2, global_batch=4, gpus_per_node=2, micro_batch_sizes=(1,), schedules=("1f1b",),
+                      recompute=("none", "selective"), sequence_parallel=False, overlap_grad_sync=False,
+                      sharded_update=False)
+    res = tune("gpt2-tiny", space, device_type="h100", seq_len=SEQ)
+    twins = [r for r in res.rows if r.reason.startswith("predicted as")]
+    assert twins
+    for r in twins:
+        c = r.candidate
+        ref = make_plan("gpt2-tiny", devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches,
+                        schedule=c.schedule, recompute=c.recompute, seq_len=SEQ, device_type="h100")
+        assert r.step_time == pytest.approx(ref.plan.metrics["makespan"], rel=1e-12)
+        assert r.peak_memory == pytest.approx(max(ref.plan.metrics["peak_memory"]), rel=1e-12)
+    best = res.rows[0]
+    assert res.best is not None and res.best.plan.parallel.recompute == best.candidate.recompute
