@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sequence-parallel", action="store_true", help="do not try tp-split (sequence parallelism)")
     p.add_argument("--no-overlap-grad-sync", action="store_true", help="do not try overlapped gradient sync")
     p.add_argument("--adama", action="store_true", help="also try AdamA (gradients folded into Adam's states)")
+    p.add_argument("--profile", action="store_true",
+                   help="time the model's ops on this machine (cached) and rank with the measured times "
+                        "(with --device-type cpu here)")
     p.add_argument("--time-limit", type=positive_float, default=None,
                    help="seconds for the search; candidates not visited by then are reported as such")
     p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table to print (default 10)")
@@ -138,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         result = tune(model, space, device_type=args.device_type, precision=args.precision, seq_len=args.seq_len,
                       task=args.task, memory_limit=limit, time_limit=args.time_limit, link=args.link,
-                      keep=args.top, progress=progress)
+                      keep=args.top, progress=progress, profile=args.profile)
     finally:
         if bar is not None:
             bar.close()

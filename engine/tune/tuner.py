@@ -37,7 +37,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from engine.cost import CostModel
+import torch
+
+from engine.cost import CostModel, profile_ops
 from engine.errors import ScheduleError, TesselError
 from engine.models import ModelBundle
 from engine.plan.make import (
@@ -359,6 +361,27 @@ def pareto_front(rows: list[TuneRow]) -> list[int]:
     return out
 
 
+def _profiled_cost(ctx: _Context, sizes: list[int], device_type: str, link: str | None, compute: str,
+                   devices_per_node: int) -> CostModel:
+    """The cost model of ``device_type`` with every op of the captures of ``sizes`` timed on this
+    machine (a size whose capture fails is left to the candidates' refusal)."""
+    ops: list[dict] = []
+    for mbs in sizes:
+        got = ctx.captures.get(mbs)
+        if got is None:
+            try:
+                got = _capture(Candidate(1, 1, 1, 1, mbs, 1, "1f1b", "none"), ctx)
+            except TesselError:
+                continue
+        if isinstance(got, CapturedModel):
+            g = got.graph
+            ops += [g.nodes[n] for n in g.nodes if g.nodes[n].get("op") == "call_function"]
+    local = "cuda" if torch.cuda.is_available() else "cpu"
+    table = profile_ops(ops, device=local, progress=False)
+    return CostModel.for_device(device_type, link=link, inter_link=link, dtype=compute,
+                                devices_per_node=devices_per_node, profile=table)
+
+
 def _heads_and_layers(bundle: ModelBundle) -> tuple[int | None, int | None]:
     cfg = bundle.config or {}
     heads = next((cfg[k] for k in ("num_attention_heads", "n_head", "num_heads", "n_heads") if cfg.get(k)), None)
@@ -369,7 +392,7 @@ def _heads_and_layers(bundle: ModelBundle) -> tuple[int | None, int | None]:
 def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100", precision: str | None = None,
          seq_len: int | None = None, task: str | None = None, memory_limit: float | None = None,
          time_limit: float | None = None, link: str | None = None, cost: CostModel | None = None,
-         keep: int = 10, progress: Callable[[int, int], None] | None = None) -> TuneResult:
+         keep: int = 10, progress: Callable[[int, int], None] | None = None, profile: bool = False) -> TuneResult:
     """Search ``space`` for the fastest configuration of ``model`` that fits in memory.
 
     Args:
@@ -388,6 +411,10 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
             ``device_type`` and ``link``.
         keep: how many of the fastest fitting rows keep their plans (besides the Pareto front).
         progress: called with ``(visited, total)`` after each candidate.
+        profile: time every distinct op of every captured micro-batch size on this machine
+            (:func:`engine.cost.profile_ops`, cached) and rank with the measured op times, as
+            ``tessel plan --profile`` plans; ``device_type`` should then describe this machine
+            (``cpu`` here). Ignored when ``cost`` is given.
 
     Returns:
         the :class:`TuneResult` (``best`` is ``None`` when nothing fits).
@@ -399,6 +426,7 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
     precision = plan_precision(precision, None, device_type if cost is None else cost.device.name,
                                None if cost is None else cost.dtype)
     compute = get_policy(precision).compute_dtype
+    profile = profile and cost is None   # a given cost model is used as it is
     if cost is None:
         cost = CostModel.for_device(device_type, link=link, inter_link=link, dtype=compute,
                                     devices_per_node=space.gpus_per_node)
@@ -411,6 +439,9 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
     space = replace(space, heads=space.heads if space.heads is not None else heads,
                     layers=space.layers if space.layers is not None else layers)
     cands = candidates(space)
+    if profile:
+        ctx.cost = _profiled_cost(ctx, sorted({c.micro_batch_size for c in cands}), device_type, link, compute,
+                                  space.gpus_per_node)
     num_params = int(first.graph.graph.get("num_params") or 0)
     flops = first.graph.total_flops() / mbs0
     peak = cost.device.peak(compute)

@@ -162,3 +162,16 @@ def test_a_candidate_whose_plan_equals_a_simulated_ones_takes_its_prediction():
         assert r.peak_memory == pytest.approx(max(ref.plan.metrics["peak_memory"]), rel=1e-12)
     best = res.rows[0]
     assert res.best is not None and res.best.plan.parallel.recompute == best.candidate.recompute
+
+
+def test_a_profiled_tune_ranks_with_the_measured_op_times_as_make_plan_does():
+    space = TuneSpace(gpus=2, global_batch=4, gpus_per_node=2, micro_batch_sizes=(1, 2), schedules=("1f1b",),
+                      recompute=("none",), sequence_parallel=False, overlap_grad_sync=False, sharded_update=False)
+    res = tune(MODEL, space, device_type="cpu", seq_len=SEQ, profile=True)
+    assert res.best is not None and res.best.plan.cost.get("profile")
+    for r in res.fitting():
+        c = r.candidate
+        ref = make_plan(MODEL, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches,
+                        micro_batch_size=c.micro_batch_size, schedule=c.schedule, seq_len=SEQ, device_type="cpu",
+                        profile=True)
+        assert r.step_time == pytest.approx(ref.plan.metrics["makespan"], rel=1e-9)
