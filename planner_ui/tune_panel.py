@@ -38,7 +38,7 @@ import numpy as np
 import pandas as pd
 import panel as pn
 import param
-from bokeh.models import ColumnDataSource, HoverTool, TapTool
+from bokeh.models import ColumnDataSource, HoverTool, NumeralTickFormatter, TapTool
 from bokeh.palettes import Category10_10, Category20_20
 from bokeh.plotting import figure
 
@@ -185,7 +185,7 @@ class TunePanel(pn.viewable.Viewer):
         w = pn.widgets
         self.source = ColumnDataSource({k: [] for k in POINT_COLUMNS}, name="tessel-tune-points")
         self.pareto_source = ColumnDataSource({"x": [], "y": []}, name="tessel-tune-pareto")
-        fig = figure(height=420, sizing_mode="stretch_width", tools="pan,wheel_zoom,box_zoom,reset",
+        fig = figure(height=420, width=620, tools="pan,wheel_zoom,box_zoom,reset",
                      x_axis_label="peak memory (GiB)", y_axis_label="tokens/s", title="Tokens/s against peak memory")
         fig.line("x", "y", source=self.pareto_source, line_color="#444444", line_dash="dashed", line_width=1.5,
                  legend_label="Pareto front")
@@ -199,8 +199,11 @@ class TunePanel(pn.viewable.Viewer):
                           ("", "@label"), ("rank", "@rank"), ("tokens/s", "@y{0,0}"), ("step", "@step_ms{0.000} ms"),
                           ("peak", "@x{0.000} GiB"), ("MFU", "@mfu{0.0} %"), ("bubble", "@bubble{0.0} %"),
                           ("Pareto", "@pareto")]))
-        fig.legend.location = "bottom_right"
-        fig.legend.title = self.color_by
+        fig.yaxis.formatter = NumeralTickFormatter(format="0,0")
+        legend = fig.legend[0]   # beside the plot, never over a point a user may click
+        fig.center = [m for m in fig.center if m is not legend]
+        fig.add_layout(legend, "right")
+        legend.title = self.color_by
         self.figure = fig
         self.source.selected.on_change("indices", self._on_tap)
         self.table = w.Tabulator(pd.DataFrame(columns=[*TABLE_HEADERS, "Pareto"]), selectable=1, disabled=True,
@@ -244,9 +247,8 @@ class TunePanel(pn.viewable.Viewer):
         )
         return pn.Column(
             form, pn.Row(self.run_button, self.progress_pane),
-            pn.Row(pn.Column(self._input("color_by", w.Select, "Colour by"),
-                             pn.pane.Bokeh(self.figure, css_classes=["tessel-tune-plot"], sizing_mode="stretch_width"),
-                             sizing_mode="stretch_width"),
+            pn.Row(pn.Column(self._input("color_by", w.Select, "Colour by"), pn.pane.Bokeh(self.figure),
+                             css_classes=["tessel-tune-plot"], width=640),
                    self.table, sizing_mode="stretch_width"),
             self.why_pane,
             css_classes=["tessel-tune-panel"], sizing_mode="stretch_width",
