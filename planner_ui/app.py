@@ -3,7 +3,8 @@
 ``PlannerApp(state)`` is a Panel Viewer: display it in Jupyter (after ``pn.extension()``), or
 serve :meth:`PlannerApp.template` with ``panel serve apps/planner.py`` / ``tessel serve``.
 Tabs: Schedule (Gantt + memory + editing), Model graph, Search (Tessel), Compare, Co-locate
-(CrossoverScheduler prediction), Launch;
+(CrossoverScheduler prediction), Launch, Tune (``tessel tune``: a clicked configuration is
+loaded and the Schedule tab shown), GNN;
 the sidebar holds the plan form and export/import.
 """
 
@@ -31,6 +32,7 @@ from planner_ui.message_bar import message_bar
 from planner_ui.plan_form import PlanForm
 from planner_ui.search_panel import SearchPanel
 from planner_ui.state import PlanState
+from planner_ui.tune_panel import TunePanel
 
 #: Panel extensions the components need loaded on the page (the Compare table is a Tabulator).
 EXTENSIONS = ("tabulator",)
@@ -43,7 +45,7 @@ def load_extensions(**kwargs) -> None:
 
 
 #: Tab titles, in order (tests and docs refer to them).
-TABS = ("Schedule", "Model graph", "Search", "Compare", "Co-locate", "Launch", "GNN")
+TABS = ("Schedule", "Model graph", "Search", "Compare", "Co-locate", "Launch", "Tune", "GNN")
 
 
 class PlannerApp(pn.viewable.Viewer):
@@ -52,7 +54,7 @@ class PlannerApp(pn.viewable.Viewer):
     Attributes:
         state: the shared plan state.
         form, gantt, export: the sidebar and Schedule components (built with the app).
-        graph, search, compare, colocate, launch, gnn: the other tabs' components, built when their
+        graph, search, compare, colocate, launch, tune, gnn: the other tabs' components, built when their
             tab is first shown or the attribute first read (:meth:`show_tab`).
     """
 
@@ -83,9 +85,13 @@ class PlannerApp(pn.viewable.Viewer):
                 comp = LaunchPanel(state=st)
                 if self.ray_address and "address" in comp.param:
                     comp.address = self.ray_address
+            elif tab == TABS[6]:
+                comp = TunePanel(state=st)
+                # a configuration loaded from the Tune tab is shown where it is drawn and edited
+                comp.param.watch(lambda _e: setattr(self.tabs, "active", 0), "loaded")
             else:
                 comp = {TABS[1]: GraphView, TABS[2]: SearchPanel, TABS[3]: CompareView, TABS[4]: ColocatePanel,
-                        TABS[6]: lambda state: GNNPanel()}[tab](state=st)
+                        TABS[7]: lambda state: GNNPanel()}[tab](state=st)
             self._built[tab] = comp
         return self._built[tab]
 
@@ -104,7 +110,8 @@ class PlannerApp(pn.viewable.Viewer):
     compare = property(lambda self: self._component(TABS[3]), doc="the Compare tab (CompareView)")
     colocate = property(lambda self: self._component(TABS[4]), doc="the Co-locate tab (ColocatePanel)")
     launch = property(lambda self: self._component(TABS[5]), doc="the Launch tab (LaunchPanel)")
-    gnn = property(lambda self: self._component(TABS[6]), doc="the GNN tab (GNNPanel)")
+    gnn = property(lambda self: self._component(TABS[7]), doc="the GNN tab (GNNPanel)")
+    tune = property(lambda self: self._component(TABS[6]), doc="the Tune tab (TunePanel)")
 
     def sidebar(self) -> list:
         """The sidebar column's contents: plan form and export/import."""
