@@ -1,0 +1,117 @@
+"""``tessel tune``'s ranking checked by measurement on this machine's CPU ranks (issue 34).
+
+For each model and rank count, the tuner ranks a small space (pp x dp, micro-batch size 1 and 2,
+GPipe / 1F1B / ZB-H1 / interleaved, no or full recomputation; tp 1: tensor parallelism on CPU
+ranks is left to the model-family issue) with op times measured here (``tune(...,
+profile=True)``, the cost model of ``tessel plan --profile``); then EVERY fitting candidate is
+launched on Ray (gloo, one process per rank, ``torch.set_num_threads(1)``) for a few steps and
+its median measured step time (steps after the first) is set beside the prediction.
+
+Printed per model and rank count: the candidates, the tuner's pick and its measured time, the
+measured best, the pick's distance from it (target: within 5%), Spearman's rank correlation of
+predicted against measured step times (target: at least 0.8) and the tuner's wall time.
+
+Ranks that outnumber the cores (4 ranks on 2 cores) share them, so the measured times include
+that contention and the prediction does not: this is the hard case for the ranking.
+
+Usage: ``python benchmarks/tune_cpu_bench.py [--json] [--models llama-32k-cpu,two-tower-tiny,gpt2-small-cpu]
+[--ranks 2,4] [--steps 5]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import ray  # noqa: E402
+from scipy.stats import spearmanr  # noqa: E402
+
+from engine.plan import make_plan  # noqa: E402
+from engine.tune import TuneSpace, tune  # noqa: E402
+from runtime import launch  # noqa: E402
+from runtime.config import LaunchConfig  # noqa: E402
+
+#: Per model: global batch (samples) and sequence length of the space.
+MODELS = {"llama-32k-cpu": (8, 64), "two-tower-tiny": (8, 64), "gpt2-small-cpu": (8, 64)}
+#: Targets: the pick's measured time within this fraction of the measured best; Spearman at least.
+PICK_WITHIN = 0.05
+SPEARMAN = 0.8
+
+
+def _space(ranks: int, batch: int) -> TuneSpace:
+    return TuneSpace(gpus=ranks, global_batch=batch, gpus_per_node=ranks, micro_batch_sizes=(1, 2),
+                     schedules=("gpipe", "1f1b", "zb-h1", "interleaved"), recompute=("none", "full"), max_tp=1,
+                     sharded_update=False, sequence_parallel=False, overlap_grad_sync=False)
+
+
+def measure(model: str, ranks: int, steps: int) -> dict:
+    """Tune ``model`` on ``ranks`` CPU ranks, launch every fitting candidate, compare."""
+    batch, seq = MODELS[model]
+    t0 = time.perf_counter()
+    res = tune(model, _space(ranks, batch), device_type="cpu", seq_len=seq, profile=True)
+    tune_s = time.perf_counter() - t0
+    rows = []
+    for r in res.fitting():
+        c = r.candidate
+        plan = make_plan(model, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches,
+                         micro_batch_size=c.micro_batch_size, schedule=c.schedule,
+                         virtual_stages=c.virtual_stages, recompute=c.recompute, seq_len=seq, device_type="cpu",
+                         profile=True).plan
+        out = launch(plan, LaunchConfig(steps=steps, device="cpu", keep_timelines=steps, step_timeout=300))
+        times = [tl.makespan for tl in out.timelines[1:]] or [out.measured_makespan]
+        rows.append({"label": c.label(), "predicted": r.step_time, "measured": statistics.median(times)})
+    pred = [x["predicted"] for x in rows]
+    meas = [x["measured"] for x in rows]
+    rho = float(spearmanr(pred, meas).statistic) if len(rows) > 2 else float("nan")
+    best = min(rows, key=lambda x: x["measured"])
+    pick = rows[0]   # the tuner's ranking order
+    gap = pick["measured"] / best["measured"] - 1
+    return {"model": model, "ranks": ranks, "candidates": len(rows), "pick": pick, "measured_best": best,
+            "pick_gap": gap, "spearman": rho, "tune_seconds": tune_s, "rows": rows,
+            "targets": {"pick_within_5pct": gap <= PICK_WITHIN, "spearman_0_8": rho >= SPEARMAN,
+                        "at_least_12": len(rows) >= 12}}
+
+
+def report(results: list[dict]) -> str:
+    """The table."""
+    head = (f"{'model':<16} {'ranks':>5} {'cands':>5}  {'tuner pick':<40} {'pick ms':>8} {'best ms':>8} "
+            f"{'gap':>6} {'Spearman':>8} {'tune s':>6}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(f"{r['model']:<16} {r['ranks']:>5} {r['candidates']:>5}  {r['pick']['label']:<40} "
+                     f"{r['pick']['measured'] * 1e3:8.1f} {r['measured_best']['measured'] * 1e3:8.1f} "
+                     f"{r['pick_gap']:6.1%} {r['spearman']:8.2f} {r['tune_seconds']:6.1f}")
+    lines.append(f"targets: the pick within {PICK_WITHIN:.0%} of the measured best, Spearman >= {SPEARMAN}, "
+                 "at least 12 candidates; measured: median step (after the first) on Ray gloo ranks")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--models", default=",".join(MODELS), help="models (default all three)")
+    ap.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
+    ap.add_argument("--steps", type=int, default=5, help="steps per launch, the first not measured (default 5)")
+    args = ap.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if any(m not in MODELS for m in models):
+        ap.error(f"models are {', '.join(MODELS)}")
+    ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
+    try:
+        results = [measure(m, r, args.steps) for m in models for r in ranks]
+    finally:
+        ray.shutdown()
+    print(json.dumps({"results": results}) if args.json else report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
