@@ -67,6 +67,8 @@ def measure(model: str, ranks: int, steps: int) -> dict:
         out = launch(plan, LaunchConfig(steps=steps, device="cpu", keep_timelines=steps, step_timeout=300))
         times = [tl.makespan for tl in out.timelines[1:]] or [out.measured_makespan]
         rows.append({"label": c.label(), "predicted": r.step_time, "measured": statistics.median(times)})
+        print(f"[tune_cpu_bench] {model} on {ranks} ranks, {len(rows)}/{len(res.fitting())}: {c.label()} predicted "
+              f"{r.step_time * 1e3:.1f} ms, measured {rows[-1]['measured'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     pred = [x["predicted"] for x in rows]
     meas = [x["measured"] for x in rows]
     rho = float(spearmanr(pred, meas).statistic) if len(rows) > 2 else float("nan")
