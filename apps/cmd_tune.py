@@ -25,7 +25,10 @@ from apps.arg_types import (
 from apps.cmd_plan import plan_files
 from apps.output import table
 from engine.baselines import SCHEDULES
+from engine.cost import CostModel
+from engine.cost.calibrate import Calibration
 from engine.errors import NothingFitsError, TuneError
+from engine.io import load_plan
 from engine.io.atomic import atomic_write_files, check_output_folder
 from engine.tune.export import runtime_config_texts
 from engine.tune.report import TABLE_HEADERS, csv_text, nothing_fits_advice, table_row, why_runner_up_loses
@@ -86,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="time the model's ops on this machine (cached) and rank with the measured times "
                         "(with --device-type cpu here)")
+    p.add_argument("--calibration", default=None, metavar="PLAN",
+                   help="a plan calibrated by `tessel launch PLAN --calibrate` (its .calibrated.json): rank with its "
+                        "cost model (op profile included) and its measured communication and optimizer costs")
     p.add_argument("--time-limit", type=positive_float, default=None,
                    help="seconds for the search; candidates not visited by then are reported as such")
     p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table to print (default 10)")
@@ -100,6 +106,23 @@ def _space(args: argparse.Namespace) -> TuneSpace:
                      sharded_update=not args.no_sharded_update, sequence_parallel=not args.no_sequence_parallel,
                      overlap_grad_sync=not args.no_overlap_grad_sync,
                      optimizers=("adam", "adama") if args.adama else ("adam",), max_tp=args.max_tp, max_pp=args.max_pp)
+
+
+def _calibrated(path: str | None):
+    """(cost model, calibration) of a calibrated plan file, or ``(None, None)`` without one.
+
+    Raises:
+        TuneError: the plan holds no cost model or no calibration (one sentence naming the fix).
+        TesselError: the file is not a readable plan.
+    """
+    if path is None:
+        return None, None
+    plan = load_plan(path)
+    cal = plan.meta.get("calibration")
+    if not plan.cost or not cal:
+        raise TuneError(f"--calibration {path} holds no {'cost model' if not plan.cost else 'calibration'}; give the "
+                        "plan that `tessel launch PLAN --calibrate` wrote (PLAN.calibrated.json)")
+    return CostModel.from_dict(plan.cost), Calibration.from_dict(cal)
 
 
 def _output_texts(result, folder) -> dict[str, str]:
@@ -138,10 +161,11 @@ def run(args: argparse.Namespace) -> dict:
 
     t0 = time.perf_counter()
     limit = args.memory_limit * 2**30 if args.memory_limit is not None else None
+    cost, calibration = _calibrated(args.calibration)
     try:
         result = tune(model, space, device_type=args.device_type, precision=args.precision, seq_len=args.seq_len,
                       task=args.task, memory_limit=limit, time_limit=args.time_limit, link=args.link,
-                      keep=args.top, progress=progress, profile=args.profile)
+                      keep=args.top, progress=progress, profile=args.profile, cost=cost, calibration=calibration)
     finally:
         if bar is not None:
             bar.close()

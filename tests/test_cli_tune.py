@@ -97,3 +97,10 @@ def test_bad_spaces_are_refused_in_one_sentence(argv, words, tmp_path):
 def test_a_model_is_required(tmp_path):
     p = run_cli("tune", "--gpus", "4", "--global-batch", "4", "-o", str(tmp_path))
     assert p.returncode == 2 and "--model" in p.stderr
+
+
+def test_a_calibration_plan_without_a_calibration_is_refused(tuned, tmp_path):
+    out, _, _ = tuned
+    p = run_cli("tune", "--model", "llama-tiny", "--gpus", "2", "--global-batch", "4", "--calibration",
+                str(out / "plan.json"), "-o", str(tmp_path / "o"))
+    assert p.returncode == 2 and "holds no calibration" in p.stderr and "--calibrate" in p.stderr

@@ -261,7 +261,8 @@ def make_plan(
 
 def plan_from_capture(captured: CapturedModel, config: ParallelConfig, cost: CostModel, schedule: str, *,
                       memory_limit: float | None = None, stage_recompute: Sequence[str] | None = None,
-                      say: Callable[[str], None] | None = None, cut: TransformedModel | None = None) -> PlanResult:
+                      say: Callable[[str], None] | None = None, cut: TransformedModel | None = None,
+                      calibration: Mapping | None = None) -> PlanResult:
     """:func:`make_plan` after the capture: transform (SuperScaler phase 1), the predefined
     ``schedule`` (phase 2), the plan, its lowering and simulation (phase 3) and the memory check,
     for an already captured model and cost model (``tessel tune`` captures once per micro-batch
@@ -276,6 +277,10 @@ def plan_from_capture(captured: CapturedModel, config: ParallelConfig, cost: Cos
         stage_recompute: per-segment granularities overriding ``config.recompute``.
         say: called with the name of each phase as it starts.
         cut: :func:`transform_model`'s result for exactly these arguments, when the caller has it.
+        calibration: a measured calibration (:meth:`engine.cost.calibrate.Calibration.to_dict`) kept in
+            ``plan.meta["calibration"]``, so the prediction uses its point-to-point, collective and
+            optimizer costs (:class:`engine.cost.calibrate.CalibratedCost`); its per-segment block
+            times belong to the plan it was measured on and should be left out.
 
     Raises:
         TesselError: as :func:`make_plan` (a split that does not fit, a schedule that needs more
@@ -302,6 +307,8 @@ def plan_from_capture(captured: CapturedModel, config: ParallelConfig, cost: Cos
     timings["schedule"] = time.perf_counter() - t0
 
     plan = build_plan(captured, cut, config, sched, cost, memory_limit=memory_limit)
+    if calibration:
+        plan.meta["calibration"] = dict(calibration)
 
     t0 = time.perf_counter()
     say("simulate")

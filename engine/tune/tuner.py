@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 from engine.cost import CostModel, profile_ops
+from engine.cost.calibrate import Calibration
 from engine.errors import ScheduleError, TesselError
 from engine.models import ModelBundle
 from engine.plan.make import (
@@ -214,6 +215,7 @@ class _Context:
     captures: dict[int, CapturedModel | TesselError] = field(default_factory=dict)
     layer_costs: dict[tuple, list[LayerCost]] = field(default_factory=dict)
     simulated: dict[tuple, TuneRow] = field(default_factory=dict)
+    calibration: dict | None = None
 
 
 def _config(c: Candidate, ctx: _Context):
@@ -262,7 +264,8 @@ def plan_candidate(c: Candidate, ctx: _Context) -> PlanResult:
     """
     config = _config(c, ctx)
     captured = recheck_capture(_capture(c, ctx), config)
-    return plan_from_capture(captured, config, ctx.cost, c.schedule, memory_limit=ctx.memory_limit)
+    return plan_from_capture(captured, config, ctx.cost, c.schedule, memory_limit=ctx.memory_limit,
+                             calibration=ctx.calibration)
 
 
 def _simulated_row(c: Candidate, res: PlanResult, limit: float, bounds: tuple[float | None, float | None]) -> TuneRow:
@@ -314,7 +317,8 @@ def _evaluate(c: Candidate, ctx: _Context, num_params: int,
         if twin is not None:   # planned and simulated already under another name: the same prediction
             return replace(twin, candidate=c, time_bound=t_bound, memory_bound=m_bound,
                            reason=twin.reason or f"predicted as {twin.candidate.label()}, whose plan is the same"), None
-        res = plan_from_capture(captured, config, ctx.cost, c.schedule, memory_limit=limit, cut=cut)
+        res = plan_from_capture(captured, config, ctx.cost, c.schedule, memory_limit=limit, cut=cut,
+                                calibration=ctx.calibration)
     except ScheduleError as e:
         if e.rule != "memory":
             return TuneRow(c, "refused", " ".join(str(e).split())), None
@@ -392,7 +396,8 @@ def _heads_and_layers(bundle: ModelBundle) -> tuple[int | None, int | None]:
 def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100", precision: str | None = None,
          seq_len: int | None = None, task: str | None = None, memory_limit: float | None = None,
          time_limit: float | None = None, link: str | None = None, cost: CostModel | None = None,
-         keep: int = 10, progress: Callable[[int, int], None] | None = None, profile: bool = False) -> TuneResult:
+         keep: int = 10, progress: Callable[[int, int], None] | None = None, profile: bool = False,
+         calibration: Calibration | None = None) -> TuneResult:
     """Search ``space`` for the fastest configuration of ``model`` that fits in memory.
 
     Args:
@@ -415,6 +420,10 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
             (:func:`engine.cost.profile_ops`, cached) and rank with the measured op times, as
             ``tessel plan --profile`` plans; ``device_type`` should then describe this machine
             (``cpu`` here). Ignored when ``cost`` is given.
+        calibration: costs measured by a profiling launch (``tessel launch --calibrate``):
+            its point-to-point, collective and optimizer costs apply to every candidate (each
+            plan keeps them in ``meta["calibration"]``); its per-segment block times, which
+            belong to the launched plan's segments, are left out.
 
     Returns:
         the :class:`TuneResult` (``best`` is ``None`` when nothing fits).
@@ -432,6 +441,8 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
                                     devices_per_node=space.gpus_per_node)
     limit = float(memory_limit) if memory_limit is not None else float(cost.device.mem_capacity)
     ctx = _Context(model, task, seq_len, precision, compute, cost, limit)
+    if calibration is not None:
+        ctx.calibration = replace(calibration, block_seconds={}).to_dict()
     mbs0 = space.micro_batch_sizes[0]
     # an uncapturable model is the user's error, raised here; the capture also gives heads and layers
     first = _capture(Candidate(1, space.gpus, 1, 1, mbs0, 1, "1f1b", "none"), ctx)

@@ -175,3 +175,30 @@ def test_a_profiled_tune_ranks_with_the_measured_op_times_as_make_plan_does():
                         micro_batch_size=c.micro_batch_size, schedule=c.schedule, seq_len=SEQ, device_type="cpu",
                         profile=True)
         assert r.step_time == pytest.approx(ref.plan.metrics["makespan"], rel=1e-9)
+
+
+def test_a_calibrated_tune_predicts_each_candidate_as_its_calibrated_plan():
+    """The communication and optimizer costs of a profiling launch apply to every candidate (its
+    per-segment block times, which belong to the launched plan, do not): each fitting row's step
+    time is make_plan's plan with that calibration (engine.plan.with_calibration)."""
+    from engine.cost.calibrate import Calibration
+    from engine.plan import with_calibration
+
+    cal = Calibration(block_seconds={(0, "F"): 1.0}, optimizer_seconds_per_byte=2e-9,
+                      p2p_seconds={4096: 5e-4}, collectives=[("allreduce", 1 << 20, 2, 4e-3)])
+    space = TuneSpace(gpus=2, global_batch=4, gpus_per_node=2, micro_batch_sizes=(1,), schedules=("1f1b",),
+                      recompute=("none",), sequence_parallel=False, overlap_grad_sync=False, sharded_update=False)
+    plain = tune(MODEL, space, device_type="cpu", seq_len=SEQ)
+    res = tune(MODEL, space, device_type="cpu", seq_len=SEQ, calibration=cal)
+    assert res.best is not None and "calibration" in res.best.plan.meta
+    assert not res.best.plan.meta["calibration"]["blocks"]
+    by_label = {r.candidate.label(): r for r in plain.fitting()}
+    for r in res.fitting():
+        c = r.candidate
+        ref = make_plan(MODEL, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches, schedule=c.schedule,
+                        seq_len=SEQ, device_type="cpu").plan
+        calibrated, _ = with_calibration(ref, Calibration(block_seconds={}, optimizer_seconds_per_byte=2e-9,
+                                                          p2p_seconds={4096: 5e-4},
+                                                          collectives=[("allreduce", 1 << 20, 2, 4e-3)]))
+        assert r.step_time == pytest.approx(calibrated.metrics["makespan"], rel=1e-9)
+        assert r.step_time > by_label[c.label()].step_time   # the measured overheads are not free
