@@ -54,9 +54,12 @@ from engine.plan.make import (
 )
 from engine.precision import get_policy, plan_precision
 from engine.transform import LOSS_PARALLEL_TASKS, LayerCost, layer_costs
-from engine.tune.space import Candidate, TuneSpace, TuneSpaceError, candidates
+from engine.tune.space import Candidate, TuneSpace, candidates
 
 log = logging.getLogger(__name__)
+
+#: Simulated plans held beyond twice ``keep`` before those that can no longer be kept are dropped.
+PLANS_SLACK = 64
 
 __all__ = ["TuneRow", "TuneResult", "tune", "STATUSES"]
 
@@ -344,6 +347,19 @@ def _signature(c: Candidate, cut) -> tuple:
             c.optimizer, repr(cut.placement), segs, repr(cut.tied), repr(sorted(cut.segment_moe.items())))
 
 
+def _keep_candidates(results: dict[int, PlanResult], rows: list[TuneRow | None], keep: int) -> None:
+    """Drop the plans (timelines, instruction streams) of simulated rows that can no longer be
+    kept: not among the ``keep`` fastest so far and not on the Pareto front so far (a row off
+    either stays off as more rows arrive). Bounds the memory of a search of thousands."""
+    sim = [(i, r) for i in results if (r := rows[i]) is not None]
+    fastest = {i for i, _ in sorted(sim, key=lambda x: _rank_key(x[1]))[:keep]}
+    order = [i for i, _ in sim]
+    front = {order[k] for k in pareto_front([r for _, r in sim])}
+    for i in list(results):
+        if i not in fastest and i not in front:
+            del results[i]
+
+
 def _rank_key(r: TuneRow) -> tuple:
     order = {s: i for i, s in enumerate(STATUSES)}
     return (order[r.status], r.step_time if r.step_time is not None else math.inf,
@@ -468,15 +484,14 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
             for j in order[n:]:
                 rows[j] = TuneRow(cands[j], "not visited", f"the time limit of {time_limit:g} s came first")
             break
-        try:
-            row, res = _evaluate(cands[i], ctx, num_params, front)
-        except TuneSpaceError:
-            raise
+        row, res = _evaluate(cands[i], ctx, num_params, front)
         rows[i] = row
         if res is not None and row.fits:
             results[i] = res
             assert row.step_time is not None and row.peak_memory is not None
             front.append((row.step_time, row.peak_memory))
+            if len(results) > 2 * keep + PLANS_SLACK:
+                _keep_candidates(results, rows, keep)
         if progress is not None:
             progress(n + 1, len(cands))
     done = [r for r in rows if r is not None]

@@ -202,3 +202,15 @@ def test_a_calibrated_tune_predicts_each_candidate_as_its_calibrated_plan():
                                                           collectives=[("allreduce", 1 << 20, 2, 4e-3)]))
         assert r.step_time == pytest.approx(calibrated.metrics["makespan"], rel=1e-9)
         assert r.step_time > by_label[c.label()].step_time   # the measured overheads are not free
+
+
+def test_plans_that_can_no_longer_be_kept_are_dropped_and_the_kept_ones_are_right(monkeypatch):
+    import engine.tune.tuner as tuner
+
+    monkeypatch.setattr(tuner, "PLANS_SLACK", 0)   # prune after every simulated candidate
+    res = tune(MODEL, SMALL, device_type="h100", seq_len=SEQ, keep=2)
+    kept = set(range(2)) | set(res.pareto)
+    assert set(res.plans) == {k for k in kept if res.rows[k].fits}
+    for k, plan in res.plans.items():
+        assert plan.plan.metrics["makespan"] == pytest.approx(res.rows[k].step_time, rel=1e-12)
+        assert plan.plan.parallel.pp == res.rows[k].candidate.pp
