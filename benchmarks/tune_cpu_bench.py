@@ -11,6 +11,9 @@ Printed per model and rank count: the candidates, the tuner's pick and its measu
 measured best, the pick's distance from it (target: within 5%), Spearman's rank correlation of
 predicted against measured step times (target: at least 0.8) and the tuner's wall time.
 
+A candidate the planner accepts but the runtime cannot run (full recomputation on a model whose
+stages are exported graphs: the model-family issue) is listed as not executable and left out.
+
 Ranks that outnumber the cores (4 ranks on 2 cores) share them, so the measured times include
 that contention and the prediction does not: this is the hard case for the ranking.
 
@@ -33,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
+from engine.errors import TesselError  # noqa: E402
 from engine.plan import make_plan  # noqa: E402
 from engine.tune import TuneSpace, tune  # noqa: E402
 from runtime import launch  # noqa: E402
@@ -57,14 +61,19 @@ def measure(model: str, ranks: int, steps: int) -> dict:
     t0 = time.perf_counter()
     res = tune(model, _space(ranks, batch), device_type="cpu", seq_len=seq, profile=True)
     tune_s = time.perf_counter() - t0
-    rows = []
+    rows, refused = [], []
     for r in res.fitting():
         c = r.candidate
         plan = make_plan(model, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches,
                          micro_batch_size=c.micro_batch_size, schedule=c.schedule,
                          virtual_stages=c.virtual_stages, recompute=c.recompute, seq_len=seq, device_type="cpu",
                          profile=True).plan
-        out = launch(plan, LaunchConfig(steps=steps, device="cpu", keep_timelines=steps, step_timeout=300))
+        try:
+            out = launch(plan, LaunchConfig(steps=steps, device="cpu", keep_timelines=steps, step_timeout=300))
+        except TesselError as e:   # planned, but the runtime cannot run it (e.g. full recomputation on a tracer split)
+            refused.append({"label": c.label(), "why": " ".join(str(e).split())[:200]})
+            print(f"[tune_cpu_bench] {model}: {c.label()} not executable: {refused[-1]['why']}", file=sys.stderr)
+            continue
         times = [tl.makespan for tl in out.timelines[1:]] or [out.measured_makespan]
         rows.append({"label": c.label(), "predicted": r.step_time, "measured": statistics.median(times)})
         print(f"[tune_cpu_bench] {model} on {ranks} ranks, {len(rows)}/{len(res.fitting())}: {c.label()} predicted "
@@ -73,10 +82,10 @@ def measure(model: str, ranks: int, steps: int) -> dict:
     meas = [x["measured"] for x in rows]
     rho = float(spearmanr(pred, meas).statistic) if len(rows) > 2 else float("nan")
     best = min(rows, key=lambda x: x["measured"])
-    pick = rows[0]   # the tuner's ranking order
+    pick = rows[0]   # the tuner's ranking order (of the executable candidates)
     gap = pick["measured"] / best["measured"] - 1
-    return {"model": model, "ranks": ranks, "candidates": len(rows), "pick": pick, "measured_best": best,
-            "pick_gap": gap, "spearman": rho, "tune_seconds": tune_s, "rows": rows,
+    return {"model": model, "ranks": ranks, "candidates": len(rows), "not_executable": refused, "pick": pick,
+            "measured_best": best, "pick_gap": gap, "spearman": rho, "tune_seconds": tune_s, "rows": rows,
             "targets": {"pick_within_5pct": gap <= PICK_WITHIN, "spearman_0_8": rho >= SPEARMAN,
                         "at_least_12": len(rows) >= 12}}
 
