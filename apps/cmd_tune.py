@@ -27,7 +27,7 @@ from apps.output import table
 from engine.baselines import SCHEDULES
 from engine.cost import CostModel
 from engine.cost.calibrate import Calibration
-from engine.errors import NothingFitsError, TuneError
+from engine.errors import NothingFitsError, TesselError, TuneError
 from engine.io import load_plan
 from engine.io.atomic import atomic_write_files, check_output_folder
 from engine.tune.export import runtime_config_texts
@@ -125,6 +125,19 @@ def _calibrated(path: str | None):
     return CostModel.from_dict(plan.cost), Calibration.from_dict(cal)
 
 
+def _launch_refusal(plan) -> str:
+    """Why ``tessel launch`` would refuse ``plan`` before Ray starts
+    (:func:`runtime.stages.checks.check_executable`), or ``""``: the tuner plans for the cost
+    model's devices, some of which this runtime does not execute yet."""
+    from runtime.stages.checks import check_executable  # the runtime's check: loads its stage code
+
+    try:
+        check_executable(plan)
+    except TesselError as e:
+        return " ".join(str(e).split())
+    return ""
+
+
 def _output_texts(result, folder) -> dict[str, str]:
     """The texts of :data:`OUTPUT_FILES`: the best plan's (as ``tessel plan`` writes them), every
     row as CSV, and the plan as torchtitan and Megatron-LM take it (:mod:`engine.tune.export`)."""
@@ -172,6 +185,7 @@ def run(args: argparse.Namespace) -> dict:
     if result.best is None:
         raise NothingFitsError(nothing_fits_advice(result))
     written = atomic_write_files(out, _output_texts(result, out))
+    launchable = _launch_refusal(result.best.plan)
     counts = result.counts()
     print(f"{result.best.plan.model.name} on {space.gpus} x {args.device_type} ({space.gpus_per_node} per node), "
           f"global batch {space.global_batch}: {len(result.rows)} configurations, {counts['ok']} fit, "
@@ -186,10 +200,12 @@ def run(args: argparse.Namespace) -> dict:
     print(f"Pareto front (throughput against peak memory): rows {', '.join(str(i + 1) for i in result.pareto)}")
     print(f"wrote {written['plan.json']} (tessel launch it), {written['trace.json']}, {written['tune.csv']}, "
           f"{written['torchtitan.toml']}, {written['megatron_args.sh']}")
+    if launchable:
+        print(f"warning: tessel launch cannot run the best plan on this runtime: {launchable}", file=sys.stderr)
     print(f"tuned in {time.perf_counter() - t0:.1f} s (captures: micro-batch sizes "
           f"{', '.join(map(str, result.captures))})")
     best = result.rows[0]
     return {"plan": str(written["plan.json"]), "files": {k: str(v) for k, v in written.items()},
             "best": best.to_dict(), "runner_up": line, "counts": counts, "wall_time": result.wall_time,
             "timed_out": result.timed_out, "pareto": [result.rows[i].to_dict() for i in result.pareto],
-            "top": [r.to_dict() for r in shown]}
+            "top": [r.to_dict() for r in shown], "launch_refusal": launchable or None}

@@ -104,3 +104,17 @@ def test_a_calibration_plan_without_a_calibration_is_refused(tuned, tmp_path):
     p = run_cli("tune", "--model", "llama-tiny", "--gpus", "2", "--global-batch", "4", "--calibration",
                 str(out / "plan.json"), "-o", str(tmp_path / "o"))
     assert p.returncode == 2 and "holds no calibration" in p.stderr and "--calibrate" in p.stderr
+
+
+def test_a_best_plan_the_runtime_cannot_run_is_written_with_a_warning(tmp_path):
+    """gpt2-tiny's stages are exported graphs: full recomputation plans but does not launch here."""
+    p = run_cli("tune", "--model", "gpt2-tiny", "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
+                "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "full", "-o", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["launch_refusal"] and "recomputation" in res["launch_refusal"]
+    assert "warning: tessel launch cannot run the best plan" in p.stderr and (tmp_path / "plan.json").is_file()
+    ok = run_cli("tune", "--model", "llama-tiny", "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
+                 "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "full", "-o", str(tmp_path / "l"),
+                 "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout.strip().splitlines()[-1])["launch_refusal"] is None
