@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
@@ -46,6 +45,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.errors import TesselError
+from runtime.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -146,13 +146,6 @@ def choose_backend(world_size: int, device: str = "auto") -> Backend:
     if gpus >= world_size and WORKER_SUPPORTS_CUDA:
         return Backend("nccl", True)
     return Backend("gloo", False)
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port that was free on this machine a moment ago (bind to port 0, read it, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _node_rendezvous() -> tuple[str, int]:

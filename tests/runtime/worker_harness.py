@@ -23,7 +23,6 @@ import io
 import multiprocessing
 import os
 import queue
-import socket
 import time
 import traceback
 
@@ -137,10 +136,11 @@ def _pool_main(slot: int, tasks, results) -> None:
 
 
 def free_port() -> int:
-    """A free localhost TCP port (for ``init_process_group``'s rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free localhost TCP port for ``init_process_group``'s rendezvous, below the ephemeral range
+    (:func:`runtime.ports.free_port`: another xdist worker's connections cannot take it)."""
+    from runtime.ports import free_port as rendezvous_port
+
+    return rendezvous_port("127.0.0.1")
 
 
 #: What the fork server imports once, so each rank's process starts in milliseconds instead of the

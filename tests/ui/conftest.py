@@ -28,9 +28,10 @@ APP_ARGS = ["--model", "gpt2-tiny", "--devices", "2", "--micro-batches", "4"]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for the served app, below the ephemeral range (:func:`runtime.ports.free_port`)."""
+    from runtime.ports import free_port
+
+    return free_port("127.0.0.1")
 
 
 @pytest.fixture(scope="session")
