@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Iterator, TextIO
 
 from apps.arg_types import non_negative_int, positive_float, positive_int
-from apps.output import facts_line, fmt_gib, fmt_ms, table
+from apps.output import facts_line, fmt_bytes, fmt_ms, table
 from engine.crossover import predict_colocated
 from engine.errors import TesselError
 from engine.gnn.plan import GNN_PLAN_FORMAT, load_gnn_plan
@@ -95,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "learning rate and seed are the plan's")
     p.add_argument("--trace", default=None, help="measured trace path (default: trace.measured.json next to the plan; "
                                                  "co-located: crossover.measured.json next to the first plan)")
+    p.add_argument("--release-freed-memory", action="store_true",
+                   help="CPU ranks return freed tensors to the system, so the measured peak RSS follows the live "
+                        "tensors and the 'RSS over baseline' column compares with the predicted peak (slower steps)")
 
 
 def report(plan, res, *, plan_dir: Path, out: TextIO | None = None) -> dict:
@@ -119,13 +122,18 @@ def report(plan, res, *, plan_dir: Path, out: TextIO | None = None) -> dict:
         f"steps {res.start_step}..{res.steps - 1} "
         f"in {res.elapsed:.1f} s (setup {res.setup_time:.1f} s)")
     rows = []
+    predicted_peak = plan.metrics.get("peak_memory") or []
     for r in range(pp):
         p_t, m_t = res.predicted_step_time[r], res.measured_step_time[r]
         ratio = f"{m_t / p_t:.2f}x" if p_t and not math.isnan(p_t) and p_t > 0 else "-"
+        peak = res.peak_memory[r] if r < len(res.peak_memory) else None
+        base = res.memory_baseline[r] if r < len(res.memory_baseline) else None
         rows.append([f"rank {r}", fmt_ms(p_t), fmt_ms(m_t), ratio, fmt_ms(res.predicted_busy[r]),
-                     fmt_ms(res.measured_busy[r]), fmt_gib(res.peak_memory[r]) if r < len(res.peak_memory) else "-"])
+                     fmt_ms(res.measured_busy[r]), fmt_bytes(peak) if peak is not None else "-",
+                     fmt_bytes(peak - base) if peak is not None and base else "-",
+                     fmt_bytes(predicted_peak[r]) if r < len(predicted_peak) else "-"])
     say(table(["pipeline rank", "predicted step", "measured step", "measured/predicted", "predicted busy",
-               "measured busy", "peak RSS"], rows))
+               "measured busy", "peak RSS", "RSS over baseline", "predicted peak"], rows))
     pred_tps = res.predicted_units_per_second   # None: the plan holds no prediction
     if ran:
         say(f"loss {res.losses[0]:.4f} (step {res.start_step}) -> {res.losses[-1]:.4f} (step {res.steps - 1})")
@@ -354,7 +362,8 @@ def run(args: argparse.Namespace) -> dict:
                           checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, resume=args.resume,
                           seed=args.seed, lr=args.lr, step_timeout=args.step_timeout, trace_path=trace,
                           device=args.device, optimizer=args.optimizer, task=args.task, data_seed=args.data_seed,
-                          keep_timelines=min(args.steps, 64) if args.calibrate else 8)
+                          keep_timelines=min(args.steps, 64) if args.calibrate else 8,
+                          release_freed_memory=args.release_freed_memory)
     try:
         with _stdout_for_json(args):
             from apps.launch_progress import TqdmProgress

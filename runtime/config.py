@@ -130,6 +130,13 @@ class LaunchConfig(_ClusterConfig):
     trace_path: str | os.PathLike | None = None
     """Write the measured Perfetto trace of the last step here (``None``: none)."""
 
+    release_freed_memory: bool = False
+    """CPU ranks return freed tensors to the system (glibc's mmap threshold fixed at
+    :data:`runtime.host_memory.MMAP_THRESHOLD`), so a step's measured peak resident set follows the
+    live tensors and compares with the plan's predicted peak; slower (a large-vocabulary model's CPU
+    step took 37% longer here: every large tensor is page-faulted anew). ``False``: glibc's default,
+    which keeps freed blocks of up to 32 MiB resident for reuse."""
+
     keep_timelines: int = 8
     """Measured timelines of the last this many steps (>= 0; 0: none) kept in ``LaunchResult.timelines`` (the input
     of ``engine.cost.calibrate.calibrate``)."""

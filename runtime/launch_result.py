@@ -39,7 +39,13 @@ class LaunchResult:
         predicted_busy, measured_busy: per pipeline rank, seconds of compute (F/B/I/W/optimizer).
         predicted_makespan, measured_makespan: seconds of one step, predicted and measured
             (timeline makespan of the last step).
-        peak_memory: bytes per world rank reported by the workers (last step).
+        peak_memory: bytes per world rank reported by the workers (last step): the process's peak
+            resident set during the step on CPU (its high-water mark where Linux gives one).
+        memory_baseline: bytes per world rank of the resident set that the plan's memory model does
+            not count (interpreter, torch, libraries, traced graphs, process groups; measured after
+            set-up, see ``StageWorker._memory_baseline``): ``peak_memory[r] - memory_baseline[r]``
+            is comparable with the plan's predicted peak of rank ``r``'s pipeline rank. Empty when
+            the workers did not report it.
         optimizer_state_bytes: bytes of each world rank's persistent optimizer state (Adam's ``m``
             and ``v``; ``1/dp`` of them with CoCoNet's ``sharded-update``), from the last step.
         trace_paths: ``{"measured": path}`` (and whatever the caller adds).
@@ -75,6 +81,7 @@ class LaunchResult:
     measured_makespan: float
     peak_memory: list[int]
     optimizer_state_bytes: list[int] = field(default_factory=list)
+    memory_baseline: list[int] = field(default_factory=list)
     trace_paths: dict[str, str] = field(default_factory=dict)
     checkpoint: str | None = None
     backend: str = "gloo"

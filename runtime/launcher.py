@@ -149,13 +149,15 @@ def _start_workers(worker_cls: type, plan_dict: dict, ws: int, config: LaunchCon
         LaunchError: (``kind="cluster"``) the cluster cannot host the plan.
     """
     seed, lr, fail_at, p2p = config.seed, config.lr, config.fail_at, config.p2p_matching
+    release = bool(config.release_freed_memory)
 
     def make_args(backend: _cluster.Backend):
         def args_for_rank(r: int, addr: str, port: int):
             wc = WorkerConfig(backend=backend.name, seed=seed, lr=lr,
                               optimizer=cast(OptimizerName, optimizer), fail_at=_fail_at_for(fail_at, r),
                               # NCCL: CUDA tensors (the actor sees its one GPU as cuda:0)
-                              device="cuda" if backend.use_gpu else None, p2p_matching=p2p or "auto")
+                              device="cuda" if backend.use_gpu else None, p2p_matching=p2p or "auto",
+                              release_freed_memory=release)
             return ((plan_dict, r, ws, addr, port), {"config": wc})
         return args_for_rank
 
@@ -385,7 +387,7 @@ def launch(
         runner = Runner(pool)
         runner.checkpoint = last_ck
         slow = max(config.step_timeout, 60.0)
-        runner.call("setup", [()] * ws, timeout=slow, step=None, what="setup")
+        infos = runner.call("setup", [()] * ws, timeout=slow, step=None, what="setup")
         if ck is not None:
             restore_checkpoint(runner, ck, ws, timeout=slow)
         setup_time = time.perf_counter() - t_start
@@ -418,7 +420,9 @@ def launch(
             tokens_per_second=ups if tokens else 0.0, task=task.name, unit=session.unit,
             units_per_step=per_step, units_per_second=ups,
             checkpoint=runner.checkpoint, backend=backend.name, optimizer=optimizer, world_size=ws, dp=dp, pp=pp,
-            elapsed=time.perf_counter() - t_start, setup_time=setup_time, moe=loop.moe, **measured)
+            elapsed=time.perf_counter() - t_start, setup_time=setup_time, moe=loop.moe,
+            memory_baseline=[int(i.get("memory_baseline", 0) or 0) if isinstance(i, dict) else 0 for i in infos],
+            **measured)
     finally:
         if started:
             _end(callbacks)

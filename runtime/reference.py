@@ -56,6 +56,7 @@ from runtime.recompute import apply_recompute
 from runtime.stages import tied_groups
 from runtime.worker.batches import as_batch_tuple
 from runtime.worker.errors import WorkerError
+from runtime.worker.optimizer import fused_adam
 
 __all__ = ["reference_losses", "reference_run", "ReferenceRun"]
 
@@ -155,7 +156,8 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
     unfolded: list = []
     opt: torch.optim.Optimizer
     if optimizer == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=lr, **kw)
+        # fused as the runtime's Adam is (runtime.worker.optimizer.fused_adam): the same update arithmetic
+        opt = torch.optim.Adam(model.parameters(), lr=lr, **{"fused": fused_adam(plan.parallel.tp), **kw})
     elif optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=lr, **kw)
     else:

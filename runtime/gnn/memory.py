@@ -33,8 +33,6 @@ caching allocator's live tensors, not the driver's reservation). Untested here (
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import multiprocessing as mp
@@ -46,6 +44,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from engine.errors import TesselError
+from runtime.host_memory import fix_mmap_threshold, peak_rss, reset_peak_rss
 
 __all__ = ["MemoryMeasurementError", "PeakMemory", "measure_peak", "measure_peak_bytes"]
 
@@ -78,39 +77,8 @@ def _name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-#: glibc ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (malloc.h)
-_M_MMAP_THRESHOLD = -3
 #: the default fixed mmap threshold of the measuring child (bytes)
 DEFAULT_MMAP_THRESHOLD = 2 * 2**20
-
-
-def _fix_mmap_threshold(nbytes: int) -> bool:
-    """``mallopt(M_MMAP_THRESHOLD, nbytes)`` in this process (glibc only); ``False`` where unavailable."""
-    name = ctypes.util.find_library("c")
-    if not sys.platform.startswith("linux") or name is None:
-        return False
-    try:
-        return bool(ctypes.CDLL(name).mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
-    except (OSError, AttributeError):
-        return False
-
-
-def _reset_hwm() -> bool:
-    """Reset the high-water mark to the current resident size (Linux ``clear_refs`` 5); ``False`` if unavailable."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _vmhwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("VmHWM not in /proc/self/status")
 
 
 def _ru_maxrss_bytes() -> int:
@@ -122,7 +90,7 @@ def _child(conn: Connection, fn: Callable[..., Any], setup: Callable[..., Any] |
            args: tuple[Any, ...], device: str, mmap_threshold: int | None) -> None:
     """Subprocess entry: set up, take the baseline, run ``fn``, send ``("ok", PeakMemory)`` or ``("error", str)``."""
     try:
-        if mmap_threshold is not None and not _fix_mmap_threshold(mmap_threshold):
+        if mmap_threshold is not None and not fix_mmap_threshold(mmap_threshold):
             log.debug("could not fix the mmap threshold (not glibc?); measuring with the allocator's defaults")
         call_args = tuple(setup(*args)) if setup is not None else args
         gc.collect()
@@ -138,12 +106,12 @@ def _child(conn: Connection, fn: Callable[..., Any], setup: Callable[..., Any] |
             seconds = time.perf_counter() - t0
             peak = torch.cuda.max_memory_allocated(device)
             result = PeakMemory(peak - base, base, seconds, "cuda_max_memory_allocated")
-        elif _reset_hwm():
-            base = _vmhwm_bytes()
+        elif reset_peak_rss():
+            base = peak_rss()
             t0 = time.perf_counter()
             fn(*call_args)
             seconds = time.perf_counter() - t0
-            result = PeakMemory(max(0, _vmhwm_bytes() - base), base, seconds, "vmhwm")
+            result = PeakMemory(max(0, peak_rss() - base), base, seconds, "vmhwm")
         else:
             base = _ru_maxrss_bytes()
             t0 = time.perf_counter()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -40,6 +41,43 @@ from runtime.stages.split_policy import segment_split_policy
 from runtime.stages.types import StageModule
 
 __all__ = ["TracedStage", "retarget_device", "trace_split"]
+
+
+@dataclass(frozen=True)
+class _Value:
+    """A value of the split graph, by its node's name, in a stage call's arguments."""
+
+    name: str
+
+
+def _by_name(args: Any) -> Any:
+    """``args`` (nested tuples, lists, dicts, slices) with every ``fx.Node`` replaced by its :class:`_Value`."""
+    if isinstance(args, fx.Node):
+        return _Value(args.name)
+    if isinstance(args, list):
+        return [_by_name(a) for a in args]
+    if isinstance(args, tuple):
+        return tuple(_by_name(a) for a in args)
+    if isinstance(args, dict):
+        return {k: _by_name(v) for k, v in args.items()}
+    if isinstance(args, slice):
+        return slice(_by_name(args.start), _by_name(args.stop), _by_name(args.step))
+    return args
+
+
+def _bind(args: Any, env: dict[str, Any]) -> Any:
+    """``args`` (nested tuples, lists, dicts, slices) with every :class:`_Value` replaced by ``env[name]``."""
+    if isinstance(args, _Value):
+        return env[args.name]
+    if isinstance(args, list):   # fx's immutable_list too
+        return [_bind(a, env) for a in args]
+    if isinstance(args, tuple):
+        return tuple(_bind(a, env) for a in args)
+    if isinstance(args, dict):
+        return {k: _bind(v, env) for k, v in args.items()}
+    if isinstance(args, slice):
+        return slice(_bind(args.start, env), _bind(args.stop, env), _bind(args.step, env))
+    return args
 
 
 class TracedStage(StageModule):
@@ -67,10 +105,13 @@ class TracedStage(StageModule):
         for name, b in inner._buffers.items():
             if b is not None:
                 self.register_buffer(name, b)
-        self._live_in = list(live_in)
-        self._live_out = list(live_out)
-        self._node = node
-        self._produced = produced   # value node -> output index (None: the whole result)
+        # values by name, not fx.Node: a Node holds the whole split graph module, and with it every
+        # other segment's parameters (each rank would keep the whole model alive)
+        self._live_in = [n.name for n in live_in]
+        self._live_out = [n.name for n in live_out]
+        self._args = _by_name(node.args)
+        self._kwargs = _by_name(node.kwargs)
+        self._produced = {n.name: k for n, k in produced.items()}   # value -> output index (None: the whole result)
 
     def train(self, mode: bool = True) -> "TracedStage":
         super().train(mode)
@@ -82,8 +123,8 @@ class TracedStage(StageModule):
             raise TypeError(f"segment {self.segment} takes {len(self._live_in)} boundary tensors, "
                             f"got {len(values)}")
         env = dict(zip(self._live_in, values))
-        args = fx.node.map_arg(self._node.args, lambda n: env[n])
-        kwargs = fx.node.map_arg(self._node.kwargs, lambda n: env[n])
+        args = _bind(self._args, env)
+        kwargs = _bind(self._kwargs, env)
         result = self.inner(*args, **kwargs)
         for v, k in self._produced.items():
             env[v] = result if k is None else result[k]

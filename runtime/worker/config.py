@@ -69,6 +69,10 @@ class WorkerConfig:
     track_activations: bool = True
     """Account saved-activation bytes and the peak gradient bytes of every step."""
 
+    release_freed_memory: bool = False
+    """CPU: fix glibc's mmap threshold (:data:`runtime.host_memory.MMAP_THRESHOLD`) at set-up, so
+    freed tensors leave the resident set (``runtime.config.LaunchConfig.release_freed_memory``)."""
+
     on_compute_start: Callable[[int | None], object] | None = None
     """Co-location hook ``f(step)`` called before a step's first instruction (``f(None)`` at the
     start of ``evaluate``); ``None``: no-op. An exception from it fails the step."""

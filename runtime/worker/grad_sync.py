@@ -52,7 +52,7 @@ from runtime.worker.errors import WorkerError
 from runtime.worker.optimizer import WorkerOptimizer
 from runtime.worker.step_state import StepState
 
-__all__ = ["GradientSync", "TiedCopies", "flatten_grads", "transform_refusal", "unflatten_grads"]
+__all__ = ["GradientSync", "TiedCopies", "flatten_grads", "transform_refusal", "unflatten_grads", "view_grads"]
 
 
 @dataclass
@@ -163,8 +163,16 @@ class GradientSync:
                     self.flat_grads[s] = torch.zeros(n, dtype=torch.float32, device=device)
         if dp > 1 and any(ins.op == Op.ALLREDUCE and ins.bucket is not None for ins in stream):
             self._build_buckets(stream, bucket_bytes)
+            for s in self.buckets:   # a bucketed segment is reduced in its buckets' buffer only
+                self.flat_grads.pop(s, None)
         if opt.sharded:
             self._check_tied_shards()
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the flat gradient buffers held between steps (the plain all-reduce's and the
+        buckets'; the gradients themselves where ``.grad`` is a view into them)."""
+        flats = list(self.flat_grads.values()) + [b.flat for b in self.buckets.values()]
+        return sum(f.numel() * f.element_size() for f in flats)
 
     # ------------------------------------------------------------------ the plain data-parallel all-reduce
     def post_allreduce(self, s: int, st: StepState) -> None:
@@ -395,10 +403,16 @@ class GradientSync:
                    part, s, ev, st, "bucket")
 
     def begin_step(self) -> None:
-        """At the start of a step: no bucket posted, no segment's backward watched."""
+        """At the start of a step: no bucket posted, no segment's backward watched; every plain
+        (not tensor-parallel, float32) parameter's ``.grad`` is its zeroed slice of the segment's
+        flat all-reduce buffer (PyTorch DDP's ``gradient_as_bucket_view``), so the backward
+        accumulates into the buffer and the gradients are held once, not twice."""
         self._armed = None
         for b in self.buckets.values():
             b.reset()
+        for s, flat in self.flat_grads.items():
+            flat.zero_()
+            view_grads(flat, self.dp_params[s])
 
     def before_instruction(self, idx: int, st: StepState) -> None:
         """Before stream instruction ``idx``: a segment's last backward block arms its hooks."""
@@ -537,8 +551,21 @@ def flatten_grads(flat: torch.Tensor, params: Sequence[torch.nn.Parameter], offs
         g = local_grad(p)
         if g is None:
             flat[o:o + n].zero_()
-        else:
+        elif g.data_ptr() != flat[o:o + n].data_ptr():   # not already its slice (view_grads)
             flat[o:o + n].copy_(g.reshape(-1))
+        o += n
+
+
+def view_grads(flat: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> None:
+    """Make each parameter's ``.grad`` its slice of ``flat`` (``flatten_grads``' layout from
+    offset 0), where the slice can be one: a plain tensor (not a DTensor shard) of ``flat``'s dtype
+    and device. The others keep their own ``.grad``, which ``flatten_grads`` copies in."""
+    o = 0
+    for p in params:
+        lp = local_tensor(p)
+        n = lp.numel()
+        if lp is p and p.dtype == flat.dtype and p.device == flat.device:
+            p.grad = flat[o:o + n].view_as(p)
         o += n
 
 

@@ -10,6 +10,8 @@ from typing import Any
 import psutil
 import torch
 
+from runtime.host_memory import peak_rss, reset_peak_rss
+
 __all__ = ["ActivationMeter", "MemorySampler", "mean_metrics", "metric_floats", "rss"]
 
 _PROC: Any = None
@@ -102,6 +104,7 @@ class MemorySampler:
     def __init__(self, meter: ActivationMeter, device: torch.device | None):
         self.meter = meter
         self.device = device
+        self._hwm = reset_peak_rss()   # the step's own peak, transients inside an instruction included
         self.mem: list[list[float]] = [[0.0, rss()]]
         self.act: list[list[float]] = [[0.0, 0]]
         self.dev: list[list[float]] | None = (
@@ -121,8 +124,14 @@ class MemorySampler:
 
     def result(self) -> dict:
         """The step result's memory keys (``docs/runtime-worker.md``, "Instrumentation")."""
+        peak = int(max(v for _, v in self.mem))
+        if self._hwm:
+            try:
+                peak = max(peak, peak_rss())
+            except OSError:
+                pass
         out: dict[str, Any] = {
-            "peak_memory": int(max(v for _, v in self.mem)), "memory": self.mem,
+            "peak_memory": peak, "memory": self.mem,
             "activation_memory": self.act, "peak_activation_memory": int(max(v for _, v in self.act)),
             "peak_grad_memory": int(self.grad_peak),
         }

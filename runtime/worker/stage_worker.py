@@ -5,6 +5,7 @@ narrow state each uses (:mod:`runtime.worker.context`). Design and lifecycle:
 
 from __future__ import annotations
 
+import gc
 import time
 from datetime import timedelta
 from typing import Any
@@ -17,6 +18,7 @@ from engine.dependency import COMPUTE_OPS, Instruction, Op, lower
 from engine.io.plan import Plan
 from engine.models import task_for_plan
 from runtime.expert_parallel import ExpertParallelMoE
+from runtime.host_memory import MMAP_THRESHOLD, fix_mmap_threshold, trim_heap
 from runtime.precision import LossScaler, plan_policy, precision_refusal
 from runtime.stages import RuntimeNotSupported, build_stages, check_executable, check_transforms, retarget_device
 from runtime.tensor_parallel import apply_tensor_parallel, coconet_tp_refusal, has_lm_head
@@ -33,7 +35,7 @@ from runtime.worker.groups import ProcessGroups, build_groups, connect_pairs, in
 from runtime.worker.lowering import local_stream
 from runtime.worker.metrics import ActivationMeter, rss
 from runtime.worker.moe import expert_parallelize, has_moe
-from runtime.worker.optimizer import WorkerOptimizer
+from runtime.worker.optimizer import WorkerOptimizer, fused_adam
 from runtime.worker.p2p import OrderedMatching, P2PMatcher, TagMatching
 from runtime.worker.p2p_order import check_own_stream, pair_send_orders
 from runtime.worker.state import CheckpointSource, load_worker_state, worker_state
@@ -184,6 +186,8 @@ class StageWorker:
         t0 = time.perf_counter()
         torch.set_num_threads(1)
         plan = self._check_plan()
+        if self.config.release_freed_memory and not self._cuda:   # RSS follows the live tensors
+            fix_mmap_threshold(MMAP_THRESHOLD)
         self.task = self._resolve_task(plan)
         init_default_group(self.config.backend, self.master_addr, self.master_port, self.rank, self.world_size,
                            float(self.config.timeout_s), self.device if self._cuda else None)
@@ -205,7 +209,7 @@ class StageWorker:
                                loss=self.task.loss, loss_scale=loss_scale,
                                track_activations=self.config.track_activations)
         self._ready = True
-        return self._setup_info(t0, local_params, removed)
+        return {**self._setup_info(t0, local_params, removed), "memory_baseline": self._memory_baseline(local_params)}
 
     def _setup_info(self, t0: float, local_params: list[torch.Tensor], removed: list) -> dict:
         """What :meth:`setup` returns (see there)."""
@@ -227,6 +231,19 @@ class StageWorker:
             "experts": {n: (m.global_expert_ids() if isinstance(m, ExpertParallelMoE) else list(range(len(m.experts))))
                         for s in local.segments for n, m in local.moe_layers[s]},
         }
+
+    def _memory_baseline(self, local_params: list[torch.Tensor]) -> int:
+        """Bytes of this process's resident set that the plan's memory model does not count: the
+        interpreter, torch, the model's libraries, traced graphs, process groups and receive
+        buffers. The resident size after set-up (garbage collected, the heap trimmed:
+        :func:`runtime.host_memory.trim_heap`) minus the tensors set-up allocated that the plan
+        counts: parameters, the gradient buffers of the data-parallel sync and optimizer states.
+        A step's ``peak_memory`` minus this is comparable with the plan's predicted peak."""
+        gc.collect()
+        trim_heap()
+        counted = sum(p.numel() * p.element_size() for p in local_params) + self.grad_sync.buffer_bytes() \
+            + self.opt.state_bytes()
+        return max(0, rss() - counted)
 
     def _check_plan(self) -> Any:
         """Rebuild and check the plan, the world size, the rank, the device/matching options and the
@@ -431,7 +448,8 @@ class StageWorker:
             raise RuntimeNotSupported(why)
         tied_ids = {id(p) for tc in tied_local for p in tc.params}
         self.opt = WorkerOptimizer(self.optimizer_name, float(self.config.lr), self.local.params, tied_ids, self.dp,
-                                   self.device, sharded="sharded-update" in par.transforms, shard_index=self.dp_index)
+                                   self.device, sharded="sharded-update" in par.transforms, shard_index=self.dp_index,
+                                   fused=fused_adam(self.tp))
         if plan_policy(self.plan).loss_scaling:   # 16-mixed: one loss scale, its skips agreed by every rank
             group = dist.new_group(list(range(self.world_size)), timeout=self.timeout)
             self.opt.scaler = LossScaler(self.device.type, group, init_scale=float(self.config.init_loss_scale))

@@ -25,7 +25,12 @@ What must hold (issue 31, items 1 and 2):
   bf16-true with tp 2, 5.1e-3 for bf16-mixed with tp 2), and at most 5% of the elements more than
   1e-4 from it (measured 3.0% for bf16-true with tp 2, 1.1% with dp 2, 0.6% for bf16-mixed with
   tp 2, 0.1% for 16-mixed with tp 2). Elsewhere (measured): bf16-mixed with dp 2 equals the
-  reference to the bit in its losses, 16-mixed with dp 2 differs by 1.4e-5;
+  reference to the bit in its losses, 16-mixed with dp 2 differs by 1.4e-5. 16-mixed with dp 2 may
+  have two elements in 10,000 beyond 1e-5, not one: its replicas sum their micro-batch gradients
+  before the all-reduce adds the two sums, the reference sums all eight in turn (another fp32
+  grouping), and Adam turns that rounding on near-zero gradients into up to 3e-5. Which elements,
+  and how many, depends on the update's arithmetic: with the fused Adam (run and reference alike)
+  6 of 49,152 in one weight, with the per-parameter loop 2 (max 3.1e-5, well within 2e-4);
 - ``selective`` with ZB-H1 is refused in one sentence (torch's selective checkpointing hands out
   each saved tensor once; I and W are two backward passes); ``full`` runs with it;
 - ``full`` and ``selective`` recomputation give bit-identical losses and parameters to no
@@ -174,7 +179,8 @@ def test_a_precision_policy_trains_like_one_process(pool, precision, schedule, s
             assert bool(((a - b).abs() <= bound).all()), f"{precision} {schedule} {shape}: {name}"
         assert stats[1] <= ROUNDED_APART_FRACTION, f"{precision} {schedule} {shape}: {stats}"
     else:
-        assert_params_match(merged, ref.model, f"{precision} {schedule} {shape}")
+        assert_params_match(merged, ref.model, f"{precision} {schedule} {shape}",
+                            beyond_per_10000=2 if (precision, shape) == ("16-mixed", "dp2") else 1)
     if precision == "16-mixed":   # one loss scale on every rank, the reference's, also in the checkpoint
         assert {p["scale"] for p in out.values()} == {ref.loss_scale[-1]}
         assert all(p["state"]["loss_scaler"]["scale"] == ref.loss_scale[-1] for p in out.values())

@@ -128,3 +128,21 @@ def test_untraceable_non_sequential_model_fails_with_one_sentence_naming_the_lay
     assert "'blocks.1' (DataDependentBlock)" in msg
     assert "data-dependent control flow" in msg and "x.sum() > 0" in msg
     assert msg.startswith("cannot split 'split_user_models:make_branchy_net' into stages")
+
+
+def test_a_traced_stage_keeps_only_its_own_parameters_alive():
+    """A rank keeps only its own stages: a traced stage must not hold the split graph (its fx nodes
+    reference the whole traced model), or every rank would keep every other stage's parameters."""
+    import gc
+    import weakref
+
+    st = build_stages(_plan("gpt2-tiny", 2), seed=0)
+    assert isinstance(st.modules[0], TracedStage)
+    own = {id(p) for p in st.modules[0].parameters()}
+    others = [weakref.ref(p) for p in st.modules[1].parameters() if id(p) not in own]
+    assert others
+    kept = st.modules[0]
+    del st
+    gc.collect()
+    assert [r for r in others if r() is not None] == []
+    kept(*[torch.zeros(1, 16, dtype=torch.long)])   # the kept stage still runs

@@ -91,19 +91,20 @@ def test_tensor_parallel_plan_trains_like_one_process(pool, model, dp, tp, pp, s
     assert_params_match(merged, ref.model, f"{model} {schedule} {dp}x{tp}x{pp}")
 
 
-def assert_params_match(merged: dict, model, label: str) -> None:
-    """The merged state loads strictly into ``model`` and every parameter matches: at most one element
-    in 10,000 beyond rtol 1e-4 + atol 1e-5 (1% of one Adam step of lr 1e-3), and those within atol
-    2e-4 (module docstring: Adam divides by the gradient's RMS, so a different but equally exact
-    summation order, e.g. the vocab-parallel loss's, turns rounding on a near-zero gradient into a
-    visible part of a step; seen: one of 49,152 elements off by 5.8e-5 after 3 steps)."""
+def assert_params_match(merged: dict, model, label: str, *, beyond_per_10000: int = 1) -> None:
+    """The merged state loads strictly into ``model`` and every parameter matches: at most
+    ``beyond_per_10000`` elements in 10,000 beyond rtol 1e-4 + atol 1e-5 (1% of one Adam step of
+    lr 1e-3), and those within atol 2e-4 (module docstring: Adam divides by the gradient's RMS, so a
+    different but equally exact summation order, e.g. the vocab-parallel loss's, turns rounding on a
+    near-zero gradient into a visible part of a step; seen: one of 49,152 elements off by 5.8e-5
+    after 3 steps)."""
     copy.deepcopy(model).load_state_dict(merged)   # strict: every key, full shapes
     want = model.state_dict()
     for name, _ in model.named_parameters(remove_duplicate=False):
         got, exp = _without_key_bias(name, merged[name], model), _without_key_bias(name, want[name], model)
         close = torch.isclose(got, exp, rtol=1e-4, atol=2e-4)
         strict = torch.isclose(got, exp, rtol=1e-4, atol=1e-5)
-        assert int((~strict).sum()) * 10_000 <= max(strict.numel(), 10_000), \
+        assert int((~strict).sum()) * 10_000 <= beyond_per_10000 * max(strict.numel(), 10_000), \
             f"{label}: {name}: {int((~strict).sum())} of {strict.numel()} elements beyond atol 1e-5"
         assert bool(close.all()), \
             f"{label}: parameter {name} differs after {STEPS} steps " \
