@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from engine.errors import CostModelError
 from engine.timeline import Timeline
@@ -73,6 +73,12 @@ class Calibration:
         steps: measured timelines (steps) used.
         collectives: ``[(kind, nbytes, group size, seconds), ...]``: each measured collective's
             own time (on the rank that arrived last, see the module docstring).
+        compute_scale: ``{kind: ratio}``, measured over planned seconds of the blocks of that kind
+            (summed over the measured plan's segments; :func:`calibrate` with ``planned``): how far the
+            cost model's compute times fall short on this machine (Python and autograd overheads of
+            a whole stage). It transfers to other plans of the same model (``tessel tune
+            --calibration``), whose segments differ: a block not in :attr:`block_seconds` takes
+            its planned duration times this ratio.
     """
 
     block_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
@@ -81,10 +87,13 @@ class Calibration:
     steps: int = 0
     p2p_seconds: dict[int, float] = field(default_factory=dict)
     collectives: list[tuple[str, int, int, float]] = field(default_factory=list)
+    compute_scale: dict[str, float] = field(default_factory=dict)
 
     def block_time(self, segment: int, kind: str, default: float) -> float:
-        """Measured seconds of a ``kind`` block of ``segment``, else ``default``."""
-        return self.block_seconds.get((int(segment), str(kind)), default)
+        """Measured seconds of a ``kind`` block of ``segment``, else ``default`` (planned seconds)
+        times :attr:`compute_scale` of ``kind`` (1 where not measured)."""
+        got = self.block_seconds.get((int(segment), str(kind)))
+        return got if got is not None else default * self.compute_scale.get(str(kind), 1.0)
 
     def to_dict(self) -> dict:
         """JSON form: ``{"blocks": [[segment, kind, seconds], ...], "optimizer_seconds_per_byte", ...}``."""
@@ -92,6 +101,7 @@ class Calibration:
                 "optimizer_seconds_per_byte": self.optimizer_seconds_per_byte,
                 "p2p": [[n, t] for n, t in sorted(self.p2p_seconds.items())],
                 "collectives": [list(c) for c in self.collectives],
+                "compute_scale": dict(sorted(self.compute_scale.items())),
                 "samples": self.samples, "steps": self.steps}
 
     @classmethod
@@ -106,13 +116,15 @@ class Calibration:
             spb = d.get("optimizer_seconds_per_byte")
             p2p = {int(n): float(t) for n, t in d.get("p2p", [])}
             colls = [(str(k), int(n), int(g), float(t)) for k, n, g, t in d.get("collectives", [])]
+            scale = {str(k): float(v) for k, v in (d.get("compute_scale") or {}).items()}
             return cls(blocks, None if spb is None else float(spb), int(d.get("samples", 0)), int(d.get("steps", 0)),
-                       p2p, colls)
+                       p2p, colls, scale)
         except (TypeError, ValueError) as e:
             raise CostModelError(f"malformed calibration: {e}; expected blocks=[[segment, kind, seconds], ...]") from e
 
 
-def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[int] | None = None) -> Calibration:
+def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[int] | None = None,
+              planned: Mapping[tuple[int, str], float] | None = None) -> Calibration:
     """Derive a :class:`Calibration` from measured timelines (one per step).
 
     Args:
@@ -120,6 +132,9 @@ def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[in
             step of a launch includes warm-up (allocator, autograd graph caches); leave it out.
         param_bytes: parameter bytes per pipeline rank, used when a measured ``OPTIM`` event does
             not carry its bytes (``ExecutionPlan.param_bytes``).
+        planned: ``{(segment, kind): seconds}``, the measured plan's own block durations; with it
+            the calibration gets :attr:`Calibration.compute_scale` (per kind, the measured trimmed
+            means summed over segments divided by the planned durations summed over the same ones).
 
     Returns:
         The calibration; block kinds never measured are absent (the plan keeps its own durations).
@@ -155,9 +170,24 @@ def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[in
     if not samples:
         raise CostModelError("no measured compute events (F/B/I/W) to calibrate from; pass measured timelines "
                              "of training steps, e.g. LaunchResult.timeline")
-    return Calibration({k: trimmed_mean(v) for k, v in per_block.items()},
-                       statistics.median(per_byte) if per_byte else None, samples, len(tls),
-                       {n: statistics.median(v) for n, v in per_size.items()}, collectives)
+    blocks = {k: trimmed_mean(v) for k, v in per_block.items()}
+    return Calibration(blocks, statistics.median(per_byte) if per_byte else None, samples, len(tls),
+                       {n: statistics.median(v) for n, v in per_size.items()}, collectives,
+                       measured_compute_scale(blocks, planned) if planned else {})
+
+
+def measured_compute_scale(measured: Mapping[tuple[int, str], float], planned: Mapping[tuple[int, str], float]
+                  ) -> dict[str, float]:
+    """Per block kind, ``sum(measured) / sum(planned)`` over the ``(segment, kind)`` keys both have
+    with a positive planned duration (seconds); kinds without one are left out."""
+    num: dict[str, float] = {}
+    den: dict[str, float] = {}
+    for (seg, kind), t in measured.items():
+        p = planned.get((seg, kind))
+        if p is not None and p > 0:
+            num[kind] = num.get(kind, 0.0) + t
+            den[kind] = den.get(kind, 0.0) + p
+    return {k: num[k] / den[k] for k in num if den[k] > 0}
 
 
 def _collective_times(tl: Timeline) -> list[tuple[str, int, int, float]]:
@@ -237,4 +267,5 @@ def calibrated_durations(blocks: Iterable, calibration: Calibration) -> list[flo
     return [calibration.block_time(b.segment, b.kind, b.duration) for b in blocks]
 
 
-__all__ = ["Calibration", "CalibratedCost", "calibrate", "calibrated_durations", "trimmed_mean"]
+__all__ = ["Calibration", "CalibratedCost", "calibrate", "calibrated_durations", "measured_compute_scale",
+           "trimmed_mean"]

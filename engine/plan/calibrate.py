@@ -157,11 +157,12 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline]) -> CalibrationChec
         TesselError: the timelines name a segment the plan does not have.
     """
     tls = list(timelines)
-    new, tl = with_calibration(plan, calibrate(tls))
+    planned = {(b.segment, b.kind): b.duration for b in plan.placement.blocks}
+    new, tl = with_calibration(plan, calibrate(tls, planned=planned))
     held_out = len(tls) >= 4
     if held_out:
         half = len(tls) // 2
-        _, tl = with_calibration(plan, calibrate(tls[:half]))
+        _, tl = with_calibration(plan, calibrate(tls[:half], planned=planned))
         checked = tls[half:]
     else:
         checked = tls

@@ -280,7 +280,9 @@ def plan_from_capture(captured: CapturedModel, config: ParallelConfig, cost: Cos
         calibration: a measured calibration (:meth:`engine.cost.calibrate.Calibration.to_dict`) kept in
             ``plan.meta["calibration"]``, so the prediction uses its point-to-point, collective and
             optimizer costs (:class:`engine.cost.calibrate.CalibratedCost`); its per-segment block
-            times belong to the plan it was measured on and should be left out.
+            times belong to the plan it was measured on and should be left out. Without them, its
+            ``compute_scale`` multiplies the block durations (:func:`transferable_scale`; a ``cut``
+            given by the caller must have been made with it).
 
     Raises:
         TesselError: as :func:`make_plan` (a split that does not fit, a schedule that needs more
@@ -291,7 +293,7 @@ def plan_from_capture(captured: CapturedModel, config: ParallelConfig, cost: Cos
     t0 = time.perf_counter()
     if cut is None:
         cut = transform_model(captured, config, cost, schedule, memory_limit=memory_limit,
-                              stage_recompute=stage_recompute)
+                              stage_recompute=stage_recompute, compute_scale=transferable_scale(calibration))
     timings["transform"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -477,16 +479,28 @@ class TransformedModel:
     warnings: list[str]
 
 
+def transferable_scale(calibration: Mapping | None) -> dict[str, float] | None:
+    """The ``compute_scale`` of a calibration document (:meth:`~engine.cost.calibrate.Calibration.to_dict`)
+    when it applies to other plans: it has no per-segment block times (those replace the
+    durations of the plan they were measured on). ``None`` otherwise."""
+    if not calibration or calibration.get("blocks"):
+        return None
+    scale = calibration.get("compute_scale") or {}
+    return {str(k): float(v) for k, v in scale.items()} or None
+
+
 def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostModel, schedule: str, *,
                     memory_limit: float | None = None,
                     stage_recompute: Sequence[str] | None = None,
-                    layers: Sequence[LayerCost] | None = None) -> TransformedModel:
+                    layers: Sequence[LayerCost] | None = None,
+                    compute_scale: Mapping[str, float] | None = None) -> TransformedModel:
     """Cut the captured graph into segments under ``memory_limit`` (bytes per device;
     :func:`engine.transform.split_segments`), count the tied copies and each expert-parallel
     rank's experts in them, and build the placement ``schedule`` needs
     (:func:`placement_from_segments`); ``stage_recompute``: the per-segment override of
     ``config.recompute``, ``layers``: the layers' costs when the caller has them
-    (:func:`engine.transform.split_segments`).
+    (:func:`engine.transform.split_segments`); ``compute_scale``: per block kind, a measured
+    factor on the placement's block durations (:attr:`engine.cost.calibrate.Calibration.compute_scale`).
 
     Raises:
         TransformError: a split that does not fit.
@@ -502,6 +516,9 @@ def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostM
     segments = [_expert_parallel_split(s, seg_moe.get(s.index, []), config.dp, config.tp) for s in segments]
     placement = placement_from_segments(segments, config, schedule, optimizer=optimizer,
                                         tied_grad_bytes=_tied_bytes_per_segment(tied, config.tp))
+    if compute_scale:
+        placement = placement.with_durations([b.duration * float(compute_scale.get(b.kind, 1.0))
+                                              for b in placement.blocks])
     return TransformedModel(segments, tied, seg_moe, placement, captured.warnings + warnings)
 
 
@@ -558,4 +575,5 @@ def _tied_bytes_per_segment(tied: list[TiedGroup], tp: int = 1) -> dict[int, int
 
 
 __all__ = ["CapturedModel", "PlanResult", "TransformedModel", "build_plan", "capture_model", "make_plan",
-           "parallel_config", "placement_from_segments", "plan_from_capture", "recheck_capture", "transform_model"]
+           "parallel_config", "placement_from_segments", "plan_from_capture", "recheck_capture", "transferable_scale",
+           "transform_model"]

@@ -50,6 +50,7 @@ from engine.plan.make import (
     parallel_config,
     plan_from_capture,
     recheck_capture,
+    transferable_scale,
     transform_model,
 )
 from engine.precision import get_policy, plan_precision
@@ -303,7 +304,7 @@ def _evaluate(c: Candidate, ctx: _Context, num_params: int,
         config = _config(c, ctx)
         captured = recheck_capture(_capture(c, ctx), config)
         cut = transform_model(captured, config, ctx.cost, c.schedule, memory_limit=limit,
-                              layers=_layers(c, captured, ctx))
+                              layers=_layers(c, captured, ctx), compute_scale=transferable_scale(ctx.calibration))
         t_bound, m_place = _placement_bounds(cut, c)
         m_bound = max(state, m_place or 0.0)
         if m_bound > limit:

@@ -165,3 +165,27 @@ def test_reduce_scatter_and_all_gather_get_their_own_overheads():
     assert cc.collective_time("reducescatter", nbytes, [0, 1]) == pytest.approx(0.040)
     assert cc.collective_time("allgather", nbytes, [0, 1]) == pytest.approx(0.010)
     assert cc.collective_time("allreduce", nbytes, [0, 1]) == base.collective_time("allreduce", nbytes, [0, 1])
+
+
+def test_compute_scale_is_measured_over_planned_per_kind_and_survives_json(plan):
+    from engine.plan import calibrate_plan
+    from engine.plan.make import transferable_scale
+
+    scale = {(0, "F"): 1.5, (1, "F"): 2.5, (0, "B"): 2.0, (1, "B"): 2.0}
+    measured = _measured(plan, scale)
+    planned = {(b.segment, b.kind): b.duration for b in plan.placement.blocks}
+    cal = calibrate([measured], planned=planned)
+    f = [b.duration for b in plan.placement.blocks if b.kind == "F"]
+    want_f = (1.5 * f[0] + 2.5 * f[1]) / (f[0] + f[1])   # summed over segments, not averaged
+    assert cal.compute_scale == pytest.approx({"F": want_f, "B": 2.0})
+    assert Calibration.from_dict(cal.to_dict()).compute_scale == cal.compute_scale
+    assert calibrate([measured]).compute_scale == {}   # nothing planned to compare with
+    # a block it measured keeps its measured time; one it did not gets planned x scale
+    assert cal.block_time(0, "F", 1.0) == pytest.approx(1.5 * f[0])
+    assert cal.block_time(7, "B", 1.0) == pytest.approx(2.0)
+    doc = calibrate_plan(plan, [measured]).plan.meta["calibration"]
+    assert doc["compute_scale"] == pytest.approx(cal.compute_scale)
+    # it transfers to other plans only without the measured plan's own block times
+    assert transferable_scale(doc) is None
+    assert transferable_scale({**doc, "blocks": []}) == pytest.approx(cal.compute_scale)
+    assert transferable_scale(None) is None

@@ -214,3 +214,25 @@ def test_plans_that_can_no_longer_be_kept_are_dropped_and_the_kept_ones_are_righ
     for k, plan in res.plans.items():
         assert plan.plan.metrics["makespan"] == pytest.approx(res.rows[k].step_time, rel=1e-12)
         assert plan.plan.parallel.pp == res.rows[k].candidate.pp
+
+
+def test_a_calibrations_compute_scale_multiplies_every_candidates_blocks():
+    """The measured compute scale of a profiling launch (measured over planned block time, per kind)
+    applies to every candidate's blocks: each row is make_plan's plan with that calibration."""
+    from engine.cost.calibrate import Calibration
+    from engine.plan import with_calibration
+
+    cal = Calibration(compute_scale={"F": 1.5, "B": 2.0})
+    space = TuneSpace(gpus=2, global_batch=4, gpus_per_node=2, micro_batch_sizes=(1,), schedules=("1f1b", "gpipe"),
+                      recompute=("none",), sequence_parallel=False, overlap_grad_sync=False, sharded_update=False)
+    plain = tune(MODEL, space, device_type="cpu", seq_len=SEQ)
+    res = tune(MODEL, space, device_type="cpu", seq_len=SEQ, calibration=cal)
+    by_label = {r.candidate.label(): r for r in plain.fitting()}
+    assert {r.candidate.label() for r in res.fitting()} == set(by_label)
+    for r in res.fitting():
+        c = r.candidate
+        ref = make_plan(MODEL, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches, schedule=c.schedule,
+                        seq_len=SEQ, device_type="cpu").plan
+        calibrated, _ = with_calibration(ref, cal)
+        assert r.step_time == pytest.approx(calibrated.metrics["makespan"], rel=1e-9)
+        assert r.step_time > 1.4 * by_label[c.label()].step_time
