@@ -89,9 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="time the model's ops on this machine (cached) and rank with the measured times "
                         "(with --device-type cpu here)")
-    p.add_argument("--calibration", default=None, metavar="PLAN",
+    p.add_argument("--calibration", default=None, metavar="PLAN", action="append",
                    help="a plan calibrated by `tessel launch PLAN --calibrate` (its .calibrated.json): rank with its "
-                        "cost model (op profile included) and its measured communication and optimizer costs")
+                        "cost model (op profile included), its measured communication and optimizer costs and its "
+                        "measured compute scale; repeat it with launches of other degrees: each candidate takes "
+                        "the one of its (dp, tp, pp), else of its pp, else of its dp, else the first")
     p.add_argument("--time-limit", type=positive_float, default=None,
                    help="seconds for the search; candidates not visited by then are reported as such")
     p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table to print (default 10)")
@@ -108,21 +110,32 @@ def _space(args: argparse.Namespace) -> TuneSpace:
                      optimizers=("adam", "adama") if args.adama else ("adam",), max_tp=args.max_tp, max_pp=args.max_pp)
 
 
-def _calibrated(path: str | None):
-    """(cost model, calibration) of a calibrated plan file, or ``(None, None)`` without one.
+def _calibrated(paths: list[str] | None):
+    """(cost model of the first file, ``{(dp, tp, pp): calibration}``) of calibrated plan files, or
+    ``(None, None)`` without one.
 
     Raises:
-        TuneError: the plan holds no cost model or no calibration (one sentence naming the fix).
-        TesselError: the file is not a readable plan.
+        TuneError: a plan holds no cost model or no calibration, or two have the same degrees (one
+            sentence naming the fix).
+        TesselError: a file is not a readable plan.
     """
-    if path is None:
+    if not paths:
         return None, None
-    plan = load_plan(path)
-    cal = plan.meta.get("calibration")
-    if not plan.cost or not cal:
-        raise TuneError(f"--calibration {path} holds no {'cost model' if not plan.cost else 'calibration'}; give the "
-                        "plan that `tessel launch PLAN --calibrate` wrote (PLAN.calibrated.json)")
-    return CostModel.from_dict(plan.cost), Calibration.from_dict(cal)
+    cost, cals = None, {}
+    for path in paths:
+        plan = load_plan(path)
+        cal = plan.meta.get("calibration")
+        if not plan.cost or not cal:
+            raise TuneError(f"--calibration {path} holds no {'cost model' if not plan.cost else 'calibration'}; give "
+                            "the plan that `tessel launch PLAN --calibrate` wrote (PLAN.calibrated.json)")
+        par = plan.parallel
+        key = (int(par.dp), int(par.tp), int(par.pp))
+        if key in cals:
+            raise TuneError(f"--calibration {path} has the degrees dp={key[0]} tp={key[1]} pp={key[2]} of an earlier "
+                            "one; give one calibrated plan per layout")
+        cost = cost or CostModel.from_dict(plan.cost)
+        cals[key] = Calibration.from_dict(cal)
+    return cost, cals
 
 
 def _launch_refusal(plan) -> str:

@@ -233,6 +233,22 @@ def plan_memory(plan: dict) -> dict[str, float]:
             "activations_per_micro_batch": act, "in_flight": in_flight(plan["schedule"]["orders"][r])}
 
 
+def run_cli(cmd: list[str], timeout: float = 900.0) -> tuple[dict, float]:
+    """Run a ``tessel ... --json`` command from the repository root; its last stdout line as JSON
+    and its wall time (seconds).
+
+    Raises:
+        RuntimeError: the command failed (its last stderr lines).
+    """
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[2:])} exited {proc.returncode}: {proc.stderr.strip()[-1500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]), wall
+
+
 def run_one(run: PublishedRun, folder: Path, timeout: float = 900.0) -> dict:
     """Plan one run through the CLI and compare it with the paper; one result dict.
 
@@ -240,14 +256,7 @@ def run_one(run: PublishedRun, folder: Path, timeout: float = 900.0) -> dict:
         RuntimeError: the plan command failed (its last stderr lines).
     """
     config = write_config(run, folder / "model")
-    cmd = plan_command(run, config, folder / "plan")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"})
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[2:])} exited {proc.returncode}: {proc.stderr.strip()[-1500:]}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res, wall = run_cli(plan_command(run, config, folder / "plan"), timeout)
     plan = json.loads(Path(res["plan"]).read_text())
     seconds = float(res["makespan"])
     published = published_seconds(run)

@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_runs import RUNS, SEQ_LEN, PublishedRun, plan_command, write_config  # noqa: E402
+from published_runs import RUNS, SEQ_LEN, PublishedRun, plan_command, run_cli, write_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Each space's ``tessel tune`` flags (after the common ones).
@@ -47,24 +44,14 @@ WITHIN = 0.10
 WALL_SECONDS = 120.0
 
 
-def _cli(cmd: list[str], timeout: float = 1800.0) -> tuple[dict, float]:
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"})
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[2:6])} ... exited {proc.returncode}: {proc.stderr.strip()[-1500:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1]), wall
-
-
 def tune_one(run: PublishedRun, space: str, folder: Path) -> dict:
     """Tune one row in one space; the published configuration planned beside it."""
     config = write_config(run, folder / "model")
     cmd = [sys.executable, "-m", "apps.cli", "tune", "--model-config", str(config), "--gpus", str(run.gpus),
            "--gpus-per-node", "8", "--device-type", "a100", "--global-batch", str(run.batch), "--seq-len",
            str(SEQ_LEN), "--precision", "16-mixed", *SPACES[space], "-o", str(folder / f"tune-{space}"), "--json"]
-    tuned, wall = _cli(cmd)
-    published, _ = _cli(plan_command(run, config, folder / "published"))
+    tuned, wall = run_cli(cmd, 1800.0)
+    published, _ = run_cli(plan_command(run, config, folder / "published"), 1800.0)
     best = tuned["best"]
     ratio = published["makespan"] / best["step_time"]
     return {"run": run.name, "space": space, "gpus": run.gpus, "best": best["label"],

@@ -7,6 +7,14 @@ profile=True)``, the cost model of ``tessel plan --profile``); then EVERY fittin
 launched on Ray (gloo, one process per rank, ``torch.set_num_threads(1)``) for a few steps and
 its median measured step time (steps after the first) is set beside the prediction.
 
+Calibrated ranking (the default; ``--no-calibration`` leaves it out): one profiling launch per
+layout ``(dp, tp, pp)`` of the space (of that layout's first candidate in the profiled ranking) is
+calibrated (``engine.plan.calibrate_plan``: the measured point-to-point, collective and optimizer
+costs, and per block kind the measured over planned compute time), and the space is tuned again
+with those calibrations (``tune(..., calibration={(dp, tp, pp): ...})``, as ``tessel tune
+--calibration A.calibrated.json --calibration B.calibrated.json``); both rankings are compared
+with the same measurements (the profiling launches are not among them).
+
 Printed per model and rank count: the candidates, the tuner's pick and its measured time, the
 measured best, the pick's distance from it (target: within 5%), Spearman's rank correlation of
 predicted against measured step times (target: at least 0.8) and the tuner's wall time.
@@ -18,16 +26,18 @@ Ranks that outnumber the cores (4 ranks on 2 cores) share them, so the measured 
 that contention and the prediction does not: this is the hard case for the ranking.
 
 Usage: ``python benchmarks/tune_cpu_bench.py [--json] [--models llama-32k-cpu,two-tower-tiny,gpt2-small-cpu]
-[--ranks 2,4] [--steps 5]``
+[--ranks 2,4] [--steps 5] [--no-calibration]``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,8 +46,9 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
+from engine.cost.calibrate import Calibration  # noqa: E402
 from engine.errors import TesselError  # noqa: E402
-from engine.plan import make_plan  # noqa: E402
+from engine.plan import calibrate_plan, make_plan, with_calibration  # noqa: E402
 from engine.tune import TuneSpace, tune  # noqa: E402
 from runtime import launch  # noqa: E402
 from runtime.config import LaunchConfig  # noqa: E402
@@ -55,52 +66,125 @@ def _space(ranks: int, batch: int) -> TuneSpace:
                      sharded_update=False, sequence_parallel=False, overlap_grad_sync=False)
 
 
-def measure(model: str, ranks: int, steps: int) -> dict:
-    """Tune ``model`` on ``ranks`` CPU ranks, launch every fitting candidate, compare."""
+def _plan(model: str, c, seq: int):
+    return make_plan(model, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches,
+                     micro_batch_size=c.micro_batch_size, schedule=c.schedule, virtual_stages=c.virtual_stages,
+                     recompute=c.recompute, seq_len=seq, device_type="cpu", profile=True).plan
+
+
+def _launch(plan, steps: int, keep: int = 0):
+    return launch(plan, LaunchConfig(steps=steps, device="cpu", keep_timelines=keep or steps, step_timeout=300))
+
+
+def _profile(model: str, res, seq: int, steps: int) -> tuple[dict, list[str]]:
+    """One profiling launch per layout ``(dp, tp, pp)`` of the fitting candidates, of that layout's
+    first fitting candidate the runtime runs: ``{(dp, tp, pp): calibration}`` (``calibrate_plan`` of
+    the steps after the first) and the launched candidates' labels."""
+    cals: dict = {}
+    labels: list[str] = []
+    for r in res.fitting():
+        c = r.candidate
+        key = (c.dp, c.tp, c.pp)
+        if key in cals:
+            continue
+        plan = _plan(model, c, seq)
+        try:
+            out = _launch(plan, max(steps, 4))
+        except TesselError:
+            continue
+        check = calibrate_plan(plan, out.timelines[1:])
+        cals[key] = Calibration.from_dict(check.plan.meta["calibration"])
+        labels.append(c.label())
+    return cals, labels
+
+
+def _calibration_for(cals: dict, c) -> Calibration | None:
+    """The calibration ``tune`` gives candidate ``c`` (engine.tune.tuner: its layout, else its pp,
+    else its dp, else the first)."""
+    for match in (lambda k: k == (c.dp, c.tp, c.pp), lambda k: k[2] == c.pp, lambda k: k[0] == c.dp):
+        key = next((k for k in cals if match(k)), None)
+        if key is not None:
+            return cals[key]
+    return next(iter(cals.values()), None)
+
+
+def _calibrated(plan, cal: Calibration | None) -> float:
+    """The plan's step time with ``cal`` as the tuner applies it (its per-segment block times left
+    out; ``tune(..., calibration=)`` predicts each candidate so, checked in tests/engine/test_tune.py);
+    NaN without a calibration."""
+    if cal is None:
+        return math.nan
+    return with_calibration(plan, replace(cal, block_seconds={}))[1].makespan
+
+
+def _ranking(rows: list[dict], key: str) -> dict:
+    pred = [x[key] for x in rows]
+    meas = [x["measured"] for x in rows]
+    rho = float(spearmanr(pred, meas).statistic) if len(rows) > 2 else float("nan")
+    best = min(rows, key=lambda x: x["measured"])
+    pick = min(rows, key=lambda x: x[key])
+    gap = pick["measured"] / best["measured"] - 1
+    return {"pick": pick, "measured_best": best, "pick_gap": gap, "spearman": rho,
+            "targets": {"pick_within_5pct": gap <= PICK_WITHIN, "spearman_0_8": rho >= SPEARMAN,
+                        "at_least_12": len(rows) >= 12}}
+
+
+def measure(model: str, ranks: int, steps: int, calibrated: bool = True) -> dict:
+    """Tune ``model`` on ``ranks`` CPU ranks (profiled op times; with ``calibrated``, again with the
+    calibration of one profiling launch of the pick), launch every fitting candidate, compare."""
     batch, seq = MODELS[model]
     t0 = time.perf_counter()
     res = tune(model, _space(ranks, batch), device_type="cpu", seq_len=seq, profile=True)
     tune_s = time.perf_counter() - t0
+    cals, profiled = _profile(model, res, seq, steps) if calibrated else ({}, [])
+    cal_res = None
+    if cals:
+        t0 = time.perf_counter()
+        cal_res = tune(model, _space(ranks, batch), device_type="cpu", seq_len=seq, profile=True, calibration=cals)
+        tune_s_cal = time.perf_counter() - t0
     rows, refused = [], []
     for r in res.fitting():
         c = r.candidate
-        plan = make_plan(model, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches,
-                         micro_batch_size=c.micro_batch_size, schedule=c.schedule,
-                         virtual_stages=c.virtual_stages, recompute=c.recompute, seq_len=seq, device_type="cpu",
-                         profile=True).plan
+        plan = _plan(model, c, seq)
         try:
-            out = launch(plan, LaunchConfig(steps=steps, device="cpu", keep_timelines=steps, step_timeout=300))
+            out = _launch(plan, steps)
         except TesselError as e:   # planned, but the runtime cannot run it (e.g. full recomputation on a tracer split)
             refused.append({"label": c.label(), "why": " ".join(str(e).split())[:200]})
             print(f"[tune_cpu_bench] {model}: {c.label()} not executable: {refused[-1]['why']}", file=sys.stderr)
             continue
         times = [tl.makespan for tl in out.timelines[1:]] or [out.measured_makespan]
-        rows.append({"label": c.label(), "predicted": r.step_time, "measured": statistics.median(times)})
+        rows.append({"label": c.label(), "predicted": r.step_time,
+                     "calibrated": _calibrated(plan, _calibration_for(cals, c)), "measured": statistics.median(times)})
         print(f"[tune_cpu_bench] {model} on {ranks} ranks, {len(rows)}/{len(res.fitting())}: {c.label()} predicted "
-              f"{r.step_time * 1e3:.1f} ms, measured {rows[-1]['measured'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
-    pred = [x["predicted"] for x in rows]
-    meas = [x["measured"] for x in rows]
-    rho = float(spearmanr(pred, meas).statistic) if len(rows) > 2 else float("nan")
-    best = min(rows, key=lambda x: x["measured"])
-    pick = rows[0]   # the tuner's ranking order (of the executable candidates)
-    gap = pick["measured"] / best["measured"] - 1
-    return {"model": model, "ranks": ranks, "candidates": len(rows), "not_executable": refused, "pick": pick,
-            "measured_best": best, "pick_gap": gap, "spearman": rho, "tune_seconds": tune_s, "rows": rows,
-            "targets": {"pick_within_5pct": gap <= PICK_WITHIN, "spearman_0_8": rho >= SPEARMAN,
-                        "at_least_12": len(rows) >= 12}}
+              f"{r.step_time * 1e3:.1f} ms, calibrated {rows[-1]['calibrated'] * 1e3:.1f} ms, measured "
+              f"{rows[-1]['measured'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    out_d = {"model": model, "ranks": ranks, "candidates": len(rows), "not_executable": refused,
+             "tune_seconds": tune_s, "rows": rows, "profiled": _ranking(rows, "predicted")}
+    if cal_res is not None:
+        out_d.update(calibrated=_ranking(rows, "calibrated"), profiling_launches=profiled,
+                     calibrations={"x".join(map(str, k)): v.to_dict() for k, v in cals.items()},
+                     tune_seconds_calibrated=tune_s_cal,
+                     calibrated_pick=next((r.candidate.label() for r in cal_res.fitting()), None))
+    return out_d
 
 
 def report(results: list[dict]) -> str:
-    """The table."""
-    head = (f"{'model':<16} {'ranks':>5} {'cands':>5}  {'tuner pick':<40} {'pick ms':>8} {'best ms':>8} "
+    """The table: per model and rank count, the ranking by profiled op times and by the calibrated ones."""
+    head = (f"{'model':<16} {'ranks':>5} {'cands':>5} {'costs':<10} {'tuner pick':<40} {'pick ms':>8} {'best ms':>8} "
             f"{'gap':>6} {'Spearman':>8} {'tune s':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r['model']:<16} {r['ranks']:>5} {r['candidates']:>5}  {r['pick']['label']:<40} "
-                     f"{r['pick']['measured'] * 1e3:8.1f} {r['measured_best']['measured'] * 1e3:8.1f} "
-                     f"{r['pick_gap']:6.1%} {r['spearman']:8.2f} {r['tune_seconds']:6.1f}")
+        for costs, key, secs in (("profiled", "profiled", r["tune_seconds"]),
+                                 ("calibrated", "calibrated", r.get("tune_seconds_calibrated", math.nan))):
+            k = r.get(key)
+            if k is None:
+                continue
+            lines.append(f"{r['model']:<16} {r['ranks']:>5} {r['candidates']:>5} {costs:<10} {k['pick']['label']:<40} "
+                         f"{k['pick']['measured'] * 1e3:8.1f} {k['measured_best']['measured'] * 1e3:8.1f} "
+                         f"{k['pick_gap']:6.1%} {k['spearman']:8.2f} {secs:6.1f}")
     lines.append(f"targets: the pick within {PICK_WITHIN:.0%} of the measured best, Spearman >= {SPEARMAN}, "
-                 "at least 12 candidates; measured: median step (after the first) on Ray gloo ranks")
+                 "at least 12 candidates; measured: median step (after the first) on Ray gloo ranks; calibrated: "
+                 "tuned again with the calibration of one profiling launch of the profiled pick")
     return "\n".join(lines)
 
 
@@ -110,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help="models (default all three)")
     ap.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
     ap.add_argument("--steps", type=int, default=5, help="steps per launch, the first not measured (default 5)")
+    ap.add_argument("--no-calibration", action="store_true",
+                    help="rank with profiled op times only (no profiling launch, no calibrated ranking)")
     args = ap.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if any(m not in MODELS for m in models):
@@ -117,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
     try:
-        results = [measure(m, r, args.steps) for m in models for r in ranks]
+        results = [measure(m, r, args.steps, not args.no_calibration) for m in models for r in ranks]
     finally:
         ray.shutdown()
     print(json.dumps({"results": results}) if args.json else report(results))

@@ -118,3 +118,24 @@ def test_a_best_plan_the_runtime_cannot_run_is_written_with_a_warning(tmp_path):
                  "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "full", "-o", str(tmp_path / "l"),
                  "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout.strip().splitlines()[-1])["launch_refusal"] is None
+
+
+def test_calibrations_of_several_layouts_are_taken_and_a_repeated_layout_is_refused(tuned, tmp_path):
+    from engine.cost.calibrate import Calibration
+    from engine.io import save_plan
+
+    out, _, res = tuned
+    plan = load_plan(out / "plan.json")
+    plan.meta["calibration"] = Calibration(compute_scale={"F": 2.0, "B": 2.0}).to_dict()
+    first = tmp_path / "a.calibrated.json"
+    save_plan(plan, first)
+    p = run_cli("tune", "--model", "llama-tiny", "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8",
+                "--seq-len", "32", "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "none",
+                "--calibration", str(first), "-o", str(tmp_path / "o"), "--json")
+    assert p.returncode == 0, p.stderr
+    best = load_plan(tmp_path / "o" / "plan.json")
+    assert best.meta["calibration"]["compute_scale"] == {"F": 2.0, "B": 2.0}
+    p = run_cli("tune", "--model", "llama-tiny", "--gpus", "4", "--global-batch", "8", "--calibration", str(first),
+                "--calibration", str(first), "-o", str(tmp_path / "o2"))
+    par = plan.parallel
+    assert p.returncode == 2 and f"dp={par.dp} tp={par.tp} pp={par.pp} of an earlier one" in p.stderr, p.stderr

@@ -91,9 +91,17 @@ class Calibration:
 
     def block_time(self, segment: int, kind: str, default: float) -> float:
         """Measured seconds of a ``kind`` block of ``segment``, else ``default`` (planned seconds)
-        times :attr:`compute_scale` of ``kind`` (1 where not measured)."""
+        times :meth:`scale_of` ``kind``."""
         got = self.block_seconds.get((int(segment), str(kind)))
-        return got if got is not None else default * self.compute_scale.get(str(kind), 1.0)
+        return got if got is not None else default * self.scale_of(str(kind))
+
+    def scale_of(self, kind: str) -> float:
+        """:attr:`compute_scale` of ``kind``; a split backward's ``I`` and ``W`` blocks not measured
+        take the backward's (``B``) scale (they are its two halves), then 1."""
+        got = self.compute_scale.get(kind)
+        if got is None and kind in ("I", "W"):
+            got = self.compute_scale.get("B")
+        return 1.0 if got is None else float(got)
 
     def to_dict(self) -> dict:
         """JSON form: ``{"blocks": [[segment, kind, seconds], ...], "optimizer_seconds_per_byte", ...}``."""
@@ -179,15 +187,21 @@ def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[in
 def measured_compute_scale(measured: Mapping[tuple[int, str], float], planned: Mapping[tuple[int, str], float]
                   ) -> dict[str, float]:
     """Per block kind, ``sum(measured) / sum(planned)`` over the ``(segment, kind)`` keys both have
-    with a positive planned duration (seconds); kinds without one are left out."""
+    with a positive planned duration (seconds); kinds without one are left out. A split backward's
+    ``I`` and ``W`` together also give ``B`` when no ``B`` was measured."""
     num: dict[str, float] = {}
     den: dict[str, float] = {}
     for (seg, kind), t in measured.items():
         p = planned.get((seg, kind))
         if p is not None and p > 0:
-            num[kind] = num.get(kind, 0.0) + t
-            den[kind] = den.get(kind, 0.0) + p
-    return {k: num[k] / den[k] for k in num if den[k] > 0}
+            for k in (kind, "backward") if kind in ("I", "W") else (kind,):
+                num[k] = num.get(k, 0.0) + t
+                den[k] = den.get(k, 0.0) + p
+    out = {k: num[k] / den[k] for k in num if den[k] > 0}
+    backward = out.pop("backward", None)
+    if "B" not in out and backward is not None:   # a split backward measured: its I + W stand for B
+        out["B"] = backward
+    return out
 
 
 def _collective_times(tl: Timeline) -> list[tuple[str, int, int, float]]:

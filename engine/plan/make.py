@@ -485,8 +485,10 @@ def transferable_scale(calibration: Mapping | None) -> dict[str, float] | None:
     durations of the plan they were measured on). ``None`` otherwise."""
     if not calibration or calibration.get("blocks"):
         return None
-    scale = calibration.get("compute_scale") or {}
-    return {str(k): float(v) for k, v in scale.items()} or None
+    scale = {str(k): float(v) for k, v in (calibration.get("compute_scale") or {}).items()}
+    if "B" in scale:   # a split backward's halves not measured take the backward's scale
+        scale = {"I": scale["B"], "W": scale["B"], **scale}
+    return scale or None
 
 
 def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostModel, schedule: str, *,

@@ -35,7 +35,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -219,7 +219,20 @@ class _Context:
     captures: dict[int, CapturedModel | TesselError] = field(default_factory=dict)
     layer_costs: dict[tuple, list[LayerCost]] = field(default_factory=dict)
     simulated: dict[tuple, TuneRow] = field(default_factory=dict)
-    calibration: dict | None = None
+    calibrations: dict[tuple[int, int, int], dict] = field(default_factory=dict)
+    """``(dp, tp, pp)`` of the profiling launch -> its calibration document, block times left out."""
+
+    def calibration(self, c: Candidate) -> dict | None:
+        """The calibration a candidate is predicted with: the one measured on its degrees, else one
+        with its pipeline degree, else one with its data-parallel degree, else the first given."""
+        cals = self.calibrations
+        if not cals:
+            return None
+        for match in (lambda k: k == (c.dp, c.tp, c.pp), lambda k: k[2] == c.pp, lambda k: k[0] == c.dp):
+            key = next((k for k in cals if match(k)), None)
+            if key is not None:
+                return cals[key]
+        return next(iter(cals.values()))
 
 
 def _config(c: Candidate, ctx: _Context):
@@ -269,7 +282,7 @@ def plan_candidate(c: Candidate, ctx: _Context) -> PlanResult:
     config = _config(c, ctx)
     captured = recheck_capture(_capture(c, ctx), config)
     return plan_from_capture(captured, config, ctx.cost, c.schedule, memory_limit=ctx.memory_limit,
-                             calibration=ctx.calibration)
+                             calibration=ctx.calibration(c))
 
 
 def _simulated_row(c: Candidate, res: PlanResult, limit: float, bounds: tuple[float | None, float | None]) -> TuneRow:
@@ -304,7 +317,7 @@ def _evaluate(c: Candidate, ctx: _Context, num_params: int,
         config = _config(c, ctx)
         captured = recheck_capture(_capture(c, ctx), config)
         cut = transform_model(captured, config, ctx.cost, c.schedule, memory_limit=limit,
-                              layers=_layers(c, captured, ctx), compute_scale=transferable_scale(ctx.calibration))
+                              layers=_layers(c, captured, ctx), compute_scale=transferable_scale(ctx.calibration(c)))
         t_bound, m_place = _placement_bounds(cut, c)
         m_bound = max(state, m_place or 0.0)
         if m_bound > limit:
@@ -322,7 +335,7 @@ def _evaluate(c: Candidate, ctx: _Context, num_params: int,
             return replace(twin, candidate=c, time_bound=t_bound, memory_bound=m_bound,
                            reason=twin.reason or f"predicted as {twin.candidate.label()}, whose plan is the same"), None
         res = plan_from_capture(captured, config, ctx.cost, c.schedule, memory_limit=limit, cut=cut,
-                                calibration=ctx.calibration)
+                                calibration=ctx.calibration(c))
     except ScheduleError as e:
         if e.rule != "memory":
             return TuneRow(c, "refused", " ".join(str(e).split())), None
@@ -414,7 +427,7 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
          seq_len: int | None = None, task: str | None = None, memory_limit: float | None = None,
          time_limit: float | None = None, link: str | None = None, cost: CostModel | None = None,
          keep: int = 10, progress: Callable[[int, int], None] | None = None, profile: bool = False,
-         calibration: Calibration | None = None) -> TuneResult:
+         calibration: Calibration | Mapping[tuple[int, int, int], Calibration] | None = None) -> TuneResult:
     """Search ``space`` for the fastest configuration of ``model`` that fits in memory.
 
     Args:
@@ -438,9 +451,15 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
             ``tessel plan --profile`` plans; ``device_type`` should then describe this machine
             (``cpu`` here). Ignored when ``cost`` is given.
         calibration: costs measured by a profiling launch (``tessel launch --calibrate``):
-            its point-to-point, collective and optimizer costs apply to every candidate (each
-            plan keeps them in ``meta["calibration"]``); its per-segment block times, which
-            belong to the launched plan's segments, are left out.
+            its point-to-point, collective and optimizer costs and its compute scale (measured
+            over planned block time, per kind) apply to every candidate (each plan keeps them in
+            ``meta["calibration"]``); its per-segment block times, which belong to the launched
+            plan's segments, are left out. Or several, keyed by the ``(dp, tp, pp)`` of the launch
+            each was measured on: a candidate takes the one of its degrees, else of its pipeline
+            degree, else of its data-parallel degree, else the first (how fast the same kernels
+            run differs between layouts: measured here, two CPU ranks both running the whole
+            model ran their blocks 2.0x the profiled op times, two pipeline stages 1.3-1.5x;
+            Alpa profiles each stage on its own mesh for the same reason).
 
     Returns:
         the :class:`TuneResult` (``best`` is ``None`` when nothing fits).
@@ -458,8 +477,11 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
                                     devices_per_node=space.gpus_per_node)
     limit = float(memory_limit) if memory_limit is not None else float(cost.device.mem_capacity)
     ctx = _Context(model, task, seq_len, precision, compute, cost, limit)
-    if calibration is not None:
-        ctx.calibration = replace(calibration, block_seconds={}).to_dict()
+    if isinstance(calibration, Calibration):
+        calibration = {(0, 0, 0): calibration}   # one calibration: every candidate's
+    for degrees, cal in (calibration or {}).items():
+        dp, tp, pp = (int(x) for x in degrees)
+        ctx.calibrations[(dp, tp, pp)] = replace(cal, block_seconds={}).to_dict()
     mbs0 = space.micro_batch_sizes[0]
     # an uncapturable model is the user's error, raised here; the capture also gives heads and layers
     first = _capture(Candidate(1, space.gpus, 1, 1, mbs0, 1, "1f1b", "none"), ctx)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from engine.cost import CostModel
-from engine.cost.calibrate import CalibratedCost, Calibration, calibrate
+from engine.cost.calibrate import CalibratedCost, Calibration, calibrate, measured_compute_scale
 from engine.errors import CostModelError, TesselError
 from engine.io.plan import Plan
 from engine.plan import lower_plan, make_plan, resimulate, with_calibration
@@ -187,5 +187,12 @@ def test_compute_scale_is_measured_over_planned_per_kind_and_survives_json(plan)
     assert doc["compute_scale"] == pytest.approx(cal.compute_scale)
     # it transfers to other plans only without the measured plan's own block times
     assert transferable_scale(doc) is None
-    assert transferable_scale({**doc, "blocks": []}) == pytest.approx(cal.compute_scale)
+    # a split backward's halves take the backward's scale
+    assert transferable_scale({**doc, "blocks": []}) == pytest.approx({**cal.compute_scale, "I": 2.0, "W": 2.0})
+    assert Calibration(compute_scale={"B": 3.0}).scale_of("W") == 3.0
+    # measured I and W (ZB-H1) stand for an unmeasured B
+    split = {(0, "I"): 1.0, (0, "W"): 3.0}
+    assert calibrate([measured], planned=planned).compute_scale.get("I") is None
+    got = measured_compute_scale(split, {(0, "I"): 1.0, (0, "W"): 1.0})
+    assert got == pytest.approx({"I": 1.0, "W": 3.0, "B": 2.0})
     assert transferable_scale(None) is None

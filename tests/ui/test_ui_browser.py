@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from page_helpers import SHADOW_TEXT_JS, fill, open_app, shadow_text
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,22 +54,8 @@ def _drag(page, block: str, to_x: float) -> None:
     page.mouse.up()
 
 
-def _open(page, url):
-    errors: list[str] = []
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(url)
-    page.locator(".tessel-makespan").wait_for(timeout=60_000)
-    return errors
-
-
 def _makespan(page) -> str:
     return page.locator(".tessel-makespan").inner_text()
-
-
-#: Text a Panel pane renders inside its shadow root (``inner_text`` of the host is empty).
-SHADOW_TEXT_JS = """e => Array.from((e.shadowRoot || e).children)
-  .filter(c => !["STYLE", "LINK"].includes(c.tagName)).map(c => c.innerText).join(" ")"""
 
 
 def _message(page, contains: str = "") -> str:
@@ -89,17 +76,6 @@ def _wait_until(page, predicate, timeout_ms: int = 30_000) -> None:
     while timeout_ms > 0 and not predicate():
         page.wait_for_timeout(250)
         timeout_ms -= 250
-
-
-def _fill(page, css: str, value: str) -> None:
-    box = page.locator(f".{css} input").first
-    box.fill(value)
-    box.press("Enter")
-
-
-def _shadow_text(page, css: str) -> str:
-    """The text of the Panel pane with css class ``css`` (rendered in its shadow root)."""
-    return page.locator(f".{css}").first.evaluate(SHADOW_TEXT_JS)
 
 
 #: Devices (rows) the Gantt draws block ``name`` on.
@@ -130,7 +106,7 @@ MEASURED_ROWS_JS = """() => {
 
 
 def test_app_loads_without_console_errors(page, app_url):
-    errors = _open(page, app_url)
+    errors = open_app(page, app_url)
     page.wait_for_timeout(1500)
     assert page.title() == "Tessel Planner"
     assert re.match(r"[\d.]+ ms", _makespan(page))
@@ -138,7 +114,7 @@ def test_app_loads_without_console_errors(page, app_url):
 
 
 def test_every_tab_renders_without_errors(page, app_url):
-    errors = _open(page, app_url)
+    errors = open_app(page, app_url)
     hooks = {"Model graph": ".tessel-graph", "Search": ".tessel-search-run", "Compare": ".tessel-compare-add",
              "Co-locate": ".tessel-colocate-run", "Launch": ".tessel-launch-run", "Schedule": ".tessel-gantt-plot"}
     for tab, hook in hooks.items():
@@ -149,7 +125,7 @@ def test_every_tab_renders_without_errors(page, app_url):
 
 
 def test_gantt_draws_one_block_per_scheduled_compute_event(page, app_url):
-    _open(page, app_url)
+    open_app(page, app_url)
     page.wait_for_function(f"({BLOCK_COUNT_JS})() > 0", timeout=30_000)
     n = page.evaluate(BLOCK_COUNT_JS)
     # gpt2-tiny, 2 pipeline ranks, 4 micro-batches, 1F1B: 2 segments x (F + B) x 4 + 1 optimizer step per rank
@@ -157,12 +133,12 @@ def test_gantt_draws_one_block_per_scheduled_compute_event(page, app_url):
 
 
 def test_edit_breaking_a_dependency_is_rejected_with_a_visible_message(page, app_url):
-    _open(page, app_url)
+    open_app(page, app_url)
     before = _makespan(page)
     # device 1 runs 1F0 then 1B0; moving 1B0 to position 0 puts it before the forward it needs
-    _fill(page, "tessel-block-input", "1B0")
+    fill(page, "tessel-block-input", "1B0")
     page.locator(".tessel-selected-block").get_by_text("1B0").first.wait_for(timeout=20_000)
-    _fill(page, "tessel-move-position", "0")
+    fill(page, "tessel-move-position", "0")
     page.locator(".tessel-move-button button").click()
     msg = _message(page, "cannot move")
     assert "cannot move 1B0" in msg and "depends on" in msg, msg
@@ -170,12 +146,12 @@ def test_edit_breaking_a_dependency_is_rejected_with_a_visible_message(page, app
 
 
 def test_valid_edit_changes_the_displayed_makespan(page, app_url):
-    _open(page, app_url)
+    open_app(page, app_url)
     before = _makespan(page)
     # device 0: 1F1B runs 0F0 0F1 0B0 ...; running 0F1 later (after 0B0) delays device 1 and the step
-    _fill(page, "tessel-block-input", "0F1")
+    fill(page, "tessel-block-input", "0F1")
     page.locator(".tessel-selected-block").get_by_text("0F1").first.wait_for(timeout=20_000)
-    _fill(page, "tessel-move-position", "2")
+    fill(page, "tessel-move-position", "2")
     page.locator(".tessel-move-button button").click()
     _wait_until(page, lambda: _makespan(page) != before)
     assert _makespan(page) != before
@@ -187,14 +163,14 @@ def test_valid_edit_changes_the_displayed_makespan(page, app_url):
 
 
 def test_search_panel_produces_a_schedule(page, app_url):
-    _open(page, app_url)
+    open_app(page, app_url)
     page.locator(".bk-tab").filter(has_text="Search").first.click()
     page.locator(".tessel-search-panel").first.wait_for(timeout=30_000)
     # the app opens on a model plan: the abstract shapes are behind the "Abstract units" box
     page.locator(".tessel-search-units input").first.check()
     page.locator(".tessel-search-shape select").select_option("m")
-    _fill(page, "tessel-search-devices", "4")
-    _fill(page, "tessel-search-micro-batches", "8")
+    fill(page, "tessel-search-devices", "4")
+    fill(page, "tessel-search-micro-batches", "8")
     page.locator(".tessel-search-run button").click()
     result = page.locator(".tessel-search-result").get_by_text(re.compile("period", re.I)).first
     result.wait_for(timeout=120_000)
@@ -207,7 +183,7 @@ def test_search_panel_produces_a_schedule(page, app_url):
 
 
 def test_dragging_blocks_on_the_gantt(page, app_url):
-    _open(page, app_url)
+    open_app(page, app_url)
     page.wait_for_function(f"({BLOCK_COUNT_JS})() > 0", timeout=30_000)
     before = _makespan(page)
     # a backward dropped before its own forward (1B0 to the start of device 1): rejected, put back
@@ -235,7 +211,7 @@ def test_dragging_blocks_on_the_gantt(page, app_url):
 # ----------------------------------------------------------------------------- a model's searched plan, launched
 # (llama_url: tests/ui/conftest.py)
 def test_searched_model_plan_is_drawn_launched_and_measured(page, llama_url):
-    errors = _open(page, llama_url)
+    errors = open_app(page, llama_url)
     page.locator(".bk-tab").filter(has_text="Search").first.click()
     page.locator(".tessel-search-panel").first.wait_for(timeout=30_000)
     # the model's shapes: no K for a decoder LM; devices and micro-batches start from the plan's
@@ -243,13 +219,13 @@ def test_searched_model_plan_is_drawn_launched_and_measured(page, llama_url):
     select.wait_for(timeout=30_000)
     options = select.evaluate("el => Array.from(el.options).map(o => o.value)")
     assert "m" in options and "k" not in options, options
-    assert "K is not offered" in _shadow_text(page, "tessel-search-note")
+    assert "K is not offered" in shadow_text(page, "tessel-search-note")
     select.select_option("m")
-    _fill(page, "tessel-search-time", "5")
+    fill(page, "tessel-search-time", "5")
     page.locator(".tessel-search-run button").click()
     result = page.locator(".tessel-search-result").get_by_text(re.compile("period", re.I)).first
     result.wait_for(timeout=60_000)
-    assert "the Launch tab trains it" in _shadow_text(page, "tessel-search-result")
+    assert "the Launch tab trains it" in shadow_text(page, "tessel-search-result")
     assert "M shape of llama-tiny on 2 devices" in _message(page, "M shape of llama-tiny")
     # the Gantt shows the searched schedule in ms: the embedding's forward on both devices;
     # per device 4 micro-batches x (2 all-device segments + 1 pipeline segment) x (F + B), + 1 optimizer step
@@ -261,14 +237,14 @@ def test_searched_model_plan_is_drawn_launched_and_measured(page, llama_url):
     # launch it: 2 steps on local Ray (gloo), then the measured timeline over the prediction
     page.locator(".bk-tab").filter(has_text="Launch").first.click()
     page.locator(".tessel-launch-run button").first.wait_for(state="visible", timeout=30_000)
-    _fill(page, "tessel-launch-steps", "2")
+    fill(page, "tessel-launch-steps", "2")
     page.wait_for_timeout(500)
     page.locator(".tessel-launch-run button").click()
     assert "launching" in _message(page, "launching")  # the click reached the server: the launch started
     _wait_until(page, lambda: not _message(page).startswith("launching"), timeout_ms=150_000)
     assert "launch done" in _message(page), _message(page)
-    _wait_until(page, lambda: "done" in _shadow_text(page, "tessel-launch-status"))
-    status = _shadow_text(page, "tessel-launch-status")
+    _wait_until(page, lambda: "done" in shadow_text(page, "tessel-launch-status"))
+    status = shadow_text(page, "tessel-launch-status")
     assert "done" in status and "measured" in status, status
     page.locator(".bk-tab").filter(has_text="Schedule").first.click()
     page.locator(".tessel-measured-makespan").first.wait_for(timeout=30_000)
@@ -290,7 +266,7 @@ def _tokens_per_second(text: str) -> float:
 
 
 def test_colocate_predicts_on_the_chosen_link(page, dp_url):
-    errors = _open(page, dp_url)
+    errors = open_app(page, dp_url)
     page.locator(".bk-tab").filter(has_text="Co-locate").first.click()
     page.locator(".tessel-colocate-run button").first.wait_for(state="visible", timeout=30_000)
     page.locator(".tessel-colocate-run button").click()
@@ -319,7 +295,7 @@ def test_no_request_leaves_the_server_and_no_console_error_on_any_tab(page, app_
     foreign: list[str] = []
     page.on("request", lambda r: None if r.url.startswith(("blob:", "data:")) or r.url.split("/")[2] == host
             else foreign.append(r.url))
-    errors = _open(page, app_url)
+    errors = open_app(page, app_url)
     for tab in ("Model graph", "Search", "Compare", "GNN", "Launch", "Co-locate"):
         page.locator(".bk-tab").filter(has_text=tab).first.click()
         page.wait_for_timeout(500)

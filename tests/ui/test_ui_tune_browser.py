@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from page_helpers import fill, open_app, wait_text
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,32 +63,6 @@ GANTT_ROWS_JS = """() => {
   return -1;
 }"""
 
-#: Text a Panel pane renders inside its shadow root.
-SHADOW_TEXT_JS = """e => Array.from((e.shadowRoot || e).children)
-  .filter(c => !["STYLE", "LINK"].includes(c.tagName)).map(c => c.innerText).join(" ")"""
-
-
-def _text(page, css: str) -> str:
-    return page.locator(f".{css}").first.evaluate(SHADOW_TEXT_JS)
-
-
-def _wait_text(page, css: str, contains: str, timeout_ms: int = 60_000) -> str:
-    text = ""
-    while timeout_ms > 0:
-        text = _text(page, css)
-        if contains in text:
-            return text
-        page.wait_for_timeout(250)
-        timeout_ms -= 250
-    return text
-
-
-def _fill(page, css: str, value: str) -> None:
-    box = page.locator(f".{css} input").first
-    box.fill(value)
-    box.press("Enter")
-
-
 def _isolated(points: list[dict], min_px: float = 16.0) -> list[dict]:
     """Points inside the frame with no other point within ``min_px`` pixels (a click hits only them)."""
     return [p for p in points if p["inside"] and all(
@@ -95,18 +70,14 @@ def _isolated(points: list[dict], min_px: float = 16.0) -> list[dict]:
 
 
 def test_clicking_a_point_of_the_tune_tab_shows_that_plan_in_the_schedule_tab(page, app_url):
-    errors: list[str] = []
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(app_url)
-    page.locator(".tessel-makespan").wait_for(timeout=60_000)
+    errors = open_app(page, app_url)
     page.locator(".bk-tab").filter(has_text="Tune").first.click()
     page.locator(".tessel-tune-panel").first.wait_for(timeout=30_000)
     # the inputs start from the loaded plan: its model and devices
     assert page.locator(".tessel-tune-model input").first.input_value() == "gpt2-tiny"
-    _fill(page, "tessel-tune-gpus", "4")
+    fill(page, "tessel-tune-gpus", "4")
     page.locator(".tessel-tune-run button").click()
-    progress = _wait_text(page, "tessel-tune-progress", "configurations in")
+    progress = wait_text(page, "tessel-tune-progress", "configurations in")
     fit = int(re.search(r"(\d+) fit", progress).group(1))
     assert fit >= 10, progress
     page.wait_for_function(f"(() => {{ const p = ({POINTS_JS})(); return p && p.length === {fit}; }})()",
@@ -123,11 +94,11 @@ def test_clicking_a_point_of_the_tune_tab_shows_that_plan_in_the_schedule_tab(pa
     m = int(re.search(r"mbs\d+x(\d+)", target["label"]).group(1))
     page.mouse.click(target["x"], target["y"])
     # the server loaded that plan and showed the Schedule tab
-    message = _wait_text(page, "tessel-message", target["label"])
+    message = wait_text(page, "tessel-message", target["label"])
     assert "loaded the tuned configuration" in message and target["label"] in message, message
     page.wait_for_function(f"({GANTT_ROWS_JS})() === {pp}", timeout=30_000)
     assert page.locator(".bk-tab.bk-active").first.inner_text().strip() == "Schedule"
     page.locator(".tessel-gantt-plot").first.wait_for(state="visible", timeout=30_000)
-    assert f"{pp} h100 devices x {m} micro-batches" in _wait_text(page, "tessel-plan-shown", f"{pp} h100 devices")
+    assert f"{pp} h100 devices x {m} micro-batches" in wait_text(page, "tessel-plan-shown", f"{pp} h100 devices")
     assert page.locator(".tessel-makespan").first.inner_text().strip().startswith(f"{target['step_ms']:.2f} ms")
     assert not errors, errors
