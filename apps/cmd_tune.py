@@ -92,8 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration", default=None, metavar="PLAN", action="append",
                    help="a plan calibrated by `tessel launch PLAN --calibrate` (its .calibrated.json): rank with its "
                         "cost model (op profile included), its measured communication and optimizer costs and its "
-                        "measured compute scale; repeat it with launches of other degrees: each candidate takes "
-                        "the one of its (dp, tp, pp), else of its pp, else of its dp, else the first")
+                        "measured compute scale; repeat it with launches of other layouts: each candidate takes "
+                        "the one of its (dp, tp, pp) and micro-batch size, else of its (dp, tp, pp), else of its pp, "
+                        "else of its dp, else the first")
     p.add_argument("--time-limit", type=positive_float, default=None,
                    help="seconds for the search; candidates not visited by then are reported as such")
     p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table to print (default 10)")
@@ -111,7 +112,7 @@ def _space(args: argparse.Namespace) -> TuneSpace:
 
 
 def _calibrated(paths: list[str] | None):
-    """(cost model of the first file, ``{(dp, tp, pp): calibration}``) of calibrated plan files, or
+    """(cost model of the first file, ``{(dp, tp, pp, micro_batch_size): calibration}``) of calibrated plan files, or
     ``(None, None)`` without one.
 
     Raises:
@@ -129,10 +130,11 @@ def _calibrated(paths: list[str] | None):
             raise TuneError(f"--calibration {path} holds no {'cost model' if not plan.cost else 'calibration'}; give "
                             "the plan that `tessel launch PLAN --calibrate` wrote (PLAN.calibrated.json)")
         par = plan.parallel
-        key = (int(par.dp), int(par.tp), int(par.pp))
+        key = (int(par.dp), int(par.tp), int(par.pp), int(plan.model.micro_batch_size))
         if key in cals:
-            raise TuneError(f"--calibration {path} has the degrees dp={key[0]} tp={key[1]} pp={key[2]} of an earlier "
-                            "one; give one calibrated plan per layout")
+            raise TuneError(f"--calibration {path} has the degrees dp={key[0]} tp={key[1]} pp={key[2]} and micro-batch "
+                            f"size {key[3]} of an earlier one; give one calibrated plan per layout and micro-batch "
+                            "size")
         cost = cost or CostModel.from_dict(plan.cost)
         cals[key] = Calibration.from_dict(cal)
     return cost, cals

@@ -8,10 +8,11 @@ launched on Ray (gloo, one process per rank, ``torch.set_num_threads(1)``) for a
 its median measured step time (steps after the first) is set beside the prediction.
 
 Calibrated ranking (the default; ``--no-calibration`` leaves it out): one profiling launch per
-layout ``(dp, tp, pp)`` of the space (of that layout's first candidate in the profiled ranking) is
+layout and micro-batch size ``(dp, tp, pp, mbs)`` of the space (of its first candidate in the
+profiled ranking) is
 calibrated (``engine.plan.calibrate_plan``: the measured point-to-point, collective and optimizer
 costs, and per block kind the measured over planned compute time), and the space is tuned again
-with those calibrations (``tune(..., calibration={(dp, tp, pp): ...})``, as ``tessel tune
+with those calibrations (``tune(..., calibration={(dp, tp, pp, mbs): ...})``, as ``tessel tune
 --calibration A.calibrated.json --calibration B.calibrated.json``); both rankings are compared
 with the same measurements (the profiling launches are not among them).
 
@@ -26,7 +27,7 @@ Ranks that outnumber the cores (4 ranks on 2 cores) share them, so the measured 
 that contention and the prediction does not: this is the hard case for the ranking.
 
 Usage: ``python benchmarks/tune_cpu_bench.py [--json] [--models llama-32k-cpu,two-tower-tiny,gpt2-small-cpu]
-[--ranks 2,4] [--steps 5] [--no-calibration]``
+[--ranks 2,4] [--steps 5] [--micro-batch-sizes 1,2] [--no-calibration]``
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ PICK_WITHIN = 0.05
 SPEARMAN = 0.8
 
 
-def _space(ranks: int, batch: int) -> TuneSpace:
-    return TuneSpace(gpus=ranks, global_batch=batch, gpus_per_node=ranks, micro_batch_sizes=(1, 2),
+def _space(ranks: int, batch: int, mbs: tuple[int, ...] = (1, 2)) -> TuneSpace:
+    return TuneSpace(gpus=ranks, global_batch=batch, gpus_per_node=ranks, micro_batch_sizes=mbs,
                      schedules=("gpipe", "1f1b", "zb-h1", "interleaved"), recompute=("none", "full"), max_tp=1,
                      sharded_update=False, sequence_parallel=False, overlap_grad_sync=False)
 
@@ -77,14 +78,14 @@ def _launch(plan, steps: int, keep: int = 0):
 
 
 def _profile(model: str, res, seq: int, steps: int) -> tuple[dict, list[str]]:
-    """One profiling launch per layout ``(dp, tp, pp)`` of the fitting candidates, of that layout's
-    first fitting candidate the runtime runs: ``{(dp, tp, pp): calibration}`` (``calibrate_plan`` of
-    the steps after the first) and the launched candidates' labels."""
+    """One profiling launch per layout and micro-batch size ``(dp, tp, pp, mbs)`` of the fitting
+    candidates, of its first fitting candidate the runtime runs: ``{(dp, tp, pp, mbs): calibration}``
+    (``calibrate_plan`` of the steps after the first) and the launched candidates' labels."""
     cals: dict = {}
     labels: list[str] = []
     for r in res.fitting():
         c = r.candidate
-        key = (c.dp, c.tp, c.pp)
+        key = (c.dp, c.tp, c.pp, c.micro_batch_size)
         if key in cals:
             continue
         plan = _plan(model, c, seq)
@@ -99,9 +100,11 @@ def _profile(model: str, res, seq: int, steps: int) -> tuple[dict, list[str]]:
 
 
 def _calibration_for(cals: dict, c) -> Calibration | None:
-    """The calibration ``tune`` gives candidate ``c`` (engine.tune.tuner: its layout, else its pp,
-    else its dp, else the first)."""
-    for match in (lambda k: k == (c.dp, c.tp, c.pp), lambda k: k[2] == c.pp, lambda k: k[0] == c.dp):
+    """The calibration ``tune`` gives candidate ``c`` (engine.tune.tuner: its layout and micro-batch
+    size, else its layout, else its pp, else its dp, else the first)."""
+    layout = (c.dp, c.tp, c.pp)
+    for match in (lambda k: k == (*layout, c.micro_batch_size), lambda k: k[:3] == layout,
+                  lambda k: k[2] == c.pp, lambda k: k[0] == c.dp):
         key = next((k for k in cals if match(k)), None)
         if key is not None:
             return cals[key]
@@ -129,18 +132,18 @@ def _ranking(rows: list[dict], key: str) -> dict:
                         "at_least_12": len(rows) >= 12}}
 
 
-def measure(model: str, ranks: int, steps: int, calibrated: bool = True) -> dict:
+def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tuple[int, ...] = (1, 2)) -> dict:
     """Tune ``model`` on ``ranks`` CPU ranks (profiled op times; with ``calibrated``, again with the
     calibration of one profiling launch of the pick), launch every fitting candidate, compare."""
     batch, seq = MODELS[model]
     t0 = time.perf_counter()
-    res = tune(model, _space(ranks, batch), device_type="cpu", seq_len=seq, profile=True)
+    res = tune(model, _space(ranks, batch, mbs), device_type="cpu", seq_len=seq, profile=True)
     tune_s = time.perf_counter() - t0
     cals, profiled = _profile(model, res, seq, steps) if calibrated else ({}, [])
     cal_res = None
     if cals:
         t0 = time.perf_counter()
-        cal_res = tune(model, _space(ranks, batch), device_type="cpu", seq_len=seq, profile=True, calibration=cals)
+        cal_res = tune(model, _space(ranks, batch, mbs), device_type="cpu", seq_len=seq, profile=True, calibration=cals)
         tune_s_cal = time.perf_counter() - t0
     rows, refused = [], []
     for r in res.fitting():
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS), help="models (default all three)")
     ap.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
     ap.add_argument("--steps", type=int, default=5, help="steps per launch, the first not measured (default 5)")
+    ap.add_argument("--micro-batch-sizes", default="1,2", help="micro-batch sizes of the space (default 1,2)")
     ap.add_argument("--no-calibration", action="store_true",
                     help="rank with profiled op times only (no profiling launch, no calibrated ranking)")
     args = ap.parse_args(argv)
@@ -201,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in MODELS for m in models):
         ap.error(f"models are {', '.join(MODELS)}")
     ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    mbs = tuple(int(x) for x in args.micro_batch_sizes.split(",") if x.strip())
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
     try:
-        results = [measure(m, r, args.steps, not args.no_calibration) for m in models for r in ranks]
+        results = [measure(m, r, args.steps, not args.no_calibration, mbs) for m in models for r in ranks]
     finally:
         ray.shutdown()
     print(json.dumps({"results": results}) if args.json else report(results))

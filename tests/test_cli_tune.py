@@ -138,4 +138,4 @@ def test_calibrations_of_several_layouts_are_taken_and_a_repeated_layout_is_refu
     p = run_cli("tune", "--model", "llama-tiny", "--gpus", "4", "--global-batch", "8", "--calibration", str(first),
                 "--calibration", str(first), "-o", str(tmp_path / "o2"))
     par = plan.parallel
-    assert p.returncode == 2 and f"dp={par.dp} tp={par.tp} pp={par.pp} of an earlier one" in p.stderr, p.stderr
+    assert p.returncode == 2 and f"dp={par.dp} tp={par.tp} pp={par.pp} and micro-batch size" in p.stderr, p.stderr

@@ -219,16 +219,20 @@ class _Context:
     captures: dict[int, CapturedModel | TesselError] = field(default_factory=dict)
     layer_costs: dict[tuple, list[LayerCost]] = field(default_factory=dict)
     simulated: dict[tuple, TuneRow] = field(default_factory=dict)
-    calibrations: dict[tuple[int, int, int], dict] = field(default_factory=dict)
-    """``(dp, tp, pp)`` of the profiling launch -> its calibration document, block times left out."""
+    calibrations: dict[tuple[int, int, int, int], dict] = field(default_factory=dict)
+    """``(dp, tp, pp, micro_batch_size)`` of the profiling launch -> its calibration document,
+    block times left out."""
 
     def calibration(self, c: Candidate) -> dict | None:
-        """The calibration a candidate is predicted with: the one measured on its degrees, else one
-        with its pipeline degree, else one with its data-parallel degree, else the first given."""
+        """The calibration a candidate is predicted with: the one measured on its layout and
+        micro-batch size, else on its layout, else with its pipeline degree, else with its
+        data-parallel degree, else the first given."""
         cals = self.calibrations
         if not cals:
             return None
-        for match in (lambda k: k == (c.dp, c.tp, c.pp), lambda k: k[2] == c.pp, lambda k: k[0] == c.dp):
+        layout = (c.dp, c.tp, c.pp)
+        for match in (lambda k: k == (*layout, c.micro_batch_size), lambda k: k[:3] == layout,
+                      lambda k: k[2] == c.pp, lambda k: k[0] == c.dp):
             key = next((k for k in cals if match(k)), None)
             if key is not None:
                 return cals[key]
@@ -427,7 +431,7 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
          seq_len: int | None = None, task: str | None = None, memory_limit: float | None = None,
          time_limit: float | None = None, link: str | None = None, cost: CostModel | None = None,
          keep: int = 10, progress: Callable[[int, int], None] | None = None, profile: bool = False,
-         calibration: Calibration | Mapping[tuple[int, int, int], Calibration] | None = None) -> TuneResult:
+         calibration: Calibration | Mapping[tuple[int, int, int, int], Calibration] | None = None) -> TuneResult:
     """Search ``space`` for the fastest configuration of ``model`` that fits in memory.
 
     Args:
@@ -454,12 +458,14 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
             its point-to-point, collective and optimizer costs and its compute scale (measured
             over planned block time, per kind) apply to every candidate (each plan keeps them in
             ``meta["calibration"]``); its per-segment block times, which belong to the launched
-            plan's segments, are left out. Or several, keyed by the ``(dp, tp, pp)`` of the launch
-            each was measured on: a candidate takes the one of its degrees, else of its pipeline
-            degree, else of its data-parallel degree, else the first (how fast the same kernels
-            run differs between layouts: measured here, two CPU ranks both running the whole
-            model ran their blocks 2.0x the profiled op times, two pipeline stages 1.3-1.5x;
-            Alpa profiles each stage on its own mesh for the same reason).
+            plan's segments, are left out. Or several, keyed by the ``(dp, tp, pp,
+            micro_batch_size)`` of the launch each was measured on: a candidate takes the one of
+            its layout and micro-batch size, else of its layout, else of its pipeline degree, else
+            of its data-parallel degree, else the first. How fast the same kernels run differs
+            between layouts and micro-batch sizes: measured here, two CPU ranks both running the
+            whole model ran their blocks at 1.6-2.1x the profiled op times, two pipeline stages
+            at 1.2-1.7x, and a stage's fixed per-call overheads weigh more at micro-batch 1 (Alpa
+            profiles each stage on its own mesh for the same reason).
 
     Returns:
         the :class:`TuneResult` (``best`` is ``None`` when nothing fits).
@@ -478,10 +484,10 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
     limit = float(memory_limit) if memory_limit is not None else float(cost.device.mem_capacity)
     ctx = _Context(model, task, seq_len, precision, compute, cost, limit)
     if isinstance(calibration, Calibration):
-        calibration = {(0, 0, 0): calibration}   # one calibration: every candidate's
-    for degrees, cal in (calibration or {}).items():
-        dp, tp, pp = (int(x) for x in degrees)
-        ctx.calibrations[(dp, tp, pp)] = replace(cal, block_seconds={}).to_dict()
+        calibration = {(0, 0, 0, 0): calibration}   # one calibration: every candidate's
+    for key, cal in (calibration or {}).items():
+        dp, tp, pp, mbs = (int(x) for x in key)
+        ctx.calibrations[(dp, tp, pp, mbs)] = replace(cal, block_seconds={}).to_dict()
     mbs0 = space.micro_batch_sizes[0]
     # an uncapturable model is the user's error, raised here; the capture also gives heads and layers
     first = _capture(Candidate(1, space.gpus, 1, 1, mbs0, 1, "1f1b", "none"), ctx)
