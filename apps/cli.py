@@ -20,6 +20,9 @@ and one of these exit statuses (:mod:`engine.errors`):
   traceback, and report it``);
 * ``130`` interrupted (Ctrl-C).
 
+Output whose reader went away (``tessel models | head``) ends quietly with status ``0``: what the
+reader wanted it has.
+
 Tracebacks are never printed, except under ``--verbose`` (through the ``apps.cli`` logger) for
 an internal error or an error caused by another (e.g. the ``torch.export`` failure inside a
 capture error).
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from types import ModuleType
@@ -188,10 +192,25 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(verbose=args.verbose)
     try:
         result = args._module.run(args)
+        if args.json:
+            emit_json({"ok": True, **result})
+        sys.stdout.flush()   # a closed pipe fails here, inside the boundary, not at the interpreter's exit
+    except BrokenPipeError:
+        return _reader_gone()
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the one error boundary
         return _fail(args.command, e, json_out=args.json, verbose=args.verbose)
-    if args.json:
-        emit_json({"ok": True, **result})
+    return EXIT_OK
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (``tessel models | head``): point stdout at ``/dev/null``, so
+    the interpreter's final flush does not fail again, and end quietly (Python's documented recipe,
+    ``signal`` module notes on SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # no real file descriptor (an in-process capture)
+        pass
     return EXIT_OK
 
 

@@ -12,7 +12,7 @@ its task (example inputs, :func:`task_for_plan`).
 """
 from .bundle import ModelBundle, build_model, task_for_plan
 from .gpt import GPT, GPTConfig, lm_loss
-from .registry import list_models, register_model
+from .registry import check_model_name, list_models, register_model
 
-__all__ = ["build_model", "list_models", "register_model", "ModelBundle", "task_for_plan",
+__all__ = ["build_model", "check_model_name", "list_models", "register_model", "ModelBundle", "task_for_plan",
            "GPT", "GPTConfig", "lm_loss"]

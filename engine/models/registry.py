@@ -36,8 +36,8 @@ from .moe.gpt_moe import GPTMoE, GPTMoEConfig
 from .two_tower import TwoTower, TwoTowerConfig
 
 __all__ = ["MODEL_DTYPES", "ModelSpec", "build_user_module", "byte_gpt2_builder", "check_build_args",
-           "config_model_spec", "infer_task",
-           "is_user_model", "list_models", "model_spec", "register_model", "two_tower_builder"]
+           "check_model_name", "config_model_spec", "infer_task", "is_user_model", "list_models", "model_spec",
+           "register_model", "two_tower_builder", "user_callable"]
 
 #: The parameter/activation dtypes a model can be built in (``--dtype``): floating point only, the
 #: ones the cost tables have a peak for.
@@ -274,19 +274,12 @@ def check_build_args(batch_size: Any, seq_len: Any, dtype: Any) -> None:
         raise ModelArgumentError(f"dtype {name} is not supported; use one of {', '.join(MODEL_DTYPES)}")
 
 
-def build_user_module(name: str, *, batch_size: int, seq_len: int | None, device: Any,
-                      dtype: torch.dtype) -> tuple[nn.Module, tuple | None]:
-    """Import and call a user's ``package.module:callable`` (see the module docstring).
-
-    Returns:
-        ``(module, example_inputs)``: the module on ``device`` in ``dtype`` (a Hugging Face model made
-        logits-only, without a cache), and its example inputs as a tuple, or ``None`` when the callable
-        returned only a module.
+def user_callable(name: str) -> Any:
+    """The callable a user's ``package.module:callable`` names (the module imported).
 
     Raises:
         ModelNotFoundError: the module cannot be imported or lacks the attribute.
-        ModelBuildError: the module raised while importing; the callable is not a Python function or
-            ``nn.Module`` class, needs arguments Tessel cannot give, raised, or returned something else.
+        ModelBuildError: the module raised while importing.
     """
     mod_name, _, attr = name.partition(":")
     try:
@@ -302,6 +295,39 @@ def build_user_module(name: str, *, batch_size: int, seq_len: int | None, device
         fn = getattr(fn, part, None)
         if fn is None:
             raise _not_found(name, f"module {mod_name!r} has no attribute {attr!r}")
+    return fn
+
+
+def check_model_name(name: str) -> None:
+    """Refuse, without building anything, a model name that names no model: not registered, not
+    a readable Hugging Face config path, nor user code whose module imports and has the callable
+    (``tessel launch`` checks a plan's model so before Ray starts).
+
+    Raises:
+        ModelNotFoundError, ModelConfigError, ModelBuildError: as :func:`model_spec` and
+            :func:`user_callable`.
+    """
+    if is_user_model(name):
+        user_callable(name)
+    else:
+        model_spec(name)
+
+
+def build_user_module(name: str, *, batch_size: int, seq_len: int | None, device: Any,
+                      dtype: torch.dtype) -> tuple[nn.Module, tuple | None]:
+    """Import and call a user's ``package.module:callable`` (see the module docstring).
+
+    Returns:
+        ``(module, example_inputs)``: the module on ``device`` in ``dtype`` (a Hugging Face model made
+        logits-only, without a cache), and its example inputs as a tuple, or ``None`` when the callable
+        returned only a module.
+
+    Raises:
+        ModelNotFoundError: the module cannot be imported or lacks the attribute.
+        ModelBuildError: the module raised while importing; the callable is not a Python function or
+            ``nn.Module`` class, needs arguments Tessel cannot give, raised, or returned something else.
+    """
+    fn = user_callable(name)
     offered = {"batch_size": batch_size, "seq_len": seq_len, "device": device, "dtype": dtype}
     kw = _call_arguments(name, fn, offered)
     try:

@@ -324,3 +324,36 @@ def test_the_report_says_when_the_plan_holds_no_prediction(plan_dict, tmp_path):
     with contextlib.redirect_stdout(later):
         report(Plan.from_dict({**plan_dict, "metrics": {}}), res, plan_dir=tmp_path)
     assert "100 tokens/s measured" in later.getvalue()
+
+
+def test_ranks_that_outnumber_the_cores_are_named_before_ray(tmp_path, capsys, monkeypatch, no_ray_work):
+    """Four CPU ranks on two cores measured 3-7x their prediction with no word (issue 32's review):
+    the launch now says so before Ray starts (here Ray is refused, so the command ends there)."""
+    import os
+
+    from runtime import launcher
+
+    plan = make_plan("gpt2-tiny", devices=4, micro_batches=4, schedule="1f1b", device_type="cpu", seq_len=16).plan
+    path = _write(tmp_path, plan.to_dict())
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert cli.main(["launch", str(path), "--steps", "2", "--device", "cpu"]) != 0   # Ray refused by the fixture
+    err = capsys.readouterr().err
+    assert "[tessel] 4 CPU ranks share this machine's 2 cores" in err and "--address" in err
+    # two ranks fit, a cluster's cores are its own, and GPU ranks are not CPU ranks
+    cfg = launcher.LaunchConfig(device="cpu")
+    assert launcher.shared_cores_warning(2, cfg, cores=2) is None
+    assert launcher.shared_cores_warning(4, launcher.LaunchConfig(device="cpu", address="10.0.0.1:6379"), 2) is None
+    assert launcher.shared_cores_warning(4, launcher.LaunchConfig(device="cuda"), cores=2) is None
+
+
+def test_a_plan_whose_model_no_rank_can_build_is_refused_before_ray(plan_dict, tmp_path, capsys, no_ray_work):
+    """An unknown model name passed `tessel show` and then failed inside every rank with exit 3
+    (issue 32's review); a user module that does not import likewise."""
+    for name, words in (("gpt2-tiyn", "unknown model 'gpt2-tiyn'"),
+                        ("no_such_package.models:build", "cannot import module 'no_such_package.models'")):
+        d = copy.deepcopy(plan_dict)
+        d["model"]["name"] = name
+        path = _write(tmp_path / name.replace(":", "_"), d)
+        assert cli.main(["launch", str(path), "--steps", "2"]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
