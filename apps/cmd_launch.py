@@ -127,7 +127,8 @@ def report(plan, res, *, plan_dir: Path, out: TextIO | None = None) -> dict:
         p_t, m_t = res.predicted_step_time[r], res.measured_step_time[r]
         ratio = f"{m_t / p_t:.2f}x" if p_t and not math.isnan(p_t) and p_t > 0 else "-"
         peak = res.peak_memory[r] if r < len(res.peak_memory) else None
-        base = res.memory_baseline[r] if r < len(res.memory_baseline) else None
+        baseline = getattr(res, "memory_baseline", None) or []   # a result without it (older callers)
+        base = baseline[r] if r < len(baseline) else None
         rows.append([f"rank {r}", fmt_ms(p_t), fmt_ms(m_t), ratio, fmt_ms(res.predicted_busy[r]),
                      fmt_ms(res.measured_busy[r]), fmt_bytes(peak) if peak is not None else "-",
                      fmt_bytes(peak - base) if peak is not None and base else "-",

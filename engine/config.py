@@ -67,6 +67,13 @@ def _write(obj: Any, values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The most micro-batches per step a new plan is made with (``engine.plan.parallel_config``). Its
+#: schedule lists every micro-batch's blocks and planning simulates each (about 1 s per 12,000
+#: micro-batches of a 4-device plan here), so a count like 1,000,000,000 would run for days;
+#: published runs use at most a few thousand.
+MAX_MICRO_BATCHES = 65_536
+
+
 @dataclass
 class ModelRef:
     """The model a plan was made for (JSON section ``model``).
@@ -331,4 +338,4 @@ class ParallelConfig:
         return cls(**kw, extra=extra, json_keys=tuple(d), implied=filled)
 
 
-__all__ = ["OPTIMIZER_KINDS", "ModelRef", "OptimizerKind", "ParallelConfig"]
+__all__ = ["MAX_MICRO_BATCHES", "OPTIMIZER_KINDS", "ModelRef", "OptimizerKind", "ParallelConfig"]

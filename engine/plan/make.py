@@ -25,7 +25,7 @@ from engine.coconet import (
     check_transforms,
     parse_transforms,
 )
-from engine.config import ModelRef, OptimizerKind
+from engine.config import MAX_MICRO_BATCHES, ModelRef, OptimizerKind
 from engine.cost import CostModel, profile_ops
 from engine.dependency import ExecutionPlan, TiedGroup
 from engine.errors import ScheduleError
@@ -344,7 +344,7 @@ def parallel_config(devices: int, *, micro_batches: int, schedule: str, dp: int 
     Raises:
         TesselError: an unknown optimizer, transformation, schedule, precision or recomputation;
             non-positive degrees; devices not divisible by ``dp * tp``; a memory limit that is not
-            a positive finite number.
+            a positive finite number; more micro-batches than :data:`engine.config.MAX_MICRO_BATCHES`.
     """
     check_optimizer(optimizer)
     get_policy(precision)
@@ -366,6 +366,10 @@ def parallel_config(devices: int, *, micro_batches: int, schedule: str, dp: int 
                             overlap_chunks=overlap_chunks, optimizer=cast(OptimizerKind, optimizer),
                             precision=precision, recompute=recompute)
     config.check()
+    if micro_batches > MAX_MICRO_BATCHES:
+        raise TransformError(f"micro_batches = {micro_batches:,} is more than a plan can hold ({MAX_MICRO_BATCHES:,}: "
+                             "its schedule lists every micro-batch's blocks and the simulator runs each); use fewer "
+                             "micro-batches, a larger micro-batch size or more data-parallel replicas")
     return config
 
 
