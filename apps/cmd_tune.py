@@ -95,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measured compute scale; repeat it with launches of other layouts: each candidate takes "
                         "the one of its (dp, tp, pp) and micro-batch size, else of its (dp, tp, pp), else of its pp, "
                         "else of its dp, else the first")
+    p.add_argument("--launchable", action="store_true",
+                   help="rank only configurations `tessel launch` runs here (the others are listed as refused, "
+                        "with the runtime's reason)")
     p.add_argument("--time-limit", type=positive_float, default=None,
                    help="seconds for the search; candidates not visited by then are reported as such")
     p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table to print (default 10)")
@@ -193,7 +196,8 @@ def run(args: argparse.Namespace) -> dict:
     try:
         result = tune(model, space, device_type=args.device_type, precision=args.precision, seq_len=args.seq_len,
                       task=args.task, memory_limit=limit, time_limit=args.time_limit, link=args.link,
-                      keep=args.top, progress=progress, profile=args.profile, cost=cost, calibration=calibration)
+                      keep=args.top, progress=progress, profile=args.profile, cost=cost, calibration=calibration,
+                      admit=_launch_refusal if args.launchable else None)
     finally:
         if bar is not None:
             bar.close()

@@ -139,3 +139,19 @@ def test_calibrations_of_several_layouts_are_taken_and_a_repeated_layout_is_refu
                 "--calibration", str(first), "-o", str(tmp_path / "o2"))
     par = plan.parallel
     assert p.returncode == 2 and f"dp={par.dp} tp={par.tp} pp={par.pp} and micro-batch size" in p.stderr, p.stderr
+
+
+def test_launchable_ranks_only_what_tessel_launch_runs_here(tmp_path):
+    """gpt2-tiny's stages are exported graphs: full recomputation plans but does not launch here, so
+    with --launchable the best is without recomputation and the others are refused rows."""
+    p = run_cli("tune", "--model", "gpt2-tiny", "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
+                "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "none,full", "--max-tp", "1",
+                "--launchable", "-o", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["launch_refusal"] is None and "rc=none" in res["best"]["label"]
+    with open(tmp_path / "tune.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    refused = [r for r in rows if r["status"] == "refused" and r["reason"].startswith("not admitted")]
+    assert refused and all(r["recompute"] == "full" and "recomputation" in r["reason"] for r in refused)
+    assert all(r["recompute"] == "none" for r in rows if r["status"] == "ok")

@@ -42,6 +42,7 @@ import torch
 from engine.cost import CostModel, profile_ops
 from engine.cost.calibrate import Calibration
 from engine.errors import ScheduleError, TesselError
+from engine.io.plan import Plan
 from engine.models import ModelBundle
 from engine.plan.make import (
     CapturedModel,
@@ -219,6 +220,8 @@ class _Context:
     captures: dict[int, CapturedModel | TesselError] = field(default_factory=dict)
     layer_costs: dict[tuple, list[LayerCost]] = field(default_factory=dict)
     simulated: dict[tuple, TuneRow] = field(default_factory=dict)
+    admit: Callable[[Plan], str] | None = None
+    """The caller's check of a fitting plan: why it is refused (e.g. the runtime's), or ``""``."""
     calibrations: dict[tuple[int, int, int, int], dict] = field(default_factory=dict)
     """``(dp, tp, pp, micro_batch_size)`` of the profiling launch -> its calibration document,
     block times left out."""
@@ -350,8 +353,11 @@ def _evaluate(c: Candidate, ctx: _Context, num_params: int,
     except TesselError as e:
         return TuneRow(c, "refused", " ".join(str(e).split())), None
     row = _simulated_row(c, res, limit, (t_bound, m_bound))
+    why = ctx.admit(res.plan) if row.fits and ctx.admit is not None else ""
+    if why:   # predicted, but the caller cannot use it: ranked after every fitting row
+        row = replace(row, status="refused", reason=f"not admitted: {why}")
     ctx.simulated[sig] = row
-    return row, res
+    return row, (None if why else res)
 
 
 def _signature(c: Candidate, cut) -> tuple:
@@ -431,7 +437,8 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
          seq_len: int | None = None, task: str | None = None, memory_limit: float | None = None,
          time_limit: float | None = None, link: str | None = None, cost: CostModel | None = None,
          keep: int = 10, progress: Callable[[int, int], None] | None = None, profile: bool = False,
-         calibration: Calibration | Mapping[tuple[int, int, int, int], Calibration] | None = None) -> TuneResult:
+         calibration: Calibration | Mapping[tuple[int, int, int, int], Calibration] | None = None,
+         admit: Callable[[Plan], str] | None = None) -> TuneResult:
     """Search ``space`` for the fastest configuration of ``model`` that fits in memory.
 
     Args:
@@ -466,6 +473,10 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
             whole model ran their blocks at 1.6-2.1x the profiled op times, two pipeline stages
             at 1.2-1.7x, and a stage's fixed per-call overheads weigh more at micro-batch 1 (Alpa
             profiles each stage on its own mesh for the same reason).
+        admit: the caller's check of each fitting plan, returning why it cannot be used (one
+            sentence) or ``""``: a refused plan is a ``refused`` row with that reason (its
+            prediction kept), never the best nor on the Pareto front (``tessel tune --launchable``
+            passes the runtime's ``check_executable``, which ``engine`` may not import).
 
     Returns:
         the :class:`TuneResult` (``best`` is ``None`` when nothing fits).
@@ -482,7 +493,7 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
         cost = CostModel.for_device(device_type, link=link, inter_link=link, dtype=compute,
                                     devices_per_node=space.gpus_per_node)
     limit = float(memory_limit) if memory_limit is not None else float(cost.device.mem_capacity)
-    ctx = _Context(model, task, seq_len, precision, compute, cost, limit)
+    ctx = _Context(model, task, seq_len, precision, compute, cost, limit, admit=admit)
     if isinstance(calibration, Calibration):
         calibration = {(0, 0, 0, 0): calibration}   # one calibration: every candidate's
     for key, cal in (calibration or {}).items():

@@ -236,3 +236,18 @@ def test_a_calibrations_compute_scale_multiplies_every_candidates_blocks():
         calibrated, _ = with_calibration(ref, cal)
         assert r.step_time == pytest.approx(calibrated.metrics["makespan"], rel=1e-9)
         assert r.step_time > 1.4 * by_label[c.label()].step_time
+
+
+def test_a_plan_the_caller_does_not_admit_is_never_the_best_and_keeps_its_prediction():
+    """``admit`` (tessel tune --launchable passes the runtime's check) refuses plans after they are
+    predicted: the best is the exhaustive best among the admitted candidates (pipeline degree 1
+    here), and every refused row is a pipelined one with its own prediction and the reason."""
+    why = "stages on one device only"
+    res = tune(MODEL, SMALL, device_type="h100", seq_len=SEQ, admit=lambda plan: why if plan.parallel.pp > 1 else "")
+    ref = {c: got for c in candidates(res.space) if c.pp == 1 and (got := _reference(c, None)) is not None}
+    best = min(ref, key=lambda c: (ref[c][0], ref[c][1], c.label()))
+    assert res.rows[0].candidate == best and res.best is not None and res.best.plan.parallel.pp == 1
+    assert res.best.plan.metrics["makespan"] == pytest.approx(ref[best][0], rel=1e-12)
+    refused = [r for r in res.rows if r.status == "refused" and why in r.reason]
+    assert refused and all(r.candidate.pp > 1 and r.step_time is not None for r in refused)
+    assert all(res.rows[k].candidate.pp == 1 for k in res.pareto)
