@@ -84,6 +84,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence, cast
 
+import torch
+
 from engine.errors import TaskError, TesselError
 from engine.io import Plan, write_trace
 from engine.layout import LEGACY, world_devices
@@ -112,8 +114,6 @@ def shared_cores_warning(world_size: int, config: LaunchConfig, cores: int | Non
     if config.address is not None or config.device == "cuda":
         return None
     if config.device == "auto":
-        import torch
-
         if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
             return None
     cores = cores or os.cpu_count() or 1
