@@ -51,6 +51,7 @@ from engine.cost.calibrate import Calibration  # noqa: E402
 from engine.errors import TesselError  # noqa: E402
 from engine.plan import calibrate_plan, make_plan, with_calibration  # noqa: E402
 from engine.tune import TuneSpace, tune  # noqa: E402
+from engine.tune.tuner import calibration_for  # noqa: E402
 from runtime import launch  # noqa: E402
 from runtime.config import LaunchConfig  # noqa: E402
 
@@ -99,18 +100,6 @@ def _profile(model: str, res, seq: int, steps: int) -> tuple[dict, list[str]]:
     return cals, labels
 
 
-def _calibration_for(cals: dict, c) -> Calibration | None:
-    """The calibration ``tune`` gives candidate ``c`` (engine.tune.tuner: its layout and micro-batch
-    size, else its layout, else its pp, else its dp, else the first)."""
-    layout = (c.dp, c.tp, c.pp)
-    for match in (lambda k: k == (*layout, c.micro_batch_size), lambda k: k[:3] == layout,
-                  lambda k: k[2] == c.pp, lambda k: k[0] == c.dp):
-        key = next((k for k in cals if match(k)), None)
-        if key is not None:
-            return cals[key]
-    return next(iter(cals.values()), None)
-
-
 def _calibrated(plan, cal: Calibration | None) -> float:
     """The plan's step time with ``cal`` as the tuner applies it (its per-segment block times left
     out; ``tune(..., calibration=)`` predicts each candidate so, checked in tests/engine/test_tune.py);
@@ -157,7 +146,7 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
             continue
         times = [tl.makespan for tl in out.timelines[1:]] or [out.measured_makespan]
         rows.append({"label": c.label(), "predicted": r.step_time,
-                     "calibrated": _calibrated(plan, _calibration_for(cals, c)), "measured": statistics.median(times)})
+                     "calibrated": _calibrated(plan, calibration_for(cals, c)), "measured": statistics.median(times)})
         print(f"[tune_cpu_bench] {model} on {ranks} ranks, {len(rows)}/{len(res.fitting())}: {c.label()} predicted "
               f"{r.step_time * 1e3:.1f} ms, calibrated {rows[-1]['calibrated'] * 1e3:.1f} ms, measured "
               f"{rows[-1]['measured'] * 1e3:.1f} ms", file=sys.stderr, flush=True)

@@ -35,7 +35,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 import torch
 
@@ -60,10 +60,12 @@ from engine.tune.space import Candidate, TuneSpace, candidates
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: Simulated plans held beyond twice ``keep`` before those that can no longer be kept are dropped.
 PLANS_SLACK = 64
 
-__all__ = ["TuneRow", "TuneResult", "tune", "STATUSES"]
+__all__ = ["STATUSES", "TuneResult", "TuneRow", "calibration_for", "tune"]
 
 #: What became of a candidate: simulated (``ok``: fits; ``over memory``: predicted above the
 #: limit), skipped by a bound (``memory bound``: its weights and optimizer states alone exceed
@@ -227,19 +229,23 @@ class _Context:
     block times left out."""
 
     def calibration(self, c: Candidate) -> dict | None:
-        """The calibration a candidate is predicted with: the one measured on its layout and
-        micro-batch size, else on its layout, else with its pipeline degree, else with its
-        data-parallel degree, else the first given."""
-        cals = self.calibrations
-        if not cals:
-            return None
-        layout = (c.dp, c.tp, c.pp)
-        for match in (lambda k: k == (*layout, c.micro_batch_size), lambda k: k[:3] == layout,
-                      lambda k: k[2] == c.pp, lambda k: k[0] == c.dp):
-            key = next((k for k in cals if match(k)), None)
-            if key is not None:
-                return cals[key]
-        return next(iter(cals.values()))
+        """The calibration document ``c`` is predicted with (:func:`calibration_for`)."""
+        return calibration_for(self.calibrations, c)
+
+
+def calibration_for(calibrations: Mapping[tuple[int, int, int, int], T], c: Candidate) -> T | None:
+    """Of calibrations keyed by the ``(dp, tp, pp, micro_batch_size)`` they were measured on, the
+    one ``c`` is predicted with: of its layout and micro-batch size, else of its layout, else with
+    its pipeline degree, else with its data-parallel degree, else the first; ``None`` without any."""
+    if not calibrations:
+        return None
+    layout = (c.dp, c.tp, c.pp)
+    for match in (lambda k: k == (*layout, c.micro_batch_size), lambda k: k[:3] == layout,
+                  lambda k: k[2] == c.pp, lambda k: k[0] == c.dp):
+        key = next((k for k in calibrations if match(k)), None)
+        if key is not None:
+            return calibrations[key]
+    return next(iter(calibrations.values()))
 
 
 def _config(c: Candidate, ctx: _Context):
