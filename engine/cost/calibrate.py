@@ -194,14 +194,12 @@ def measured_compute_scale(measured: Mapping[tuple[int, str], float], planned: M
     for (seg, kind), t in measured.items():
         p = planned.get((seg, kind))
         if p is not None and p > 0:
-            for k in (kind, "backward") if kind in ("I", "W") else (kind,):
-                num[k] = num.get(k, 0.0) + t
-                den[k] = den.get(k, 0.0) + p
-    out = {k: num[k] / den[k] for k in num if den[k] > 0}
-    backward = out.pop("backward", None)
-    if "B" not in out and backward is not None:   # a split backward measured: its I + W stand for B
-        out["B"] = backward
-    return out
+            num[kind] = num.get(kind, 0.0) + t
+            den[kind] = den.get(kind, 0.0) + p
+    if "B" not in num and ("I" in num or "W" in num):   # a split backward measured: its I + W stand for B
+        num["B"] = num.get("I", 0.0) + num.get("W", 0.0)
+        den["B"] = den.get("I", 0.0) + den.get("W", 0.0)
+    return {k: num[k] / den[k] for k in num if den[k] > 0}
 
 
 def _collective_times(tl: Timeline) -> list[tuple[str, int, int, float]]:

@@ -27,6 +27,7 @@ from engine.coconet import (
 )
 from engine.config import MAX_MICRO_BATCHES, ModelRef, OptimizerKind
 from engine.cost import CostModel, profile_ops
+from engine.cost.calibrate import Calibration
 from engine.dependency import ExecutionPlan, TiedGroup
 from engine.errors import ScheduleError
 from engine.graph import OpGraph, capture
@@ -483,30 +484,33 @@ class TransformedModel:
     warnings: list[str]
 
 
-def transferable_scale(calibration: Mapping | None) -> dict[str, float] | None:
-    """The ``compute_scale`` of a calibration document (:meth:`~engine.cost.calibrate.Calibration.to_dict`)
-    when it applies to other plans: it has no per-segment block times (those replace the
-    durations of the plan they were measured on). ``None`` otherwise."""
-    if not calibration or calibration.get("blocks"):
+def transferable_scale(calibration: Mapping | None) -> Calibration | None:
+    """The calibration document (:meth:`~engine.cost.calibrate.Calibration.to_dict`) as a
+    :class:`~engine.cost.calibrate.Calibration` whose ``compute_scale`` applies to other plans: one
+    with no per-segment block times (those replace the durations of the plan they were measured
+    on) and a non-empty scale. ``None`` otherwise.
+
+    Raises:
+        CostModelError: a malformed document (names the field).
+    """
+    if not calibration or calibration.get("blocks") or not calibration.get("compute_scale"):
         return None
-    scale = {str(k): float(v) for k, v in (calibration.get("compute_scale") or {}).items()}
-    if "B" in scale:   # a split backward's halves not measured take the backward's scale
-        scale = {"I": scale["B"], "W": scale["B"], **scale}
-    return scale or None
+    return Calibration.from_dict(dict(calibration))
 
 
 def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostModel, schedule: str, *,
                     memory_limit: float | None = None,
                     stage_recompute: Sequence[str] | None = None,
                     layers: Sequence[LayerCost] | None = None,
-                    compute_scale: Mapping[str, float] | None = None) -> TransformedModel:
+                    compute_scale: Calibration | None = None) -> TransformedModel:
     """Cut the captured graph into segments under ``memory_limit`` (bytes per device;
     :func:`engine.transform.split_segments`), count the tied copies and each expert-parallel
     rank's experts in them, and build the placement ``schedule`` needs
     (:func:`placement_from_segments`); ``stage_recompute``: the per-segment override of
     ``config.recompute``, ``layers``: the layers' costs when the caller has them
-    (:func:`engine.transform.split_segments`); ``compute_scale``: per block kind, a measured
-    factor on the placement's block durations (:attr:`engine.cost.calibrate.Calibration.compute_scale`).
+    (:func:`engine.transform.split_segments`); ``compute_scale``: a calibration whose per-kind
+    measured factor (:meth:`engine.cost.calibrate.Calibration.scale_of`) multiplies the
+    placement's block durations.
 
     Raises:
         TransformError: a split that does not fit.
@@ -522,8 +526,8 @@ def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostM
     segments = [_expert_parallel_split(s, seg_moe.get(s.index, []), config.dp, config.tp) for s in segments]
     placement = placement_from_segments(segments, config, schedule, optimizer=optimizer,
                                         tied_grad_bytes=_tied_bytes_per_segment(tied, config.tp))
-    if compute_scale:
-        placement = placement.with_durations([b.duration * float(compute_scale.get(b.kind, 1.0))
+    if compute_scale is not None:
+        placement = placement.with_durations([b.duration * compute_scale.scale_of(b.kind)
                                               for b in placement.blocks])
     return TransformedModel(segments, tied, seg_moe, placement, captured.warnings + warnings)
 

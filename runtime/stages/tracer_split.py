@@ -34,6 +34,7 @@ from torch import fx, nn
 from torch.distributed.pipelining import pipeline
 from torch.distributed.pipelining._IR import get_submod_name
 from torch.export.unflatten import InterpreterModule
+from torch.fx.node import map_aggregate, map_arg
 
 from engine.graph.capture import trace_failure
 from runtime.stages.errors import RuntimeNotSupported, StageSplitError
@@ -51,33 +52,15 @@ class _Value:
 
 
 def _by_name(args: Any) -> Any:
-    """``args`` (nested tuples, lists, dicts, slices) with every ``fx.Node`` replaced by its :class:`_Value`."""
-    if isinstance(args, fx.Node):
-        return _Value(args.name)
-    if isinstance(args, list):
-        return [_by_name(a) for a in args]
-    if isinstance(args, tuple):
-        return tuple(_by_name(a) for a in args)
-    if isinstance(args, dict):
-        return {k: _by_name(v) for k, v in args.items()}
-    if isinstance(args, slice):
-        return slice(_by_name(args.start), _by_name(args.stop), _by_name(args.step))
-    return args
+    """``args`` (nested tuples, lists, dicts, slices) with every ``fx.Node`` replaced by its :class:`_Value`
+    (``torch.fx.node.map_arg``)."""
+    return map_arg(args, lambda n: _Value(n.name))  # type: ignore[arg-type, return-value]
 
 
 def _bind(args: Any, env: dict[str, Any]) -> Any:
-    """``args`` (nested tuples, lists, dicts, slices) with every :class:`_Value` replaced by ``env[name]``."""
-    if isinstance(args, _Value):
-        return env[args.name]
-    if isinstance(args, list):   # fx's immutable_list too
-        return [_bind(a, env) for a in args]
-    if isinstance(args, tuple):
-        return tuple(_bind(a, env) for a in args)
-    if isinstance(args, dict):
-        return {k: _bind(v, env) for k, v in args.items()}
-    if isinstance(args, slice):
-        return slice(_bind(args.start, env), _bind(args.stop, env), _bind(args.step, env))
-    return args
+    """``args`` (nested tuples, lists, dicts, slices) with every :class:`_Value` replaced by ``env[name]``
+    (``torch.fx.node.map_aggregate``)."""
+    return map_aggregate(args, lambda a: env[a.name] if isinstance(a, _Value) else a)
 
 
 class TracedStage(StageModule):

@@ -188,7 +188,10 @@ def test_compute_scale_is_measured_over_planned_per_kind_and_survives_json(plan)
     # it transfers to other plans only without the measured plan's own block times
     assert transferable_scale(doc) is None
     # a split backward's halves take the backward's scale
-    assert transferable_scale({**doc, "blocks": []}) == pytest.approx({**cal.compute_scale, "I": 2.0, "W": 2.0})
+    moved = transferable_scale({**doc, "blocks": []})
+    assert moved is not None and moved.compute_scale == pytest.approx(cal.compute_scale)
+    assert [moved.scale_of(k) for k in "FBIW"] == pytest.approx([want_f, 2.0, 2.0, 2.0])
+    assert transferable_scale({"compute_scale": {}}) is None
     assert Calibration(compute_scale={"B": 3.0}).scale_of("W") == 3.0
     # measured I and W (ZB-H1) stand for an unmeasured B
     split = {(0, "I"): 1.0, (0, "W"): 3.0}
