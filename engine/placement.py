@@ -420,18 +420,20 @@ def pipeline_placement(
     return Placement(num_devices, tuple(blocks), name=name, static_memory=tuple(static_memory))
 
 
-def recompute_in_input_grad(placement: Placement, recompute_time: Sequence[float]) -> Placement:
-    """``placement`` with each segment's recomputed forward counted in its ``I`` block.
+def recompute_in_split_backward(placement: Placement, recompute_time: Sequence[float]) -> Placement:
+    """``placement`` with each segment's recomputed forward counted in both halves of a split backward.
 
     A segment's backward time (``B``, or ``I`` + ``W`` split by ``weight_grad_fraction``)
     includes ``recompute_time[segment]`` seconds of recomputed forward (activation
-    recomputation, :mod:`engine.recompute`). That forward runs before the input gradient, so
-    with a split backward it belongs to ``I`` alone: of ``I + W = b`` seconds the split gave
-    ``W`` the share ``W / b`` of the recompute too; this moves it to ``I`` (``I + W`` unchanged).
-    ``B`` blocks, and segments without recomputation, are unchanged.
+    recomputation, :mod:`engine.recompute`). A split backward runs as two autograd passes
+    (``I``, then ``W`` later), and ``torch.utils.checkpoint`` (non-reentrant) recomputes a
+    checkpointed region in each pass that unpacks it: the runtime recomputes the forward twice
+    (measured in ``tests/runtime/test_weight_grad.py``). So of ``I + W = b`` seconds, the
+    recompute-free rest ``b - r`` is split as before and each half gets the whole recompute
+    ``r``: ``I + W = b + r``. ``B`` blocks, and segments without recomputation, are unchanged.
 
     Args:
-        placement: a placement whose ``I``/``W`` durations already include the recompute.
+        placement: a placement whose ``I``/``W`` durations already include one recompute.
         recompute_time: seconds per segment (one per segment, or fewer: the rest count 0).
 
     Returns:
@@ -443,7 +445,8 @@ def recompute_in_input_grad(placement: Placement, recompute_time: Sequence[float
             continue
         i, w = placement.index("I", s), placement.index("W", s)
         total = durations[i] + durations[w]
-        shift = min(rc * durations[w] / total, durations[w]) if total > 0 else 0.0
-        durations[i] += shift
-        durations[w] -= shift
+        rc = min(rc, total)
+        rest = total - rc
+        durations[i] = rc + (rest * durations[i] / total if total > 0 else 0.0)
+        durations[w] = rc + (rest * durations[w] / total if total > 0 else 0.0)
     return placement.with_durations(durations)

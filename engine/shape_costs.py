@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine.errors import TesselError
-from engine.placement import Placement, TensorSpec, recompute_in_input_grad
+from engine.placement import Placement, TensorSpec, recompute_in_split_backward
 from engine.recompute import check_recompute, segment_recompute
 from engine.shapes import SHAPES, find_shape, m_model_shape
 from engine.transform import (
@@ -175,7 +175,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
                     input_grads=grads, split_backward=split_backward, forward_only=forward_only, static_memory=static)
     if not forward_only:
         pl = replace(pl, grad_memory=tuple(grad_buf), grad_transient=tuple(grad_tr))
-        pl = recompute_in_input_grad(pl, [parts[part_of(s)]["recompute_time"] for s in range(n_seg)])
+        pl = recompute_in_split_backward(pl, [parts[part_of(s)]["recompute_time"] for s in range(n_seg)])
     for p in parts:
         comm = p.setdefault("tp_comm_time", 0.0)
         p["backward_time"] = cost.backward_factor * (p["forward_time"] - comm) + comm + p["recompute_time"]

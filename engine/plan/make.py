@@ -41,7 +41,7 @@ from engine.models.moe.comm import (
     segment_moe_layers,
 )
 from engine.models.moe.hf_moe import traceable_experts
-from engine.placement import Placement, recompute_in_input_grad
+from engine.placement import Placement, recompute_in_split_backward
 from engine.plan.limits import MemoryLimitError, check_memory_limit
 from engine.plan.metrics import memory_advice, predict_execution
 from engine.precision import get_policy, plan_precision
@@ -102,8 +102,8 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
     gradients of tied copies, which ``runtime.worker`` does not fold but keeps until the step)
     as ``grad_memory``/``grad_transient``. Inference (``forward_only``): the parameters only.
     With activation recomputation (``Segment.recompute_time``, :mod:`engine.recompute`) the
-    recomputed forward is in the ``I`` block of a split backward
-    (:func:`engine.placement.recompute_in_input_grad`), and each device's static memory holds its
+    recomputed forward is in both the ``I`` and the ``W`` block of a split backward (two autograd
+    passes: :func:`engine.placement.recompute_in_split_backward`), and each device's static memory holds its
     largest recomputation working set (``Segment.recompute_transient_bytes``): it is live during a
     backward, when the in-flight activations are at their level, so the peak counts it in full.
 
@@ -126,7 +126,7 @@ def placement_from_segments(segments: list[Segment], config: ParallelConfig, sch
             s.param_bytes if forward_only else resident_state_bytes(s.param_bytes, prec))
     if forward_only:
         return replace(base, static_memory=tuple(static))
-    base = recompute_in_input_grad(base, [s.recompute_time for s in segments])
+    base = recompute_in_split_backward(base, [s.recompute_time for s in segments])
     working = [0] * config.pp   # one backward at a time per device: its largest recomputation working set
     for s in segments:
         d = base.spec("F", s.index).devices[0]

@@ -10,13 +10,14 @@ import contextlib
 from typing import Any
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining._backward import stage_backward_input
 from torch.distributed.tensor.parallel import loss_parallel
 
 from runtime.vocab_parallel_loss import VocabParallelCrossEntropy
 from runtime.worker.context import ExecContext
 from runtime.worker.metrics import metric_floats
 from runtime.worker.step_state import StepState
+from runtime.worker.weight_grad import backward_weight as backward_weight_pass
 
 __all__ = ["backward", "backward_input", "backward_weight", "forward", "loss_context", "loss_value"]
 
@@ -171,7 +172,8 @@ def backward_input(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
 
 
 def backward_weight(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
-    """``W``: weight gradients (``stage_backward_weight``), or the full backward after a no-op ``I``;
+    """``W``: weight gradients (:func:`runtime.worker.weight_grad.backward_weight`), or the full
+    backward after a no-op ``I``;
     with AdamA the segment's folded parameters are folded explicitly (no hooks fire here)."""
     state = st.wstate.pop((s, j))
     sharded = s in ctx.local.loss_parallel
@@ -179,12 +181,11 @@ def backward_weight(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
         with loss_context(sharded):
             torch.autograd.backward(state[1], state[2])
     else:
-        # retain_graph: torch's parameter groups can share graph nodes (T5's position bias feeds
-        # every block; BERT's head); the first group's pass would free what the next one needs.
-        # The graph is released when the context is dropped right below.
+        # one autograd pass over every parameter group (runtime.worker.weight_grad): torch's
+        # per-group passes recompute a checkpointed segment once per group
         with loss_context(sharded):
-            stage_backward_weight(iter(ctx.local.params[s]), state[1], retain_graph=True)
-        if ctx.opt.adama:   # stage_backward_weight assigns .grad without firing the fold hooks
+            backward_weight_pass(iter(ctx.local.params[s]), state[1])
+        if ctx.opt.adama:   # the weight pass assigns .grad without firing the fold hooks
             ctx.opt.fold(ctx.opt.folded[s])
     st.ctx.pop((s, j), None)
     ctx.meter.free((s, j))
