@@ -343,7 +343,7 @@ def _show_progress(args: argparse.Namespace) -> bool:
 def run(args: argparse.Namespace) -> dict:
     from runtime import launch
     from runtime.config import LaunchConfig
-    from runtime.launcher import check_launchable
+    from runtime.launcher import check_launchable, shared_cores
     if any(_is_gnn_plan(Path(p)) for p in args.plan):
         return run_gnn(args)
     if args.epochs is not None:
@@ -376,11 +376,12 @@ def run(args: argparse.Namespace) -> dict:
     out = report(plan, res, plan_dir=plan_dir)
     out["plan"] = str(plan_path)
     if args.calibrate:
-        out["calibration"] = calibrate_plan(plan, res, plan_path.with_name(plan_path.stem + ".calibrated.json"))
+        out["calibration"] = calibrate_plan(plan, res, plan_path.with_name(plan_path.stem + ".calibrated.json"),
+                                            shared_cores=shared_cores(plan.parallel.devices, config))
     return out
 
 
-def calibrate_plan(plan, res, path: Path, out: TextIO | None = None) -> dict:
+def calibrate_plan(plan, res, path: Path, out: TextIO | None = None, shared_cores: int | None = None) -> dict:
     """Calibrate ``plan`` from a launch's measured steps, save it, and check it on later steps
     (:func:`engine.plan.calibrate.calibrate_plan`, then the saving and the line printed here).
 
@@ -389,7 +390,10 @@ def calibrate_plan(plan, res, path: Path, out: TextIO | None = None) -> dict:
     compared with the median makespan of the second half (steps the calibration did not see);
     with fewer, the calibration is compared with the steps it came from. The saved plan is
     calibrated from all of them. The plan is written atomically to ``path``; the line saying so is
-    printed to ``out`` (``None``: ``sys.stdout`` as it is at the call).
+    printed to ``out`` (``None``: ``sys.stdout`` as it is at the call). ``shared_cores``: the local
+    ranks shared this many cores (:func:`runtime.launcher.shared_cores`); the calibration then
+    describes a rank with a core of its own and the check predicts the shared step
+    (:func:`engine.plan.calibrate.calibrate_plan`).
 
     Returns:
         ``{"path", "predicted_makespan", "measured_makespan", "error", "steps", "held_out"}``
@@ -402,7 +406,7 @@ def calibrate_plan(plan, res, path: Path, out: TextIO | None = None) -> dict:
     tls = list(res.timelines)
     if len(tls) > 1 and res.start_step == 0 and len(tls) == len(res.losses):
         tls = tls[1:]
-    check = calibrate_measured(plan, tls)
+    check = calibrate_measured(plan, tls, shared_cores=shared_cores)
     save_plan(check.plan, path)
     n = check.checked
     how = (f"calibrated on {check.steps - n} steps, checked on the {n} later ones" if check.held_out else

@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="recomputation granularities to try (default none,selective,full)")
     p.add_argument("--max-tp", type=positive_int, default=None, help="largest tensor degree (default: GPUs per node)")
     p.add_argument("--max-pp", type=positive_int, default=None, help="largest pipeline degree")
+    p.add_argument("--host-cores", type=positive_int, default=None, metavar="N",
+                   help="CPU cores each node's ranks share (CPU ranks, e.g. 2 for 4 ranks on this machine): a "
+                        "step is then at least the node's compute time over N cores (default: a core per rank)")
     p.add_argument("--no-sharded-update", action="store_true", help="do not try the sharded update (ZeRO-1)")
     p.add_argument("--no-sequence-parallel", action="store_true", help="do not try tp-split (sequence parallelism)")
     p.add_argument("--no-overlap-grad-sync", action="store_true", help="do not try overlapped gradient sync")
@@ -111,7 +114,8 @@ def _space(args: argparse.Namespace) -> TuneSpace:
                      schedules=tuple(args.schedules or DEFAULT_SCHEDULES), recompute=tuple(args.recompute),
                      sharded_update=not args.no_sharded_update, sequence_parallel=not args.no_sequence_parallel,
                      overlap_grad_sync=not args.no_overlap_grad_sync,
-                     optimizers=("adam", "adama") if args.adama else ("adam",), max_tp=args.max_tp, max_pp=args.max_pp)
+                     optimizers=("adam", "adama") if args.adama else ("adam",), max_tp=args.max_tp, max_pp=args.max_pp,
+                     host_cores=args.host_cores)
 
 
 def _calibrated(paths: list[str] | None):
@@ -210,7 +214,9 @@ def run(args: argparse.Namespace) -> dict:
           f"global batch {space.global_batch}: {len(result.rows)} configurations, {counts['ok']} fit, "
           f"{counts['over memory'] + counts['memory bound']} over {result.memory_limit / 2**30:.1f} GiB, "
           f"{counts['dominated']} dominated by the bounds, {counts['refused']} refused"
-          + (f", {counts['not visited']} not visited (time limit)" if counts["not visited"] else ""))
+          + (f", {counts['not visited']} not visited (time limit)" if counts["not visited"] else "")
+          + (f"; {space.gpus_per_node} ranks per node share {space.host_cores} cores"
+             if space.host_cores is not None and space.host_cores < space.gpus_per_node else ""))
     shown = result.fitting()[:args.top]
     print(table(TABLE_HEADERS, [table_row(i + 1, r) for i, r in enumerate(shown)]))
     line = why_runner_up_loses(result)

@@ -23,8 +23,10 @@ predicted against measured step times (target: at least 0.8) and the tuner's wal
 A candidate the planner accepts but the runtime cannot run (full recomputation on a model whose
 stages are exported graphs: the model-family issue) is listed as not executable and left out.
 
-Ranks that outnumber the cores (4 ranks on 2 cores) share them, so the measured times include
-that contention and the prediction does not: this is the hard case for the ranking.
+Ranks that outnumber the cores (4 ranks on 2 cores) share them; the space says so
+(``TuneSpace.host_cores``, this machine's cores), and a candidate's predicted step is at least
+its ranks' summed compute over the cores (:mod:`engine.plan.core_sharing`), the calibrated one
+likewise.
 
 Usage: ``python benchmarks/tune_cpu_bench.py [--json] [--models llama-32k-cpu,two-tower-tiny,gpt2-small-cpu]
 [--ranks 2,4] [--steps 5] [--micro-batch-sizes 1,2] [--no-calibration]``
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -49,7 +52,9 @@ from scipy.stats import spearmanr  # noqa: E402
 
 from engine.cost.calibrate import Calibration  # noqa: E402
 from engine.errors import TesselError  # noqa: E402
+from engine.layout import RankLayout  # noqa: E402
 from engine.plan import calibrate_plan, make_plan, with_calibration  # noqa: E402
+from engine.plan.core_sharing import shared_core_step_time  # noqa: E402
 from engine.tune import TuneSpace, tune  # noqa: E402
 from engine.tune.tuner import calibration_for  # noqa: E402
 from runtime import launch  # noqa: E402
@@ -63,7 +68,9 @@ SPEARMAN = 0.8
 
 
 def _space(ranks: int, batch: int, mbs: tuple[int, ...] = (1, 2)) -> TuneSpace:
+    """The space on ``ranks`` ranks of this machine, whose cores they share (``host_cores``)."""
     return TuneSpace(gpus=ranks, global_batch=batch, gpus_per_node=ranks, micro_batch_sizes=mbs,
+                     host_cores=os.cpu_count() or 1,
                      schedules=("gpipe", "1f1b", "zb-h1", "interleaved"), recompute=("none", "full"), max_tp=1,
                      sharded_update=False, sequence_parallel=False, overlap_grad_sync=False)
 
@@ -94,7 +101,8 @@ def _profile(model: str, res, seq: int, steps: int) -> tuple[dict, list[str]]:
             out = _launch(plan, max(steps, 4))
         except TesselError:
             continue
-        check = calibrate_plan(plan, out.timelines[1:])
+        cores = os.cpu_count() or 1
+        check = calibrate_plan(plan, out.timelines[1:], shared_cores=cores if c.gpus > cores else None)
         cals[key] = Calibration.from_dict(check.plan.meta["calibration"])
         labels.append(c.label())
     return cals, labels
@@ -106,7 +114,9 @@ def _calibrated(plan, cal: Calibration | None) -> float:
     NaN without a calibration."""
     if cal is None:
         return math.nan
-    return with_calibration(plan, replace(cal, block_seconds={}))[1].makespan
+    tl = with_calibration(plan, replace(cal, block_seconds={}))[1]
+    par, cores = plan.parallel, os.cpu_count() or 1
+    return shared_core_step_time(tl, RankLayout(par.tp, par.dp, par.pp, par.layout), par.devices, cores)
 
 
 def _ranking(rows: list[dict], key: str) -> dict:

@@ -105,23 +105,30 @@ from runtime.worker.config import OptimizerName, WorkerConfig
 logger = logging.getLogger(__name__)
 
 
-def shared_cores_warning(world_size: int, config: LaunchConfig, cores: int | None = None) -> str | None:
-    """The warning for a local launch whose CPU ranks outnumber this machine's cores (``cores``,
-    default ``os.cpu_count()``), else ``None``. The plan gives every rank a device of its own, so
-    there each step is measured slower than predicted (4 ranks on 2 cores measured 3-7x the
-    prediction here). Not for a cluster (``config.address``: its nodes' cores are not this
-    machine's) nor for GPU ranks."""
+def shared_cores(world_size: int, config: LaunchConfig, cores: int | None = None) -> int | None:
+    """This machine's cores (``cores``, default ``os.cpu_count()``) when a local launch's CPU ranks
+    outnumber them, else ``None``. Not for a cluster (``config.address``: its nodes' cores are not
+    this machine's) nor for GPU ranks."""
     if config.address is not None or config.device == "cuda":
         return None
     if config.device == "auto":
         if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
             return None
     cores = cores or os.cpu_count() or 1
-    if world_size <= cores:
+    return cores if world_size > cores else None
+
+
+def shared_cores_warning(world_size: int, config: LaunchConfig, cores: int | None = None) -> str | None:
+    """The warning for a local launch whose CPU ranks outnumber this machine's cores
+    (:func:`shared_cores`), else ``None``. The plan gives every rank a device of its own, so
+    there each step is measured slower than predicted (4 ranks on 2 cores measured 3-7x the
+    prediction here; ``tessel tune --host-cores`` and ``tessel launch --calibrate`` model it)."""
+    got = shared_cores(world_size, config, cores)
+    if got is None:
         return None
-    return (f"{world_size} CPU ranks share this machine's {cores} cores: each step will be measured slower than "
+    return (f"{world_size} CPU ranks share this machine's {got} cores: each step will be measured slower than "
             "predicted, since the plan gives every rank a device of its own (use at most "
-            f"{cores} ranks here, or a cluster: --address)")
+            f"{got} ranks here, or a cluster: --address)")
 
 
 def _fail_at_for(fail_at: Any, rank: int) -> tuple[int, int] | None:

@@ -155,3 +155,21 @@ def test_launchable_ranks_only_what_tessel_launch_runs_here(tmp_path):
     refused = [r for r in rows if r["status"] == "refused" and r["reason"].startswith("not admitted")]
     assert refused and all(r["recompute"] == "full" and "recomputation" in r["reason"] for r in refused)
     assert all(r["recompute"] == "none" for r in rows if r["status"] == "ok")
+
+
+def test_ranks_sharing_cores_are_said_and_predicted_no_faster_than_their_work(tmp_path):
+    """``--host-cores``: 4 ranks on 2 cores; the summary says so and every fitting row's step
+    is at least the simulated makespan of its plan (the work bound can only lengthen it)."""
+    base = ("tune", "--model", "llama-tiny", "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8",
+            "--seq-len", "32", "--micro-batch-sizes", "2", "--schedules", "1f1b", "--recompute", "none",
+            "--device-type", "cpu", "--json", "--top", "50")
+    own = run_cli(*base, "-o", str(tmp_path / "own"))
+    shared = run_cli(*base, "--host-cores", "2", "-o", str(tmp_path / "shared"))
+    assert own.returncode == 0 and shared.returncode == 0, shared.stderr
+    assert "4 ranks per node share 2 cores" in shared.stdout and "share" not in own.stdout.split("\n")[0]
+    a, b = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (own, shared))
+    mine = {r["label"]: r["step_time"] for r in a["top"]}
+    assert all(r["step_time"] >= mine[r["label"]] * (1 - 1e-9) for r in b["top"])
+    assert any(r["step_time"] > mine[r["label"]] * 1.2 for r in b["top"])   # dp4: every rank busy at once
+    bad = run_cli(*base, "--host-cores", "0", "-o", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "--host-cores" in bad.stderr

@@ -17,6 +17,8 @@ from typing import Sequence
 from engine.cost.calibrate import Calibration, calibrate, calibrated_durations
 from engine.errors import TesselError
 from engine.io.plan import Plan
+from engine.layout import RankLayout
+from engine.plan.core_sharing import shared_core_step_time, uncontended_timeline
 from engine.plan.metrics import predict
 from engine.schedule import Schedule
 from engine.timeline import Timeline
@@ -120,7 +122,8 @@ class CalibrationCheck:
         plan: the plan calibrated from every measured step (save it with ``engine.io.save_plan``).
         timeline: the calibrated prediction that was checked (from the first half of the steps
             when ``held_out``, else from all of them).
-        predicted_makespan: that prediction's step makespan (seconds).
+        predicted_makespan: that prediction's step time (seconds): its makespan, or on ranks sharing
+            cores (``shared_cores``) the longer step they take.
         measured_makespan: the median measured makespan of the checked steps (seconds).
         error: ``measured / predicted - 1`` (NaN for a zero prediction).
         steps: the measured steps used.
@@ -143,7 +146,7 @@ class CalibrationCheck:
                 "error": self.error, "steps": self.steps, "held_out": self.held_out}
 
 
-def calibrate_plan(plan: Plan, timelines: Sequence[Timeline]) -> CalibrationCheck:
+def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: int | None = None) -> CalibrationCheck:
     """Calibrate ``plan`` from measured steps (e.g. ``runtime.LaunchResult.timelines`` without the
     warm-up step) and check the calibrated prediction.
 
@@ -152,20 +155,34 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline]) -> CalibrationChec
     calibration is compared with the steps it came from. The returned plan is calibrated from all
     of them (:func:`with_calibration`).
 
+    ``shared_cores``: the launch's ranks all ran on one host with this many cores, fewer than the
+    ranks. Their measured compute blocks are then reduced to the work they did
+    (:func:`engine.plan.core_sharing.uncontended_timeline`), so the calibration describes a rank
+    with a core of its own. The checked prediction is the plan's step on that host
+    (:func:`engine.plan.core_sharing.shared_core_step_time`).
+
     Raises:
         CostModelError: no timeline (:func:`engine.cost.calibrate.calibrate`).
         TesselError: the timelines name a segment the plan does not have.
     """
     tls = list(timelines)
+    par = plan.parallel
+    layout = RankLayout(par.tp, par.dp, par.pp, par.layout)
+
+    def step(t: Timeline) -> float:
+        return t.makespan if shared_cores is None else shared_core_step_time(t, layout, par.devices, shared_cores)
+
+    fitted = tls if shared_cores is None else [uncontended_timeline(t, layout, par.devices, shared_cores) for t in tls]
     planned = {(b.segment, b.kind): b.duration for b in plan.placement.blocks}
-    new, tl = with_calibration(plan, calibrate(tls, planned=planned))
+    new, tl = with_calibration(plan, calibrate(fitted, planned=planned))
     held_out = len(tls) >= 4
     if held_out:
         half = len(tls) // 2
-        _, tl = with_calibration(plan, calibrate(tls[:half], planned=planned))
+        _, tl = with_calibration(plan, calibrate(fitted[:half], planned=planned))
         checked = tls[half:]
     else:
         checked = tls
     measured = statistics.median(t.makespan for t in checked)
-    err = measured / tl.makespan - 1 if tl.makespan > 0 else math.nan
-    return CalibrationCheck(new, tl, tl.makespan, measured, err, len(tls), len(checked), held_out)
+    predicted = step(tl)
+    err = measured / predicted - 1 if predicted > 0 else math.nan
+    return CalibrationCheck(new, tl, predicted, measured, err, len(tls), len(checked), held_out)

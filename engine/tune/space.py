@@ -55,6 +55,10 @@ class TuneSpace:
         heads: the model's attention heads (the tensor degree divides them); ``None``: not checked.
         layers: the model's layers (a pipeline has at most this many stages x virtual stages);
             ``None``: not checked.
+        host_cores: CPU cores that each node's ranks share (CPU ranks); where they are fewer
+            than ``gpus_per_node``, a candidate's step time is at least its busiest node's summed
+            compute time over them (:func:`engine.plan.core_sharing.shared_core_step_time`).
+            ``None``: a processor per rank, as on GPUs.
     """
 
     gpus: int
@@ -72,12 +76,16 @@ class TuneSpace:
     max_pp: int | None = None
     heads: int | None = None
     layers: int | None = None
+    host_cores: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("gpus", "global_batch", "gpus_per_node"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise TuneSpaceError(f"{name} must be a positive whole number, got {v!r}")
+        hc = self.host_cores
+        if hc is not None and (not isinstance(hc, int) or isinstance(hc, bool) or hc < 1):
+            raise TuneSpaceError(f"host_cores must be a positive whole number or None, got {hc!r}")
         if any(b < 1 for b in self.micro_batch_sizes) or not self.micro_batch_sizes:
             raise TuneSpaceError(f"micro-batch sizes must be positive, got {list(self.micro_batch_sizes)}")
         for s in self.schedules:

@@ -44,6 +44,7 @@ from engine.cost.calibrate import Calibration
 from engine.errors import ScheduleError, TesselError
 from engine.io.plan import Plan
 from engine.models import ModelBundle
+from engine.plan.core_sharing import shared_core_step_time
 from engine.plan.make import (
     CapturedModel,
     PlanResult,
@@ -81,7 +82,8 @@ class TuneRow:
     Attributes:
         candidate: the configuration.
         status: one of :data:`STATUSES`.
-        reason: why it was skipped or refused (one sentence), empty for a simulated candidate.
+        reason: why it was skipped or refused (one sentence); for a simulated candidate empty, or
+            why its step is longer than simulated (its ranks share a node's cores).
         step_time: predicted seconds per step (simulated candidates).
         tokens_per_second: predicted tokens (samples for a task without sequences) per second.
         mfu: model FLOPs utilization (0..1) or ``None``.
@@ -228,6 +230,9 @@ class _Context:
     """``(dp, tp, pp, micro_batch_size)`` of the profiling launch -> its calibration document,
     block times left out."""
 
+    host: tuple[int, int] | None = None
+    """``(ranks per node, the CPU cores they share)`` where the cores are fewer; ``None``: a core each."""
+
     def calibration(self, c: Candidate) -> dict | None:
         """The calibration document ``c`` is predicted with (:func:`calibration_for`)."""
         return calibration_for(self.calibrations, c)
@@ -298,15 +303,26 @@ def plan_candidate(c: Candidate, ctx: _Context) -> PlanResult:
                              calibration=ctx.calibration(c))
 
 
-def _simulated_row(c: Candidate, res: PlanResult, limit: float, bounds: tuple[float | None, float | None]) -> TuneRow:
+def _simulated_row(c: Candidate, res: PlanResult, limit: float, bounds: tuple[float | None, float | None],
+                   host: tuple[int, int] | None = None) -> TuneRow:
+    """The row of a simulated candidate; ``host``: ``(ranks per node, cores they share)``, whose
+    work bound may lengthen the step (:func:`engine.plan.core_sharing.shared_core_step_time`)."""
     m = res.plan.metrics
     peak = float(max(m["peak_memory"]))
     status = "ok" if peak <= limit else "over memory"
     reason = "" if status == "ok" else \
         f"predicted peak {peak / 2**30:.1f} GiB is above the limit {limit / 2**30:.1f} GiB"
-    return TuneRow(c, status, reason, step_time=float(m["makespan"]), tokens_per_second=float(m["tokens_per_second"]),
-                   mfu=m.get("mfu"), peak_memory=peak, bubble_ratio=float(m["bubble_ratio"]),
-                   time_bound=bounds[0], memory_bound=bounds[1])
+    makespan = step = float(m["makespan"])
+    if host is not None:
+        step = shared_core_step_time(res.timeline, res.execution.rank_layout(), *host)
+        if step > makespan and status == "ok":
+            reason = (f"core-bound: its ranks' compute shares {host[1]} cores per node "
+                      f"({makespan * 1e3:.4g} ms with a core per rank)")
+    slow = makespan / step if step > 0 else 1.0
+    mfu = m.get("mfu")
+    return TuneRow(c, status, reason, step_time=step, tokens_per_second=float(m["tokens_per_second"]) * slow,
+                   mfu=None if mfu is None else float(mfu) * slow, peak_memory=peak,
+                   bubble_ratio=float(m["bubble_ratio"]), time_bound=bounds[0], memory_bound=bounds[1])
 
 
 def _dominated(t_bound: float, m_bound: float, front: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -358,7 +374,7 @@ def _evaluate(c: Candidate, ctx: _Context, num_params: int,
         return row, None
     except TesselError as e:
         return TuneRow(c, "refused", " ".join(str(e).split())), None
-    row = _simulated_row(c, res, limit, (t_bound, m_bound))
+    row = _simulated_row(c, res, limit, (t_bound, m_bound), ctx.host)
     why = ctx.admit(res.plan) if row.fits and ctx.admit is not None else ""
     if why:   # predicted, but the caller cannot use it: ranked after every fitting row
         row = replace(row, status="refused", reason=f"not admitted: {why}")
@@ -499,7 +515,9 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
         cost = CostModel.for_device(device_type, link=link, inter_link=link, dtype=compute,
                                     devices_per_node=space.gpus_per_node)
     limit = float(memory_limit) if memory_limit is not None else float(cost.device.mem_capacity)
-    ctx = _Context(model, task, seq_len, precision, compute, cost, limit, admit=admit)
+    host = (space.gpus_per_node, space.host_cores) \
+        if space.host_cores is not None and space.host_cores < space.gpus_per_node else None
+    ctx = _Context(model, task, seq_len, precision, compute, cost, limit, admit=admit, host=host)
     if isinstance(calibration, Calibration):
         calibration = {(0, 0, 0, 0): calibration}   # one calibration: every candidate's
     for key, cal in (calibration or {}).items():
