@@ -4,14 +4,16 @@ The simulator gives every rank its own processor. CPU ranks placed on one host w
 than ranks (four gloo ranks on two cores) share them: the operating system time-slices the busy
 ranks, so while ``k`` ranks compute, each progresses at ``cores / k`` of its speed (processor
 sharing). Whatever the interleaving, the node's cores cannot do more than ``cores`` seconds of
-work per second, so a step takes at least the node's summed compute time over its cores; and
+work per second, so a step takes at least the node's summed CPU work (compute, and gloo's sends
+and collectives) over its cores; and
 at least the simulated makespan, the time with a core per rank. :func:`shared_core_step_time`
 predicts the larger of the two (the work bound of a roofline, here over cores), per node.
 
-Measured on this machine (``benchmarks/tune_cpu_bench.py --ranks 4``): without the bound the
-tuner ranked four llama-32k-cpu ranks on two cores with Spearman 0.56 and picked a configuration
-31.8% slower than the measured best, because it favoured plans whose ranks are all busy at
-once (data parallelism) over pipelines whose bubbles leave cores to the busy ranks.
+Measured on this machine (``benchmarks/tune_cpu_bench.py --ranks 4``, llama-32k-cpu, four ranks
+on two cores, 15 candidates): by the makespan alone the tuner's ranking has Spearman 0.23 and its
+pick is 29% slower than the measured best, because it favours plans whose ranks are all busy at
+once (data parallelism) over pipelines whose bubbles leave cores to the busy ranks. Counting
+compute alone in the bound: 0.72 and 0.8%; compute, sends and collectives: 0.81 and 0.8%.
 
 Source: Kleinrock, "Time-shared systems: a theoretical treatment", JACM 14(2), 1967 (processor
 sharing); the work bound as in Williams et al., "Roofline", CACM 52(4), 2009.
@@ -25,11 +27,17 @@ from itertools import product
 from engine.layout import RankLayout
 from engine.timeline import Timeline
 
-__all__ = ["node_compute_seconds", "shared_core_step_time", "uncontended_timeline"]
+__all__ = ["CPU_WORK_STREAMS", "node_work_seconds", "shared_core_step_time", "uncontended_timeline"]
 
 
-def node_compute_seconds(timeline: Timeline, layout: RankLayout, devices_per_node: int) -> list[float]:
-    """Per node, the summed compute-stream seconds (F/B/I/W and the optimizer) of its devices.
+#: The streams whose events are work of a CPU rank's core: its compute blocks, and the sends and
+#: collectives that gloo runs on the CPU (copies through the kernel's loopback, reductions). A
+#: receive is the sender's transfer seen from the other end (and, measured, includes the wait).
+CPU_WORK_STREAMS = ("compute", "send", "collective")
+
+
+def node_work_seconds(timeline: Timeline, layout: RankLayout, devices_per_node: int) -> list[float]:
+    """Per node, the summed seconds of its devices' CPU work (:data:`CPU_WORK_STREAMS`).
 
     ``timeline`` is a plan's simulated step, one rank per pipeline rank (the data-parallel
     replicas and tensor ranks of a stage do what its pipeline rank does); ``layout`` places each
@@ -41,7 +49,10 @@ def node_compute_seconds(timeline: Timeline, layout: RankLayout, devices_per_nod
     """
     if devices_per_node < 1:
         raise ValueError(f"devices per node must be at least 1, got {devices_per_node}")
-    busy = [timeline.busy_time(p) for p in range(layout.pp)]
+    busy = [0.0] * layout.pp
+    for e in timeline.events:
+        if e.stream in CPU_WORK_STREAMS and 0 <= e.rank < layout.pp:
+            busy[e.rank] += e.end - e.start
     out = [0.0] * (-(-layout.size // devices_per_node))
     for t, d, p in product(range(layout.tp), range(layout.dp), range(layout.pp)):
         out[layout.device(t, d, p) // devices_per_node] += busy[p]
@@ -50,8 +61,8 @@ def node_compute_seconds(timeline: Timeline, layout: RankLayout, devices_per_nod
 
 def shared_core_step_time(timeline: Timeline, layout: RankLayout, devices_per_node: int, cores: int) -> float:
     """Seconds per step when each node's ranks share ``cores`` cores: the simulated makespan or,
-    if larger, the busiest node's compute seconds (:func:`node_compute_seconds`) divided by
-    ``cores``. With a core per rank (``cores >= devices_per_node``) it is the makespan.
+    if larger, the busiest node's CPU work (:func:`node_work_seconds`) divided by ``cores``.
+    With a core per rank (``cores >= devices_per_node``) it is the makespan.
 
     Raises:
         ValueError: ``devices_per_node`` or ``cores`` below 1.
@@ -61,7 +72,7 @@ def shared_core_step_time(timeline: Timeline, layout: RankLayout, devices_per_no
     makespan = timeline.makespan
     if cores >= devices_per_node:
         return makespan
-    work = max(node_compute_seconds(timeline, layout, devices_per_node), default=0.0)
+    work = max(node_work_seconds(timeline, layout, devices_per_node), default=0.0)
     return max(makespan, work / cores)
 
 

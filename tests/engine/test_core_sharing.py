@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.layout import RankLayout
-import dataclasses
-
 from engine.plan import make_plan
 from engine.plan.calibrate import calibrate_plan
-from engine.plan.core_sharing import node_compute_seconds, shared_core_step_time, uncontended_timeline
+from engine.plan.core_sharing import node_work_seconds, shared_core_step_time, uncontended_timeline
 from engine.timeline import Event, Timeline
 from engine.tune import TuneSpace, tune
 from engine.tune.space import TuneSpaceError
@@ -36,24 +36,31 @@ def test_replicas_and_tensor_ranks_do_their_pipeline_ranks_work():
     of two cores do four times its work."""
     tl = _tl((0, 0.0, 0.010))
     lay = RankLayout(tp=2, dp=2, pp=1)
-    assert node_compute_seconds(tl, lay, 4) == pytest.approx([0.040])
-    assert node_compute_seconds(tl, lay, 2) == pytest.approx([0.020, 0.020])
+    assert node_work_seconds(tl, lay, 4) == pytest.approx([0.040])
+    assert node_work_seconds(tl, lay, 2) == pytest.approx([0.020, 0.020])
     assert shared_core_step_time(tl, lay, 4, 2) == pytest.approx(0.020)
 
 
 def test_a_pipeline_that_never_overlaps_keeps_its_makespan():
     tl = _tl((0, 0.0, 0.010), (1, 0.010, 0.020), (0, 0.020, 0.025))
     pp2 = RankLayout(pp=2)
-    assert node_compute_seconds(tl, pp2, 2) == pytest.approx([0.025])
+    assert node_work_seconds(tl, pp2, 2) == pytest.approx([0.025])
     assert shared_core_step_time(tl, pp2, 2, 1) == pytest.approx(0.025)   # makespan = work
-    assert node_compute_seconds(tl, pp2, 1) == pytest.approx([0.015, 0.010])
+    assert node_work_seconds(tl, pp2, 1) == pytest.approx([0.015, 0.010])
+
+
+def test_sends_and_collectives_are_cpu_work_and_receives_are_not():
+    tl = _tl((0, 0.0, 0.010), (1, 0.0, 0.010))
+    tl.events += [Event(0, "send", "SEND", "0F0>1", 0.010, 0.014), Event(1, "recv", "RECV", "0F0>1", 0.010, 0.014),
+                  Event(0, "collective", "ALLREDUCE", "allreduce s0", 0.014, 0.020)]
+    assert node_work_seconds(tl, RankLayout(pp=2), 2) == pytest.approx([0.030])
 
 
 def test_bad_counts_are_refused():
     with pytest.raises(ValueError, match="cores per node"):
         shared_core_step_time(_tl((0, 0.0, 1.0)), RankLayout(dp=2), 2, 0)
     with pytest.raises(ValueError, match="devices per node"):
-        node_compute_seconds(_tl((0, 0.0, 1.0)), RankLayout(dp=2), 0)
+        node_work_seconds(_tl((0, 0.0, 1.0)), RankLayout(dp=2), 0)
     with pytest.raises(TuneSpaceError, match="host_cores"):
         TuneSpace(gpus=2, global_batch=4, host_cores=0)
 
@@ -72,7 +79,7 @@ def test_the_tuner_predicts_each_candidate_with_the_work_bound_of_its_plan():
         plan = make_plan("llama-tiny", devices=2, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches,
                          micro_batch_size=c.micro_batch_size, schedule=c.schedule, seq_len=16, device_type="h100")
         tl = plan.timeline
-        work = c.dp * sum(tl.busy_time(k) for k in range(c.pp))
+        work = c.dp * sum(e.end - e.start for e in tl.events if e.stream in ("compute", "send", "collective"))
         assert r.step_time == pytest.approx(max(tl.makespan, work))
         assert by_label[c.label()].step_time == pytest.approx(tl.makespan)
         assert r.tokens_per_second == pytest.approx(by_label[c.label()].tokens_per_second * tl.makespan / r.step_time)
