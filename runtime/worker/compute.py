@@ -165,6 +165,10 @@ def backward_input(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     if not xs:   # nothing to send (segment 0): W runs the whole backward
         st.wstate[(s, j)] = ("full", tensors, grads)
         return
+    # stage_backward_input detaches its roots in place, which a view refuses ("Can't detach views
+    # in-place": a stage output that is a view, e.g. of a passed-through input); a view's clone is
+    # the same root for the backward
+    tensors = [t.clone() if t._base is not None else t for t in tensors]
     with loss_context(s in ctx.local.loss_parallel):
         dinputs, groups = stage_backward_input(tensors, grads, xs, iter(ctx.local.params[s]))
     st.wstate[(s, j)] = ("groups", groups)

@@ -11,7 +11,7 @@ import torch
 from engine.dependency import Instruction, Op
 from runtime.worker.config import WorkerConfig
 from runtime.worker.context import ExecContext
-from runtime.worker.errors import step_error
+from runtime.worker.errors import describe_exception, step_error
 from runtime.worker.interpreter import execute
 from runtime.worker.metrics import MemorySampler, mean_metrics
 from runtime.worker.send_waiter import SendWaiter
@@ -58,7 +58,7 @@ def run_step(ctx: ExecContext, stream: Sequence[Instruction], step: int, model_i
                     cfg.on_sync_start(step)
             except Exception as e:
                 raise step_error(f"{where} failed at step {step}, instruction {idx} ({ins}): "
-                                 f"{type(e).__name__}: {e}", rank=coords.rank, pp_rank=coords.pp_rank,
+                                 f"{describe_exception(e)}", rank=coords.rank, pp_rank=coords.pp_rank,
                                  dp_index=coords.dp_index, step=int(step), index=idx,
                                  instruction=f"{idx} ({ins})") from e
             mem.sample(st.now())
@@ -72,7 +72,7 @@ def run_step(ctx: ExecContext, stream: Sequence[Instruction], step: int, model_i
         ctx.grad_sync.finish(st)   # no-op after OPTIM (lower() always ends training with it)
     except Exception as e:
         raise step_error(f"{where} failed at step {step} waiting for its sends/all-reduces: "
-                         f"{type(e).__name__}: {e}", rank=coords.rank, pp_rank=coords.pp_rank,
+                         f"{describe_exception(e)}", rank=coords.rank, pp_rank=coords.pp_rank,
                          dp_index=coords.dp_index, step=int(step), index=None, instruction=None) from e
     out = {
         "rank": coords.rank, "pp_rank": coords.pp_rank, "dp_index": coords.dp_index, "step": int(step),

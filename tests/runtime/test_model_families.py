@@ -88,6 +88,16 @@ def test_interleaved_family_trains_like_one_process(pool, model):
     _check_training(pool, plan, 2, 1)
 
 
+def test_zb_h1_with_the_head_alone_in_the_last_stage_trains_like_one_process(pool):
+    """Four pipeline ranks of llama-32k-cpu put ``lm_head`` alone in the last stage, so the stage
+    before it sends a slice of the normed states (a view). torch's ``stage_backward_input``
+    detaches its roots in place, which a view refuses ("Can't detach views in-place"): ZB-H1's
+    ``I`` failed there until the worker cloned such roots."""
+    plan = _plan("llama-32k-cpu", "zb-h1", 4, 1)
+    assert [s.get("layers") for s in plan.segments][-1] == ["lm_head"]
+    _check_training(pool, plan, 4, 1)
+
+
 @pytest.mark.parametrize("model,task,schedule", [("user_hf_models:llama", "causal-lm", "1f1b"),
                                                  ("user_hf_models:bert", "masked-lm", "zb-h1")])
 def test_a_raw_hf_model_from_user_code_trains(pool, model, task, schedule):

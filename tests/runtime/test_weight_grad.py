@@ -76,3 +76,23 @@ def test_torchs_per_group_pass_recomputes_once_per_group():
     _Block.calls = 0
     stage_backward_weight(iter(seg.parameters()), groups, retain_graph=True)
     assert _Block.calls > 4 and n > 1
+
+
+def test_a_wrapped_error_is_described_by_its_cause_first_on_one_line():
+    """torch.distributed.pipelining wraps an autograd error in a report that starts with a newline;
+    a rank's failure used to read "RuntimeError: " and nothing else."""
+    from runtime.worker.errors import describe_exception
+
+    try:
+        try:
+            raise RuntimeError("Can't detach views in-place.\n Use detach() instead.")
+        except RuntimeError as inner:
+            raise RuntimeError("\n        Failed to run stage backward input:\n        Stage output: " + "x" * 400) \
+                from inner
+    except RuntimeError as e:
+        text = describe_exception(e)
+    assert text.startswith("RuntimeError: Can't detach views in-place. Use detach() instead. (in RuntimeError: "
+                           "Failed to run stage backward input: Stage output: xxx")
+    assert "\n" not in text and text.endswith("...)") and len(text) < 300
+    assert describe_exception(ValueError("bad  value")) == "ValueError: bad value"
+    assert describe_exception(KeyError()) == "KeyError"
