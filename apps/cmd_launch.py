@@ -48,6 +48,7 @@ from engine.errors import TesselError
 from engine.gnn.plan import GNN_PLAN_FORMAT, load_gnn_plan
 from engine.io import load_plan, save_plan, write_trace
 from engine.plan.calibrate import calibrate_plan as calibrate_measured
+from runtime.node_placement import ranks_by_node_text
 from runtime.runner import LaunchInterrupted
 
 HELP = "train a plan on Ray actors and compare measured with predicted step times"
@@ -121,6 +122,9 @@ def report(plan, res, *, plan_dir: Path, out: TextIO | None = None) -> dict:
         f"{res.backend} on {'GPUs' if res.backend == 'nccl' else 'CPU'}; "
         f"steps {res.start_step}..{res.steps - 1} "
         f"in {res.elapsed:.1f} s (setup {res.setup_time:.1f} s)")
+    placed = getattr(res, "rank_nodes", None) or []   # a result without it (older callers)
+    if any(row.get("node") is not None for row in placed):
+        say(ranks_by_node_text(placed))
     rows = []
     predicted_peak = plan.metrics.get("peak_memory") or []
     for r in range(pp):

@@ -48,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
     p.add_argument("--device-type", default="h100", help="cost table: h100, a100, cpu (default h100)")
     p.add_argument("--link", type=link_name, default=None, help=LINK_HELP)
+    p.add_argument("--inter-link", type=link_name, default=None,
+                   help="the link between nodes, in --link's spellings (default: --link, else the device's own)")
+    p.add_argument("--devices-per-node", type=positive_int, default=8,
+                   help="devices on one node: device i on node i // N; tessel launch --address runs each rank on "
+                        "that node of the Ray cluster (default 8)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (default 1)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--virtual-stages", type=positive_int, default=None,
@@ -136,7 +141,8 @@ def run(args: argparse.Namespace) -> dict:
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, precision=args.precision,
         recompute=args.recompute, stage_recompute=args.stage_recompute, memory_limit=limit,
         optimizer=args.optimizer, profile=args.profile, task=args.task, link=args.link,
-        transforms=args.transform, grad_bucket_bytes=_bucket_bytes(args.bucket_mib),
+        inter_link=args.inter_link, devices_per_node=args.devices_per_node, transforms=args.transform,
+        grad_bucket_bytes=_bucket_bytes(args.bucket_mib),
         overlap_chunks=args.overlap_chunks, progress=progress,
     )
     written = atomic_write_files(out, plan_files(res))

@@ -42,9 +42,17 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import psutil
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from engine.errors import TesselError
+from runtime.node_placement import (
+    NodePlacementError,
+    alive_nodes,
+    bundle_label_selectors,
+    node_of_devices,
+    nodes_of_ranks,
+    rank_node_table,
+)
 from runtime.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -148,6 +156,36 @@ def choose_backend(world_size: int, device: str = "auto") -> Backend:
     return Backend("gloo", False)
 
 
+def _answer() -> bool:
+    return True
+
+
+def lost_nodes(rank_nodes: Sequence[dict[str, Any]], *, timeout: float = 10.0) -> list[int]:
+    """Of the nodes ranks were placed on (:func:`runtime.node_placement.rank_node_table` rows),
+    the indices of those that Ray reports dead or that do not run a tiny task pinned to them
+    within ``timeout`` seconds (a raylet that died before the cluster noticed). Empty where the
+    ranks were not placed by node."""
+    nodes = nodes_of_ranks(rank_nodes)
+    if not nodes or not ray.is_initialized():
+        return []
+    alive = {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
+    lost = [k for k, (nid, _, _) in nodes.items() if nid not in alive]
+    probe = ray.remote(_answer)
+    refs = {probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(): k
+            for k, (nid, _, _) in nodes.items() if nid in alive}
+    if refs:
+        ready, waiting = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception:   # the node died while the task was placed there
+                lost.append(refs[ref])
+        for ref in waiting:
+            lost.append(refs[ref])
+            ray.cancel(ref, force=True)
+    return sorted(lost)
+
+
 def _node_rendezvous() -> tuple[str, int]:
     """(IP of this node, a free port on it), run inside rank 0's bundle."""
     ip = ray.util.get_node_ip_address()
@@ -170,6 +208,9 @@ class ActorPool:
     backend: Backend
     master_addr: str
     master_port: int
+    rank_nodes: list[dict[str, Any]] = field(default_factory=list)
+    """Per rank: its device id and, where ranks are placed by node, the node's index in the plan
+    and its address (:func:`runtime.node_placement.rank_node_table`)."""
     _killed: bool = field(default=False, repr=False)
 
     @property
@@ -200,14 +241,18 @@ class ActorPool:
             pass
 
 
-def reserve(world_size: int, backend: Backend, *, timeout: float = 60.0):
-    """Create a ``"PACK"`` placement group with one :meth:`Backend.bundle` per rank and wait for it.
+def reserve(world_size: int, backend: Backend, *, timeout: float = 60.0,
+            selectors: Sequence[dict[str, str]] | None = None):
+    """Create a ``"PACK"`` placement group with one :meth:`Backend.bundle` per rank and wait for it;
+    ``selectors``: per bundle, the node labels it must land on
+    (:func:`runtime.node_placement.bundle_label_selectors`).
 
     Raises:
         ClusterError: not ready within ``timeout`` seconds (the cluster cannot host the bundles);
             the group is removed again.
     """
-    pg = placement_group([backend.bundle() for _ in range(world_size)], strategy="PACK", name="")
+    pinned = {"bundle_label_selector": list(selectors)} if selectors else {}
+    pg = placement_group([backend.bundle() for _ in range(world_size)], strategy="PACK", name="", **pinned)
     ready, _ = ray.wait([pg.ready()], timeout=timeout)
     if not ready:
         remove_placement_group(pg)
@@ -268,7 +313,8 @@ def _bundle_nodes(pg) -> dict[int, Any]:
 
 
 def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_rank, *,
-                  timeout: float = 60.0, device_of: Sequence[int] | None = None) -> ActorPool:
+                  timeout: float = 60.0, device_of: Sequence[int] | None = None,
+                  devices_per_node: int | None = None) -> ActorPool:
     """Reserve the placement group and start one ``worker_cls`` actor per rank.
 
     Args:
@@ -279,16 +325,35 @@ def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_
         timeout: seconds for the placement group and the rendezvous task.
         device_of: per rank its device id (``engine.layout.world_devices``); rank ``r`` runs in
             the bundle ``rank_bundles(...)[r]`` (:func:`rank_bundles`). Default: rank ``r`` is device ``r``.
+        devices_per_node: the plan's devices per node, given to place ranks by node on a cluster:
+            device ``i`` on the ``i // devices_per_node``-th alive node, each bundle pinned there
+            (:mod:`runtime.node_placement`); ``None``: the bundles are packed wherever they fit.
 
     Returns:
-        the pool; actors are created asynchronously (their constructors run when first called).
+        the pool (``rank_nodes``: per rank its device and node); actors are created
+        asynchronously (their constructors run when first called).
 
     Raises:
-        ClusterError: resources cannot be reserved (nothing is left behind).
+        ClusterError: resources cannot be reserved, or the plan spans more nodes (or more devices
+            on a node) than the cluster has (nothing is left behind).
     """
-    pg = reserve(world_size, backend, timeout=timeout)
+    devices = list(device_of) if device_of is not None else list(range(world_size))
+    device_nodes = None
+    if devices_per_node is not None:
+        try:
+            device_nodes = node_of_devices(world_size, devices_per_node, alive_nodes(ray.nodes()),
+                                           use_gpu=backend.use_gpu)
+        except NodePlacementError as e:
+            raise ClusterError(str(e)) from e
+    pg = reserve(world_size, backend, timeout=timeout,
+                 selectors=bundle_label_selectors(device_nodes) if device_nodes is not None else None)
     try:
-        bundles = rank_bundles(world_size, _bundle_nodes(pg), device_of)
+        if device_nodes is not None:   # bundle i is device i, on its node
+            if sorted(devices) != list(range(world_size)):
+                raise ClusterError(f"the ranks' device ids {devices} are not a permutation of 0..{world_size - 1}")
+            bundles = devices
+        else:
+            bundles = rank_bundles(world_size, _bundle_nodes(pg), device_of)
         addr, port = rendezvous_address(pg, timeout=timeout, bundle=bundles[0])
         remote_cls: Any = worker_cls if hasattr(worker_cls, "remote") else ray.remote(worker_cls)
         actors = []
@@ -300,12 +365,13 @@ def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_
     except BaseException:
         remove_placement_group(pg)
         raise
-    return ActorPool(actors, pg, backend, addr, port)
+    return ActorPool(actors, pg, backend, addr, port, rank_nodes=rank_node_table(devices, device_nodes))
 
 
 def start_actors(worker_cls: type, world_size: int, device: str, make_args: Callable[[Backend], Any], *,
                  step_timeout: float, error: Callable[..., Exception],
-                 device_of: Sequence[int] | None = None) -> tuple[ActorPool, Backend]:
+                 device_of: Sequence[int] | None = None,
+                 devices_per_node: int | None = None) -> tuple[ActorPool, Backend]:
     """Both launchers' start: :func:`choose_backend`, then :func:`create_actors` with a timeout of
     ``max(step_timeout, 60)`` seconds.
 
@@ -317,13 +383,16 @@ def start_actors(worker_cls: type, world_size: int, device: str, make_args: Call
         step_timeout: the launch's per-call timeout, seconds.
         error: the launcher's error class, called as ``error(message, kind="cluster")``.
         device_of: per rank its device id (as in :func:`create_actors`; passed only when given).
+        devices_per_node: place the ranks by node (as in :func:`create_actors`).
 
     Raises:
         the ``error``: a :class:`ClusterError` (no fitting cluster, resources not reserved), chained.
     """
     try:
         backend = choose_backend(world_size, device)
-        placed = {"device_of": device_of} if device_of is not None else {}
+        placed: dict[str, Any] = {"device_of": device_of} if device_of is not None else {}
+        if devices_per_node is not None:
+            placed["devices_per_node"] = devices_per_node
         pool = create_actors(worker_cls, world_size, backend, make_args(backend), timeout=max(step_timeout, 60.0),
                              **placed)
     except ClusterError as e:
@@ -363,4 +432,5 @@ def _is_ray_process(p) -> bool:
 
 
 __all__ = ["Backend", "ActorPool", "ClusterError", "TINY_CPU", "init_ray", "choose_backend", "free_port",
-           "reserve", "rendezvous_address", "rank_bundles", "create_actors", "start_actors", "shutdown_ray"]
+           "reserve", "rendezvous_address", "rank_bundles", "create_actors", "start_actors", "shutdown_ray",
+           "lost_nodes"]

@@ -63,6 +63,9 @@ class LaunchResult:
         units_per_second: units / second, measured like ``tokens_per_second``.
         predicted_units_per_second: units / second the plan predicts
             (:func:`runtime.launcher.predicted_rate`), or ``None`` when the plan holds no prediction.
+        rank_nodes: per world rank ``{"rank", "device", "node", "address"}``: its device id and,
+            where the launch placed ranks by node (a cluster, ``--address``), the node's index in
+            the plan and its address (``None`` otherwise); also in the measured trace's metadata.
     """
 
     steps: int
@@ -98,6 +101,7 @@ class LaunchResult:
     units_per_step: int = 0
     units_per_second: float = 0.0
     predicted_units_per_second: float | None = None
+    rank_nodes: list[dict] = field(default_factory=list)
 
     @property
     def final_loss(self) -> float | None:

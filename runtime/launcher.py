@@ -97,6 +97,7 @@ from runtime import worker as _worker
 from runtime.checkpoint import step_dir_name
 from runtime.config import LaunchConfig, check_optimizer
 from runtime.launch_result import LaunchResult, finish_times, merge_moe_metrics, merge_timeline
+from runtime.node_placement import ranks_by_node_text
 from runtime.runner import LaunchError, LaunchFailure, LaunchInterrupted, Runner, as_plan
 from runtime.session import StepReport, TrainingCallback, TrainingSession, restore_checkpoint, resume_point
 from runtime.stages import check_executable, check_transforms
@@ -171,7 +172,8 @@ def _start_workers(worker_cls: type, plan_dict: dict, ws: int, config: LaunchCon
                    optimizer: str) -> tuple[_cluster.ActorPool, _cluster.Backend]:
     """Choose the backend and start one ``worker_cls`` actor per rank (``runtime.cluster``), world
     rank ``w`` on the bundle of device ``engine.layout.world_devices(...)[w]`` (the plan's layout:
-    tensor groups inside a node).
+    tensor groups inside a node); on a cluster (``config.address``) device ``i`` on the
+    ``i // devices_per_node``-th node (the plan's cost model, :mod:`runtime.node_placement`).
 
     Raises:
         LaunchError: (``kind="cluster"``) the cluster cannot host the plan.
@@ -191,7 +193,10 @@ def _start_workers(worker_cls: type, plan_dict: dict, ws: int, config: LaunchCon
 
     par = plan_dict["parallel"]
     devices = world_devices(par.get("tp", 1), par.get("dp", 1), par.get("pp", 1), par.get("layout", LEGACY))
-    placed = {"device_of": devices} if devices != list(range(ws)) else {}   # default: rank r on device r
+    # default: rank r on device r
+    placed: dict[str, Any] = {"device_of": devices} if devices != list(range(ws)) else {}
+    if config.address is not None:   # a cluster: each rank on the node the plan put its device on
+        placed["devices_per_node"] = int((plan_dict.get("cost") or {}).get("devices_per_node") or ws)
     return _cluster.start_actors(worker_cls, ws, config.device, make_args, step_timeout=config.step_timeout,
                                  error=LaunchError, **placed)
 
@@ -314,7 +319,7 @@ def predicted_rate(plan: Plan, metrics: dict | None, *, unit: str, units_per_ste
 
 
 def _measure(plan: Plan, loop: _Loop, *, ws: int, pp: int, steps: int, backend: str, trace_path: Any,
-             unit: str, units_per_step: int) -> dict:
+             unit: str, units_per_step: int, rank_nodes: list[dict] | None = None) -> dict:
     """The measured and predicted timelines' figures for :class:`LaunchResult` (and the trace); the
     prediction is ``engine.plan.metrics.predict``'s, the one every command prints."""
     timelines = [merge_timeline(r, pp) for r in loop.recent]
@@ -323,7 +328,7 @@ def _measure(plan: Plan, loop: _Loop, *, ws: int, pp: int, steps: int, backend: 
     if timeline is not None and trace_path is not None:
         trace_paths["measured"] = str(write_trace(timeline, os.fspath(trace_path), metadata={
             "schedule": plan.schedule.name, "backend": backend, "step": steps - 1,
-            "world_size": ws, "measured": True}))
+            "world_size": ws, "measured": True, "rank_nodes": rank_nodes or []}))
     predicted: Any = None
     metrics: dict | None = None
     try:
@@ -416,6 +421,8 @@ def launch(
     try:
         owned = _cluster.init_ray(config.address)
         pool, backend = _start_workers(worker_cls, plan.to_dict(), ws, config, optimizer)
+        if any(row["node"] is not None for row in pool.rank_nodes):
+            logger.warning("%s", ranks_by_node_text(pool.rank_nodes))
         runner = Runner(pool)
         runner.checkpoint = last_ck
         slow = max(config.step_timeout, 60.0)
@@ -440,7 +447,7 @@ def launch(
         _end(callbacks)
         per_step = session.step_units[-1] if session.step_units else 0
         measured = _measure(plan, loop, ws=ws, pp=pp, steps=steps, backend=backend.name, trace_path=config.trace_path,
-                            unit=session.unit, units_per_step=per_step)
+                            unit=session.unit, units_per_step=per_step, rank_nodes=pool.rank_nodes)
         clean = True
         skip = 1 if len(session.step_times) > 1 else 0   # the first step warms up
         timed, units = session.step_times[skip:], session.step_units[skip:]
@@ -454,7 +461,7 @@ def launch(
             checkpoint=runner.checkpoint, backend=backend.name, optimizer=optimizer, world_size=ws, dp=dp, pp=pp,
             elapsed=time.perf_counter() - t_start, setup_time=setup_time, moe=loop.moe,
             memory_baseline=[int(i.get("memory_baseline", 0) or 0) if isinstance(i, dict) else 0 for i in infos],
-            **measured)
+            rank_nodes=pool.rank_nodes, **measured)
     finally:
         if started:
             _end(callbacks)

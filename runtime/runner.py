@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.errors import CrossoverError, RunError, TesselError
 from engine.io import Plan, load_plan
+from runtime.node_placement import nodes_of_ranks
 
 if TYPE_CHECKING:  # pragma: no cover
     from runtime.cluster import ActorPool
@@ -47,7 +48,8 @@ class LaunchError(TesselError):
         rank: the failing rank (world rank), or ``None`` when not rank-specific.
         step: the step being run, or ``None``.
         instruction: the instruction the rank was executing (from its exception), or ``None``.
-        kind: ``"raised"``, ``"died"``, ``"hung"``, ``"checkpoint"`` (a :class:`LaunchFailure`),
+        kind: ``"raised"``, ``"died"``, ``"hung"``, ``"node lost"`` (a cluster node the ranks were placed on
+            died or stopped answering), ``"checkpoint"`` (a :class:`LaunchFailure`),
             ``"setup"`` (a refused setting, or a :class:`LaunchFailure` when a rank failed in its
             ``setup()``) or ``"cluster"``.
         checkpoint: the last complete checkpoint directory (kept), or ``None``.
@@ -180,6 +182,11 @@ def _is_comm_error(text: str) -> bool:
     return any(w in t for w in _COMM_WORDS)
 
 
+def _where(step: int | None, what: str) -> str:
+    """``"step 3"``, ``"checkpoint at step 3"`` or ``"setup"``."""
+    return f"step {step}" if what == "step" else (f"{what} at step {step}" if step is not None else what)
+
+
 class Runner:
     """Calls a method on ranks and turns failures into :class:`LaunchFailure`."""
 
@@ -216,11 +223,15 @@ class Runner:
                     if not failures:
                         deadline = min(deadline, time.monotonic() + self.grace)
                     failures.append((r, e))
+        if failures or pending:
+            lost = self._node_loss(step, what)
+            if lost is not None:
+                raise lost
         if failures:
             raise self._failure_error(failures, step, what)
         if pending:
             hung = sorted(pending.values())
-            where = f"step {step}" if what == "step" else (f"{what} at step {step}" if step is not None else what)
+            where = _where(step, what)
             raise LaunchFailure(
                 f"rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} gave no result for {where} "
                 f"within {timeout:g} s (hung, or waiting on a peer that hung){self._ck_note()}",
@@ -229,6 +240,27 @@ class Runner:
 
     def _ck_note(self) -> str:
         return f"; the last checkpoint {self.checkpoint} is kept" if self.checkpoint else ""
+
+    def _node_loss(self, step: int | None, what: str) -> LaunchFailure | None:
+        """Where ranks were placed by node (a cluster launch) and a node is lost (dead, or not
+        answering a pinned task: :func:`runtime.cluster.lost_nodes`), the failure that names it and
+        the ranks that ran there (``kind="node lost"``); else ``None``."""
+        rows = getattr(self.pool, "rank_nodes", None) or []
+        if not any(row.get("node") is not None for row in rows):
+            return None
+        from runtime.cluster import lost_nodes
+
+        lost = lost_nodes(rows)
+        if not lost:
+            return None
+        nodes = nodes_of_ranks(rows)
+        k = lost[0]
+        _, addr, ranks = nodes[k]
+        others = f"; node(s) {', '.join(map(str, lost[1:]))} too" if len(lost) > 1 else ""
+        return LaunchFailure(
+            f"node {k} ({addr}) was lost during {_where(step, what)}: rank{'s' if len(ranks) > 1 else ''} "
+            f"{', '.join(map(str, ranks))} ran there (its Ray node died or stopped answering){others}"
+            f"{self._ck_note()}", rank=ranks[0], step=step, kind="node lost", checkpoint=self.checkpoint)
 
     def _failure_error(self, failures: list[tuple[int, BaseException]], step: int | None,
                        what: str) -> LaunchFailure:
@@ -243,7 +275,7 @@ class Runner:
             return (2, r)
 
         r, kind, instr, text = min(described, key=priority)
-        where = f"step {step}" if what == "step" else (f"{what} at step {step}" if step is not None else what)
+        where = _where(step, what)
         if kind == "died":
             head = f"rank {r} died during {where} (its actor process exited: {text})"
         else:

@@ -163,6 +163,8 @@ def make_plan(
     cost: CostModel | None = None,
     profile: bool = False,
     link: str | None = None,
+    inter_link: str | None = None,
+    devices_per_node: int = 8,
     transforms: str | Sequence[str] | None = None,
     grad_bucket_bytes: int = DEFAULT_GRAD_BUCKET_BYTES,
     overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS,
@@ -206,6 +208,11 @@ def make_plan(
             ``infiniband``, ``emulated:1gbit`` for the emulated network, ``10gbit@5us``); ``None``:
             the device's defaults (NVLink within a node and InfiniBand across for GPUs, loopback
             for ``cpu``).
+        inter_link: the link between nodes, in the same spellings; ``None``: ``link`` (or the
+            device's default when that is ``None`` too).
+        devices_per_node: devices on one node; device ``i`` is on node ``i // devices_per_node``
+            (:mod:`engine.layout`), which decides the link between two ranks and, on a Ray
+            cluster, the node ``tessel launch --address`` runs each rank on.
         profile: time every distinct op of the captured graph on this machine (cached, see
             :func:`engine.cost.profile_ops`) and use the measured times; ``device_type`` should then
             describe this machine (``cpu`` here).
@@ -251,7 +258,7 @@ def make_plan(
     say("transform")
     if cost is None:
         cost = _cost_model(captured.graph, device_type, link=link, profile=profile, dtype=compute, say=say,
-                           warnings=captured.warnings)
+                           warnings=captured.warnings, inter_link=inter_link, devices_per_node=devices_per_node)
     timings["transform"] = time.perf_counter() - t0
     res = plan_from_capture(captured, config, cost, schedule, memory_limit=memory_limit,
                             stage_recompute=None if stage_recompute is None else grans, say=say)
@@ -451,7 +458,8 @@ def _checked_split(bundle: ModelBundle, moe_layers: list[MoELayer], config: Para
 
 
 def _cost_model(graph: OpGraph, device_type: str, *, link: str | None, profile: bool, dtype: str,
-                say: Callable[[str], None], warnings: list[str]) -> CostModel:
+                say: Callable[[str], None], warnings: list[str], inter_link: str | None = None,
+                devices_per_node: int = 8) -> CostModel:
     """The cost model of ``device_type`` (``profile``: with the op times measured on this machine,
     a warning appended when this machine is not that kind of device)."""
     table = None
@@ -462,7 +470,8 @@ def _cost_model(graph: OpGraph, device_type: str, *, link: str | None, profile: 
         if (local == "cpu") != (device_type == "cpu"):
             warnings.append(f"op times were measured on this machine ({local}) but --device-type is {device_type}")
         table = profile_ops(ops, device=local)
-    return CostModel.for_device(device_type, link=link, inter_link=link, profile=table, dtype=dtype)
+    return CostModel.for_device(device_type, link=link, inter_link=inter_link or link, profile=table, dtype=dtype,
+                                devices_per_node=devices_per_node)
 
 
 @dataclass

@@ -118,3 +118,19 @@ def test_calibrating_steps_measured_on_shared_cores_recovers_a_ranks_own_speed()
     assert scale(plain)["F"] == pytest.approx(2.0) and scale(plain)["B"] == pytest.approx(2.0)
     assert scale(shared)["F"] == pytest.approx(1.0) and scale(shared)["B"] == pytest.approx(1.0)
     assert shared.predicted_makespan == pytest.approx(shared.measured_makespan, rel=0.05)
+
+
+def test_equal_step_times_rank_the_schedule_without_a_split_backward_first():
+    """Where the work bound decides, 1F1B and ZB-H1 of one layout predict the same step; the one
+    pass per block ranks first (ZB-H1 measured 7-18% slower there on 4 CPU ranks), whatever the
+    peak memory; a real difference in step time still wins."""
+    from engine.tune import candidates
+    from engine.tune.tuner import TuneRow, _rank_key
+
+    space = TuneSpace(**{**SPACE, "schedules": ("1f1b", "zb-h1")})
+    by_schedule = {c.schedule: c for c in candidates(space) if c.pp == 2}
+    zb = TuneRow(by_schedule["zb-h1"], "ok", step_time=0.1, peak_memory=1.0)
+    plain = TuneRow(by_schedule["1f1b"], "ok", step_time=0.1 * (1 + 1e-14), peak_memory=2.0)
+    assert sorted([zb, plain], key=_rank_key)[0] is plain
+    faster = TuneRow(by_schedule["zb-h1"], "ok", step_time=0.099, peak_memory=1.0)
+    assert sorted([faster, plain], key=_rank_key)[0] is faster
