@@ -87,8 +87,10 @@ class EmulatedCluster:
         return f"{self.addresses[0]}:{_RAY_PORT}"
 
     def env(self) -> dict[str, str]:
-        """What processes on a node need: gloo on the inter-node interface, Ray quiet about tokens."""
-        return {"GLOO_SOCKET_IFNAME": INTERFACE, "RAY_USAGE_STATS_ENABLED": "0"}
+        """What processes on a node need: gloo on the inter-node interface; Ray's token
+        authentication off (the nodes' addresses exist only inside the namespaces, and ``ray
+        start --address`` would otherwise need the head's token)."""
+        return {"GLOO_SOCKET_IFNAME": INTERFACE, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 
 def node_pids(namespace: str) -> list[int]:

@@ -137,6 +137,7 @@ def test_a_lost_node_ends_the_launch_naming_it_and_resume_continues_exactly(tmp_
         last = err.strip().splitlines()[-1]
         assert f"node 1 ({cluster.addresses[1]}) was lost during step" in last and "rank 1 ran there" in last, last
         assert took < 30, f"the launch took {took:.1f} s to end after the node was lost"
+        print(f"\nnode lost: the launch ended {took:.1f} s later, exit {proc.returncode}: {last}")
         kept = ck.list_checkpoints(ckdir)
         assert kept and kept[-1].name in ("step_000002", "step_000004")
         ck.load_checkpoint(kept[-1])   # verified on load: intact
