@@ -38,6 +38,7 @@ checkpoint for another plan raises :class:`CheckpointError` naming both hashes.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -307,8 +308,23 @@ def _read_meta(p: Path) -> dict:
 
 
 def _torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path``, flushed and synced.
+
+    Raises:
+        OSError: the file cannot be written. torch reports a failed write inside its zip writer
+            (a full disk: "[enforce fail at inline_container.cc:...] PytorchStreamWriter failed
+            writing file ...") as a ``RuntimeError`` without an errno; that becomes ``ENOSPC`` when
+            the folder's file system has no space left, else ``EIO``.
+    """
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        try:
+            torch.save(obj, f)
+        except RuntimeError as e:
+            if "PytorchStreamWriter" not in str(e) and "inline_container" not in str(e):
+                raise
+            full = shutil.disk_usage(path.parent).free < (1 << 20)
+            code = errno.ENOSPC if full else errno.EIO
+            raise OSError(code, os.strerror(code), str(path)) from e
         f.flush()
         os.fsync(f.fileno())
 
