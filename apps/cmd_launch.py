@@ -183,14 +183,15 @@ def _stdout_for_json(args: argparse.Namespace) -> Iterator[None]:
         yield
 
 
-def resume_command(args: argparse.Namespace, checkpoint_dir: Path) -> str:
+def resume_command(args: argparse.Namespace, checkpoint_dir: Path | None) -> str:
     """The shell command that resumes an interrupted ``tessel launch`` with the same options
-    (those given at a value other than their default) from ``checkpoint_dir``."""
+    (those given at a value other than their default) from ``checkpoint_dir`` (``None``: the
+    default folders, as a co-located launch without ``--checkpoint-dir`` uses)."""
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)
     defaults = vars(parser.parse_args(["plan.json"]))
-    words = ["tessel", "launch", *map(str, args.plan), "--resume", "--checkpoint-dir", str(checkpoint_dir),
-             "--steps", str(args.steps)]
+    where = ["--checkpoint-dir", str(checkpoint_dir)] if checkpoint_dir is not None else []
+    words = ["tessel", "launch", *map(str, args.plan), "--resume", *where, "--steps", str(args.steps)]
     for dest, default in defaults.items():
         value = getattr(args, dest, default)
         if dest in ("plan", "resume", "checkpoint_dir", "steps") or value == default:
@@ -202,7 +203,7 @@ def resume_command(args: argparse.Namespace, checkpoint_dir: Path) -> str:
     return shlex.join(words)
 
 
-def _say_interrupted(args: argparse.Namespace, e, checkpoint_dir: Path) -> None:
+def _say_interrupted(args: argparse.Namespace, e, checkpoint_dir: Path | None) -> None:
     """Tell (stderr) where an interrupted launch's checkpoint is and the exact command resuming it."""
     print(f"tessel launch: {e}", file=sys.stderr)
     if e.checkpoint:
@@ -328,7 +329,11 @@ def run_crossover(args: argparse.Namespace, mode: str) -> dict:
     with _stdout_for_json(args):
         from apps.launch_progress import LineProgress
 
-        res = launch_crossover(plans, config, callbacks=[LineProgress()] if _show_progress(args) else [])
+        try:
+            res = launch_crossover(plans, config, callbacks=[LineProgress()] if _show_progress(args) else [])
+        except LaunchInterrupted as e:   # each job's last step checkpointed; exit status 130
+            _say_interrupted(args, e, Path(args.checkpoint_dir) if args.checkpoint_dir else None)
+            raise
     out = report_crossover(res, _predict(plans, mode, args.steps))
     if res.timeline is not None:
         trace = Path(args.trace) if args.trace else paths[0].parent / "crossover.measured.json"

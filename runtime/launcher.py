@@ -74,15 +74,12 @@ Sources: Ray placement groups and actor fault tolerance (https://docs.ray.io/en/
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Sequence, cast
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -96,6 +93,7 @@ from runtime import cluster as _cluster
 from runtime import worker as _worker
 from runtime.checkpoint import step_dir_name
 from runtime.config import LaunchConfig, check_optimizer
+from runtime.interrupt import StopRequest, stop_on_sigint
 from runtime.launch_result import LaunchResult, finish_times, merge_moe_metrics, merge_timeline
 from runtime.node_placement import ranks_by_node_text
 from runtime.runner import LaunchError, LaunchFailure, LaunchInterrupted, Runner, as_plan
@@ -210,38 +208,6 @@ class _Loop:
     recent: list[list[dict]] = field(default_factory=list)  # the ranks' results of the last keep_timelines steps
 
 
-class _StopRequest:
-    """Whether a SIGINT asked the step loop to stop after the current step."""
-
-    requested: bool = False
-
-
-@contextlib.contextmanager
-def _stop_on_sigint() -> Iterator[_StopRequest]:
-    """While the block runs, the first SIGINT only sets the returned request; a second one raises
-    ``KeyboardInterrupt`` at once. Outside the main thread, or
-    where SIGINT is ignored or handled by someone else than Python's default, nothing is installed
-    (the request then never gets set)."""
-    stop = _StopRequest()
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield stop
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        # no I/O here: the main thread may be inside a write to the same stream (a reentrant write
-        # raises); the loop tells the callbacks once the step is done
-        if stop.requested:
-            raise KeyboardInterrupt
-        stop.requested = True
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def _interrupted(session: TrainingSession, done: int) -> LaunchInterrupted:
     """The :class:`LaunchInterrupted` after ``done`` completed steps, their checkpoint written first
     (unless the cadence just wrote it, or the session has no checkpoint folder)."""
@@ -258,7 +224,7 @@ def _interrupted(session: TrainingSession, done: int) -> LaunchInterrupted:
 
 
 def _train(session: TrainingSession, callbacks: Sequence[TrainingCallback], *, dp: int, keep_timelines: int,
-           stop: _StopRequest | None = None) -> _Loop:
+           stop: StopRequest | None = None) -> _Loop:
     """Run the session's steps, reporting each to ``callbacks``, evaluating and checkpointing.
 
     Raises:
@@ -441,7 +407,7 @@ def launch(
         for cb in callbacks:
             cb.on_start(start_step=session.start_step, steps=steps)
         started = True
-        with _stop_on_sigint() as stop:
+        with stop_on_sigint() as stop:
             loop = _train(session, callbacks, dp=dp, keep_timelines=config.keep_timelines, stop=stop)
         started = False
         _end(callbacks)

@@ -73,7 +73,16 @@ from runtime.crossover.actor import CrossoverActor
 from runtime.crossover.result import CrossoverJobResult, CrossoverResult, job_label, job_timeline, run_timeline
 from runtime.crossover.token import TokenInterval
 from runtime.data import ByteCorpus
-from runtime.runner import CrossoverLaunchError, CrossoverLaunchFailure, LaunchError, LaunchFailure, Runner, as_plan
+from runtime.interrupt import StopRequest, stop_on_sigint
+from runtime.runner import (
+    CrossoverLaunchError,
+    CrossoverLaunchFailure,
+    LaunchError,
+    LaunchFailure,
+    LaunchInterrupted,
+    Runner,
+    as_plan,
+)
 from runtime.session import StepReport, TrainingCallback, TrainingSession, restore_checkpoint, resume_point
 from runtime.stages import check_executable
 
@@ -263,8 +272,10 @@ def _job_session(j: int, js: _Jobs, job: CrossoverJobResult, runner: Runner, ck:
 
 
 def _run_job(session: TrainingSession, job: CrossoverJobResult, phase: _TimedPhase, warmup_steps: int,
-             callbacks: Sequence[TrainingCallback]) -> None:
-    """Job ``session.job``'s step loop (in its driver thread); failures are recorded in ``job``."""
+             callbacks: Sequence[TrainingCallback], stop: StopRequest | None = None) -> None:
+    """Job ``session.job``'s step loop (in its driver thread); failures are recorded in ``job``.
+    When ``stop`` is requested (Ctrl-C) the loop ends after the current step, whose checkpoint is
+    written first (unless the cadence just wrote it); ``job.interrupted_at`` records the steps done."""
     j = job.index
     began = False
     try:
@@ -291,6 +302,14 @@ def _run_job(session: TrainingSession, job: CrossoverJobResult, phase: _TimedPha
             for cb in callbacks:
                 cb.on_step(report)
             session.after_step(step + 1)
+            if stop is not None and stop.requested and step + 1 < job.steps:
+                done = step + 1
+                path = session.checkpoint
+                written = path is not None and Path(path).name == _ckpt.step_dir_name(done)
+                if session.checkpoint_dir is not None and not written:
+                    session.save(done)
+                job.interrupted_at = done
+                break
     except LaunchError as e:
         job.error, job.failed_rank, job.failed_step, job.kind = str(e), e.rank, e.step, e.kind
     except Exception as e:  # noqa: BLE001 - checkpoint I/O, Ray errors outside a call: the job's error
@@ -304,6 +323,20 @@ def _run_job(session: TrainingSession, job: CrossoverJobResult, phase: _TimedPha
         if job.error is not None:
             # INFO: the failure is also raised (or returned in the result), where the caller reports it
             logger.info("job %d (%s) failed: %s", j, job.name, job.error)
+
+
+def _interrupted(jobs: Sequence[CrossoverJobResult]) -> LaunchInterrupted:
+    """The :class:`LaunchInterrupted` of a co-located launch stopped by Ctrl-C: each job's steps
+    done and its checkpoint (the first job's is the one ``--resume`` names first)."""
+    parts = []
+    for j in jobs:
+        done = j.interrupted_at if j.interrupted_at is not None else (j.start_step + len(j.losses))
+        where = f"checkpoint {j.checkpoint}" if j.checkpoint else "no checkpoint"
+        parts.append(f"job {j.index} ({j.name}) after {done} of {j.steps} steps, {where}")
+    first = jobs[0]
+    done0 = first.interrupted_at if first.interrupted_at is not None else first.start_step + len(first.losses)
+    return LaunchInterrupted("co-located launch interrupted: " + "; ".join(parts),
+                             checkpoint=first.checkpoint, steps_done=done0, steps=first.steps)
 
 
 def _token_records(pool: _cluster.ActorPool) -> tuple[list[TokenInterval], list[int]]:
@@ -422,17 +455,23 @@ def launch_crossover(
             runner = Runner(pool)
             runner.checkpoint = jobs[j].checkpoint
             sessions.append(_job_session(j, js, jobs[j], runner, cks[j], config, backend.name))
-        run_args = [(sessions[j], jobs[j], phase, config.warmup_steps, callbacks) for j in range(js.n)]
-        if concurrent:
-            threads = [threading.Thread(target=_run_job, args=run_args[j], name=f"tessel-crossover-job{j}",
-                                        daemon=True) for j in range(js.n)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        else:
-            for j in range(js.n):
-                _run_job(*run_args[j])
+        with stop_on_sigint() as stop:
+            run_args = [(sessions[j], jobs[j], phase, config.warmup_steps, callbacks, stop) for j in range(js.n)]
+            if concurrent:
+                threads = [threading.Thread(target=_run_job, args=run_args[j], name=f"tessel-crossover-job{j}",
+                                            daemon=True) for j in range(js.n)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            else:
+                for j in range(js.n):
+                    if stop.requested:   # sequential: a job not yet started is not started
+                        break
+                    _run_job(*run_args[j])
+        if stop.requested:
+            clean = all(j.error is None for j in jobs)
+            raise _interrupted(jobs)
         total_tokens, wall, origin = _throughput(jobs, concurrent, phase.starts, t_start)
         intervals, max_holders = _token_records(pool)
         result = CrossoverResult(

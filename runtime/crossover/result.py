@@ -41,6 +41,7 @@ class CrossoverJobResult:
         checkpoint: its newest checkpoint directory, or ``None``.
         error: why it failed (one sentence naming the rank), or ``None``; ``failed_rank``,
             ``failed_step``, ``kind`` as in :class:`runtime.launcher.LaunchError`.
+        interrupted_at: the steps done when Ctrl-C stopped it (its checkpoint written), or ``None``.
         timeline: the measured Timeline of its last step over all devices (``rank`` = device), or ``None``.
         optimizer, dp: the workers' optimizer and the job's data-parallel degree.
         label: its short label on the run's timeline (``A``, ``B``, ...; :func:`job_label`).
@@ -64,6 +65,7 @@ class CrossoverJobResult:
     failed_rank: int | None = None
     failed_step: int | None = None
     kind: str | None = None
+    interrupted_at: int | None = None
     timeline: Timeline | None = None
     optimizer: str = "adam"
     dp: int = 1
