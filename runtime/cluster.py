@@ -86,12 +86,16 @@ class Backend:
         return {"num_cpus": TINY_CPU, "num_gpus": 1 if self.use_gpu else 0}
 
 
-def init_ray(address: str | None = None) -> bool:
+def init_ray(address: str | None = None, runtime_env: dict | None = None) -> bool:
     """Start an embedded local Ray cluster, or connect to ``address``; reuse an existing connection.
 
     Args:
         address: ``None`` for a local cluster (started with the dashboard off), or a Ray address
             such as ``"auto"`` or ``"ray://head:10001"`` / ``"head:6379"``.
+        runtime_env: the job's Ray runtime environment (e.g. the user's model code,
+            :func:`runtime.user_code.user_code_runtime_env`: Ray uploads local code only at the job
+            level). Not applied when Ray is already initialised in this process: that job's own
+            environment stays (a warning says the code was not shipped).
 
     Returns:
         ``True`` when this call started/connected Ray (the caller must ``ray.shutdown()`` it),
@@ -101,12 +105,17 @@ def init_ray(address: str | None = None) -> bool:
         ClusterError: Ray could not start or the address could not be reached.
     """
     if ray.is_initialized():
+        if runtime_env:
+            log.warning("Ray is already running in this process, so %s is not shipped to the ranks; they import "
+                        "it as this job's runtime_env allows", runtime_env)
         return False
     kw: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING", "log_to_driver": True}
+    if runtime_env:
+        kw["runtime_env"] = runtime_env
     try:
         if address:
             # ray annotates logging_level as int, but its own default is the string "info"
-            ray.init(address=address, logging_level="WARNING")  # type: ignore[arg-type]
+            ray.init(address=address, logging_level="WARNING", runtime_env=runtime_env)  # type: ignore[arg-type]
         else:
             # a local cluster bound to this machine: Ray's notice that it generated an
             # authentication token is not something the user can act on, and it is the one

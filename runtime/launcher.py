@@ -99,6 +99,7 @@ from runtime.node_placement import ranks_by_node_text
 from runtime.runner import LaunchError, LaunchFailure, LaunchInterrupted, Runner, as_plan
 from runtime.session import StepReport, TrainingCallback, TrainingSession, restore_checkpoint, resume_point
 from runtime.stages import check_executable, check_transforms
+from runtime.user_code import user_code_runtime_env
 from runtime.worker.config import OptimizerName, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -385,7 +386,9 @@ def launch(
     started = False
     clean = False  # True once every step ran: actors get a graceful shutdown() first
     try:
-        owned = _cluster.init_ray(config.address)
+        # the user's model code, to every rank on every node (a job-level runtime_env: Ray uploads
+        # local code only there)
+        owned = _cluster.init_ray(config.address, runtime_env=user_code_runtime_env(plan.model.name))
         pool, backend = _start_workers(worker_cls, plan.to_dict(), ws, config, optimizer)
         if any(row["node"] is not None for row in pool.rank_nodes):
             logger.warning("%s", ranks_by_node_text(pool.rank_nodes))
