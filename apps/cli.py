@@ -13,11 +13,12 @@ and one of these exit statuses (:mod:`engine.errors`):
 * ``0`` success;
 * ``2`` a user mistake: a :class:`~engine.errors.TesselError` (its ``exit_status``), a malformed
   argument (argparse), a file or folder that cannot be read or written (``OSError``: the sentence
-  names the path and the problem), and a ``ValueError`` of library code;
+  names the path and the problem);
 * ``3`` a run failure that is not the user's (:class:`~engine.errors.RunError`: a rank crashed, a
   step timed out, a checkpoint could not be written; a ``TimeoutError`` or ``ConnectionError``),
-  and any unexpected internal error (``internal error: Type: message; rerun with --verbose for the
-  traceback, and report it``);
+  and any unexpected internal error, a plain ``ValueError`` from deeper code included (``internal
+  error: Type: message; rerun with --verbose for the traceback, and report it``): the checks of
+  user values raise :class:`~engine.errors.TesselError` subclasses;
 * ``130`` interrupted (Ctrl-C).
 
 Output whose reader went away (``tessel models | head``) ends quietly with status ``0``: what the
@@ -146,8 +147,9 @@ def error_status(e: BaseException) -> tuple[int, str]:
     """The exit status and the one-line sentence for an exception escaping a command.
 
     TesselError: its ``exit_status`` and message; ``KeyboardInterrupt``: 130; ``TimeoutError`` and
-    ``ConnectionError``: 3 (run failures); other ``OSError``: 2 naming the path; ``ValueError``: 2
-    (library code's checks of user values); anything else: 3, an internal error."""
+    ``ConnectionError``: 3 (run failures); other ``OSError``: 2 naming the path; anything else (a
+    plain ``ValueError`` included: user values are checked with TesselError subclasses): 3, an
+    internal error."""
     if isinstance(e, TesselError):
         return e.exit_status, one_line(str(e)) or type(e).__name__
     if isinstance(e, KeyboardInterrupt):
@@ -156,8 +158,6 @@ def error_status(e: BaseException) -> tuple[int, str]:
         return EXIT_RUN_FAILURE, f"{type(e).__name__}: {one_line(str(e)) or 'no details'}"
     if isinstance(e, OSError):
         return EXIT_USER_ERROR, _os_error_sentence(e)
-    if isinstance(e, ValueError):
-        return EXIT_USER_ERROR, one_line(str(e)) or type(e).__name__
     detail = one_line(str(e))
     return EXIT_RUN_FAILURE, (f"internal error: {type(e).__name__}{': ' + detail if detail else ''}; rerun with "
                               "--verbose for the traceback, and report it")

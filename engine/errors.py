@@ -35,6 +35,10 @@ class RunError(TesselError):
     exit_status: int = EXIT_RUN_FAILURE
 
 
+class UnknownScheduleError(TesselError, ValueError):
+    """A schedule name that is not one of the predefined schedules (:data:`engine.baselines.SCHEDULES`)."""
+
+
 class PlacementError(TesselError, ValueError):
     """A placement is malformed: a device out of range, a cycle, a backward without forward."""
 

@@ -42,13 +42,13 @@ def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a dtype name like ``"float32"``.
 
     Raises:
-        ValueError: the dtype name is unknown.
+        PlacementError: (a ValueError) the dtype name is unknown.
     """
     name = dtype.replace("torch.", "")
     try:
         return _DTYPE_BYTES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(_DTYPE_BYTES))}") from None
+        raise PlacementError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(_DTYPE_BYTES))}") from None
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.errors import ModelArgumentError
 from engine.models.gpt import GPT, GPTConfig, lm_loss
 from engine.models.moe.gpt_moe import GPTMoE, GPTMoEConfig
 from engine.models.moe.layer import MoEFeedForward
@@ -144,11 +145,11 @@ def build_tiny(name: str, **gate_kw) -> nn.Module:
         ValueError: unknown name, or ``gate_kw`` given for the dense model.
     """
     if name not in TINY_MODELS:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(TINY_MODELS)}")
+        raise ModelArgumentError(f"unknown model {name!r}; valid: {', '.join(TINY_MODELS)}")
     gate = TINY_MODELS[name]
     if gate is None:
         if gate_kw:
-            raise ValueError(f"the dense model takes no gate arguments, got {sorted(gate_kw)}")
+            raise ModelArgumentError(f"the dense model takes no gate arguments, got {sorted(gate_kw)}")
         return GPT(dense_tiny_config())
     cfg = GPTMoEConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=256, block_size=128,
                        num_experts=4, gate=gate, gate_kw=dict(gate_kw))
@@ -261,7 +262,7 @@ def train_moe(model: str | nn.Module, steps: int = 300, batch_size: int = 16, se
         runtime.data.DataError: the corpus cannot be built.
     """
     if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+        raise ModelArgumentError(f"steps must be >= 1, got {steps}")
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -271,7 +272,7 @@ def train_moe(model: str | nn.Module, steps: int = 300, batch_size: int = 16, se
             model = build_tiny(model, **gate_kw)
         else:
             if gate_kw:
-                raise ValueError("gate arguments are only accepted with a model name; configure "
+                raise ModelArgumentError("gate arguments are only accepted with a model name; configure "
                                  "the module's gates when building it")
             name = type(model).__name__
         corpus = corpus or ByteCorpus(seq_len=seq_len, seed=seed)

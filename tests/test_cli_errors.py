@@ -339,6 +339,22 @@ def _raise(exc: BaseException):
     return run
 
 
+def test_a_plain_value_error_from_deeper_code_is_an_internal_error(capsys, monkeypatch):
+    """Issue 32's review: a plain ``ValueError`` escaping a command was reported as a user mistake
+    (exit 2). User values are checked with TesselError subclasses (each its own sentence, exit 2),
+    so a plain one is a bug: exit 3 and "report it"."""
+    monkeypatch.setattr(cmd_models, "run", _raise(ValueError("math domain error")))
+    status, err, out = run_cli(capsys, "models", "--json")
+    assert status == 3
+    assert_one_error_line(err, "internal error: ValueError: math domain error", "--verbose", "report it")
+    # a TesselError that is also a ValueError (the checks of user values) stays a user mistake
+    from engine.errors import UnknownScheduleError
+    refused = UnknownScheduleError("unknown schedule 'x'; valid schedules are: 1f1b")
+    monkeypatch.setattr(cmd_models, "run", _raise(refused))
+    status, err, out = run_cli(capsys, "models")
+    assert status == 2 and err[-1] == "tessel models: error: unknown schedule 'x'; valid schedules are: 1f1b"
+
+
 def test_unexpected_internal_error_exits_3_with_the_traceback_only_under_verbose(capsys, monkeypatch):
     monkeypatch.setattr(cmd_models, "run", _raise(ZeroDivisionError("division by zero")))
     status, err, out = run_cli(capsys, "models", "--json")

@@ -19,6 +19,7 @@ from engine.baselines.interleaved import interleaved_1f1b
 from engine.baselines.looped_bfs import looped_bfs
 from engine.baselines.one_f_one_b import one_f_one_b
 from engine.baselines.zero_bubble import interleaved_zero_bubble, zb_h1, zb_v, zbv_placement
+from engine.errors import PlacementError, UnknownScheduleError
 from engine.placement import Placement, pipeline_placement
 from engine.schedule import Schedule
 
@@ -65,7 +66,8 @@ class PlacementRequirements:
         v = self.virtual_stages if virtual_stages is None else virtual_stages
         if self.shape == "v":
             if v != 2:
-                raise ValueError(f"the V placement of ZB-V and DualPipeV has exactly 2 segments per device, not {v}")
+                raise PlacementError(f"the V placement of ZB-V and DualPipeV has exactly 2 segments per device, "
+                                     f"not {v}")
             return zbv_placement(num_devices, **kwargs)
         return pipeline_placement(num_devices, virtual_stages=v, split_backward=self.split_backward, **kwargs)
 
@@ -85,7 +87,7 @@ _REQUIREMENTS: dict[str, PlacementRequirements] = {
 def _lookup(name: str) -> str:
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; valid schedules are: {', '.join(SCHEDULES)}")
+        raise UnknownScheduleError(f"unknown schedule {name!r}; valid schedules are: {', '.join(SCHEDULES)}")
     return key
 
 
@@ -93,7 +95,7 @@ def placement_requirements(name: str) -> PlacementRequirements:
     """The placement the schedule ``name`` needs (virtual stages, split backward, shape).
 
     Raises:
-        ValueError: unknown name; the message lists the valid ones.
+        UnknownScheduleError: (a ValueError) unknown name; the message lists the valid ones.
     """
     return _REQUIREMENTS[_lookup(name)]
 
@@ -102,7 +104,7 @@ def build_schedule(name: str, placement: Placement, m: int) -> Schedule:
     """Build the predefined schedule ``name`` over ``placement`` for ``m`` micro-batches.
 
     Raises:
-        ValueError: unknown name (lists the valid ones).
+        UnknownScheduleError: (a ValueError) unknown name (lists the valid ones).
         ScheduleError: ``m`` not accepted by the schedule (rule ``"micro-batches"``): ``1f1b``
             needs ``m >= num_devices``; ``interleaved``, ``zb-h1`` and ``interleaved-zb`` need
             ``m`` to be a multiple of ``max(1, m // num_devices)`` (PyTorch's rule); ``dualpipev``

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.errors import ModelArgumentError, ModelConfigError
+
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "init_gpt2_weights", "lm_loss"]
 
 
@@ -68,7 +70,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.n_embd % cfg.n_head:
-            raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
+            raise ModelConfigError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
@@ -147,7 +149,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.config.block_size:
-            raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
+            raise ModelArgumentError(f"sequence length {t} > block_size {self.config.block_size}; use a --seq-len "
+                                     f"of at most {self.config.block_size}")
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
         tr = self.transformer  # a ModuleDict: its attributes are typed Tensor | Module
         wte, wpe = cast(nn.Embedding, tr.wte), cast(nn.Embedding, tr.wpe)

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.errors import ModelArgumentError
+
 from .gpt import Block, GPTConfig, init_gpt2_weights
 
 __all__ = ["TwoTowerConfig", "Tower", "ContrastiveHead", "TwoTower"]
@@ -93,7 +95,8 @@ class Tower(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
         if t > self.block_size:
-            raise ValueError(f"sequence length {t} > block_size {self.block_size}")
+            raise ModelArgumentError(f"sequence length {t} > block_size {self.block_size}; use a --seq-len of at "
+                                     f"most {self.block_size}")
         x = self.wte(ids) + self.wpe(torch.arange(t, device=ids.device))
         for block in cast(nn.ModuleList, self.h):
             x = block(x)
@@ -108,7 +111,7 @@ class ContrastiveHead(nn.Module):
     def __init__(self, temperature: float):
         super().__init__()
         if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+            raise ModelArgumentError(f"temperature must be > 0, got {temperature}")
         self.temperature = float(temperature)
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

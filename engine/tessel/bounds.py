@@ -29,6 +29,7 @@ from fractions import Fraction
 import networkx as nx
 import numpy as np
 
+from engine.errors import PlacementError
 from engine.placement import Placement
 
 
@@ -158,7 +159,7 @@ def memory_time_bound(placement: Placement, m: int, memory_limit, *, deadline: f
     n = placement.num_devices
     limits = [float(memory_limit)] * n if isinstance(memory_limit, (int, float)) else [float(x) for x in memory_limit]
     if len(limits) != n:
-        raise ValueError(f"memory_limit has {len(limits)} values for {n} devices")
+        raise PlacementError(f"memory_limit has {len(limits)} values for {n} devices")
     g = placement.dependency_graph()
     blocks = placement.blocks
     every = {i for i, b in enumerate(blocks) if len(b.devices) == n}
@@ -327,7 +328,7 @@ def _limit_list(n: int, memory_limit) -> list[float | None]:
         return [float(memory_limit)] * n
     limits: list[float | None] = [float(x) for x in memory_limit]
     if len(limits) != n:
-        raise ValueError(f"memory_limit has {len(limits)} values for {n} devices")
+        raise PlacementError(f"memory_limit has {len(limits)} values for {n} devices")
     return limits
 
 

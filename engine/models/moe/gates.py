@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.errors import ModelArgumentError
+
 __all__ = ["GateOutput", "BaseGate", "SwitchGate", "Top2Gate", "DTSGate", "dts_temperature",
            "load_balancing_loss", "make_gate", "GATES"]
 
@@ -76,16 +78,16 @@ def dts_temperature(step: int, tau_max: float = 2.0, tau_min: float = 0.5, D: in
         ValueError: unknown ``kind``, ``D < 1``, ``step < 0`` or non-positive temperatures.
     """
     if D < 1:
-        raise ValueError(f"D (annealing updates) must be >= 1, got {D}")
+        raise ModelArgumentError(f"D (annealing updates) must be >= 1, got {D}")
     if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+        raise ModelArgumentError(f"step must be >= 0, got {step}")
     if tau_min <= 0 or tau_max <= 0:
-        raise ValueError(f"temperatures must be positive, got tau_max={tau_max}, tau_min={tau_min}")
+        raise ModelArgumentError(f"temperatures must be positive, got tau_max={tau_max}, tau_min={tau_min}")
     if kind == "linear":
         return max(tau_max - step * (tau_max - tau_min) / D, tau_min)
     if kind == "exponential":
         return tau_max * (tau_min / tau_max) ** (min(step, D) / D)
-    raise ValueError(f"unknown temperature schedule {kind!r}; use 'linear' or 'exponential'")
+    raise ModelArgumentError(f"unknown temperature schedule {kind!r}; use 'linear' or 'exponential'")
 
 
 def load_balancing_loss(probs: torch.Tensor, top1_mask: torch.Tensor) -> torch.Tensor:
@@ -151,7 +153,7 @@ class BaseGate(nn.Module):
     def __init__(self, hidden: int, num_experts: int, aux_weight: float = 0.01):
         super().__init__()
         if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+            raise ModelArgumentError(f"num_experts must be >= 1, got {num_experts}")
         self.num_experts = num_experts
         self.aux_weight = aux_weight
         self.w_gate = nn.Linear(hidden, num_experts, bias=False)
@@ -237,9 +239,9 @@ class Top2Gate(BaseGate):
                  aux_weight: float = 0.01, second_policy: str = "all"):
         super().__init__(hidden, num_experts, aux_weight)
         if num_experts < 2:
-            raise ValueError("Top2Gate needs at least 2 experts")
+            raise ModelArgumentError("Top2Gate needs at least 2 experts")
         if second_policy not in ("all", "random"):
-            raise ValueError(f"second_policy must be 'all' or 'random', got {second_policy!r}")
+            raise ModelArgumentError(f"second_policy must be 'all' or 'random', got {second_policy!r}")
         self.capacity_factor = capacity_factor
         self.second_policy = second_policy
 
@@ -307,7 +309,7 @@ class DTSGate(BaseGate):
         super().__init__(hidden, num_experts, aux_weight)
         dts_temperature(0, tau_max, tau_min, D, kind)  # validate arguments
         if H < 0:
-            raise ValueError(f"H must be >= 0, got {H}")
+            raise ModelArgumentError(f"H must be >= 0, got {H}")
         self.tau_max, self.tau_min, self.D, self.H, self.kind = tau_max, tau_min, D, H, kind
         self.threshold = threshold
         self.sparse_capacity_factor = sparse_capacity_factor
@@ -369,5 +371,5 @@ def make_gate(kind: str, hidden: int, num_experts: int, **gate_kw) -> BaseGate:
         ValueError: unknown gate name.
     """
     if kind not in GATES:
-        raise ValueError(f"unknown gate {kind!r}; valid gates: {', '.join(GATES)}")
+        raise ModelArgumentError(f"unknown gate {kind!r}; valid gates: {', '.join(GATES)}")
     return GATES[kind](hidden, num_experts, **gate_kw)
