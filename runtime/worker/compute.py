@@ -10,7 +10,7 @@ import contextlib
 from typing import Any
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.tensor.parallel import loss_parallel
 
 from runtime.vocab_parallel_loss import VocabParallelCrossEntropy
@@ -175,9 +175,15 @@ def backward_input(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     st.in_grads[(s, j)] = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, dinputs)]
 
 
+def _recomputes(module: torch.nn.Module) -> bool:
+    """Whether any block of a stage is checkpointed (``runtime.recompute`` marks its class)."""
+    return any(getattr(type(m), "recompute", None) for m in module.modules())
+
+
 def backward_weight(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
-    """``W``: weight gradients (:func:`runtime.worker.weight_grad.backward_weight`), or the full
-    backward after a no-op ``I``;
+    """``W``: weight gradients (on a segment with recomputation in one pass,
+    :func:`runtime.worker.weight_grad.backward_weight`; else torch's ``stage_backward_weight``), or
+    the full backward after a no-op ``I``;
     with AdamA the segment's folded parameters are folded explicitly (no hooks fire here)."""
     state = st.wstate.pop((s, j))
     sharded = s in ctx.local.loss_parallel
@@ -185,10 +191,17 @@ def backward_weight(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
         with loss_context(sharded):
             torch.autograd.backward(state[1], state[2])
     else:
-        # one autograd pass over every parameter group (runtime.worker.weight_grad): torch's
-        # per-group passes recompute a checkpointed segment once per group
         with loss_context(sharded):
-            backward_weight_pass(iter(ctx.local.params[s]), state[1])
+            if _recomputes(ctx.local.modules[s]):
+                # one autograd pass over every parameter group (runtime.worker.weight_grad): torch's
+                # per-group passes recompute a checkpointed segment once per group
+                backward_weight_pass(iter(ctx.local.params[s]), state[1])
+            else:
+                # torch's per-group passes: each runs only its group's nodes. One merged pass also
+                # re-runs the nodes between two groups' intermediates (an MoE layer's all-to-alls).
+                # retain_graph: groups can share graph nodes (T5's position bias feeds every block;
+                # BERT's head); the graph is released when the context is dropped right below.
+                stage_backward_weight(iter(ctx.local.params[s]), state[1], retain_graph=True)
         if ctx.opt.adama:   # the weight pass assigns .grad without firing the fold hooks
             ctx.opt.fold(ctx.opt.folded[s])
     st.ctx.pop((s, j), None)

@@ -8,6 +8,11 @@ forward once per group: 12 times for four checkpointed two-linear blocks, measur
 ``tests/runtime/test_weight_grad.py``. :func:`backward_weight` does the same work in a single
 ``torch.autograd.grad`` over every group's intermediates, so the region is recomputed once.
 
+The worker uses it only on segments with recomputation (``runtime.worker.compute``): one merged
+pass also runs, once more, the nodes that lie between two groups' intermediates (their result
+is discarded by the clamp below), which on an MoE layer are all-to-alls; torch's per-group passes
+run only each group's own nodes.
+
 Correctness is the same argument as torch's: each intermediate's incoming gradient is replaced
 by the one ``I`` saved for it (a pre-hook), so a gradient that reaches an intermediate through a
 descendant intermediate is not counted twice; each weight then receives the sum over its paths.
