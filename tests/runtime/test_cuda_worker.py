@@ -93,7 +93,7 @@ def test_launcher_passes_the_device_to_its_workers(monkeypatch, backend, p2p):
         seen["args"] = [args_for_rank(r, "10.0.0.1", 1234) for r in range(ws)]
         raise cluster.ClusterError("stop here: no Ray in this test")
 
-    monkeypatch.setattr(cluster, "init_ray", lambda address=None: False)
+    monkeypatch.setattr(cluster, "init_ray", lambda address=None, **kw: False)
     monkeypatch.setattr(cluster, "choose_backend",
                         lambda ws, device="auto": cluster.Backend(backend, backend == "nccl"))
     monkeypatch.setattr(cluster, "create_actors", fake_create)
