@@ -122,9 +122,9 @@ def report(plan, res, *, plan_dir: Path, out: TextIO | None = None) -> dict:
         f"{res.backend} on {'GPUs' if res.backend == 'nccl' else 'CPU'}; "
         f"steps {res.start_step}..{res.steps - 1} "
         f"in {res.elapsed:.1f} s (setup {res.setup_time:.1f} s)")
-    placed = getattr(res, "rank_nodes", None) or []   # a result without it (older callers)
-    if any(row.get("node") is not None for row in placed):
-        say(ranks_by_node_text(placed))
+    placed = ranks_by_node_text(getattr(res, "rank_nodes", None) or [])   # a result without it: older callers
+    if placed:
+        say(placed)
     rows = []
     predicted_peak = plan.metrics.get("peak_memory") or []
     for r in range(pp):

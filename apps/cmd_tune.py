@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pp", type=positive_int, default=None, help="largest pipeline degree")
     p.add_argument("--host-cores", type=positive_int, default=None, metavar="N",
                    help="CPU cores each node's ranks share (CPU ranks, e.g. 2 for 4 ranks on this machine): a "
-                        "step is then at least the node's compute time over N cores (default: a core per rank)")
+                        "step is then at least the node's CPU work over N cores (default: a core per rank)")
     p.add_argument("--no-sharded-update", action="store_true", help="do not try the sharded update (ZeRO-1)")
     p.add_argument("--no-sequence-parallel", action="store_true", help="do not try tp-split (sequence parallelism)")
     p.add_argument("--no-overlap-grad-sync", action="store_true", help="do not try overlapped gradient sync")
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> dict:
           f"{counts['dominated']} dominated by the bounds, {counts['refused']} refused"
           + (f", {counts['not visited']} not visited (time limit)" if counts["not visited"] else "")
           + (f"; {space.gpus_per_node} ranks per node share {space.host_cores} cores"
-             if space.host_cores is not None and space.host_cores < space.gpus_per_node else ""))
+             if space.shares_cores else ""))
     shown = result.fitting()[:args.top]
     print(table(TABLE_HEADERS, [table_row(i + 1, r) for i, r in enumerate(shown)]))
     line = why_runner_up_loses(result)

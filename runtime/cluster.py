@@ -357,12 +357,8 @@ def create_actors(worker_cls: type, world_size: int, backend: Backend, args_for_
     pg = reserve(world_size, backend, timeout=timeout,
                  selectors=bundle_label_selectors(device_nodes) if device_nodes is not None else None)
     try:
-        if device_nodes is not None:   # bundle i is device i, on its node
-            if sorted(devices) != list(range(world_size)):
-                raise ClusterError(f"the ranks' device ids {devices} are not a permutation of 0..{world_size - 1}")
-            bundles = devices
-        else:
-            bundles = rank_bundles(world_size, _bundle_nodes(pg), device_of)
+        # pinned: bundle i is device i, on its node (one "node" for rank_bundles keeps index order)
+        bundles = rank_bundles(world_size, {} if device_nodes is not None else _bundle_nodes(pg), device_of)
         addr, port = rendezvous_address(pg, timeout=timeout, bundle=bundles[0])
         remote_cls: Any = worker_cls if hasattr(worker_cls, "remote") else ray.remote(worker_cls)
         actors = []

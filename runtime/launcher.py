@@ -91,7 +91,6 @@ from engine.plan.check import check_plan
 from engine.plan.metrics import predict
 from runtime import cluster as _cluster
 from runtime import worker as _worker
-from runtime.checkpoint import step_dir_name
 from runtime.config import LaunchConfig, check_optimizer
 from runtime.interrupt import StopRequest, stop_on_sigint
 from runtime.launch_result import LaunchResult, finish_times, merge_moe_metrics, merge_timeline
@@ -212,16 +211,13 @@ class _Loop:
 def _interrupted(session: TrainingSession, done: int) -> LaunchInterrupted:
     """The :class:`LaunchInterrupted` after ``done`` completed steps, their checkpoint written first
     (unless the cadence just wrote it, or the session has no checkpoint folder)."""
-    path = session.checkpoint
-    if session.checkpoint_dir is not None and (path is None or os.path.basename(path) != step_dir_name(done)):
-        path = session.save(done)
-    if session.checkpoint_dir is None:
+    path = session.checkpoint_done(done)
+    if path is None:
         msg = (f"launch interrupted after {done} of {session.steps} steps; it had no checkpoint folder, so nothing "
                "was saved")
     else:
         msg = f"launch interrupted after {done} of {session.steps} steps; their checkpoint is {path}"
-    return LaunchInterrupted(msg, checkpoint=path if session.checkpoint_dir is not None else None,
-                             steps_done=done, steps=session.steps)
+    return LaunchInterrupted(msg, checkpoint=path, steps_done=done, steps=session.steps)
 
 
 def _train(session: TrainingSession, callbacks: Sequence[TrainingCallback], *, dp: int, keep_timelines: int,
@@ -390,8 +386,9 @@ def launch(
         # local code only there)
         owned = _cluster.init_ray(config.address, runtime_env=user_code_runtime_env(plan.model.name))
         pool, backend = _start_workers(worker_cls, plan.to_dict(), ws, config, optimizer)
-        if any(row["node"] is not None for row in pool.rank_nodes):
-            logger.warning("%s", ranks_by_node_text(pool.rank_nodes))
+        placed = ranks_by_node_text(pool.rank_nodes)
+        if placed:
+            logger.warning("%s", placed)
         runner = Runner(pool)
         runner.checkpoint = last_ck
         slow = max(config.step_timeout, 60.0)

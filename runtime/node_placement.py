@@ -120,13 +120,13 @@ def rank_node_table(device_of: Sequence[int], device_nodes: Sequence[ClusterNode
     """Per rank, where it runs: ``{"rank", "device", "node", "address", "node_id"}`` (and
     ``"coords"``, e.g. ``"tp0 dp1 pp0"``, where given); ``node`` is the node's index in the plan,
     ``None`` (with the address and Ray node id) when the plan fits on one node."""
+    index = {nid: k for k, nid in enumerate(dict.fromkeys(n.node_id for n in device_nodes or ()))}
     out = []
     for r, d in enumerate(device_of):
         n = device_nodes[d] if device_nodes is not None else None
         row: dict[str, Any] = {"rank": r, "device": int(d), "node": None, "address": None, "node_id": None}
         if n is not None:
-            row["node"] = [x.node_id for x in dict.fromkeys(device_nodes)].index(n.node_id)  # type: ignore[arg-type]
-            row["address"], row["node_id"] = n.address, n.node_id
+            row.update(node=index[n.node_id], address=n.address, node_id=n.node_id)
         if coords is not None:
             row["coords"] = coords[r]
         out.append(row)
@@ -135,7 +135,9 @@ def rank_node_table(device_of: Sequence[int], device_nodes: Sequence[ClusterNode
 
 def ranks_by_node_text(rows: Sequence[dict[str, Any]]) -> str:
     """One line: ``"ranks by node: node 0 (10.0.0.1): ranks 0, 2; node 1 (10.0.0.2): ranks 1, 3"``
-    from :func:`rank_node_table` rows placed by node."""
+    from :func:`rank_node_table` rows; ``""`` where the ranks were not placed by node."""
+    if not nodes_of_ranks(rows):
+        return ""
     parts = [f"node {k} ({addr}): rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
              for k, (_, addr, rs) in sorted(nodes_of_ranks(rows).items())]
     return "ranks by node: " + "; ".join(parts)

@@ -246,14 +246,14 @@ class Runner:
         answering a pinned task: :func:`runtime.cluster.lost_nodes`), the failure that names it and
         the ranks that ran there (``kind="node lost"``); else ``None``."""
         rows = getattr(self.pool, "rank_nodes", None) or []
-        if not any(row.get("node") is not None for row in rows):
+        nodes = nodes_of_ranks(rows)
+        if not nodes:
             return None
         from runtime.cluster import lost_nodes
 
         lost = lost_nodes(rows)
         if not lost:
             return None
-        nodes = nodes_of_ranks(rows)
         k = lost[0]
         _, addr, ranks = nodes[k]
         others = f"; node(s) {', '.join(map(str, lost[1:]))} too" if len(lost) > 1 else ""

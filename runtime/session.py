@@ -383,6 +383,20 @@ class TrainingSession:
             logger.info("%svalidation loss %.4f after %d steps", "" if self.job is None else f"job {self.job}: ",
                         v, done)
 
+    def checkpoint_done(self, done: int) -> str | None:
+        """The checkpoint of ``done`` steps, written now unless the cadence just wrote it (an
+        interrupted launch's, before it stops); ``None`` without a checkpoint folder.
+
+        Raises:
+            LaunchFailure: as :meth:`save`.
+        """
+        if self.checkpoint_dir is None:
+            return None
+        path = self.checkpoint
+        if path is None or Path(path).name != _ckpt.step_dir_name(done):
+            path = self.save(done)
+        return path
+
     def save(self, done: int) -> str:
         """Write the checkpoint of ``done`` steps atomically (``runtime.checkpoint.save_checkpoint``,
         keeping ``keep_checkpoints``) after removing the checkpoints after :attr:`start_step` that

@@ -169,9 +169,6 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: i
     par = plan.parallel
     layout = RankLayout(par.tp, par.dp, par.pp, par.layout)
 
-    def step(t: Timeline) -> float:
-        return t.makespan if shared_cores is None else shared_core_step_time(t, layout, par.devices, shared_cores)
-
     fitted = tls if shared_cores is None else [uncontended_timeline(t, layout, par.devices, shared_cores) for t in tls]
     planned = {(b.segment, b.kind): b.duration for b in plan.placement.blocks}
     new, tl = with_calibration(plan, calibrate(fitted, planned=planned))
@@ -183,6 +180,6 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: i
     else:
         checked = tls
     measured = statistics.median(t.makespan for t in checked)
-    predicted = step(tl)
+    predicted = tl.makespan if shared_cores is None else shared_core_step_time(tl, layout, par.devices, shared_cores)
     err = measured / predicted - 1 if predicted > 0 else math.nan
     return CalibrationCheck(new, tl, predicted, measured, err, len(tls), len(checked), held_out)

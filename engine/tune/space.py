@@ -57,8 +57,9 @@ class TuneSpace:
             ``None``: not checked.
         host_cores: CPU cores that each node's ranks share (CPU ranks); where they are fewer
             than ``gpus_per_node``, a candidate's step time is at least its busiest node's summed
-            compute time over them (:func:`engine.plan.core_sharing.shared_core_step_time`).
-            ``None``: a processor per rank, as on GPUs.
+            CPU work (compute, sends, collectives) over them
+            (:func:`engine.plan.core_sharing.shared_core_step_time`). ``None``: a processor per
+            rank, as on GPUs.
     """
 
     gpus: int
@@ -77,6 +78,11 @@ class TuneSpace:
     heads: int | None = None
     layers: int | None = None
     host_cores: int | None = None
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether a node's ranks outnumber the cores they share (``host_cores < gpus_per_node``)."""
+        return self.host_cores is not None and self.host_cores < self.gpus_per_node
 
     def __post_init__(self) -> None:
         for name in ("gpus", "global_batch", "gpus_per_node"):

@@ -317,7 +317,7 @@ def _simulated_row(c: Candidate, res: PlanResult, limit: float, bounds: tuple[fl
     if host is not None:
         step = shared_core_step_time(res.timeline, res.execution.rank_layout(), *host)
         if step > makespan and status == "ok":
-            reason = (f"core-bound: its ranks' compute shares {host[1]} cores per node "
+            reason = (f"core-bound: its ranks' CPU work shares {host[1]} cores per node "
                       f"({makespan * 1e3:.4g} ms with a core per rank)")
     slow = makespan / step if step > 0 else 1.0
     mfu = m.get("mfu")
@@ -525,8 +525,7 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
         cost = CostModel.for_device(device_type, link=link, inter_link=link, dtype=compute,
                                     devices_per_node=space.gpus_per_node)
     limit = float(memory_limit) if memory_limit is not None else float(cost.device.mem_capacity)
-    host = (space.gpus_per_node, space.host_cores) \
-        if space.host_cores is not None and space.host_cores < space.gpus_per_node else None
+    host = (space.gpus_per_node, space.host_cores) if space.host_cores is not None and space.shares_cores else None
     ctx = _Context(model, task, seq_len, precision, compute, cost, limit, admit=admit, host=host)
     if isinstance(calibration, Calibration):
         calibration = {(0, 0, 0, 0): calibration}   # one calibration: every candidate's

@@ -303,12 +303,8 @@ def _run_job(session: TrainingSession, job: CrossoverJobResult, phase: _TimedPha
                 cb.on_step(report)
             session.after_step(step + 1)
             if stop is not None and stop.requested and step + 1 < job.steps:
-                done = step + 1
-                path = session.checkpoint
-                written = path is not None and Path(path).name == _ckpt.step_dir_name(done)
-                if session.checkpoint_dir is not None and not written:
-                    session.save(done)
-                job.interrupted_at = done
+                session.checkpoint_done(step + 1)
+                job.interrupted_at = step + 1
                 break
     except LaunchError as e:
         job.error, job.failed_rank, job.failed_step, job.kind = str(e), e.rank, e.step, e.kind
@@ -328,15 +324,13 @@ def _run_job(session: TrainingSession, job: CrossoverJobResult, phase: _TimedPha
 def _interrupted(jobs: Sequence[CrossoverJobResult]) -> LaunchInterrupted:
     """The :class:`LaunchInterrupted` of a co-located launch stopped by Ctrl-C: each job's steps
     done and its checkpoint (the first job's is the one ``--resume`` names first)."""
-    parts = []
-    for j in jobs:
-        done = j.interrupted_at if j.interrupted_at is not None else (j.start_step + len(j.losses))
-        where = f"checkpoint {j.checkpoint}" if j.checkpoint else "no checkpoint"
-        parts.append(f"job {j.index} ({j.name}) after {done} of {j.steps} steps, {where}")
-    first = jobs[0]
-    done0 = first.interrupted_at if first.interrupted_at is not None else first.start_step + len(first.losses)
+    def done(j: CrossoverJobResult) -> int:
+        return j.interrupted_at if j.interrupted_at is not None else j.start_step + len(j.losses)
+
+    parts = [f"job {j.index} ({j.name}) after {done(j)} of {j.steps} steps, "
+             + (f"checkpoint {j.checkpoint}" if j.checkpoint else "no checkpoint") for j in jobs]
     return LaunchInterrupted("co-located launch interrupted: " + "; ".join(parts),
-                             checkpoint=first.checkpoint, steps_done=done0, steps=first.steps)
+                             checkpoint=jobs[0].checkpoint, steps_done=done(jobs[0]), steps=jobs[0].steps)
 
 
 def _token_records(pool: _cluster.ActorPool) -> tuple[list[TokenInterval], list[int]]:

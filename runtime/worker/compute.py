@@ -175,11 +175,6 @@ def backward_input(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     st.in_grads[(s, j)] = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, dinputs)]
 
 
-def _recomputes(module: torch.nn.Module) -> bool:
-    """Whether any block of a stage is checkpointed (``runtime.recompute`` marks its class)."""
-    return any(getattr(type(m), "recompute", None) for m in module.modules())
-
-
 def backward_weight(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     """``W``: weight gradients (on a segment with recomputation in one pass,
     :func:`runtime.worker.weight_grad.backward_weight`; else torch's ``stage_backward_weight``), or
@@ -192,7 +187,7 @@ def backward_weight(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
             torch.autograd.backward(state[1], state[2])
     else:
         with loss_context(sharded):
-            if _recomputes(ctx.local.modules[s]):
+            if s in ctx.local.recompute:
                 # one autograd pass over every parameter group (runtime.worker.weight_grad): torch's
                 # per-group passes recompute a checkpointed segment once per group
                 backward_weight_pass(iter(ctx.local.params[s]), state[1])

@@ -97,6 +97,8 @@ class LocalStages:
     """Segment -> ``(this rank's shard index, shards)`` of its tensor-parallel parameters."""
     loss_parallel: set[int] = field(default_factory=set)
     """Loss segments whose LM head keeps its logits vocab-sharded (the task's loss runs on the shards)."""
+    recompute: set[int] = field(default_factory=set)
+    """Segments with a checkpointed block (``runtime.recompute`` marks the block's class)."""
 
     @classmethod
     def collect(cls, modules: dict[int, nn.Module], *, ep: int = 1, tp_dims: dict[int, dict[str, int]] | None = None,
@@ -111,7 +113,8 @@ class LocalStages:
             moe_layers={s: [(n, m) for n, m in modules[s].named_modules() if isinstance(m, MoEFeedForward)]
                         for s in segments},
             ep_layers=expert_parallel_layers(modules), ep=ep, tp_dims=dict(tp_dims or {}),
-            shard=dict(shard or {}), loss_parallel=set(loss_parallel or ()))
+            shard=dict(shard or {}), loss_parallel=set(loss_parallel or ()),
+            recompute={s for s in segments if any(getattr(type(m), "recompute", None) for m in modules[s].modules())})
 
     def local_params(self) -> list[torch.Tensor]:
         """Every local parameter as this rank holds it (a tensor-parallel ``DTensor``: its local shard)."""
