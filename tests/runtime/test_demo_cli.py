@@ -14,11 +14,20 @@ pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+#: Runs ``tessel demo`` with Python's faulthandler armed: should the demo not end within
+#: ``_WATCHDOG_S`` seconds, every thread's stack goes to stderr and the process exits, so a hang
+#: fails this test with the place it hung rather than a bare subprocess timeout.
+_WATCHDOG_S = 330
+_RUN_WITH_WATCHDOG = ("import faulthandler, runpy, sys; faulthandler.dump_traceback_later({}, exit=True); "
+                      "sys.argv = ['tessel'] + sys.argv[1:]; runpy.run_module('apps.cli', run_name='__main__')")
+
+
 @pytest.mark.timeout(400)
 def test_demo_plans_trains_reports_and_calibrates(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "apps.cli", "demo", "--steps", "6", "--model", "gpt2-tiny",
-                        "-o", str(tmp_path), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=380)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "-c", _RUN_WITH_WATCHDOG.format(_WATCHDOG_S), "demo", "--steps", "6",
+                        "--model", "gpt2-tiny", "--step-timeout", "60", "-o", str(tmp_path), "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=380)
+    assert p.returncode == 0, p.stderr[-6000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["ok"] and res["steps"] == 6 and res["model"] == "gpt2-tiny"
     assert res["loss_end"] < res["loss_start"] and res["tokens_per_second"] > 0
