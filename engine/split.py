@@ -11,11 +11,12 @@ Three methods cut a model into pipeline stages (``runtime.stages.build_stages``)
   runs them eagerly. It needs a model whose forward is the composition of its layers in order,
   which an ``nn.Sequential`` is by definition (a CNN, an MLP); nothing is traced, so dropout,
   batch norm and any Python in the layers behave exactly as in the unsplit model.
-- ``"layers"``: torchtitan's manual split of a decoder-only LM (Hugging Face Llama-family models
-  and the in-project GPT): each stage is a copy of the model keeping its embedding (first
-  stage), its run of decoder blocks, and its final norm and LM head (last stage), run eagerly.
-  Tensor parallelism needs it (``parallelize_module`` shards the blocks' ``nn.Linear``
-  projections, which tracing would flatten into graph ops); plans with ``tp > 1`` use it, and so
+- ``"layers"``: torchtitan's manual split of a decoder-only LM (Hugging Face Llama-family and
+  GPT-2 models, the in-project GPT): each stage is a copy of the model keeping its embedding
+  (first stage), its run of decoder blocks, and its final norm and LM head (last stage), run
+  eagerly. Tensor parallelism needs it (``parallelize_module`` shards the blocks' ``nn.Linear``
+  projections, which tracing would flatten into graph ops); plans with ``tp > 1`` use it where
+  the family can be sharded (not GPT-2, whose projections are transformers' ``Conv1D``), and so
   do plans with activation recomputation (``torch.utils.checkpoint`` wraps each decoder block,
   which an exported graph no longer has).
 
@@ -31,7 +32,8 @@ from torch import nn
 
 from engine.models.gpt import GPT
 
-__all__ = ["SplitMethod", "SPLIT_METHODS", "choose_split", "supports_layer_split"]
+__all__ = ["SplitMethod", "SPLIT_METHODS", "choose_split", "is_hf_gpt2", "supports_layer_split",
+           "supports_tensor_parallel_split"]
 
 SplitMethod = Literal["tracer", "module", "layers"]
 """How the runtime builds a plan's stages (see the module docstring)."""
@@ -40,30 +42,54 @@ SPLIT_METHODS: tuple[str, ...] = get_args(SplitMethod)
 
 
 def choose_split(module: nn.Module, tp: int = 1, recompute: str = "none") -> SplitMethod:
-    """``"layers"`` with tensor parallelism (``tp > 1``) or activation recomputation (``recompute``
-    not ``"none"``, :mod:`engine.recompute`) for a decoder-only LM the layer split supports (the
+    """``"layers"`` with tensor parallelism (``tp > 1``; not for Hugging Face GPT-2, whose ``Conv1D``
+    projections no tensor-parallel plan shards) or activation recomputation (``recompute`` not
+    ``"none"``, :mod:`engine.recompute`) for a decoder-only LM the layer split supports (the
     runtime refuses the plan otherwise, naming the model), and always for the
     in-project two-tower model (its eager stages carry both towers' inputs along a pipeline, which
     the traced split cannot); else ``"module"`` for an
     ``nn.Sequential`` model (its layers run in order, so a stage is a slice of them), ``"tracer"``
     for every other model."""
-    if ((tp > 1 or recompute != "none") and supports_layer_split(module)) or _is_two_tower(module):
+    fallback: SplitMethod = "module" if isinstance(module, nn.Sequential) else "tracer"
+    if _is_two_tower(module):
         return "layers"
-    return "module" if isinstance(module, nn.Sequential) else "tracer"
+    if tp > 1:   # a family tensor parallelism cannot shard keeps its split, which the runtime refuses for tp > 1
+        return "layers" if supports_tensor_parallel_split(module) else fallback
+    return "layers" if recompute != "none" and supports_layer_split(module) else fallback
 
 
 def supports_layer_split(module: nn.Module) -> bool:
     """Whether the ``"layers"`` split can cut ``module``: the in-project GPT, the in-project two-tower
-    model, or a Hugging Face
+    model, a Hugging Face GPT-2 LM (:func:`is_hf_gpt2`), or a Hugging Face
     causal LM with ``model.embed_tokens`` (an ``nn.Embedding``), ``model.layers`` (an
     ``nn.ModuleList``), ``model.norm``, ``model.rotary_emb`` and an ``nn.Linear`` ``lm_head``."""
-    if isinstance(module, GPT) or _is_two_tower(module):
+    if isinstance(module, GPT) or _is_two_tower(module) or is_hf_gpt2(module):
         return True
     inner = getattr(module, "model", None)
     return (isinstance(getattr(module, "lm_head", None), nn.Linear) and isinstance(inner, nn.Module)
             and isinstance(getattr(inner, "layers", None), nn.ModuleList)
             and isinstance(getattr(inner, "embed_tokens", None), nn.Embedding)
             and hasattr(inner, "norm") and hasattr(inner, "rotary_emb"))
+
+
+def supports_tensor_parallel_split(module: nn.Module) -> bool:
+    """Whether the layer split can cut ``module`` into stages tensor parallelism shards
+    (``runtime.tensor_parallel``): :func:`supports_layer_split`, except Hugging Face GPT-2, whose
+    fused ``Conv1D`` projections neither DTensor's parallel styles nor a transformers
+    ``base_model_tp_plan`` cover."""
+    return supports_layer_split(module) and not is_hf_gpt2(module)
+
+
+def is_hf_gpt2(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face GPT-2 LM (``GPT2LMHeadModel``): ``transformer.wte`` and
+    ``transformer.wpe`` (``nn.Embedding``), ``transformer.h`` (an ``nn.ModuleList`` of blocks),
+    ``transformer.ln_f`` and an ``nn.Linear`` ``lm_head``; the in-project GPT has the same names
+    but is not one."""
+    tr = getattr(module, "transformer", None)
+    return (not isinstance(module, GPT) and isinstance(getattr(module, "lm_head", None), nn.Linear)
+            and isinstance(tr, nn.Module) and isinstance(getattr(tr, "h", None), nn.ModuleList)
+            and all(isinstance(getattr(tr, e, None), nn.Embedding) for e in ("wte", "wpe"))
+            and hasattr(tr, "ln_f"))
 
 
 def _is_two_tower(module: nn.Module) -> bool:

@@ -137,6 +137,6 @@ def recompute_refusal(plan: Any) -> str | None:
         return None
     mode = "full" if "full" in modes else "selective"
     return (f"activation recomputation {mode!r} runs on eager transformer blocks (the 'layers' split of "
-            f"Llama-family models and tessel-gpt), but {plan.model.name!r} is planned with the "
+            f"Llama-family and GPT-2 models and tessel-gpt), but {plan.model.name!r} is planned with the "
             f"{plan.model.split or 'default'!r} split, whose stages are exported graphs; plan with "
             "--recompute none, or a model and split that keep its blocks eager")

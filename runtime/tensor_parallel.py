@@ -79,7 +79,7 @@ from torch.distributed.tensor.parallel import (
 from engine.errors import TesselError
 from engine.models.gpt import CausalSelfAttention
 from runtime.chunked_overlap import ChunkedRowwiseParallel
-from runtime.stages.layer_split import GPTStage, HFDecoderStage
+from runtime.stages.layer_split import GPTStage, HFDecoderStage, HFGPT2Stage
 
 __all__ = ["GPT_SP_PLAN", "GPT_TP_PLAN", "HF_SP_PLAN", "TensorParallelError", "apply_tensor_parallel",
            "coconet_tp_refusal", "has_lm_head", "local_grad", "local_tensor", "shard_dims", "shard_view",
@@ -167,6 +167,10 @@ def _family_plan(stage: Any) -> tuple[dict[str, str], str, str, dict[str, int]]:
         sizes = {"attention heads": int(cfg.num_attention_heads),
                  "key/value heads": int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)}
         return ({f"model.{k}": v for k, v in plan.items()}, "model.embed_tokens", "lm_head", sizes)
+    if isinstance(stage, HFGPT2Stage):
+        raise TensorParallelError("GPT-2's attention and MLP projections are transformers' Conv1D (weights stored "
+                                  "transposed), which neither DTensor's colwise/rowwise styles nor a transformers "
+                                  "tensor-parallel plan shard; use tp=1 for this model")
     raise TensorParallelError(f"a {type(stage).__name__} stage cannot be tensor-parallel: build the plan's stages "
                               "with the layer split (plan.model.split = 'layers')")
 

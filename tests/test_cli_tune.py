@@ -107,9 +107,10 @@ def test_a_calibration_plan_without_a_calibration_is_refused(tuned, tmp_path):
 
 
 def test_a_best_plan_the_runtime_cannot_run_is_written_with_a_warning(tmp_path):
-    """gpt2-tiny's stages are exported graphs: full recomputation plans but does not launch here."""
-    p = run_cli("tune", "--model", "gpt2-tiny", "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
-                "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "full", "-o", str(tmp_path), "--json")
+    """bert-tiny's stages are exported graphs: full recomputation plans but does not launch here."""
+    p = run_cli("tune", "--model", "bert-tiny", "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
+                "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "full", "--max-tp", "1",
+                "-o", str(tmp_path), "--json")
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["launch_refusal"] and "recomputation" in res["launch_refusal"]
@@ -142,9 +143,9 @@ def test_calibrations_of_several_layouts_are_taken_and_a_repeated_layout_is_refu
 
 
 def test_launchable_ranks_only_what_tessel_launch_runs_here(tmp_path):
-    """gpt2-tiny's stages are exported graphs: full recomputation plans but does not launch here, so
+    """bert-tiny's stages are exported graphs: full recomputation plans but does not launch here, so
     with --launchable the best is without recomputation and the others are refused rows."""
-    p = run_cli("tune", "--model", "gpt2-tiny", "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
+    p = run_cli("tune", "--model", "bert-tiny", "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
                 "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "none,full", "--max-tp", "1",
                 "--launchable", "-o", str(tmp_path), "--json")
     assert p.returncode == 0, p.stderr

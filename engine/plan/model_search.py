@@ -38,7 +38,7 @@ from engine.precision import get_policy, plan_precision
 from engine.recompute import check_recompute
 from engine.shape_costs import model_shape_placement
 from engine.shapes import SHAPES, UnknownShapeError, find_shape
-from engine.split import choose_split, supports_layer_split
+from engine.split import choose_split, supports_layer_split, supports_tensor_parallel_split
 from engine.tessel import tessel_search
 from engine.tessel.comm import step_tail
 from engine.transform import LOSS_PARALLEL_TASKS, tied_parameter_groups
@@ -150,8 +150,8 @@ class _ModelPlans:
         # copy of the first's stages: both on eager decoder stages; a model without them is still
         # planned, and the runtime refuses its launch in one sentence
         needs_layers = multi or replicas
-        self.split = ("layers" if needs_layers and supports_layer_split(bundle.module)
-                      else choose_split(bundle.module, recompute=recompute))
+        can = supports_tensor_parallel_split(bundle.module) if multi else supports_layer_split(bundle.module)
+        self.split = "layers" if needs_layers and can else choose_split(bundle.module, recompute=recompute)
         self.meta: dict[str, Any] = {"memory_unit": "bytes"}
         if memory_limit is not None:
             self.meta["memory_limit"] = memory_limit

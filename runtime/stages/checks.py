@@ -43,19 +43,22 @@ def check_executable(plan: Any) -> None:
     needs the layer split (``plan.model.split == "layers"``: a Llama-family or in-project GPT
     decoder, :mod:`runtime.stages.layer_split`). The precision policy must be one the runtime runs
     with the plan's optimizer and transformations (:func:`runtime.precision.precision_refusal`), and
-    activation recomputation needs the layer split (:func:`runtime.recompute.recompute_refusal`).
+    activation recomputation needs the layer split (which GPT-2 also has; :func:`runtime.recompute.recompute_refusal`).
     """
     why = precision_refusal(plan_policy(plan), optimizer=getattr(plan.parallel, "optimizer", None) or "adam",
-                            transforms=plan.parallel.transforms) or recompute_refusal(plan)
+                            transforms=plan.parallel.transforms)
     if why:
         raise RuntimeNotSupported(why)
     tp = plan.parallel.tp
-    if tp > 1 and plan.model.split != "layers":
+    if tp > 1 and plan.model.split != "layers":   # before recomputation: the split is kept for this reason
         raise RuntimeNotSupported(
             f"the plan uses tensor parallelism (tp={tp}) but its stages are built with the "
             f"{plan.model.split or 'default'!r} split; tensor parallelism runs on eager decoder stages (split "
             "'layers'), which `tessel plan --tp` records for Llama-family models and tessel-gpt; "
             f"{plan.model.name!r} is not one of them, so plan it with --tp 1")
+    why = recompute_refusal(plan)
+    if why:
+        raise RuntimeNotSupported(why)
     pl = plan.schedule.placement
     S = pl.num_segments
     if S != len(plan.segments):

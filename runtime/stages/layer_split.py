@@ -7,7 +7,7 @@ traced, so each transformer block stays an ``nn.Module`` whose ``nn.Linear`` pro
 ``torch.distributed.tensor.parallel.parallelize_module`` can shard (:mod:`runtime.tensor_parallel`);
 the traced split (:mod:`runtime.stages.split_policy`) flattens them into graph ops with frozen head counts.
 
-Two decoder-only families are supported (:func:`layer_split_family`):
+Three decoder-only families and the two-tower model are supported (:func:`layer_split_family`):
 
 - ``"hf-decoder"``: Hugging Face causal LMs built as ``model.embed_tokens``, ``model.layers``,
   ``model.norm``, ``model.rotary_emb`` and ``lm_head`` (Llama, Mistral, Qwen2, ...): a stage calls
@@ -16,6 +16,11 @@ Two decoder-only families are supported (:func:`layer_split_family`):
   names equal the unsplit model's), ``model.norm`` replaced by ``nn.Identity`` except on the last
   stage; the causal mask and rotary tables are recomputed by each stage from the hidden state,
   so only ``hidden [micro_batch, seq, hidden]`` crosses a boundary.
+- ``"hf-gpt2"``: Hugging Face GPT-2 (``GPT2LMHeadModel``: ``transformer.wte``, ``wpe``, ``drop``,
+  ``h``, ``ln_f``, ``lm_head``), as ``GPT2Model.forward`` runs it: the first stage adds the
+  position embedding, each stage builds the causal mask with transformers' ``create_causal_mask``
+  from the hidden state (:class:`HFGPT2Stage`). Activation recomputation runs on it; tensor
+  parallelism does not (its projections are ``Conv1D``, which no tensor-parallel plan shards).
 - ``"tessel-gpt"``: the in-project :class:`engine.models.gpt.GPT` (``transformer.wte``, ``wpe``,
   ``h``, ``ln_f``, ``lm_head``).
 - ``"two-tower"``: the in-project two-tower model (``text`` and ``code`` towers, then ``head``).
@@ -29,7 +34,7 @@ Chain interface (:class:`runtime.stages.types.StageModule`): the first stage tak
 the last stage returns ``(logits [micro_batch, seq, vocab],)``. Every stage returns a tuple.
 
 Sources: torchtitan ``pipeline_module_split`` (delete what a stage does not own, keep FQNs);
-transformers' ``LlamaModel.forward`` (``inputs_embeds``).
+transformers' ``LlamaModel.forward`` (``inputs_embeds``) and ``GPT2Model.forward``.
 """
 
 from __future__ import annotations
@@ -43,21 +48,23 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from engine.models.gpt import GPT
-from engine.split import supports_layer_split
+from engine.split import is_hf_gpt2, supports_layer_split
 from runtime.stages.errors import StageSplitError
 from runtime.stages.types import StageModule
 
-__all__ = ["HFDecoderStage", "GPTStage", "JoinStage", "TowerStage", "TwoTowerRunStage", "layer_split_family",
-           "layer_split_refusal", "split_layers", "split_two_towers"]
+__all__ = ["HFDecoderStage", "HFGPT2Stage", "GPTStage", "JoinStage", "TowerStage", "TwoTowerRunStage",
+           "layer_split_family", "layer_split_refusal", "split_layers", "split_two_towers"]
 
 
 def layer_split_family(model: nn.Module) -> str | None:
-    """``"hf-decoder"``, ``"tessel-gpt"``, or ``None`` when the layer split cannot cut ``model``
-    (:func:`engine.split.supports_layer_split`)."""
+    """``"hf-decoder"``, ``"hf-gpt2"``, ``"tessel-gpt"``, ``"two-tower"``, or ``None`` when the layer
+    split cannot cut ``model`` (:func:`engine.split.supports_layer_split`)."""
     if not supports_layer_split(model):
         return None
     if isinstance(model, GPT):
         return "tessel-gpt"
+    if is_hf_gpt2(model):
+        return "hf-gpt2"
     return "two-tower" if hasattr(model, "text") and hasattr(model, "code") else "hf-decoder"
 
 
@@ -65,8 +72,8 @@ def layer_split_refusal(model: nn.Module, name: str) -> str:
     """The sentence saying why ``model`` (called ``name``) has no layer split."""
     return (f"model {name!r} ({type(model).__name__}) cannot be split into eager decoder stages: the layer "
             "split (needed for tensor parallelism) supports Hugging Face decoder-only LMs laid out as "
-            "model.embed_tokens / model.layers / model.norm / lm_head (Llama, Mistral, Qwen2) and the "
-            "in-project GPT (tessel-gpt); use tp=1 for this model")
+            "model.embed_tokens / model.layers / model.norm / lm_head (Llama, Mistral, Qwen2), GPT-2 and the "
+            "in-project GPT (tessel-gpt); use tp=1 and no recomputation for this model")
 
 
 def _keep_children(container: Any, keep: Sequence[str]) -> None:
@@ -114,6 +121,44 @@ class HFDecoderStage(StageModule):
             return (self.lm_head(h),)
         to_local = getattr(h, "to_local", None)
         return (to_local() if mesh is not None and to_local is not None else h,)
+
+
+class HFGPT2Stage(StageModule):
+    """One stage of a Hugging Face GPT-2 LM (see the module docstring).
+
+    Args:
+        model: the whole (logits-only) ``GPT2LMHeadModel``; it is deep-copied, then pruned to this stage.
+        layers: the stage's block indices (``transformer.h.{i}``), ascending.
+        first, last: the stage holds the token and position embeddings / the final norm and ``lm_head``.
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        m: Any = copy.deepcopy(model)
+        tr: Any = m.transformer
+        _keep_children(tr.h, [str(i) for i in layers])
+        if not first:
+            tr.wte, tr.wpe = None, None
+        if not last:
+            tr.ln_f = None
+        self.transformer = tr
+        self.lm_head: Any = m.lm_head if last else None
+        self.first, self.last = first, last
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        """``x``: token ids ``[B, T]`` (first stage) or the hidden state ``[B, T, H]``. Returns
+        ``(logits [B, T, vocab],)`` on the last stage, else ``(hidden [B, T, H],)``."""
+        from transformers.masking_utils import create_causal_mask
+
+        tr: Any = self.transformer
+        pos = torch.arange(x.shape[1], dtype=torch.long, device=x.device).unsqueeze(0)
+        if self.first:
+            x = tr.drop(tr.wte(x) + tr.wpe(pos))
+        mask = create_causal_mask(config=tr.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                  position_ids=pos)
+        for block in tr.h:
+            x = block(x, None, mask, position_ids=pos)
+        return (self.lm_head(tr.ln_f(x)),) if self.last else (x,)
 
 
 class GPTStage(StageModule):
@@ -305,8 +350,8 @@ def split_layers(model: Any, segment_layers: list[list[str]], name: str, *,
         raise StageSplitError(layer_split_refusal(model, name))
     if family == "two-tower":
         return split_two_towers(model, segment_layers, name, chain=chain)
-    prefix, cls = (("model.layers.", HFDecoderStage) if family == "hf-decoder"
-                   else ("transformer.h.", GPTStage))
+    prefix, cls = {"hf-decoder": ("model.layers.", HFDecoderStage), "hf-gpt2": ("transformer.h.", HFGPT2Stage),
+                   "tessel-gpt": ("transformer.h.", GPTStage)}[family]
     S = len(segment_layers)
     blocks = [[i for i in (_block_index(x, prefix) for x in lays) if i is not None] for lays in segment_layers]
     flat = [i for b in blocks for i in b]

@@ -130,7 +130,7 @@ def replicate_chains(modules: dict[int, StageModule], boundaries: list[list[Tens
                 raise RuntimeNotSupported(
                     f"the placement runs {len(chains)} model replicas (the X shape), made by copying the first "
                     f"replica's stages, and a {type(modules[k]).__name__} stage cannot be copied ({type(e).__name__}); "
-                    "plan it with the layer split (Llama-family models and tessel-gpt: `tessel search --model` "
+                    "plan it with the layer split (Llama-family and GPT-2 models, tessel-gpt: `tessel search --model` "
                     "records it) or search another shape") from None
     bounds = [list(boundaries[k]) if k < L - 1 else [] for _c in range(len(chains)) for k in range(L)][:-1]
     grouped = {m for g in tied for m in g}

@@ -76,11 +76,11 @@ def pool():
     p.close()
 
 
-def _plan(schedule: str, shape: str, precision: str, recompute: str = "none"):
+def _plan(schedule: str, shape: str, precision: str, recompute: str = "none", model: str = MODEL):
     from engine.plan import make_plan
 
     dp, tp, pp = SHAPES[shape] if shape in SHAPES else PP2
-    plan = make_plan(MODEL, devices=dp * tp * pp, dp=dp, tp=tp, micro_batches=M, schedule=schedule,
+    plan = make_plan(model, devices=dp * tp * pp, dp=dp, tp=tp, micro_batches=M, schedule=schedule,
                      device_type="cpu", micro_batch_size=MBS, seq_len=SEQ).plan
     plan.model.split = "layers"   # recomputation needs eager blocks (tp 2 records it already)
     plan.parallel.precision = precision
@@ -117,12 +117,12 @@ def train_task(task: dict) -> dict:
 _RUNS: dict = {}
 
 
-def _run(pool, schedule: str, shape: str, precision: str, recompute: str = "none"):
-    key = (schedule, shape, precision, recompute)
+def _run(pool, schedule: str, shape: str, precision: str, recompute: str = "none", model: str = MODEL):
+    key = (schedule, shape, precision, recompute, model)
     if key not in _RUNS:
-        plan = _plan(schedule, shape, precision, recompute)
+        plan = _plan(schedule, shape, precision, recompute, model)
         batches = _batches(plan)
-        dp, tp, pp = SHAPES[shape]
+        dp, tp, pp = SHAPES.get(shape, PP2)
         out = pool.run_ok("test_precision_recompute:train_task",
                           {"plan": plan.to_dict(), "batches": batches, "fresh_process": tp > 1},
                           world=dp * tp * pp)
@@ -202,6 +202,29 @@ def test_recomputation_trains_bit_identically(pool, recompute, schedule, shape):
     ref = reference_run(plan, batches, seed=0, lr=LR)
     assert _max_rel(_losses(out, plan), ref.losses) <= 1e-4
     assert_params_match(merged, ref.model, f"{recompute} {schedule} {shape}")
+
+
+@pytest.mark.parametrize("recompute,schedule", [("full", "zb-h1"), ("selective", "1f1b")])
+def test_gpt2_recomputes_on_its_layer_split_like_no_recomputation_and_one_process(pool, recompute, schedule):
+    """Hugging Face GPT-2 (``gpt2-tiny``) is planned with the layer split when it recomputes, and its
+    eager stages (``HFGPT2Stage``) train on 2 pipeline ranks bit-identically to no recomputation and
+    like the unsplit model in one process."""
+    from engine.plan import make_plan
+    from runtime.reference import reference_run
+    from runtime.worker import merge_model_state
+
+    planned = make_plan("gpt2-tiny", devices=2, micro_batches=M, schedule=schedule, device_type="cpu",
+                        micro_batch_size=MBS, seq_len=SEQ, recompute=recompute).plan
+    assert planned.model.split == "layers"
+    plan, batches, out = _run(pool, schedule, "pp2", "32-true", recompute, model="gpt2-tiny")
+    _, _, base = _run(pool, schedule, "pp2", "32-true", "none", model="gpt2-tiny")
+    assert _losses(out, plan) == _losses(base, plan), "recomputation changed a loss"
+    merged = merge_model_state(p["state"] for p in out.values())
+    for k, v in merge_model_state(p["state"] for p in base.values()).items():
+        assert torch.equal(merged[k], v), f"gpt2-tiny {recompute} {schedule}: {k} differs from no recomputation"
+    ref = reference_run(plan, batches, seed=0, lr=LR)
+    assert _max_rel(_losses(out, plan), ref.losses) <= 1e-4
+    assert_params_match(merged, ref.model, f"gpt2-tiny {recompute} {schedule}")
 
 
 def test_selective_recomputation_with_a_split_backward_is_refused_in_one_sentence():

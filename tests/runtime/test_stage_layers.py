@@ -1,6 +1,6 @@
 """The layer split (``runtime.stages.layer_split``): eager decoder stages equal the unsplit model.
 
-For a Llama-style HF model and the in-project GPT, at 2 and 4 segments: the stage chain's logits
+For a Llama-style HF model, HF GPT-2 and the in-project GPT, at 2 and 4 segments: the stage chain's logits
 and every parameter gradient equal the unsplit model's (they run the same eager modules, so
 exactly), the stages' state-dict keys are the unsplit model's, only the hidden state crosses a
 boundary, and a plan whose segments are not contiguous runs of blocks is refused in one sentence.
@@ -23,7 +23,7 @@ def _plan(model: str, devices: int):
 
 
 @pytest.mark.parametrize("devices", [2, 4])
-@pytest.mark.parametrize("model", ["llama-tiny", "tessel-gpt"])
+@pytest.mark.parametrize("model", ["llama-tiny", "gpt2-tiny", "tessel-gpt"])
 def test_layer_stages_equal_the_unsplit_model(model, devices):
     from engine.models import build_model
     from runtime.stages import build_stages
