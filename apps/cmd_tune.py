@@ -97,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cost model (op profile included), its measured communication and optimizer costs and its "
                         "measured compute scale; repeat it with launches of other layouts: each candidate takes "
                         "the one of its (dp, tp, pp) and micro-batch size, else of its (dp, tp, pp), else of its pp, "
-                        "else of its dp, else the first")
+                        "else of its dp, else the first; a layout given twice, once launched with a split "
+                        "backward (ZB-H1) and once without, predicts each backward kind with its own compute scale")
     p.add_argument("--launchable", action="store_true",
                    help="rank only configurations `tessel launch` runs here (the others are listed as refused, "
                         "with the runtime's reason)")
@@ -120,11 +121,12 @@ def _space(args: argparse.Namespace) -> TuneSpace:
 
 def _calibrated(paths: list[str] | None):
     """(cost model of the first file, ``{(dp, tp, pp, micro_batch_size): calibration}``) of calibrated plan files, or
-    ``(None, None)`` without one.
+    ``(None, None)`` without one. Two files of one layout, one measured on a split backward (ZB-H1)
+    and one without, become one calibration (:meth:`Calibration.with_split_backward_of`).
 
     Raises:
-        TuneError: a plan holds no cost model or no calibration, or two have the same degrees (one
-            sentence naming the fix).
+        TuneError: a plan holds no cost model or no calibration, or two have the same degrees and
+            backward kind (one sentence naming the fix).
         TesselError: a file is not a readable plan.
     """
     if not paths:
@@ -138,12 +140,18 @@ def _calibrated(paths: list[str] | None):
                             "the plan that `tessel launch PLAN --calibrate` wrote (PLAN.calibrated.json)")
         par = plan.parallel
         key = (int(par.dp), int(par.tp), int(par.pp), int(plan.model.micro_batch_size))
-        if key in cals:
+        this = Calibration.from_dict(cal)
+        earlier = cals.get(key)
+        if earlier is not None and earlier.split_backward == this.split_backward:
             raise TuneError(f"--calibration {path} has the degrees dp={key[0]} tp={key[1]} pp={key[2]} and micro-batch "
-                            f"size {key[3]} of an earlier one; give one calibrated plan per layout and micro-batch "
-                            "size")
+                            f"size {key[3]} of an earlier one, measured on the same backward kind; give one calibrated "
+                            "plan per layout and micro-batch size, or two: one with a split backward (ZB-H1) and one "
+                            "without")
         cost = cost or CostModel.from_dict(plan.cost)
-        cals[key] = Calibration.from_dict(cal)
+        if earlier is not None:   # one of each backward kind: each candidate takes its own kind's scale
+            whole, split = (this, earlier) if earlier.split_backward else (earlier, this)
+            this = whole.with_split_backward_of(split)
+        cals[key] = this
     return cost, cals
 
 

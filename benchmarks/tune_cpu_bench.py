@@ -7,9 +7,9 @@ profile=True)``, the cost model of ``tessel plan --profile``); then EVERY fittin
 launched on Ray (gloo, one process per rank, ``torch.set_num_threads(1)``) for a few steps and
 its median measured step time (steps after the first) is set beside the prediction.
 
-Calibrated ranking (the default; ``--no-calibration`` leaves it out): one profiling launch per
+Calibrated ranking (the default; ``--no-calibration`` leaves it out): two profiling launches per
 layout and micro-batch size ``(dp, tp, pp, mbs)`` of the space (of its first candidate in the
-profiled ranking) is
+profiled ranking with a whole backward, and of its first with a split backward, ZB-H1) are
 calibrated (``engine.plan.calibrate_plan``: the measured point-to-point, collective and optimizer
 costs, and per block kind the measured over planned compute time), and the space is tuned again
 with those calibrations (``tune(..., calibration={(dp, tp, pp, mbs): ...})``, as ``tessel tune
@@ -20,8 +20,9 @@ Printed per model and rank count: the candidates, the tuner's pick and its measu
 measured best, the pick's distance from it (target: within 5%), Spearman's rank correlation of
 predicted against measured step times (target: at least 0.8) and the tuner's wall time.
 
-A candidate the planner accepts but the runtime cannot run (full recomputation on a model whose
-stages are exported graphs: the model-family issue) is listed as not executable and left out.
+A candidate the planner accepts but the runtime cannot run (recomputation on a model whose stages
+are exported graphs: the model-family issue; GPT-2, Llama and the two-tower model all recompute)
+is listed as not executable and left out.
 
 Ranks that outnumber the cores (4 ranks on 2 cores) share them; the space says so
 (``TuneSpace.host_cores``, this machine's cores), and a candidate's predicted step is at least
@@ -50,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
+from engine.baselines import placement_requirements  # noqa: E402
 from engine.cost.calibrate import Calibration  # noqa: E402
 from engine.errors import TesselError  # noqa: E402
 from engine.layout import RankLayout  # noqa: E402
@@ -86,15 +88,19 @@ def _launch(plan, steps: int, keep: int = 0):
 
 
 def _profile(model: str, res, seq: int, steps: int) -> tuple[dict, list[str]]:
-    """One profiling launch per layout and micro-batch size ``(dp, tp, pp, mbs)`` of the fitting
-    candidates, of its first fitting candidate the runtime runs: ``{(dp, tp, pp, mbs): calibration}``
-    (``calibrate_plan`` of the steps after the first) and the launched candidates' labels."""
-    cals: dict = {}
+    """Profiling launches per layout and micro-batch size ``(dp, tp, pp, mbs)`` of the fitting
+    candidates: of its first fitting candidate the runtime runs with a whole backward (``B``) and
+    of its first with a split one (``I``, ``W``), where the space has them. Returns
+    ``{(dp, tp, pp, mbs): calibration}`` (``calibrate_plan`` of the steps after the first; two
+    launches of one layout merged by ``Calibration.with_split_backward_of``, as ``tessel tune
+    --calibration A --calibration B`` merges them) and the launched candidates' labels."""
+    kinds: dict = {}
     labels: list[str] = []
     for r in res.fitting():
         c = r.candidate
         key = (c.dp, c.tp, c.pp, c.micro_batch_size)
-        if key in cals:
+        split = placement_requirements(c.schedule).split_backward
+        if split in kinds.get(key, {}):
             continue
         plan = _plan(model, c, seq)
         try:
@@ -103,8 +109,10 @@ def _profile(model: str, res, seq: int, steps: int) -> tuple[dict, list[str]]:
             continue
         cores = os.cpu_count() or 1
         check = calibrate_plan(plan, out.timelines[1:], shared_cores=cores if c.gpus > cores else None)
-        cals[key] = Calibration.from_dict(check.plan.meta["calibration"])
+        kinds.setdefault(key, {})[split] = Calibration.from_dict(check.plan.meta["calibration"])
         labels.append(c.label())
+    cals = {key: (k[False].with_split_backward_of(k[True]) if len(k) == 2 else next(iter(k.values())))
+            for key, k in kinds.items()}
     return cals, labels
 
 
@@ -150,7 +158,7 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
         plan = _plan(model, c, seq)
         try:
             out = _launch(plan, steps)
-        except TesselError as e:   # planned, but the runtime cannot run it (e.g. full recomputation on a tracer split)
+        except TesselError as e:   # planned, but the runtime cannot run it (e.g. recomputation on a tracer split)
             refused.append({"label": c.label(), "why": " ".join(str(e).split())[:200]})
             print(f"[tune_cpu_bench] {model}: {c.label()} not executable: {refused[-1]['why']}", file=sys.stderr)
             continue

@@ -142,6 +142,34 @@ def test_calibrations_of_several_layouts_are_taken_and_a_repeated_layout_is_refu
     assert p.returncode == 2 and f"dp={par.dp} tp={par.tp} pp={par.pp} and micro-batch size" in p.stderr, p.stderr
 
 
+def test_one_layouts_whole_and_split_backward_calibrations_each_predict_their_own_kind(tuned, tmp_path):
+    """``--calibration`` twice for one layout, once measured on 1F1B (B x2) and once on ZB-H1 (I, W x4):
+    taken together, not refused; 1F1B rows keep the first's prediction, ZB-H1 rows are slower than
+    with the 1F1B calibration alone (their own, larger scale)."""
+    from engine.cost.calibrate import Calibration
+    from engine.io import save_plan
+
+    out, _, _ = tuned
+    plan = load_plan(out / "plan.json")
+    plan.meta["calibration"] = Calibration(compute_scale={"F": 2.0, "B": 2.0}).to_dict()
+    whole = tmp_path / "whole.calibrated.json"
+    save_plan(plan, whole)
+    plan.meta["calibration"] = Calibration(compute_scale={"F": 2.0, "B": 4.0, "I": 4.0, "W": 4.0}).to_dict()
+    split = tmp_path / "split.calibrated.json"
+    save_plan(plan, split)
+    base = ("tune", "--model", "llama-tiny", "--gpus", "2", "--gpus-per-node", "2", "--global-batch", "4",
+            "--seq-len", "32", "--micro-batch-sizes", "2", "--schedules", "1f1b,zb-h1", "--recompute", "none",
+            "--max-tp", "1", "--top", "50", "--json")
+    one = run_cli(*base, "--calibration", str(whole), "-o", str(tmp_path / "one"))
+    both = run_cli(*base, "--calibration", str(split), "--calibration", str(whole), "-o", str(tmp_path / "both"))
+    assert one.returncode == 0 and both.returncode == 0, both.stderr
+    a, b = ({r["label"]: r["step_time"] for r in json.loads(p.stdout.strip().splitlines()[-1])["top"]}
+            for p in (one, both))
+    zb = [k for k in a if "zb-h1" in k]
+    assert zb and all(b[k] > a[k] * 1.1 for k in zb)
+    assert all(abs(b[k] - a[k]) <= 1e-9 * a[k] for k in a if "1f1b" in k)
+
+
 def test_launchable_ranks_only_what_tessel_launch_runs_here(tmp_path):
     """bert-tiny's stages are exported graphs: full recomputation plans but does not launch here, so
     with --launchable the best is without recomputation and the others are refused rows."""

@@ -35,7 +35,7 @@ OSDI 2022, sec. 5.2) times whole stages on the real mesh. Units: seconds and byt
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
 from engine.errors import CostModelError
@@ -102,6 +102,29 @@ class Calibration:
         if got is None and kind in ("I", "W"):
             got = self.compute_scale.get("B")
         return 1.0 if got is None else float(got)
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether it was measured on a split backward (``I`` and ``W`` blocks, a zero-bubble schedule)."""
+        return any(k in self.compute_scale for k in ("I", "W"))
+
+    def with_split_backward_of(self, split: "Calibration") -> "Calibration":
+        """This calibration (measured on a whole backward, ``B``) with the ``I`` and ``W`` compute
+        scales of ``split`` (the same layout measured on a split backward), so a candidate of either
+        backward kind is predicted with the scale measured on its own kind: the split backward's
+        two autograd passes cost more Python and bookkeeping than one, which a shared ``B`` scale
+        cannot carry. Everything else (communication, optimizer, ``F``, ``B``) stays this one's;
+        the per-segment block times are dropped (they belong to neither plan alone).
+
+        Raises:
+            CostModelError: this one was measured on a split backward, or ``split`` was not.
+        """
+        if self.split_backward or not split.split_backward:
+            raise CostModelError("merging the calibrations of one layout needs one measured on a whole backward "
+                                 "(1F1B, GPipe) and one on a split backward (ZB-H1)")
+        scale = dict(self.compute_scale)
+        scale.update({k: v for k, v in split.compute_scale.items() if k in ("I", "W")})
+        return replace(self, block_seconds={}, compute_scale=scale)
 
     def to_dict(self) -> dict:
         """JSON form: ``{"blocks": [[segment, kind, seconds], ...], "optimizer_seconds_per_byte", ...}``."""

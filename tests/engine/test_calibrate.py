@@ -199,3 +199,27 @@ def test_compute_scale_is_measured_over_planned_per_kind_and_survives_json(plan)
     got = measured_compute_scale(split, {(0, "I"): 1.0, (0, "W"): 1.0})
     assert got == pytest.approx({"I": 1.0, "W": 3.0, "B": 2.0})
     assert transferable_scale(None) is None
+
+
+def test_a_layouts_whole_and_split_backward_calibrations_merge_with_each_kinds_scale():
+    """``Calibration.with_split_backward_of``: the whole backward's costs and ``B`` scale, the split
+    backward's ``I`` and ``W`` scales; two of one kind are refused."""
+    import pytest
+
+    from engine.cost.calibrate import Calibration
+    from engine.errors import CostModelError
+
+    whole = Calibration(compute_scale={"F": 2.0, "B": 2.0}, optimizer_seconds_per_byte=1e-9,
+                        block_seconds={(0, "F"): 1.0}, p2p_seconds={1024: 1e-4})
+    split = Calibration(compute_scale={"F": 1.5, "B": 3.0, "I": 2.5, "W": 4.0}, optimizer_seconds_per_byte=5e-9)
+    assert (whole.split_backward, split.split_backward) == (False, True)
+    merged = whole.with_split_backward_of(split)
+    assert merged.compute_scale == {"F": 2.0, "B": 2.0, "I": 2.5, "W": 4.0}
+    assert [merged.scale_of(k) for k in "FBIW"] == [2.0, 2.0, 2.5, 4.0]
+    assert whole.scale_of("I") == 2.0   # without the split launch, I takes B's scale
+    assert merged.block_seconds == {} and merged.optimizer_seconds_per_byte == 1e-9
+    assert merged.p2p_seconds == {1024: 1e-4}
+    assert Calibration.from_dict(merged.to_dict()).compute_scale == merged.compute_scale
+    for a, b in ((split, whole), (whole, whole), (split, split)):
+        with pytest.raises(CostModelError, match="one measured on a whole backward"):
+            a.with_split_backward_of(b)
