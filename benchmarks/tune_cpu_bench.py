@@ -127,12 +127,15 @@ def _calibrated(plan, cal: Calibration | None) -> float:
     return shared_core_step_time(tl, RankLayout(par.tp, par.dp, par.pp, par.layout), par.devices, cores)
 
 
-def _ranking(rows: list[dict], key: str) -> dict:
+def _ranking(rows: list[dict], key: str, order: list[str]) -> dict:
+    """Spearman of ``rows[key]`` against the measured times, and the tuner's pick: the first label
+    of ``order`` (the tuner's ranking, its tie-breaks included) among the launched rows."""
     pred = [x[key] for x in rows]
     meas = [x["measured"] for x in rows]
     rho = float(spearmanr(pred, meas).statistic) if len(rows) > 2 else float("nan")
     best = min(rows, key=lambda x: x["measured"])
-    pick = min(rows, key=lambda x: x[key])
+    by_label = {x["label"]: x for x in rows}
+    pick = next(by_label[label] for label in order if label in by_label)
     gap = pick["measured"] / best["measured"] - 1
     return {"pick": pick, "measured_best": best, "pick_gap": gap, "spearman": rho,
             "targets": {"pick_within_5pct": gap <= PICK_WITHIN, "spearman_0_8": rho >= SPEARMAN,
@@ -168,10 +171,12 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
         print(f"[tune_cpu_bench] {model} on {ranks} ranks, {len(rows)}/{len(res.fitting())}: {c.label()} predicted "
               f"{r.step_time * 1e3:.1f} ms, calibrated {rows[-1]['calibrated'] * 1e3:.1f} ms, measured "
               f"{rows[-1]['measured'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    order = [r.candidate.label() for r in res.fitting()]
     out_d = {"model": model, "ranks": ranks, "candidates": len(rows), "not_executable": refused,
-             "tune_seconds": tune_s, "rows": rows, "profiled": _ranking(rows, "predicted")}
+             "tune_seconds": tune_s, "rows": rows, "profiled": _ranking(rows, "predicted", order)}
     if cal_res is not None:
-        out_d.update(calibrated=_ranking(rows, "calibrated"), profiling_launches=profiled,
+        out_d.update(calibrated=_ranking(rows, "calibrated", [r.candidate.label() for r in cal_res.fitting()]),
+                     profiling_launches=profiled,
                      calibrations={"x".join(map(str, k)): v.to_dict() for k, v in cals.items()},
                      tune_seconds_calibrated=tune_s_cal,
                      calibrated_pick=next((r.candidate.label() for r in cal_res.fitting()), None))
