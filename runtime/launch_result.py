@@ -63,7 +63,7 @@ class LaunchResult:
         units_per_second: units / second, measured like ``tokens_per_second``.
         predicted_units_per_second: units / second the plan predicts
             (:func:`runtime.launcher.predicted_rate`), or ``None`` when the plan holds no prediction.
-        rank_nodes: per world rank ``{"rank", "device", "node", "address"}``: its device id and,
+        rank_nodes: per world rank ``{"rank", "device", "node", "address", "node_id"}``: its device id and,
             where the launch placed ranks by node (a cluster, ``--address``), the node's index in
             the plan and its address (``None`` otherwise); also in the measured trace's metadata.
     """

@@ -115,11 +115,10 @@ def bundle_label_selectors(device_nodes: Sequence[ClusterNode]) -> list[dict[str
     return [{NODE_ID_LABEL: n.node_id} for n in device_nodes]
 
 
-def rank_node_table(device_of: Sequence[int], device_nodes: Sequence[ClusterNode] | None,
-                    coords: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """Per rank, where it runs: ``{"rank", "device", "node", "address", "node_id"}`` (and
-    ``"coords"``, e.g. ``"tp0 dp1 pp0"``, where given); ``node`` is the node's index in the plan,
-    ``None`` (with the address and Ray node id) when the plan fits on one node."""
+def rank_node_table(device_of: Sequence[int], device_nodes: Sequence[ClusterNode] | None) -> list[dict[str, Any]]:
+    """Per rank, where it runs: ``{"rank", "device", "node", "address", "node_id"}``; ``node`` is
+    the node's index in the plan, ``None`` (with the address and Ray node id) when the plan fits on
+    one node."""
     index = {nid: k for k, nid in enumerate(dict.fromkeys(n.node_id for n in device_nodes or ()))}
     out = []
     for r, d in enumerate(device_of):
@@ -127,8 +126,6 @@ def rank_node_table(device_of: Sequence[int], device_nodes: Sequence[ClusterNode
         row: dict[str, Any] = {"rank": r, "device": int(d), "node": None, "address": None, "node_id": None}
         if n is not None:
             row.update(node=index[n.node_id], address=n.address, node_id=n.node_id)
-        if coords is not None:
-            row["coords"] = coords[r]
         out.append(row)
     return out
 
@@ -136,10 +133,11 @@ def rank_node_table(device_of: Sequence[int], device_nodes: Sequence[ClusterNode
 def ranks_by_node_text(rows: Sequence[dict[str, Any]]) -> str:
     """One line: ``"ranks by node: node 0 (10.0.0.1): ranks 0, 2; node 1 (10.0.0.2): ranks 1, 3"``
     from :func:`rank_node_table` rows; ``""`` where the ranks were not placed by node."""
-    if not nodes_of_ranks(rows):
+    nodes = nodes_of_ranks(rows)
+    if not nodes:
         return ""
     parts = [f"node {k} ({addr}): rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
-             for k, (_, addr, rs) in sorted(nodes_of_ranks(rows).items())]
+             for k, (_, addr, rs) in sorted(nodes.items())]
     return "ranks by node: " + "; ".join(parts)
 
 

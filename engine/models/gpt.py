@@ -123,7 +123,7 @@ class GPT(nn.Module):
     """Decoder-only language model: token ids ``[B, T]`` (int64) -> logits ``[B, T, vocab]``.
 
     Raises:
-        ValueError (in forward): ``T > block_size``.
+        ModelArgumentError (a ValueError; in forward): ``T > block_size``.
     """
 
     def __init__(self, cfg: GPTConfig | None = None):

@@ -79,7 +79,7 @@ class Tower(nn.Module):
     it with exactly these operations.
 
     Raises:
-        ValueError (in forward): ``T > block_size``.
+        ModelArgumentError (a ValueError; in forward): ``T > block_size``.
     """
 
     def __init__(self, cfg: TwoTowerConfig):

@@ -133,7 +133,10 @@ class HFGPT2Stage(StageModule):
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[int], first: bool, last: bool):
+        from transformers.masking_utils import create_causal_mask  # a GPT-2 model: transformers is loaded
+
         super().__init__()
+        self._causal_mask = create_causal_mask
         m: Any = copy.deepcopy(model)
         tr: Any = m.transformer
         _keep_children(tr.h, [str(i) for i in layers])
@@ -148,14 +151,12 @@ class HFGPT2Stage(StageModule):
     def forward(self, x: torch.Tensor) -> tuple:
         """``x``: token ids ``[B, T]`` (first stage) or the hidden state ``[B, T, H]``. Returns
         ``(logits [B, T, vocab],)`` on the last stage, else ``(hidden [B, T, H],)``."""
-        from transformers.masking_utils import create_causal_mask
-
         tr: Any = self.transformer
         pos = torch.arange(x.shape[1], dtype=torch.long, device=x.device).unsqueeze(0)
         if self.first:
             x = tr.drop(tr.wte(x) + tr.wpe(pos))
-        mask = create_causal_mask(config=tr.config, inputs_embeds=x, attention_mask=None, cache=None,
-                                  position_ids=pos)
+        mask = self._causal_mask(config=tr.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                 position_ids=pos)
         for block in tr.h:
             x = block(x, None, mask, position_ids=pos)
         return (self.lm_head(tr.ln_f(x)),) if self.last else (x,)

@@ -75,7 +75,7 @@ def dts_temperature(step: int, tau_max: float = 2.0, tau_min: float = 0.5, D: in
     step 0 and ``tau_min`` from step ``D`` on.
 
     Raises:
-        ValueError: unknown ``kind``, ``D < 1``, ``step < 0`` or non-positive temperatures.
+        ModelArgumentError: (a ValueError) unknown ``kind``, ``D < 1``, ``step < 0`` or non-positive temperatures.
     """
     if D < 1:
         raise ModelArgumentError(f"D (annealing updates) must be >= 1, got {D}")
@@ -368,7 +368,7 @@ def make_gate(kind: str, hidden: int, num_experts: int, **gate_kw) -> BaseGate:
     """Build a gate by name (``"switch"``, ``"top2"``, ``"dts"``) with its keyword arguments.
 
     Raises:
-        ValueError: unknown gate name.
+        ModelArgumentError: (a ValueError) unknown gate name.
     """
     if kind not in GATES:
         raise ModelArgumentError(f"unknown gate {kind!r}; valid gates: {', '.join(GATES)}")
