@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -406,26 +405,36 @@ def start_actors(worker_cls: type, world_size: int, device: str, make_args: Call
 
 
 def shutdown_ray(owned: bool) -> None:
-    """``ray.shutdown()`` if this launch started/connected Ray (``owned``), and wait briefly for
-    the local cluster's processes to exit (up to 10 s)."""
+    """``ray.shutdown()`` if this launch started/connected Ray (``owned``), then wait up to 10 s for
+    the local cluster's processes (this process's Ray children, found before the shutdown) to exit
+    and kill the ones left. One left behind (seen: a helper still retrying the stopped GCS minutes
+    later) holds this process's stdout and stderr open after it exits, so whoever reads them, a
+    shell pipe or ``subprocess.run``, waits for it."""
     if not owned or not ray.is_initialized():
         return
+    kids = _ray_children()
     ray.shutdown()
-    _wait_children_gone(10.0)
+    _end_processes(kids, grace=10.0)
 
 
-def _wait_children_gone(timeout: float) -> None:
-    """Wait until this process's Ray child processes (raylet, gcs_server, ...) have exited."""
-    deadline = time.monotonic() + timeout
-    me = psutil.Process()
-    while time.monotonic() < deadline:
+def _ray_children() -> list:
+    """This process's Ray child processes (raylet, gcs_server, agents, workers), recursively."""
+    try:
+        return [p for p in psutil.Process().children(recursive=True) if _is_ray_process(p)]
+    except psutil.Error:
+        return []
+
+
+def _end_processes(procs: list, *, grace: float) -> None:
+    """Wait up to ``grace`` seconds for ``procs`` (``psutil.Process``) to exit, then kill the rest."""
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        log.debug("Ray process %d outlived ray.shutdown(); killing it", p.pid)
         try:
-            kids = [p for p in me.children(recursive=True) if _is_ray_process(p)]
+            p.kill()
         except psutil.Error:
-            return
-        if not kids:
-            return
-        time.sleep(0.2)
+            pass
+    psutil.wait_procs(alive, timeout=5.0)
 
 
 def _is_ray_process(p) -> bool:
