@@ -437,11 +437,20 @@ def _end_processes(procs: list, *, grace: float) -> None:
     psutil.wait_procs(alive, timeout=5.0)
 
 
+#: Ray's package folder: its binaries (``gcs_server``, ``raylet``) and helper scripts live under it.
+_RAY_DIR = os.path.dirname(os.path.abspath(ray.__file__)) + os.sep
+
+
 def _is_ray_process(p) -> bool:
+    """Whether ``p`` (``psutil.Process``) is one of Ray's: a worker or agent (``ray::...``), or a
+    program or script from Ray's package (GCS, raylet, dashboard, monitors). Not any process whose
+    command line mentions "ray": a multiprocessing forkserver carries Ray's ``thirdparty_files`` in
+    its ``sys.path`` argument and is not Ray's to end."""
     try:
-        cmd = " ".join(p.cmdline())
-        return p.status() != "zombie" and ("ray" in cmd)
-    except Exception:
+        cmd = p.cmdline()
+        return p.status() != psutil.STATUS_ZOMBIE and bool(cmd) and (
+            cmd[0].startswith("ray::") or any(a.startswith(_RAY_DIR) for a in cmd[:3]))
+    except psutil.Error:
         return False
 
 
