@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tessel_run import run_tessel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,9 +43,8 @@ def test_a_full_disk_during_a_checkpoint_is_one_sentence_and_keeps_the_last_one(
     if why:
         pytest.skip(why)
     try:
-        p = subprocess.run([sys.executable, "-m", "apps.cli", "launch", str(path), "--device", "cpu", "--steps", "3",
-                            "--checkpoint-dir", str(disk / "ckpt"), "--checkpoint-every", "1", "--eval-every", "0"],
-                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+        p = run_tessel("launch", str(path), "--device", "cpu", "--steps", "3", "--checkpoint-dir", str(disk / "ckpt"),
+                       "--checkpoint-every", "1", "--eval-every", "0", timeout=300)
         kept = ck.list_checkpoints(disk / "ckpt")
         assert p.returncode == 3, p.stderr[-2000:]
         last = p.stderr.strip().splitlines()[-1]

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from ray_processes import ray_child_processes
+from tessel_run import run_tessel
 
 from engine.plan import make_plan
 from runtime import checkpoint as ck
@@ -301,8 +300,7 @@ def test_cli_crossover_end_to_end(plan, tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     save_plan(plan, a)
     save_plan(plan, b)
-    p = subprocess.run([sys.executable, "-m", "apps.cli", "launch", str(a), str(b), "--crossover", "--steps", "2",
-                        "--json"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=350)
+    p = run_tessel("launch", str(a), str(b), "--crossover", "--steps", "2", "--json", timeout=350)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["ok"] and res["mode"] == "crossover" and res["plans"] == [str(a), str(b)]

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from tessel_run import run_tessel
 
 from runtime import checkpoint as ck
 
@@ -77,8 +78,7 @@ def test_ctrl_c_checkpoints_every_co_located_job_and_the_command_resumes_them(tm
     assert words[:2] == ["tessel", "launch"] and "--resume" in words and "--crossover" in words
     steps = max(done) + 1
     words[words.index("--steps") + 1] = str(steps)
-    p = subprocess.run([sys.executable, "-m", "apps.cli", *words[1:], "--json"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    p = run_tessel(*words[1:], "--json", timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert [j["start_step"] for j in res["jobs"]] == done

@@ -3,30 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from tessel_run import run_tessel
 
 pytest.importorskip("ray")
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-#: Runs ``tessel demo`` with Python's faulthandler armed: should the demo not end within
-#: ``_WATCHDOG_S`` seconds, every thread's stack goes to stderr and the process exits, so a hang
-#: fails this test with the place it hung rather than a bare subprocess timeout.
-_WATCHDOG_S = 330
-_RUN_WITH_WATCHDOG = ("import faulthandler, runpy, sys; faulthandler.dump_traceback_later({}, exit=True); "
-                      "sys.argv = ['tessel'] + sys.argv[1:]; runpy.run_module('apps.cli', run_name='__main__')")
 
 
 @pytest.mark.timeout(400)
 def test_demo_plans_trains_reports_and_calibrates(tmp_path):
-    p = subprocess.run([sys.executable, "-c", _RUN_WITH_WATCHDOG.format(_WATCHDOG_S), "demo", "--steps", "6",
-                        "--model", "gpt2-tiny", "--step-timeout", "60", "-o", str(tmp_path), "--json"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=380)
+    # a hang fails with every thread's stack (see tests/tessel_run.py)
+    p = run_tessel("demo", "--steps", "6", "--model", "gpt2-tiny", "--step-timeout", "60", "-o", str(tmp_path),
+                   "--json", timeout=330)
     assert p.returncode == 0, p.stderr[-6000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["ok"] and res["steps"] == 6 and res["model"] == "gpt2-tiny"

@@ -22,6 +22,7 @@ ray = pytest.importorskip("ray")
 
 from fake_worker import FakeWorker, pickle_by_value  # noqa: E402
 from ray_processes import ray_child_processes  # noqa: E402
+from tessel_run import run_tessel  # noqa: E402
 
 from engine.errors import TesselError  # noqa: E402
 from engine.plan import make_plan  # noqa: E402
@@ -341,8 +342,7 @@ def test_cli_launch_json_and_resume_errors(tmp_path):
     import json
 
     def tessel(*args):
-        return subprocess.run([sys.executable, "-m", "apps.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=350)
+        return run_tessel(*args, timeout=350)
 
     p = tessel("plan", "--model", "gpt2-tiny", "--devices", "2", "--micro-batches", str(M), "--schedule", "1f1b",
                "--device-type", "cpu", "--seq-len", str(SEQ), "--micro-batch-size", str(MBS), "-o", str(tmp_path))
@@ -378,8 +378,7 @@ def test_cli_search_with_a_model_writes_a_plan_that_launch_trains(tmp_path):
     import json
 
     def tessel(*args):
-        return subprocess.run([sys.executable, "-m", "apps.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=350)
+        return run_tessel(*args, timeout=350)
 
     p = tessel("search", "--model", "llama-tiny", "--placement", "m", "--devices", "2", "--micro-batches", str(M),
                "--micro-batch-size", str(MBS), "--seq-len", str(SEQ), "--device-type", "cpu", "--time-limit", "5",

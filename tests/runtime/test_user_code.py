@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tessel_run import run_tessel
+
 from runtime.user_code import user_code_path, user_code_runtime_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,9 +47,8 @@ def test_a_user_module_in_the_working_directory_trains_without_pythonpath(tmp_pa
                            "--micro-batches", "2", "--seq-len", "16", "--device-type", "cpu", "-o", "out"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert plan.returncode == 0, plan.stderr[-2000:]
-    p = subprocess.run([sys.executable, "-m", "apps.cli", "launch", "out/plan.json", "--steps", "2", "--device", "cpu",
-                        "--checkpoint-every", "0", "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
+    p = run_tessel("launch", "out/plan.json", "--steps", "2", "--device", "cpu", "--checkpoint-every", "0", "--json",
+                   cwd=tmp_path, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["ok"] and len(res["losses"]) == 2
