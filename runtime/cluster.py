@@ -414,7 +414,9 @@ def shutdown_ray(owned: bool) -> None:
         return
     kids = _ray_children()
     ray.shutdown()
-    _end_processes(kids, grace=10.0)
+    # and those started between the listing and the shutdown (a worker the raylet was starting)
+    pids = {p.pid for p in kids}
+    _end_processes(kids + [p for p in _ray_children() if p.pid not in pids], grace=10.0)
 
 
 def _ray_children() -> list:
