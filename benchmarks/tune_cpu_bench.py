@@ -30,7 +30,13 @@ its ranks' summed compute over the cores (:mod:`engine.plan.core_sharing`), the 
 likewise.
 
 Usage: ``python benchmarks/tune_cpu_bench.py [--json] [--models llama-32k-cpu,two-tower-tiny,gpt2-small-cpu]
-[--ranks 2,4] [--steps 5] [--micro-batch-sizes 1,2] [--no-calibration]``
+[--ranks 2,4] [--steps 5] [--micro-batch-sizes 1,2] [--repeats 1] [--no-calibration]``
+
+One launch's median step is a noisy measurement here: the same candidate measured twice differs by
+10-25% (ranks sharing two cores, Python, the allocator). ``--repeats R`` launches every candidate R
+times (alternate passes in reverse order) and ranks against the median; the table's ``retest``
+column is the Spearman of the first pass against the second, which bounds what any predictor can
+reach against one pass.
 """
 
 from __future__ import annotations
@@ -142,9 +148,21 @@ def _ranking(rows: list[dict], key: str, order: list[str]) -> dict:
                         "at_least_12": len(rows) >= 12}}
 
 
-def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tuple[int, ...] = (1, 2)) -> dict:
+def _test_retest(rows: list[dict]) -> float:
+    """Spearman of the first against the second repeat's measured times (NaN with one repeat): how
+    well one launch's measurement ranks the candidates the same way again, the ceiling a predictor
+    compared with one measurement can reach (about its square root)."""
+    if len(rows) < 3 or any(len(x["runs"]) < 2 for x in rows):
+        return float("nan")
+    return float(spearmanr([x["runs"][0] for x in rows], [x["runs"][1] for x in rows]).statistic)
+
+
+def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tuple[int, ...] = (1, 2),
+            repeats: int = 1) -> dict:
     """Tune ``model`` on ``ranks`` CPU ranks (profiled op times; with ``calibrated``, again with the
-    calibration of one profiling launch of the pick), launch every fitting candidate, compare."""
+    calibration of one profiling launch of the pick), launch every fitting candidate ``repeats``
+    times (the candidates in reverse order on every second pass, so that a drift of the machine's
+    speed does not favour the first ones) and compare with the median of its launches."""
     batch, seq = MODELS[model]
     t0 = time.perf_counter()
     res = tune(model, _space(ranks, batch, mbs), device_type="cpu", seq_len=seq, profile=True)
@@ -155,25 +173,34 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
         t0 = time.perf_counter()
         cal_res = tune(model, _space(ranks, batch, mbs), device_type="cpu", seq_len=seq, profile=True, calibration=cals)
         tune_s_cal = time.perf_counter() - t0
-    rows, refused = [], []
-    for r in res.fitting():
-        c = r.candidate
-        plan = _plan(model, c, seq)
-        try:
-            out = _launch(plan, steps)
-        except TesselError as e:   # planned, but the runtime cannot run it (e.g. recomputation on a tracer split)
-            refused.append({"label": c.label(), "why": " ".join(str(e).split())[:200]})
-            print(f"[tune_cpu_bench] {model}: {c.label()} not executable: {refused[-1]['why']}", file=sys.stderr)
-            continue
-        times = [tl.makespan for tl in out.timelines[1:]] or [out.measured_makespan]
-        rows.append({"label": c.label(), "predicted": r.step_time,
-                     "calibrated": _calibrated(plan, calibration_for(cals, c)), "measured": statistics.median(times)})
-        print(f"[tune_cpu_bench] {model} on {ranks} ranks, {len(rows)}/{len(res.fitting())}: {c.label()} predicted "
-              f"{r.step_time * 1e3:.1f} ms, calibrated {rows[-1]['calibrated'] * 1e3:.1f} ms, measured "
-              f"{rows[-1]['measured'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    by_label: dict[str, dict] = {}
+    refused: list[dict] = []
+    for rep in range(repeats):
+        order = res.fitting() if rep % 2 == 0 else res.fitting()[::-1]
+        for r in order:
+            c = r.candidate
+            if any(x["label"] == c.label() for x in refused):
+                continue
+            plan = _plan(model, c, seq)
+            try:
+                out = _launch(plan, steps)
+            except TesselError as e:   # planned, but the runtime cannot run it (e.g. recomputation on a tracer split)
+                refused.append({"label": c.label(), "why": " ".join(str(e).split())[:200]})
+                print(f"[tune_cpu_bench] {model}: {c.label()} not executable: {refused[-1]['why']}", file=sys.stderr)
+                continue
+            times = [tl.makespan for tl in out.timelines[1:]] or [out.measured_makespan]
+            row = by_label.setdefault(c.label(), {"label": c.label(), "predicted": r.step_time, "runs": [],
+                                                  "calibrated": _calibrated(plan, calibration_for(cals, c))})
+            row["runs"].append(statistics.median(times))
+            row["measured"] = statistics.median(row["runs"])
+            print(f"[tune_cpu_bench] {model} on {ranks} ranks, pass {rep + 1}/{repeats}: {c.label()} predicted "
+                  f"{r.step_time * 1e3:.1f} ms, calibrated {row['calibrated'] * 1e3:.1f} ms, measured "
+                  f"{row['runs'][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    rows = [by_label[r.candidate.label()] for r in res.fitting() if r.candidate.label() in by_label]
     order = [r.candidate.label() for r in res.fitting()]
     out_d = {"model": model, "ranks": ranks, "candidates": len(rows), "not_executable": refused,
-             "tune_seconds": tune_s, "rows": rows, "profiled": _ranking(rows, "predicted", order)}
+             "tune_seconds": tune_s, "rows": rows, "repeats": repeats, "test_retest_spearman": _test_retest(rows),
+             "profiled": _ranking(rows, "predicted", order)}
     if cal_res is not None:
         out_d.update(calibrated=_ranking(rows, "calibrated", [r.candidate.label() for r in cal_res.fitting()]),
                      profiling_launches=profiled,
@@ -186,7 +213,7 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
 def report(results: list[dict]) -> str:
     """The table: per model and rank count, the ranking by profiled op times and by the calibrated ones."""
     head = (f"{'model':<16} {'ranks':>5} {'cands':>5} {'costs':<10} {'tuner pick':<40} {'pick ms':>8} {'best ms':>8} "
-            f"{'gap':>6} {'Spearman':>8} {'tune s':>6}")
+            f"{'gap':>6} {'Spearman':>8} {'retest':>6} {'tune s':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         for costs, key, secs in (("profiled", "profiled", r["tune_seconds"]),
@@ -196,10 +223,12 @@ def report(results: list[dict]) -> str:
                 continue
             lines.append(f"{r['model']:<16} {r['ranks']:>5} {r['candidates']:>5} {costs:<10} {k['pick']['label']:<40} "
                          f"{k['pick']['measured'] * 1e3:8.1f} {k['measured_best']['measured'] * 1e3:8.1f} "
-                         f"{k['pick_gap']:6.1%} {k['spearman']:8.2f} {secs:6.1f}")
+                         f"{k['pick_gap']:6.1%} {k['spearman']:8.2f} {r.get('test_retest_spearman', math.nan):6.2f} "
+                         f"{secs:6.1f}")
     lines.append(f"targets: the pick within {PICK_WITHIN:.0%} of the measured best, Spearman >= {SPEARMAN}, "
-                 "at least 12 candidates; measured: median step (after the first) on Ray gloo ranks; calibrated: "
-                 "tuned again with the calibration of one profiling launch of the profiled pick")
+                 "at least 12 candidates; measured: median step (after the first) on Ray gloo ranks, the median "
+                 "of --repeats launches; retest: Spearman of the first launches against the second (the noise "
+                 "ceiling); calibrated: tuned again with the calibrations of the profiling launches")
     return "\n".join(lines)
 
 
@@ -210,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
     ap.add_argument("--steps", type=int, default=5, help="steps per launch, the first not measured (default 5)")
     ap.add_argument("--micro-batch-sizes", default="1,2", help="micro-batch sizes of the space (default 1,2)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="launches per candidate, measured as their median (default 1); with 2 or more the table "
+                         "gives the test-retest Spearman of the first two")
     ap.add_argument("--no-calibration", action="store_true",
                     help="rank with profiled op times only (no profiling launch, no calibrated ranking)")
     args = ap.parse_args(argv)
@@ -217,10 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in MODELS for m in models):
         ap.error(f"models are {', '.join(MODELS)}")
     ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     mbs = tuple(int(x) for x in args.micro_batch_sizes.split(",") if x.strip())
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
     try:
-        results = [measure(m, r, args.steps, not args.no_calibration, mbs) for m in models for r in ranks]
+        results = [measure(m, r, args.steps, not args.no_calibration, mbs, args.repeats) for m in models for r in ranks]
     finally:
         ray.shutdown()
     print(json.dumps({"results": results}) if args.json else report(results))
