@@ -98,8 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measured compute scale; repeat it with launches of other layouts: each candidate takes "
                         "the one of its (dp, tp, pp) and micro-batch size, else of its (dp, tp, pp), else of its pp, "
                         "else of its dp, else the first; a layout given twice, once launched with a split "
-                        "backward (ZB-H1) and once without, predicts each backward kind's plans with the compute "
-                        "scales measured on that kind (its forward's too)")
+                        "backward (ZB-H1) and once without, predicts each backward kind with its own compute scale")
     p.add_argument("--launchable", action="store_true",
                    help="rank only configurations `tessel launch` runs here (the others are listed as refused, "
                         "with the runtime's reason)")

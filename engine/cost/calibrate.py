@@ -79,13 +79,6 @@ class Calibration:
             a whole stage). It transfers to other plans of the same model (``tessel tune
             --calibration``), whose segments differ: a block not in :attr:`block_seconds` takes
             its planned duration times this ratio.
-        compute_scale_split: ``{kind: ratio}`` likewise, measured on a split backward (ZB-H1's
-            ``F``, ``I``, ``W``) and kept beside a whole backward's :attr:`compute_scale` by
-            :meth:`with_split_backward_of`: the blocks of a split-backward plan take these. Where
-            ranks share cores a block's measured time includes the other ranks' work running beside
-            it, and a zero-bubble schedule keeps more ranks busy at once, so even its forward blocks
-            run slower than 1F1B's (llama-32k-cpu, 4 ranks on 2 cores: the last stage's ``F`` 129-146
-            ms under ZB-H1 against 90-97 ms under 1F1B). Empty: :attr:`compute_scale` for every plan.
     """
 
     block_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
@@ -95,21 +88,16 @@ class Calibration:
     p2p_seconds: dict[int, float] = field(default_factory=dict)
     collectives: list[tuple[str, int, int, float]] = field(default_factory=list)
     compute_scale: dict[str, float] = field(default_factory=dict)
-    compute_scale_split: dict[str, float] = field(default_factory=dict)
 
-    def block_time(self, segment: int, kind: str, default: float, split_backward: bool = False) -> float:
+    def block_time(self, segment: int, kind: str, default: float) -> float:
         """Measured seconds of a ``kind`` block of ``segment``, else ``default`` (planned seconds)
-        times :meth:`scale_of` ``kind`` (``split_backward``: the block belongs to a plan whose
-        backward is split into ``I`` and ``W``)."""
+        times :meth:`scale_of` ``kind``."""
         got = self.block_seconds.get((int(segment), str(kind)))
-        return got if got is not None else default * self.scale_of(str(kind), split_backward)
+        return got if got is not None else default * self.scale_of(str(kind))
 
-    def scale_of(self, kind: str, split_backward: bool = False) -> float:
-        """:attr:`compute_scale` of ``kind`` (of :attr:`compute_scale_split`, where it has ``kind``,
-        for a block of a plan with a split backward); a split backward's ``I`` and ``W`` blocks not
-        measured take the backward's (``B``) scale (they are its two halves), then 1."""
-        if split_backward and kind in self.compute_scale_split:
-            return float(self.compute_scale_split[kind])
+    def scale_of(self, kind: str) -> float:
+        """:attr:`compute_scale` of ``kind``; a split backward's ``I`` and ``W`` blocks not measured
+        take the backward's (``B``) scale (they are its two halves), then 1."""
         got = self.compute_scale.get(kind)
         if got is None and kind in ("I", "W"):
             got = self.compute_scale.get("B")
@@ -117,30 +105,26 @@ class Calibration:
 
     @property
     def split_backward(self) -> bool:
-        """Whether it was measured on a split backward (``I`` and ``W`` blocks, a zero-bubble schedule)
-        and on nothing else (not merged by :meth:`with_split_backward_of`)."""
-        return any(k in self.compute_scale for k in ("I", "W")) and not self.compute_scale_split
+        """Whether it was measured on a split backward (``I`` and ``W`` blocks, a zero-bubble schedule)."""
+        return any(k in self.compute_scale for k in ("I", "W"))
 
     def with_split_backward_of(self, split: "Calibration") -> "Calibration":
         """This calibration (measured on a whole backward, ``B``) with the ``I`` and ``W`` compute
-        scales of ``split`` (the same layout measured on a split backward), and every compute scale of
-        ``split`` as :attr:`compute_scale_split`, so a candidate of either backward kind is predicted
-        with the scales measured on its own kind: the split backward's two autograd passes cost more
-        Python and bookkeeping than one, and where ranks share cores the denser schedule slows its
-        forward blocks too; one shared scale per kind carries neither. Everything else
-        (communication, optimizer) stays this one's; the per-segment block times are dropped (they
-        belong to neither plan alone).
+        scales of ``split`` (the same layout measured on a split backward), so a candidate of either
+        backward kind is predicted with the scale measured on its own kind: the split backward's
+        two autograd passes cost more Python and bookkeeping than one, which a shared ``B`` scale
+        cannot carry. Everything else (communication, optimizer, ``F``, ``B``) stays this one's;
+        the per-segment block times are dropped (they belong to neither plan alone).
 
         Raises:
-            CostModelError: this one was measured on a split backward or is merged already, or
-                ``split`` was not measured on a split backward alone.
+            CostModelError: this one was measured on a split backward, or ``split`` was not.
         """
-        if self.compute_scale_split or self.split_backward or not split.split_backward:
+        if self.split_backward or not split.split_backward:
             raise CostModelError("merging the calibrations of one layout needs one measured on a whole backward "
                                  "(1F1B, GPipe) and one on a split backward (ZB-H1)")
         scale = dict(self.compute_scale)
         scale.update({k: v for k, v in split.compute_scale.items() if k in ("I", "W")})
-        return replace(self, block_seconds={}, compute_scale=scale, compute_scale_split=dict(split.compute_scale))
+        return replace(self, block_seconds={}, compute_scale=scale)
 
     def to_dict(self) -> dict:
         """JSON form: ``{"blocks": [[segment, kind, seconds], ...], "optimizer_seconds_per_byte", ...}``."""
@@ -149,8 +133,6 @@ class Calibration:
                 "p2p": [[n, t] for n, t in sorted(self.p2p_seconds.items())],
                 "collectives": [list(c) for c in self.collectives],
                 "compute_scale": dict(sorted(self.compute_scale.items())),
-                **({"compute_scale_split": dict(sorted(self.compute_scale_split.items()))}
-                   if self.compute_scale_split else {}),
                 "samples": self.samples, "steps": self.steps}
 
     @classmethod
@@ -166,9 +148,8 @@ class Calibration:
             p2p = {int(n): float(t) for n, t in d.get("p2p", [])}
             colls = [(str(k), int(n), int(g), float(t)) for k, n, g, t in d.get("collectives", [])]
             scale = {str(k): float(v) for k, v in (d.get("compute_scale") or {}).items()}
-            split = {str(k): float(v) for k, v in (d.get("compute_scale_split") or {}).items()}
             return cls(blocks, None if spb is None else float(spb), int(d.get("samples", 0)), int(d.get("steps", 0)),
-                       p2p, colls, scale, split)
+                       p2p, colls, scale)
         except (TypeError, ValueError) as e:
             raise CostModelError(f"malformed calibration: {e}; expected blocks=[[segment, kind, seconds], ...]") from e
 
@@ -315,11 +296,10 @@ class CalibratedCost:
         return getattr(self.base, name)
 
 
-def calibrated_durations(blocks: Iterable, calibration: Calibration, split_backward: bool = False) -> list[float]:
+def calibrated_durations(blocks: Iterable, calibration: Calibration) -> list[float]:
     """Per placement block (``PlacementBlock`` with ``segment``, ``kind``, ``duration``), the
-    calibrated duration in seconds, or its own where the calibration has no measurement
-    (``split_backward``: the blocks' placement splits the backward, :meth:`Calibration.scale_of`)."""
-    return [calibration.block_time(b.segment, b.kind, b.duration, split_backward) for b in blocks]
+    calibrated duration in seconds, or its own where the calibration has no measurement."""
+    return [calibration.block_time(b.segment, b.kind, b.duration) for b in blocks]
 
 
 __all__ = ["Calibration", "CalibratedCost", "calibrate", "calibrated_durations", "measured_compute_scale",

@@ -107,11 +107,10 @@ def with_calibration(plan: Plan, calibration: Calibration) -> tuple[Plan, Timeli
     if unknown:
         raise TesselError(f"the calibration has times for segments {unknown}, the plan has segments "
                           f"0..{pl.num_segments - 1}; calibrate from a launch of this plan")
-    split = pl.split_backward
-    segments = [dict(seg, forward_time=calibration.block_time(i, "F", seg.get("forward_time", 0.0), split),
-                     backward_time=calibration.block_time(i, "B", seg.get("backward_time", 0.0), split))
+    segments = [dict(seg, forward_time=calibration.block_time(i, "F", seg.get("forward_time", 0.0)),
+                     backward_time=calibration.block_time(i, "B", seg.get("backward_time", 0.0)))
                 for i, seg in enumerate(plan.segments)]
-    return _with_block_durations(plan, calibrated_durations(pl.blocks, calibration, split), segments,
+    return _with_block_durations(plan, calibrated_durations(pl.blocks, calibration), segments,
                                  {"calibration": calibration.to_dict()})
 
 

@@ -536,7 +536,7 @@ def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostM
     placement = placement_from_segments(segments, config, schedule, optimizer=optimizer,
                                         tied_grad_bytes=_tied_bytes_per_segment(tied, config.tp))
     if compute_scale is not None:
-        placement = placement.with_durations([b.duration * compute_scale.scale_of(b.kind, placement.split_backward)
+        placement = placement.with_durations([b.duration * compute_scale.scale_of(b.kind)
                                               for b in placement.blocks])
     return TransformedModel(segments, tied, seg_moe, placement, captured.warnings + warnings)
 
