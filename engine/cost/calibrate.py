@@ -24,7 +24,11 @@ module takes the measured :class:`~engine.timeline.Timeline` of one or more step
   for the others, so the collective itself is timed on the rank that arrived last, from its start
   to its end (the same aligned step clocks); its excess over the cost model's
   ``collective_time`` becomes a fixed per-collective overhead (the software path: gloo's
-  rendezvous, the gradient copy into the flat buffer, Python).
+  rendezvous, the gradient copy into the flat buffer, Python). A launch's measured timeline holds
+  replica 0's ranks only, so a data-parallel gradient collective (``allreduce s0``: its other
+  members are the other replicas) is seen on one rank: with ``replicas`` (the plan's ``dp``) it is
+  timed there, over a group of ``replicas`` ranks (replicas run the same blocks, so they reach it
+  together and little of that time is waiting).
 
 This is the calibration step of profile-guided planners: FlexFlow's execution simulator
 (Jia et al., "Beyond Data and Model Parallelism for Deep Neural Networks", SysML 2019, sec. 5)
@@ -155,7 +159,7 @@ class Calibration:
 
 
 def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[int] | None = None,
-              planned: Mapping[tuple[int, str], float] | None = None) -> Calibration:
+              planned: Mapping[tuple[int, str], float] | None = None, replicas: int = 1) -> Calibration:
     """Derive a :class:`Calibration` from measured timelines (one per step).
 
     Args:
@@ -166,6 +170,9 @@ def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[in
         planned: ``{(segment, kind): seconds}``, the measured plan's own block durations; with it
             the calibration gets :attr:`Calibration.compute_scale` (per kind, the measured trimmed
             means summed over segments divided by the planned durations summed over the same ones).
+        replicas: the measured plan's data-parallel degree; at 2 or more a collective seen on one
+            rank only (the gradient sync among replicas, whose other members the timeline does not
+            hold) is timed on that rank as a collective of ``replicas`` ranks.
 
     Returns:
         The calibration; block kinds never measured are absent (the plan keeps its own durations).
@@ -180,7 +187,7 @@ def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[in
     samples = 0
     collectives: list[tuple[str, int, int, float]] = []
     for tl in tls:
-        collectives += _collective_times(tl)
+        collectives += _collective_times(tl, replicas)
         produced = {(e.rank, e.name): e.end for e in tl.events if e.stream == "compute"}
         for e in tl.events:
             if e.op == "RECV" and "<" in e.name:
@@ -225,19 +232,22 @@ def measured_compute_scale(measured: Mapping[tuple[int, str], float], planned: M
     return {k: num[k] / den[k] for k in num if den[k] > 0}
 
 
-def _collective_times(tl: Timeline) -> list[tuple[str, int, int, float]]:
+def _collective_times(tl: Timeline, replicas: int = 1) -> list[tuple[str, int, int, float]]:
     """Each collective of one measured step seen on 2+ ranks (events with the same op and name):
-    ``(kind, nbytes, ranks, seconds)`` with the seconds of the rank that started it last."""
+    ``(kind, nbytes, ranks, seconds)`` with the seconds of the rank that started it last; with
+    ``replicas >= 2`` also each seen on one rank, as a collective of ``replicas`` ranks."""
     groups: dict[tuple[str, str], list] = {}
     for e in tl.events:
         if e.stream == "collective" and e.op in ("ALLREDUCE", "REDUCESCATTER", "ALLGATHER") and e.end >= e.start:
             groups.setdefault((e.op, e.name), []).append(e)
     out = []
     for (op, _name), evs in groups.items():
-        if len({e.rank for e in evs}) < 2:
+        ranks = len({e.rank for e in evs})
+        if ranks < 2 and replicas < 2:
             continue
         last = max(evs, key=lambda e: e.start)
-        out.append((op.lower(), int(max(e.nbytes for e in evs)), len({e.rank for e in evs}), last.end - last.start))
+        out.append((op.lower(), int(max(e.nbytes for e in evs)), ranks if ranks >= 2 else replicas,
+                    last.end - last.start))
     return out
 
 

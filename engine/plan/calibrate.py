@@ -171,11 +171,11 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: i
 
     fitted = tls if shared_cores is None else [uncontended_timeline(t, layout, par.devices, shared_cores) for t in tls]
     planned = {(b.segment, b.kind): b.duration for b in plan.placement.blocks}
-    new, tl = with_calibration(plan, calibrate(fitted, planned=planned))
+    new, tl = with_calibration(plan, calibrate(fitted, planned=planned, replicas=par.dp))
     held_out = len(tls) >= 4
     if held_out:
         half = len(tls) // 2
-        _, tl = with_calibration(plan, calibrate(fitted[:half], planned=planned))
+        _, tl = with_calibration(plan, calibrate(fitted[:half], planned=planned, replicas=par.dp))
         checked = tls[half:]
     else:
         checked = tls

@@ -77,13 +77,16 @@ def shared_core_step_time(timeline: Timeline, layout: RankLayout, devices_per_no
 
 
 def uncontended_timeline(timeline: Timeline, layout: RankLayout, devices_per_node: int, cores: int) -> Timeline:
-    """A measured step with each compute event's duration replaced by the work it did: under
-    processor sharing an event running while ``k`` of its node's devices compute progresses at
-    ``min(1, cores / k)`` of its own speed, so its work is the integral of that rate over the event
-    (seconds of one core). Replicas and tensor ranks are taken to run as their pipeline rank of
-    replica 0 does (the measured timeline holds only replica 0, ``runtime.launch_result``); a
-    pipeline rank's events are counted on the node of its first device. Events keep their start;
-    other streams are unchanged. With a core per device the timeline is returned as it is.
+    """A measured step with each CPU-work event's duration (:data:`CPU_WORK_STREAMS`: compute,
+    sends, collectives) replaced by the work it did: under processor sharing an event running while
+    ``k`` of its node's devices work progresses at ``min(1, cores / k)`` of its own speed, so its
+    work is the integral of that rate over the event (seconds of one core). Collectives too: a
+    data-parallel all-reduce that all four ranks on two cores run at once measures twice its
+    work, and :func:`shared_core_step_time` counts it as work again. Replicas and tensor ranks are
+    taken to run as their pipeline rank of replica 0 does (the measured timeline holds only
+    replica 0, ``runtime.launch_result``); a pipeline rank's events are counted on the node of its
+    first device. Events keep their start; receives are unchanged. With a core per device the
+    timeline is returned as it is.
 
     Raises:
         ValueError: ``devices_per_node`` or ``cores`` below 1.
@@ -97,7 +100,7 @@ def uncontended_timeline(timeline: Timeline, layout: RankLayout, devices_per_nod
         node = layout.device(t, d, p) // devices_per_node
         copies.setdefault(p, {})[node] = copies.setdefault(p, {}).get(node, 0) + 1
     home = {p: layout.device(0, 0, p) // devices_per_node for p in copies}
-    compute = [e for e in timeline.events if e.stream == "compute" and e.end > e.start and e.rank in copies]
+    compute = [e for e in timeline.events if e.stream in CPU_WORK_STREAMS and e.end > e.start and e.rank in copies]
     marks = sorted({x for e in compute for x in (e.start, e.end)})
     index = {x: i for i, x in enumerate(marks)}
     delta = [[0] * (len(marks) + 1) for _ in range(len(copies))]   # per rank: +1 at start, -1 at end

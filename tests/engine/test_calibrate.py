@@ -151,6 +151,21 @@ def test_collective_overhead_is_timed_on_the_rank_that_arrived_last():
     assert cc.collective_time("allreduce", nbytes, [1]) == base.collective_time("allreduce", nbytes, [1])
 
 
+def test_a_data_parallel_gradient_sync_seen_on_one_rank_is_timed_there_with_replicas():
+    """A launch's timeline holds replica 0 only, so its gradient all-reduce among replicas
+    (``allreduce s1``, on rank 1 alone) is a sample only when the data-parallel degree is given:
+    then it counts as a collective of that many ranks, with that rank's time."""
+    nbytes = 1 << 20
+    events = [Event(1, "compute", "B", "1B0", 0.0, 1.5, 0, 0, 1),
+              Event(1, "collective", "ALLREDUCE", "allreduce s1", 1.6, 1.65, nbytes, -1, 1)]
+    tl = Timeline(events, [[(0.0, 0)], [(0.0, 0)]], 2)
+    assert calibrate(tl).collectives == []
+    cal = calibrate(tl, replicas=4)
+    assert cal.collectives == [("allreduce", nbytes, 4, pytest.approx(0.05))]
+    base = CostModel.for_device("cpu")
+    assert CalibratedCost(base, cal).collective_time("allreduce", nbytes, [0, 1, 2, 3]) == pytest.approx(0.05)
+
+
 def test_reduce_scatter_and_all_gather_get_their_own_overheads():
     """CoCoNet's sharded update: a measured reduce-scatter and all-gather (each seen on both ranks)
     calibrate their own kinds; an all-reduce never measured falls back to none."""

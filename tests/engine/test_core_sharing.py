@@ -21,6 +21,17 @@ def _tl(*intervals: tuple[int, float, float]) -> Timeline:
     return Timeline(events, [[(0.0, 0)] for _ in range(ranks)], ranks)
 
 
+def test_a_collective_that_every_rank_runs_at_once_is_reduced_to_its_work_too():
+    """Two ranks on one core both in their all-reduce over [10, 30] ms (after 10 ms of compute
+    each, also together): each did 10 ms of the all-reduce's work, as of the compute; a receive
+    (a wait) is left as measured."""
+    events = [Event(r, "compute", "B", f"{r}B0", 0.0, 0.010) for r in (0, 1)]
+    events += [Event(r, "collective", "ALLREDUCE", f"allreduce s{r}", 0.010, 0.030) for r in (0, 1)]
+    events.append(Event(1, "recv", "RECV", "0F0<0", 0.0, 0.010))
+    got = uncontended_timeline(Timeline(events, [[(0.0, 0)], [(0.0, 0)]], 2), RankLayout(pp=2), 2, 1)
+    assert [e.end - e.start for e in got.events] == pytest.approx([0.005, 0.005, 0.010, 0.010, 0.010])
+
+
 def test_independent_ranks_on_one_core_take_their_summed_work():
     """Two ranks each computing 10 ms from time 0 on one core: processor sharing finishes both
     at 20 ms (each at half speed), which is the work bound."""
