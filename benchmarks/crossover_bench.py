@@ -146,7 +146,8 @@ def run_link(params: dict) -> list[dict]:
 
     ns = params["link"] != "unshaped"
     link = f"emulated:{params['link']}" if ns else None
-    ray.init(include_dashboard=False, logging_level="WARNING", **({"_node_ip_address": "127.0.0.1"} if ns else {}))
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING",
+             **({"_node_ip_address": "127.0.0.1"} if ns else {}))
     rows = []
     try:
         for jobs in params["jobs"]:

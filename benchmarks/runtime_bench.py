@@ -64,7 +64,7 @@ def _launches(plan: dict, profile_steps: int, total: int, *, own_ray: bool = Fal
     if own_ray:
         import ray
 
-        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
     try:
         prof = launch(plan, LaunchConfig(steps=profile_steps, device="cpu", eval_every=0,
                                          keep_timelines=profile_steps))

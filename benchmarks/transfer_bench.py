@@ -168,7 +168,7 @@ def measure_one_node(mib: float, iters: int) -> dict:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(include_dashboard=False, num_cpus=2, log_to_driver=False)
+        ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False)
     try:
         return _run_pair(mib, iters, pinned=False)
     finally:

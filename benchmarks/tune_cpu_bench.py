@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     mbs = tuple(int(x) for x in args.micro_batch_sizes.split(",") if x.strip())
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
     try:
         results = [measure(m, r, args.steps, not args.no_calibration, mbs, args.repeats) for m in models for r in ranks]
     finally:

@@ -89,8 +89,13 @@ def init_ray(address: str | None = None, runtime_env: dict | None = None) -> boo
     """Start an embedded local Ray cluster, or connect to ``address``; reuse an existing connection.
 
     Args:
-        address: ``None`` for a local cluster (started with the dashboard off), or a Ray address
-            such as ``"auto"`` or ``"ray://head:10001"`` / ``"head:6379"``.
+        address: ``None`` for a new local cluster (started with the dashboard off; under ``ray
+            job submit``, whose driver has ``RAY_ADDRESS`` set, the job's cluster), or a Ray
+            address such as ``"auto"`` or ``"ray://head:10001"`` / ``"head:6379"``. Never the
+            cluster that Ray's address file names (``/tmp/ray/ray_current_cluster``, written by the
+            last ``ray start`` or test cluster on this machine): a plain ``ray.init()`` joins it,
+            and, when that cluster has stopped without removing the file, waits for its GCS without
+            end (seen: a launch that hung in ``ray.init`` for as long as it was let run).
         runtime_env: the job's Ray runtime environment (e.g. the user's model code,
             :func:`runtime.user_code.user_code_runtime_env`: Ray uploads local code only at the job
             level). Not applied when Ray is already initialised in this process: that job's own
@@ -120,7 +125,7 @@ def init_ray(address: str | None = None, runtime_env: dict | None = None) -> boo
             # authentication token is not something the user can act on, and it is the one
             # stderr line a clean launch would otherwise print
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-            ray.init(**kw)
+            ray.init(address=os.environ.get("RAY_ADDRESS") or "local", **kw)
     except Exception as e:  # ConnectionError, RuntimeError, ValueError from ray.init
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
         raise ClusterError(f"could not start or reach {where}: {type(e).__name__}: {e}") from e

@@ -25,7 +25,7 @@ def ray_local():
     """
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
     yield ray
     if ray.is_initialized():
         ray.shutdown()

@@ -52,7 +52,7 @@ def plan():
 def shared_ray():
     """One local Ray cluster for the module's launches (the launcher keeps an existing connection)."""
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
 

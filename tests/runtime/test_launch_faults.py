@@ -191,7 +191,7 @@ def test_json_stdout_holds_no_ray_output_and_ends_with_the_object(plan_dict, tmp
 def ray_cluster():
     """One local Ray cluster for the remaining launches (not owned by the CLI)."""
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
     _pickle_workers_by_value()
     yield
     ray.shutdown()

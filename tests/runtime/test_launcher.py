@@ -49,7 +49,7 @@ def _ray_module():
 
 def _ensure_ray() -> None:
     if not ray.is_initialized():
-        ray.init(include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
     # pickle the stand-in workers by value, so Ray's worker processes need not import the tests
     pickle_by_value(sys.modules[__name__])
 

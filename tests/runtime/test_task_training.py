@@ -191,7 +191,7 @@ def test_launch_with_a_user_task_override():
     root = str(Path(__file__).resolve().parents[2])
     owned = not ray.is_initialized()
     if owned:   # the actors import the user task's module: put its folder on their path
-        ray.init(include_dashboard=False, logging_level="WARNING",
+        ray.init(address="local", include_dashboard=False, logging_level="WARNING",
                  runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([root, _TASKS_DIR])}})
     try:
         plan = _plan("1f1b", None)
