@@ -176,10 +176,9 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
     by_label: dict[str, dict] = {}
     refused: list[dict] = []
     for rep in range(repeats):
-        order = res.fitting() if rep % 2 == 0 else res.fitting()[::-1]
-        for r in order:
+        for r in res.fitting() if rep % 2 == 0 else res.fitting()[::-1]:
             c = r.candidate
-            if any(x["label"] == c.label() for x in refused):
+            if c.label() in {x["label"] for x in refused}:
                 continue
             plan = _plan(model, c, seq)
             try:

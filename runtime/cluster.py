@@ -93,9 +93,9 @@ def init_ray(address: str | None = None, runtime_env: dict | None = None) -> boo
             job submit``, whose driver has ``RAY_ADDRESS`` set, the job's cluster), or a Ray
             address such as ``"auto"`` or ``"ray://head:10001"`` / ``"head:6379"``. Never the
             cluster that Ray's address file names (``/tmp/ray/ray_current_cluster``, written by the
-            last ``ray start`` or test cluster on this machine): a plain ``ray.init()`` joins it,
-            and, when that cluster has stopped without removing the file, waits for its GCS without
-            end (seen: a launch that hung in ``ray.init`` for as long as it was let run).
+            last ``ray start`` or ``ray.cluster_utils.Cluster`` on this machine): a plain
+            ``ray.init()`` joins it, and when that cluster has stopped, or listens on a loopback
+            this process cannot reach (one in a network namespace), waits for its GCS without end.
         runtime_env: the job's Ray runtime environment (e.g. the user's model code,
             :func:`runtime.user_code.user_code_runtime_env`: Ray uploads local code only at the job
             level). Not applied when Ray is already initialised in this process: that job's own
@@ -412,16 +412,13 @@ def start_actors(worker_cls: type, world_size: int, device: str, make_args: Call
 def shutdown_ray(owned: bool) -> None:
     """``ray.shutdown()`` if this launch started/connected Ray (``owned``), then wait up to 10 s for
     the local cluster's processes (this process's Ray children, found before the shutdown) to exit
-    and kill the ones left. One left behind (seen: a helper still retrying the stopped GCS minutes
-    later) holds this process's stdout and stderr open after it exits, so whoever reads them, a
-    shell pipe or ``subprocess.run``, waits for it."""
+    and kill the ones left: one left behind would hold this process's stdout and stderr open after
+    it exits, so whoever reads them, a shell pipe or ``subprocess.run``, would wait for it."""
     if not owned or not ray.is_initialized():
         return
     kids = _ray_children()
     ray.shutdown()
-    # and those started between the listing and the shutdown (a worker the raylet was starting)
-    pids = {p.pid for p in kids}
-    _end_processes(kids + [p for p in _ray_children() if p.pid not in pids], grace=10.0)
+    _end_processes(kids, grace=10.0)
 
 
 def _ray_children() -> list:

@@ -24,8 +24,9 @@ def ray_local():
     Skips the test where Ray is not installed. Yields the ``ray`` module.
     """
     ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+    from runtime.cluster import init_ray
+
+    init_ray()   # a local cluster of its own (never the one Ray's address file names); kept if running
     yield ray
     if ray.is_initialized():
         ray.shutdown()

@@ -100,13 +100,13 @@ def uncontended_timeline(timeline: Timeline, layout: RankLayout, devices_per_nod
         node = layout.device(t, d, p) // devices_per_node
         copies.setdefault(p, {})[node] = copies.setdefault(p, {}).get(node, 0) + 1
     home = {p: layout.device(0, 0, p) // devices_per_node for p in copies}
-    compute = [e for e in timeline.events if e.stream in CPU_WORK_STREAMS and e.end > e.start and e.rank in copies]
-    marks = sorted({x for e in compute for x in (e.start, e.end)})
+    working = [e for e in timeline.events if e.stream in CPU_WORK_STREAMS and e.end > e.start and e.rank in copies]
+    marks = sorted({x for e in working for x in (e.start, e.end)})
     index = {x: i for i, x in enumerate(marks)}
     delta = [[0] * (len(marks) + 1) for _ in range(len(copies))]   # per rank: +1 at start, -1 at end
     ranks = sorted(copies)
     row = {p: i for i, p in enumerate(ranks)}
-    for e in compute:
+    for e in working:
         delta[row[e.rank]][index[e.start]] += 1
         delta[row[e.rank]][index[e.end]] -= 1
     nodes = sorted({n for c in copies.values() for n in c})
@@ -119,6 +119,6 @@ def uncontended_timeline(timeline: Timeline, layout: RankLayout, devices_per_nod
             busy = sum(copies[p].get(n, 0) for k, p in enumerate(ranks) if active[k] > 0)
             rate = min(1.0, cores / busy) if busy else 1.0
             cum[n][i + 1] = cum[n][i] + rate * (marks[i + 1] - marks[i])
-    work = {id(e): cum[home[e.rank]][index[e.end]] - cum[home[e.rank]][index[e.start]] for e in compute}
+    work = {id(e): cum[home[e.rank]][index[e.end]] - cum[home[e.rank]][index[e.start]] for e in working}
     events = [replace(e, end=e.start + work[id(e)]) if id(e) in work else e for e in timeline.events]
     return replace(timeline, events=events)

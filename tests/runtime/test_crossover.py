@@ -28,6 +28,7 @@ from tessel_run import run_tessel
 
 from engine.plan import make_plan
 from runtime import checkpoint as ck
+from runtime.cluster import init_ray
 from runtime.crossover import (
     ComputeToken,
     CrossoverConfig,
@@ -51,8 +52,7 @@ def plan():
 @pytest.fixture(scope="module")
 def shared_ray():
     """One local Ray cluster for the module's launches (the launcher keeps an existing connection)."""
-    if not ray.is_initialized():
-        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+    init_ray()
     yield
     ray.shutdown()
 

@@ -36,6 +36,7 @@ from apps import cli  # noqa: E402
 from engine.errors import RunError  # noqa: E402
 from engine.plan import make_plan  # noqa: E402
 from runtime import checkpoint as ck  # noqa: E402
+from runtime.cluster import init_ray  # noqa: E402
 from runtime.config import LaunchConfig  # noqa: E402
 from runtime.launcher import launch  # noqa: E402
 from runtime.runner import LaunchFailure  # noqa: E402
@@ -190,8 +191,7 @@ def test_json_stdout_holds_no_ray_output_and_ends_with_the_object(plan_dict, tmp
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster for the remaining launches (not owned by the CLI)."""
-    if not ray.is_initialized():
-        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+    init_ray()
     _pickle_workers_by_value()
     yield
     ray.shutdown()

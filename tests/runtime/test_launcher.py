@@ -28,7 +28,7 @@ from engine.errors import TesselError  # noqa: E402
 from engine.plan import make_plan  # noqa: E402
 from runtime import LaunchError, LaunchResult, launch  # noqa: E402
 from runtime import checkpoint as ck  # noqa: E402
-from runtime.cluster import TINY_CPU, choose_backend  # noqa: E402
+from runtime.cluster import TINY_CPU, choose_backend, init_ray  # noqa: E402
 from runtime.config import LaunchConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,8 +48,7 @@ def _ray_module():
 
 
 def _ensure_ray() -> None:
-    if not ray.is_initialized():
-        ray.init(address="local", include_dashboard=False, logging_level="WARNING")
+    init_ray()
     # pickle the stand-in workers by value, so Ray's worker processes need not import the tests
     pickle_by_value(sys.modules[__name__])
 

@@ -184,15 +184,14 @@ def test_launch_with_a_user_task_override():
     losses equal the reference of the same batches, and throughput is in the task's unit."""
     ray = pytest.importorskip("ray")
     from runtime import launch
+    from runtime.cluster import init_ray
     from runtime.config import LaunchConfig
     from runtime.reference import reference_losses
     from tasks import TaskContext, get_task
 
     root = str(Path(__file__).resolve().parents[2])
-    owned = not ray.is_initialized()
-    if owned:   # the actors import the user task's module: put its folder on their path
-        ray.init(address="local", include_dashboard=False, logging_level="WARNING",
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([root, _TASKS_DIR])}})
+    # the actors import the user task's module: put its folder on their path
+    owned = init_ray(runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([root, _TASKS_DIR])}})
     try:
         plan = _plan("1f1b", None)
         res = launch(plan, LaunchConfig(steps=3, device="cpu", task=USER_TASK, eval_every=0, keep_timelines=0))
