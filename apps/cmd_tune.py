@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -26,7 +27,7 @@ from apps.cmd_plan import plan_files
 from apps.output import table
 from engine.baselines import SCHEDULES
 from engine.cost import CostModel
-from engine.cost.calibrate import Calibration
+from engine.cost.calibrate import Calibration, layout_calibration
 from engine.errors import NothingFitsError, TesselError, TuneError
 from engine.io import load_plan
 from engine.io.atomic import atomic_write_files, check_output_folder
@@ -97,8 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cost model (op profile included), its measured communication and optimizer costs and its "
                         "measured compute scale; repeat it with launches of other layouts: each candidate takes "
                         "the one of its (dp, tp, pp) and micro-batch size, else of its (dp, tp, pp), else of its pp, "
-                        "else of its dp, else the first; a layout given twice, once launched with a split "
-                        "backward (ZB-H1) and once without, predicts each backward kind with its own compute scale")
+                        "else of its dp, else the first; several launches of one layout are pooled (their median), and "
+                        "a layout launched both with a split backward (ZB-H1) and without predicts each backward "
+                        "kind with its own compute scale")
     p.add_argument("--launchable", action="store_true",
                    help="rank only configurations `tessel launch` runs here (the others are listed as refused, "
                         "with the runtime's reason)")
@@ -121,18 +123,27 @@ def _space(args: argparse.Namespace) -> TuneSpace:
 
 def _calibrated(paths: list[str] | None):
     """(cost model of the first file, ``{(dp, tp, pp, micro_batch_size): calibration}``) of calibrated plan files, or
-    ``(None, None)`` without one. Two files of one layout, one measured on a split backward (ZB-H1)
-    and one without, become one calibration (:meth:`Calibration.with_split_backward_of`).
+    ``(None, None)`` without one. Several files of one layout and backward kind (repeated profiling
+    launches) are pooled (:meth:`Calibration.pooled`: the median of the launches); one layout's
+    launches with a split backward (ZB-H1) and without become one calibration
+    (:func:`layout_calibration`), each candidate predicted with its own kind's scale.
 
     Raises:
-        TuneError: a plan holds no cost model or no calibration, or two have the same degrees and
-            backward kind (one sentence naming the fix).
+        TuneError: a plan holds no cost model or no calibration, or one file is given twice (one
+            sentence naming the fix).
         TesselError: a file is not a readable plan.
     """
     if not paths:
         return None, None
-    cost, cals = None, {}
+    cost = None
+    launches: dict[tuple, list[Calibration]] = {}
+    seen: set[Path] = set()
     for path in paths:
+        resolved = Path(path).resolve()
+        if resolved in seen:
+            raise TuneError(f"--calibration {path} is given twice; give each profiling launch's calibrated plan "
+                            "once (several launches of one layout are pooled)")
+        seen.add(resolved)
         plan = load_plan(path)
         cal = plan.meta.get("calibration")
         if not plan.cost or not cal:
@@ -140,19 +151,9 @@ def _calibrated(paths: list[str] | None):
                             "the plan that `tessel launch PLAN --calibrate` wrote (PLAN.calibrated.json)")
         par = plan.parallel
         key = (int(par.dp), int(par.tp), int(par.pp), int(plan.model.micro_batch_size))
-        this = Calibration.from_dict(cal)
-        earlier = cals.get(key)
-        if earlier is not None and earlier.split_backward == this.split_backward:
-            raise TuneError(f"--calibration {path} has the degrees dp={key[0]} tp={key[1]} pp={key[2]} and micro-batch "
-                            f"size {key[3]} of an earlier one, measured on the same backward kind; give one calibrated "
-                            "plan per layout and micro-batch size, or two: one with a split backward (ZB-H1) and one "
-                            "without")
         cost = cost or CostModel.from_dict(plan.cost)
-        if earlier is not None:   # one of each backward kind: each candidate takes its own kind's scale
-            whole, split = (this, earlier) if earlier.split_backward else (earlier, this)
-            this = whole.with_split_backward_of(split)
-        cals[key] = this
-    return cost, cals
+        launches.setdefault(key, []).append(Calibration.from_dict(cal))
+    return cost, {key: layout_calibration(c) for key, c in launches.items()}
 
 
 def _launch_refusal(plan) -> str:

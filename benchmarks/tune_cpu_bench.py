@@ -7,9 +7,10 @@ profile=True)``, the cost model of ``tessel plan --profile``); then EVERY fittin
 launched on Ray (gloo, one process per rank, ``torch.set_num_threads(1)``) for a few steps and
 its median measured step time (steps after the first) is set beside the prediction.
 
-Calibrated ranking (the default; ``--no-calibration`` leaves it out): two profiling launches per
+Calibrated ranking (the default; ``--no-calibration`` leaves it out): profiling launches per
 layout and micro-batch size ``(dp, tp, pp, mbs)`` of the space (of its first candidate in the
-profiled ranking with a whole backward, and of its first with a split backward, ZB-H1) are
+profiled ranking with a whole backward, and of its first with a split backward, ZB-H1;
+``--profile-repeats`` launches of each, default ``--repeats``, pooled into their median) are
 calibrated (``engine.plan.calibrate_plan``: the measured point-to-point, collective and optimizer
 costs, and per block kind the measured over planned compute time), and the space is tuned again
 with those calibrations (``tune(..., calibration={(dp, tp, pp, mbs): ...})``, as ``tessel tune
@@ -30,7 +31,8 @@ its ranks' summed compute over the cores (:mod:`engine.plan.core_sharing`), the 
 likewise.
 
 Usage: ``python benchmarks/tune_cpu_bench.py [--json] [--models llama-32k-cpu,two-tower-tiny,gpt2-small-cpu]
-[--ranks 2,4] [--steps 5] [--micro-batch-sizes 1,2] [--repeats 1] [--no-calibration]``
+[--ranks 2,4] [--steps 5] [--micro-batch-sizes 1,2] [--repeats 1] [--profile-repeats R]
+[--measured-from JSON] [--no-calibration]``
 
 One launch's median step is a noisy measurement here: the same candidate measured twice differs by
 10-25% (ranks sharing two cores, Python, the allocator). ``--repeats R`` launches every candidate R
@@ -58,7 +60,7 @@ import ray  # noqa: E402
 from scipy.stats import spearmanr  # noqa: E402
 
 from engine.baselines import placement_requirements  # noqa: E402
-from engine.cost.calibrate import Calibration  # noqa: E402
+from engine.cost.calibrate import Calibration, layout_calibration  # noqa: E402
 from engine.errors import TesselError  # noqa: E402
 from engine.layout import RankLayout  # noqa: E402
 from engine.plan import calibrate_plan, make_plan, with_calibration  # noqa: E402
@@ -93,33 +95,35 @@ def _launch(plan, steps: int, keep: int = 0):
     return launch(plan, LaunchConfig(steps=steps, device="cpu", keep_timelines=keep or steps, step_timeout=300))
 
 
-def _profile(model: str, res, seq: int, steps: int) -> tuple[dict, list[str]]:
+def _profile(model: str, res, seq: int, steps: int, repeats: int = 1) -> tuple[dict, list[str]]:
     """Profiling launches per layout and micro-batch size ``(dp, tp, pp, mbs)`` of the fitting
-    candidates: of its first fitting candidate the runtime runs with a whole backward (``B``) and
-    of its first with a split one (``I``, ``W``), where the space has them. Returns
-    ``{(dp, tp, pp, mbs): calibration}`` (``calibrate_plan`` of the steps after the first; two
-    launches of one layout merged by ``Calibration.with_split_backward_of``, as ``tessel tune
-    --calibration A --calibration B`` merges them) and the launched candidates' labels."""
-    kinds: dict = {}
+    candidates: ``repeats`` launches of its first fitting candidate the runtime runs with a whole
+    backward (``B``) and as many of its first with a split one (``I``, ``W``), where the space has
+    them. Returns ``{(dp, tp, pp, mbs): calibration}`` (``calibrate_plan`` of each launch's steps
+    after the first; a layout's launches pooled and merged by ``layout_calibration``, as ``tessel
+    tune --calibration A --calibration B ...`` takes them) and the launched candidates' labels."""
+    launches: dict = {}
     labels: list[str] = []
+    cores = os.cpu_count() or 1
     for r in res.fitting():
         c = r.candidate
         key = (c.dp, c.tp, c.pp, c.micro_batch_size)
         split = placement_requirements(c.schedule).split_backward
-        if split in kinds.get(key, {}):
+        if any(cal.split_backward == split for cal in launches.get(key, [])):
             continue
         plan = _plan(model, c, seq)
-        try:
-            out = _launch(plan, max(steps, 4))
-        except TesselError:
-            continue
-        cores = os.cpu_count() or 1
-        check = calibrate_plan(plan, out.timelines[1:], shared_cores=cores if c.gpus > cores else None)
-        kinds.setdefault(key, {})[split] = Calibration.from_dict(check.plan.meta["calibration"])
-        labels.append(c.label())
-    cals = {key: (k[False].with_split_backward_of(k[True]) if len(k) == 2 else next(iter(k.values())))
-            for key, k in kinds.items()}
-    return cals, labels
+        got = []
+        for _ in range(repeats):
+            try:
+                out = _launch(plan, max(steps, 4))
+            except TesselError:
+                break
+            check = calibrate_plan(plan, out.timelines[1:], shared_cores=cores if c.gpus > cores else None)
+            got.append(Calibration.from_dict(check.plan.meta["calibration"]))
+        if got:
+            launches.setdefault(key, []).extend(got)
+            labels.append(c.label())
+    return {key: layout_calibration(cals) for key, cals in launches.items()}, labels
 
 
 def _calibrated(plan, cal: Calibration | None) -> float:
@@ -158,39 +162,46 @@ def _test_retest(rows: list[dict]) -> float:
 
 
 def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tuple[int, ...] = (1, 2),
-            repeats: int = 1) -> dict:
+            repeats: int = 1, profile_repeats: int = 1, measured: dict | None = None) -> dict:
     """Tune ``model`` on ``ranks`` CPU ranks (profiled op times; with ``calibrated``, again with the
-    calibration of one profiling launch of the pick), launch every fitting candidate ``repeats``
-    times (the candidates in reverse order on every second pass, so that a drift of the machine's
-    speed does not favour the first ones) and compare with the median of its launches."""
+    calibrations of ``profile_repeats`` profiling launches per layout and backward kind), launch
+    every fitting candidate ``repeats`` times (the candidates in reverse order on every second pass,
+    so that a drift of the machine's speed does not favour the first ones) and compare with the
+    median of its launches. With ``measured`` (an earlier result of this model and rank count) its
+    candidates' measured launches are taken instead of launching them again."""
     batch, seq = MODELS[model]
     t0 = time.perf_counter()
     res = tune(model, _space(ranks, batch, mbs), device_type="cpu", seq_len=seq, profile=True)
     tune_s = time.perf_counter() - t0
-    cals, profiled = _profile(model, res, seq, steps) if calibrated else ({}, [])
+    cals, profiled = _profile(model, res, seq, steps, profile_repeats) if calibrated else ({}, [])
     cal_res = None
     if cals:
         t0 = time.perf_counter()
         cal_res = tune(model, _space(ranks, batch, mbs), device_type="cpu", seq_len=seq, profile=True, calibration=cals)
         tune_s_cal = time.perf_counter() - t0
     by_label: dict[str, dict] = {}
-    refused: list[dict] = []
-    for rep in range(repeats):
+    refused: list[dict] = list(measured["not_executable"]) if measured else []
+    earlier = {x["label"]: x["runs"] for x in measured["rows"]} if measured else {}
+    for rep in range(1 if measured else repeats):
         for r in res.fitting() if rep % 2 == 0 else res.fitting()[::-1]:
             c = r.candidate
-            if c.label() in {x["label"] for x in refused}:
+            if c.label() in {x["label"] for x in refused} or (measured and c.label() not in earlier):
                 continue
             plan = _plan(model, c, seq)
-            try:
-                out = _launch(plan, steps)
-            except TesselError as e:   # planned, but the runtime cannot run it (e.g. recomputation on a tracer split)
-                refused.append({"label": c.label(), "why": " ".join(str(e).split())[:200]})
-                print(f"[tune_cpu_bench] {model}: {c.label()} not executable: {refused[-1]['why']}", file=sys.stderr)
-                continue
-            times = [tl.makespan for tl in out.timelines[1:]] or [out.measured_makespan]
+            if measured:
+                runs = earlier[c.label()]
+            else:
+                try:
+                    out = _launch(plan, steps)
+                except TesselError as e:   # planned, but the runtime cannot run it
+                    refused.append({"label": c.label(), "why": " ".join(str(e).split())[:200]})
+                    print(f"[tune_cpu_bench] {model}: {c.label()} not executable: {refused[-1]['why']}",
+                          file=sys.stderr)
+                    continue
+                runs = [statistics.median([tl.makespan for tl in out.timelines[1:]] or [out.measured_makespan])]
             row = by_label.setdefault(c.label(), {"label": c.label(), "predicted": r.step_time, "runs": [],
                                                   "calibrated": _calibrated(plan, calibration_for(cals, c))})
-            row["runs"].append(statistics.median(times))
+            row["runs"].extend(runs)
             row["measured"] = statistics.median(row["runs"])
             print(f"[tune_cpu_bench] {model} on {ranks} ranks, pass {rep + 1}/{repeats}: {c.label()} predicted "
                   f"{r.step_time * 1e3:.1f} ms, calibrated {row['calibrated'] * 1e3:.1f} ms, measured "
@@ -198,7 +209,9 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
     rows = [by_label[r.candidate.label()] for r in res.fitting() if r.candidate.label() in by_label]
     order = [r.candidate.label() for r in res.fitting()]
     out_d = {"model": model, "ranks": ranks, "candidates": len(rows), "not_executable": refused,
-             "tune_seconds": tune_s, "rows": rows, "repeats": repeats, "test_retest_spearman": _test_retest(rows),
+             "tune_seconds": tune_s, "rows": rows, "repeats": len(rows[0]["runs"]) if rows else 0,
+             "profile_repeats": profile_repeats, "measured_from": bool(measured),
+             "test_retest_spearman": _test_retest(rows),
              "profiled": _ranking(rows, "predicted", order)}
     if cal_res is not None:
         out_d.update(calibrated=_ranking(rows, "calibrated", [r.candidate.label() for r in cal_res.fitting()]),
@@ -241,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="launches per candidate, measured as their median (default 1); with 2 or more the table "
                          "gives the test-retest Spearman of the first two")
+    ap.add_argument("--profile-repeats", type=int, default=None,
+                    help="profiling launches per layout and backward kind, pooled into its calibration (their "
+                         "median; default: --repeats)")
+    ap.add_argument("--measured-from", default=None, metavar="JSON",
+                    help="rank against the measured launches of an earlier --json run of the same models and rank "
+                         "counts instead of launching every candidate again (the profiling launches are new)")
     ap.add_argument("--no-calibration", action="store_true",
                     help="rank with profiled op times only (no profiling launch, no calibrated ranking)")
     args = ap.parse_args(argv)
@@ -248,12 +267,22 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in MODELS for m in models):
         ap.error(f"models are {', '.join(MODELS)}")
     ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
-    if args.repeats < 1:
-        ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.repeats < 1 or (args.profile_repeats is not None and args.profile_repeats < 1):
+        ap.error(f"--repeats and --profile-repeats must be at least 1, got {args.repeats} and {args.profile_repeats}")
+    earlier = {}
+    if args.measured_from:
+        try:
+            earlier = {(r["model"], r["ranks"]): r for r in json.loads(Path(args.measured_from).read_text())["results"]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--measured-from {args.measured_from} is not a tune_cpu_bench --json result ({e})")
+        missing = [f"{m} on {r} ranks" for m in models for r in ranks if (m, r) not in earlier]
+        if missing:
+            ap.error(f"--measured-from {args.measured_from} holds no measurement of {', '.join(missing)}")
     mbs = tuple(int(x) for x in args.micro_batch_sizes.split(",") if x.strip())
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
     try:
-        results = [measure(m, r, args.steps, not args.no_calibration, mbs, args.repeats) for m in models for r in ranks]
+        results = [measure(m, r, args.steps, not args.no_calibration, mbs, args.repeats,
+                           args.profile_repeats or args.repeats, earlier.get((m, r))) for m in models for r in ranks]
     finally:
         ray.shutdown()
     print(json.dumps({"results": results}) if args.json else report(results))

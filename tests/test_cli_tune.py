@@ -121,7 +121,9 @@ def test_a_best_plan_the_runtime_cannot_run_is_written_with_a_warning(tmp_path):
     assert ok.returncode == 0 and json.loads(ok.stdout.strip().splitlines()[-1])["launch_refusal"] is None
 
 
-def test_calibrations_of_several_layouts_are_taken_and_a_repeated_layout_is_refused(tuned, tmp_path):
+def test_calibrations_of_several_layouts_are_taken_and_repeated_launches_pooled(tuned, tmp_path):
+    """One calibrated plan is taken; two launches of one layout are pooled (the tuned plan carries
+    their median); one file given twice is refused with exit status 2."""
     from engine.cost.calibrate import Calibration
     from engine.io import save_plan
 
@@ -130,16 +132,22 @@ def test_calibrations_of_several_layouts_are_taken_and_a_repeated_layout_is_refu
     plan.meta["calibration"] = Calibration(compute_scale={"F": 2.0, "B": 2.0}).to_dict()
     first = tmp_path / "a.calibrated.json"
     save_plan(plan, first)
-    p = run_cli("tune", "--model", "llama-tiny", "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8",
-                "--seq-len", "32", "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "none",
-                "--calibration", str(first), "-o", str(tmp_path / "o"), "--json")
+    base = ("tune", "--model", "llama-tiny", "--gpus", "4", "--gpus-per-node", "4", "--global-batch", "8",
+            "--seq-len", "32", "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "none")
+    p = run_cli(*base, "--calibration", str(first), "-o", str(tmp_path / "o"), "--json")
     assert p.returncode == 0, p.stderr
     best = load_plan(tmp_path / "o" / "plan.json")
     assert best.meta["calibration"]["compute_scale"] == {"F": 2.0, "B": 2.0}
+    plan.meta["calibration"] = Calibration(compute_scale={"F": 4.0, "B": 3.0}).to_dict()
+    second = tmp_path / "b.calibrated.json"
+    save_plan(plan, second)
+    p = run_cli(*base, "--calibration", str(first), "--calibration", str(second), "-o", str(tmp_path / "o2"), "--json")
+    assert p.returncode == 0, p.stderr
+    pooled = load_plan(tmp_path / "o2" / "plan.json")   # the only layout calibrated: every candidate takes it
+    assert pooled.meta["calibration"]["compute_scale"] == {"F": 3.0, "B": 2.5}
     p = run_cli("tune", "--model", "llama-tiny", "--gpus", "4", "--global-batch", "8", "--calibration", str(first),
-                "--calibration", str(first), "-o", str(tmp_path / "o2"))
-    par = plan.parallel
-    assert p.returncode == 2 and f"dp={par.dp} tp={par.tp} pp={par.pp} and micro-batch size" in p.stderr, p.stderr
+                "--calibration", str(first), "-o", str(tmp_path / "o3"))
+    assert p.returncode == 2 and "is given twice" in p.stderr, p.stderr
 
 
 def test_one_layouts_whole_and_split_backward_calibrations_each_predict_their_own_kind(tuned, tmp_path):

@@ -93,11 +93,21 @@ class Calibration:
     collectives: list[tuple[str, int, int, float]] = field(default_factory=list)
     compute_scale: dict[str, float] = field(default_factory=dict)
 
-    def block_time(self, segment: int, kind: str, default: float) -> float:
+    def block_time(self, segment: int, kind: str, default: float, recompute: float = 0.0) -> float:
         """Measured seconds of a ``kind`` block of ``segment``, else ``default`` (planned seconds)
-        times :meth:`scale_of` ``kind``."""
+        scaled by :meth:`scaled`."""
         got = self.block_seconds.get((int(segment), str(kind)))
-        return got if got is not None else default * self.scale_of(str(kind))
+        return got if got is not None else self.scaled(str(kind), default, recompute)
+
+    def scaled(self, kind: str, planned: float, recompute: float = 0.0) -> float:
+        """Calibrated seconds of a ``kind`` block planned at ``planned`` seconds, of which
+        ``recompute`` seconds are recomputed forward (activation recomputation: a backward block,
+        ``B``, ``I`` or ``W``, runs its segment's forward again): that part at the forward's
+        scale, the rest at ``kind``'s. A forward runs several times slower than planned here
+        (Python per module) while a backward runs near its roofline, so a recomputing backward
+        scaled by the backward's scale alone is predicted far too fast."""
+        r = min(max(0.0, float(recompute)), planned) if kind in ("B", "I", "W") else 0.0
+        return (planned - r) * self.scale_of(kind) + r * self.scale_of("F")
 
     def scale_of(self, kind: str) -> float:
         """:attr:`compute_scale` of ``kind``; a split backward's ``I`` and ``W`` blocks not measured
@@ -130,6 +140,43 @@ class Calibration:
         scale.update({k: v for k, v in split.compute_scale.items() if k in ("I", "W")})
         return replace(self, block_seconds={}, compute_scale=scale)
 
+    @classmethod
+    def pooled(cls, calibrations: Sequence["Calibration"]) -> "Calibration":
+        """One calibration from several profiling launches of ONE layout and backward kind: per
+        block, per compute kind, per transfer size and for the optimizer rate the median over the
+        launches that measured it; the collectives of all launches (:class:`CalibratedCost` takes
+        their median); samples and steps summed.
+
+        Why the median of launches: on ranks that share cores a small model's launch-to-launch
+        spread is 20-40% (which rank the OS runs when), far more than the spread of steps within
+        one launch, and a candidate's measured step time is compared as the median of its
+        launches too. One launch is returned unchanged.
+
+        Raises:
+            CostModelError: no calibration, or launches of both backward kinds (merge those with
+                :meth:`with_split_backward_of` after pooling each kind).
+        """
+        cals = list(calibrations)
+        if not cals:
+            raise CostModelError("pooling calibrations needs at least one")
+        if len(cals) == 1:
+            return cals[0]
+        if len({c.split_backward for c in cals}) > 1:
+            raise CostModelError("pool the launches of each backward kind on their own (1F1B/GPipe apart from "
+                                 "ZB-H1), then merge the two with Calibration.with_split_backward_of")
+
+        def median_of(dicts):
+            keys = {k for d in dicts for k in d}
+            return {k: statistics.median([d[k] for d in dicts if k in d]) for k in sorted(keys)}
+
+        rates = [c.optimizer_seconds_per_byte for c in cals if c.optimizer_seconds_per_byte is not None]
+        return cls(block_seconds=median_of([c.block_seconds for c in cals]),
+                   optimizer_seconds_per_byte=statistics.median(rates) if rates else None,
+                   samples=sum(c.samples for c in cals), steps=sum(c.steps for c in cals),
+                   p2p_seconds=median_of([c.p2p_seconds for c in cals]),
+                   collectives=[x for c in cals for x in c.collectives],
+                   compute_scale=median_of([c.compute_scale for c in cals]))
+
     def to_dict(self) -> dict:
         """JSON form: ``{"blocks": [[segment, kind, seconds], ...], "optimizer_seconds_per_byte", ...}``."""
         return {"blocks": [[s, k, t] for (s, k), t in sorted(self.block_seconds.items())],
@@ -159,7 +206,8 @@ class Calibration:
 
 
 def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[int] | None = None,
-              planned: Mapping[tuple[int, str], float] | None = None, replicas: int = 1) -> Calibration:
+              planned: Mapping[tuple[int, str], float] | None = None, replicas: int = 1,
+              recompute: Mapping[int, float] | None = None) -> Calibration:
     """Derive a :class:`Calibration` from measured timelines (one per step).
 
     Args:
@@ -173,6 +221,8 @@ def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[in
         replicas: the measured plan's data-parallel degree; at 2 or more a collective seen on one
             rank only (the gradient sync among replicas, whose other members the timeline does not
             hold) is timed on that rank as a collective of ``replicas`` ranks.
+        recompute: ``{segment: seconds}`` of recomputed forward in each backward block of the
+            measured plan (its segments' ``recompute_time``), for :func:`measured_compute_scale`.
 
     Returns:
         The calibration; block kinds never measured are absent (the plan keeps its own durations).
@@ -211,25 +261,55 @@ def calibrate(timelines: Timeline | Sequence[Timeline], param_bytes: Sequence[in
     blocks = {k: trimmed_mean(v) for k, v in per_block.items()}
     return Calibration(blocks, statistics.median(per_byte) if per_byte else None, samples, len(tls),
                        {n: statistics.median(v) for n, v in per_size.items()}, collectives,
-                       measured_compute_scale(blocks, planned) if planned else {})
+                       measured_compute_scale(blocks, planned, recompute) if planned else {})
 
 
-def measured_compute_scale(measured: Mapping[tuple[int, str], float], planned: Mapping[tuple[int, str], float]
-                  ) -> dict[str, float]:
+def layout_calibration(launches: Iterable[Calibration]) -> Calibration:
+    """One layout's calibration from its profiling launches: those of each backward kind pooled
+    (:meth:`Calibration.pooled`), then a whole-backward and a split-backward one merged
+    (:meth:`Calibration.with_split_backward_of`), so each candidate is predicted with its own kind's
+    compute scale. ``tessel tune --calibration`` takes its files so.
+
+    Raises:
+        CostModelError: no launch.
+    """
+    kinds: dict[bool, list[Calibration]] = {}
+    for c in launches:
+        kinds.setdefault(c.split_backward, []).append(c)
+    if not kinds:
+        raise CostModelError("a layout's calibration needs at least one profiling launch")
+    pooled = {split: Calibration.pooled(cals) for split, cals in kinds.items()}
+    return pooled[False].with_split_backward_of(pooled[True]) if len(pooled) == 2 else next(iter(pooled.values()))
+
+
+def measured_compute_scale(measured: Mapping[tuple[int, str], float], planned: Mapping[tuple[int, str], float],
+                           recompute: Mapping[int, float] | None = None) -> dict[str, float]:
     """Per block kind, ``sum(measured) / sum(planned)`` over the ``(segment, kind)`` keys both have
     with a positive planned duration (seconds); kinds without one are left out. A split backward's
-    ``I`` and ``W`` together also give ``B`` when no ``B`` was measured."""
+    ``I`` and ``W`` together also give ``B`` when no ``B`` was measured. ``recompute``:
+    ``{segment: seconds}`` of recomputed forward in each of its backward blocks (``B``, ``I``,
+    ``W``); that part is taken out of both sums at the forward's measured scale (the inverse of
+    :meth:`Calibration.scaled`), so a backward kind's scale is the backward's own."""
     num: dict[str, float] = {}
     den: dict[str, float] = {}
+    rc = {int(k): float(v) for k, v in (recompute or {}).items() if v}
+    f_scale = None
+    if rc:
+        f_scale = measured_compute_scale({k: v for k, v in measured.items() if k[1] == "F"}, planned).get("F", 1.0)
     for (seg, kind), t in measured.items():
         p = planned.get((seg, kind))
         if p is not None and p > 0:
+            r = min(rc.get(seg, 0.0), p) if kind in ("B", "I", "W") else 0.0
+            if r:
+                t, p = t - r * f_scale, p - r
+                if p <= 0:
+                    continue
             num[kind] = num.get(kind, 0.0) + t
             den[kind] = den.get(kind, 0.0) + p
     if "B" not in num and ("I" in num or "W" in num):   # a split backward measured: its I + W stand for B
         num["B"] = num.get("I", 0.0) + num.get("W", 0.0)
         den["B"] = den.get("I", 0.0) + den.get("W", 0.0)
-    return {k: num[k] / den[k] for k in num if den[k] > 0}
+    return {k: num[k] / den[k] for k in num if den[k] > 0 and num[k] > 0}
 
 
 def _collective_times(tl: Timeline, replicas: int = 1) -> list[tuple[str, int, int, float]]:
@@ -306,11 +386,15 @@ class CalibratedCost:
         return getattr(self.base, name)
 
 
-def calibrated_durations(blocks: Iterable, calibration: Calibration) -> list[float]:
+def calibrated_durations(blocks: Iterable, calibration: Calibration,
+                         recompute: Sequence[float] = ()) -> list[float]:
     """Per placement block (``PlacementBlock`` with ``segment``, ``kind``, ``duration``), the
-    calibrated duration in seconds, or its own where the calibration has no measurement."""
-    return [calibration.block_time(b.segment, b.kind, b.duration) for b in blocks]
+    calibrated duration in seconds (:meth:`Calibration.block_time`; ``recompute[segment]``: seconds
+    of recomputed forward in its backward blocks)."""
+    return [calibration.block_time(b.segment, b.kind, b.duration,
+                                   recompute[b.segment] if b.segment < len(recompute) else 0.0) for b in blocks]
 
 
-__all__ = ["Calibration", "CalibratedCost", "calibrate", "calibrated_durations", "measured_compute_scale",
+__all__ = ["Calibration", "CalibratedCost", "calibrate", "calibrated_durations", "layout_calibration",
+           "measured_compute_scale",
            "trimmed_mean"]

@@ -83,6 +83,12 @@ def with_segment_times(plan: Plan, times: list[tuple[float, float]]) -> tuple[Pl
     return _with_block_durations(plan, durations, segments, {"segment_times": "measured"})
 
 
+def _recompute_times(plan: Plan) -> list[float]:
+    """Per segment, the seconds of recomputed forward in each of its backward blocks (0 without
+    activation recomputation)."""
+    return [float(seg.get("recompute_time", 0.0) or 0.0) for seg in plan.segments]
+
+
 def with_calibration(plan: Plan, calibration: Calibration) -> tuple[Plan, Timeline]:
     """The plan with costs measured on the target machine, re-simulated (profile-guided prediction).
 
@@ -107,10 +113,11 @@ def with_calibration(plan: Plan, calibration: Calibration) -> tuple[Plan, Timeli
     if unknown:
         raise TesselError(f"the calibration has times for segments {unknown}, the plan has segments "
                           f"0..{pl.num_segments - 1}; calibrate from a launch of this plan")
+    recompute = _recompute_times(plan)
     segments = [dict(seg, forward_time=calibration.block_time(i, "F", seg.get("forward_time", 0.0)),
-                     backward_time=calibration.block_time(i, "B", seg.get("backward_time", 0.0)))
+                     backward_time=calibration.block_time(i, "B", seg.get("backward_time", 0.0), recompute[i]))
                 for i, seg in enumerate(plan.segments)]
-    return _with_block_durations(plan, calibrated_durations(pl.blocks, calibration), segments,
+    return _with_block_durations(plan, calibrated_durations(pl.blocks, calibration, recompute), segments,
                                  {"calibration": calibration.to_dict()})
 
 
@@ -171,11 +178,12 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: i
 
     fitted = tls if shared_cores is None else [uncontended_timeline(t, layout, par.devices, shared_cores) for t in tls]
     planned = {(b.segment, b.kind): b.duration for b in plan.placement.blocks}
-    new, tl = with_calibration(plan, calibrate(fitted, planned=planned, replicas=par.dp))
+    recompute = dict(enumerate(_recompute_times(plan)))
+    new, tl = with_calibration(plan, calibrate(fitted, planned=planned, replicas=par.dp, recompute=recompute))
     held_out = len(tls) >= 4
     if held_out:
         half = len(tls) // 2
-        _, tl = with_calibration(plan, calibrate(fitted[:half], planned=planned, replicas=par.dp))
+        _, tl = with_calibration(plan, calibrate(fitted[:half], planned=planned, replicas=par.dp, recompute=recompute))
         checked = tls[half:]
     else:
         checked = tls

@@ -518,8 +518,9 @@ def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostM
     (:func:`placement_from_segments`); ``stage_recompute``: the per-segment override of
     ``config.recompute``, ``layers``: the layers' costs when the caller has them
     (:func:`engine.transform.split_segments`); ``compute_scale``: a calibration whose per-kind
-    measured factor (:meth:`engine.cost.calibrate.Calibration.scale_of`) multiplies the
-    placement's block durations.
+    measured factor scales the placement's block durations
+    (:meth:`engine.cost.calibrate.Calibration.scaled`: a backward's recomputed forward at the
+    forward's factor).
 
     Raises:
         TransformError: a split that does not fit.
@@ -536,7 +537,8 @@ def transform_model(captured: CapturedModel, config: ParallelConfig, cost: CostM
     placement = placement_from_segments(segments, config, schedule, optimizer=optimizer,
                                         tied_grad_bytes=_tied_bytes_per_segment(tied, config.tp))
     if compute_scale is not None:
-        placement = placement.with_durations([b.duration * compute_scale.scale_of(b.kind)
+        recompute = {s.index: s.recompute_time for s in segments}
+        placement = placement.with_durations([compute_scale.scaled(b.kind, b.duration, recompute.get(b.segment, 0.0))
                                               for b in placement.blocks])
     return TransformedModel(segments, tied, seg_moe, placement, captured.warnings + warnings)
 

@@ -238,3 +238,64 @@ def test_a_layouts_whole_and_split_backward_calibrations_merge_with_each_kinds_s
     for a, b in ((split, whole), (whole, whole), (split, split)):
         with pytest.raises(CostModelError, match="one measured on a whole backward"):
             a.with_split_backward_of(b)
+
+
+def test_several_launches_of_one_layout_pool_to_their_median():
+    """``Calibration.pooled`` / ``layout_calibration``: per compute kind, block, transfer size and for
+    the optimizer the median of the launches (one slow launch of three does not move it); the
+    collectives of all; two backward kinds pooled apart, then merged."""
+    import pytest
+
+    from engine.cost.calibrate import Calibration, layout_calibration
+    from engine.errors import CostModelError
+
+    a = Calibration(compute_scale={"F": 1.0, "B": 2.0}, block_seconds={(0, "F"): 1.0}, optimizer_seconds_per_byte=1e-9,
+                    p2p_seconds={64: 1e-4}, collectives=[("allreduce", 8, 2, 1e-3)], samples=4, steps=2)
+    b = Calibration(compute_scale={"F": 1.2, "B": 2.2}, block_seconds={(0, "F"): 1.2}, optimizer_seconds_per_byte=3e-9,
+                    p2p_seconds={64: 3e-4, 128: 5e-4}, collectives=[("allreduce", 8, 2, 2e-3)], samples=4, steps=2)
+    slow = Calibration(compute_scale={"F": 9.0, "B": 9.0}, block_seconds={(0, "F"): 9.0}, samples=4, steps=2)
+    got = Calibration.pooled([a, b, slow])
+    assert got.compute_scale == pytest.approx({"F": 1.2, "B": 2.2})
+    assert got.block_seconds == pytest.approx({(0, "F"): 1.2})
+    assert got.optimizer_seconds_per_byte == pytest.approx(2e-9)   # the two launches that measured it
+    assert got.p2p_seconds == pytest.approx({64: 2e-4, 128: 5e-4})
+    assert len(got.collectives) == 2 and (got.samples, got.steps) == (12, 6)
+    assert Calibration.pooled([a]) is a
+    split = Calibration(compute_scale={"F": 1.0, "B": 3.0, "I": 2.0, "W": 4.0})
+    split2 = Calibration(compute_scale={"F": 1.0, "B": 3.0, "I": 4.0, "W": 6.0})
+    with pytest.raises(CostModelError, match="each backward kind on their own"):
+        Calibration.pooled([a, split])
+    with pytest.raises(CostModelError, match="at least one"):
+        Calibration.pooled([])
+    merged = layout_calibration([split, a, b, split2, slow])
+    assert [merged.scale_of(k) for k in "FBIW"] == pytest.approx([1.2, 2.2, 3.0, 5.0])
+    assert layout_calibration([b]).compute_scale == b.compute_scale
+
+
+def test_a_recomputing_backward_takes_the_forward_scale_for_its_recomputed_forward():
+    """A segment planned at F = 1 s, B = 2 s + 1 s recomputed forward, measured on a machine whose
+    forward runs 3x and backward 1x slower than planned: the measured B (2 + 3) gives a backward
+    scale of 1, not 5/3, and a plan of the same model without recomputation is predicted from it
+    (B 2 s), a recomputing one back at its measurement (5 s); a split backward's I and W each
+    recompute."""
+    import pytest
+
+    from engine.cost.calibrate import Calibration, calibrated_durations, measured_compute_scale
+
+    planned = {(0, "F"): 1.0, (0, "B"): 3.0}
+    measured = {(0, "F"): 3.0, (0, "B"): 5.0}
+    scale = measured_compute_scale(measured, planned, {0: 1.0})
+    assert scale == pytest.approx({"F": 3.0, "B": 1.0})
+    assert measured_compute_scale(measured, planned) == pytest.approx({"F": 3.0, "B": 5.0 / 3.0})
+    cal = Calibration(compute_scale=scale)
+    assert cal.scaled("B", 2.0) == pytest.approx(2.0)
+    assert cal.scaled("B", 3.0, 1.0) == pytest.approx(5.0)
+    assert cal.scaled("F", 1.0, 1.0) == pytest.approx(3.0)   # a forward recomputes nothing
+    assert cal.scaled("I", 2.0, 1.0) == pytest.approx(4.0)   # I: 1 s own at B's scale + 1 s recompute at F's
+
+    class Block:
+        def __init__(self, segment, kind, duration):
+            self.segment, self.kind, self.duration = segment, kind, duration
+
+    blocks = [Block(0, "F", 1.0), Block(0, "B", 3.0), Block(1, "B", 3.0)]
+    assert calibrated_durations(blocks, cal, [1.0]) == pytest.approx([3.0, 5.0, 3.0])

@@ -223,8 +223,9 @@ def test_a_calibrations_compute_scale_multiplies_every_candidates_blocks():
     from engine.plan import with_calibration
 
     cal = Calibration(compute_scale={"F": 1.5, "B": 2.0})
-    space = TuneSpace(gpus=2, global_batch=4, gpus_per_node=2, micro_batch_sizes=(1,), schedules=("1f1b", "gpipe"),
-                      recompute=("none",), sequence_parallel=False, overlap_grad_sync=False, sharded_update=False)
+    space = TuneSpace(gpus=2, global_batch=4, gpus_per_node=2, micro_batch_sizes=(1,), schedules=("1f1b", "zb-h1"),
+                      recompute=("none", "full"), sequence_parallel=False, overlap_grad_sync=False,
+                      sharded_update=False)
     plain = tune(MODEL, space, device_type="cpu", seq_len=SEQ)
     res = tune(MODEL, space, device_type="cpu", seq_len=SEQ, calibration=cal)
     by_label = {r.candidate.label(): r for r in plain.fitting()}
@@ -232,10 +233,11 @@ def test_a_calibrations_compute_scale_multiplies_every_candidates_blocks():
     for r in res.fitting():
         c = r.candidate
         ref = make_plan(MODEL, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches, schedule=c.schedule,
-                        seq_len=SEQ, device_type="cpu").plan
+                        recompute=c.recompute, seq_len=SEQ, device_type="cpu").plan
         calibrated, _ = with_calibration(ref, cal)
         assert r.step_time == pytest.approx(calibrated.metrics["makespan"], rel=1e-9)
         assert r.step_time > 1.4 * by_label[c.label()].step_time
+    assert {r.candidate.recompute for r in res.fitting()} == {"none", "full"}
 
 
 def test_a_plan_the_caller_does_not_admit_is_never_the_best_and_keeps_its_prediction():
