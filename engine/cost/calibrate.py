@@ -293,7 +293,7 @@ def measured_compute_scale(measured: Mapping[tuple[int, str], float], planned: M
     num: dict[str, float] = {}
     den: dict[str, float] = {}
     rc = {int(k): float(v) for k, v in (recompute or {}).items() if v}
-    f_scale = None
+    f_scale = 1.0
     if rc:
         f_scale = measured_compute_scale({k: v for k, v in measured.items() if k[1] == "F"}, planned).get("F", 1.0)
     for (seg, kind), t in measured.items():
