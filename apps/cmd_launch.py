@@ -420,9 +420,12 @@ def calibrate_plan(plan, res, path: Path, out: TextIO | None = None, shared_core
     n = check.checked
     how = (f"calibrated on {check.steps - n} steps, checked on the {n} later ones" if check.held_out else
            f"calibrated from {n} measured step{'s' if n != 1 else ''}")
+    residual = check.plan.meta["calibration"].get("step_residual", {})
+    said = "".join(f"; step residual x{v:.2f} ({k} backward: `tessel tune --calibration` multiplies this layout's "
+                   "candidates by it)" for k, v in residual.items())
     print(f"{how}: step makespan {fmt_ms(check.predicted_makespan)} predicted vs {fmt_ms(check.measured_makespan)} "
-          f"measured (median), {check.error:+.1%}; calibrated plan: {path}", file=out)
-    return {"path": str(path), **check.to_dict()}
+          f"measured (median), {check.error:+.1%}{said}; calibrated plan: {path}", file=out)
+    return {"path": str(path), **check.to_dict(), "step_residual": residual}
 
 
 # ----------------------------------------------------------------------------------------- GNN plans

@@ -95,15 +95,17 @@ def _launch(plan, steps: int, keep: int = 0):
     return launch(plan, LaunchConfig(steps=steps, device="cpu", keep_timelines=keep or steps, step_timeout=300))
 
 
-def _profile(model: str, res, seq: int, steps: int, repeats: int = 1) -> tuple[dict, list[str]]:
+def _profile(model: str, res, seq: int, steps: int, repeats: int = 1) -> tuple[dict, list[str], list[dict]]:
     """Profiling launches per layout and micro-batch size ``(dp, tp, pp, mbs)`` of the fitting
     candidates: ``repeats`` launches of its first fitting candidate the runtime runs with a whole
     backward (``B``) and as many of its first with a split one (``I``, ``W``), where the space has
     them. Returns ``{(dp, tp, pp, mbs): calibration}`` (``calibrate_plan`` of each launch's steps
     after the first; a layout's launches pooled and merged by ``layout_calibration``, as ``tessel
-    tune --calibration A --calibration B ...`` takes them) and the launched candidates' labels."""
+    tune --calibration A --calibration B ...`` takes them), the launched candidates' labels and
+    each launch's check (``CalibrationCheck.to_dict`` and its step residual)."""
     launches: dict = {}
     labels: list[str] = []
+    checks: list[dict] = []
     cores = os.cpu_count() or 1
     for r in res.fitting():
         c = r.candidate
@@ -120,21 +122,25 @@ def _profile(model: str, res, seq: int, steps: int, repeats: int = 1) -> tuple[d
                 break
             check = calibrate_plan(plan, out.timelines[1:], shared_cores=cores if c.gpus > cores else None)
             got.append(Calibration.from_dict(check.plan.meta["calibration"]))
+            checks.append({"label": c.label(), **check.to_dict(), "step_residual": got[-1].step_residual})
         if got:
             launches.setdefault(key, []).extend(got)
             labels.append(c.label())
-    return {key: layout_calibration(cals) for key, cals in launches.items()}, labels
+    return {key: layout_calibration(cals) for key, cals in launches.items()}, labels, checks
 
 
 def _calibrated(plan, cal: Calibration | None) -> float:
     """The plan's step time with ``cal`` as the tuner applies it (its per-segment block times left
-    out; ``tune(..., calibration=)`` predicts each candidate so, checked in tests/engine/test_tune.py);
+    out, times its step residual; ``tune(..., calibration=)`` predicts each candidate so, checked in
+    tests/engine/test_tune.py);
     NaN without a calibration."""
     if cal is None:
         return math.nan
     tl = with_calibration(plan, replace(cal, block_seconds={}))[1]
     par, cores = plan.parallel, os.cpu_count() or 1
-    return shared_core_step_time(tl, RankLayout(par.tp, par.dp, par.pp, par.layout), par.devices, cores)
+    split = any(b.kind == "I" for b in plan.placement.blocks)
+    return shared_core_step_time(tl, RankLayout(par.tp, par.dp, par.pp, par.layout), par.devices,
+                                 cores) * cal.residual_of(split)
 
 
 def _ranking(rows: list[dict], key: str, order: list[str]) -> dict:
@@ -173,7 +179,7 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
     t0 = time.perf_counter()
     res = tune(model, _space(ranks, batch, mbs), device_type="cpu", seq_len=seq, profile=True)
     tune_s = time.perf_counter() - t0
-    cals, profiled = _profile(model, res, seq, steps, profile_repeats) if calibrated else ({}, [])
+    cals, profiled, checks = _profile(model, res, seq, steps, profile_repeats) if calibrated else ({}, [], [])
     cal_res = None
     if cals:
         t0 = time.perf_counter()
@@ -215,7 +221,7 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
              "profiled": _ranking(rows, "predicted", order)}
     if cal_res is not None:
         out_d.update(calibrated=_ranking(rows, "calibrated", [r.candidate.label() for r in cal_res.fitting()]),
-                     profiling_launches=profiled,
+                     profiling_launches=profiled, profiling_checks=checks,
                      calibrations={"x".join(map(str, k)): v.to_dict() for k, v in cals.items()},
                      tune_seconds_calibrated=tune_s_cal,
                      calibrated_pick=next((r.candidate.label() for r in cal_res.fitting()), None))

@@ -83,6 +83,15 @@ class Calibration:
             a whole stage). It transfers to other plans of the same model (``tessel tune
             --calibration``), whose segments differ: a block not in :attr:`block_seconds` takes
             its planned duration times this ratio.
+        step_residual: ``{"whole" | "split": ratio}``, the measured step time of the launched plan
+            over its calibrated prediction, by the backward kind it was measured on (a whole
+            backward, or a split one: ZB-H1): what the block-level model does not see, as one
+            factor of the layout (on ranks that share cores: the operating system's interleaving
+            of them, Ray's and Python's own threads; anywhere: gaps between blocks). ``tessel
+            tune`` multiplies each candidate's predicted step by the residual of its calibration
+            and backward kind (:meth:`residual_of`), so the profiled plan is predicted at its
+            measurement and the layout's other plans (schedules, recomputation) relative to it.
+            Empty where the launch was not checked (:func:`engine.plan.calibrate_plan` sets it).
     """
 
     block_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
@@ -92,6 +101,7 @@ class Calibration:
     p2p_seconds: dict[int, float] = field(default_factory=dict)
     collectives: list[tuple[str, int, int, float]] = field(default_factory=list)
     compute_scale: dict[str, float] = field(default_factory=dict)
+    step_residual: dict[str, float] = field(default_factory=dict)
 
     def block_time(self, segment: int, kind: str, default: float, recompute: float = 0.0) -> float:
         """Measured seconds of a ``kind`` block of ``segment``, else ``default`` (planned seconds)
@@ -117,6 +127,13 @@ class Calibration:
             got = self.compute_scale.get("B")
         return 1.0 if got is None else float(got)
 
+    def residual_of(self, split_backward: bool) -> float:
+        """:attr:`step_residual` of a plan with (``True``) or without a split backward; the other
+        kind's where its own was not measured; 1 without either."""
+        own, other = ("split", "whole") if split_backward else ("whole", "split")
+        got = self.step_residual.get(own, self.step_residual.get(other))
+        return 1.0 if got is None else float(got)
+
     @property
     def split_backward(self) -> bool:
         """Whether it was measured on a split backward (``I`` and ``W`` blocks, a zero-bubble schedule)."""
@@ -138,7 +155,9 @@ class Calibration:
                                  "(1F1B, GPipe) and one on a split backward (ZB-H1)")
         scale = dict(self.compute_scale)
         scale.update({k: v for k, v in split.compute_scale.items() if k in ("I", "W")})
-        return replace(self, block_seconds={}, compute_scale=scale)
+        residual = {k: v for k, v in self.step_residual.items() if k == "whole"}
+        residual.update({k: v for k, v in split.step_residual.items() if k == "split"})
+        return replace(self, block_seconds={}, compute_scale=scale, step_residual=residual)
 
     @classmethod
     def pooled(cls, calibrations: Sequence["Calibration"]) -> "Calibration":
@@ -175,7 +194,8 @@ class Calibration:
                    samples=sum(c.samples for c in cals), steps=sum(c.steps for c in cals),
                    p2p_seconds=median_of([c.p2p_seconds for c in cals]),
                    collectives=[x for c in cals for x in c.collectives],
-                   compute_scale=median_of([c.compute_scale for c in cals]))
+                   compute_scale=median_of([c.compute_scale for c in cals]),
+                   step_residual=median_of([c.step_residual for c in cals]))
 
     def to_dict(self) -> dict:
         """JSON form: ``{"blocks": [[segment, kind, seconds], ...], "optimizer_seconds_per_byte", ...}``."""
@@ -184,6 +204,7 @@ class Calibration:
                 "p2p": [[n, t] for n, t in sorted(self.p2p_seconds.items())],
                 "collectives": [list(c) for c in self.collectives],
                 "compute_scale": dict(sorted(self.compute_scale.items())),
+                "step_residual": dict(sorted(self.step_residual.items())),
                 "samples": self.samples, "steps": self.steps}
 
     @classmethod
@@ -199,8 +220,11 @@ class Calibration:
             p2p = {int(n): float(t) for n, t in d.get("p2p", [])}
             colls = [(str(k), int(n), int(g), float(t)) for k, n, g, t in d.get("collectives", [])]
             scale = {str(k): float(v) for k, v in (d.get("compute_scale") or {}).items()}
+            residual = {str(k): float(v) for k, v in (d.get("step_residual") or {}).items()}
+            if any(k not in ("whole", "split") or not v > 0 for k, v in residual.items()):
+                raise ValueError(f"step_residual must map 'whole' and/or 'split' to positive ratios, got {residual}")
             return cls(blocks, None if spb is None else float(spb), int(d.get("samples", 0)), int(d.get("steps", 0)),
-                       p2p, colls, scale)
+                       p2p, colls, scale, residual)
         except (TypeError, ValueError) as e:
             raise CostModelError(f"malformed calibration: {e}; expected blocks=[[segment, kind, seconds], ...]") from e
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from engine.cost.calibrate import Calibration, calibrate, calibrated_durations
@@ -168,6 +168,12 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: i
     with a core of its own. The checked prediction is the plan's step on that host
     (:func:`engine.plan.core_sharing.shared_core_step_time`).
 
+    The returned plan's calibration also holds the step residual
+    (:attr:`~engine.cost.calibrate.Calibration.step_residual`): the median measured step of all the
+    timelines over the plan's prediction from the calibration's compute scale (its block times
+    left out, as ``tessel tune`` transfers it to other plans). The checked prediction does not
+    use it: the check's error is the block-level model's.
+
     Raises:
         CostModelError: no timeline (:func:`engine.cost.calibrate.calibrate`).
         TesselError: the timelines name a segment the plan does not have.
@@ -179,7 +185,18 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: i
     fitted = tls if shared_cores is None else [uncontended_timeline(t, layout, par.devices, shared_cores) for t in tls]
     planned = {(b.segment, b.kind): b.duration for b in plan.placement.blocks}
     recompute = dict(enumerate(_recompute_times(plan)))
-    new, tl = with_calibration(plan, calibrate(fitted, planned=planned, replicas=par.dp, recompute=recompute))
+
+    def step_of(timeline: Timeline) -> float:
+        return timeline.makespan if shared_cores is None else shared_core_step_time(timeline, layout, par.devices,
+                                                                                     shared_cores)
+
+    cal = calibrate(fitted, planned=planned, replicas=par.dp, recompute=recompute)
+    # the residual against the prediction the tuner makes of this plan: compute scale, not its block times
+    transferred = step_of(with_calibration(plan, replace(cal, block_seconds={}))[1])
+    if transferred > 0:
+        kind = "split" if any(b.kind in ("I", "W") for b in plan.placement.blocks) else "whole"
+        cal = replace(cal, step_residual={kind: statistics.median(t.makespan for t in tls) / transferred})
+    new, tl = with_calibration(plan, cal)
     held_out = len(tls) >= 4
     if held_out:
         half = len(tls) // 2
@@ -188,6 +205,6 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: i
     else:
         checked = tls
     measured = statistics.median(t.makespan for t in checked)
-    predicted = tl.makespan if shared_cores is None else shared_core_step_time(tl, layout, par.devices, shared_cores)
+    predicted = step_of(tl)
     err = measured / predicted - 1 if predicted > 0 else math.nan
     return CalibrationCheck(new, tl, predicted, measured, err, len(tls), len(checked), held_out)

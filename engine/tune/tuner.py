@@ -304,10 +304,20 @@ def plan_candidate(c: Candidate, ctx: _Context) -> PlanResult:
                              calibration=ctx.calibration(c))
 
 
+def _step_residual(c: Candidate, calibration: Mapping | None) -> float:
+    """The step residual (:meth:`engine.cost.calibrate.Calibration.residual_of`) of ``c``'s backward
+    kind in a calibration document; 1 without one."""
+    if not calibration:
+        return 1.0
+    return Calibration.from_dict(dict(calibration)).residual_of(placement_requirements(c.schedule).split_backward)
+
+
 def _simulated_row(c: Candidate, res: PlanResult, limit: float, bounds: tuple[float | None, float | None],
                    host: tuple[int, int] | None = None) -> TuneRow:
     """The row of a simulated candidate; ``host``: ``(ranks per node, cores they share)``, whose
-    work bound may lengthen the step (:func:`engine.plan.core_sharing.shared_core_step_time`)."""
+    work bound may lengthen the step (:func:`engine.plan.core_sharing.shared_core_step_time`). A
+    calibrated candidate's step is multiplied by its calibration's step residual of its backward
+    kind (:meth:`engine.cost.calibrate.Calibration.residual_of`)."""
     m = res.plan.metrics
     peak = float(max(m["peak_memory"]))
     status = "ok" if peak <= limit else "over memory"
@@ -319,6 +329,12 @@ def _simulated_row(c: Candidate, res: PlanResult, limit: float, bounds: tuple[fl
         if step > makespan and status == "ok":
             reason = (f"core-bound: its ranks' CPU work shares {host[1]} cores per node "
                       f"({makespan * 1e3:.4g} ms with a core per rank)")
+    residual = _step_residual(c, res.plan.meta.get("calibration"))
+    if residual != 1.0:
+        step *= residual
+        if status == "ok":
+            reason = "; ".join(x for x in (reason, f"x{residual:.2f}: the measured step residual of its layout's "
+                                                   "profiling launch") if x)
     slow = makespan / step if step > 0 else 1.0
     mfu = m.get("mfu")
     return TuneRow(c, status, reason, step_time=step, tokens_per_second=float(m["tokens_per_second"]) * slow,
@@ -349,6 +365,7 @@ def _evaluate(c: Candidate, ctx: _Context, num_params: int,
         cut = transform_model(captured, config, ctx.cost, c.schedule, memory_limit=limit,
                               layers=_layers(c, captured, ctx), compute_scale=transferable_scale(ctx.calibration(c)))
         t_bound, m_place = _placement_bounds(cut, c)
+        t_bound *= _step_residual(c, ctx.calibration(c))   # a bound on the step the row will give
         m_bound = max(state, m_place or 0.0)
         if m_bound > limit:
             return TuneRow(c, "memory bound", f"its weights, optimizer states and gradients need "

@@ -131,6 +131,22 @@ def test_calibrating_steps_measured_on_shared_cores_recovers_a_ranks_own_speed()
     assert shared.predicted_makespan == pytest.approx(shared.measured_makespan, rel=0.05)
 
 
+def test_the_step_residual_is_what_the_transferred_calibration_misses_of_the_measured_step():
+    """The measured steps end 30% after their last block (time no block accounts for): the
+    calibration's compute scale reproduces the blocks (1), and its step residual (1.3) the rest;
+    steps measured exactly as predicted give a residual of 1."""
+    from engine.cost.calibrate import Calibration
+
+    res = make_plan("llama-tiny", devices=2, dp=2, micro_batches=2, seq_len=16, device_type="h100")
+    span = res.timeline.makespan
+    tail = Event(0, "recv", "RECV", "idle", span, 1.3 * span)
+    late = dataclasses.replace(_stretched(res.timeline, 1.0), events=[*res.timeline.events, tail])
+    for measured, want in (([_stretched(res.timeline, 1.0)] * 2, 1.0), ([late] * 2, 1.3)):
+        cal = Calibration.from_dict(calibrate_plan(res.plan, measured).plan.meta["calibration"])
+        assert cal.compute_scale["F"] == pytest.approx(1.0, rel=0.02)
+        assert cal.step_residual == {"whole": pytest.approx(want, rel=0.02)}
+
+
 def test_equal_step_times_rank_the_schedule_without_a_split_backward_first():
     """Where the work bound decides, 1F1B and ZB-H1 of one layout predict the same step; the one
     pass per block ranks first (ZB-H1 measured 7-18% slower there on 4 CPU ranks), whatever the

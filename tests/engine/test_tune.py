@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from engine.errors import TesselError, TuneError
+from engine.errors import CostModelError, TesselError, TuneError
 from engine.plan import make_plan
 from engine.tune import Candidate, TuneSpace, candidates, pareto_front, tune
 from engine.tune.report import nothing_fits_advice, why_runner_up_loses
@@ -202,6 +202,40 @@ def test_a_calibrated_tune_predicts_each_candidate_as_its_calibrated_plan():
                                                           collectives=[("allreduce", 1 << 20, 2, 4e-3)]))
         assert r.step_time == pytest.approx(calibrated.metrics["makespan"], rel=1e-9)
         assert r.step_time > by_label[c.label()].step_time   # the measured overheads are not free
+
+
+def test_a_calibrations_step_residual_multiplies_each_candidates_step_by_its_backward_kind():
+    """The step residual of a profiling launch (measured over predicted step of its plan) scales
+    every candidate's predicted step: 1F1B rows by the whole backward's, ZB-H1 rows by the split
+    one's; the ranking follows (ZB-H1 behind 1F1B of its layout), and the row says why."""
+    from engine.cost.calibrate import Calibration
+    from engine.plan import with_calibration
+
+    space = TuneSpace(gpus=2, global_batch=4, gpus_per_node=2, micro_batch_sizes=(1,), schedules=("1f1b", "zb-h1"),
+                      recompute=("none",), sequence_parallel=False, overlap_grad_sync=False, sharded_update=False)
+    base = Calibration(compute_scale={"F": 1.5, "B": 2.0})
+    cal = Calibration(compute_scale={"F": 1.5, "B": 2.0}, step_residual={"whole": 1.25, "split": 3.0})
+    res = tune(MODEL, space, device_type="cpu", seq_len=SEQ, calibration=cal)
+    assert {r.candidate.schedule for r in res.fitting()} == {"1f1b", "zb-h1"}
+    for r in res.fitting():
+        c = r.candidate
+        ref = make_plan(MODEL, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches, schedule=c.schedule,
+                        seq_len=SEQ, device_type="cpu").plan
+        factor = 3.0 if c.schedule == "zb-h1" else 1.25
+        assert r.step_time == pytest.approx(with_calibration(ref, base)[0].metrics["makespan"] * factor, rel=1e-9)
+        assert "step residual" in r.reason
+    steps = [r.step_time for r in res.fitting()]
+    assert steps == sorted(steps)
+    by_layout: dict = {}
+    for r in res.fitting():
+        by_layout.setdefault((r.candidate.dp, r.candidate.pp), {})[r.candidate.schedule] = r.step_time
+    both = [k for k in by_layout.values() if len(k) == 2]
+    assert both and all(k["zb-h1"] > k["1f1b"] for k in both)
+    assert Calibration.from_dict(cal.to_dict()).step_residual == {"whole": 1.25, "split": 3.0}
+    assert Calibration(step_residual={"whole": 1.25}).residual_of(True) == 1.25   # the other kind's
+    assert Calibration().residual_of(False) == 1.0
+    with pytest.raises(CostModelError, match="step_residual"):
+        Calibration.from_dict({"step_residual": {"whole": -1.0}})
 
 
 def test_plans_that_can_no_longer_be_kept_are_dropped_and_the_kept_ones_are_right(monkeypatch):

@@ -353,6 +353,9 @@ def test_cli_launch_json_and_resume_errors(tmp_path):
     cal = res["calibration"]
     assert Path(cal["path"]) == tmp_path / "plan.calibrated.json" and cal["steps"] == 1
     assert cal["predicted_makespan"] > 0 and "calibrated from 1 measured step:" in p.stdout
+    # the step residual: the one measured step over the transferred prediction, said and saved
+    assert set(cal["step_residual"]) == {"whole"} and cal["step_residual"]["whole"] > 0
+    assert f"step residual x{cal['step_residual']['whole']:.2f} (whole backward" in p.stdout
     assert "calibration" in json.loads((tmp_path / "plan.calibrated.json").read_text())["meta"]
     assert res["ok"] and res["steps"] == 2 and len(res["losses"]) == 2 and res["backend"] == "gloo"
     assert res["loss_end"] == res["losses"][-1] and res["val_loss"] > 0 and res["tokens_per_second"] > 0
