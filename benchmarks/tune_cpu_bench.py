@@ -32,7 +32,7 @@ likewise.
 
 Usage: ``python benchmarks/tune_cpu_bench.py [--json] [--models llama-32k-cpu,two-tower-tiny,gpt2-small-cpu]
 [--ranks 2,4] [--steps 5] [--micro-batch-sizes 1,2] [--repeats 1] [--profile-repeats R]
-[--measured-from JSON] [--no-calibration]``
+[--measured-from JSON] [--no-calibration]``; ``--report JSON ...`` prints the table of earlier runs.
 
 One launch's median step is a noisy measurement here: the same candidate measured twice differs by
 10-25% (ranks sharing two cores, Python, the allocator). ``--repeats R`` launches every candidate R
@@ -158,6 +158,24 @@ def _ranking(rows: list[dict], key: str, order: list[str]) -> dict:
                         "at_least_12": len(rows) >= 12}}
 
 
+def _repeat_oracle(rows: list[dict], checks: list[dict]) -> dict | None:
+    """The noise floor of the pick: among the profiled candidates, the one whose profiling
+    launches measured fastest (their median), and its measured time's distance from the measured
+    best. It is the pick of an oracle that knows each of those plans from three launches of its
+    own, what no predictor calibrated on them can beat; ``None`` without profiling launches."""
+    by_label = {x["label"]: x for x in rows}
+    launches: dict[str, list[float]] = {}
+    for c in checks:
+        if c["label"] in by_label:
+            launches.setdefault(c["label"], []).append(c["measured_makespan"])
+    if not launches:
+        return None
+    label = min(launches, key=lambda k: statistics.median(launches[k]))
+    best = min(x["measured"] for x in rows)
+    return {"pick": label, "profiling_median": statistics.median(launches[label]),
+            "measured": by_label[label]["measured"], "pick_gap": by_label[label]["measured"] / best - 1}
+
+
 def _test_retest(rows: list[dict]) -> float:
     """Spearman of the first against the second repeat's measured times (NaN with one repeat): how
     well one launch's measurement ranks the candidates the same way again, the ceiling a predictor
@@ -222,6 +240,7 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
     if cal_res is not None:
         out_d.update(calibrated=_ranking(rows, "calibrated", [r.candidate.label() for r in cal_res.fitting()]),
                      profiling_launches=profiled, profiling_checks=checks,
+                     repeat_oracle=_repeat_oracle(rows, checks),
                      calibrations={"x".join(map(str, k)): v.to_dict() for k, v in cals.items()},
                      tune_seconds_calibrated=tune_s_cal,
                      calibrated_pick=next((r.candidate.label() for r in cal_res.fitting()), None))
@@ -231,7 +250,7 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
 def report(results: list[dict]) -> str:
     """The table: per model and rank count, the ranking by profiled op times and by the calibrated ones."""
     head = (f"{'model':<16} {'ranks':>5} {'cands':>5} {'costs':<10} {'tuner pick':<40} {'pick ms':>8} {'best ms':>8} "
-            f"{'gap':>6} {'Spearman':>8} {'retest':>6} {'tune s':>6}")
+            f"{'gap':>6} {'Spearman':>8} {'retest':>6} {'oracle':>6} {'tune s':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         for costs, key, secs in (("profiled", "profiled", r["tune_seconds"]),
@@ -242,11 +261,13 @@ def report(results: list[dict]) -> str:
             lines.append(f"{r['model']:<16} {r['ranks']:>5} {r['candidates']:>5} {costs:<10} {k['pick']['label']:<40} "
                          f"{k['pick']['measured'] * 1e3:8.1f} {k['measured_best']['measured'] * 1e3:8.1f} "
                          f"{k['pick_gap']:6.1%} {k['spearman']:8.2f} {r.get('test_retest_spearman', math.nan):6.2f} "
-                         f"{secs:6.1f}")
+                         f"{(r.get('repeat_oracle') or {}).get('pick_gap', math.nan):6.1%} {secs:6.1f}")
     lines.append(f"targets: the pick within {PICK_WITHIN:.0%} of the measured best, Spearman >= {SPEARMAN}, "
                  "at least 12 candidates; measured: median step (after the first) on Ray gloo ranks, the median "
                  "of --repeats launches; retest: Spearman of the first launches against the second (the noise "
-                 "ceiling); calibrated: tuned again with the calibrations of the profiling launches")
+                 "ceiling); oracle: the gap of the profiled plan whose profiling launches were fastest (the pick "
+                 "of an oracle that knows those plans from launches of their own); calibrated: tuned again with "
+                 "the calibrations of the profiling launches")
     return "\n".join(lines)
 
 
@@ -266,9 +287,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measured-from", default=None, metavar="JSON",
                     help="rank against the measured launches of an earlier --json run of the same models and rank "
                          "counts instead of launching every candidate again (the profiling launches are new)")
+    ap.add_argument("--report", default=None, metavar="JSON", action="append",
+                    help="print the table of earlier --json runs (repeatable) and launch nothing")
     ap.add_argument("--no-calibration", action="store_true",
                     help="rank with profiled op times only (no profiling launch, no calibrated ranking)")
     args = ap.parse_args(argv)
+    if args.report:
+        try:
+            results = [r for path in args.report for r in json.loads(Path(path).read_text())["results"]]
+            for r in results:
+                if r.get("profiling_checks") and "repeat_oracle" not in r:
+                    r["repeat_oracle"] = _repeat_oracle(r["rows"], r["profiling_checks"])
+            print(json.dumps({"results": results}) if args.json else report(results))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--report: not a tune_cpu_bench --json result ({e})")
+        return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if any(m not in MODELS for m in models):
         ap.error(f"models are {', '.join(MODELS)}")
