@@ -138,9 +138,8 @@ def _calibrated(plan, cal: Calibration | None) -> float:
         return math.nan
     tl = with_calibration(plan, replace(cal, block_seconds={}))[1]
     par, cores = plan.parallel, os.cpu_count() or 1
-    split = any(b.kind == "I" for b in plan.placement.blocks)
     return shared_core_step_time(tl, RankLayout(par.tp, par.dp, par.pp, par.layout), par.devices,
-                                 cores) * cal.residual_of(split)
+                                 cores) * cal.residual_of(plan.placement.split_backward)
 
 
 def _ranking(rows: list[dict], key: str, order: list[str]) -> dict:
@@ -161,8 +160,9 @@ def _ranking(rows: list[dict], key: str, order: list[str]) -> dict:
 def _repeat_oracle(rows: list[dict], checks: list[dict]) -> dict | None:
     """The noise floor of the pick: among the profiled candidates, the one whose profiling
     launches measured fastest (their median), and its measured time's distance from the measured
-    best. It is the pick of an oracle that knows each of those plans from three launches of its
-    own, what no predictor calibrated on them can beat; ``None`` without profiling launches."""
+    best. It is the pick of an oracle that knows each of those plans from its own profiling
+    launches (``--profile-repeats`` of them), what no predictor calibrated on them can beat;
+    ``None`` without profiling launches."""
     by_label = {x["label"]: x for x in rows}
     launches: dict[str, list[float]] = {}
     for c in checks:

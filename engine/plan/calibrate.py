@@ -194,7 +194,7 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: i
     # the residual against the prediction the tuner makes of this plan: compute scale, not its block times
     transferred = step_of(with_calibration(plan, replace(cal, block_seconds={}))[1])
     if transferred > 0:
-        kind = "split" if any(b.kind in ("I", "W") for b in plan.placement.blocks) else "whole"
+        kind = "split" if plan.placement.split_backward else "whole"
         cal = replace(cal, step_residual={kind: statistics.median(t.makespan for t in tls) / transferred})
     new, tl = with_calibration(plan, cal)
     held_out = len(tls) >= 4
