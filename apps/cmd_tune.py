@@ -100,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the one of its (dp, tp, pp) and micro-batch size, else of its (dp, tp, pp), else of its pp, "
                         "else of its dp, else the first; several launches of one layout are pooled (their median), and "
                         "a layout launched both with a split backward (ZB-H1) and without predicts each backward "
-                        "kind with its own compute scale")
+                        "kind with its own compute scale, and a launch of a recomputing plan its recomputing "
+                        "candidates")
     p.add_argument("--launchable", action="store_true",
                    help="rank only configurations `tessel launch` runs here (the others are listed as refused, "
                         "with the runtime's reason)")
@@ -126,7 +127,8 @@ def _calibrated(paths: list[str] | None):
     ``(None, None)`` without one. Several files of one layout and backward kind (repeated profiling
     launches) are pooled (:meth:`Calibration.pooled`: the median of the launches); one layout's
     launches with a split backward (ZB-H1) and without become one calibration
-    (:func:`layout_calibration`), each candidate predicted with its own kind's scale.
+    (:func:`layout_calibration`), each candidate predicted with its own kind's scale; launches of a
+    recomputing plan become the layout's recompute variant (its recomputing candidates' calibration).
 
     Raises:
         TuneError: a plan holds no cost model or no calibration, or one file is given twice (one

@@ -9,9 +9,9 @@ its median measured step time (steps after the first) is set beside the predicti
 
 Calibrated ranking (the default; ``--no-calibration`` leaves it out): profiling launches per
 layout and micro-batch size ``(dp, tp, pp, mbs)`` of the space (of its first candidate in the
-profiled ranking with a whole backward, and of its first with a split backward, ZB-H1;
-``--profile-repeats`` launches of each, default ``--repeats``, pooled into their median) are
-calibrated (``engine.plan.calibrate_plan``: the measured point-to-point, collective and optimizer
+profiled ranking with a whole backward, of its first with a split backward, ZB-H1, and of its first
+that recomputes activations; ``--profile-repeats`` launches of each, default ``--repeats``, pooled
+into their median) are calibrated (``engine.plan.calibrate_plan``: the measured point-to-point, collective and optimizer
 costs, and per block kind the measured over planned compute time), and the space is tuned again
 with those calibrations (``tune(..., calibration={(dp, tp, pp, mbs): ...})``, as ``tessel tune
 --calibration A.calibrated.json --calibration B.calibrated.json``); both rankings are compared
@@ -35,10 +35,13 @@ Usage: ``python benchmarks/tune_cpu_bench.py [--json] [--models llama-32k-cpu,tw
 [--measured-from JSON] [--no-calibration]``; ``--report JSON ...`` prints the table of earlier runs.
 
 One launch's median step is a noisy measurement here: the same candidate measured twice differs by
-10-25% (ranks sharing two cores, Python, the allocator). ``--repeats R`` launches every candidate R
-times (alternate passes in reverse order) and ranks against the median; the table's ``retest``
-column is the Spearman of the first pass against the second, which bounds what any predictor can
-reach against one pass.
+10-25% (ranks sharing two cores, Python, the allocator), and the machine's speed drifts by 20-30%
+over tens of minutes. ``--repeats R`` launches every candidate R times and ranks against the
+median; the launches run in passes, each every candidate and every profiled plan once in an order
+shuffled per pass, so the drift falls on calibrations and measurements alike. The table's
+``retest`` column is the Spearman of the first pass against the second, which bounds what any
+predictor can reach against one pass; ``p`` says whether the pick's launches are measurably
+slower than the best's (a one-sided Mann-Whitney U test).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -57,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import ray  # noqa: E402
-from scipy.stats import spearmanr  # noqa: E402
+from scipy.stats import mannwhitneyu, spearmanr  # noqa: E402
 
 from engine.baselines import placement_requirements  # noqa: E402
 from engine.cost.calibrate import Calibration, layout_calibration  # noqa: E402
@@ -69,12 +73,17 @@ from engine.tune import TuneSpace, tune  # noqa: E402
 from engine.tune.tuner import calibration_for  # noqa: E402
 from runtime import launch  # noqa: E402
 from runtime.config import LaunchConfig  # noqa: E402
+from runtime.stages.checks import check_executable  # noqa: E402
 
 #: Per model: global batch (samples) and sequence length of the space.
 MODELS = {"llama-32k-cpu": (8, 64), "two-tower-tiny": (8, 64), "gpt2-small-cpu": (8, 64)}
 #: Targets: the pick's measured time within this fraction of the measured best; Spearman at least.
 PICK_WITHIN = 0.05
 SPEARMAN = 0.8
+#: The pick is measurably slower than the measured best when a one-sided Mann-Whitney U test of
+#: their launches rejects "not slower" at this level (with three launches each: every launch of
+#: the pick slower than every launch of the best, p = 1/20).
+SIGNIFICANCE = 0.05
 
 
 def _space(ranks: int, batch: int, mbs: tuple[int, ...] = (1, 2)) -> TuneSpace:
@@ -95,38 +104,40 @@ def _launch(plan, steps: int, keep: int = 0):
     return launch(plan, LaunchConfig(steps=steps, device="cpu", keep_timelines=keep or steps, step_timeout=300))
 
 
-def _profile(model: str, res, seq: int, steps: int, repeats: int = 1) -> tuple[dict, list[str], list[dict]]:
-    """Profiling launches per layout and micro-batch size ``(dp, tp, pp, mbs)`` of the fitting
-    candidates: ``repeats`` launches of its first fitting candidate the runtime runs with a whole
-    backward (``B``) and as many of its first with a split one (``I``, ``W``), where the space has
-    them. Returns ``{(dp, tp, pp, mbs): calibration}`` (``calibrate_plan`` of each launch's steps
-    after the first; a layout's launches pooled and merged by ``layout_calibration``, as ``tessel
-    tune --calibration A --calibration B ...`` takes them), the launched candidates' labels and
-    each launch's check (``CalibrationCheck.to_dict`` and its step residual)."""
-    launches: dict = {}
-    labels: list[str] = []
-    checks: list[dict] = []
-    cores = os.cpu_count() or 1
+def _profiled_candidates(res, plan_of) -> list:
+    """The candidates profiled per layout and micro-batch size ``(dp, tp, pp, mbs)`` of the
+    fitting ones: its first in the profiled ranking that the runtime runs
+    (``runtime.stages.checks.check_executable``) with a whole backward (``B``), its first with a
+    split one (``I``, ``W``) and its first that recomputes activations (of either kind; its
+    layout's recompute variant), where the space has them. ``plan_of(candidate)``: its plan."""
+    chosen: dict[tuple, list] = {}
     for r in res.fitting():
         c = r.candidate
         key = (c.dp, c.tp, c.pp, c.micro_batch_size)
-        split = placement_requirements(c.schedule).split_backward
-        if any(cal.split_backward == split for cal in launches.get(key, [])):
+        kind = (placement_requirements(c.schedule).split_backward, c.recompute != "none")
+        if any(k == kind or (k[1] and kind[1]) for k, _ in chosen.get(key, [])):
             continue
-        plan = _plan(model, c, seq)
-        got = []
-        for _ in range(repeats):
-            try:
-                out = _launch(plan, max(steps, 4))
-            except TesselError:
-                break
-            check = calibrate_plan(plan, out.timelines[1:], shared_cores=cores if c.gpus > cores else None)
-            got.append(Calibration.from_dict(check.plan.meta["calibration"]))
-            checks.append({"label": c.label(), **check.to_dict(), "step_residual": got[-1].step_residual})
-        if got:
-            launches.setdefault(key, []).extend(got)
-            labels.append(c.label())
-    return {key: layout_calibration(cals) for key, cals in launches.items()}, labels, checks
+        try:
+            check_executable(plan_of(c))
+        except TesselError:
+            continue
+        chosen.setdefault(key, []).append((kind, c))
+    return [c for got in chosen.values() for _, c in got]
+
+
+def _profiling_check(plan, out, c) -> tuple[Calibration, dict]:
+    """One profiling launch's calibration (``calibrate_plan`` of its steps after the first) and its
+    check (``CalibrationCheck.to_dict`` with the step residual)."""
+    cores = os.cpu_count() or 1
+    check = calibrate_plan(plan, out.timelines[1:], shared_cores=cores if c.gpus > cores else None)
+    cal = Calibration.from_dict(check.plan.meta["calibration"])
+    return cal, {"label": c.label(), **check.to_dict(), "step_residual": cal.step_residual,
+                 "recompute": cal.recompute}
+
+
+def _for(cal: Calibration | None, c) -> Calibration | None:
+    """The calibration candidate ``c`` is predicted with (its recompute variant where it recomputes)."""
+    return None if cal is None else cal.for_plan(c.recompute != "none")
 
 
 def _calibrated(plan, cal: Calibration | None) -> float:
@@ -152,9 +163,22 @@ def _ranking(rows: list[dict], key: str, order: list[str]) -> dict:
     by_label = {x["label"]: x for x in rows}
     pick = next(by_label[label] for label in order if label in by_label)
     gap = pick["measured"] / best["measured"] - 1
-    return {"pick": pick, "measured_best": best, "pick_gap": gap, "spearman": rho,
+    p = _slower_p(pick["runs"], best["runs"]) if pick is not best else 1.0
+    return {"pick": pick, "measured_best": best, "pick_gap": gap, "spearman": rho, "pick_slower_p": p,
             "targets": {"pick_within_5pct": gap <= PICK_WITHIN, "spearman_0_8": rho >= SPEARMAN,
-                        "at_least_12": len(rows) >= 12}}
+                        "at_least_12": len(rows) >= 12, "pick_not_measurably_slower": p > SIGNIFICANCE}}
+
+
+def _slower_p(pick: list[float], best: list[float]) -> float:
+    """The p-value of "the pick's launches are slower than the best's": a one-sided exact
+    Mann-Whitney U test (``scipy.stats.mannwhitneyu``) of the two candidates' measured step times
+    (seconds, one per launch). Small: the pick is measurably slower; with three launches each the
+    smallest possible value is 1/20, every launch of the pick slower than every launch of the best.
+    The best was chosen as the fastest median of all candidates, which biases the test towards
+    "slower"; NaN with fewer than two launches of either."""
+    if len(pick) < 2 or len(best) < 2:
+        return math.nan
+    return float(mannwhitneyu(pick, best, alternative="greater", method="exact").pvalue)
 
 
 def _repeat_oracle(rows: list[dict], checks: list[dict]) -> dict | None:
@@ -171,9 +195,11 @@ def _repeat_oracle(rows: list[dict], checks: list[dict]) -> dict | None:
     if not launches:
         return None
     label = min(launches, key=lambda k: statistics.median(launches[k]))
-    best = min(x["measured"] for x in rows)
+    best = min(rows, key=lambda x: x["measured"])
+    pick = by_label[label]
     return {"pick": label, "profiling_median": statistics.median(launches[label]),
-            "measured": by_label[label]["measured"], "pick_gap": by_label[label]["measured"] / best - 1}
+            "measured": pick["measured"], "pick_gap": pick["measured"] / best["measured"] - 1,
+            "pick_slower_p": _slower_p(pick["runs"], best["runs"]) if pick is not best else 1.0}
 
 
 def _test_retest(rows: list[dict]) -> float:
@@ -187,51 +213,84 @@ def _test_retest(rows: list[dict]) -> float:
 
 def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tuple[int, ...] = (1, 2),
             repeats: int = 1, profile_repeats: int = 1, measured: dict | None = None) -> dict:
-    """Tune ``model`` on ``ranks`` CPU ranks (profiled op times; with ``calibrated``, again with the
-    calibrations of ``profile_repeats`` profiling launches per layout and backward kind), launch
-    every fitting candidate ``repeats`` times (the candidates in reverse order on every second pass,
-    so that a drift of the machine's speed does not favour the first ones) and compare with the
-    median of its launches. With ``measured`` (an earlier result of this model and rank count) its
-    candidates' measured launches are taken instead of launching them again."""
+    """Tune ``model`` on ``ranks`` CPU ranks (profiled op times), launch every fitting candidate
+    ``repeats`` times and compare with the median of its launches; with ``calibrated``, also launch
+    the profiled candidates (:func:`_profiled_candidates`) ``profile_repeats`` times each, pool
+    each layout's launches (``layout_calibration``, as ``tessel tune --calibration A --calibration
+    B ...`` takes them) and tune again with them. With ``measured`` (an earlier result of this
+    model and rank count) its candidates' measured launches are taken instead of launching them
+    again.
+
+    The launches run in passes, each pass every candidate once (while ``repeats`` lasts) and every
+    profiled candidate once (while ``profile_repeats`` lasts), in an order shuffled per pass: this
+    machine's speed drifts by 20-30% over tens of minutes (other tenants of its host), and a
+    calibration from launches made before the measured ones would carry that drift into the
+    calibrated ranking (it did: every profiling launch of one run measured 20-30% slower than the
+    same plan's measured launches after it)."""
     batch, seq = MODELS[model]
     t0 = time.perf_counter()
     res = tune(model, _space(ranks, batch, mbs), device_type="cpu", seq_len=seq, profile=True)
     tune_s = time.perf_counter() - t0
-    cals, profiled, checks = _profile(model, res, seq, steps, profile_repeats) if calibrated else ({}, [], [])
-    cal_res = None
-    if cals:
-        t0 = time.perf_counter()
-        cal_res = tune(model, _space(ranks, batch, mbs), device_type="cpu", seq_len=seq, profile=True, calibration=cals)
-        tune_s_cal = time.perf_counter() - t0
+    plans: dict[str, object] = {}
+
+    def plan_of(c):
+        if c.label() not in plans:
+            plans[c.label()] = _plan(model, c, seq)
+        return plans[c.label()]
+
+    profiled = _profiled_candidates(res, plan_of) if calibrated else []
+    fitting = list(res.fitting())
     by_label: dict[str, dict] = {}
     refused: list[dict] = list(measured["not_executable"]) if measured else []
     earlier = {x["label"]: x["runs"] for x in measured["rows"]} if measured else {}
-    for rep in range(1 if measured else repeats):
-        for r in res.fitting() if rep % 2 == 0 else res.fitting()[::-1]:
-            c = r.candidate
+    launches: dict[tuple, list[Calibration]] = {}
+    checks: list[dict] = []
+    for rep in range(max(1 if measured else repeats, profile_repeats if profiled else 0)):
+        jobs = [("profile", c) for c in profiled if rep < profile_repeats]
+        jobs += [("measure", r) for r in fitting if rep < (1 if measured else repeats)]
+        random.Random(rep).shuffle(jobs)
+        for what, job in jobs:
+            if what == "profile":
+                try:
+                    out = _launch(plan_of(job), max(steps, 4))
+                except TesselError:
+                    continue
+                cal, check = _profiling_check(plan_of(job), out, job)
+                launches.setdefault((job.dp, job.tp, job.pp, job.micro_batch_size), []).append(cal)
+                checks.append(check)
+                continue
+            c = job.candidate
             if c.label() in {x["label"] for x in refused} or (measured and c.label() not in earlier):
                 continue
-            plan = _plan(model, c, seq)
             if measured:
                 runs = earlier[c.label()]
             else:
                 try:
-                    out = _launch(plan, steps)
+                    out = _launch(plan_of(c), steps)
                 except TesselError as e:   # planned, but the runtime cannot run it
                     refused.append({"label": c.label(), "why": " ".join(str(e).split())[:200]})
                     print(f"[tune_cpu_bench] {model}: {c.label()} not executable: {refused[-1]['why']}",
                           file=sys.stderr)
                     continue
                 runs = [statistics.median([tl.makespan for tl in out.timelines[1:]] or [out.measured_makespan])]
-            row = by_label.setdefault(c.label(), {"label": c.label(), "predicted": r.step_time, "runs": [],
-                                                  "calibrated": _calibrated(plan, calibration_for(cals, c))})
+            row = by_label.setdefault(c.label(), {"label": c.label(), "predicted": job.step_time, "runs": []})
             row["runs"].extend(runs)
             row["measured"] = statistics.median(row["runs"])
-            print(f"[tune_cpu_bench] {model} on {ranks} ranks, pass {rep + 1}/{repeats}: {c.label()} predicted "
-                  f"{r.step_time * 1e3:.1f} ms, calibrated {row['calibrated'] * 1e3:.1f} ms, measured "
-                  f"{row['runs'][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
-    rows = [by_label[r.candidate.label()] for r in res.fitting() if r.candidate.label() in by_label]
-    order = [r.candidate.label() for r in res.fitting()]
+            print(f"[tune_cpu_bench] {model} on {ranks} ranks, pass {rep + 1}: {c.label()} predicted "
+                  f"{job.step_time * 1e3:.1f} ms, measured {row['runs'][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+    cals = {key: layout_calibration(got) for key, got in launches.items()}
+    cal_res = None
+    if cals:
+        t0 = time.perf_counter()
+        cal_res = tune(model, _space(ranks, batch, mbs), device_type="cpu", seq_len=seq, profile=True, calibration=cals)
+        tune_s_cal = time.perf_counter() - t0
+    rows = [by_label[r.candidate.label()] for r in fitting if r.candidate.label() in by_label]
+    for r in fitting:
+        if r.candidate.label() in by_label:
+            by_label[r.candidate.label()]["calibrated"] = _calibrated(plan_of(r.candidate),
+                                                                      _for(calibration_for(cals, r.candidate),
+                                                                           r.candidate))
+    order = [r.candidate.label() for r in fitting]
     out_d = {"model": model, "ranks": ranks, "candidates": len(rows), "not_executable": refused,
              "tune_seconds": tune_s, "rows": rows, "repeats": len(rows[0]["runs"]) if rows else 0,
              "profile_repeats": profile_repeats, "measured_from": bool(measured),
@@ -239,7 +298,7 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
              "profiled": _ranking(rows, "predicted", order)}
     if cal_res is not None:
         out_d.update(calibrated=_ranking(rows, "calibrated", [r.candidate.label() for r in cal_res.fitting()]),
-                     profiling_launches=profiled, profiling_checks=checks,
+                     profiling_launches=[c.label() for c in profiled], profiling_checks=checks,
                      repeat_oracle=_repeat_oracle(rows, checks),
                      calibrations={"x".join(map(str, k)): v.to_dict() for k, v in cals.items()},
                      tune_seconds_calibrated=tune_s_cal,
@@ -250,7 +309,7 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
 def report(results: list[dict]) -> str:
     """The table: per model and rank count, the ranking by profiled op times and by the calibrated ones."""
     head = (f"{'model':<16} {'ranks':>5} {'cands':>5} {'costs':<10} {'tuner pick':<40} {'pick ms':>8} {'best ms':>8} "
-            f"{'gap':>6} {'Spearman':>8} {'retest':>6} {'oracle':>6} {'tune s':>6}")
+            f"{'gap':>6} {'p':>5} {'Spearman':>8} {'retest':>6} {'oracle':>6} {'tune s':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         for costs, key, secs in (("profiled", "profiled", r["tune_seconds"]),
@@ -258,16 +317,22 @@ def report(results: list[dict]) -> str:
             k = r.get(key)
             if k is None:
                 continue
+            p = k.get("pick_slower_p")
+            if p is None:   # an earlier run's result
+                same = k["pick"]["label"] == k["measured_best"]["label"]
+                p = 1.0 if same else _slower_p(k["pick"].get("runs", []), k["measured_best"].get("runs", []))
             lines.append(f"{r['model']:<16} {r['ranks']:>5} {r['candidates']:>5} {costs:<10} {k['pick']['label']:<40} "
                          f"{k['pick']['measured'] * 1e3:8.1f} {k['measured_best']['measured'] * 1e3:8.1f} "
-                         f"{k['pick_gap']:6.1%} {k['spearman']:8.2f} {r.get('test_retest_spearman', math.nan):6.2f} "
+                         f"{k['pick_gap']:6.1%} {p:5.2f} {k['spearman']:8.2f} "
+                         f"{r.get('test_retest_spearman', math.nan):6.2f} "
                          f"{(r.get('repeat_oracle') or {}).get('pick_gap', math.nan):6.1%} {secs:6.1f}")
     lines.append(f"targets: the pick within {PICK_WITHIN:.0%} of the measured best, Spearman >= {SPEARMAN}, "
                  "at least 12 candidates; measured: median step (after the first) on Ray gloo ranks, the median "
-                 "of --repeats launches; retest: Spearman of the first launches against the second (the noise "
-                 "ceiling); oracle: the gap of the profiled plan whose profiling launches were fastest (the pick "
-                 "of an oracle that knows those plans from launches of their own); calibrated: tuned again with "
-                 "the calibrations of the profiling launches")
+                 "of --repeats launches; p: the one-sided Mann-Whitney p-value of the pick's launches being "
+                 f"slower than the best's (at most {SIGNIFICANCE}: measurably slower); retest: Spearman of the first "
+                 "launches against the second (the noise ceiling); oracle: the gap of the profiled plan whose "
+                 "profiling launches were fastest (the pick of an oracle that knows those plans from launches of "
+                 "their own); calibrated: tuned again with the calibrations of the profiling launches")
     return "\n".join(lines)
 
 
@@ -280,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch-sizes", default="1,2", help="micro-batch sizes of the space (default 1,2)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="launches per candidate, measured as their median (default 1); with 2 or more the table "
-                         "gives the test-retest Spearman of the first two")
+                         "gives the test-retest Spearman of the first two and the pick's p-value")
     ap.add_argument("--profile-repeats", type=int, default=None,
                     help="profiling launches per layout and backward kind, pooled into its calibration (their "
                          "median; default: --repeats)")

@@ -92,6 +92,17 @@ class Calibration:
             and backward kind (:meth:`residual_of`), so the profiled plan is predicted at its
             measurement and the layout's other plans (schedules, recomputation) relative to it.
             Empty where the launch was not checked (:func:`engine.plan.calibrate_plan` sets it).
+        recompute: the activation recomputation of the plan it was measured on (``none``,
+            ``selective``, ``full``, or ``per-stage`` for a plan whose stages recompute differently;
+            :func:`engine.plan.calibrate_plan` sets it).
+        recompute_variant: the same layout measured on a plan that recomputes activations
+            (:func:`layout_calibration`), with which a recomputing candidate is predicted
+            (:meth:`for_plan`): its stages run under ``torch.utils.checkpoint`` (and for GPT-2
+            and Llama as eager layer modules, not the traced graphs of a plan without
+            recomputation: :func:`engine.split.choose_split`), so its forward, backward and
+            recomputed forward run at scales of their own (measured on this project's CPU ranks,
+            the forward's scale put recomputation 40-60% too dear on GPT-2 and 11-28% too cheap
+            on the two-tower model). ``None``: none was measured.
     """
 
     block_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
@@ -102,6 +113,8 @@ class Calibration:
     collectives: list[tuple[str, int, int, float]] = field(default_factory=list)
     compute_scale: dict[str, float] = field(default_factory=dict)
     step_residual: dict[str, float] = field(default_factory=dict)
+    recompute: str = "none"
+    recompute_variant: "Calibration | None" = None
 
     def block_time(self, segment: int, kind: str, default: float, recompute: float = 0.0) -> float:
         """Measured seconds of a ``kind`` block of ``segment``, else ``default`` (planned seconds)
@@ -133,6 +146,16 @@ class Calibration:
         own, other = ("split", "whole") if split_backward else ("whole", "split")
         got = self.step_residual.get(own, self.step_residual.get(other))
         return 1.0 if got is None else float(got)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether it was measured on a plan that recomputes activations."""
+        return self.recompute != "none"
+
+    def for_plan(self, recomputes: bool) -> "Calibration":
+        """The calibration a plan with (``True``) or without activation recomputation is predicted
+        with: :attr:`recompute_variant` for a recomputing plan where one was measured, else this one."""
+        return self.recompute_variant if recomputes and self.recompute_variant is not None else self
 
     @property
     def split_backward(self) -> bool:
@@ -172,8 +195,9 @@ class Calibration:
         launches too. One launch is returned unchanged.
 
         Raises:
-            CostModelError: no calibration, or launches of both backward kinds (merge those with
-                :meth:`with_split_backward_of` after pooling each kind).
+            CostModelError: no calibration, launches of both backward kinds (merge those with
+                :meth:`with_split_backward_of` after pooling each kind), or of plans with and
+                without recomputation (:func:`layout_calibration` keeps them apart).
         """
         cals = list(calibrations)
         if not cals:
@@ -183,6 +207,9 @@ class Calibration:
         if len({c.split_backward for c in cals}) > 1:
             raise CostModelError("pool the launches of each backward kind on their own (1F1B/GPipe apart from "
                                  "ZB-H1), then merge the two with Calibration.with_split_backward_of")
+        if len({c.recomputes for c in cals}) > 1:
+            raise CostModelError("pool the launches of plans with and without activation recomputation on their "
+                                 "own (layout_calibration keeps the recomputing ones as the recompute variant)")
 
         def median_of(dicts):
             keys = {k for d in dicts for k in d}
@@ -195,7 +222,7 @@ class Calibration:
                    p2p_seconds=median_of([c.p2p_seconds for c in cals]),
                    collectives=[x for c in cals for x in c.collectives],
                    compute_scale=median_of([c.compute_scale for c in cals]),
-                   step_residual=median_of([c.step_residual for c in cals]))
+                   step_residual=median_of([c.step_residual for c in cals]), recompute=cals[0].recompute)
 
     def to_dict(self) -> dict:
         """JSON form: ``{"blocks": [[segment, kind, seconds], ...], "optimizer_seconds_per_byte", ...}``."""
@@ -205,7 +232,8 @@ class Calibration:
                 "collectives": [list(c) for c in self.collectives],
                 "compute_scale": dict(sorted(self.compute_scale.items())),
                 "step_residual": dict(sorted(self.step_residual.items())),
-                "samples": self.samples, "steps": self.steps}
+                "samples": self.samples, "steps": self.steps, "recompute": self.recompute,
+                "recompute_variant": None if self.recompute_variant is None else self.recompute_variant.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
@@ -223,8 +251,12 @@ class Calibration:
             residual = {str(k): float(v) for k, v in (d.get("step_residual") or {}).items()}
             if any(k not in ("whole", "split") or not v > 0 for k, v in residual.items()):
                 raise ValueError(f"step_residual must map 'whole' and/or 'split' to positive ratios, got {residual}")
+            variant = d.get("recompute_variant")
+            if variant is not None and not isinstance(variant, dict):
+                raise ValueError(f"recompute_variant must be a calibration or null, got {type(variant).__name__}")
             return cls(blocks, None if spb is None else float(spb), int(d.get("samples", 0)), int(d.get("steps", 0)),
-                       p2p, colls, scale, residual)
+                       p2p, colls, scale, residual, str(d.get("recompute", "none")),
+                       None if variant is None else cls.from_dict(variant))
         except (TypeError, ValueError) as e:
             raise CostModelError(f"malformed calibration: {e}; expected blocks=[[segment, kind, seconds], ...]") from e
 
@@ -294,16 +326,47 @@ def layout_calibration(launches: Iterable[Calibration]) -> Calibration:
     (:meth:`Calibration.with_split_backward_of`), so each candidate is predicted with its own kind's
     compute scale. ``tessel tune --calibration`` takes its files so.
 
+    Launches of plans that recompute activations are merged so on their own and kept as the
+    :attr:`~Calibration.recompute_variant` of the others' (a recomputing candidate is predicted
+    with it: :meth:`Calibration.for_plan`). A backward kind the recomputing launches did not
+    measure takes their measured kind's scale and residual times the ratio the launches without
+    recomputation measured between the two kinds (:func:`_filled_from`). Only recomputing
+    launches: their calibration, for every candidate.
+
     Raises:
         CostModelError: no launch.
     """
-    kinds: dict[bool, list[Calibration]] = {}
+    groups: dict[bool, dict[bool, list[Calibration]]] = {}
     for c in launches:
-        kinds.setdefault(c.split_backward, []).append(c)
-    if not kinds:
+        groups.setdefault(c.recomputes, {}).setdefault(c.split_backward, []).append(c)
+    if not groups:
         raise CostModelError("a layout's calibration needs at least one profiling launch")
-    pooled = {split: Calibration.pooled(cals) for split, cals in kinds.items()}
-    return pooled[False].with_split_backward_of(pooled[True]) if len(pooled) == 2 else next(iter(pooled.values()))
+    merged = {}
+    for rc, kinds in groups.items():
+        pooled = {split: Calibration.pooled(cals) for split, cals in kinds.items()}
+        merged[rc] = pooled[False].with_split_backward_of(pooled[True]) if len(pooled) == 2 \
+            else next(iter(pooled.values()))
+    if len(merged) == 1:
+        return next(iter(merged.values()))
+    return replace(merged[False], recompute_variant=_filled_from(merged[True], merged[False]))
+
+
+def _filled_from(variant: Calibration, base: Calibration) -> Calibration:
+    """``variant`` (a layout measured with recomputation on one backward kind) with what it did not
+    measure of the other kind, relative to what it did by the ratio ``base`` (the layout without
+    recomputation) measured between the two: measured on a whole backward, its ``I`` and ``W``
+    scales are its ``B`` scale times ``base``'s ``I / B`` and ``W / B``; its missing step residual
+    kind is its own residual times ``base``'s ratio of the two kinds. (Measured on a split
+    backward, its ``B`` scale is its ``I`` and ``W`` together already.)"""
+    scale, residual = dict(variant.compute_scale), dict(variant.step_residual)
+    if not variant.split_backward and "B" in scale and base.split_backward and base.scale_of("B") > 0:
+        for k in ("I", "W"):
+            if k in base.compute_scale:
+                scale[k] = scale["B"] * base.compute_scale[k] / base.scale_of("B")
+    for have, miss in (("whole", "split"), ("split", "whole")):
+        if have in residual and miss not in residual and have in base.step_residual and miss in base.step_residual:
+            residual[miss] = residual[have] * base.step_residual[miss] / base.step_residual[have]
+    return replace(variant, compute_scale=scale, step_residual=residual)
 
 
 def measured_compute_scale(measured: Mapping[tuple[int, str], float], planned: Mapping[tuple[int, str], float],

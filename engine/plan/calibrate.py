@@ -89,6 +89,16 @@ def _recompute_times(plan: Plan) -> list[float]:
     return [float(seg.get("recompute_time", 0.0) or 0.0) for seg in plan.segments]
 
 
+def _recompute_mode(plan: Plan) -> str:
+    """The plan's activation recomputation as a calibration records it
+    (:attr:`engine.cost.calibrate.Calibration.recompute`): ``plan.parallel.recompute`` where some
+    segment recomputes (``per-stage`` where only a per-stage override does), else ``none``."""
+    if not any(_recompute_times(plan)):
+        return "none"
+    mode = str(getattr(plan.parallel, "recompute", "none") or "none")
+    return mode if mode != "none" else "per-stage"
+
+
 def with_calibration(plan: Plan, calibration: Calibration) -> tuple[Plan, Timeline]:
     """The plan with costs measured on the target machine, re-simulated (profile-guided prediction).
 
@@ -168,6 +178,11 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: i
     with a core of its own. The checked prediction is the plan's step on that host
     (:func:`engine.plan.core_sharing.shared_core_step_time`).
 
+    The calibration records the plan's activation recomputation
+    (:attr:`~engine.cost.calibrate.Calibration.recompute`), so that ``tessel tune`` predicts
+    recomputing candidates with the launches of recomputing plans
+    (:func:`engine.cost.calibrate.layout_calibration`).
+
     The returned plan's calibration also holds the step residual
     (:attr:`~engine.cost.calibrate.Calibration.step_residual`): the median measured step of all the
     timelines over the plan's prediction from the calibration's compute scale (its block times
@@ -190,7 +205,8 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: i
         return timeline.makespan if shared_cores is None else shared_core_step_time(timeline, layout, par.devices,
                                                                                      shared_cores)
 
-    cal = calibrate(fitted, planned=planned, replicas=par.dp, recompute=recompute)
+    cal = replace(calibrate(fitted, planned=planned, replicas=par.dp, recompute=recompute),
+                  recompute=_recompute_mode(plan))
     # the residual against the prediction the tuner makes of this plan: compute scale, not its block times
     transferred = step_of(with_calibration(plan, replace(cal, block_seconds={}))[1])
     if transferred > 0:

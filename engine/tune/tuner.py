@@ -235,8 +235,13 @@ class _Context:
     """``(ranks per node, the CPU cores they share)`` where the cores are fewer; ``None``: a core each."""
 
     def calibration(self, c: Candidate) -> dict | None:
-        """The calibration document ``c`` is predicted with (:func:`calibration_for`)."""
-        return calibration_for(self.calibrations, c)
+        """The calibration document ``c`` is predicted with (:func:`calibration_for`; of a recomputing
+        candidate, its ``recompute_variant`` where the layout has one:
+        :meth:`engine.cost.calibrate.Calibration.for_plan`)."""
+        doc = calibration_for(self.calibrations, c)
+        if doc and c.recompute != "none" and doc.get("recompute_variant"):
+            return doc["recompute_variant"]
+        return doc
 
 
 def calibration_for(calibrations: Mapping[tuple[int, int, int, int], T], c: Candidate) -> T | None:

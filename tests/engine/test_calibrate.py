@@ -272,6 +272,39 @@ def test_several_launches_of_one_layout_pool_to_their_median():
     assert layout_calibration([b]).compute_scale == b.compute_scale
 
 
+def test_launches_of_recomputing_plans_become_the_layouts_recompute_variant():
+    """``layout_calibration``: launches of a plan that recomputes activations are pooled apart and
+    kept as the recompute variant, with which a recomputing candidate is predicted (its own F, B
+    and residual); the backward kind it did not measure (ZB-H1's I and W, the split residual)
+    takes its measured kind's value times the ratio the launches without recomputation measured.
+    The variant survives the JSON form; mixed pools are refused."""
+    import pytest
+
+    from engine.cost.calibrate import Calibration, layout_calibration
+    from engine.errors import CostModelError
+
+    whole = Calibration(compute_scale={"F": 1.0, "B": 2.0}, step_residual={"whole": 1.1})
+    split = Calibration(compute_scale={"F": 1.0, "B": 4.0, "I": 3.0, "W": 5.0}, step_residual={"split": 1.3})
+    rc = [Calibration(compute_scale={"F": f, "B": 4.0}, step_residual={"whole": r}, recompute="full")
+          for f, r in ((2.0, 0.9), (2.2, 0.8), (9.0, 0.9))]
+    got = layout_calibration([rc[0], whole, split, rc[1], rc[2]])
+    assert got.recompute == "none" and got.for_plan(False) is got
+    assert [got.scale_of(k) for k in "FBIW"] == pytest.approx([1.0, 2.0, 3.0, 5.0])
+    v = got.for_plan(True)
+    assert v is got.recompute_variant and v.recompute == "full" and v.recomputes
+    assert [v.scale_of(k) for k in "FBIW"] == pytest.approx([2.2, 4.0, 4.0 * 3 / 2, 4.0 * 5 / 2])
+    assert v.residual_of(False) == pytest.approx(0.9)
+    assert v.residual_of(True) == pytest.approx(0.9 * 1.3 / 1.1)
+    back = Calibration.from_dict(got.to_dict())
+    assert back.recompute_variant is not None and back.for_plan(True).compute_scale == pytest.approx(v.compute_scale)
+    assert back.for_plan(True).recompute == "full" and back.for_plan(False).recompute_variant is not None
+    assert layout_calibration(rc[:2]).recomputes and layout_calibration(rc[:2]).recompute_variant is None
+    with pytest.raises(CostModelError, match="with and without activation recomputation"):
+        Calibration.pooled([whole, rc[0]])
+    with pytest.raises(CostModelError, match="recompute_variant"):
+        Calibration.from_dict({"recompute_variant": 3})
+
+
 def test_a_recomputing_backward_takes_the_forward_scale_for_its_recomputed_forward():
     """A segment planned at F = 1 s, B = 2 s + 1 s recomputed forward, measured on a machine whose
     forward runs 3x and backward 1x slower than planned: the measured B (2 + 3) gives a backward
