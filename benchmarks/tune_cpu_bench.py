@@ -54,7 +54,6 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +146,7 @@ def _calibrated(plan, cal: Calibration | None) -> float:
     NaN without a calibration."""
     if cal is None:
         return math.nan
-    tl = with_calibration(plan, replace(cal, block_seconds={}))[1]
+    tl = with_calibration(plan, cal.transferable())[1]
     par, cores = plan.parallel, os.cpu_count() or 1
     return shared_core_step_time(tl, RankLayout(par.tp, par.dp, par.pp, par.layout), par.devices,
                                  cores) * cal.residual_of(plan.placement.split_backward)
@@ -155,7 +154,9 @@ def _calibrated(plan, cal: Calibration | None) -> float:
 
 def _ranking(rows: list[dict], key: str, order: list[str]) -> dict:
     """Spearman of ``rows[key]`` against the measured times, and the tuner's pick: the first label
-    of ``order`` (the tuner's ranking, its tie-breaks included) among the launched rows."""
+    of ``order`` (the tuner's ranking, its tie-breaks included) among the launched rows; its
+    p-value against the measured best (:func:`_slower_p`), and how many candidates (the best
+    included) are not measurably slower than the best (NaN p-values, one launch each, count)."""
     pred = [x[key] for x in rows]
     meas = [x["measured"] for x in rows]
     rho = float(spearmanr(pred, meas).statistic) if len(rows) > 2 else float("nan")
@@ -164,9 +165,17 @@ def _ranking(rows: list[dict], key: str, order: list[str]) -> dict:
     pick = next(by_label[label] for label in order if label in by_label)
     gap = pick["measured"] / best["measured"] - 1
     p = _slower_p(pick["runs"], best["runs"]) if pick is not best else 1.0
+    ties = _ties(rows, best)
     return {"pick": pick, "measured_best": best, "pick_gap": gap, "spearman": rho, "pick_slower_p": p,
+            "not_measurably_slower_than_best": ties,
             "targets": {"pick_within_5pct": gap <= PICK_WITHIN, "spearman_0_8": rho >= SPEARMAN,
                         "at_least_12": len(rows) >= 12, "pick_not_measurably_slower": p > SIGNIFICANCE}}
+
+
+def _ties(rows: list[dict], best: dict) -> int:
+    """How many of ``rows`` (the best included) are not measurably slower than ``best``
+    (:func:`_slower_p` above :data:`SIGNIFICANCE`, or NaN)."""
+    return sum(1 for x in rows if x["label"] == best["label"] or not _slower_p(x["runs"], best["runs"]) <= SIGNIFICANCE)
 
 
 def _slower_p(pick: list[float], best: list[float]) -> float:
@@ -309,7 +318,7 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
 def report(results: list[dict]) -> str:
     """The table: per model and rank count, the ranking by profiled op times and by the calibrated ones."""
     head = (f"{'model':<16} {'ranks':>5} {'cands':>5} {'costs':<10} {'tuner pick':<40} {'pick ms':>8} {'best ms':>8} "
-            f"{'gap':>6} {'p':>5} {'Spearman':>8} {'retest':>6} {'oracle':>6} {'tune s':>6}")
+            f"{'gap':>6} {'p':>5} {'ties':>4} {'Spearman':>8} {'retest':>6} {'oracle':>6} {'tune s':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         for costs, key, secs in (("profiled", "profiled", r["tune_seconds"]),
@@ -317,19 +326,23 @@ def report(results: list[dict]) -> str:
             k = r.get(key)
             if k is None:
                 continue
-            p = k.get("pick_slower_p")
+            p, ties = k.get("pick_slower_p"), k.get("not_measurably_slower_than_best")
             if p is None:   # an earlier run's result
                 same = k["pick"]["label"] == k["measured_best"]["label"]
                 p = 1.0 if same else _slower_p(k["pick"].get("runs", []), k["measured_best"].get("runs", []))
+            if ties is None:
+                ties = _ties(r["rows"], k["measured_best"])
             lines.append(f"{r['model']:<16} {r['ranks']:>5} {r['candidates']:>5} {costs:<10} {k['pick']['label']:<40} "
                          f"{k['pick']['measured'] * 1e3:8.1f} {k['measured_best']['measured'] * 1e3:8.1f} "
-                         f"{k['pick_gap']:6.1%} {p:5.2f} {k['spearman']:8.2f} "
+                         f"{k['pick_gap']:6.1%} {p:5.2f} {ties:4d} "
+                         f"{k['spearman']:8.2f} "
                          f"{r.get('test_retest_spearman', math.nan):6.2f} "
                          f"{(r.get('repeat_oracle') or {}).get('pick_gap', math.nan):6.1%} {secs:6.1f}")
     lines.append(f"targets: the pick within {PICK_WITHIN:.0%} of the measured best, Spearman >= {SPEARMAN}, "
                  "at least 12 candidates; measured: median step (after the first) on Ray gloo ranks, the median "
                  "of --repeats launches; p: the one-sided Mann-Whitney p-value of the pick's launches being "
-                 f"slower than the best's (at most {SIGNIFICANCE}: measurably slower); retest: Spearman of the first "
+                 f"slower than the best's (at most {SIGNIFICANCE}: measurably slower); ties: the candidates not "
+                 "measurably slower than the best, the best included; retest: Spearman of the first "
                  "launches against the second (the noise ceiling); oracle: the gap of the profiled plan whose "
                  "profiling launches were fastest (the pick of an oracle that knows those plans from launches of "
                  "their own); calibrated: tuned again with the calibrations of the profiling launches")

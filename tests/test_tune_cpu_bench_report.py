@@ -56,6 +56,7 @@ def test_the_picks_p_value_says_whether_its_launches_are_measurably_slower_than_
     # every launch of "a" (0.30-0.32 s) is slower than every launch of the best, "b": p = 1/20
     assert r["profiled"]["pick"]["label"] == "a" and r["profiled"]["pick_slower_p"] == pytest.approx(0.05)
     assert not r["profiled"]["targets"]["pick_not_measurably_slower"]
+    assert r["profiled"]["not_measurably_slower_than_best"] == 1   # "c" (0.24-0.26 s) is slower too
     assert tcb._repeat_oracle(r["rows"], r["profiling_checks"])["pick_slower_p"] == pytest.approx(0.05)
     # one of "c"'s launches (0.205 s) among the best's: not measurably slower, though its median is 19% slower
     rows = [dict(x) for x in r["rows"]]
@@ -63,4 +64,5 @@ def test_the_picks_p_value_says_whether_its_launches_are_measurably_slower_than_
     got = tcb._ranking(rows, "predicted", ["c", "a", "b"])
     assert got["pick_gap"] == pytest.approx(0.25 / 0.21 - 1) and got["pick_slower_p"] > tcb.SIGNIFICANCE
     assert got["targets"]["pick_not_measurably_slower"] and not got["targets"]["pick_within_5pct"]
+    assert got["not_measurably_slower_than_best"] == 2
     assert tcb._ranking(rows, "predicted", ["b", "a", "c"])["pick_slower_p"] == 1.0

@@ -157,6 +157,13 @@ class Calibration:
         with: :attr:`recompute_variant` for a recomputing plan where one was measured, else this one."""
         return self.recompute_variant if recomputes and self.recompute_variant is not None else self
 
+    def transferable(self) -> "Calibration":
+        """This calibration without its per-segment block times (and its recompute variant's), as
+        it applies to other plans of the model: their segments differ, so only the compute scale,
+        communication, optimizer and step residual carry over."""
+        variant = None if self.recompute_variant is None else self.recompute_variant.transferable()
+        return replace(self, block_seconds={}, recompute_variant=variant)
+
     @property
     def split_backward(self) -> bool:
         """Whether it was measured on a split backward (``I`` and ``W`` blocks, a zero-bubble schedule)."""

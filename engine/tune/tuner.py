@@ -553,7 +553,7 @@ def tune(model: str | ModelBundle, space: TuneSpace, *, device_type: str = "h100
         calibration = {(0, 0, 0, 0): calibration}   # one calibration: every candidate's
     for key, cal in (calibration or {}).items():
         dp, tp, pp, mbs = (int(x) for x in key)
-        ctx.calibrations[(dp, tp, pp, mbs)] = replace(cal, block_seconds={}).to_dict()
+        ctx.calibrations[(dp, tp, pp, mbs)] = cal.transferable().to_dict()
     mbs0 = space.micro_batch_sizes[0]
     # an uncapturable model is the user's error, raised here; the capture also gives heads and layers
     first = _capture(Candidate(1, space.gpus, 1, 1, mbs0, 1, "1f1b", "none"), ctx)

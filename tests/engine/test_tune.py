@@ -248,15 +248,18 @@ def test_a_recomputing_candidate_is_predicted_with_its_layouts_recompute_variant
     space = TuneSpace(gpus=2, global_batch=4, gpus_per_node=2, micro_batch_sizes=(1,), schedules=("1f1b",),
                       recompute=("none", "full"), sequence_parallel=False, overlap_grad_sync=False,
                       sharded_update=False)
-    variant = Calibration(compute_scale={"F": 3.0, "B": 0.5}, step_residual={"whole": 0.7}, recompute="full")
-    cal = Calibration(compute_scale={"F": 1.5, "B": 2.0}, step_residual={"whole": 1.25}, recompute_variant=variant)
+    # block times of the plans they were measured on (segment 0's), which other plans do not take
+    variant = Calibration(compute_scale={"F": 3.0, "B": 0.5}, step_residual={"whole": 0.7}, recompute="full",
+                          block_seconds={(0, "F"): 9.0, (0, "B"): 9.0})
+    cal = Calibration(compute_scale={"F": 1.5, "B": 2.0}, step_residual={"whole": 1.25}, recompute_variant=variant,
+                      block_seconds={(0, "F"): 7.0, (0, "B"): 7.0})
     res = tune(MODEL, space, device_type="cpu", seq_len=SEQ, calibration=cal)
     assert {r.candidate.recompute for r in res.fitting()} == {"none", "full"}
     for r in res.fitting():
         c = r.candidate
         ref = make_plan(MODEL, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches, schedule=c.schedule,
                         recompute=c.recompute, seq_len=SEQ, device_type="cpu").plan
-        own = variant if c.recompute == "full" else Calibration(compute_scale={"F": 1.5, "B": 2.0})
+        own = variant.transferable() if c.recompute == "full" else Calibration(compute_scale={"F": 1.5, "B": 2.0})
         factor = 0.7 if c.recompute == "full" else 1.25
         assert r.step_time == pytest.approx(with_calibration(ref, own)[0].metrics["makespan"] * factor, rel=1e-9)
 
