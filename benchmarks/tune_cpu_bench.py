@@ -376,9 +376,10 @@ def main(argv: list[str] | None = None) -> int:
             for r in results:
                 if r.get("profiling_checks") and "repeat_oracle" not in r:
                     r["repeat_oracle"] = _repeat_oracle(r["rows"], r["profiling_checks"])
-            print(json.dumps({"results": results}) if args.json else report(results))
+            text = json.dumps({"results": results}) if args.json else report(results)
         except (OSError, ValueError, KeyError, TypeError) as e:
             ap.error(f"--report: not a tune_cpu_bench --json result ({e})")
+        print(text)
         return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if any(m not in MODELS for m in models):
