@@ -126,8 +126,12 @@ def _check_training(pool, plan, world: int, dp: int) -> None:
     want = ref.model.state_dict()
     # the merged checkpoint loads into the unsplit model (strict: every key, tied aliases included)
     copy.deepcopy(ref.model).load_state_dict(merged)
+    # Adam moves every element by about lr (1e-3) per step whatever its gradient's size, so the
+    # rounding of a near-zero gradient (another summation order over micro-batches and ranks) can
+    # move it by a few percent of lr: atol is 5% of one step (seen here: 1.4e-5 on 1 of 44,032
+    # elements of Llama's ZB-H1 with this machine's kernels). A wrong gradient moves it by ~lr.
     for name, _ in ref.model.named_parameters(remove_duplicate=False):
-        close = torch.isclose(merged[name], want[name], rtol=1e-4, atol=1e-5)
+        close = torch.isclose(merged[name], want[name], rtol=1e-4, atol=5e-5)
         assert bool(close.all()), \
             f"{model} {schedule} dp={dp}: parameter {name} differs after {STEPS} steps " \
             f"(max abs diff {(merged[name] - want[name]).abs().max():.3g}, " \
