@@ -35,8 +35,8 @@ Usage: ``python benchmarks/tune_cpu_bench.py [--json] [--models llama-32k-cpu,tw
 [--measured-from JSON] [--no-calibration]``; ``--report JSON ...`` prints the table of earlier runs.
 
 One launch's median step is a noisy measurement here: the same candidate measured twice differs by
-10-25% (ranks sharing two cores, Python, the allocator), and the machine's speed drifts by 20-30%
-over tens of minutes. ``--repeats R`` launches every candidate R times and ranks against the
+10-25% (ranks sharing two cores, Python, the allocator), and the machine's speed can drift (by
+20-30% within one run of 35 minutes). ``--repeats R`` launches every candidate R times and ranks against the
 median; the launches run in passes, each every candidate and every profiled plan once in an order
 shuffled per pass, so the drift falls on calibrations and measurements alike. The table's
 ``retest`` column is the Spearman of the first pass against the second, which bounds what any
@@ -232,10 +232,9 @@ def measure(model: str, ranks: int, steps: int, calibrated: bool = True, mbs: tu
 
     The launches run in passes, each pass every candidate once (while ``repeats`` lasts) and every
     profiled candidate once (while ``profile_repeats`` lasts), in an order shuffled per pass: this
-    machine's speed drifts by 20-30% over tens of minutes (other tenants of its host), and a
-    calibration from launches made before the measured ones would carry that drift into the
-    calibrated ranking (it did: every profiling launch of one run measured 20-30% slower than the
-    same plan's measured launches after it)."""
+    machine's speed can drift, and a calibration from launches made before the measured ones
+    would carry the drift into the calibrated ranking (it did: in one run every profiling launch
+    measured 20-30% slower than the same plan's measured launches after it)."""
     batch, seq = MODELS[model]
     t0 = time.perf_counter()
     res = tune(model, _space(ranks, batch, mbs), device_type="cpu", seq_len=seq, profile=True)
