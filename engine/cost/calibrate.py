@@ -101,8 +101,8 @@ class Calibration:
             and Llama as eager layer modules, not the traced graphs of a plan without
             recomputation: :func:`engine.split.choose_split`), so its forward, backward and
             recomputed forward run at scales of their own (measured on this project's CPU ranks,
-            the forward's scale put recomputation 40-60% too dear on GPT-2 and 11-28% too cheap
-            on the two-tower model). ``None``: none was measured.
+            the forward's scale put the two-tower model's recomputing plans 11-28% too fast).
+            ``None``: none was measured.
     """
 
     block_seconds: dict[tuple[int, str], float] = field(default_factory=dict)
