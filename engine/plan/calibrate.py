@@ -208,7 +208,7 @@ def calibrate_plan(plan: Plan, timelines: Sequence[Timeline], *, shared_cores: i
     cal = replace(calibrate(fitted, planned=planned, replicas=par.dp, recompute=recompute),
                   recompute=_recompute_mode(plan))
     # the residual against the prediction the tuner makes of this plan: compute scale, not its block times
-    transferred = step_of(with_calibration(plan, replace(cal, block_seconds={}))[1])
+    transferred = step_of(with_calibration(plan, cal.transferable())[1])
     if transferred > 0:
         kind = "split" if plan.placement.split_backward else "whole"
         cal = replace(cal, step_residual={kind: statistics.median(t.makespan for t in tls) / transferred})
