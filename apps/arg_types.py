@@ -8,12 +8,13 @@ import math
 
 from engine.coconet import TRANSFORMS, parse_transforms
 from engine.cost import parse_link
-from engine.errors import CoCoNetError, CostModelError
+from engine.errors import CoCoNetError, CostModelError, TransformError
 from engine.plan.limits import MemoryLimitError, check_memory_limit
 from engine.precision import PRECISIONS
 from engine.recompute import RECOMPUTE
 
-__all__ = ["PRECISION_HELP", "RECOMPUTE_HELP", "dtype_name", "precision_name", "recompute_name",
+__all__ = ["PRECISION_HELP", "RECOMPUTE_HELP", "RESHARD_AFTER_FORWARD", "data_parallel_degrees",
+           "dtype_name", "precision_name", "recompute_name",
            "link_name", "memory_limit", "non_negative_int", "port_number", "positive_float",
            "positive_int", "transform_help", "transform_names"]
 
@@ -177,3 +178,29 @@ def link_name(text: str) -> str:
     except CostModelError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+#: ``--reshard-after-forward`` (torchtitan's ``fsdp_reshard_after_forward`` spellings) as
+#: :attr:`engine.config.ParallelConfig.reshard_after_forward`.
+RESHARD_AFTER_FORWARD: dict[str, bool | None] = {"default": None, "always": True, "never": False}
+
+
+def data_parallel_degrees(dp: int | None, dp_shard: int | None, dp_replicate: int | None) -> tuple[int, int]:
+    """``(dp, dp_shard)`` from ``--dp``, ``--dp-shard`` and ``--dp-replicate`` (``None`` when not
+    given): ``dp = dp_replicate x dp_shard``; a missing one is implied by the others (``--dp 8
+    --dp-shard 2``: 4 replicas), all three absent is ``(1, 1)``.
+
+    Raises:
+        TransformError: the three contradict each other, or ``--dp-shard`` does not divide ``--dp``.
+    """
+    shard = dp_shard or 1
+    if dp_replicate is not None:
+        total = dp_replicate * shard
+        if dp is not None and dp != total:
+            raise TransformError(f"--dp {dp} contradicts --dp-replicate {dp_replicate} x --dp-shard {shard} = "
+                                 f"{total}; give --dp or the two degrees, not both")
+        return total, shard
+    total = dp if dp is not None else shard
+    if total % shard:
+        raise TransformError(f"--dp-shard {shard} does not divide --dp {total}; dp = dp_replicate x dp_shard")
+    return total, shard

@@ -13,6 +13,8 @@ from apps.arg_types import (
     LINK_HELP,
     PRECISION_HELP,
     RECOMPUTE_HELP,
+    RESHARD_AFTER_FORWARD,
+    data_parallel_degrees,
     dtype_name,
     link_name,
     memory_limit,
@@ -53,7 +55,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices-per-node", type=positive_int, default=8,
                    help="devices on one node: device i on node i // N; tessel launch --address runs each rank on "
                         "that node of the Ray cluster (default 8)")
-    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (default 1)")
+    p.add_argument("--dp", type=positive_int, default=None,
+                   help="data-parallel degree, dp_replicate x dp_shard (default 1, or their product)")
+    p.add_argument("--dp-shard", type=positive_int, default=None,
+                   help="fully sharded data parallelism (FSDP2, ZeRO-3): parameters, gradients and Adam states "
+                        "split over this many of the dp ranks, each transformer block all-gathered before its "
+                        "forward and backward (torchtitan's data_parallel_shard_degree; default 1)")
+    p.add_argument("--dp-replicate", type=positive_int, default=None,
+                   help="replicas of the shard group (HSDP with --dp-shard; torchtitan's "
+                        "data_parallel_replicate_degree; default dp / dp-shard)")
+    p.add_argument("--reshard-after-forward", choices=("default", "always", "never"), default="default",
+                   help="FSDP2's reshard_after_forward, torchtitan's spelling: free each block's gathered "
+                        "parameters after its forward (always) or keep them for the backward (never); default: "
+                        "always without a pipeline, never with one")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--virtual-stages", type=positive_int, default=None,
                    help="segments per device for interleaved (default 2)")
@@ -135,9 +149,11 @@ def run(args: argparse.Namespace) -> dict:
             print(f"[tessel] {phase} ...", file=sys.stderr, flush=True)
 
     limit = args.memory_limit * 2**30 if args.memory_limit is not None else None
+    dp, dp_shard = data_parallel_degrees(args.dp, args.dp_shard, args.dp_replicate)
     res = make_plan(
         model, devices=args.devices, micro_batches=args.micro_batches, schedule=args.schedule,
-        device_type=args.device_type, dp=args.dp, tp=args.tp, virtual_stages=args.virtual_stages,
+        device_type=args.device_type, dp=dp, tp=args.tp, dp_shard=dp_shard,
+        reshard_after_forward=RESHARD_AFTER_FORWARD[args.reshard_after_forward], virtual_stages=args.virtual_stages,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, dtype=args.dtype, precision=args.precision,
         recompute=args.recompute, stage_recompute=args.stage_recompute, memory_limit=limit,
         optimizer=args.optimizer, profile=args.profile, task=args.task, link=args.link,
@@ -153,7 +169,9 @@ def run(args: argparse.Namespace) -> dict:
     par = res.plan.parallel
     g = res.graph
     print(f"{res.plan.model.name}: {g.graph.get('num_params', 0) / 1e6:,.1f}M parameters, {g.number_of_nodes()} ops, "
-          f"{len(res.plan.segments)} segments; dp={par.dp} tp={par.tp} pp={par.pp}, "
+          f"{len(res.plan.segments)} segments; dp={par.dp}"
+          + (f" (dp_replicate={par.dp_replicate} x dp_shard={par.dp_shard}, fully sharded)" if par.fully_sharded
+             else "") + f" tp={par.tp} pp={par.pp}, "
           f"{par.micro_batches} micro-batches, schedule {res.plan.schedule.name} on {args.device_type}, "
           f"optimizer {par.optimizer}" + (f"; transformations {', '.join(par.transforms)}" if par.transforms else ""))
     print(facts_line(res.plan))

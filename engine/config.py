@@ -173,7 +173,19 @@ class ParallelConfig:
     """Degrees of parallelism, the micro-batch count and the optimizer (JSON section ``parallel``).
 
     Attributes:
-        dp: data-parallel degree: replicas of the whole pipeline; gradients all-reduced per step.
+        dp: data-parallel degree: the ranks one pipeline stage's work is split over by batch
+            (``dp_replicate * dp_shard``); gradients reduced over them every step.
+        dp_shard: of ``dp``, the fully sharded degree (FSDP2's ``fully_shard``, ZeRO-3;
+            torchtitan's ``data_parallel_shard_degree``): parameters, gradients and optimizer
+            states divided over this many ranks, each sharded unit (a transformer block)
+            all-gathered before its forward and backward and its gradients reduce-scattered
+            (:mod:`engine.dependency.fsdp`). Divides ``dp``; ``dp // dp_shard`` is the replicate
+            degree (HSDP, torchtitan's ``data_parallel_replicate_degree``). 1: no sharding.
+        reshard_after_forward: FSDP2's ``reshard_after_forward``: free each unit's gathered
+            parameters after its forward and all-gather them again for its backward (``True``),
+            or keep them until the backward (``False``). ``None``: torchtitan's default, ``True``
+            without a pipeline and ``False`` with one (``torch.distributed.pipelining`` keeps a
+            stage's parameters gathered from its first forward to its last backward).
         tp: tensor-parallel degree: devices that split each transformer block (Megatron).
         pp: pipeline-parallel degree: pipeline ranks. The one default, 1, holds for a plan file
             without it (every plan Tessel writes records it).
@@ -222,6 +234,8 @@ class ParallelConfig:
     virtual_stages: int = 1
     micro_batches: int = 1
     micro_batch_size: int = 1
+    dp_shard: int = 1
+    reshard_after_forward: bool | None = None
     optimizer: OptimizerKind = "adam"
     transforms: tuple[str, ...] = ()
     grad_bucket_bytes: int = 25 * 2**20
@@ -234,6 +248,21 @@ class ParallelConfig:
     implied: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     _INTS: ClassVar[tuple[str, ...]] = ("dp", "tp", "pp", "virtual_stages", "micro_batches", "micro_batch_size")
+
+    @property
+    def dp_replicate(self) -> int:
+        """The replicate degree of data parallelism (HSDP's outer dimension): ``dp // dp_shard``."""
+        return self.dp // max(1, self.dp_shard)
+
+    @property
+    def fully_sharded(self) -> bool:
+        """Whether parameters are fully sharded (``dp_shard > 1``)."""
+        return self.dp_shard > 1
+
+    @property
+    def resharded_after_forward(self) -> bool:
+        """:attr:`reshard_after_forward` with torchtitan's default filled in (``pp == 1``)."""
+        return self.pp == 1 if self.reshard_after_forward is None else bool(self.reshard_after_forward)
 
     @property
     def devices(self) -> int:
@@ -257,6 +286,21 @@ class ParallelConfig:
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 4 or bucket % 4:
             raise TransformError(f"grad_bucket_bytes must be a positive multiple of 4 (float32 elements), got "
                                  f"{self.grad_bucket_bytes!r}")
+        shard = self.dp_shard
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or self.dp % shard:
+            raise TransformError(f"dp_shard must be a positive integer dividing dp={self.dp} (dp = dp_replicate x "
+                                 f"dp_shard), got {shard!r}")
+        if shard > 1:
+            clash = [t for t in ("sharded-update", "overlap-grad-sync") if t in self.transforms]
+            if clash:
+                raise TransformError(f"dp_shard = {shard} already shards the optimizer states and reduce-scatters "
+                                     f"each block's gradients during the backward; leave out {', '.join(clash)}")
+            if self.optimizer == "adama":
+                raise TransformError("fully sharded data parallelism (dp_shard > 1) does not run with AdamA, whose "
+                                     "folded gradients are not sharded; use optimizer adam")
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
+            raise TransformError(f"reshard_after_forward must be true, false or null (torchtitan's default), got "
+                                 f"{self.reshard_after_forward!r}")
         if self.precision not in PRECISIONS:
             raise TransformError(f"unknown precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
         if self.recompute not in RECOMPUTE:
@@ -272,6 +316,10 @@ class ParallelConfig:
         module docstring for which keys)."""
         values: dict[str, Any] = {k: getattr(self, k) for k in self._INTS}
         values["devices"] = self.devices
+        if self.dp_shard != 1:
+            values["dp_shard"] = self.dp_shard
+        if self.reshard_after_forward is not None:
+            values["reshard_after_forward"] = self.reshard_after_forward
         values["optimizer"] = self.optimizer
         if self.transforms:
             values["transforms"] = list(self.transforms)
@@ -323,16 +371,20 @@ class ParallelConfig:
                 kw["transforms"] = parse_transforms(names)
             except CoCoNetError as e:
                 raise fields.fail(f"{path}.transforms", f": {e}") from None
-        for key in ("grad_bucket_bytes", "overlap_chunks"):
+        for key in ("grad_bucket_bytes", "overlap_chunks", "dp_shard"):
             if key in d:
                 kw[key] = fields.need(d, key, int, f"{path}.{key}")
+        if "reshard_after_forward" in d:
+            kw["reshard_after_forward"] = fields.optional(d, "reshard_after_forward", bool,
+                                                          f"{path}.reshard_after_forward")
         for key, names in (("precision", PRECISIONS), ("recompute", RECOMPUTE), ("layout", LAYOUTS)):
             if key in d:
                 value = fields.need(d, key, str, f"{path}.{key}")
                 if value not in names:
                     raise fields.fail(f"{path}.{key}", f" is {value!r}; expected one of {', '.join(map(repr, names))}")
                 kw[key] = value
-        known = set(cls._INTS) | {"devices", "optimizer", "transforms", "grad_bucket_bytes", "overlap_chunks",
+        known = set(cls._INTS) | {"devices", "dp_shard", "reshard_after_forward", "optimizer", "transforms",
+                                  "grad_bucket_bytes", "overlap_chunks",
                                   "precision", "recompute", "layout"}
         extra = {k: v for k, v in d.items() if k not in known}
         return cls(**kw, extra=extra, json_keys=tuple(d), implied=filled)

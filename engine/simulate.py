@@ -48,9 +48,19 @@ Tensor-parallel collectives inside a block (``ExecutionPlan.tp_collectives``: Me
 or CoCoNet's ``tp-split`` reduce-scatters and all-gathers) are drawn within the block's span
 (``"tp <kind> <block>"``; the block's duration already includes them).
 
+- ``UNSHARD`` (fully sharded data parallelism, :mod:`engine.dependency.fsdp`): kept until the
+  compute block it precedes, which then runs unit by unit, each unit's all-gather (over the shard
+  group, on a gather stream of its own) issued when the previous unit starts computing (FSDP2's
+  prefetch) and the unit's compute waiting for it (:meth:`SimState.run_units`); its memory
+  allocated at the gather's start, freed at the unit's end when ``transient``. ``RESHARD``
+  frees a segment's gathered parameters. FSDP's ``REDUCESCATTER`` of a unit (``block`` set) over
+  the shard group, and HSDP's ``ALLREDUCE`` of its shard over the replicate group, are posted on
+  the collective stream when the unit's share of the block has run; ``OPTIM`` waits for them.
+
 Collective events (stream ``"collective"``): ``"allreduce s<segment>"`` (``"allreduce s<segment>
 b<bucket>"``), ``"reducescatter s<segment>"``, ``"allgather s<segment>"``, ``"allgather <block>"``,
-``"a2a <block>"``, ``"allreduce tied"``.
+``"a2a <block>"``, ``"allreduce tied"``, ``"unshard s<segment> u<unit> <block>"``,
+``"reducescatter s<segment> u<unit> <block>"``.
 
 Each op has one handler (:data:`HANDLERS`, keyed by :class:`~engine.dependency.Op` like the
 runtime's ``runtime.worker.interpreter.HANDLERS``) over a :class:`SimState` holding the clocks,
@@ -117,6 +127,12 @@ class SimState:
         events: the timeline's events so far.
         dp_groups, devices: per rank, its data-parallel group's device ids and its device id
             (:mod:`engine.layout`, cached).
+        gather_free: per rank, when its FSDP all-gather stream is free (FSDP2 all-gathers on a
+            stream of their own, apart from its reduce-scatters).
+        pending_unshard: per rank, the ``UNSHARD`` s read but not yet run: they run with the
+            compute block they precede (:meth:`run_units`).
+        unit_end: ``(rank, block, unit)`` -> when that FSDP unit's share of the block ended (its
+            reduce-scatter's ready time).
     """
 
     plan: ExecutionPlan
@@ -136,6 +152,9 @@ class SimState:
     events: list[Event] = field(default_factory=list)
     dp_groups: dict[int, list[int]] = field(default_factory=dict)
     devices: dict[int, int] = field(default_factory=dict)
+    gather_free: dict[int, float] = field(default_factory=dict)
+    pending_unshard: dict[int, list[Instruction]] = field(default_factory=dict)
+    unit_end: dict[tuple, float] = field(default_factory=dict)
 
     @classmethod
     def start(cls, plan: ExecutionPlan, cost: CommCost) -> "SimState":
@@ -167,11 +186,47 @@ class SimState:
             d = self.devices[r] = self.plan.device_of(r)
         return d
 
+    def run_units(self, r: int, ins: Instruction, start: float) -> tuple[float, list[tuple[float, int]]]:
+        """Compute block ``ins`` on rank ``r`` from ``start`` unit by unit with its pending
+        ``UNSHARD`` s (fully sharded data parallelism, :mod:`engine.dependency.fsdp`): unit ``k``
+        computes for its share (``ready``) of the block's duration once its all-gather has ended;
+        the all-gather runs on the rank's gather stream, issued when unit ``k - 1`` starts
+        computing (FSDP2's prefetch of one unit; the first when the block is reached), so it
+        overlaps the previous unit's compute. Returns the block's end and the memory changes
+        ``(time, bytes)``: each gather's bytes at its start, freed at its unit's end when
+        ``transient``."""
+        pending = self.pending_unshard.pop(r, [])
+        blk = ins.block
+        group = self.plan.shard_group(r)
+        mem: list[tuple[float, int]] = []
+        t = issue = start
+        for u in pending:
+            g0 = max(issue, self.gather_free.get(r, 0.0))
+            g1 = g0 + (self.cost.collective_time("allgather", u.nbytes, group) if u.nbytes else 0.0)
+            self.gather_free[r] = g1
+            if u.nbytes:
+                self.events.append(Event(r, "collective", "ALLGATHER", f"unshard s{u.segment} u{u.bucket} {blk}",
+                                         g0, g1, u.nbytes, blk.micro_batch if blk is not None else -1,
+                                         u.segment if u.segment is not None else -1))
+            if u.memory:
+                mem.append((g0, u.memory))
+            us = max(t, g1)
+            t = us + u.ready * ins.duration
+            issue = us
+            self.unit_end[(r, blk, u.bucket)] = t
+            if u.transient:
+                mem.append((t, -u.transient))
+        return max(t, start + (ins.duration if not pending else 0.0)), mem
+
     def run_compute(self, ranks: list[int], ins: Instruction) -> None:
         """Run compute block ``ins`` on ``ranks`` together: its event, the tensor-parallel
-        collectives drawn inside it, its memory, and each rank's clock and ``pc``."""
+        collectives drawn inside it, its memory, and each rank's clock and ``pc``. A rank with
+        pending ``UNSHARD`` s runs it unit by unit (:meth:`run_units`)."""
         start = max(self.clock[r] for r in ranks)
         end = start + ins.duration
+        units = {r: self.run_units(r, ins, start) for r in ranks if self.pending_unshard.get(r)}
+        if units:
+            end = max(end, *(e for e, _ in units.values()))
         blk = ins.block
         assert blk is not None
         name = str(blk)
@@ -191,12 +246,12 @@ class SimState:
                 self.events.append(Event(r, "collective", kind.upper(), f"tp {kind} {name}", t, t + sec, nb,
                                          blk.micro_batch, blk.segment))
                 t += sec
-            if up:
-                self.mem[r] += up
-                self.mem_curve[r].append((start, self.mem[r]))
-            if down:
-                self.mem[r] += down
-                self.mem_curve[r].append((end, self.mem[r]))
+            changes = [(start, up), (end, down)]
+            if r in units:   # the gathered units' memory, in time order (a unit freed before the next is gathered)
+                changes = sorted([changes[0], *units[r][1], changes[1]], key=lambda c: (c[0], c[1] > 0))
+            for when, delta in (c for c in changes if c[1]):
+                self.mem[r] += delta
+                self.mem_curve[r].append((when, self.mem[r]))
             self.pc[r] += 1
 
 
@@ -293,8 +348,15 @@ def _dp_collective(s: SimState, r: int, ins: Instruction) -> bool:
 
 
 def _allreduce(s: SimState, r: int, ins: Instruction) -> bool:
-    """``ALLREDUCE``: tied weights (``ranks`` set) or data-parallel gradients."""
-    return _tied_allreduce(s, r, ins) if ins.ranks else _dp_collective(s, r, ins)
+    """``ALLREDUCE``: tied weights (``ranks`` set), HSDP's shard (``block`` set) or data-parallel gradients."""
+    if ins.ranks:
+        return _tied_allreduce(s, r, ins)
+    return _fsdp_collective(s, r, ins) if ins.block is not None else _dp_collective(s, r, ins)
+
+
+def _reducescatter(s: SimState, r: int, ins: Instruction) -> bool:
+    """``REDUCESCATTER``: FSDP's per unit (``block`` set) or the sharded update's."""
+    return _fsdp_collective(s, r, ins) if ins.block is not None else _dp_collective(s, r, ins)
 
 
 def _alltoall(s: SimState, r: int, ins: Instruction) -> bool:
@@ -332,6 +394,44 @@ def _allgather(s: SimState, r: int, ins: Instruction) -> bool:
     return True
 
 
+def _unshard(s: SimState, r: int, ins: Instruction) -> bool:
+    """``UNSHARD``: kept for the compute block it precedes, which runs it (:meth:`SimState.run_units`)."""
+    s.pending_unshard.setdefault(r, []).append(ins)
+    s.pc[r] += 1
+    return True
+
+
+def _reshard(s: SimState, r: int, ins: Instruction) -> bool:
+    """``RESHARD``: frees a segment's gathered parameters when the rank's compute stream reaches it."""
+    if ins.memory:
+        s.mem[r] += ins.memory
+        s.mem_curve[r].append((s.clock[r], s.mem[r]))
+    s.pc[r] += 1
+    return True
+
+
+def _fsdp_collective(s: SimState, r: int, ins: Instruction) -> bool:
+    """FSDP's ``REDUCESCATTER`` of one unit's gradients over the shard group, or HSDP's
+    ``ALLREDUCE`` of its shard over the replicate group (``block`` set): posted on the collective
+    stream once the unit's share of ``block`` has run."""
+    ready = s.unit_end.get((r, ins.block, ins.bucket))
+    if ready is None:
+        b0, b1 = s.last_block[r]
+        ready = b0 + ins.ready * (b1 - b0)
+    start = max(ready, s.coll_free[r])
+    kind = str(ins.op).lower()
+    group = s.plan.shard_group(r) if ins.op == Op.REDUCESCATTER else s.plan.replicate_group(r)
+    end = start + s.cost.collective_time(kind, ins.nbytes, group)
+    s.coll_free[r] = end
+    s.coll_pending[r] = max(s.coll_pending[r], end)
+    blk = ins.block
+    assert blk is not None
+    s.events.append(Event(r, "collective", str(ins.op), f"{kind} s{ins.segment} u{ins.bucket} {blk}", start, end,
+                          ins.nbytes, blk.micro_batch, ins.segment if ins.segment is not None else -1))
+    s.pc[r] += 1
+    return True
+
+
 def _optim(s: SimState, r: int, ins: Instruction) -> bool:
     """``OPTIM``: after the rank's data-parallel collectives; frees the gradient buffers at its end."""
     start = max(s.clock[r], s.coll_pending[r])
@@ -350,7 +450,8 @@ def _optim(s: SimState, r: int, ins: Instruction) -> bool:
 HANDLERS: dict[str, Handler] = {
     Op.F: _compute, Op.B: _compute, Op.I: _compute, Op.W: _compute,
     Op.SEND: _send, Op.RECV: _recv, Op.ALLREDUCE: _allreduce, Op.ALLTOALL: _alltoall,
-    Op.REDUCESCATTER: _dp_collective, Op.ALLGATHER: _allgather, Op.OPTIM: _optim,
+    Op.REDUCESCATTER: _reducescatter, Op.ALLGATHER: _allgather, Op.OPTIM: _optim,
+    Op.UNSHARD: _unshard, Op.RESHARD: _reshard,
 }
 
 

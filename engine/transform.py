@@ -118,6 +118,25 @@ def training_state_bytes(optimizer: str, param_bytes: int, max_param_bytes: int,
     return resident_state_bytes(param_bytes, precision, dp_shard) + buf + trans
 
 
+def fsdp_state_bytes(param_bytes: int, largest_unit_bytes: int, precision: str, dp_shard: int, *,
+                     pipelined: bool) -> int:
+    """Upper bound of a segment's parameter, gradient and optimizer-state bytes on one rank under
+    fully sharded data parallelism over ``dp_shard`` ranks (:mod:`engine.dependency.fsdp`): the
+    shards (:meth:`engine.precision.PrecisionPolicy.fsdp_bytes_per_param`), plus what is gathered:
+    with a pipeline the whole segment's parameters and its unsharded gradients in the reduce dtype
+    (gathered from the first forward to the last backward), without one two units' parameters
+    and gradients (the one computing and the one prefetched; ``largest_unit_bytes`` each).
+
+    Raises:
+        TransformError: an unknown precision.
+    """
+    pol = get_policy(precision)
+    d = max(1, dp_shard)
+    shards = -(-pol.scale(param_bytes, pol.fsdp_sharded_bytes_per_param + pol.fsdp_reduce_bytes) // d)
+    gathered = param_bytes if pipelined else min(param_bytes, 2 * largest_unit_bytes)
+    return shards + gathered + pol.scale(gathered, pol.fsdp_reduce_bytes)
+
+
 @dataclass
 class Segment:
     """A pipeline segment (stage): contiguous layers run as one unit, per micro-batch.
@@ -151,6 +170,9 @@ class Segment:
             ``backward_time`` (in the ``I`` block when the backward is split); 0 without.
         recompute_transient_bytes: bytes live only while its backward runs: the recomputed
             activations of its largest layer (full) or attention core (selective); 0 without.
+        fsdp_units: its units under fully sharded data parallelism (:func:`fsdp_units`):
+            ``(parameter bytes on one TP rank, forward seconds)`` of its layers outside the
+            transformer blocks, then of each block.
     """
 
     index: int
@@ -169,6 +191,7 @@ class Segment:
     recompute: str = "none"
     recompute_time: float = 0.0
     recompute_transient_bytes: int = 0
+    fsdp_units: tuple[tuple[int, float], ...] = ()
 
     @property
     def boundary_bytes(self) -> int:
@@ -539,7 +562,8 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
         cost: the cost model.
         config: parallel degrees.
         memory_limit: bytes per device; segments are bounded so that parameters with Adam states
-            and gradients under ``config.precision`` (:func:`training_state_bytes`; ``32-true``:
+            and gradients under ``config.precision`` (:func:`training_state_bytes`, or
+            :func:`fsdp_state_bytes` with ``config.dp_shard > 1``; ``32-true``:
             4x the parameter bytes with ``adam``, 3x plus the largest parameter tensor with
             ``adama``; the sharded part divided by ``dp`` with ``sharded-update``) plus ``min(m, pp)``
             micro-batches of activations fit (1F1B's in-flight bound). ``None`` uses the cost
@@ -605,11 +629,20 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
             pmax[i][j] = max(pmax[i][j - 1], layers[j - 1].max_param_bytes)
 
     shard = config.dp if "sharded-update" in config.transforms else 1
+    lmax = [[0] * (n_l + 1) for _ in range(n_l + 1)]   # largest layer (FSDP unit) of layers i..j-1
+    for i in range(n_l):
+        for j in range(i + 1, n_l + 1):
+            lmax[i][j] = max(lmax[i][j - 1], layers[j - 1].param_bytes)
+
+    def state_of(i: int, j: int) -> int:
+        if config.fully_sharded:
+            return fsdp_state_bytes(pre_p[j] - pre_p[i], lmax[i][j], config.precision, config.dp_shard,
+                                    pipelined=config.pp > 1)
+        return training_state_bytes(optimizer, pre_p[j] - pre_p[i], pmax[i][j], config.precision, shard)
 
     def need_of(seg: int, i: int, j: int) -> int:
         g = grans[seg]
-        return (training_state_bytes(optimizer, pre_p[j] - pre_p[i], pmax[i][j], config.precision, shard)
-                + inflight * (pre_a[g][j] - pre_a[g][i]) + wmax[g][i][j])
+        return state_of(i, j) + inflight * (pre_a[g][j] - pre_a[g][i]) + wmax[g][i][j]
 
     def fits(seg: int, i: int, j: int) -> bool:
         return need_of(seg, i, j) <= cap
@@ -642,9 +675,21 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
             output_grad=part[-1].grad if idx < k - 1 else None,
             tp_collectives=tuple(c for lc in part for c in lc.tp_collectives),
             recompute=grans[idx], recompute_time=rc.recompute_time,
-            recompute_transient_bytes=rc.working_set_bytes,
+            recompute_transient_bytes=rc.working_set_bytes, fsdp_units=fsdp_units(part),
         ))
     return segments, warnings
+
+
+def fsdp_units(layers: Sequence[LayerCost]) -> tuple[tuple[int, float], ...]:
+    """A segment's units under fully sharded data parallelism, as torchtitan wraps a stage
+    (``apply_fsdp``: ``fully_shard`` on each transformer block, then on the stage's root for the
+    rest: embeddings, final norm, LM head): ``(parameter bytes, forward seconds)`` of the layers
+    outside the blocks first (the stage's root unit; ``(0, 0.0)`` when it has none), then of each
+    block (:func:`is_block_layer`), in order. Bytes on one TP rank, seconds per micro-batch."""
+    root = [lc for lc in layers if not is_block_layer(lc.name)]
+    out = [(sum(lc.param_bytes for lc in root), sum(lc.forward_time for lc in root))]
+    out += [(lc.param_bytes, lc.forward_time) for lc in layers if is_block_layer(lc.name)]
+    return tuple(out)
 
 
 def _inside_layer(name: str, layer: str) -> bool:

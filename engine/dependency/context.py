@@ -65,7 +65,7 @@ class LowerContext:
                  for s, v in (opts.segment_tp_collectives or {}).items() if v}
         return ExecutionPlan(self.streams, self.static_memory, dp=opts.dp, param_bytes=self.param_bytes,
                              schedule_name=self.schedule.name, tp_collectives=inner, tp=opts.tp,
-                             layout=opts.layout)
+                             layout=opts.layout, dp_shard=opts.dp_shard)
 
 
 def block_tail_end(stream: list[Instruction], i: int) -> int:

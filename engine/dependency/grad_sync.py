@@ -67,7 +67,7 @@ def add_grad_sync(ctx: LowerContext) -> None:
     ``overlap-grad-sync`` one per bucket (:func:`engine.coconet.gradient_buckets`, posting
     order), each ``ready`` once its share of the block has run; with ``sharded-update`` one
     ``REDUCESCATTER`` of the same bytes."""
-    if ctx.options.dp <= 1:
+    if ctx.options.dp <= 1 or ctx.options.dp_shard > 1:   # fully sharded: engine.dependency.fsdp reduces them
         return
     nbytes = dp_reduce_bytes(ctx)
     for d, stream in enumerate(ctx.streams):

@@ -32,12 +32,22 @@ class Op(StrEnum):
     W = "W"                   #: zero-bubble weight-gradient backward
     SEND = "SEND"             #: post a point-to-point send of a block's boundary tensors
     RECV = "RECV"             #: wait for a block's boundary tensors from a peer
-    ALLREDUCE = "ALLREDUCE"   #: data-parallel (``segment``, ``bucket``) or tied-weight (``ranks``) gradient all-reduce
+    #: data-parallel (``segment``, ``bucket``) or tied-weight (``ranks``) gradient all-reduce; with
+    #: ``block`` set, HSDP's all-reduce of one unit's gradient shard over the replicate group
+    ALLREDUCE = "ALLREDUCE"
     ALLTOALL = "ALLTOALL"     #: expert-parallel all-to-all marker (runs inside its block's compute)
-    REDUCESCATTER = "REDUCESCATTER"   #: sharded update: a segment's gradients reduced to each replica's 1/dp shard
+    #: sharded update: a segment's (or bucket's) gradients reduced to each replica's 1/dp shard; with
+    #: ``block`` set, fully sharded data parallelism's reduce-scatter of one unit's gradients over
+    #: the shard group after that unit's backward in ``block`` (``bucket`` = the unit)
+    REDUCESCATTER = "REDUCESCATTER"
     ALLGATHER = "ALLGATHER"   #: sharded update: a segment's updated parameter shards gathered (after OPTIM);
     #: scatter-send: a received 1/tp boundary slice gathered from the tensor group (``block`` set)
     OPTIM = "OPTIM"           #: optimizer step
+    #: fully sharded data parallelism (FSDP2's ``unshard``): all-gather one sharded unit's
+    #: parameters (``segment``, ``bucket`` = the unit) over the shard group for ``block``
+    UNSHARD = "UNSHARD"
+    #: fully sharded data parallelism (FSDP2's ``reshard``): free a segment's gathered parameters
+    RESHARD = "RESHARD"
 
 
 COMPUTE_OPS = (Op.F, Op.B, Op.I, Op.W)
@@ -98,10 +108,14 @@ class Instruction:
         if self.op == Op.ALLREDUCE:
             if self.ranks:
                 return f"ALLREDUCE tied weights with ranks {','.join(map(str, self.ranks))}"
+            if self.block is not None:
+                return f"ALLREDUCE grad shard of unit {self.bucket} of segment {self.segment} over the replicas"
             if self.bucket is not None:
                 return f"ALLREDUCE grads of segment {self.segment} bucket {self.bucket}"
             return f"ALLREDUCE grads of segment {self.segment}"
         if self.op == Op.REDUCESCATTER:
+            if self.block is not None:
+                return f"REDUCESCATTER grads of unit {self.bucket} of segment {self.segment} after {self.block}"
             return f"REDUCESCATTER grads of segment {self.segment}"
         if self.op == Op.ALLGATHER:
             if self.block is not None:
@@ -111,6 +125,10 @@ class Instruction:
             return f"ALLTOALL {self.block} (expert-parallel group of {self.group})"
         if self.op == Op.OPTIM:
             return "OPTIM step"
+        if self.op == Op.UNSHARD:
+            return f"UNSHARD unit {self.bucket} of segment {self.segment} for {self.block}"
+        if self.op == Op.RESHARD:
+            return f"RESHARD segment {self.segment}"
         return str(self.block)
 
     def to_dict(self) -> dict:
@@ -186,6 +204,9 @@ class ExecutionPlan:
             stream: one stream per pipeline rank of data-parallel replica 0).
         layout: the rank layout (:mod:`engine.layout`) whose device ids the streams' collectives
             and transfers run between (:meth:`device_of`, :meth:`device_group`).
+        dp_shard: of ``dp``, the fully sharded degree (:mod:`engine.dependency.fsdp`): the data
+            group is a ``(dp // dp_shard, dp_shard)`` mesh, shard groups contiguous
+            (:meth:`shard_group`, :meth:`replicate_group`).
     """
 
     streams: list[list[Instruction]]
@@ -196,10 +217,21 @@ class ExecutionPlan:
     tp_collectives: dict[int, tuple[tuple[str, int, float], ...]] = field(default_factory=dict)
     tp: int = 1
     layout: str = DEFAULT_ORDER
+    dp_shard: int = 1
 
     @property
     def num_ranks(self) -> int:
         return len(self.streams)
+
+    def shard_group(self, rank: int) -> list[int]:
+        """Device ids of pipeline rank ``rank``'s FSDP shard group: the first ``dp_shard`` of its
+        data group (torchtitan's mesh ``(dp_replicate, dp_shard)``, shard fastest)."""
+        return self.device_group("data", rank)[:max(1, self.dp_shard)]
+
+    def replicate_group(self, rank: int) -> list[int]:
+        """Device ids of pipeline rank ``rank``'s HSDP replicate group: every ``dp_shard``-th of its
+        data group."""
+        return self.device_group("data", rank)[::max(1, self.dp_shard)]
 
     def rank_layout(self) -> RankLayout:
         """The :class:`~engine.layout.RankLayout` of the job: ``tp x dp x num_ranks`` devices

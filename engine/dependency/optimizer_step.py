@@ -20,7 +20,9 @@ def add_optimizer_step(ctx: LowerContext) -> None:
     training stream (:attr:`LowerContext.training`), append ``OPTIM``: ``nbytes`` the rank's
     parameter bytes (``1/dp`` of them when sharded), ``memory`` minus the gradient buffers its
     blocks held (``zero_grad`` after the update); sharded, then one ``ALLGATHER`` of each local
-    segment's parameters (``group = dp``)."""
+    segment's parameters (``group = dp``). Fully sharded (``dp_shard > 1``,
+    :mod:`engine.dependency.fsdp`): ``OPTIM`` on ``1/dp_shard`` of the parameters, no all-gather
+    (the next forward's ``UNSHARD`` s gather them)."""
     opts = ctx.options
     dp = opts.dp
     sharded = "sharded-update" in opts.transforms and dp > 1
@@ -31,10 +33,11 @@ def add_optimizer_step(ctx: LowerContext) -> None:
     if not ctx.training:
         return
     seg_bytes = opts.segment_param_bytes or {}
+    shards = dp if sharded else max(1, opts.dp_shard)   # FSDP: each rank steps its shard (engine.dependency.fsdp)
     for d, stream in enumerate(ctx.streams):
         held = sum(ins.hold for ins in stream if ins.op in COMPUTE_OPS)
         pb = ctx.param_bytes[d]
-        stream.append(Instruction(Op.OPTIM, None, nbytes=pb // dp if sharded else pb, memory=-held))
+        stream.append(Instruction(Op.OPTIM, None, nbytes=pb // shards, memory=-held))
         if sharded:
             stream.extend(Instruction(Op.ALLGATHER, None, nbytes=seg_bytes[seg], segment=seg, group=dp)
                           for seg in ctx.segments_on[d] if seg_bytes.get(seg, 0))

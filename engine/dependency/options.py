@@ -103,9 +103,31 @@ class LowerOptions:
     gradient copy) of the other replicas' shards off the static memory. ``32-true``: the
     parameter bytes and Adam's two moments, as before policies."""
 
+    dp_shard: int = 1
+    """Of ``dp``, the fully sharded degree (FSDP2, :mod:`engine.dependency.fsdp`): with
+    ``dp_shard > 1`` each unit of :attr:`fsdp_units` is all-gathered (``UNSHARD``) before the
+    blocks that need it and its gradients reduce-scattered over the shard group (``REDUCESCATTER``
+    with ``block`` set; then, with ``dp > dp_shard``, HSDP's ``ALLREDUCE`` of the shard over the
+    replicate group) instead of the data-parallel all-reduce."""
+
+    reshard_after_forward: bool | None = None
+    """FSDP2's ``reshard_after_forward``: free each unit's gathered parameters after its forward and
+    gather them again for its backward. ``None``: torchtitan's default, ``True`` without a pipeline
+    and ``False`` with one (a pipeline refuses ``True``, :func:`engine.dependency.fsdp.add_fsdp`)."""
+
+    fsdp_units: Mapping[int, Sequence[tuple[int, float]]] | None = None
+    """Per segment, its FSDP units in forward order, ``(parameter bytes on one rank in the weight
+    dtype, fraction of the segment's forward time)``: the segment's own parameters outside its
+    transformer blocks first (the stage's root ``fully_shard`` in torchtitan, kept gathered from
+    the forward to the end of the backward; ``(0, 0.0)`` when there are none), then each block.
+    ``None`` (or a segment missing): the whole segment is one unit of ``segment_param_bytes``
+    after an empty root (:func:`engine.dependency.fsdp.segment_units`)."""
+
     def __post_init__(self) -> None:
         if int(self.dp) < 1 or int(self.tp) < 1:
             raise ValueError(f"dp and tp must be at least 1, got dp={self.dp}, tp={self.tp}")
+        if int(self.dp_shard) < 1 or int(self.dp) % int(self.dp_shard):
+            raise ValueError(f"dp_shard must divide dp={self.dp}, got {self.dp_shard}")
         check_layout(self.layout)
         if self.optimizer_kind not in OPTIMIZER_KINDS:
             raise ValueError(f"unknown optimizer {self.optimizer_kind!r}; use 'adam' or 'adama'")

@@ -10,6 +10,7 @@ from typing import Any, Callable
 from engine.dependency.compute import add_compute_blocks
 from engine.dependency.context import LowerContext
 from engine.dependency.expert_alltoall import add_alltoalls
+from engine.dependency.fsdp import add_fsdp
 from engine.dependency.grad_sync import add_grad_sync
 from engine.dependency.instructions import ExecutionPlan
 from engine.dependency.optimizer_step import add_optimizer_step
@@ -24,10 +25,11 @@ __all__ = ["PASSES", "Pass", "lower"]
 Pass = Callable[[LowerContext], None]
 
 #: The passes, in order: compute blocks; sends and receives (scatter-send, tp-split); the
-#: expert-parallel all-to-alls inside their blocks (before the block's sends); data-parallel
-#: gradient sync after a segment's last backward; tied-weight all-reduces; the optimizer step.
-PASSES: tuple[Pass, ...] = (add_compute_blocks, add_send_recv, add_alltoalls, add_grad_sync, add_tied_allreduces,
-                            add_optimizer_step)
+#: expert-parallel all-to-alls inside their blocks (before the block's sends); fully sharded data
+#: parallelism's gathers and reduce-scatters; data-parallel gradient sync after a segment's last
+#: backward; tied-weight all-reduces; the optimizer step.
+PASSES: tuple[Pass, ...] = (add_compute_blocks, add_send_recv, add_alltoalls, add_fsdp, add_grad_sync,
+                            add_tied_allreduces, add_optimizer_step)
 
 
 def lower(schedule: Schedule, options: LowerOptions | None = None, **kwargs: Any) -> ExecutionPlan:

@@ -123,11 +123,36 @@ def plan_lower_options(plan: Plan, *, segment_param_bytes: Mapping[int, int] | N
         replicated = dict(segment_allreduce_bytes)
     opt = optimizer_kind or par.optimizer
     inner = {int(s["index"]): [tuple(c) for c in s.get("tp_collectives") or []] for s in plan.segments}
-    return LowerOptions(dp=par.dp, tp=par.tp, segment_param_bytes=seg_bytes, segment_allreduce_bytes=replicated,
+    return LowerOptions(dp=par.dp, tp=par.tp, dp_shard=par.dp_shard, reshard_after_forward=par.reshard_after_forward,
+                        fsdp_units=_fsdp_units(plan.segments, seg_bytes) if par.dp_shard > 1 else None,
+                        segment_param_bytes=seg_bytes, segment_allreduce_bytes=replicated,
                         optimizer_kind=opt if opt in OPTIMIZER_KINDS else "adam", alltoalls=alltoalls,
                         tied=plan_tied_groups(plan), transforms=par.transforms,
                         grad_bucket_bytes=par.grad_bucket_bytes, segment_tp_collectives=inner,
                         layout=par.layout, precision=par.precision)
+
+
+def _fsdp_units(segments: list[dict], seg_bytes: Mapping[int, int]) -> dict[int, list[tuple[int, float]]]:
+    """Each segment's FSDP units (``segments[i]["fsdp_units"]``, :func:`engine.transform.fsdp_units`),
+    their bytes scaled to ``seg_bytes`` (a runtime worker's measured bytes; the plan's otherwise).
+
+    Raises:
+        PlanFormatError: a malformed ``fsdp_units`` entry.
+    """
+    out: dict[int, list[tuple[int, float]]] = {}
+    for i, s in enumerate(segments):
+        try:
+            units = [(int(b), float(t)) for b, t in s.get("fsdp_units") or []]
+        except (TypeError, ValueError) as e:
+            raise PlanFormatError(f"field 'segments[{i}].fsdp_units' is malformed ({type(e).__name__}: {e}); "
+                                  "expected [[parameter bytes, forward seconds], ...]") from None
+        k = int(s["index"])
+        total, want = sum(b for b, _ in units), seg_bytes.get(k, 0)
+        if units and total > 0 and want != total:
+            units = [(b * want // total, t) for b, t in units]
+        if units:
+            out[k] = units
+    return out
 
 
 def lower_plan(plan: Plan, options: LowerOptions | None = None, **overrides: Any) -> ExecutionPlan:

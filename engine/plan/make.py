@@ -151,6 +151,8 @@ def make_plan(
     device_type: str = "h100",
     dp: int = 1,
     tp: int = 1,
+    dp_shard: int = 1,
+    reshard_after_forward: bool | None = None,
     virtual_stages: int | None = None,
     micro_batch_size: int = 1,
     seq_len: int | None = None,
@@ -180,7 +182,11 @@ def make_plan(
         micro_batches: ``m`` per step.
         schedule: ``gpipe``, ``1f1b``, ``interleaved`` or ``zb-h1``.
         device_type: cost table entry (``h100``, ``a100``, ``cpu``).
-        dp, tp: data- and tensor-parallel degrees.
+        dp, tp: data- and tensor-parallel degrees (``dp`` = ``dp_replicate x dp_shard``).
+        dp_shard: of ``dp``, the fully sharded degree (FSDP2, ZeRO-3; :mod:`engine.dependency.fsdp`);
+            it divides ``dp``, and ``dp // dp_shard`` replicas of the shard group make HSDP.
+        reshard_after_forward: FSDP2's option (:attr:`engine.config.ParallelConfig.reshard_after_forward`);
+            ``None``: torchtitan's default (``True`` without a pipeline, ``False`` with one).
         virtual_stages: segments per rank (default 2 for ``interleaved``, else 1).
         micro_batch_size: samples per micro-batch.
         seq_len: tokens per sample (model default if ``None``).
@@ -242,6 +248,7 @@ def make_plan(
                                None if cost is None else cost.dtype)
     compute = get_policy(precision).compute_dtype
     config = parallel_config(devices, micro_batches=micro_batches, schedule=schedule, dp=dp, tp=tp,
+                             dp_shard=dp_shard, reshard_after_forward=reshard_after_forward,
                              virtual_stages=virtual_stages, micro_batch_size=micro_batch_size,
                              memory_limit=memory_limit, optimizer=optimizer, transforms=transforms,
                              grad_bucket_bytes=grad_bucket_bytes, overlap_chunks=overlap_chunks,
@@ -340,6 +347,7 @@ def plan_from_capture(captured: CapturedModel, config: ParallelConfig, cost: Cos
 
 
 def parallel_config(devices: int, *, micro_batches: int, schedule: str, dp: int = 1, tp: int = 1,
+                    dp_shard: int = 1, reshard_after_forward: bool | None = None,
                     virtual_stages: int | None = None, micro_batch_size: int = 1, memory_limit: float | None = None,
                     optimizer: str = "adam", transforms: str | Sequence[str] | None = None,
                     grad_bucket_bytes: int = DEFAULT_GRAD_BUCKET_BYTES,
@@ -370,7 +378,9 @@ def parallel_config(devices: int, *, micro_batches: int, schedule: str, dp: int 
     req = placement_requirements(schedule)
     vs = req.virtual_stages if virtual_stages is None else virtual_stages
     config = ParallelConfig(dp=dp, tp=tp, pp=devices // (dp * tp), virtual_stages=vs, micro_batches=micro_batches,
-                            micro_batch_size=micro_batch_size, transforms=tf, grad_bucket_bytes=grad_bucket_bytes,
+                            micro_batch_size=micro_batch_size, dp_shard=dp_shard,
+                            reshard_after_forward=reshard_after_forward, transforms=tf,
+                            grad_bucket_bytes=grad_bucket_bytes,
                             overlap_chunks=overlap_chunks, optimizer=cast(OptimizerKind, optimizer),
                             precision=precision, recompute=recompute)
     config.check()
@@ -554,7 +564,8 @@ def build_plan(captured: CapturedModel, cut: TransformedModel, config: ParallelC
                        seq_len=bundle.seq_len, dtype=graph.graph.get("dtype", "float32"),
                        num_params=graph.graph.get("num_params"), task=bundle.task, split=captured.split),
         parallel=config,
-        segments=[_segment_dict(s, cut.segment_moe.get(s.index, []), config.recompute) for s in cut.segments],
+        segments=[_segment_dict(s, cut.segment_moe.get(s.index, []), config.recompute, config.fully_sharded)
+                  for s in cut.segments],
         schedule=schedule,
         cost=cost.to_dict(),
         meta={"warnings": cut.warnings, **({"memory_limit": memory_limit} if memory_limit is not None else {})},
@@ -573,12 +584,16 @@ def _expert_parallel_split(seg: Segment, moe: list[MoELayer], dp: int, tp: int) 
     return replace(seg, param_bytes=max(0, seg.param_bytes - full + mine))
 
 
-def _segment_dict(seg: Segment, moe: list[MoELayer], recompute: str = "none") -> dict:
+def _segment_dict(seg: Segment, moe: list[MoELayer], recompute: str = "none", fully_sharded: bool = False) -> dict:
     """The plan JSON dict of a segment; ``"moe"`` (its MoE layers, :class:`MoELayer` dicts) only
     when it has any, so plans of dense models are unchanged; ``"recompute"`` whenever the segment's
     granularity differs from the plan's ``recompute`` (a per-stage override of ``none`` included),
-    so :func:`engine.recompute.plan_granularities` reads every segment's back."""
+    so :func:`engine.recompute.plan_granularities` reads every segment's back; ``"fsdp_units"``
+    (``[[parameter bytes, forward seconds], ...]``, :func:`engine.transform.fsdp_units`) in a
+    fully sharded plan."""
     d = seg.to_dict()
+    if fully_sharded and seg.fsdp_units:
+        d["fsdp_units"] = [[int(b), float(t)] for b, t in seg.fsdp_units]
     if seg.recompute != recompute:
         d["recompute"] = seg.recompute
     if moe:
