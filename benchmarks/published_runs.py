@@ -53,7 +53,10 @@ to fit 80 GB (the A100 table's 80 GiB); the 1,536-GPU run planned in under 30 s 
 plan command reports, ``planned in ... s``: capture to the written files; the table also shows
 the command's wall time, interpreter start and imports included).
 
-Usage: ``python benchmarks/published_runs.py [--json] [--runs 1.7B,18.4B,145.6B] [--keep DIR]``
+Also torchtitan's FSDP2 run of Llama 3 8B on 64 A100s (``llama3-8b-fsdp``, and ``llama3-8b-fsdp-norc``
+without recomputation): ``benchmarks/published_fsdp.py``, its rows under ``fsdp_rows`` in the JSON.
+
+Usage: ``python benchmarks/published_runs.py [--json] [--runs 1.7B,18.4B,145.6B,llama3-8b-fsdp] [--keep DIR]``
 """
 
 from __future__ import annotations
@@ -323,16 +326,20 @@ def report(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import published_fsdp  # torchtitan's FSDP2 row(s); it imports this module's helpers
+
+    fsdp_names = [r.name for r in published_fsdp.RUNS]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--runs", default=",".join(r.name for r in RUNS),
-                    help="comma-separated run names (default all: 1.7B,18.4B,145.6B)")
+    ap.add_argument("--runs", default=",".join([r.name for r in RUNS] + fsdp_names[:1]),
+                    help=f"comma-separated run names (default all Megatron-LM rows and {fsdp_names[0]}; also "
+                         f"{', '.join(fsdp_names[1:])}: benchmarks/published_fsdp.py)")
     ap.add_argument("--keep", default=None, help="write the configs and plans here (default a temporary folder)")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in {r.name for r in RUNS}]
+    unknown = [n for n in names if n not in {r.name for r in RUNS} | set(fsdp_names)]
     if unknown:
-        ap.error(f"unknown run(s) {', '.join(unknown)}; use {', '.join(r.name for r in RUNS)}")
+        ap.error(f"unknown run(s) {', '.join(unknown)}; use {', '.join([r.name for r in RUNS] + fsdp_names)}")
     rows, failures = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(args.keep) if args.keep else Path(tmp)
@@ -347,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             if not args.json:
                 print(report(row) + "\n", flush=True)
+        fsdp_rows, fsdp_failures = published_fsdp.run_rows(names, base, quiet=args.json)
+    failures.update(fsdp_failures)
     if args.json:
-        print(json.dumps({"rows": rows, "failures": failures}))
+        print(json.dumps({"rows": rows, "fsdp_rows": fsdp_rows, "failures": failures}))
     return 1 if failures else 0
 
 

@@ -52,7 +52,8 @@ class PlanForm(pn.viewable.Viewer):
     :func:`engine.plan.make.make_plan` and loads the plan and graph into ``state``.
 
     Parameters mirror ``tessel plan``: ``model`` (registry name or ``module:callable``),
-    ``devices`` (= dp x tp x pp), ``micro_batches``, ``schedule``, ``device_type``, ``dp``, ``tp``,
+    ``devices`` (= dp x tp x pp), ``micro_batches``, ``schedule``, ``device_type``, ``dp``,
+    ``dp_shard`` (FSDP2's fully sharded degree, dividing ``dp``), ``tp``,
     ``optimizer`` (``adam`` | ``adama``: the Gantt's memory curves show AdamA's missing gradient buffer),
     ``precision`` (``default``: the device type's, ``bf16-mixed`` on GPUs and ``32-true`` on cpu; or
     one of :data:`engine.precision.PRECISIONS`), ``recompute`` (:data:`engine.recompute.RECOMPUTE`),
@@ -70,7 +71,11 @@ class PlanForm(pn.viewable.Viewer):
     schedule = param.Selector(default="1f1b", objects=list(SCHEDULES), doc="predefined schedule")
     device_type = param.Selector(default="h100", objects=DEVICE_TYPES, label="Device type",
                                  doc="cost table of one device")
-    dp = param.Integer(default=1, bounds=(1, 4096), label="DP degree", doc="data-parallel degree")
+    dp = param.Integer(default=1, bounds=(1, 4096), label="DP degree",
+                       doc="data-parallel degree (dp_replicate x dp_shard)")
+    dp_shard = param.Integer(default=1, bounds=(1, 4096), label="DP shard (FSDP)",
+                             doc="of the DP degree, the fully sharded degree (FSDP2, ZeRO-3; must divide it); "
+                                 "1: replicated")
     tp = param.Integer(default=1, bounds=(1, 4096), label="TP degree", doc="tensor-parallel degree")
     optimizer = param.Selector(default="adam", objects=["adam", "adama"], label="Optimizer",
                                doc="adam (gradient buffer until the step) or adama "
@@ -112,7 +117,8 @@ class PlanForm(pn.viewable.Viewer):
     def _make(self):
         return make_plan(self.model.strip(), devices=self.devices, micro_batches=self.micro_batches,
                          schedule=self.schedule, device_type=self.device_type, dp=self.dp, tp=self.tp,
-                         optimizer=self.optimizer, transforms=list(self.transforms), link=self.link.strip() or None,
+                         dp_shard=self.dp_shard, optimizer=self.optimizer, transforms=list(self.transforms),
+                         link=self.link.strip() or None,
                          precision=None if self.precision == "default" else self.precision, recompute=self.recompute)
 
     def _finish(self, res, err: BaseException | None) -> bool:
@@ -127,7 +133,9 @@ class PlanForm(pn.viewable.Viewer):
         self.state.load(res.plan, graph=res.graph,
                         message=f"planned {self.model}: {self.schedule} on {self.devices} {self.device_type} devices, "
                                 f"{self.micro_batches} micro-batches, {self.optimizer}, "
-                                f"{res.plan.parallel.precision}, recompute {res.plan.parallel.recompute}"
+                                + (f"FSDP over {res.plan.parallel.dp_shard}, " if res.plan.parallel.fully_sharded
+                                   else "")
+                                + f"{res.plan.parallel.precision}, recompute {res.plan.parallel.recompute}"
                                 + (f", {', '.join(res.plan.parallel.transforms)}" if res.plan.parallel.transforms
                                    else "")
                                 + f", in {sum(res.timings.values()):.1f} s{warn}")
@@ -153,10 +161,12 @@ class PlanForm(pn.viewable.Viewer):
 
     def __panel__(self):
         w = pn.Param(self.param,
-                     parameters=["devices", "micro_batches", "schedule", "device_type", "dp", "tp", "precision",
+                     parameters=["devices", "micro_batches", "schedule", "device_type", "dp", "dp_shard", "tp",
+                                 "precision",
                                  "recompute", "optimizer", "link", "transforms"],
                      widgets={"devices": pn.widgets.IntInput, "micro_batches": pn.widgets.IntInput,
-                              "dp": pn.widgets.IntInput, "tp": pn.widgets.IntInput,
+                              "dp": pn.widgets.IntInput, "dp_shard": pn.widgets.IntInput,
+                              "tp": pn.widgets.IntInput,
                               "transforms": {"type": pn.widgets.CheckBoxGroup, "inline": False}},
                      show_name=False, sizing_mode="stretch_width")
         return pn.Column("### Plan a model", self._shown, self._model_w, w, pn.Row(self._button, self._spinner),

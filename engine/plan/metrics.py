@@ -121,8 +121,9 @@ def _in_flight(plan: Plan, timeline: Timeline, device: int, act: dict[int, int])
 def memory_breakdown(plan: Plan, execution: ExecutionPlan, timeline: Timeline) -> dict | None:
     """What the device with the highest predicted peak holds (bytes): ``device``, ``peak``,
     ``parameter_bytes`` (its weights), ``weights_and_optimizer_states`` (its static memory: weights,
-    master weights, Adam's states, sharded by ``sharded-update``), ``gradients`` (its segments'
-    gradient buffers), ``activations_per_micro_batch`` (what one micro-batch's forward blocks on
+    master weights, Adam's states, sharded by ``sharded-update``; under FSDP the shards of the
+    parameters and Adam's states), ``gradients`` (its segments' gradient buffers; FSDP's in its
+    reduce dtype, sharded without a pipeline), ``activations_per_micro_batch`` (what one micro-batch's forward blocks on
     it keep for the backward) and ``micro_batches_in_flight`` (the most micro-batches of those
     it holds at once, :func:`_in_flight`). ``None`` for an abstract plan."""
     if is_abstract(plan):
@@ -138,6 +139,10 @@ def memory_breakdown(plan: Plan, execution: ExecutionPlan, timeline: Timeline) -
         if b.kind == "F" and b.memory > 0:
             act[b.segment] = act.get(b.segment, 0) + int(b.memory)
     grads = sum(pl.grad_bytes(s) for s in pl.grad_segments_on(d))
+    par = plan.parallel
+    if par.fully_sharded:   # the gradient buffer in FSDP's reduce dtype, sharded without a pipeline
+        pol = get_policy(par.precision)
+        grads = grads * pol.fsdp_reduce_bytes // pol.grad_bytes // (par.dp_shard if par.pp == 1 else 1)
     static = execution.static_memory[d] if d < len(execution.static_memory) else pl.static_bytes(d)
     params = execution.param_bytes[d] if d < len(execution.param_bytes) else 0
     return {"device": d, "peak": int(peaks[d]), "parameter_bytes": int(params),
@@ -180,7 +185,8 @@ def memory_advice(plan: Plan) -> str:
     The terms: ``weights and optimizer states`` (+ gradients) against ``activations per
     micro-batch x micro-batches in flight``. The fixes tried, smallest first: for states,
     ``--transform sharded-update`` (dp > 1: Megatron's distributed optimizer divides master
-    weights and Adam's states by dp), then ``k`` times the tensor/pipeline parallelism; for
+    weights and Adam's states by dp), then ``--dp-shard dp`` (FSDP2 shards the weights, gradients
+    and Adam's states), then ``k`` times the tensor/pipeline parallelism; for
     activations, a smaller micro-batch, ``--schedule 1f1b`` (at most pp in flight),
     ``--recompute full`` (each layer keeps only its input: Korthikanti et al. 2022, ``2sbh`` of
     ``34sbh`` bytes per layer, an estimate), then more tensor/pipeline parallelism.
@@ -205,10 +211,12 @@ def memory_advice(plan: Plan) -> str:
     fix = None
     if states >= acts:
         pol = get_policy(par.precision)
-        if par.dp > 1 and "sharded-update" not in par.transforms:
+        if par.dp > 1 and "sharded-update" not in par.transforms and not par.fully_sharded:
             saved = pol.sharded_saving(mb["parameter_bytes"], par.dp)
             if states - saved + acts <= room:
                 fix = "--transform sharded-update (Megatron's distributed optimizer)"
+            elif _fsdp_states(mb["parameter_bytes"], pol, par.dp, par.pp) + acts <= room:
+                fix = f"--dp-shard {par.dp} (FSDP2: parameters, gradients and Adam's states sharded over dp)"
         if fix is None and room > acts:
             k = max(2, math.ceil(states / (room - acts)))
             fix = f"{k}x the tensor or pipeline parallelism (--tp {par.tp * k} or {k}x the pipeline stages)"
@@ -228,6 +236,15 @@ def memory_advice(plan: Plan) -> str:
             fix = f"{k}x the tensor or pipeline parallelism (--tp {par.tp * k} or {k}x the pipeline stages)"
     return where + "; " + (f"the smallest fix that fits: {fix}" if fix else
                           "add devices, tensor or pipeline parallelism, or a larger device")
+
+
+def _fsdp_states(param_bytes: int, pol, dp_shard: int, pp: int) -> float:
+    """About the bytes of a device's ``param_bytes`` of weights and their states under FSDP over
+    ``dp_shard`` ranks (:meth:`engine.precision.PrecisionPolicy.fsdp_bytes_per_param`); with a
+    pipeline the stage stays gathered, its parameters and gradients whole."""
+    count = param_bytes / pol.weight_bytes
+    whole = count * (pol.weight_bytes + pol.fsdp_reduce_bytes) if pp > 1 else 0.0
+    return count * pol.fsdp_bytes_per_param(dp_shard) + whole
 
 
 def _lower_and_simulate(plan: Plan) -> tuple[ExecutionPlan, Timeline]:
