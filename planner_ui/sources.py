@@ -33,10 +33,12 @@ COMM_DESCRIPTIONS = {
     "RECV": "pipeline receive (waits for the tensor)",
     "ALLREDUCE": "gradient all-reduce (data-parallel replicas, or tied weights across pipeline ranks)",
     "ALLTOALL": "MoE expert-parallel all-to-all (token dispatch/combine over the data-parallel group; blocks compute)",
-    "REDUCESCATTER": "reduce-scatter (sharded update: gradients to each replica's shard; tensor-parallel split: a "
-                     "row-parallel output to the sequence shard)",
-    "ALLGATHER": "all-gather (sharded update: the updated parameter shards; scatter-send / tensor-parallel split: "
-                 "a sequence-sharded activation)",
+    "REDUCESCATTER": "reduce-scatter (sharded update: gradients to each replica's shard; FSDP: one block's "
+                     "gradients after its backward; tensor-parallel split: a row-parallel output to the sequence "
+                     "shard)",
+    "ALLGATHER": "all-gather (sharded update: the updated parameter shards; FSDP: one block's parameters, "
+                 "prefetched while the block before it computes; scatter-send / tensor-parallel split: a "
+                 "sequence-sharded activation)",
 }
 
 #: Categorical palette for segments / devices (Tableau 10).
