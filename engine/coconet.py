@@ -20,6 +20,10 @@ and the runtime executes, leaving the numerics of training unchanged:
   DDP) posted during the segment's last backward block of the step, each as soon as its
   gradients are final, so communication overlaps the rest of that backward. Instructions:
   ``ALLREDUCE`` with ``bucket`` and ``ready`` (the fraction of the block after which it may start).
+  With ``sharded-update`` (ZeRO-2 with overlap, ZeRO's stage 2 as DeepSpeed runs it with
+  ``overlap_comm``): the same buckets are reduce-scattered instead, each to the replicas' shards as
+  soon as it is ready; ``REDUCESCATTER`` with ``bucket`` and ``ready``, then ``OPTIM`` on the shard
+  and ``ALLGATHER`` as without buckets.
 - ``tp-split`` (CoCoNet section 6.2, its Megatron-LM example; Megatron sequence parallelism,
   Korthikanti et al., 2022): in a tensor-parallel block the row-parallel all-reduce followed by
   dropout and the residual add becomes a reduce-scatter, dropout and add on the ``1/tp`` shard of
@@ -133,10 +137,6 @@ def check_transforms(transforms: Sequence[str], *, dp: int, tp: int, pp: int, op
             raise CoCoNetError(f"transformation {name!r} cuts the sequence into tp = {tp} equal shards, but the "
                                f"sequence length {seq_len} is not divisible by {tp}; "
                                f"use --seq-len {seq_len - seq_len % tp}")
-    if "overlap-grad-sync" in names and "sharded-update" in names:
-        raise CoCoNetError("transformation 'overlap-grad-sync' cannot be combined with 'sharded-update', which "
-                           "reduce-scatters each segment's gradients once after its last backward (bucketed "
-                           "reduce-scatters are not lowered yet); choose one of them")
     if "overlap-grad-sync" in names and optimizer == "adama":
         raise CoCoNetError("transformation 'overlap-grad-sync' needs dp > 1 and gradients to all-reduce, but with "
                            "optimizer 'adama' the replicas reduce Adam's states once per step, after the last fold; "

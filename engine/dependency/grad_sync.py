@@ -45,18 +45,21 @@ def _sync(ctx: LowerContext, seg: int, nbytes: int) -> list[Instruction]:
     """The instructions reducing segment ``seg``'s ``nbytes`` of gradients over the dp replicas."""
     opts = ctx.options
     dp = opts.dp
-    if "sharded-update" in opts.transforms:
-        # the gradient buffers are released at OPTIM, as without it (the runtime frees them a
-        # little earlier, at the reduce-scatter); the static memory holds the saving
-        return [Instruction(Op.REDUCESCATTER, None, nbytes=nbytes, segment=seg, group=dp)]
+    sharded = "sharded-update" in opts.transforms
     if "overlap-grad-sync" in opts.transforms:
+        # DDP's buckets, each posted once its share of the block has run; with the sharded update
+        # (ZeRO-2 with overlap) each bucket is reduce-scattered to the replicas' shards instead
+        op = Op.REDUCESCATTER if sharded else Op.ALLREDUCE
         sizes = gradient_buckets(nbytes, opts.grad_bucket_bytes or DEFAULT_GRAD_BUCKET_BYTES)
         total, done, out = sum(sizes), 0, []
         for k, nb in enumerate(sizes):
             done += nb
-            out.append(Instruction(Op.ALLREDUCE, None, nbytes=nb, segment=seg, group=dp, bucket=k,
-                                   ready=done / total))
+            out.append(Instruction(op, None, nbytes=nb, segment=seg, group=dp, bucket=k, ready=done / total))
         return out
+    if sharded:
+        # the gradient buffers are released at OPTIM, as without it (the runtime frees them a
+        # little earlier, at the reduce-scatter); the static memory holds the saving
+        return [Instruction(Op.REDUCESCATTER, None, nbytes=nbytes, segment=seg, group=dp)]
     return [Instruction(Op.ALLREDUCE, None, nbytes=nbytes, segment=seg, group=dp)]
 
 
@@ -66,7 +69,8 @@ def add_grad_sync(ctx: LowerContext) -> None:
     gradients over the replicas: one ``ALLREDUCE`` of :func:`dp_reduce_bytes`; with
     ``overlap-grad-sync`` one per bucket (:func:`engine.coconet.gradient_buckets`, posting
     order), each ``ready`` once its share of the block has run; with ``sharded-update`` one
-    ``REDUCESCATTER`` of the same bytes."""
+    ``REDUCESCATTER`` of the same bytes, or with both one ``REDUCESCATTER`` per bucket (ZeRO-2 with
+    overlap)."""
     if ctx.options.dp <= 1 or ctx.options.dp_shard > 1:   # fully sharded: engine.dependency.fsdp reduces them
         return
     nbytes = dp_reduce_bytes(ctx)

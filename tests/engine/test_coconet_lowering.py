@@ -55,8 +55,7 @@ def test_names_order_and_refusals():
         check_transforms(["tp-split", "chunked-overlap"], dp=1, tp=2, pp=1, split="layers")
     with pytest.raises(CoCoNetError, match="sequence length 63 is not divisible by 2; use --seq-len 62"):
         check_transforms(["scatter-send"], dp=1, tp=2, pp=2, split="layers", seq_len=63)
-    with pytest.raises(CoCoNetError, match="cannot be combined with 'sharded-update'"):
-        check_transforms(["sharded-update", "overlap-grad-sync"], dp=2, tp=1, pp=1)
+    check_transforms(["sharded-update", "overlap-grad-sync"], dp=2, tp=1, pp=1)   # ZeRO-2 with overlap
     with pytest.raises(CoCoNetError, match="optimizer 'adama'"):
         check_transforms(["overlap-grad-sync"], dp=2, tp=1, pp=1, optimizer="adama")
 
@@ -100,6 +99,22 @@ def test_overlapped_sync_runs_buckets_during_the_last_backward():
     assert last_b.start < first.start < last_b.end       # a collective while the backward runs
     plain = simulate(_one_stage(2), _Cost())
     assert tl.makespan < plain.makespan
+
+
+def test_zero2_with_overlap_reduce_scatters_buckets_during_the_last_backward():
+    """``sharded-update`` with ``overlap-grad-sync`` (ZeRO-2 with overlap): one ``REDUCESCATTER`` per
+    bucket, each ready after its share of the last backward, then the shard's step and the all-gather;
+    the simulator starts the first reduce-scatter while that backward runs."""
+    ex = _one_stage(2, ("sharded-update", "overlap-grad-sync"), grad_bucket_bytes=1 * MB)
+    ops = [i for i in ex.streams[0] if i.op not in (Op.F, Op.B)]
+    assert [(i.op, i.bucket, i.nbytes, i.ready) for i in ops[:4]] == \
+        [(Op.REDUCESCATTER, k, MB, (k + 1) / 4) for k in range(4)]
+    assert [(i.op, i.nbytes) for i in ops[4:]] == [(Op.OPTIM, 2 * MB), (Op.ALLGATHER, 4 * MB)]
+    tl = simulate(ex, _Cost())
+    last_b = max((e for e in tl.events if e.op == "B"), key=lambda e: e.end)
+    first = min((e for e in tl.events if e.op == "REDUCESCATTER"), key=lambda e: e.start)
+    assert last_b.start < first.start < last_b.end
+    assert tl.makespan < simulate(_one_stage(2, ("sharded-update",)), _Cost()).makespan
 
 
 def test_scatter_send_sends_a_slice_and_gathers_it():
