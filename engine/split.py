@@ -41,11 +41,12 @@ SplitMethod = Literal["tracer", "module", "layers"]
 SPLIT_METHODS: tuple[str, ...] = get_args(SplitMethod)
 
 
-def choose_split(module: nn.Module, tp: int = 1, recompute: str = "none") -> SplitMethod:
+def choose_split(module: nn.Module, tp: int = 1, recompute: str = "none", dp_shard: int = 1) -> SplitMethod:
     """``"layers"`` with tensor parallelism (``tp > 1``; not for Hugging Face GPT-2, whose ``Conv1D``
-    projections no tensor-parallel plan shards) or activation recomputation (``recompute`` not
-    ``"none"``, :mod:`engine.recompute`) for a decoder-only LM the layer split supports (the
-    runtime refuses the plan otherwise, naming the model), and always for the
+    projections no tensor-parallel plan shards), activation recomputation (``recompute`` not
+    ``"none"``, :mod:`engine.recompute`) or fully sharded data parallelism (``dp_shard > 1``: FSDP2's
+    ``fully_shard`` wraps each eager transformer block, ``runtime.fsdp``) for a decoder-only LM the
+    layer split supports (the runtime refuses the plan otherwise, naming the model), and always for the
     in-project two-tower model (its eager stages carry both towers' inputs along a pipeline, which
     the traced split cannot); else ``"module"`` for an
     ``nn.Sequential`` model (its layers run in order, so a stage is a slice of them), ``"tracer"``
@@ -55,7 +56,8 @@ def choose_split(module: nn.Module, tp: int = 1, recompute: str = "none") -> Spl
         return "layers"
     if tp > 1:   # a family tensor parallelism cannot shard keeps its split, which the runtime refuses for tp > 1
         return "layers" if supports_tensor_parallel_split(module) else fallback
-    return "layers" if recompute != "none" and supports_layer_split(module) else fallback
+    needs_blocks = recompute != "none" or int(dp_shard) > 1
+    return "layers" if needs_blocks and supports_layer_split(module) else fallback
 
 
 def supports_layer_split(module: nn.Module) -> bool:
