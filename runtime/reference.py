@@ -157,7 +157,8 @@ def reference_run(plan, batches, *, seed: int = 0, lr: float = 1e-3, optimizer: 
     opt: torch.optim.Optimizer
     if optimizer == "adam":
         # fused as the runtime's Adam is (runtime.worker.optimizer.fused_adam): the same update arithmetic
-        opt = torch.optim.Adam(model.parameters(), lr=lr, **{"fused": fused_adam(plan.parallel.tp), **kw})
+        fused = fused_adam(plan.parallel.tp, getattr(plan.parallel, "dp_shard", 1))
+        opt = torch.optim.Adam(model.parameters(), lr=lr, **{"fused": fused, **kw})
     elif optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=lr, **kw)
     else:

@@ -377,7 +377,8 @@ def from_local_state(state: dict[str, torch.Tensor], like: dict[str, torch.Tenso
     out = {}
     for k, v in state.items():
         ref = like.get(k)
-        if isinstance(ref, DTensor) and not isinstance(v, DTensor):
-            v = DTensor.from_local(v.to(ref.device), ref.device_mesh, ref.placements, run_check=False)
+        if isinstance(ref, DTensor) and not isinstance(v, DTensor):   # global shape given: FSDP's shards may be uneven
+            v = DTensor.from_local(v.to(ref.device), ref.device_mesh, ref.placements, run_check=False,
+                                   shape=ref.shape, stride=ref.stride())
         out[k] = v
     return out

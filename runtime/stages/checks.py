@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from runtime.fsdp import fsdp_refusal
 from runtime.precision import plan_policy, precision_refusal
 from runtime.recompute import recompute_refusal
 from runtime.stages.errors import RuntimeNotSupported
@@ -44,6 +45,9 @@ def check_executable(plan: Any) -> None:
     decoder, :mod:`runtime.stages.layer_split`). The precision policy must be one the runtime runs
     with the plan's optimizer and transformations (:func:`runtime.precision.precision_refusal`), and
     activation recomputation needs the layer split (which GPT-2 also has; :func:`runtime.recompute.recompute_refusal`).
+    Fully sharded data parallelism (``dp_shard > 1``, :mod:`runtime.fsdp`) needs the layer split, Adam
+    or SGD, no data-parallel CoCoNet transformation, no ``16-mixed`` (:func:`runtime.fsdp.fsdp_refusal`)
+    and blocks on one device each.
     """
     why = precision_refusal(plan_policy(plan), optimizer=getattr(plan.parallel, "optimizer", None) or "adam",
                             transforms=plan.parallel.transforms)
@@ -59,6 +63,12 @@ def check_executable(plan: Any) -> None:
     why = recompute_refusal(plan)
     if why:
         raise RuntimeNotSupported(why)
+    dp_shard = int(getattr(plan.parallel, "dp_shard", 1) or 1)
+    if dp_shard > 1:
+        why = fsdp_refusal(precision=plan_policy(plan).name, optimizer=getattr(plan.parallel, "optimizer", None)
+                           or "adam", transforms=plan.parallel.transforms, split=plan.model.split)
+        if why:
+            raise RuntimeNotSupported(why)
     pl = plan.schedule.placement
     S = pl.num_segments
     if S != len(plan.segments):
@@ -76,6 +86,11 @@ def check_executable(plan: Any) -> None:
             raise RuntimeNotSupported(
                 f"block {b.segment}{b.kind} runs on devices {list(b.devices)} and the plan also has tp={tp}: a "
                 "multi-device block is itself tensor-parallel over its devices; plan it with tp=1")
+        if dp_shard > 1:
+            raise RuntimeNotSupported(
+                f"block {b.segment}{b.kind} runs on devices {list(b.devices)} and the plan also has dp_shard="
+                f"{dp_shard}: fully sharded data parallelism runs on blocks of one device each (its mesh and a "
+                "multi-device block's tensor-parallel mesh have different roots); plan it with dp_shard=1")
     for s in range(S):
         if not pl.has("F", s):
             raise RuntimeNotSupported(f"segment {s} has no forward block")

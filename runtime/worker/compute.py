@@ -13,6 +13,7 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.distributed.tensor.parallel import loss_parallel
 
+from runtime.fsdp import before_backward, reduce_gradients
 from runtime.vocab_parallel_loss import VocabParallelCrossEntropy
 from runtime.worker.context import ExecContext
 from runtime.worker.metrics import metric_floats
@@ -144,9 +145,23 @@ def _diff_inputs(ctx: ExecContext, s: int, ins: tuple) -> list:
     return [x for x, meta in zip(ins, ctx.flow.in_metas[s]) if meta.requires_grad]
 
 
+def _fsdp_before(ctx: ExecContext, s: int, j: int, kind: str) -> bool:
+    """An FSDP segment's flags before its backward block ``kind`` of micro-batch ``j``
+    (:func:`runtime.fsdp.before_backward`); returns whether this block reduces its gradients."""
+    local = ctx.local
+    if s not in local.fsdp:
+        return False
+    reduce = (s, j, kind) in local.fsdp_reduce
+    before_backward(local.modules[s], kind, reduce=reduce, reshard_after_forward=local.fsdp_reshard)
+    return reduce
+
+
 def backward(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     """``B``: ``torch.autograd.backward`` from the received (or local) output gradients (the
-    scaled loss on the last segment); keeps the input gradients to send."""
+    scaled loss on the last segment); keeps the input gradients to send. An FSDP segment's block
+    that reduces (:attr:`LocalStages.fsdp_reduce <runtime.worker.context.LocalStages.fsdp_reduce>`)
+    reduce-scatters each unit's gradients in FSDP's hooks while it runs."""
+    _fsdp_before(ctx, s, j, "B")
     tensors, grads = _roots(ctx, s, j, st)
     ins = st.ctx.pop((s, j))[0]
     with loss_context(s in ctx.local.loss_parallel):
@@ -160,6 +175,7 @@ def backward(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
 def backward_input(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     """``I``: input gradients only (``torch.distributed.pipelining``'s ``stage_backward_input``);
     a segment without differentiable inputs leaves the whole backward to its ``W``."""
+    _fsdp_before(ctx, s, j, "I")
     tensors, grads = _roots(ctx, s, j, st)
     xs = _diff_inputs(ctx, s, st.ctx[(s, j)][0])
     if not xs:   # nothing to send (segment 0): W runs the whole backward
@@ -170,7 +186,7 @@ def backward_input(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     # the same root for the backward
     tensors = [t.clone() if t._base is not None else t for t in tensors]
     with loss_context(s in ctx.local.loss_parallel):
-        dinputs, groups = stage_backward_input(tensors, grads, xs, iter(ctx.local.params[s]))
+        dinputs, groups = stage_backward_input(tensors, grads, xs, iter(ctx.local.compute_params(s)))
     st.wstate[(s, j)] = ("groups", groups)
     st.in_grads[(s, j)] = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, dinputs)]
 
@@ -179,7 +195,10 @@ def backward_weight(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
     """``W``: weight gradients (on a segment with recomputation in one pass,
     :func:`runtime.worker.weight_grad.backward_weight`; else torch's ``stage_backward_weight``), or
     the full backward after a no-op ``I``;
-    with AdamA the segment's folded parameters are folded explicitly (no hooks fire here)."""
+    with AdamA the segment's folded parameters are folded explicitly (no hooks fire here); an FSDP
+    segment's reducing ``W`` reduce-scatters the accumulated gradients afterwards
+    (:func:`runtime.fsdp.reduce_gradients`)."""
+    reduce = _fsdp_before(ctx, s, j, "W")
     state = st.wstate.pop((s, j))
     sharded = s in ctx.local.loss_parallel
     if state[0] == "full":
@@ -190,14 +209,16 @@ def backward_weight(ctx: ExecContext, s: int, j: int, st: StepState) -> None:
             if s in ctx.local.recompute:
                 # one autograd pass over every parameter group (runtime.worker.weight_grad): torch's
                 # per-group passes recompute a checkpointed segment once per group
-                backward_weight_pass(iter(ctx.local.params[s]), state[1])
+                backward_weight_pass(iter(ctx.local.compute_params(s)), state[1])
             else:
                 # torch's per-group passes: each runs only its group's nodes. One merged pass also
                 # re-runs the nodes between two groups' intermediates (an MoE layer's all-to-alls).
                 # retain_graph: groups can share graph nodes (T5's position bias feeds every block;
                 # BERT's head); the graph is released when the context is dropped right below.
-                stage_backward_weight(iter(ctx.local.params[s]), state[1], retain_graph=True)
+                stage_backward_weight(iter(ctx.local.compute_params(s)), state[1], retain_graph=True)
         if ctx.opt.adama:   # the weight pass assigns .grad without firing the fold hooks
             ctx.opt.fold(ctx.opt.folded[s])
+    if reduce:
+        reduce_gradients(ctx.local.modules[s])
     st.ctx.pop((s, j), None)
     ctx.meter.free((s, j))

@@ -99,6 +99,18 @@ class LocalStages:
     """Loss segments whose LM head keeps its logits vocab-sharded (the task's loss runs on the shards)."""
     recompute: set[int] = field(default_factory=set)
     """Segments with a checkpointed block (``runtime.recompute`` marks the block's class)."""
+    fsdp: set[int] = field(default_factory=set)
+    """Segments sharded with FSDP2 (``dp_shard > 1``, :mod:`runtime.fsdp`): their modules are FSDP
+    roots and :attr:`params` the sharded ``DTensor`` parameters the optimizer steps."""
+    fsdp_reduce: set[tuple[int, int, str]] = field(default_factory=set)
+    """``(segment, micro-batch, kind)`` of the backward blocks after which FSDP reduces a segment's
+    gradients (:func:`runtime.fsdp.reducing_blocks`)."""
+    fsdp_reshard: bool = True
+    """FSDP2's ``reshard_after_forward`` of the plan (resolved)."""
+    fsdp_shards: tuple[int, int] = (0, 1)
+    """``(this rank's shard index, dp_shard)`` of the FSDP-sharded parameters (dim 0)."""
+    unsharded_bytes: dict[int, int] = field(default_factory=dict)
+    """FSDP: segment -> bytes of its parameters on this rank before FSDP sharded them."""
 
     @classmethod
     def collect(cls, modules: dict[int, nn.Module], *, ep: int = 1, tp_dims: dict[int, dict[str, int]] | None = None,
@@ -115,6 +127,13 @@ class LocalStages:
             ep_layers=expert_parallel_layers(modules), ep=ep, tp_dims=dict(tp_dims or {}),
             shard=dict(shard or {}), loss_parallel=set(loss_parallel or ()),
             recompute={s for s in segments if any(getattr(type(m), "recompute", None) for m in modules[s].modules())})
+
+    def compute_params(self, s: int) -> list[nn.Parameter]:
+        """The parameters segment ``s``'s autograd graph uses: :attr:`params`, or for an FSDP segment
+        the module's currently registered ones (the gathered, unsharded parameters during a step)."""
+        if s in self.fsdp:
+            return list(self.modules[s].parameters())
+        return self.params[s]
 
     def local_params(self) -> list[torch.Tensor]:
         """Every local parameter as this rank holds it (a tensor-parallel ``DTensor``: its local shard)."""

@@ -25,6 +25,15 @@ gradient in that block are final at its end. Each bucket is one ``"allreduce s<s
 event from its post to its completion; ``OPTIM`` waits them all, divides by ``dp`` and writes
 ``.grad``.
 
+Both together (ZeRO-2 with overlap: the stream's ``REDUCESCATTER`` instructions carry ``bucket``):
+the same hooks and buckets, but a bucket reduce-scatters instead of all-reducing: each parameter's
+final gradient goes straight into the ``[dp, columns]`` rows of the bucket holding its last element
+(:class:`~runtime.worker.optimizer.ShardLayout`'s chunks, so a bucket's parameters are a contiguous
+run of the shard's columns), and when the bucket is ready an async ``reduce_scatter_single`` of those
+rows lands in the replica's :attr:`SegmentShard.grad` columns (one ``"reducescatter s<segment> b<k>"``
+event each); the full gradients are released after the block. ``OPTIM`` then updates the shard and
+``ALLGATHER`` follows as without buckets.
+
 Sources: CoCoNet (Jangda et al., "Breaking the Computation and Communication Abstraction Barrier in
 Distributed Machine Learning Workloads", ASPLOS 2022): section 6.1 (the all-reduce and Adam update
 split into a reduce-scatter, a sharded update and an all-gather) and section 4 (overlapping a
@@ -113,6 +122,15 @@ class _Buckets:
     next: int = 0
     posted: set[int] = field(default_factory=set)
     repeated: list[int] = field(default_factory=list)
+    shard: Any = None
+    """ZeRO-2 (reduce-scatter buckets): the segment's :class:`~runtime.worker.optimizer.SegmentShard`;
+    ``None`` for all-reduce buckets."""
+    post_of: list[int] = field(default_factory=list)
+    """ZeRO-2: per parameter, the bucket whose reduce-scatter carries it (the one holding its last element)."""
+    cols: list[tuple[int, int]] = field(default_factory=list)
+    """ZeRO-2: per bucket, the shard columns of the parameters it carries."""
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    """ZeRO-2: per bucket, the ``[dp, columns]`` reduce-scatter input being filled this step."""
 
     def reset(self) -> None:
         """Start of a step: nothing final, nothing posted."""
@@ -121,6 +139,7 @@ class _Buckets:
         self.next = 0
         self.posted = set()
         self.repeated = []
+        self.rows = {}
 
 
 class GradientSync:
@@ -138,6 +157,8 @@ class GradientSync:
             (``overlap-grad-sync``) say which segments are reduced in buckets and after which
             compute instruction (the segment's last backward block, ``B`` or ``W``).
         bucket_bytes: the plan's ``grad_bucket_bytes`` (``None``: the engine's default).
+        local_tied: the tied copies' gradients are summed as this rank's local shards (fully sharded
+            data parallelism: the copies' FSDP shards hold the same elements on every holder).
 
     Raises:
         WorkerError: the stream's buckets of a segment are not the ones its parameters give, or a
@@ -147,8 +168,10 @@ class GradientSync:
     def __init__(self, rank: int, dp: int, dp_group: Any, opt: WorkerOptimizer,
                  dp_params: dict[int, list[torch.nn.Parameter]], tied: list[TiedCopies], device: torch.device,
                  sync: Callable[[], None] | None, timeout: timedelta, *, stream: Sequence[Instruction] = (),
-                 bucket_bytes: int | None = None):
+                 bucket_bytes: int | None = None, local_tied: bool = False):
         self.rank, self.dp, self.dp_group, self.opt = rank, dp, dp_group, opt
+        self.local_tied = local_tied
+        self._rs_out: dict[int, torch.Tensor] = {}
         self.dp_params, self.tied, self.device, self.sync, self.timeout = dp_params, tied, device, sync, timeout
         self.flat_grads: dict[int, torch.Tensor] = {}
         self.buckets: dict[int, _Buckets] = {}
@@ -161,7 +184,7 @@ class GradientSync:
                 n = sum(local_tensor(p).numel() for p in ps)
                 if n:
                     self.flat_grads[s] = torch.zeros(n, dtype=torch.float32, device=device)
-        if dp > 1 and any(ins.op == Op.ALLREDUCE and ins.bucket is not None for ins in stream):
+        if dp > 1 and any(_bucketed(ins) for ins in stream):
             self._build_buckets(stream, bucket_bytes)
             for s in self.buckets:   # a bucketed segment is reduced in its buckets' buffer only
                 self.flat_grads.pop(s, None)
@@ -235,6 +258,8 @@ class GradientSync:
             elif kind == "reducescatter":
                 if not self.opt.adama:
                     self.opt.shards[s].grad.div_(self.dp)
+            elif kind == "rsbucket":   # ZeRO-2: this bucket's columns of the shard's gradient
+                self._rs_out.pop(id(buf)).div_(self.dp)
             else:
                 done[s] = kind
         st.allreduces.clear()
@@ -324,11 +349,13 @@ class GradientSync:
         counts: dict[int, int] = {}
         first: dict[int, int] = {}
         for idx, ins in enumerate(stream):
-            if ins.op == Op.ALLREDUCE and ins.bucket is not None and ins.segment is not None:
+            if _bucketed(ins) and ins.segment is not None:
                 counts[ins.segment] = counts.get(ins.segment, 0) + 1
                 first.setdefault(ins.segment, idx)
         for s, n_buckets in counts.items():
-            params = list(reversed(self.dp_params.get(s, [])))
+            shard = self.opt.shards.get(s) if self.opt.sharded else None
+            own = shard.params if shard is not None else ([] if self.opt.sharded else self.dp_params.get(s, []))
+            params = list(reversed(own))
             nbytes = [local_tensor(p).numel() * p.element_size() for p in params]
             sizes = gradient_buckets(sum(nbytes), bucket_bytes or DEFAULT_GRAD_BUCKET_BYTES)
             if len(sizes) != n_buckets:
@@ -339,8 +366,11 @@ class GradientSync:
             members = [[i for i in range(len(params)) if starts[i] < e1 and e0 < starts[i] + numels[i]]
                        for e0, e1 in bounds]
             of_param = [[k for k, m in enumerate(members) if i in m] for i in range(len(params))]
-            flat = torch.zeros(sum(numels), dtype=torch.float32, device=self.device)
+            # ZeRO-2 holds no flat gradient buffer: each bucket's reduce-scatter rows are filled directly
+            flat = torch.zeros(0 if self.opt.sharded else sum(numels), dtype=torch.float32, device=self.device)
             self.buckets[s] = _Buckets(flat, params, starts, bounds, members, of_param)
+            if shard is not None:
+                self._shard_buckets(self.buckets[s], shard)
             self.buckets[s].reset()
             blocks = [(i, stream[i].block) for i in range(first[s] - 1, -1, -1) if stream[i].op in (Op.B, Op.W)]
             last = next((i for i, blk in blocks if blk is not None and blk.segment == s), None)
@@ -349,6 +379,23 @@ class GradientSync:
             self.arm_at[last] = s
             for i, p in enumerate(params):
                 self.hooks.append(p.register_hook(self._hook(s, i)))
+
+    @staticmethod
+    def _shard_buckets(b: _Buckets, shard: Any) -> None:
+        """ZeRO-2: which bucket's reduce-scatter carries each parameter (the bucket of its last
+        element) and the shard columns each bucket covers; ``b.params`` are ``shard.params`` reversed,
+        so a bucket's parameters are a contiguous run of the shard layout's columns."""
+        n, lay = len(b.params), shard.layout
+        b.shard = shard
+        b.post_of = [max(b.of_param[i], default=0) for i in range(n)]
+        b.cols = []
+        for k in range(len(b.bounds)):
+            fwd = [n - 1 - i for i in range(n) if b.post_of[i] == k]   # forward (layout) indices
+            if fwd:
+                lo, hi = min(fwd), max(fwd)
+                b.cols.append((lay.offsets[lo], lay.offsets[hi] + lay.chunks[hi]))
+            else:
+                b.cols.append((0, 0))
 
     def _hook(self, s: int, i: int) -> Callable[[torch.Tensor], None]:
         """The gradient hook of parameter ``i`` of segment ``s``'s buckets: while that segment's last
@@ -371,14 +418,23 @@ class GradientSync:
         p: Any = b.params[i]
         held: Any = p.grad
         total: Any = held if g is None else (g if held is None else held + g)
-        n = local_tensor(p).numel()
-        slot = b.flat[b.starts[i]:b.starts[i] + n]
-        if total is None:
-            slot.zero_()
+        if total is not None and local_tensor(p) is not p and tuple(total.placements) != tuple(p.placements):
+            total = total.redistribute(p.device_mesh, p.placements)   # DTensor, as local_grad
+        if b.shard is not None:   # ZeRO-2: into the [dp, columns] rows of the bucket that carries it
+            k = b.post_of[i]
+            c0, c1 = b.cols[k]
+            rows = b.rows.get(k)
+            if rows is None:
+                rows = b.rows[k] = torch.zeros(self.dp, c1 - c0, dtype=torch.float32, device=self.device)
+            flat = None if total is None else local_tensor(total).reshape(-1)
+            b.shard.layout.put(rows, len(b.params) - 1 - i, flat, base=-c0)
         else:
-            if local_tensor(p) is not p and tuple(total.placements) != tuple(p.placements):   # DTensor, as local_grad
-                total = total.redistribute(p.device_mesh, p.placements)
-            slot.copy_(local_tensor(total).reshape(-1))
+            n = local_tensor(p).numel()
+            slot = b.flat[b.starts[i]:b.starts[i] + n]
+            if total is None:
+                slot.zero_()
+            else:
+                slot.copy_(local_tensor(total).reshape(-1))
         b.final[i] = True
         for k in b.of_param[i]:
             b.left[k] -= 1
@@ -392,6 +448,9 @@ class GradientSync:
         b = self.buckets[s]
         e0, e1 = b.bounds[k]
         start = st.now()
+        if b.shard is not None:
+            self._post_shard_bucket(s, k, st)
+            return
         ev = Event(self.rank, "collective", "ALLREDUCE", f"allreduce s{s} b{k}", start, -1.0, 0, -1, s)
         st.events.append(ev)
         b.posted.add(k)
@@ -401,6 +460,26 @@ class GradientSync:
         part = b.flat[e0:e1]
         self._post(dist.all_reduce(part, op=dist.ReduceOp.SUM, group=self.dp_group, async_op=True),
                    part, s, ev, st, "bucket")
+
+    def _post_shard_bucket(self, s: int, k: int, st: StepState) -> None:
+        """ZeRO-2: post bucket ``k`` of segment ``s`` as an async SUM ``reduce_scatter_single`` of its
+        ``[dp, columns]`` rows into this replica's columns of :attr:`SegmentShard.grad`, with its own
+        ``"reducescatter s<s> b<k>"`` event (zero-length when the bucket carries no parameter)."""
+        b = self.buckets[s]
+        start = st.now()
+        ev = Event(self.rank, "collective", "REDUCESCATTER", f"reducescatter s{s} b{k}", start, -1.0, 0, -1, s)
+        st.events.append(ev)
+        b.posted.add(k)
+        c0, c1 = b.cols[k]
+        rows = b.rows.pop(k, None)
+        if c1 == c0 or rows is None or self.dp_group is None:
+            ev.end = start
+            return
+        out = b.shard.grad[b.shard.folded_width + c0:b.shard.folded_width + c1]
+        self._rs_out[id(rows)] = out
+        work = dist.reduce_scatter_single(out, rows.view(-1), op=dist.ReduceOp.SUM, group=self.dp_group,
+                                          async_op=True)
+        self._post(work, rows, s, ev, st, "rsbucket")
 
     def begin_step(self) -> None:
         """At the start of a step: no bucket posted, no segment's backward watched; every plain
@@ -434,6 +513,9 @@ class GradientSync:
         for i in range(len(b.params)):
             if not b.final[i]:
                 self._param_final(s, i, None, st)
+        if b.shard is not None:   # ZeRO-2: the full gradients are not kept past their reduce-scatter
+            for p in b.params:
+                p.grad = None
         if b.repeated:
             raise WorkerError(f"'overlap-grad-sync': parameter(s) {sorted(set(b.repeated))} of segment {s} received "
                               "two gradients in its last backward block, after their bucket could have been posted; "
@@ -490,6 +572,8 @@ class GradientSync:
                 for p in self.tied[i].params:
                     if self.opt.sharded:
                         self.opt.grad_chunk(p).copy_(buf)
+                    elif self.local_tied:
+                        set_local_grad(p, buf)
                     else:
                         set_local_grad(p, shard_view(buf, p))
             if self.sync is not None:
@@ -502,8 +586,12 @@ class GradientSync:
     def _tied_sum(self, tc: TiedCopies) -> torch.Tensor:
         """The sum of the local copies' gradients: the full tensor (``tc.buf``, a tensor-parallel copy
         adds its shard into its slice) or, sharded, this replica's chunk (a new tensor)."""
-        if self.opt.sharded:
-            chunks = [self.opt.grad_chunk(p) for p in tc.params]
+        if self.opt.sharded or self.local_tied:
+            if self.opt.sharded:
+                chunks = [self.opt.grad_chunk(p) for p in tc.params]
+            else:   # FSDP: each copy's local shard of its reduce-scattered gradient, the same elements
+                chunks = [g if (g := local_grad(p)) is not None else torch.zeros_like(local_tensor(p))
+                          for p in tc.params]
             total = chunks[0].clone()
             for c in chunks[1:]:
                 total.add_(c)
@@ -514,6 +602,13 @@ class GradientSync:
             if g is not None:
                 shard_view(tc.buf, p).add_(g)
         return tc.buf
+
+
+def _bucketed(ins: Instruction) -> bool:
+    """A gradient bucket's collective (``overlap-grad-sync``): an ``ALLREDUCE``, or with
+    ``sharded-update`` a ``REDUCESCATTER``, carrying ``bucket`` (not an FSDP unit's, ``block`` set)."""
+    return ins.op in (Op.ALLREDUCE, Op.REDUCESCATTER) and ins.bucket is not None and ins.block is None \
+        and ins.segment is not None
 
 
 def _cut(params: Sequence[torch.Tensor], sizes: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -588,6 +683,7 @@ def set_local_grad(p: torch.nn.Parameter, value: torch.Tensor) -> None:
         return
     if local_tensor(p) is p:
         p.grad = value.clone()
-    else:
+    else:   # the global shape given: FSDP's dim-0 shards may be uneven
         d: Any = p
-        p.grad = DTensor.from_local(value.clone(), d.device_mesh, d.placements, run_check=False)
+        p.grad = DTensor.from_local(value.clone(), d.device_mesh, d.placements, run_check=False, shape=d.shape,
+                                    stride=d.stride())

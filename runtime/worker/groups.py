@@ -60,11 +60,16 @@ class ProcessGroups:
     """Multi-device blocks: device set (pipeline ranks) -> 1-D ``DeviceMesh`` over those ranks of this
     rank's pipeline replica, for the sets that include this rank (a segment on several devices runs
     as a tensor-parallel group over them)."""
+    fsdp_mesh: Any = None
+    """Fully sharded data parallelism (``dp_shard > 1``, :mod:`runtime.fsdp`): this pipeline rank's
+    data-parallel ``DeviceMesh``, ``("dp_shard",)`` or, with replicas (HSDP), ``("dp_replicate",
+    "dp_shard")``; a slice of one root mesh with :attr:`tp_mesh` (torchtitan's world mesh)."""
 
 
 def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Sequence[Sequence[tuple[int, str]]],
                  seg_rank: dict[int, int], pair_orders: dict[tuple[int, int], Any] | None, tp: int = 1,
-                 device_type: str = "cpu", seg_devices: dict[int, tuple[int, ...]] | None = None) -> ProcessGroups:
+                 device_type: str = "cpu", seg_devices: dict[int, tuple[int, ...]] | None = None,
+                 dp_shard: int = 1) -> ProcessGroups:
     """Create the worker's groups. Every rank calls ``dist.new_group`` for every group in the same
     order (DP, then EP, then tied, then pairs, then the TP mesh), as torch.distributed requires. The
     pair groups are not connected here: the worker checks its own stream first, then calls
@@ -83,6 +88,8 @@ def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Se
         seg_rank: segment -> pipeline rank running its forward.
         pair_orders: ordered matching: ``(sender, receiver)`` pipeline ranks -> messages (the
             pairs with training traffic); ``None``: tag matching, no pair groups.
+        dp_shard: of ``dp``, the fully sharded degree; above 1 the shard and (HSDP) replicate groups
+            and :attr:`ProcessGroups.fsdp_mesh` are created after the TP groups (:func:`_fsdp_meshes`).
     """
     world = world_layout(tp, dp, pp)
     pp_rank = world.coords(rank)[2]
@@ -117,12 +124,71 @@ def build_groups(*, rank: int, pp: int, dp: int, expert_parallel: bool, tied: Se
             g = dist.new_group(ranks)
             if rank in pipe and pp_rank in dset:
                 out.block_meshes[dset] = DeviceMesh.from_group(g, device_type, mesh=ranks, mesh_dim_names=("tp",))
+    tp_group = None
     if tp > 1:   # a 1-D mesh over our own group (init_device_mesh would cache meshes across worlds)
         for ranks in world.groups("tensor"):
             g = dist.new_group(ranks)
             if rank in ranks:
+                tp_group = g
                 out.tp_mesh = DeviceMesh.from_group(g, device_type, mesh=ranks, mesh_dim_names=("tp",))
+    if dp_shard > 1:
+        out.fsdp_mesh, tp_slice = _fsdp_meshes(rank, pp=pp, dp=dp, tp=tp, dp_shard=dp_shard, dp_group=out.dp,
+                                               tp_group=tp_group, device_type=device_type)
+        if tp_slice is not None:   # FSDP composes with a tensor-parallel mesh of the same root only
+            out.tp_mesh = tp_slice
     return out
+
+
+def _fsdp_meshes(rank: int, *, pp: int, dp: int, tp: int, dp_shard: int, dp_group: Any, tp_group: Any,
+                 device_type: str) -> tuple[Any, Any]:
+    """Fully sharded data parallelism's meshes for ``rank`` (``(data-parallel mesh, tensor-parallel mesh
+    or None)``): the data-parallel ranks ``d`` of a pipeline rank form a ``(dp_replicate, dp_shard)``
+    grid, ``dp_shard`` fastest (``d = replica * dp_shard + shard``, torchtitan's mesh dims
+    ``("dp_replicate", "dp_shard")``); one root ``DeviceMesh`` ``(dp_replicate, dp_shard, tp)`` (the
+    dims of size 1 left out) over this pipeline rank's ranks is made from the groups (every rank
+    creates every shard group, then every replicate group, in ascending order), and its data-parallel
+    and ``"tp"`` slices are returned, so FSDP2 can concatenate them (``DeviceMesh._concatenate``
+    needs one root)."""
+    rep = dp // dp_shard
+    pp_rank, t_rank = rank % pp, (rank // pp) % tp
+    d_rank = rank // pp // tp
+
+    def world(d: int, t: int, p: int) -> int:
+        return (d * tp + t) * pp + p
+
+    shard_group = dp_group
+    if rep > 1:
+        for p in range(pp):
+            for t in range(tp):
+                for a in range(rep):
+                    ranks = [world(a * dp_shard + b, t, p) for b in range(dp_shard)]
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        shard_group = g
+    rep_group = None
+    if rep > 1:
+        for p in range(pp):
+            for t in range(tp):
+                for b in range(dp_shard):
+                    ranks = [world(a * dp_shard + b, t, p) for a in range(rep)]
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        rep_group = g
+    names: list[str] = []
+    groups: list[Any] = []
+    shape: list[int] = []
+    if rep > 1:
+        names, groups, shape = ["dp_replicate"], [rep_group], [rep]
+    names, groups, shape = names + ["dp_shard"], groups + [shard_group], shape + [dp_shard]
+    if tp > 1:
+        names, groups, shape = names + ["tp"], groups + [tp_group], shape + [tp]
+    mesh = torch.tensor([world(d, t, pp_rank) for d in range(dp) for t in range(tp)]).view(*shape)
+    assert d_rank < dp and world(d_rank, t_rank, pp_rank) == rank
+    root = DeviceMesh.from_group(groups[0] if len(groups) == 1 else groups, device_type,
+                                 mesh=mesh if len(groups) > 1 else mesh.tolist(), mesh_dim_names=tuple(names))
+    dp_names = tuple(n for n in names if n != "tp")
+    dp_mesh = root if len(dp_names) == len(names) else root[dp_names if len(dp_names) > 1 else dp_names[0]]
+    return dp_mesh, root["tp"] if tp > 1 else None
 
 
 def world_layout(tp: int, dp: int, pp: int) -> RankLayout:

@@ -101,6 +101,8 @@ def _allreduce(ctx: ExecContext, ins: Instruction, st: StepState) -> None:
     if ins.segment is None:   # the tied-weight all-reduce across pipeline ranks (wte / lm_head)
         ctx.grad_sync.finish(st)   # DP averages first: they write the tied copies' .grad
         ctx.grad_sync.tied_allreduce(st, tuple(ins.ranks))
+    elif ins.block is not None:   # HSDP's all-reduce of a unit's gradient shard: ran inside FSDP's hooks
+        return
     elif ins.bucket is not None:
         ctx.grad_sync.bucket_posted(ins.segment, ins.bucket, st)
     else:
@@ -108,8 +110,16 @@ def _allreduce(ctx: ExecContext, ins: Instruction, st: StepState) -> None:
 
 
 def _reducescatter(ctx: ExecContext, ins: Instruction, st: StepState) -> None:
-    """``REDUCESCATTER`` (``sharded-update``): post a segment's gradient reduce-scatter to the replicas' shards."""
+    """``REDUCESCATTER``: ``sharded-update``'s reduce-scatter of a segment's gradients to the replicas'
+    shards; with ``bucket`` (``sharded-update`` with ``overlap-grad-sync``, ZeRO-2) one bucket's, which
+    the segment's last backward posted (checked); with ``block`` (fully sharded data parallelism) a
+    marker: FSDP2's hooks reduce-scatter each unit's gradients inside the backward."""
+    if ins.block is not None:
+        return
     assert ins.segment is not None
+    if ins.bucket is not None:
+        ctx.grad_sync.bucket_posted(ins.segment, ins.bucket, st)
+        return
     ctx.grad_sync.post_reduce_scatter(ins.segment, st)
 
 
@@ -125,6 +135,12 @@ def _allgather(ctx: ExecContext, ins: Instruction, st: StepState) -> None:
 
 def _alltoall(ctx: ExecContext, ins: Instruction, st: StepState) -> None:
     """``ALLTOALL``: a marker; the all-to-all ran inside its block's compute, which recorded it."""
+
+
+def _fsdp_marker(ctx: ExecContext, ins: Instruction, st: StepState) -> None:
+    """``UNSHARD`` / ``RESHARD`` (fully sharded data parallelism): markers; FSDP2's pre-forward,
+    pre-backward and post-backward hooks all-gather and free each unit's parameters inside the
+    blocks' compute (:mod:`runtime.fsdp`)."""
 
 
 def _optim(ctx: ExecContext, ins: Instruction, st: StepState) -> None:
@@ -153,6 +169,7 @@ HANDLERS: dict[str, Handler] = {
     Op.F: _compute, Op.B: _compute, Op.I: _compute, Op.W: _compute,
     Op.SEND: _send, Op.RECV: _recv, Op.ALLREDUCE: _allreduce, Op.ALLTOALL: _alltoall, Op.OPTIM: _optim,
     Op.REDUCESCATTER: _reducescatter, Op.ALLGATHER: _allgather,
+    Op.UNSHARD: _fsdp_marker, Op.RESHARD: _fsdp_marker,
 }
 
 

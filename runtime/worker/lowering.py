@@ -44,8 +44,10 @@ def local_stream(plan: Any, *, local: LocalStages, coords: RankCoords, tied: Seq
         optimizer_name: the worker's optimizer (``adama`` lowers AdamA's state all-reduce).
         tokens: tokens of one micro-batch (``micro_batch_size x seq_len``), for the all-to-all bytes.
     """
-    seg_bytes = {s: _local_bytes(local.params[s]) for s in local.segments}
-    ar_bytes = {s: _local_bytes(local.dp_params[s]) for s in local.segments}
+    # an FSDP segment counts its parameters as they were before FSDP sharded them (the engine's
+    # lowering divides by dp_shard itself), as a tensor-parallel one counts its local shards
+    seg_bytes = {s: local.unsharded_bytes.get(s, _local_bytes(local.params[s])) for s in local.segments}
+    ar_bytes = {s: local.unsharded_bytes.get(s, _local_bytes(local.dp_params[s])) for s in local.segments}
     alltoalls = {s: moe_segment_collectives(find_moe_layers(local.modules[s], tokens), local.ep, "F")
                  for s in local.segments if local.moe_layers[s]} if local.ep > 1 else {}
     groups = [TiedGroup(tuple(sorted((int(s), str(n)) for s, n in group)), int(nb))

@@ -31,11 +31,12 @@ __all__ = ["SegmentShard", "ShardLayout", "WorkerOptimizer", "adam", "fused_adam
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def fused_adam(tp: int) -> bool:
-    """Whether a plan's Adam is fused: with tensor parallelism ``tp == 1`` (every parameter a plain
-    tensor), so :class:`WorkerOptimizer` and the single-process reference
-    (:func:`runtime.reference.reference_run`) update with the same arithmetic."""
-    return int(tp) == 1
+def fused_adam(tp: int, dp_shard: int = 1) -> bool:
+    """Whether a plan's Adam is fused: without tensor parallelism and fully sharded data parallelism
+    (``tp == 1`` and ``dp_shard == 1``: every parameter a plain tensor, not a ``DTensor``), so
+    :class:`WorkerOptimizer` and the single-process reference (:func:`runtime.reference.reference_run`)
+    update with the same arithmetic."""
+    return int(tp) == 1 and int(dp_shard) == 1
 
 
 def adam(params: Sequence[torch.nn.Parameter], lr: float, *, fused: bool = True) -> torch.optim.Adam:
@@ -506,9 +507,10 @@ class WorkerOptimizer:
             for p, state in self.optimizer.state.items():
                 if local_tensor(p) is p:
                     continue
-                for k, v in state.items():
+                for k, v in state.items():   # the global shape given: FSDP's dim-0 shards may be uneven
                     if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local_tensor(p).shape:
-                        state[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False)
+                        state[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                                      shape=p.shape, stride=p.stride())
 
     def remove_hooks(self) -> None:
         """Remove the AdamA folding hooks (idempotent)."""

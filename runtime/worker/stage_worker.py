@@ -18,10 +18,11 @@ from engine.dependency import COMPUTE_OPS, Instruction, Op, lower
 from engine.io.plan import Plan
 from engine.models import task_for_plan
 from runtime.expert_parallel import ExpertParallelMoE
+from runtime.fsdp import apply_fsdp, fsdp_refusal, reducing_blocks, reshard_all
 from runtime.host_memory import MMAP_THRESHOLD, fix_mmap_threshold, trim_heap
 from runtime.precision import LossScaler, plan_policy, precision_refusal
 from runtime.stages import RuntimeNotSupported, build_stages, check_executable, check_transforms, retarget_device
-from runtime.tensor_parallel import apply_tensor_parallel, coconet_tp_refusal, has_lm_head
+from runtime.tensor_parallel import apply_tensor_parallel, coconet_tp_refusal, has_lm_head, local_tensor
 from runtime.worker.batches import MicroBatch, split_batch
 from runtime.worker.buffers import ReceiveBuffers
 from runtime.worker.config import OPTIMIZERS, WorkerConfig
@@ -267,6 +268,12 @@ class StageWorker:
                               "use optimizer 'adam' or 'sgd', or tp = 1")
         self.optimizer_name = name
         check_transforms(plan.parallel.transforms)
+        self.dp_shard = int(getattr(plan.parallel, "dp_shard", 1) or 1)
+        if self.dp_shard > 1:   # FSDP2 (runtime.fsdp): check_executable refused the plan-level cases
+            why = fsdp_refusal(precision=plan_policy(plan).name, optimizer=name, transforms=plan.parallel.transforms,
+                               split=plan.model.split)
+            if why:
+                raise RuntimeNotSupported(why)
         why = precision_refusal(plan_policy(plan), device_type=self.device.type, optimizer=name,
                                 transforms=plan.parallel.transforms)
         if why:
@@ -347,7 +354,7 @@ class StageWorker:
             rank=self.rank, pp=self.pp, dp=self.dp, expert_parallel=expert_parallel, tied=self.tied,
             seg_rank={s: d[0] for s, d in flow.seg_devices.items()},
             pair_orders=self._pair_orders if self.p2p_mode == "ordered" else None, tp=self.tp,
-            device_type=self.device.type, seg_devices=flow.seg_devices)
+            device_type=self.device.type, seg_devices=flow.seg_devices, dp_shard=self.dp_shard)
         # tensor parallelism: shard each local stage over this rank's TP group, or a multi-device
         # segment over the mesh of its device set (DTensor)
         tp_dims: dict[int, dict[str, int]] = {}
@@ -373,8 +380,34 @@ class StageWorker:
             for module in modules.values():
                 module_to(module, self.device)
                 retarget_device(module, self.device)   # traced factory calls say device=cpu
-        return LocalStages.collect(modules, ep=self.dp if expert_parallel else 1, tp_dims=tp_dims, shard=shard,
-                                   loss_parallel=loss_parallel)
+        unsharded = self._fully_shard(modules, model_has_moe)
+        local = LocalStages.collect(modules, ep=self.dp if expert_parallel else 1, tp_dims=tp_dims, shard=shard,
+                                    loss_parallel=loss_parallel)
+        if unsharded:
+            local.fsdp = set(unsharded)
+            local.unsharded_bytes = unsharded
+            local.fsdp_reshard = self.plan.parallel.resharded_after_forward
+            local.fsdp_shards = (self.dp_index % self.dp_shard, self.dp_shard)
+        return local
+
+    def _fully_shard(self, modules: dict[int, nn.Module], model_has_moe: bool) -> dict[int, int]:
+        """Fully sharded data parallelism (``dp_shard > 1``): each local stage sharded with FSDP2 over
+        the data-parallel mesh (:func:`runtime.fsdp.apply_fsdp`; after tensor parallelism and the move
+        to the device, as torchtitan orders them). Returns segment -> the bytes of its parameters on
+        this rank before the sharding (what the rank's lowering counts, as for tensor parallelism's
+        local shards); ``{}`` without FSDP. Raises :class:`RuntimeNotSupported` for MoE models."""
+        if self.dp_shard <= 1:
+            return {}
+        why = fsdp_refusal(precision=plan_policy(self.plan).name, optimizer=str(self.optimizer_name),
+                           transforms=self.plan.parallel.transforms, split=self.plan.model.split, moe=model_has_moe)
+        if why:
+            raise RuntimeNotSupported(why)
+        out = {}
+        for s, module in modules.items():
+            out[s] = sum(local_tensor(p).numel() * p.element_size() for p in module.parameters())
+            apply_fsdp(module, self.groups.fsdp_mesh, policy=plan_policy(self.plan),
+                       reshard_after_forward=self.plan.parallel.resharded_after_forward)
+        return out
 
     def _peer_streams(self, plan: Any) -> list[list[Instruction]]:
         """Every pipeline rank's stream as far as point-to-point goes: the order in which each rank
@@ -395,6 +428,8 @@ class StageWorker:
         self.stream: list[Instruction] = local_stream(plan, local=self.local, coords=self.coords, tied=self.tied,
                                                       tied_bytes=tied_bytes, optimizer_name=self.optimizer_name,
                                                       tokens=self.mbs * self.seq_len)
+        if self.local.fsdp:   # the backward blocks after which FSDP reduces each segment's gradients
+            self.local.fsdp_reduce = reducing_blocks(self.stream, self.local.fsdp)
         for ins in self.stream:
             if ins.op in COMPUTE_OPS and (ins.block is None or ins.block.segment not in self.local.modules):
                 seg = ins.block.segment if ins.block is not None else None
@@ -449,13 +484,15 @@ class StageWorker:
         tied_ids = {id(p) for tc in tied_local for p in tc.params}
         self.opt = WorkerOptimizer(self.optimizer_name, float(self.config.lr), self.local.params, tied_ids, self.dp,
                                    self.device, sharded="sharded-update" in par.transforms, shard_index=self.dp_index,
-                                   fused=fused_adam(self.tp))
+                                   fused=fused_adam(self.tp, self.dp_shard))
         if plan_policy(self.plan).loss_scaling:   # 16-mixed: one loss scale, its skips agreed by every rank
             group = dist.new_group(list(range(self.world_size)), timeout=self.timeout)
             self.opt.scaler = LossScaler(self.device.type, group, init_scale=float(self.config.init_loss_scale))
-        self.grad_sync = GradientSync(self.rank, self.dp, self.groups.dp, self.opt, self.local.dp_params, tied_local,
+        # FSDP reduces its segments' gradients itself: the data-parallel all-reduce leaves them out
+        dp_params = {s: [] if s in self.local.fsdp else ps for s, ps in self.local.dp_params.items()}
+        self.grad_sync = GradientSync(self.rank, self.dp, self.groups.dp, self.opt, dp_params, tied_local,
                                       self.device, self._sync, self.timeout, stream=self.stream,
-                                      bucket_bytes=par.grad_bucket_bytes)
+                                      bucket_bytes=par.grad_bucket_bytes, local_tied=bool(self.local.fsdp))
 
     def receive_buffers(self) -> dict[str, torch.Tensor]:
         """The pre-allocated receive buffers by name (``"act b1 mb0 t0"``, ``"grad b1 mb0 t0"``);
@@ -477,7 +514,8 @@ class StageWorker:
         """What :meth:`state_dict` saves and :meth:`load_state_dict` restores."""
         return CheckpointSource(rank=self.rank, pp_rank=self.pp_rank, dp_index=self.dp_index,
                                 segments=self.local.segments, modules=self.local.modules, opt=self.opt,
-                                aliases=self.aliases, tp_dims=self.local.tp_dims, seg_shard=self.local.shard)
+                                aliases=self.aliases, tp_dims=self.local.tp_dims, seg_shard=self.local.shard,
+                                fsdp=self.local.fsdp, fsdp_shards=self.local.fsdp_shards)
 
     # ------------------------------------------------------------------ step, evaluate, checkpoints
     def step(self, step: int, batch: Any) -> dict:
@@ -542,6 +580,8 @@ class StageWorker:
             self.config.on_compute_start(None)
         total = evaluate_loss(model_inputs, targets, coords=self.coords, flow=self.flow, local=self.local,
                               transport=self.transport, loss=self.task.loss)
+        for s in self.local.fsdp:   # FSDP: the sharded parameters registered again (checkpoints read them)
+            reshard_all(self.local.modules[s])
         if self.config.on_sync_start is not None:
             self.config.on_sync_start(None)
         if not self.ctx.has_loss:

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from runtime.expert_parallel_hf import HFExpertParallel
 from runtime.tensor_parallel import from_local_state, local_tensor
@@ -40,6 +41,10 @@ class CheckpointSource:
     """Segment -> ``{state_dict key: sharded dim}`` of its tensor-parallel parameters."""
     seg_shard: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Segment -> ``(shard index, shards)`` of its tensor-parallel parameters."""
+    fsdp: set[int] = field(default_factory=set)
+    """The segments sharded with FSDP2 (:mod:`runtime.fsdp`)."""
+    fsdp_shards: tuple[int, int] = (0, 1)
+    """``(shard index, dp_shard)`` of the FSDP-sharded parameters (dim 0 of each tensor-parallel shard)."""
 
 
 def expert_slices(module: torch.nn.Module) -> dict[str, list[int]]:
@@ -70,6 +75,9 @@ def worker_state(w: CheckpointSource, *, compact: bool = False) -> dict:
     ``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``_growth_tracker``,
     ``skipped``), ``None`` otherwise; :func:`load_worker_state` restores it, so a resumed run
     continues with the same scale.
+    ``fsdp_shards`` ``{param name: [0, shard index, dp_shard]}`` names the entries of FSDP-sharded
+    segments that hold only this rank's dim-0 shard (``torch.chunk`` of the tensor-parallel shard,
+    FSDP2's layout; no collective).
     ``compact``: the optimizer state as :meth:`WorkerOptimizer.state_dict
     <runtime.worker.optimizer.WorkerOptimizer.state_dict>` compacts it (on CUDA)."""
     segs = {s: {k: cpu_copy(local_tensor(v)) for k, v in w.modules[s].state_dict().items()} for s in w.segments}
@@ -77,9 +85,13 @@ def worker_state(w: CheckpointSource, *, compact: bool = False) -> dict:
     slices = {k: v for s in w.segments for k, v in expert_slices(w.modules[s]).items()}
     tp_dims = getattr(w, "tp_dims", {})   # absent on stand-ins built without tensor parallelism (test stubs)
     shards = {k: [dim, *w.seg_shard[s]] for s in w.segments for k, dim in tp_dims.get(s, {}).items()}
+    fsdp: set[int] = getattr(w, "fsdp", set())   # absent on stand-ins (test stubs)
+    fsdp_shards = {k: [0, *w.fsdp_shards] for s in w.segments if s in fsdp
+                   for k, v in w.modules[s].state_dict(keep_vars=True).items() if isinstance(v, DTensor)}
     scaler = getattr(w.opt, "scaler", None)   # 16-mixed: the loss scale and its growth tracker
     return {"rank": w.rank, "pp_rank": w.pp_rank, "dp_index": w.dp_index, "segments": segs, "optimizer": opt,
-            "expert_slices": slices, "tp_shards": shards, "aliases": [list(g) for g in w.aliases],
+            "expert_slices": slices, "tp_shards": shards, "fsdp_shards": fsdp_shards,
+            "aliases": [list(g) for g in w.aliases],
             "loss_scaler": scaler.state_dict() if scaler is not None else None}
 
 
@@ -115,32 +127,52 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
         experts ``[E/dp, ...]`` per replica) are concatenated along dim 0 in expert order into the
         full ``[E, ...]`` tensor. Tensor-parallel entries (a state's ``tp_shards``: ``[dim, tp_rank,
         tp]``) are concatenated along ``dim`` in tensor-rank order (DTensor's ``Shard(dim)`` layout,
-        even shards). A parameter the unsplit model shares under several names (a
-        state's ``aliases``: T5's ``shared.weight`` and its embeddings, BERT's head bias) appears
-        under every one of them, so ``model.load_state_dict(state)`` (strict) loads it into the
-        plan's model.
+        even shards). Fully sharded entries (``fsdp_shards``: ``[0, shard index, dp_shard]``) are first
+        concatenated along dim 0 in shard order, per tensor rank (FSDP2 shards each tensor-parallel
+        shard; replicas of HSDP hold the same shards, the lowest rank's are taken). A parameter the
+        unsplit model shares under several names (a state's ``aliases``: T5's ``shared.weight`` and
+        its embeddings, BERT's head bias) appears under every one of them, so
+        ``model.load_state_dict(state)`` (strict) loads it into the plan's model.
 
     Raises:
         WorkerError: the states miss some rows of an expert-sliced entry (not every replica given)
-            or hold overlapping slices of it, or miss a tensor rank's shard of a tensor-parallel entry.
+            or hold overlapping slices of it, or miss a tensor rank's shard of a tensor-parallel entry
+            or a shard of a fully sharded one.
     """
     out: dict[str, torch.Tensor] = {}
     pieces: dict[str, dict[int, tuple[int, int, torch.Tensor]]] = {}
     alias_groups: list[list[str]] = []
     shards: dict[str, tuple[int, int, dict[int, torch.Tensor]]] = {}
+    fsdp: dict[str, tuple[int, dict[tuple[int, int], torch.Tensor]]] = {}
     for sd in sorted(states, key=lambda d: int(d.get("rank", 0))):
         alias_groups += [list(g) for g in sd.get("aliases") or [] if list(g) not in alias_groups]
         sliced = sd.get("expert_slices") or {}
         tp_sharded = sd.get("tp_shards") or {}
+        fully = sd.get("fsdp_shards") or {}
         for _seg, entries in sorted(sd["segments"].items(), key=lambda kv: int(kv[0])):
             for k, v in entries.items():
                 out.setdefault(k, v)
+                if k in fully:
+                    _, i, count = (int(x) for x in fully[k])
+                    t = int(tp_sharded[k][1]) if k in tp_sharded else 0
+                    fsdp.setdefault(k, (count, {}))[1].setdefault((t, i), v)
                 if k in sliced:
                     lo, hi, e = (int(x) for x in sliced[k])
                     pieces.setdefault(k, {}).setdefault(lo, (hi, e, v))
                 if k in tp_sharded:
                     dim, t, tp = (int(x) for x in tp_sharded[k])
                     shards.setdefault(k, (dim, tp, {}))[2].setdefault(t, v)
+    for k, (count, pieces_of) in fsdp.items():   # FSDP's dim-0 shards first: each tensor rank's local tensor
+        for t in sorted({t for t, _ in pieces_of}):
+            if any((t, i) not in pieces_of for i in range(count)):
+                raise WorkerError(f"cannot merge {k}: the states hold fully sharded pieces "
+                                  f"{sorted(i for tt, i in pieces_of if tt == t)} of {count}; pass the states of "
+                                  "every rank of the shard group")
+            whole = torch.cat([pieces_of[(t, i)] for i in range(count)], dim=0)
+            if k in shards:
+                shards[k][2][t] = whole
+            else:
+                out[k] = whole
     for k, (dim, tp, by_rank) in shards.items():
         if sorted(by_rank) != list(range(tp)):
             raise WorkerError(f"cannot merge {k}: the states hold tensor-parallel shards {sorted(by_rank)} of "

@@ -45,7 +45,7 @@ def cached_build_stages(plan, *, seed: int = 0):
     from engine.models.moe.layer import MoEFeedForward
     from runtime import stages
 
-    if plan.parallel.tp > 1:   # tensor parallelism shards the stages in place: build them afresh
+    if plan.parallel.tp > 1 or getattr(plan.parallel, "dp_shard", 1) > 1:   # TP / FSDP shard the stages in place
         return stages.build_stages(plan, seed=seed)
     key = (plan.model.name, plan.model.micro_batch_size, plan.model.seq_len, seed,
            tuple(tuple(s["layers"]) for s in plan.segments), plan.parallel.tp, plan.model.split)
