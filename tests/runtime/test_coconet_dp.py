@@ -18,6 +18,8 @@ tied group across the two pipeline ranks), 3 steps on real processes over gloo
   the padding of each parameter to a multiple of ``dp``);
 - the measured timeline of ``overlap-grad-sync`` has bucket all-reduces that start while the
   rank's last backward block runs;
+- both together (ZeRO-2 with overlap): bucketed reduce-scatters during the last backward, the
+  sharded update's numbers bit for bit;
 - a sharded-update checkpoint resumes exactly (Adam and AdamA);
 - tensor parallelism: dp x tp = 2 x 2 with each transformation against the reference.
 
@@ -187,15 +189,31 @@ def test_overlap_grad_sync_trains_like_one_process_and_overlaps_the_last_backwar
                 f"{label} rank {r}: no bucket all-reduce starts before {last['name']} ends"
 
 
-def test_both_transformations_together_are_refused_in_one_sentence():
-    """The sharded update reduce-scatters each segment once after its last backward (no bucketed
-    reduce-scatter, ZeRO-2 style, yet): asking for both is refused, naming the two."""
-    from engine.errors import CoCoNetError
-    from engine.plan import make_plan
-
-    with pytest.raises(CoCoNetError, match="'overlap-grad-sync' .* 'sharded-update'"):
-        make_plan("tessel-gpt", devices=4, dp=2, micro_batches=M, schedule="zb-h1", device_type="cpu",
-                  micro_batch_size=MBS, seq_len=SEQ, transforms=("sharded-update", "overlap-grad-sync"))
+@pytest.mark.parametrize("model,schedule", [("llama-tiny", "1f1b"), ("tessel-gpt", "zb-h1")])
+def test_zero2_with_overlap_trains_like_one_process_reduce_scattering_during_the_last_backward(pool, model,
+                                                                                             schedule):
+    """``sharded-update`` with ``overlap-grad-sync`` (ZeRO-2 with overlap): each gradient bucket is
+    reduce-scattered to the replicas' shards as soon as it is final during the segment's last backward
+    (``REDUCESCATTER`` with ``bucket``), each replica updates its chunks with Adam states for them only,
+    then all-gathers the parameters: the single process's losses and parameters, and bit for bit the
+    plain sharded update's (the same sums on the same chunks)."""
+    plan, batches, out = _train(pool, model, schedule, ("sharded-update", "overlap-grad-sync"))
+    label = f"{model} {schedule} ZeRO-2 with overlap"
+    _assert_like_reference(out, _reference(plan, batches, model, "adam"), label)
+    _, _, plain = _train(pool, model, schedule, ("sharded-update",))
+    _assert_same_run(out, plain, label)
+    for r, p in out.items():
+        n_buckets = sum(1 for s in p["stream"] if s.startswith("REDUCESCATTER"))   # one per bucket
+        assert n_buckets >= 3 and not any(s.startswith("ALLREDUCE grads") for s in p["stream"]), p["stream"]
+        assert p["stream"][-1].startswith("ALLGATHER")
+        for events in p["events"]:
+            buckets = [e for e in events if re.fullmatch(r"reducescatter s\d+ b\d+", e["name"])]
+            assert len(buckets) == n_buckets
+            last = max((e for e in events if e["op"] in ("B", "W")), key=lambda e: e["end"])
+            assert min(e["start"] for e in buckets if e["end"] > e["start"]) < last["end"], \
+                f"{label} rank {r}: no bucket reduce-scatter starts before {last['name']} ends"
+        sharded, full = p["state_bytes"][-1], plain[r]["state_bytes"][-1]
+        assert sharded == full, f"{label} rank {r}: Adam states {sharded} B, the plain sharded update's {full} B"
 
 
 @pytest.mark.parametrize("model,schedule", [("tessel-gpt", "1f1b"), ("llama-tiny", "zb-h1")])
