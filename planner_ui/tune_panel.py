@@ -441,7 +441,8 @@ class TunePanel(pn.viewable.Viewer):
         res = self.result
         c = res.rows[index].candidate
         kw = self._result_kwargs
-        return make_plan(self._result_model, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches,
+        return make_plan(self._result_model, devices=c.gpus, dp=c.dp, tp=c.tp, dp_shard=c.dp_shard,
+                         micro_batches=c.micro_batches,
                          micro_batch_size=c.micro_batch_size, schedule=c.schedule, virtual_stages=c.virtual_stages,
                          recompute=c.recompute, transforms=list(c.transforms), optimizer=c.optimizer,
                          seq_len=kw["seq_len"], device_type=kw["device_type"], precision=kw["precision"],

@@ -22,13 +22,15 @@ TABLE_HEADERS = ("#", "tp", "pp", "dp", "v", "mbs x m", "schedule", "recompute",
 
 
 def table_row(rank: int, r: TuneRow) -> list[str]:
-    """The table cells of row ``r`` (times in ms, memory in GiB, MFU and bubble in percent)."""
+    """The table cells of row ``r`` (times in ms, memory in GiB, MFU and bubble in percent; the
+    ``dp`` cell names fully sharded data parallelism: ``8 fsdp8``, ``8 hsdp2x4``)."""
     c = r.candidate
 
     def num(x: float | None, fmt: str, unit: str = "") -> str:
         return "-" if x is None or not math.isfinite(x) else format(x, fmt) + unit
 
-    return [str(rank), str(c.tp), str(c.pp), str(c.dp), str(c.virtual_stages),
+    dp = f"{c.dp} {c.sharding()}" if c.dp_shard > 1 else str(c.dp)
+    return [str(rank), str(c.tp), str(c.pp), dp, str(c.virtual_stages),
             f"{c.micro_batch_size} x {c.micro_batches}", c.schedule, c.recompute, ",".join(c.transforms) or "-",
             num(None if r.step_time is None else r.step_time * 1e3, ".4g"), num(r.tokens_per_second, ",.0f"),
             num(None if r.mfu is None else r.mfu * 100, ".1f", "%"),
@@ -74,8 +76,9 @@ def why_runner_up_loses(result: TuneResult) -> str:
 def nothing_fits_advice(result: TuneResult) -> str:
     """One sentence for a search where nothing fits: the limit, the closest candidate, and the
     smallest change that would fit: recomputation or a smaller micro-batch where the space left
-    them out, the sharded update, else more GPUs (the parameters' state shrinks as ``1 / (tp pp)``,
-    so the GPUs needed scale with the closest candidate's excess)."""
+    them out, fully sharded data parallelism, the sharded update, else more GPUs (the parameters'
+    state shrinks as ``1 / (tp pp)``, so the GPUs needed scale with the closest candidate's
+    excess)."""
     limit = result.memory_limit
     if result.rows and all(r.status == "not visited" for r in result.rows):
         return (f"the time limit ended the search before any of the {len(result.rows)} configurations was planned; "
@@ -100,6 +103,8 @@ def nothing_fits_advice(result: TuneResult) -> str:
         fix = "allow full recomputation (--recompute none,selective,full)"
     elif min(space.micro_batch_sizes) > 1:
         fix = "allow a micro-batch size of 1 (--micro-batch-sizes 1,...)"
+    elif not space.fully_sharded and space.gpus > 1:
+        fix = "allow fully sharded data parallelism (drop --no-fully-sharded)"
     elif not space.sharded_update and space.gpus > 1:
         fix = "allow the sharded update (drop --no-sharded-update)"
     else:

@@ -5,10 +5,13 @@ A candidate fixes every knob of a training plan for ``gpus`` devices and a globa
 ``global_batch`` sequences: tensor-, pipeline- and data-parallel degrees (``tp * pp * dp =
 gpus``), virtual stages, micro-batch size and count (``micro_batch_size * micro_batches * dp =
 global_batch``), the predefined schedule, activation recomputation, CoCoNet's sharded update,
-sequence parallelism (``tp-split``) and overlapped gradient sync, and the optimizer (Adam or
-AdamA). The degrees follow Megatron-LM's rules (Narayanan et al., SC'21, section 3.3: tensor
-parallelism inside a node, pipeline across nodes, data parallelism for the rest); the tensor
-degree also divides the model's attention heads.
+sequence parallelism (``tp-split``) and overlapped gradient sync, the optimizer (Adam or
+AdamA), and how the data-parallel ranks hold the model: replicated, fully sharded (FSDP2's
+``fully_shard``, ZeRO-3: ``dp_shard = dp``) or hybrid (HSDP: sharded inside a node, replicated
+across nodes; torchtitan's ``data_parallel_shard_degree`` and ``data_parallel_replicate_degree``).
+The degrees follow Megatron-LM's rules (Narayanan et al., SC'21, section 3.3: tensor parallelism
+inside a node, pipeline across nodes, data parallelism for the rest); the tensor degree also
+divides the model's attention heads.
 """
 
 from __future__ import annotations
@@ -51,6 +54,14 @@ class TuneSpace:
         sequence_parallel: whether to try ``tp-split`` (Megatron sequence parallelism) where ``tp > 1``.
         overlap_grad_sync: whether to try overlapped gradient all-reduce where ``dp > 1``.
         optimizers: ``adam`` and/or ``adama``.
+        fully_sharded: whether to try fully sharded data parallelism where ``dp > 1``
+            (:attr:`engine.config.ParallelConfig.dp_shard`): FSDP over every data-parallel rank
+            (``dp_shard = dp``) and, where ``gpus_per_node // tp`` divides ``dp`` and lies strictly
+            between 1 and ``dp``, HSDP with ``dp_shard = gpus_per_node // tp`` (each shard group
+            fills a node, its replicas across nodes: the all-gathers stay on the node's links).
+            Only with the Adam optimizer and without ``sharded-update`` and
+            ``overlap-grad-sync`` (FSDP already shards the optimizer states and reduce-scatters
+            each block's gradients during the backward); ``tp-split`` combines with it.
         max_tp, max_pp: upper bounds of the degrees (``None``: ``gpus_per_node`` and ``gpus``).
         heads: the model's attention heads (the tensor degree divides them); ``None``: not checked.
         layers: the model's layers (a pipeline has at most this many stages x virtual stages);
@@ -73,6 +84,7 @@ class TuneSpace:
     sequence_parallel: bool = True
     overlap_grad_sync: bool = True
     optimizers: tuple[str, ...] = ("adam",)
+    fully_sharded: bool = True
     max_tp: int | None = None
     max_pp: int | None = None
     heads: int | None = None
@@ -126,6 +138,20 @@ class TuneSpace:
                 if self.global_batch % dp == 0:
                     yield tp, pp, dp
 
+    def shard_degrees(self, tp: int, dp: int) -> list[int]:
+        """The fully sharded degrees (``dp_shard``) to try with tensor degree ``tp`` and
+        data-parallel degree ``dp``: 1 (replicated), then ``dp`` (FSDP) where ``dp > 1`` and
+        :attr:`fully_sharded`, then ``gpus_per_node // tp`` (HSDP) where it divides ``dp`` and
+        lies strictly between 1 and ``dp``."""
+        out = [1]
+        if not self.fully_sharded or dp == 1:
+            return out
+        out.append(dp)
+        node = self.gpus_per_node // tp
+        if 1 < node < dp and dp % node == 0:
+            out.append(node)
+        return out
+
 
 @dataclass(frozen=True, order=True)
 class Candidate:
@@ -140,6 +166,8 @@ class Candidate:
         recompute: activation recomputation granularity.
         transforms: CoCoNet's transformations (:mod:`engine.coconet` names, in its order).
         optimizer: ``adam`` or ``adama``.
+        dp_shard: of ``dp``, the fully sharded degree (1: replicated; ``dp``: FSDP; between:
+            HSDP with ``dp // dp_shard`` replicas; :attr:`engine.config.ParallelConfig.dp_shard`).
     """
 
     tp: int
@@ -152,14 +180,32 @@ class Candidate:
     recompute: str
     transforms: tuple[str, ...] = ()
     optimizer: str = "adam"
+    dp_shard: int = 1
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of the shard group (HSDP's outer degree): ``dp // dp_shard``."""
+        return self.dp // self.dp_shard
+
+    def sharding(self) -> str:
+        """How the data-parallel ranks hold the model: ``""`` (replicated), ``fsdp8`` (fully
+        sharded over 8) or ``hsdp2x4`` (2 replicas of a shard group of 4)."""
+        if self.dp_shard <= 1:
+            return ""
+        if self.dp_shard == self.dp:
+            return f"fsdp{self.dp_shard}"
+        return f"hsdp{self.dp_replicate}x{self.dp_shard}"
+
     def label(self) -> str:
-        """A short name: ``tp2 pp4 dp8 v2 mbs1x32 interleaved rc=full +sharded-update``."""
+        """A short name: ``tp2 pp4 dp8 v2 mbs1x32 interleaved rc=full +sharded-update``; fully
+        sharded: ``tp1 pp1 dp8 (fsdp8) ...`` or ``tp1 pp2 dp8 (hsdp2x4) ...``."""
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.dp_shard > 1:
+            parts.append(f"({self.sharding()})")
         if self.virtual_stages > 1:
             parts.append(f"v{self.virtual_stages}")
         parts += [f"mbs{self.micro_batch_size}x{self.micro_batches}", self.schedule, f"rc={self.recompute}"]
@@ -173,7 +219,7 @@ class Candidate:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "virtual_stages": self.virtual_stages,
                 "micro_batch_size": self.micro_batch_size, "micro_batches": self.micro_batches,
                 "schedule": self.schedule, "recompute": self.recompute, "transforms": ",".join(self.transforms),
-                "optimizer": self.optimizer}
+                "optimizer": self.optimizer, "dp_shard": self.dp_shard}
 
 
 def _schedules(space: TuneSpace, pp: int, micro_batches: int, layers: int | None) -> Iterator[tuple[str, int]]:
@@ -215,9 +261,17 @@ def _transform_sets(space: TuneSpace, tp: int, dp: int, optimizer: str) -> list[
     return out
 
 
+def _shards_with(optimizer: str, transforms: tuple[str, ...]) -> bool:
+    """Whether fully sharded data parallelism runs with ``optimizer`` and ``transforms``
+    (:meth:`engine.config.ParallelConfig.check`: Adam only, neither ``sharded-update`` nor
+    ``overlap-grad-sync``)."""
+    return optimizer == "adam" and not {"sharded-update", "overlap-grad-sync"} & set(transforms)
+
+
 def candidates(space: TuneSpace) -> list[Candidate]:
     """Every candidate of ``space``, in a fixed order (degrees, then micro-batch size, schedule,
-    recomputation, transformations, optimizer).
+    recomputation, optimizer, transformations, then replicated before fully sharded and hybrid:
+    :meth:`TuneSpace.shard_degrees`).
 
     Raises:
         TuneSpaceError: the space holds no candidate (the message says which constraint emptied it).
@@ -231,6 +285,7 @@ def candidates(space: TuneSpace) -> list[Candidate]:
             + (f" and {space.heads} heads" if space.heads else "") + "); change --global-batch or --gpus")
     for tp, pp, dp in degrees:
         per_replica = space.global_batch // dp
+        shards = space.shard_degrees(tp, dp)
         for mbs in space.micro_batch_sizes:
             if per_replica % mbs:
                 continue
@@ -239,7 +294,9 @@ def candidates(space: TuneSpace) -> list[Candidate]:
                 for rc in space.recompute:
                     for opt in space.optimizers:
                         for tf in _transform_sets(space, tp, dp, opt):
-                            out.append(Candidate(tp, pp, dp, vs, mbs, m, schedule, rc, tf, opt))
+                            for shard in shards:
+                                if shard == 1 or _shards_with(opt, tf):
+                                    out.append(Candidate(tp, pp, dp, vs, mbs, m, schedule, rc, tf, opt, shard))
     if not out:
         raise TuneSpaceError(
             f"no micro-batch size of {list(space.micro_batch_sizes)} divides the global batch per replica "

@@ -7,8 +7,9 @@ How it stays fast (the space of a 1,536-GPU cluster holds thousands of candidate
    candidate reuses that graph (:func:`engine.plan.make.recheck_capture`) and one cost model.
 2. **Memory bound before anything else**: a device holds at least its share of the parameters'
    weights and optimizer states (``num_params / (tp pp)`` times the precision policy's bytes per
-   parameter, the sharded part over ``dp`` with the sharded update; Megatron-LM's table). A
-   candidate above the memory limit by that bound alone is not transformed.
+   parameter, the sharded part over ``dp`` with the sharded update; Megatron-LM's table; fully
+   sharded, FSDP2's shards over ``dp_shard``). A candidate above the memory limit by that bound
+   alone is not transformed.
 3. **Bounds before simulating**: after the transform (SuperScaler phase 1: the segments and
    their costs) each device's compute of one step, ``micro-batches x`` its blocks' durations, is
    a lower bound of the step time, and its weights, optimizer states and gradient buffers one of
@@ -165,8 +166,14 @@ def _state_bound(c: Candidate, num_params: int, precision: str) -> float:
     """Bytes every device holds at least: its ``1 / (tp pp)`` share of the weights, master
     weights and optimizer states (the sharded part over ``dp`` with the sharded update), and of
     the gradient buffer for Adam (AdamA keeps none). Megatron-LM's bytes per parameter
-    (:class:`engine.precision.PrecisionPolicy`)."""
+    (:class:`engine.precision.PrecisionPolicy`). Fully sharded (``dp_shard > 1``): only the
+    shards, FSDP2's bytes per parameter over ``dp_shard``
+    (:meth:`engine.precision.PrecisionPolicy.fsdp_bytes_per_param`: the sharded parameter, Adam's
+    moments and the sharded gradient in the reduce dtype), the gathered units left out (they come
+    and go during the step), so still a lower bound of the simulated peak."""
     pol = get_policy(precision)
+    if c.dp_shard > 1:
+        return num_params * pol.fsdp_bytes_per_param(c.dp_shard) / (c.tp * c.pp)
     shard = c.dp if "sharded-update" in c.transforms else 1
     per_param = pol.weight_bytes + pol.sharded_bytes_per_param() / shard
     if c.optimizer == "adam":
@@ -190,9 +197,11 @@ def _placement_bounds(cut, c: Candidate) -> tuple[float, float | None]:
     starts (``head``), then it computes ``m x`` its blocks' seconds one at a time, and without a
     split backward its last block is a backward whose input gradient must still flow back through
     those earlier segments (``tail``, their backward blocks); the bound is the largest
-    ``head + m busy + tail``. Memory: the fullest device's static bytes plus all its gradient
-    buffers (live together at the step; not a bound with the sharded update, whose saving the
-    lowering takes off)."""
+    ``head + m busy + tail`` (fully sharded too: the all-gathers and reduce-scatters only delay
+    compute blocks). Memory: the fullest device's static bytes plus all its gradient buffers (live
+    together at the step); ``None`` with the sharded update or fully sharded (``dp_shard > 1``),
+    whose saving the lowering takes off the placement's replicated static memory
+    (:func:`engine.dependency.fsdp.add_fsdp`), so the placement's bytes are no bound there."""
     pl = cut.placement
     segs = sorted({b.segment for b in pl.blocks})
     split = any(b.kind == "I" for b in pl.blocks)
@@ -204,7 +213,7 @@ def _placement_bounds(cut, c: Candidate) -> tuple[float, float | None]:
         head = sum(fwd[s] for s in segs if s < first)
         tail = 0.0 if split else sum(back[s] for s in segs if s < first)
         t_bound = max(t_bound, head + pl.busy_time(d) * c.micro_batches + tail)
-    if "sharded-update" in c.transforms:
+    if "sharded-update" in c.transforms or c.dp_shard > 1:
         return t_bound, None
     mem = max(pl.static_bytes(d) + sum(pl.grad_bytes(s) for s in pl.grad_segments_on(d))
               for d in range(pl.num_devices))
@@ -260,8 +269,10 @@ def calibration_for(calibrations: Mapping[tuple[int, int, int, int], T], c: Cand
 
 
 def _config(c: Candidate, ctx: _Context):
+    """``c`` as :func:`engine.plan.make.parallel_config` (FSDP's ``reshard_after_forward`` left at
+    torchtitan's default: resharded without a pipeline, kept with one)."""
     return parallel_config(c.gpus, micro_batches=c.micro_batches, schedule=c.schedule, dp=c.dp, tp=c.tp,
-                           virtual_stages=c.virtual_stages, micro_batch_size=c.micro_batch_size,
+                           dp_shard=c.dp_shard, virtual_stages=c.virtual_stages, micro_batch_size=c.micro_batch_size,
                            memory_limit=ctx.memory_limit, optimizer=c.optimizer, transforms=c.transforms,
                            precision=ctx.precision, recompute=c.recompute)
 
@@ -272,7 +283,7 @@ def _capture(c: Candidate, ctx: _Context) -> CapturedModel:
     if got is None:
         # the capture depends only on the micro-batch size: any valid configuration of it will do
         base = replace(c, tp=1, pp=c.gpus, dp=1, virtual_stages=1, schedule="1f1b", transforms=(), recompute="none",
-                       optimizer="adam")
+                       optimizer="adam", dp_shard=1)
         try:
             got = capture_model(ctx.model, _config(base, ctx), task=ctx.task, seq_len=ctx.seq_len, dtype=ctx.compute,
                                 recomputes=False)
@@ -406,14 +417,15 @@ def _evaluate(c: Candidate, ctx: _Context, num_params: int,
 
 
 def _signature(c: Candidate, cut) -> tuple:
-    """What the lowering and the simulation read of a transformed candidate: its degrees,
-    micro-batches, schedule, transformations and optimizer, the placement (blocks, durations,
-    memory) and the segments, tied weights and MoE layers (the recomputation granularity's
-    name aside: a granularity that changes nothing on this model, e.g. selective recomputation
-    where the attention core is not a separate op, gives the same signature)."""
+    """What the lowering and the simulation read of a transformed candidate: its degrees (the
+    fully sharded one included), micro-batches, schedule, transformations and optimizer, the
+    placement (blocks, durations, memory) and the segments, tied weights and MoE layers (the
+    recomputation granularity's name aside: a granularity that changes nothing on this model,
+    e.g. selective recomputation where the attention core is not a separate op, gives the same
+    signature)."""
     segs = tuple(tuple(sorted((k, repr(v)) for k, v in s.to_dict().items() if k != "recompute")) for s in cut.segments)
-    return (c.schedule, c.micro_batches, c.micro_batch_size, c.dp, c.tp, c.pp, c.virtual_stages, c.transforms,
-            c.optimizer, repr(cut.placement), segs, repr(cut.tied), repr(sorted(cut.segment_moe.items())))
+    return (c.schedule, c.micro_batches, c.micro_batch_size, c.dp, c.dp_shard, c.tp, c.pp, c.virtual_stages,
+            c.transforms, c.optimizer, repr(cut.placement), segs, repr(cut.tied), repr(sorted(cut.segment_moe.items())))
 
 
 def _keep_candidates(results: dict[int, PlanResult], rows: list[TuneRow | None], keep: int) -> None:

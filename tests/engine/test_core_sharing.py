@@ -87,7 +87,7 @@ def test_the_tuner_predicts_each_candidate_with_the_work_bound_of_its_plan():
     by_label = {r.candidate.label(): r for r in own.fitting()}
     for r in shared.fitting():
         c = r.candidate
-        plan = make_plan("llama-tiny", devices=2, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches,
+        plan = make_plan("llama-tiny", devices=2, dp=c.dp, tp=c.tp, dp_shard=c.dp_shard, micro_batches=c.micro_batches,
                          micro_batch_size=c.micro_batch_size, schedule=c.schedule, seq_len=16, device_type="h100")
         tl = plan.timeline
         work = c.dp * sum(e.end - e.start for e in tl.events if e.stream in ("compute", "send", "collective"))

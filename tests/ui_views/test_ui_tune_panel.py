@@ -118,9 +118,9 @@ def test_colouring_follows_the_chosen_knob(start_plan):
 def _check_loaded(st: PlanState, row) -> None:
     c = row.candidate
     par = st.plan.parallel
-    assert (par.tp, par.pp, par.dp, par.virtual_stages, par.micro_batches, par.micro_batch_size, par.recompute,
-            tuple(par.transforms)) == (c.tp, c.pp, c.dp, c.virtual_stages, c.micro_batches, c.micro_batch_size,
-                                       c.recompute, c.transforms)
+    assert (par.tp, par.pp, par.dp, par.dp_shard, par.virtual_stages, par.micro_batches, par.micro_batch_size,
+            par.recompute, tuple(par.transforms)) == (c.tp, c.pp, c.dp, c.dp_shard, c.virtual_stages,
+                                                      c.micro_batches, c.micro_batch_size, c.recompute, c.transforms)
     assert st.plan.schedule.name == c.schedule and st.plan.model.name == MODEL
     assert st.timeline.makespan == pytest.approx(row.step_time, rel=1e-9)
     assert resimulate(st.plan).makespan == pytest.approx(row.step_time, rel=1e-9)
