@@ -14,7 +14,9 @@ Every key, flag and allowed value written here was checked against the runtimes'
   ``torch.distributed.pipelining`` CSV), ``torchtitan/distributed/utils.py`` (``maybe_enable_amp``:
   mixed precision through FSDP, or autocast only when data parallelism is the only parallelism),
   ``torchtitan/models/llama3/infra/parallelize.py`` (DDP only as the sole parallelism: "DDP has not
-  supported > 1D parallelism"; tensor parallelism always with sequence parallelism),
+  supported > 1D parallelism"; tensor parallelism always with sequence parallelism; ``apply_fsdp``:
+  FSDP2 on a ``dp_shard`` mesh, HSDP on a ``(dp_replicate, dp_shard)`` one, and
+  ``fsdp_reshard_after_forward`` ``default`` = ``not pp_enabled``),
   ``torchtitan/distributed/activation_checkpoint.py`` and PyTorch's
   ``torch.distributed.pipelining.schedules.get_schedule_class`` (the schedule names). v0.2.2 is
   the last release that reads a TOML job config (``--job.config_file``); torchtitan PR #2386,
@@ -24,8 +26,13 @@ Every key, flag and allowed value written here was checked against the runtimes'
   the fields of ``megatron/core/model_parallel_config.py``,
   ``megatron/core/transformer/transformer_config.py`` and ``megatron/training/config/``:
   ``--tensor-model-parallel-size``, ``--sequence-parallel``, ``--bf16``, ``--recompute-granularity``,
-  ``--microbatch-group-size-per-virtual-pipeline-stage``, ``--use-tp-pp-dp-mapping``...; all
-  checked by parsing the written arguments with Megatron-LM's own parser),
+  ``--microbatch-group-size-per-virtual-pipeline-stage``, ``--use-tp-pp-dp-mapping``,
+  ``--use-torch-fsdp2`` from ``megatron/training/config/common_config.py``...; all
+  checked by parsing the written arguments with Megatron-LM's own parser; ``validate_args``:
+  ``--use-torch-fsdp2`` only without pipeline parallelism, distributed optimizer, gradient-accumulation
+  fusion or ``--fp16``, with ``--untie-embeddings-and-output-weights`` and
+  ``CUDA_DEVICE_MAX_CONNECTIONS`` not 1), ``megatron/core/distributed/torch_fully_sharded_data_parallel.py``
+  (FSDP2 over the whole data-parallel group: no HSDP),
   ``megatron/core/transformer/pipeline_parallel_layer_layout.py`` (``--pipeline-model-parallel-layout``:
   stage ``i`` on pipeline rank ``i % pp``) and ``megatron/core/pipeline_parallel/schedules.py`` (1F1B
   and interleaved 1F1B only: no zero-bubble schedule).
@@ -70,6 +77,10 @@ _TT_SINGLE = {"GPipe", "1F1B", "PipelineScheduleSingle"}
 #: torchtitan's model names (``torchtitan/models/__init__.py``) of Hugging Face ``model_type`` values.
 _TT_MODELS = {"llama": "llama3", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss",
               "llama4": "llama4"}
+#: torchtitan's ``fsdp_reshard_after_forward`` of :attr:`engine.config.ParallelConfig.reshard_after_forward`
+#: (``"default"``: ``not pp_enabled``, as the plan's ``None``; ``apply_fsdp`` in
+#: ``torchtitan/models/llama3/infra/parallelize.py``).
+_TT_RESHARD: dict[bool | None, str] = {None: "default", True: "always", False: "never"}
 #: torchtitan's DDP bucket (``apply_ddp``: ``replicate(..., bucket_cap_mb=100)``), bytes.
 _TT_DDP_BUCKET = 100 * 2**20
 #: A transformer block's module path: ``transformer.h.3``, ``model.layers.3``, ``blocks.3``.
@@ -244,8 +255,16 @@ def _toml(tables: dict[str, dict[str, Any]]) -> str:
 
 # --------------------------------------------------------------------------------------- torchtitan
 def _tt_dp(plan: Plan, notes: list[str]) -> tuple[int, int]:
-    """torchtitan's ``(data_parallel_replicate_degree, data_parallel_shard_degree)``."""
+    """torchtitan's ``(data_parallel_replicate_degree, data_parallel_shard_degree)``: a fully
+    sharded plan's own degrees (FSDP, or HSDP with replicas), else the data-parallel degree as DDP
+    or FSDP (torchtitan's DDP only as the sole parallelism)."""
     p = plan.parallel
+    if p.fully_sharded:
+        if p.precision == "bf16-true":
+            notes.append("precision bf16-true, fully sharded: torchtitan reduce-scatters the gradients in float32 "
+                         "(mixed_precision_reduce takes only float32), the plan in bfloat16, so its reduce-scatters "
+                         "move twice the bytes the plan predicts")
+        return p.dp_replicate, p.dp_shard
     if p.dp == 1:
         return 1, 1
     if "sharded-update" in p.transforms:
@@ -332,8 +351,10 @@ def _tt_parallelism(plan: Plan, replicate: int, shard: int, notes: list[str],
                     schedule_csv: str | None) -> dict[str, Any]:
     """The ``[parallelism]`` table."""
     p = plan.parallel
-    out: dict[str, Any] = {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard,
-                           "tensor_parallel_degree": p.tp, "pipeline_parallel_degree": p.pp}
+    out: dict[str, Any] = {"data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard}
+    if shard > 1:
+        out["fsdp_reshard_after_forward"] = _TT_RESHARD[p.reshard_after_forward]
+    out.update(tensor_parallel_degree=p.tp, pipeline_parallel_degree=p.pp)
     if p.pp > 1:
         _tt_schedule(plan, out, notes, schedule_csv)
     tr = p.transforms
@@ -348,7 +369,7 @@ def _tt_parallelism(plan: Plan, replicate: int, shard: int, notes: list[str],
     if p.tp > 1 and p.pp > 1 and "scatter-send" in tr:
         notes.append("scatter-send: torchtitan has no key for it; its models keep the hidden state "
                      "sequence-sharded between blocks, so a stage sends its 1/tp shard")
-    if p.dp > 1:
+    if p.dp > 1 and not p.fully_sharded:   # FSDP's reduce-scatter per block is the plan's too
         if "overlap-grad-sync" not in tr:
             notes.append("overlap-grad-sync off: torchtitan's DDP and FSDP always overlap the gradient reduction "
                          "with the backward; no key turns that off")
@@ -391,11 +412,15 @@ def torchtitan_toml(plan: Plan, *, schedule_csv: str | None = None) -> RuntimeCo
     as gradient-accumulation steps; ``global_batch_size = micro_batch_size * micro_batches * dp``;
     ``seq_len``; ``dtype``, ``mixed_precision_param``, ``mixed_precision_reduce``), ``[parallelism]``
     (``data_parallel_replicate_degree``, ``data_parallel_shard_degree``, ``tensor_parallel_degree``,
-    ``pipeline_parallel_degree``, and with pipeline parallelism ``pipeline_parallel_schedule``,
+    ``pipeline_parallel_degree``, ``fsdp_reshard_after_forward`` where the shard degree is above 1
+    (the plan's ``reshard_after_forward``: unset ``default``, ``always``, ``never``), and with
+    pipeline parallelism ``pipeline_parallel_schedule``,
     ``pipeline_parallel_microbatch_size``, ``pipeline_parallel_layers_per_stage`` where the virtual
     stages are not the schedule's default), ``[activation_checkpoint]`` (``mode`` ``none``,
     ``selective`` with ``selective_ac_option = "op"``, or ``full``) and ``[compile]`` (only for
-    ``chunked-overlap``, which async tensor parallelism needs). Replicated data parallelism is DDP
+    ``chunked-overlap``, which async tensor parallelism needs). A fully sharded plan writes its own
+    degrees (``data_parallel_shard_degree = dp_shard``, ``data_parallel_replicate_degree =
+    dp_replicate``: FSDP, or HSDP with replicas). Replicated data parallelism is DDP
     (``data_parallel_replicate_degree = dp``, shard degree 1) where torchtitan allows it (data
     parallelism alone); elsewhere, and for ``sharded-update``, FSDP (shard degree ``dp``), said in
     ``not_expressible``. The header comments repeat ``not_expressible``.
@@ -424,8 +449,9 @@ def _torchtitan(plan: Plan, schedule_csv: str | None) -> tuple[RuntimeConfig, bo
     get_policy(p.precision)
     notes: list[str] = []
     tables: dict[str, dict[str, Any]] = {}
-    tables["job"] = {"description": f"tessel plan: {plan.model.name}, {_schedule(plan)}, dp={p.dp} tp={p.tp} "
-                                    f"pp={p.pp} v={p.virtual_stages} m={p.micro_batches}"}
+    sharded = f" (dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard})" if p.fully_sharded else ""
+    tables["job"] = {"description": f"tessel plan: {plan.model.name}, {_schedule(plan)}, dp={p.dp}{sharded} "
+                                    f"tp={p.tp} pp={p.pp} v={p.virtual_stages} m={p.micro_batches}"}
     tables["model"] = _tt_model(plan, notes)
     tables["optimizer"] = {"name": "Adam"}
     if p.optimizer == "adama":
@@ -502,10 +528,45 @@ def _mg_schedule(plan: Plan, args: list[str], notes: list[str]) -> None:
                  "Megatron-LM's even split of the layers was left")
 
 
+def _mg_fsdp(plan: Plan, args: list[str], notes: list[str]) -> None:
+    """Fully sharded data parallelism (``dp_shard > 1``) as Megatron-LM's PyTorch FSDP2
+    (``--use-torch-fsdp2``, which ``validate_args`` allows only without pipeline parallelism,
+    without gradient-accumulation fusion and with untied embeddings; it shards over the whole
+    data-parallel group, so HSDP is written as FSDP); with a pipeline the distributed optimizer."""
+    p = plan.parallel
+    if p.pp > 1:
+        args.append("--use-distributed-optimizer")
+        notes.append(f"fully sharded data parallelism (dp_shard = {p.dp_shard}) with pipeline parallelism: "
+                     "Megatron-LM refuses --use-torch-fsdp2 with a pipeline (validate_args), so its distributed "
+                     "optimizer (ZeRO-1: Adam's states sharded over the data-parallel ranks, weights and gradients "
+                     "replicated), --use-distributed-optimizer, was written; it needs more memory per GPU than the "
+                     "plan predicts")
+        return
+    args += ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights"]
+    if not p.resharded_after_forward:
+        args.append("--torch-fsdp2-no-reshard-after-forward")
+    if p.dp_replicate > 1:
+        notes.append(f"HSDP (dp_replicate = {p.dp_replicate} x dp_shard = {p.dp_shard}): Megatron-LM's "
+                     "--use-torch-fsdp2 shards over the whole data-parallel group (a one-dimensional device mesh), "
+                     f"so FSDP over all {p.dp} data-parallel ranks was written; its all-gathers and reduce-scatters "
+                     "span every data-parallel rank, not one node's")
+    cfg = _config(plan)
+    if cfg and cfg.get("tie_word_embeddings", True):
+        notes.append("tied embeddings: Megatron-LM's --use-torch-fsdp2 requires "
+                     "--untie-embeddings-and-output-weights, so the output layer gets its own weights (more "
+                     "parameters than the plan's model)")
+    if p.precision == "16-mixed":
+        notes.append("precision 16-mixed, fully sharded: Megatron-LM's --use-torch-fsdp2 does not run with --fp16, "
+                     "so --bf16 was written")
+
+
 def _mg_parallel(plan: Plan, args: list[str], notes: list[str]) -> None:
-    """Sequence parallelism, communication overlap, the distributed optimizer, the rank layout."""
+    """Sequence parallelism, communication overlap, the distributed optimizer, fully sharded data
+    parallelism (:func:`_mg_fsdp`), the rank layout."""
     p = plan.parallel
     tr = p.transforms
+    if p.fully_sharded:
+        _mg_fsdp(plan, args, notes)
     if p.tp > 1 and "tp-split" in tr:
         args.append("--sequence-parallel")
     if p.tp > 1 and "chunked-overlap" in tr:
@@ -564,7 +625,11 @@ def megatron_args(plan: Plan) -> RuntimeConfig:
     ``--microbatch-group-size-per-virtual-pipeline-stage`` for looped BFS; ``--sequence-parallel``
     (``tp-split``), ``--use-distributed-optimizer``
     (``sharded-update``), ``--overlap-grad-reduce`` and ``--ddp-bucket-size`` in parameters
-    (``overlap-grad-sync``), ``--use-tp-pp-dp-mapping`` (layout ``tp-pp-dp``),
+    (``overlap-grad-sync``), ``--use-torch-fsdp2 --no-gradient-accumulation-fusion
+    --untie-embeddings-and-output-weights`` (fully sharded, ``dp_shard > 1``, without a pipeline;
+    ``--torch-fsdp2-no-reshard-after-forward`` where the plan keeps the gathered weights; HSDP
+    written as FSDP over every data-parallel rank, and with a pipeline the distributed optimizer,
+    each said), ``--use-tp-pp-dp-mapping`` (layout ``tp-pp-dp``),
     ``--micro-batch-size``, ``--global-batch-size`` (``micro_batch_size * micro_batches * dp``:
     Megatron-LM derives the micro-batch count from it), ``--seq-length``, ``--bf16`` (``bf16-mixed``,
     ``bf16-true``) or ``--fp16`` (``16-mixed``, dynamic loss scaling), ``--recompute-granularity
@@ -595,7 +660,7 @@ def megatron_args(plan: Plan) -> RuntimeConfig:
     else:
         notes.append("seq_len: the plan records no sequence length, so --seq-length was left out; add it")
     get_policy(p.precision)
-    if p.precision in ("bf16-mixed", "bf16-true"):
+    if p.precision in ("bf16-mixed", "bf16-true") or (p.precision == "16-mixed" and "--use-torch-fsdp2" in args):
         args.append("--bf16")
     elif p.precision == "16-mixed":
         args.append("--fp16")
@@ -629,17 +694,21 @@ def _csv_text(plan: Plan) -> str | None:
 
 def _megatron_script(plan: Plan, cfg: RuntimeConfig) -> str:
     """The bash text of :data:`MEGATRON_FILE`: a header (the plan, ``not_expressible``, how to
-    launch), ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with tensor parallelism, the array ``MEGATRON_ARGS``."""
+    launch), ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with tensor parallelism (unset instead with
+    ``--use-torch-fsdp2``, which refuses 1), the array ``MEGATRON_ARGS``."""
     lines = ["#!/usr/bin/env bash",
              "# Megatron-LM arguments for pretrain_gpt.py (megatron/training/arguments.py), written by Tessel",
-             *_comment(f"from the plan of {plan.model.name}: schedule {_schedule(plan)}, dp={plan.parallel.dp} "
-                       f"tp={plan.parallel.tp} pp={plan.parallel.pp}, {plan.parallel.devices} devices")]
+             *_comment(f"from the plan of {plan.model.name}: schedule {_schedule(plan)}, dp={plan.parallel.dp}"
+                       + (f" (dp_shard={plan.parallel.dp_shard})" if plan.parallel.fully_sharded else "")
+                       + f" tp={plan.parallel.tp} pp={plan.parallel.pp}, {plan.parallel.devices} devices")]
     if cfg.not_expressible:
         lines.append("# Not expressible exactly in Megatron-LM:")
         for n in cfg.not_expressible:
             wrapped = _comment(n, 98)
             lines += ["# - " + wrapped[0][2:], *("#   " + w[2:] for w in wrapped[1:])]
-    if plan.parallel.tp > 1:  # Megatron-LM's validate_args asserts it with tensor parallelism
+    if "--use-torch-fsdp2" in shlex.split(cfg.text):   # validate_args asserts it is not 1 with FSDP2
+        lines.append("unset CUDA_DEVICE_MAX_CONNECTIONS")
+    elif plan.parallel.tp > 1:  # Megatron-LM's validate_args asserts it with tensor parallelism
         lines.append("export CUDA_DEVICE_MAX_CONNECTIONS=1")
     lines += [f"# Use: source {MEGATRON_FILE}, then on each node ({plan.parallel.devices} processes in all):",
               "#   torchrun --nproc-per-node <GPUs per node> --nnodes <nodes> ... pretrain_gpt.py \\",

@@ -44,6 +44,13 @@ CASES = {
     "ddp": ("gpt2-tiny", dict(devices=2, dp=2, micro_batches=2, schedule="1f1b", transforms="overlap-grad-sync")),
     "llama-tp": ("llama-tiny", dict(devices=4, tp=2, micro_batches=4, schedule="1f1b", precision="bf16-mixed",
                                     transforms="tp-split,scatter-send")),
+    # fully sharded data parallelism: FSDP, HSDP, with tensor and with pipeline parallelism
+    "fsdp": ("llama-tiny", dict(devices=4, dp=4, dp_shard=4, micro_batches=2, schedule="1f1b",
+                                precision="bf16-mixed")),
+    "hsdp": ("llama-tiny", dict(devices=4, dp=4, dp_shard=2, micro_batches=2, schedule="1f1b")),
+    "fsdp-tp": ("llama-tiny", dict(devices=4, dp=2, dp_shard=2, tp=2, micro_batches=2, schedule="1f1b",
+                                   precision="bf16-mixed", transforms="tp-split")),
+    "fsdp-pp": ("gpt2-tiny", dict(devices=4, dp=2, dp_shard=2, micro_batches=4, schedule="1f1b")),
 }
 
 
@@ -116,6 +123,61 @@ def test_torchtitan_maps_data_parallelism_and_says_what_is_not_ddp(plans):
     assert tomllib.loads(with_pp.text)["parallelism"]["data_parallel_shard_degree"] == 2
     assert any("DDP has not supported" in n for n in with_pp.not_expressible)
     assert tomllib.loads(sharded.text)["activation_checkpoint"]["mode"] == "full"
+
+
+def test_fully_sharded_plans_write_their_degrees(plans):
+    """torchtitan: data_parallel_shard_degree = dp_shard, data_parallel_replicate_degree =
+    dp_replicate and fsdp_reshard_after_forward (the plan's, "default" when unset), nothing said
+    about FSDP itself; Megatron-LM: --use-torch-fsdp2 with the flags its validate_args requires,
+    HSDP and a pipeline said."""
+    for name, degrees in (("fsdp", (1, 4)), ("hsdp", (2, 2)), ("fsdp-tp", (1, 2)), ("fsdp-pp", (1, 2))):
+        plan = plans[name]
+        assert plan.parallel.fully_sharded and (plan.parallel.dp_replicate, plan.parallel.dp_shard) == degrees
+        cfg = torchtitan_toml(plan)
+        par = tomllib.loads(cfg.text)["parallelism"]
+        assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == degrees, name
+        assert par["fsdp_reshard_after_forward"] == "default"
+        assert not any("FSDP" in n or "overlap-grad-sync" in n or "DDP" in n for n in cfg.not_expressible), name
+    fsdp = megatron_args(plans["fsdp"])
+    f = _flags(fsdp.text)
+    for flag in ("--use-torch-fsdp2", "--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights"):
+        assert f[flag] == [], flag
+    assert "--torch-fsdp2-no-reshard-after-forward" not in f and "--use-distributed-optimizer" not in f
+    assert not any(n.startswith(("HSDP", "fully sharded")) for n in fsdp.not_expressible)
+    hsdp = megatron_args(plans["hsdp"])
+    assert "--use-torch-fsdp2" in _flags(hsdp.text)
+    assert any(n.startswith("HSDP (dp_replicate = 2 x dp_shard = 2)") and "all 4" in n for n in hsdp.not_expressible)
+    pp = megatron_args(plans["fsdp-pp"])
+    assert "--use-distributed-optimizer" in _flags(pp.text) and "--use-torch-fsdp2" not in _flags(pp.text)
+    assert any(n.startswith("fully sharded data parallelism (dp_shard = 2) with pipeline") for n in pp.not_expressible)
+    # Llama unties its embeddings; a tied model is untied for FSDP2, and that is said
+    assert not any(n.startswith("tied embeddings") for n in fsdp.not_expressible)
+    tied = copy.deepcopy(plans["fsdp"])
+    tied.model.config["tie_word_embeddings"] = True
+    assert any(n.startswith("tied embeddings") for n in megatron_args(tied).not_expressible)
+
+
+@pytest.mark.parametrize("raf, titan, flag", [(None, "default", False), (True, "always", False),
+                                              (False, "never", True)])
+def test_reshard_after_forward_is_written_for_both_runtimes(plans, raf, titan, flag):
+    plan = copy.deepcopy(plans["fsdp"])
+    plan.parallel.reshard_after_forward = raf
+    assert tomllib.loads(torchtitan_toml(plan).text)["parallelism"]["fsdp_reshard_after_forward"] == titan
+    assert ("--torch-fsdp2-no-reshard-after-forward" in _flags(megatron_args(plan).text)) == flag
+
+
+def test_fully_sharded_precisions_say_what_the_runtimes_change(plans):
+    plan = copy.deepcopy(plans["fsdp"])
+    plan.parallel.precision = "bf16-true"
+    assert any(n.startswith("precision bf16-true, fully sharded") for n in torchtitan_toml(plan).not_expressible)
+    plan.parallel.precision = "16-mixed"
+    mg = megatron_args(plan)
+    f = _flags(mg.text)
+    assert "--bf16" in f and "--fp16" not in f
+    assert any(n.startswith("precision 16-mixed, fully sharded") for n in mg.not_expressible)
+    plain = copy.deepcopy(plans["1f1b-dp"])   # replicated: --fp16 as before
+    plain.parallel.precision = "16-mixed"
+    assert "--fp16" in _flags(megatron_args(plain).text)
 
 
 def test_torchtitan_schedule_names_and_the_zb_h1_csv(plans, tmp_path):
@@ -192,7 +254,10 @@ def test_megatron_args_give_the_plans_degrees_and_batches(plans, name):
     assert dp == p.dp and mbs == p.micro_batch_size and gbs // (mbs * dp) == p.micro_batches
     assert gbs == plan.model.batch_size and int(f["--seq-length"][0]) == plan.model.seq_len
     assert ("--sequence-parallel" in f) == ("tp-split" in p.transforms)
-    assert ("--use-distributed-optimizer" in f) == ("sharded-update" in p.transforms)
+    # Megatron-LM's FSDP2 runs without a pipeline; with one, its distributed optimizer is the nearest
+    assert ("--use-distributed-optimizer" in f) == ("sharded-update" in p.transforms or
+                                                   (p.fully_sharded and p.pp > 1))
+    assert ("--use-torch-fsdp2" in f) == (p.fully_sharded and p.pp == 1)
     assert ("--overlap-grad-reduce" in f) == ("overlap-grad-sync" in p.transforms)
     assert ("--bf16" in f) == p.precision.startswith("bf16") and "--fp16" not in f
     if p.pp > 1:
@@ -270,3 +335,10 @@ def test_write_runtime_configs_writes_both_files(plans, tmp_path):
     again = write_runtime_configs(plans["ddp"], tmp_path / "out")
     assert again[TORCHTITAN_FILE].read_text() == torchtitan_toml(plans["ddp"]).text
     assert not re.search(r"CUDA_DEVICE_MAX_CONNECTIONS", again[MEGATRON_FILE].read_text())
+    # FSDP2 with tensor parallelism: Megatron-LM refuses CUDA_DEVICE_MAX_CONNECTIONS=1, so it is unset
+    fsdp = write_runtime_configs(plans["fsdp-tp"], tmp_path / "fsdp")
+    out = subprocess.run(["bash", "-c", f"export CUDA_DEVICE_MAX_CONNECTIONS=1; "
+                          f"source {shlex.quote(str(fsdp[MEGATRON_FILE]))} && "
+                          "echo \"[${CUDA_DEVICE_MAX_CONNECTIONS-unset}]\" && printf '%s\\n' \"${MEGATRON_ARGS[@]}\""],
+                         capture_output=True, text=True, check=True, timeout=30).stdout.splitlines()
+    assert out[0] == "[unset]" and "--use-torch-fsdp2" in out[1:]
