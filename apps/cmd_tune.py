@@ -1,8 +1,9 @@
-"""Choose the parallel configuration: search tensor, pipeline and data-parallel degrees, virtual
-stages, micro-batch size, schedule, recomputation and CoCoNet's transformations for a model on a
-cluster, rank them by predicted throughput, and write the best as ``plan.json`` (ready for
-``tessel launch``), its trace and schedule, the whole table as ``tune.csv``, and the winner as a
-torchtitan job config and Megatron-LM arguments."""
+"""Choose the parallel configuration: search tensor, pipeline and data-parallel degrees (data
+parallelism replicated, fully sharded or hybrid), virtual stages, micro-batch size, schedule,
+recomputation and CoCoNet's transformations for a model on a cluster, rank them by predicted
+throughput, and write the best as ``plan.json`` (ready for ``tessel launch``), its trace and
+schedule, the whole table as ``tune.csv``, and the winner as a torchtitan job config and
+Megatron-LM arguments."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from engine.tune.export import runtime_config_texts
 from engine.tune.report import TABLE_HEADERS, csv_text, nothing_fits_advice, table_row, why_runner_up_loses
 from engine.tune.space import DEFAULT_SCHEDULES, TuneSpace
 
-HELP = "choose tp/pp/dp, micro-batch size, schedule and recomputation for a model on N GPUs"
+HELP = "choose tp/pp/dp (FSDP, HSDP), micro-batch size, schedule and recomputation for a model on N GPUs"
 
 #: The files ``tessel tune`` writes into its ``-o`` folder, all or none.
 OUTPUT_FILES = ("plan.json", "trace.json", "schedule.csv", "tune.csv", "torchtitan.toml", "megatron_args.sh")
@@ -89,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sharded-update", action="store_true", help="do not try the sharded update (ZeRO-1)")
     p.add_argument("--no-sequence-parallel", action="store_true", help="do not try tp-split (sequence parallelism)")
     p.add_argument("--no-overlap-grad-sync", action="store_true", help="do not try overlapped gradient sync")
+    p.add_argument("--no-fully-sharded", action="store_true",
+                   help="do not try fully sharded data parallelism (by default tried where dp > 1: FSDP2/ZeRO-3 "
+                        "over every data-parallel rank, and HSDP sharded over a node's GPUs and replicated across "
+                        "nodes; torchtitan's data_parallel_shard_degree and data_parallel_replicate_degree)")
     p.add_argument("--adama", action="store_true", help="also try AdamA (gradients folded into Adam's states)")
     p.add_argument("--profile", action="store_true",
                    help="time the model's ops on this machine (cached) and rank with the measured times "
@@ -117,7 +122,7 @@ def _space(args: argparse.Namespace) -> TuneSpace:
                      micro_batch_sizes=tuple(args.micro_batch_sizes),
                      schedules=tuple(args.schedules or DEFAULT_SCHEDULES), recompute=tuple(args.recompute),
                      sharded_update=not args.no_sharded_update, sequence_parallel=not args.no_sequence_parallel,
-                     overlap_grad_sync=not args.no_overlap_grad_sync,
+                     overlap_grad_sync=not args.no_overlap_grad_sync, fully_sharded=not args.no_fully_sharded,
                      optimizers=("adam", "adama") if args.adama else ("adam",), max_tp=args.max_tp, max_pp=args.max_pp,
                      host_cores=args.host_cores)
 
