@@ -66,9 +66,7 @@ def _plan(model: str, schedule: str, *, dp: int, dp_shard: int, tp: int = 1, pp:
                      schedule=schedule, device_type="cpu", micro_batch_size=MBS, seq_len=SEQ,
                      precision=precision).plan
     assert plan.parallel.dp_shard == dp_shard and plan.parallel.pp == pp
-    # dp_shard > 1 needs the eager per-block stages (engine.split.choose_split(..., dp_shard=)); a plan
-    # made before make_plan passed dp_shard there records the tracer split for llama-tiny / tessel-gpt
-    plan.model.split = "layers"
+    assert plan.model.split == "layers", "dp_shard > 1 needs eager per-block stages (engine.split.choose_split)"
     return plan
 
 
@@ -147,7 +145,12 @@ def test_dp_shard_2_trains_like_one_process_holding_half_of_each_parameter(pool)
     _assert_sharded(out, ref, 2, "llama-tiny dp_shard 2")
     total = sum(p.numel() for p in ref.model.parameters())
     assert sum(p["info"]["params"] for p in out.values()) == total   # the two halves, nothing held twice
-    for p in out.values():   # the data-parallel all-reduce is gone: FSDP reduce-scatters inside the blocks
+    from engine.plan import lower_plan
+
+    want = [str(i) for i in lower_plan(plan).streams[0]]
+    for p in out.values():   # the engine's FSDP markers; no data-parallel all-reduce (FSDP reduces in the blocks)
+        assert p["stream"] == want
+        assert any(s.startswith("UNSHARD") for s in want) and any(s.startswith("REDUCESCATTER") for s in want)
         assert not any(s.startswith("ALLREDUCE grads") for s in p["stream"]), p["stream"]
 
 
