@@ -167,10 +167,14 @@ def _lower_rank(ctx: LowerContext, stream: list[Instruction], pipelined: bool, r
         if ins.op in COMPUTE_OPS and (ins.hold or ins.transient):
             ins = replace(ins, hold=ins.hold * grad_scale[0] // grad_scale[1],
                           transient=ins.transient * grad_scale[0] // grad_scale[1])
-        if ins.op in (Op.B, Op.I) and not raf and not pipelined and ins.block is not None:
-            # the units' unsharded gradients, each freed by its reduce-scatter: about two at a time
+        if ins.op in (Op.B, Op.I) and not pipelined and ins.block is not None:
+            # the root's unsharded gradient lives through the whole backward (its post-backward runs
+            # last); without resharding after the forward, also about two blocks' unsharded gradients
+            # (each freed by its reduce-scatter; with it, the backward's UNSHARDs count them)
             units = segment_units(ctx, ins.block.segment)
-            live = min(sum(b for b, _ in units), 2 * max(b for b, _ in units))
+            live = units[0][0]
+            if not raf:
+                live += min(sum(b for b, _ in units[1:]), 2 * max((b for b, _ in units[1:]), default=0))
             ins = replace(ins, transient=ins.transient + pol.scale(live, pol.fsdp_reduce_bytes))
         out.append(ins)
     out.extend(after.pop(len(stream), ()))

@@ -441,8 +441,8 @@ def capture_model(model: str | ModelBundle, config: ParallelConfig, *, task: str
 def recheck_capture(captured: CapturedModel, config: ParallelConfig, *,
                     recomputes: bool | None = None) -> CapturedModel:
     """``captured`` (a capture of ``config.micro_batch_size`` samples) for another configuration:
-    its experts checked to split over ``config.dp``, the stage split chosen for ``config.tp`` and
-    recomputation (:func:`engine.split.choose_split`) and the plan's transformations checked
+    its experts checked to split over ``config.dp``, the stage split chosen for ``config.tp``,
+    recomputation and ``config.dp_shard`` (:func:`engine.split.choose_split`) and the plan's transformations checked
     (:func:`engine.coconet.check_transforms`). The graph is shared, not copied: a capture does
     not depend on the degrees. ``recomputes``: whether any stage recomputes (``None``:
     ``config.recompute != "none"``).
@@ -461,7 +461,7 @@ def _checked_split(bundle: ModelBundle, moe_layers: list[MoELayer], config: Para
     check_expert_parallel(moe_layers, config.dp, bundle.name)
     if recomputes is None:
         recomputes = config.recompute != "none"
-    split = choose_split(bundle.module, config.tp, "full" if recomputes else "none")
+    split = choose_split(bundle.module, config.tp, "full" if recomputes else "none", config.dp_shard)
     check_transforms(config.transforms, dp=config.dp, tp=config.tp, pp=config.pp, optimizer=config.optimizer,
                      split=split, expert_parallel=config.dp > 1 and bool(moe_layers), seq_len=bundle.seq_len)
     return split
