@@ -90,11 +90,11 @@ def _space(ranks: int, batch: int, mbs: tuple[int, ...] = (1, 2)) -> TuneSpace:
     return TuneSpace(gpus=ranks, global_batch=batch, gpus_per_node=ranks, micro_batch_sizes=mbs,
                      host_cores=os.cpu_count() or 1,
                      schedules=("gpipe", "1f1b", "zb-h1", "interleaved"), recompute=("none", "full"), max_tp=1,
-                     sharded_update=False, sequence_parallel=False, overlap_grad_sync=False)
+                     sharded_update=False, sequence_parallel=False, overlap_grad_sync=False, fully_sharded=False)
 
 
 def _plan(model: str, c, seq: int):
-    return make_plan(model, devices=c.gpus, dp=c.dp, tp=c.tp, micro_batches=c.micro_batches,
+    return make_plan(model, devices=c.gpus, dp=c.dp, tp=c.tp, dp_shard=c.dp_shard, micro_batches=c.micro_batches,
                      micro_batch_size=c.micro_batch_size, schedule=c.schedule, virtual_stages=c.virtual_stages,
                      recompute=c.recompute, seq_len=seq, device_type="cpu", profile=True).plan
 

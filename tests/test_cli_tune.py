@@ -83,8 +83,6 @@ SHARDED = ("tune", "--model", "llama-tiny", "--gpus", "4", "--gpus-per-node", "2
            "--max-tp", "1", "--max-pp", "1", "--no-sharded-update", "--json", "--top", "5")
 
 
-@pytest.mark.xfail(strict=True, reason="make_plan's schedule memory check counts replicated weights and optimizer "
-                   "states for fully sharded plans (engine side; tests/engine/test_tune.py FSDP_LIMIT_XFAIL)")
 def test_where_only_fully_sharded_fits_it_is_picked_and_exported(tmp_path):
     """A limit between the sharded and the replicated candidates' peaks: the best plan is fully
     sharded, torchtitan's TOML carries its shard and replicate degrees and Megatron-LM's arguments

@@ -315,8 +315,11 @@ def plan_from_capture(captured: CapturedModel, config: ParallelConfig, cost: Cos
     say("schedule")
     sched: Schedule = build_schedule(schedule, cut.placement, config.micro_batches)
     over_limit: ScheduleError | None = None
+    # the sharded update and FSDP shard the static memory in the lowering: their limit is checked
+    # on the simulated peak below, which counts the shards (and FSDP's gathered units)
+    sharded = config.fully_sharded or ("sharded-update" in config.transforms and config.dp > 1)
     try:
-        sched.validate(memory_limit)
+        sched.validate(None if sharded else memory_limit)
     except ScheduleError as e:
         if e.rule != "memory":
             raise
@@ -333,6 +336,12 @@ def plan_from_capture(captured: CapturedModel, config: ParallelConfig, cost: Cos
     execution, timeline, metrics = predict_execution(plan)
     plan.metrics = metrics
     timings["simulate"] = time.perf_counter() - t0
+    if sharded and memory_limit is not None and over_limit is None:
+        peaks = metrics["peak_memory"]
+        d = max(range(len(peaks)), key=lambda i: peaks[i])
+        if peaks[d] > memory_limit:
+            over_limit = ScheduleError("memory", f"device {d} peaks at {peaks[d]:,.0f} bytes, above the memory "
+                                       f"limit of {memory_limit:,.0f}", d, None)
     if over_limit is not None:
         raise ScheduleError("memory", f"{over_limit}; {memory_advice(plan)}", over_limit.device,
                             over_limit.block) from None

@@ -183,15 +183,6 @@ def test_the_space_tries_fsdp_and_hsdp_by_the_rules():
     assert table_row(1, TuneRow(hsdp, "ok"))[TABLE_HEADERS.index("dp")] == "8 hsdp2x4"
 
 
-#: Why a memory limit cannot yet separate fully sharded from replicated candidates (engine side).
-FSDP_LIMIT_XFAIL = pytest.mark.xfail(
-    strict=True, reason="make_plan's schedule memory check (plan_from_capture: sched.validate(memory_limit)) counts "
-    "the placement's replicated weights and optimizer states, which the FSDP lowering takes off only afterwards, so "
-    "under any limit below the replicated peak every fully sharded candidate is refused; passes once that check "
-    "uses the fully sharded static memory or the simulated peak")
-
-
-@FSDP_LIMIT_XFAIL
 def test_a_space_where_only_fully_sharded_fits_picks_it():
     """A memory limit between the sharded candidates' predicted peaks and the replicated ones':
     the best is fully sharded, as make_plan with its degrees predicts it, and every fitting row is
