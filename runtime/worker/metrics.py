@@ -52,6 +52,8 @@ class ActivationMeter:
 
     Args:
         static_ptrs: ``data_ptr`` of storages never counted (parameters, receive buffers).
+            Parameters and their views are never counted either, wherever they live (FSDP's gathered
+            parameters are allocated during the step; the plan counts them with its ``UNSHARD`` s).
     """
 
     def __init__(self, static_ptrs: set[int]):
@@ -72,6 +74,8 @@ class ActivationMeter:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             try:
+                if isinstance(t if t._base is None else t._base, torch.nn.Parameter):
+                    return t   # a parameter (FSDP's gathered one, allocated after set-up), or a view of one
                 st = t.untyped_storage()
                 ptr = st.data_ptr()
                 if ptr and ptr not in self.static and ptr not in seen:
