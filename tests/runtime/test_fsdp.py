@@ -9,8 +9,9 @@ against the single-process reference (``runtime.reference.reference_run``): ever
 equal (rtol 1e-4) and the merged parameters equal (``assert_params_match``), for
 
 - dp_shard 2 alone (each rank really holds half of every parameter and Adam state);
-- dp_shard 2 x pp 2 on 1F1B and ZB-H1 (torch.distributed.pipelining's rule: gradients reduced
-  after a stage's last backward; the zero-bubble ``W`` reduces by hand);
+- dp_shard 2 x pp 2 on 1F1B, ZB-H1 and interleaved 1F1B (torch.distributed.pipelining's rule:
+  gradients reduced after a stage's last backward; the zero-bubble ``W`` reduces by hand; two FSDP
+  roots per rank when interleaved);
 - dp_shard 2 x tp 2 (FSDP over DTensor tensor-parallel shards of one root mesh);
 - dp_replicate 2 x dp_shard 2 (HSDP, a 2-D data-parallel mesh);
 - ``bf16-mixed`` (FSDP2's mixed precision, rtol 2e-2 against the single process's autocast);
@@ -164,7 +165,8 @@ def test_dp_shard_2_trains_like_one_process_holding_half_of_each_parameter(pool)
         assert 0.9 * want <= got <= 1.05 * want, (r, got, want)
 
 
-@pytest.mark.parametrize("model,schedule", [("tessel-gpt", "1f1b"), ("llama-tiny", "zb-h1")])
+@pytest.mark.parametrize("model,schedule", [("tessel-gpt", "1f1b"), ("llama-tiny", "zb-h1"),
+                                            ("tessel-gpt", "interleaved")])
 def test_dp_shard_2_with_a_pipeline_trains_like_one_process(pool, model, schedule):
     plan = _plan(model, schedule, dp=2, dp_shard=2, pp=2)
     batches = _batches(plan)
