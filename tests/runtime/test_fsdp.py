@@ -46,7 +46,8 @@ def _task(task: dict) -> dict:
         if task.get("state") is not None:
             w.load_state_dict(task["state"])
         outs = [w.step(i, task["batches"][i]) for i in task["steps"]]
-        return {"info": info, "losses": [o["losses"] for o in outs],
+        evaluated = w.evaluate(task["batches"][0]) if task.get("evaluate") else None
+        return {"info": info, "losses": [o["losses"] for o in outs], "evaluated": evaluated,
                 "state_bytes": [o["optimizer_state_bytes"] for o in outs], "state": w.state_dict(),
                 "activations": [o["peak_activation_memory"] for o in outs],
                 "stream": [str(i) for i in w.stream]}
@@ -79,8 +80,9 @@ def _batches(plan) -> list[tuple]:
     return [tuple(task.train_batch(i, plan.parallel.dp * M * MBS)) for i in range(STEPS)]
 
 
-def _run(pool, plan, batches, steps=range(STEPS), per_rank=None) -> dict:
-    task = {"plan": plan.to_dict(), "batches": batches, "steps": list(steps), "fresh_process": True}
+def _run(pool, plan, batches, steps=range(STEPS), per_rank=None, evaluate: bool = False) -> dict:
+    task = {"plan": plan.to_dict(), "batches": batches, "steps": list(steps), "fresh_process": True,
+            "evaluate": evaluate}
     return pool.run_ok("test_fsdp:_task", task, world=plan.parallel.devices, per_rank=per_rank)
 
 
@@ -141,7 +143,7 @@ def _assert_sharded(out: dict, ref, dp_shard: int, label: str) -> None:
 def test_dp_shard_2_trains_like_one_process_holding_half_of_each_parameter(pool):
     plan = _plan("llama-tiny", "1f1b", dp=2, dp_shard=2)
     batches = _batches(plan)
-    out = _run(pool, plan, batches)
+    out = _run(pool, plan, batches, evaluate=True)   # evaluate() after the steps, then the checkpoint
     ref = _reference(plan, batches, "llama-tiny")
     _assert_like_reference(out, plan, ref, "llama-tiny dp_shard 2")
     _assert_sharded(out, ref, 2, "llama-tiny dp_shard 2")
@@ -158,7 +160,9 @@ def test_dp_shard_2_trains_like_one_process_holding_half_of_each_parameter(pool)
 
     replicated = make_plan("llama-tiny", devices=2, dp=2, micro_batches=M, schedule="1f1b", device_type="cpu",
                            micro_batch_size=MBS, seq_len=SEQ).plan
-    plain = _run(pool, replicated, batches)
+    plain = _run(pool, replicated, batches, evaluate=True)
+    for r, p in out.items():   # evaluation gathers the trained shards: the replicated run's loss
+        assert p["evaluated"] == pytest.approx(plain[r]["evaluated"], rel=1e-4)
     for r, p in out.items():   # the blocks save about what replicated ones do: gathered parameters (about
         # 0.86 MB here, more than the activations) are no activations; seen: 5% less (713,860 against 754,820 B)
         got, want = p["activations"][-1], plain[r]["activations"][-1]
