@@ -116,6 +116,8 @@ class Instruction:
         if self.op == Op.REDUCESCATTER:
             if self.block is not None:
                 return f"REDUCESCATTER grads of unit {self.bucket} of segment {self.segment} after {self.block}"
+            if self.bucket is not None:
+                return f"REDUCESCATTER grads of segment {self.segment} bucket {self.bucket}"
             return f"REDUCESCATTER grads of segment {self.segment}"
         if self.op == Op.ALLGATHER:
             if self.block is not None:
