@@ -156,24 +156,24 @@ def _fsdp_meshes(rank: int, *, pp: int, dp: int, tp: int, dp_shard: int, dp_grou
     def world(d: int, t: int, p: int) -> int:
         return (d * tp + t) * pp + p
 
-    shard_group = dp_group
-    if rep > 1:
+    def my_group(members) -> Any:
+        """Every rank creates every group of ``members(a, b)`` (``a``, ``b`` over the other two
+        mesh coordinates), in the same order; this rank's one."""
+        mine = None
         for p in range(pp):
             for t in range(tp):
-                for a in range(rep):
-                    ranks = [world(a * dp_shard + b, t, p) for b in range(dp_shard)]
+                for ranks in members(t, p):
                     g = dist.new_group(ranks)
                     if rank in ranks:
-                        shard_group = g
-    rep_group = None
+                        mine = g
+        return mine
+
+    shard_group, rep_group = dp_group, None
     if rep > 1:
-        for p in range(pp):
-            for t in range(tp):
-                for b in range(dp_shard):
-                    ranks = [world(a * dp_shard + b, t, p) for a in range(rep)]
-                    g = dist.new_group(ranks)
-                    if rank in ranks:
-                        rep_group = g
+        shard_group = my_group(lambda t, p: [[world(a * dp_shard + b, t, p) for b in range(dp_shard)]
+                                             for a in range(rep)])
+        rep_group = my_group(lambda t, p: [[world(a * dp_shard + b, t, p) for a in range(rep)]
+                                           for b in range(dp_shard)])
     names: list[str] = []
     groups: list[Any] = []
     shape: list[int] = []
