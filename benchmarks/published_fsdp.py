@@ -48,13 +48,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from published_runs import A100_MEMORY, A100_PEAK_FLOPS, ROOT, run_cli
+from published_runs import A100_MEMORY, A100_PEAK_FLOPS, ROOT, _gb, plan_rows, run_cli
 
 #: torchtitan's model: Llama 3 8B (``configs/hf/llama-3-8b``).
 MODEL_CONFIG = ROOT / "configs" / "hf" / "llama-3-8b"
@@ -168,10 +167,6 @@ def targets(row: dict) -> dict[str, bool]:
     return out
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:,.2f} GB"
-
-
 def report(row: dict) -> str:
     """One row's table: predicted beside published (or the formula's)."""
     r, m, f = row["run"], row["memory"], row["formula_memory"]
@@ -202,20 +197,8 @@ def report(row: dict) -> str:
 
 
 def run_rows(names: list[str], base: Path, *, quiet: bool) -> tuple[list[dict], dict[str, str]]:
-    """Plan the named rows into ``base``; ``(rows, failures)`` (printing each table unless ``quiet``)."""
-    rows, failures = [], {}
-    for run in (r for r in RUNS if r.name in names):
-        try:
-            row = run_one(run, base / run.name)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            failures[run.name] = str(e)
-            print(f"{run.name}: {e}", file=sys.stderr)
-            continue
-        row["targets"] = targets(row)
-        rows.append(row)
-        if not quiet:
-            print(report(row) + "\n", flush=True)
-    return rows, failures
+    """Plan the named rows into ``base``; ``(rows, failures)`` (:func:`published_runs.plan_rows`)."""
+    return plan_rows(RUNS, names, base, run_one=run_one, targets=targets, report=report, quiet=quiet)
 
 
 def main(argv: list[str] | None = None) -> int:

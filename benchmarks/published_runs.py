@@ -325,6 +325,27 @@ def report(row: dict) -> str:
     return "\n".join(lines)
 
 
+def plan_rows(runs, names: list[str], base: Path, *, run_one, targets, report,
+              quiet: bool) -> tuple[list[dict], dict[str, str]]:
+    """Plan each of ``runs`` named in ``names`` into ``base / run.name`` with ``run_one(run, folder)``;
+    ``(rows, failures)``: each row with its ``targets(row)``, printed as ``report(row)`` unless
+    ``quiet``; a run whose plan command failed (``RuntimeError``, a timeout) is a failure with its
+    message, printed to stderr, and the others still run."""
+    rows, failures = [], {}
+    for run in (r for r in runs if r.name in names):
+        try:
+            row = run_one(run, base / run.name)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            failures[run.name] = str(e)
+            print(f"{run.name}: {e}", file=sys.stderr)
+            continue
+        row["targets"] = targets(row)
+        rows.append(row)
+        if not quiet:
+            print(report(row) + "\n", flush=True)
+    return rows, failures
+
+
 def main(argv: list[str] | None = None) -> int:
     import published_fsdp  # torchtitan's FSDP2 row(s); it imports this module's helpers
 
@@ -340,20 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in {r.name for r in RUNS} | set(fsdp_names)]
     if unknown:
         ap.error(f"unknown run(s) {', '.join(unknown)}; use {', '.join([r.name for r in RUNS] + fsdp_names)}")
-    rows, failures = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(args.keep) if args.keep else Path(tmp)
-        for run in (r for r in RUNS if r.name in names):
-            try:
-                row = run_one(run, base / run.name)
-            except (RuntimeError, subprocess.TimeoutExpired) as e:
-                failures[run.name] = str(e)
-                print(f"{run.name}: {e}", file=sys.stderr)
-                continue
-            row["targets"] = targets(row)
-            rows.append(row)
-            if not args.json:
-                print(report(row) + "\n", flush=True)
+        rows, failures = plan_rows(RUNS, names, base, run_one=run_one, targets=targets, report=report,
+                                   quiet=args.json)
         fsdp_rows, fsdp_failures = published_fsdp.run_rows(names, base, quiet=args.json)
     failures.update(fsdp_failures)
     if args.json:

@@ -192,9 +192,10 @@ class SimState:
         computes for its share (``ready``) of the block's duration once its all-gather has ended;
         the all-gather runs on the rank's gather stream, issued when unit ``k - 1`` starts
         computing (FSDP2's prefetch of one unit; the first when the block is reached), so it
-        overlaps the previous unit's compute. Returns the block's end and the memory changes
-        ``(time, bytes)``: each gather's bytes at its start, freed at its unit's end when
-        ``transient``."""
+        overlaps the previous unit's compute. Returns when the last pending unit ends and the memory
+        changes ``(time, bytes)``: each gather's bytes at its start, freed at its unit's end when
+        ``transient``. The share no pending unit covers (a backward's root, still gathered) runs
+        after them: :meth:`run_compute` ends the block no earlier than its full duration."""
         pending = self.pending_unshard.pop(r, [])
         blk = ins.block
         group = self.plan.shard_group(r)
@@ -216,7 +217,7 @@ class SimState:
             self.unit_end[(r, blk, u.bucket)] = t
             if u.transient:
                 mem.append((t, -u.transient))
-        return max(t, start + (ins.duration if not pending else 0.0)), mem
+        return t, mem
 
     def run_compute(self, ranks: list[int], ins: Instruction) -> None:
         """Run compute block ``ins`` on ``ranks`` together: its event, the tensor-parallel

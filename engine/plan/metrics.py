@@ -23,7 +23,7 @@ from engine.cost import CostModel
 from engine.cost.calibrate import CalibratedCost, Calibration
 from engine.dependency import ExecutionPlan
 from engine.plan.lowering import lower_plan
-from engine.precision import get_policy
+from engine.precision import PrecisionPolicy, get_policy
 from engine.recompute import plan_granularities
 from engine.simulate import simulate
 from engine.timeline import Timeline
@@ -238,7 +238,7 @@ def memory_advice(plan: Plan) -> str:
                           "add devices, tensor or pipeline parallelism, or a larger device")
 
 
-def _fsdp_states(param_bytes: int, pol, dp_shard: int, pp: int) -> float:
+def _fsdp_states(param_bytes: int, pol: PrecisionPolicy, dp_shard: int, pp: int) -> float:
     """About the bytes of a device's ``param_bytes`` of weights and their states under FSDP over
     ``dp_shard`` ranks (:meth:`engine.precision.PrecisionPolicy.fsdp_bytes_per_param`); with a
     pipeline the stage stays gathered, its parameters and gradients whole."""

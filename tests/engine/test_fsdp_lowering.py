@@ -150,3 +150,17 @@ def test_the_degrees_are_checked_and_kept_in_the_plan_json():
     assert ParallelConfig.from_dict(ParallelConfig(dp=2).to_dict()).dp_shard == 1
     assert ParallelConfig(dp=2, dp_shard=2).resharded_after_forward
     assert not ParallelConfig(dp=2, dp_shard=2, pp=2).resharded_after_forward
+
+
+def test_the_backward_keeps_the_roots_share_of_the_compute():
+    """A root unit (still gathered in the backward, so not gathered again) keeps its share of the
+    backward's compute: the block lasts its whole duration, the block gather running meanwhile."""
+    pl = pipeline_placement(1, forward=2.0, backward=4.0, static_memory=[12 * MB])
+    plan = lower(build_schedule("1f1b", pl, 1), dp=2, dp_shard=2, segment_param_bytes={0: 2 * MB},
+                 fsdp_units={0: [(MB, 1.0), (MB, 1.0)]})
+    tl = simulate(plan, _Cost())
+    f, b = (next(e for e in tl.events if e.op == k) for k in ("F", "B"))
+    assert (f.start, f.end) == (0.0, 2.5)   # the root's gather exposed, the block's prefetched
+    assert (b.start, b.end) == (2.5, 6.5)   # the block's 2 s after its gather, and the root's 2 s
+    g = _events(tl, "ALLGATHER")[-1]
+    assert (g.start, g.end) == (2.5, 3.0)   # the block's gather, issued when the backward starts

@@ -43,26 +43,6 @@ _RUNS: dict = {}
 _REFS: dict = {}
 
 
-# ----------------------------------------------------------------------------- task (runs in a pool process)
-def _task(task: dict) -> dict:
-    """One rank: set up, load ``task["state"]`` when given, run ``task["steps"]``; returns setup's info,
-    per step the losses, the events and the optimizer state bytes, the final state and the stream."""
-    from runtime.worker import StageWorker, WorkerConfig
-
-    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
-                    config=WorkerConfig(timeout_s=60.0))
-    try:
-        info = w.setup()
-        if task.get("state") is not None:
-            w.load_state_dict(task["state"])
-        outs = [w.step(i, task["batches"][i]) for i in task["steps"]]
-        return {"info": info, "losses": [o["losses"] for o in outs], "events": [o["events"] for o in outs],
-                "state_bytes": [o["optimizer_state_bytes"] for o in outs], "state": w.state_dict(),
-                "stream": [str(i) for i in w.stream]}
-    finally:
-        w.shutdown()
-
-
 @pytest.fixture(scope="module")
 def pool():
     p = WorkerPool(4)
@@ -95,7 +75,7 @@ def _train(pool, model: str, schedule: str, transforms: tuple[str, ...] = (), op
         plan = _plan(model, schedule, transforms, optimizer, tp)
         batches = _batches(plan)
         task = {"plan": plan.to_dict(), "batches": batches, "steps": list(range(STEPS)), "fresh_process": tp > 1}
-        _RUNS[key] = (plan, batches, pool.run_ok("test_coconet_dp:_task", task, world=4))
+        _RUNS[key] = (plan, batches, pool.run_ok("worker_harness:step_task", task, world=4))
     return _RUNS[key]
 
 
@@ -237,10 +217,10 @@ def test_a_sharded_update_checkpoint_resumes_exactly(pool, optimizer, model):
     the losses and the parameters equal 3 uninterrupted steps."""
     plan, batches, whole = _train(pool, model, "1f1b", ("sharded-update",), optimizer)
     task = {"plan": plan.to_dict(), "batches": batches}
-    first = pool.run_ok("test_coconet_dp:_task", dict(task, steps=[0, 1]), world=4)
+    first = pool.run_ok("worker_harness:step_task", dict(task, steps=[0, 1]), world=4)
     shard = first[0]["state"]["optimizer"]["shard"]
     assert shard["dp"] == DP and shard["index"] == 0 and first[2]["state"]["optimizer"]["shard"]["index"] == 1
-    second = pool.run_ok("test_coconet_dp:_task", dict(task, steps=[2]), world=4,
+    second = pool.run_ok("worker_harness:step_task", dict(task, steps=[2]), world=4,
                          per_rank={r: {"state": first[r]["state"]} for r in range(4)})
     assert _losses(second) == _losses(whole)[2:]
     for k, v in _merged(whole).items():

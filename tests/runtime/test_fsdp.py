@@ -34,27 +34,6 @@ MBS, SEQ, M = 2, 16, 4
 _REFS: dict = {}
 
 
-def _task(task: dict) -> dict:
-    """One rank (a pool task): set up, load ``task["state"]`` when given, run ``task["steps"]``;
-    returns setup's info, per step the losses and optimizer state bytes, the final state, the stream."""
-    from runtime.worker import StageWorker, WorkerConfig
-
-    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
-                    config=WorkerConfig(timeout_s=60.0))
-    try:
-        info = w.setup()
-        if task.get("state") is not None:
-            w.load_state_dict(task["state"])
-        outs = [w.step(i, task["batches"][i]) for i in task["steps"]]
-        evaluated = w.evaluate(task["batches"][0]) if task.get("evaluate") else None
-        return {"info": info, "losses": [o["losses"] for o in outs], "evaluated": evaluated,
-                "state_bytes": [o["optimizer_state_bytes"] for o in outs], "state": w.state_dict(),
-                "activations": [o["peak_activation_memory"] for o in outs],
-                "stream": [str(i) for i in w.stream]}
-    finally:
-        w.shutdown()
-
-
 @pytest.fixture(scope="module")
 def pool():
     p = WorkerPool(4)
@@ -83,7 +62,7 @@ def _batches(plan) -> list[tuple]:
 def _run(pool, plan, batches, steps=range(STEPS), per_rank=None, evaluate: bool = False) -> dict:
     task = {"plan": plan.to_dict(), "batches": batches, "steps": list(steps), "fresh_process": True,
             "evaluate": evaluate}
-    return pool.run_ok("test_fsdp:_task", task, world=plan.parallel.devices, per_rank=per_rank)
+    return pool.run_ok("worker_harness:step_task", task, world=plan.parallel.devices, per_rank=per_rank)
 
 
 def _reference(plan, batches, key):

@@ -94,6 +94,30 @@ def train_task(task: dict) -> dict:
         w.shutdown()
 
 
+def step_task(task: dict) -> dict:
+    """A pool task (``"worker_harness:step_task"``): set up one ``StageWorker`` rank of
+    ``task["plan"]``, load ``task["state"]`` when given, run ``w.step(i, task["batches"][i])`` for
+    each ``i`` of ``task["steps"]`` and, with ``task["evaluate"]``, evaluate the first batch. Returns
+    setup's ``info``, per step the ``losses``, ``events``, ``state_bytes`` (optimizer state bytes)
+    and ``activations`` (peak activation bytes), ``evaluated``, the final ``state`` and ``stream``."""
+    from runtime.worker import StageWorker, WorkerConfig
+
+    w = StageWorker(task["plan"], task["rank"], task["world"], "127.0.0.1", task["port"],
+                    config=WorkerConfig(timeout_s=60.0))
+    try:
+        info = w.setup()
+        if task.get("state") is not None:
+            w.load_state_dict(task["state"])
+        outs = [w.step(i, task["batches"][i]) for i in task["steps"]]
+        evaluated = w.evaluate(task["batches"][0]) if task.get("evaluate") else None
+        return {"info": info, "losses": [o["losses"] for o in outs], "events": [o["events"] for o in outs],
+                "state_bytes": [o["optimizer_state_bytes"] for o in outs],
+                "activations": [o["peak_activation_memory"] for o in outs], "evaluated": evaluated,
+                "state": w.state_dict(), "stream": [str(i) for i in w.stream]}
+    finally:
+        w.shutdown()
+
+
 def _pool_main(slot: int, tasks, results) -> None:
     torch.set_num_threads(1)
     import transformers  # noqa: F401
