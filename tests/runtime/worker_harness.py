@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import io
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import queue
 import time
@@ -29,6 +30,7 @@ import traceback
 import pytest
 import torch
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 TASK_TIMEOUT = 120.0   # seconds for one multi-process task (normally a few seconds)
 
 _STAGE_CACHE: dict = {}
@@ -167,11 +169,10 @@ def free_port() -> int:
     return rendezvous_port("127.0.0.1")
 
 
-#: What the fork server imports once, so each rank's process starts in milliseconds instead of the
-#: five seconds that importing torch, transformers and the runtime takes (on two cores, that import
-#: was most of a tensor-parallel test, whose ranks each need a fresh process).
-PRELOAD = ["torch", "transformers", "torch.distributed.pipelining", "torch.distributed.tensor",
-           "runtime.stages", "runtime.worker"]
+#: What the fork server imports once (:mod:`forkserver_preload`: torch, transformers' model classes,
+#: the runtime, this module; then ``gc.freeze()``), so each rank's process starts in milliseconds
+#: instead of the seconds that importing them takes on two cores.
+PRELOAD = ["forkserver_preload"]
 
 
 def _context():
@@ -183,6 +184,17 @@ def _context():
         return torch.multiprocessing.get_context("spawn")
     ctx = torch.multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    # Python 3.11's fork server ignores the parent's sys.path and skips a preload it cannot import
+    # without a word: start it with this folder on its PYTHONPATH
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, saved) if p)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     return ctx
 
 
