@@ -241,6 +241,12 @@ def config_model_spec(name: str) -> ModelSpec:
                      _hf_config.config_task(name))
 
 
+def registered_spec(name: str) -> ModelSpec | None:
+    """The :class:`ModelSpec` registered under ``name`` (built in or by :func:`register_model`), or
+    ``None`` (user code, a config path, an unknown name)."""
+    return _REGISTRY.get(name)
+
+
 def model_spec(name: str) -> ModelSpec:
     """The registered model ``name``, or the model of a Hugging Face config path
     (:func:`config_model_spec`: a name ending in ``.json`` or an existing folder).

@@ -42,6 +42,7 @@ from engine.models.moe.comm import (
 )
 from engine.models.moe.hf_moe import traceable_experts
 from engine.placement import Placement, recompute_in_split_backward
+from engine.plan import capture_cache
 from engine.plan.limits import MemoryLimitError, check_memory_limit
 from engine.plan.metrics import memory_advice, predict_execution
 from engine.precision import get_policy, plan_precision
@@ -435,6 +436,10 @@ def capture_model(model: str | ModelBundle, config: ParallelConfig, *, task: str
     tdtype = getattr(torch, dtype, None)
     if not isinstance(tdtype, torch.dtype):
         raise TransformError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    key = capture_cache.cache_key(model, config.micro_batch_size, seq_len, dtype, task)
+    kept = capture_cache.get(key)
+    if kept is not None:   # the same built-in model traced before at this shape, dtype and task
+        return recheck_capture(kept, config, recomputes=recomputes)
     bundle = model if isinstance(model, ModelBundle) else build_model(
         model, batch_size=config.micro_batch_size, seq_len=seq_len, dtype=tdtype, task=task)
     if task is not None:
@@ -444,7 +449,9 @@ def capture_model(model: str | ModelBundle, config: ParallelConfig, *, task: str
     split = _checked_split(bundle, moe_layers, config, recomputes)
     with traceable_experts(bundle.module):
         graph = capture(bundle.module, bundle.example_inputs, name=bundle.name)
-    return CapturedModel(bundle, graph, moe_layers, split)
+    captured = CapturedModel(bundle, graph, moe_layers, split)
+    capture_cache.put(key, CapturedModel(bundle, graph, moe_layers, split))
+    return captured
 
 
 def recheck_capture(captured: CapturedModel, config: ParallelConfig, *,
