@@ -85,6 +85,7 @@ def tessel_search(
     *,
     memory_limit: float | list[float] | None = None,
     time_limit: float = 10.0,
+    wall_limit: float | None = None,
     seed: int = 0,
     resolution: float | None = None,
     lags: dict[tuple[int, int], float] | None = None,
@@ -121,6 +122,12 @@ def tessel_search(
             (:data:`~engine.tessel.period_search.MODEL_INSTANCES_PER_S`), and the seed phase is
             skipped where it would not fit :data:`~engine.tessel.budget.SEED_SHARE` of the limit
             (:class:`~engine.tessel.budget.SearchBudget`).
+        wall_limit: wall-clock seconds for the whole search where they should be more than
+            ``time_limit``, which then only sizes the phases' deterministic budgets. The budgets
+            take about 40-60% of ``time_limit`` on an idle 2-core x86 machine, so a machine more than
+            about 1.7x slower (or as loaded) can end a phase on the wall clock (``wall_guard_hit``)
+            and give another schedule; ``wall_limit=3 * time_limit`` keeps the idle machine's
+            schedule there. ``None`` (default): ``time_limit``.
         seed: CP-SAT random seed; with ``workers=1`` the result is deterministic (the completion
             runs on CP-SAT's deterministic time; only a repetend solve that ends on its wall-clock
             cap, ``timed_out``, or a completion on a machine so loaded that its wall-clock guard
@@ -191,12 +198,14 @@ def tessel_search(
         SearchCancelled: cancelled before the search started.
         TesselError: ``m < 1``, a bad objective, ``max_window_micro_batches < 1``, a
             ``window_micro_batches`` that is not a positive integer, a time limit that
-            is not a positive number, or one shorter than building and checking the schedule alone
-            takes (blocks x ``m`` / :data:`~engine.tessel.budget.FINISH_INSTANCES_PER_S` seconds,
-            and :data:`~engine.tessel.budget.FALLBACK_INSTANCES_PER_S` with ``fallback_baselines``).
+            is not a positive number, a wall limit shorter than it, or a time limit shorter than
+            building and checking the schedule alone takes (blocks x ``m`` /
+            :data:`~engine.tessel.budget.FINISH_INSTANCES_PER_S` seconds, and
+            :data:`~engine.tessel.budget.FALLBACK_INSTANCES_PER_S` with ``fallback_baselines``).
     """
-    _check_arguments(m, objective, max_window_micro_batches, window_micro_batches, control, time_limit)
-    budget = SearchBudget.for_search(placement, m, time_limit, fallback_baselines=fallback_baselines)
+    _check_arguments(m, objective, max_window_micro_batches, window_micro_batches, control, time_limit, wall_limit)
+    budget = SearchBudget.for_search(placement, m, time_limit, fallback_baselines=fallback_baselines,
+                                     wall_limit=wall_limit)
     task = _Task.make(placement, m, memory_limit=memory_limit, lags=lags, comm=comm, tail=tail, evaluate=evaluate,
                       resolution=resolution, objective=objective, seed=seed, workers=workers, control=control)
     rate_s = _rate_bound(task, budget)
@@ -217,7 +226,7 @@ def tessel_search(
 
 
 def _check_arguments(m: int, objective: str, max_window_micro_batches: int, window_micro_batches: int | None,
-                     control: SearchControl | None, time_limit: float) -> None:
+                     control: SearchControl | None, time_limit: float, wall_limit: float | None) -> None:
     """The checks of :func:`tessel_search`'s arguments that need no placement (its ``Raises``)."""
     if m < 1:
         raise TesselError(f"need at least one micro-batch, got m={m}")
@@ -235,6 +244,10 @@ def _check_arguments(m: int, objective: str, max_window_micro_batches: int, wind
         raise SearchCancelled("the search was cancelled before it started")
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise TesselError(f"the time limit must be a positive number of seconds, got {time_limit!r}")
+    if wall_limit is not None and not (isinstance(wall_limit, (int, float)) and math.isfinite(wall_limit)
+                                       and wall_limit >= time_limit):
+        raise TesselError(f"the wall limit must be a number of seconds no shorter than the time limit "
+                          f"({time_limit:g} s), got {wall_limit!r}")
 
 
 def _limits(placement: Placement, memory_limit) -> list[float] | None:

@@ -67,7 +67,9 @@ def _orders(res):
 @pytest.mark.serial
 def test_same_seed_same_schedule_under_load():
     pl = make_shape("nn", 4, activation=2)
-    kw = dict(memory_limit=18, time_limit=10, seed=3)
+    # the phases' deterministic budgets are shares of time_limit; the wall clock gets three times
+    # that, room for the 1.3-2.3x slowdown two busy loops cause on two cores (engine/tessel/budget.py)
+    kw = dict(memory_limit=18, time_limit=10, wall_limit=30, seed=3)
     quiet = tessel_search(pl, 16, **kw)
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
@@ -95,3 +97,26 @@ def test_cli_json_reports_search_completion_and_total(tmp_path):
         assert data[key] >= 0
     assert data["total_time"] >= data["search_time"] + data["completion_time"] - 1e-6
     assert data["rounded"] is False
+
+
+def test_a_wall_limit_stretches_the_wall_clock_only(monkeypatch):
+    """``wall_limit`` moves the deadline every phase is guarded by; the phases' deterministic
+    budgets stay shares of ``time_limit``, so an idle machine gives the same schedule either way."""
+    from engine.tessel.budget import SearchBudget
+
+    pl = make_shape("m", 4, activation=2)
+    made = []
+    orig = SearchBudget.for_search.__func__
+
+    def spy(cls, *a, **k):
+        made.append(orig(cls, *a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(SearchBudget, "for_search", classmethod(spy))
+    plain = tessel_search(pl, 8, memory_limit=6, time_limit=2, seed=1)
+    wide = tessel_search(pl, 8, memory_limit=6, time_limit=2, wall_limit=6, seed=1)
+    assert made[1].deadline - made[1].t_start == pytest.approx(made[0].deadline - made[0].t_start + 4)
+    assert made[1].clock.total_s == made[0].clock.total_s
+    assert made[1].completion_cap_s == made[0].completion_cap_s
+    assert not plain.wall_guard_hit and not wide.wall_guard_hit
+    assert _orders(plain) == _orders(wide)

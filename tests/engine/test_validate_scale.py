@@ -191,3 +191,6 @@ def test_search_refuses_a_time_limit_it_cannot_keep():
     for bad in (0, -1, float("nan"), float("inf")):
         with pytest.raises(TesselError, match="time limit must be a positive number"):
             tessel_search(pl, 2, time_limit=bad)
+    for bad in (5.0, float("nan"), float("inf"), "20"):
+        with pytest.raises(TesselError, match=r"wall limit must be a number of seconds no shorter than the time limit"):
+            tessel_search(pl, 2, time_limit=10.0, wall_limit=bad)
