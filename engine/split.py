@@ -15,10 +15,10 @@ Three methods cut a model into pipeline stages (``runtime.stages.build_stages``)
   GPT-2 models, the in-project GPT): each stage is a copy of the model keeping its embedding
   (first stage), its run of decoder blocks, and its final norm and LM head (last stage), run
   eagerly. Tensor parallelism needs it (``parallelize_module`` shards the blocks' ``nn.Linear``
-  projections, which tracing would flatten into graph ops); plans with ``tp > 1`` use it where
-  the family can be sharded (not GPT-2, whose projections are transformers' ``Conv1D``), and so
-  do plans with activation recomputation (``torch.utils.checkpoint`` wraps each decoder block,
-  which an exported graph no longer has).
+  projections, and GPT-2's ``Conv1D`` ones, which tracing would flatten into graph ops); plans
+  with ``tp > 1`` use it where the family can be sharded, and so do plans with activation
+  recomputation (``torch.utils.checkpoint`` wraps each decoder block, which an exported graph no
+  longer has).
 
 Source: torch.distributed.pipelining (``pipeline``, ``SplitPoint``); torchtitan
 ``torchtitan/distributed/pipeline.py``.
@@ -42,8 +42,7 @@ SPLIT_METHODS: tuple[str, ...] = get_args(SplitMethod)
 
 
 def choose_split(module: nn.Module, tp: int = 1, recompute: str = "none", dp_shard: int = 1) -> SplitMethod:
-    """``"layers"`` with tensor parallelism (``tp > 1``; not for Hugging Face GPT-2, whose ``Conv1D``
-    projections no tensor-parallel plan shards), activation recomputation (``recompute`` not
+    """``"layers"`` with tensor parallelism (``tp > 1``), activation recomputation (``recompute`` not
     ``"none"``, :mod:`engine.recompute`) or fully sharded data parallelism (``dp_shard > 1``: FSDP2's
     ``fully_shard`` wraps each eager transformer block, ``runtime.fsdp``) for a decoder-only LM the
     layer split supports (the runtime refuses the plan otherwise, naming the model), and always for the
@@ -76,10 +75,10 @@ def supports_layer_split(module: nn.Module) -> bool:
 
 def supports_tensor_parallel_split(module: nn.Module) -> bool:
     """Whether the layer split can cut ``module`` into stages tensor parallelism shards
-    (``runtime.tensor_parallel``): :func:`supports_layer_split`, except Hugging Face GPT-2, whose
-    fused ``Conv1D`` projections neither DTensor's parallel styles nor a transformers
-    ``base_model_tp_plan`` cover."""
-    return supports_layer_split(module) and not is_hf_gpt2(module)
+    (``runtime.tensor_parallel``): :func:`supports_layer_split` (Hugging Face GPT-2 included: its
+    ``Conv1D`` projections are sharded by ``runtime.conv1d_parallel`` on a plan derived from its
+    graph)."""
+    return supports_layer_split(module)
 
 
 def is_hf_gpt2(module: nn.Module) -> bool:

@@ -79,15 +79,29 @@ from torch.distributed.tensor.parallel import (
 from engine.errors import TesselError
 from engine.models.gpt import CausalSelfAttention
 from runtime.chunked_overlap import ChunkedRowwiseParallel
+from runtime.conv1d_parallel import Conv1DColwiseParallel, Conv1DRowwiseParallel, is_conv1d
 from runtime.stages.layer_split import GPTStage, HFDecoderStage, HFGPT2Stage
 
-__all__ = ["GPT_SP_PLAN", "GPT_TP_PLAN", "HF_SP_PLAN", "TensorParallelError", "apply_tensor_parallel",
-           "coconet_tp_refusal", "has_lm_head", "local_grad", "local_tensor", "shard_dims", "shard_view",
-           "stage_tp_plan", "to_local_state", "from_local_state"]
+__all__ = ["GPT_SP_PLAN", "GPT_TP_PLAN", "HF_GPT2_TP_PLAN", "HF_SP_PLAN", "TensorParallelError",
+           "apply_tensor_parallel", "coconet_tp_refusal", "has_lm_head", "local_grad", "local_tensor", "shard_dims",
+           "shard_view", "stage_tp_plan", "to_local_state", "from_local_state"]
 
 #: The in-project GPT's plan: module path pattern -> style name (``engine.models.gpt``).
 GPT_TP_PLAN = {
     "transformer.h.*.attn.c_attn": "colwise",
+    "transformer.h.*.attn.c_proj": "rowwise",
+    "transformer.h.*.mlp.c_fc": "colwise",
+    "transformer.h.*.mlp.c_proj": "rowwise",
+}
+
+
+#: A Hugging Face GPT-2's plan, derived from its graph as Megatron-LM pairs its projections (transformers
+#: publishes none: its projections are ``Conv1D``, :mod:`runtime.conv1d_parallel`): the fused query/key/value
+#: ``c_attn`` column-parallel in its three parts (``packed_colwise:3``: each rank computes whole heads of all
+#: three), the attention output and the MLP's down projection row-parallel, the MLP's up projection
+#: column-parallel.
+HF_GPT2_TP_PLAN = {
+    "transformer.h.*.attn.c_attn": "packed_colwise:3",
     "transformer.h.*.attn.c_proj": "rowwise",
     "transformer.h.*.mlp.c_fc": "colwise",
     "transformer.h.*.mlp.c_proj": "rowwise",
@@ -168,9 +182,8 @@ def _family_plan(stage: Any) -> tuple[dict[str, str], str, str, dict[str, int]]:
                  "key/value heads": int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)}
         return ({f"model.{k}": v for k, v in plan.items()}, "model.embed_tokens", "lm_head", sizes)
     if isinstance(stage, HFGPT2Stage):
-        raise TensorParallelError("GPT-2's attention and MLP projections are transformers' Conv1D (weights stored "
-                                  "transposed), which neither DTensor's colwise/rowwise styles nor a transformers "
-                                  "tensor-parallel plan shard; use tp=1 for this model")
+        cfg = stage.transformer.config
+        return dict(HF_GPT2_TP_PLAN), "transformer.wte", "lm_head", {"attention heads": int(cfg.n_head)}
     raise TensorParallelError(f"a {type(stage).__name__} stage cannot be tensor-parallel: build the plan's stages "
                               "with the layer split (plan.model.split = 'layers')")
 
@@ -220,10 +233,24 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
 
     out: dict[str, Any] = {}
     for path, style in block_plan.items():
-        if style not in ("colwise", "rowwise"):
+        packed = _packed(style)
+        if style not in ("colwise", "rowwise") and not packed:
             raise TensorParallelError(f"the model's tensor-parallel plan shards {path!r} as {style!r}; the runtime "
                                       "executes 'colwise' and 'rowwise' layers only, use tp=1 for this model")
-        if present(path):   # a stage without blocks (M's embedding, head) has none
+        found = present(path)
+        if not found:   # a stage without blocks (M's embedding, head) has none
+            continue
+        conv1d = is_conv1d(stage.get_submodule(found[0]))
+        if packed and not conv1d:
+            raise TensorParallelError(f"the plan shards {path!r} as {style!r}, which the runtime executes on "
+                                      "transformers' Conv1D layers only; use tp=1 for this model")
+        if conv1d and (sequence_parallel or overlap_chunks):
+            raise TensorParallelError(f"{type(stage).__name__}'s projections are Conv1D layers, which 'tp-split' and "
+                                      "'chunked-overlap' do not shard; plan it without CoCoNet's tensor-parallel "
+                                      "transformations")
+        if conv1d:
+            out[path] = Conv1DColwiseParallel(packed=packed or 1) if style != "rowwise" else Conv1DRowwiseParallel()
+        else:
             out[path] = ColwiseParallel() if style == "colwise" else rowwise()
     if sequence_parallel:
         if hf:
@@ -265,6 +292,12 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
     return out
 
 
+def _packed(style: str) -> int:
+    """The parts of a ``packed_colwise:K`` style (0 for any other style)."""
+    name, _, k = style.partition(":")
+    return int(k) if name == "packed_colwise" and k.isdigit() and int(k) > 1 else 0
+
+
 def _has(module: nn.Module, path: str) -> bool:
     try:
         return module.get_submodule(path) is not None
@@ -295,6 +328,8 @@ def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False
         names.setdefault(id(p), []).append(name)
     shared = [v for v in names.values() if len(v) > 1]
     parallelize_module(stage, mesh, plan)
+    if isinstance(stage, HFGPT2Stage):
+        _localize_gpt2_attention(stage, tp)
     for group in shared:
         keep = stage.get_parameter(group[0])
         for name in group[1:]:
@@ -309,6 +344,19 @@ def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False
         stage_any: Any = stage
         stage_any.sequence_mesh = mesh
     return shard_dims(stage)
+
+
+def _localize_gpt2_attention(stage: nn.Module, tp: int) -> None:
+    """GPT-2's attention splits its fused ``c_attn`` output into query, key and value by
+    ``split_size`` (the hidden size); column-parallel in three parts, each rank's output holds
+    ``H/tp`` features of each, so its attention modules split by ``H/tp`` and run ``heads/tp``
+    heads (their views infer the head count from the shape)."""
+    for m in stage.modules():
+        attn: Any = m
+        if is_conv1d(getattr(attn, "c_attn", None) or nn.Identity()) and hasattr(attn, "split_size"):
+            attn.split_size //= tp
+            attn.embed_dim //= tp
+            attn.num_heads //= tp
 
 
 def shard_dims(module: nn.Module) -> dict[str, int]:

@@ -22,6 +22,7 @@ from engine.baselines import build_schedule, placement_requirements
 from engine.coconet import (
     DEFAULT_GRAD_BUCKET_BYTES,
     DEFAULT_OVERLAP_CHUNKS,
+    CoCoNetError,
     check_transforms,
     parse_transforms,
 )
@@ -48,7 +49,7 @@ from engine.plan.metrics import memory_advice, predict_execution
 from engine.precision import get_policy, plan_precision
 from engine.recompute import check_recompute, stage_granularities
 from engine.schedule import Schedule
-from engine.split import choose_split
+from engine.split import choose_split, is_hf_gpt2
 from engine.timeline import Timeline
 from engine.transform import (
     LOSS_PARALLEL_TASKS,
@@ -480,6 +481,12 @@ def _checked_split(bundle: ModelBundle, moe_layers: list[MoELayer], config: Para
     split = choose_split(bundle.module, config.tp, "full" if recomputes else "none", config.dp_shard)
     check_transforms(config.transforms, dp=config.dp, tp=config.tp, pp=config.pp, optimizer=config.optimizer,
                      split=split, expert_parallel=config.dp > 1 and bool(moe_layers), seq_len=bundle.seq_len)
+    if config.tp > 1 and is_hf_gpt2(bundle.module):
+        for name in ("tp-split", "chunked-overlap"):
+            if name in parse_transforms(config.transforms):
+                raise CoCoNetError(f"transformation {name!r} rewrites row-parallel nn.Linear layers, but "
+                                   f"{bundle.name!r} is a GPT-2, whose projections are transformers' Conv1D, which "
+                                   f"tensor parallelism shards without it; plan it without {name!r}")
     return split
 
 

@@ -58,7 +58,7 @@ def check_executable(plan: Any) -> None:
         raise RuntimeNotSupported(
             f"the plan uses tensor parallelism (tp={tp}) but its stages are built with the "
             f"{plan.model.split or 'default'!r} split; tensor parallelism runs on eager decoder stages (split "
-            "'layers'), which `tessel plan --tp` records for Llama-family models and tessel-gpt; "
+            "'layers'), which `tessel plan --tp` records for Llama-family models, GPT-2 and tessel-gpt; "
             f"{plan.model.name!r} is not one of them, so plan it with --tp 1")
     why = recompute_refusal(plan)
     if why:

@@ -19,8 +19,8 @@ Three decoder-only families and the two-tower model are supported (:func:`layer_
 - ``"hf-gpt2"``: Hugging Face GPT-2 (``GPT2LMHeadModel``: ``transformer.wte``, ``wpe``, ``drop``,
   ``h``, ``ln_f``, ``lm_head``), as ``GPT2Model.forward`` runs it: the first stage adds the
   position embedding, each stage builds the causal mask with transformers' ``create_causal_mask``
-  from the hidden state (:class:`HFGPT2Stage`). Activation recomputation runs on it; tensor
-  parallelism does not (its projections are ``Conv1D``, which no tensor-parallel plan shards).
+  from the hidden state (:class:`HFGPT2Stage`). Activation recomputation and tensor parallelism
+  run on it (its ``Conv1D`` projections: :mod:`runtime.conv1d_parallel`).
 - ``"tessel-gpt"``: the in-project :class:`engine.models.gpt.GPT` (``transformer.wte``, ``wpe``,
   ``h``, ``ln_f``, ``lm_head``).
 - ``"two-tower"``: the in-project two-tower model (``text`` and ``code`` towers, then ``head``).

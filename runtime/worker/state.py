@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from runtime.conv1d_parallel import packed_parts, unpack
 from runtime.expert_parallel_hf import HFExpertParallel
 from runtime.tensor_parallel import from_local_state, local_tensor
 from runtime.worker.device import cpu_copy
@@ -67,6 +68,8 @@ def worker_state(w: CheckpointSource, *, compact: bool = False) -> dict:
     [first expert, end expert, E]}}``; ``expert_slices`` names the entries that hold only this
     replica's rows ``[first, end)`` of an ``[E, ...]`` expert parameter (HF MoE blocks under
     expert parallelism; empty otherwise); ``tp_shards`` ``{param name: [dim, shard index, shards]}``
+    (``[dim, shard index, shards, parts]`` for a parameter sharded part by part,
+    :mod:`runtime.conv1d_parallel`)
     names the entries that hold only this rank's shard (tensor rank of ``tp``, or the rank's place in
     a multi-device block's device set) (tensor parallelism saves each rank's local shard,
     no collective); ``aliases``: the unsplit model's names of each shared
@@ -84,7 +87,11 @@ def worker_state(w: CheckpointSource, *, compact: bool = False) -> dict:
     opt = w.opt.state_dict(compact=compact)
     slices = {k: v for s in w.segments for k, v in expert_slices(w.modules[s]).items()}
     tp_dims = getattr(w, "tp_dims", {})   # absent on stand-ins built without tensor parallelism (test stubs)
-    shards = {k: [dim, *w.seg_shard[s]] for s in w.segments for k, dim in tp_dims.get(s, {}).items()}
+    shards = {}
+    for s in w.segments:
+        parts = packed_parts(w.modules[s])   # GPT-2's c_attn: query, key and value sharded part by part
+        for k, dim in tp_dims.get(s, {}).items():
+            shards[k] = [dim, *w.seg_shard[s], *([parts[k]] if k in parts else [])]
     fsdp: set[int] = getattr(w, "fsdp", set())   # absent on stand-ins (test stubs)
     fsdp_shards = {k: [0, *w.fsdp_shards] for s in w.segments if s in fsdp
                    for k, v in w.modules[s].state_dict(keep_vars=True).items() if isinstance(v, DTensor)}
@@ -127,7 +134,9 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
         experts ``[E/dp, ...]`` per replica) are concatenated along dim 0 in expert order into the
         full ``[E, ...]`` tensor. Tensor-parallel entries (a state's ``tp_shards``: ``[dim, tp_rank,
         tp]``) are concatenated along ``dim`` in tensor-rank order (DTensor's ``Shard(dim)`` layout,
-        even shards). Fully sharded entries (``fsdp_shards``: ``[0, shard index, dp_shard]``) are first
+        even shards); ``[dim, tp_rank, tp, parts]`` entries were sharded part by part (GPT-2's fused
+        query/key/value, :func:`runtime.conv1d_parallel.unpack` restores the unsplit
+        layout). Fully sharded entries (``fsdp_shards``: ``[0, shard index, dp_shard]``) are first
         concatenated along dim 0 in shard order, per tensor rank (FSDP2 shards each tensor-parallel
         shard; replicas of HSDP hold the same shards, the lowest rank's are taken). A parameter the
         unsplit model shares under several names (a state's ``aliases``: T5's ``shared.weight`` and
@@ -144,6 +153,7 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
     alias_groups: list[list[str]] = []
     shards: dict[str, tuple[int, int, dict[int, torch.Tensor]]] = {}
     fsdp: dict[str, tuple[int, dict[tuple[int, int], torch.Tensor]]] = {}
+    packed: dict[str, int] = {}
     for sd in sorted(states, key=lambda d: int(d.get("rank", 0))):
         alias_groups += [list(g) for g in sd.get("aliases") or [] if list(g) not in alias_groups]
         sliced = sd.get("expert_slices") or {}
@@ -160,8 +170,10 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
                     lo, hi, e = (int(x) for x in sliced[k])
                     pieces.setdefault(k, {}).setdefault(lo, (hi, e, v))
                 if k in tp_sharded:
-                    dim, t, tp = (int(x) for x in tp_sharded[k])
+                    dim, t, tp = (int(x) for x in tp_sharded[k][:3])
                     shards.setdefault(k, (dim, tp, {}))[2].setdefault(t, v)
+                    if len(tp_sharded[k]) > 3:   # sharded part by part (runtime.conv1d_parallel.pack)
+                        packed[k] = int(tp_sharded[k][3])
     for k, (count, pieces_of) in fsdp.items():   # FSDP's dim-0 shards first: each tensor rank's local tensor
         for t in sorted({t for t, _ in pieces_of}):
             if any((t, i) not in pieces_of for i in range(count)):
@@ -177,7 +189,8 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
         if sorted(by_rank) != list(range(tp)):
             raise WorkerError(f"cannot merge {k}: the states hold tensor-parallel shards {sorted(by_rank)} of "
                               f"{tp}; pass the states of every tensor rank")
-        out[k] = torch.cat([by_rank[t] for t in range(tp)], dim=dim)
+        ordered = [by_rank[t] for t in range(tp)]
+        out[k] = unpack(ordered, packed[k], dim) if k in packed else torch.cat(ordered, dim=dim)
     for k, by_lo in pieces.items():
         e = next(iter(by_lo.values()))[1]
         at, parts = 0, []

@@ -226,16 +226,16 @@ def test_a_recomputing_plan_takes_the_layer_split_the_runtime_needs():
         check_executable(full)
 
 
-def test_gpt2_with_tensor_parallelism_keeps_the_tracer_split_and_is_refused_in_one_sentence():
-    """GPT-2's Conv1D projections have no tensor-parallel plan: even when it recomputes, a tp=2 plan
-    keeps the tracer split, and the runtime refuses it naming the model and --tp 1."""
+def test_a_model_without_the_layer_split_under_tensor_parallelism_is_refused_in_one_sentence():
+    """An encoder (BERT) has no layer split yet: even when it recomputes, a tp=2 plan keeps the
+    tracer split, and the runtime refuses it naming the model and --tp 1."""
     from engine.plan import make_plan
     from runtime.stages import RuntimeNotSupported
     from runtime.stages.checks import check_executable
 
-    plan = make_plan("gpt2-tiny", device_type="cpu", devices=2, tp=2, micro_batches=2, schedule="1f1b",
+    plan = make_plan("bert-tiny", device_type="cpu", devices=2, tp=2, micro_batches=2, schedule="1f1b",
                      recompute="full").plan
     assert plan.model.split == "tracer"
-    with pytest.raises(RuntimeNotSupported, match=r"tp=2.*'gpt2-tiny'.*--tp 1") as e:
+    with pytest.raises(RuntimeNotSupported, match=r"tp=2.*'bert-tiny'.*--tp 1") as e:
         check_executable(plan)
     assert "\n" not in str(e.value)

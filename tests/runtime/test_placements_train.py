@@ -3,7 +3,8 @@
 The M shape as a language model fills it (the embedding and the final norm + LM head each on all
 devices, vocab-parallel, a pipeline of blocks between them: ``engine.shapes.m_model_shape``) and
 the NN shape (all-device blocks at the start and in the middle of a pipeline), searched by Tessel
-with the model's real costs (``engine.plan.model_search.model_search_plan``) for a Llama-style model and
+with the model's real costs (``engine.plan.model_search.model_search_plan``) for a Llama-style model,
+Hugging Face GPT-2 on M (its ``Conv1D`` projections sharded by ``runtime.conv1d_parallel``) and
 a GPT-2-style model (``tessel-gpt``, whose tied ``wte``/``lm_head`` are then two copies sharded over
 all devices in different segments, or, in NN, one sharded copy and one whole) on 2 ranks: each
 all-device segment runs as a tensor-parallel group over its devices (DTensor), the boundary
@@ -41,8 +42,8 @@ def _search_plan(model: str, shape: str, devices: int = 2):
                              time_limit=10).plan
 
 
-@pytest.mark.parametrize("shape", ["m", "nn", "x"])
-@pytest.mark.parametrize("model", ["llama-tiny", "tessel-gpt"])
+@pytest.mark.parametrize("model,shape", [(m, s) for m in ("llama-tiny", "tessel-gpt") for s in ("m", "nn", "x")]
+                         + [("gpt2-tiny", "m")])   # HF GPT-2: Conv1D projections, the derived plan
 def test_all_device_placements_train_like_one_process(pool, model, shape):
     from engine.models import task_for_plan
     from runtime.reference import reference_run
