@@ -26,14 +26,15 @@ Source: torch.distributed.pipelining (``pipeline``, ``SplitPoint``); torchtitan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 from torch import nn
 
 from engine.models.gpt import GPT
 
-__all__ = ["SplitMethod", "SPLIT_METHODS", "choose_split", "is_hf_gpt2", "supports_layer_split",
-           "supports_tensor_parallel_split"]
+__all__ = ["DecoderLayout", "HF_DECODER_LAYOUTS", "SplitMethod", "SPLIT_METHODS", "choose_split",
+           "hf_decoder_layout", "is_hf_gpt2", "supports_layer_split", "supports_tensor_parallel_split"]
 
 SplitMethod = Literal["tracer", "module", "layers"]
 """How the runtime builds a plan's stages (see the module docstring)."""
@@ -59,18 +60,47 @@ def choose_split(module: nn.Module, tp: int = 1, recompute: str = "none", dp_sha
     return "layers" if needs_blocks and supports_layer_split(module) else fallback
 
 
+@dataclass(frozen=True)
+class DecoderLayout:
+    """Where a Hugging Face decoder-only causal LM keeps its parts: ``{base}.{embed}`` (an
+    ``nn.Embedding``), ``{base}.layers`` (an ``nn.ModuleList`` of decoder layers), ``{base}.{norm}``,
+    ``{base}.rotary_emb`` and the ``nn.Linear`` ``{head}``; the base model's ``forward`` takes
+    ``input_ids`` or ``inputs_embeds``."""
+
+    base: str
+    """Attribute of the base model (``"model"``; GPT-NeoX: ``"gpt_neox"``)."""
+    embed: str
+    """Attribute of the token embedding in the base model (``"embed_tokens"``; GPT-NeoX: ``"embed_in"``)."""
+    norm: str
+    """Attribute of the final norm in the base model (``"norm"``; GPT-NeoX: ``"final_layer_norm"``)."""
+    head: str = "lm_head"
+    """Attribute of the LM head in the causal LM."""
+
+
+#: The layouts the layer split knows: Llama's (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, ...) and GPT-NeoX's.
+HF_DECODER_LAYOUTS = (DecoderLayout("model", "embed_tokens", "norm"),
+                      DecoderLayout("gpt_neox", "embed_in", "final_layer_norm"))
+
+
+def hf_decoder_layout(module: nn.Module) -> DecoderLayout | None:
+    """The :class:`DecoderLayout` of a Hugging Face decoder-only causal LM, or ``None``."""
+    for lay in HF_DECODER_LAYOUTS:
+        inner = getattr(module, lay.base, None)
+        if (isinstance(getattr(module, lay.head, None), nn.Linear) and isinstance(inner, nn.Module)
+                and isinstance(getattr(inner, "layers", None), nn.ModuleList)
+                and isinstance(getattr(inner, lay.embed, None), nn.Embedding)
+                and hasattr(inner, lay.norm) and hasattr(inner, "rotary_emb")):
+            return lay
+    return None
+
+
 def supports_layer_split(module: nn.Module) -> bool:
     """Whether the ``"layers"`` split can cut ``module``: the in-project GPT, the in-project two-tower
-    model, a Hugging Face GPT-2 LM (:func:`is_hf_gpt2`), or a Hugging Face
-    causal LM with ``model.embed_tokens`` (an ``nn.Embedding``), ``model.layers`` (an
-    ``nn.ModuleList``), ``model.norm``, ``model.rotary_emb`` and an ``nn.Linear`` ``lm_head``."""
+    model, a Hugging Face GPT-2 LM (:func:`is_hf_gpt2`), or a Hugging Face causal LM laid out as
+    one of :data:`HF_DECODER_LAYOUTS` (:func:`hf_decoder_layout`)."""
     if isinstance(module, GPT) or _is_two_tower(module) or is_hf_gpt2(module):
         return True
-    inner = getattr(module, "model", None)
-    return (isinstance(getattr(module, "lm_head", None), nn.Linear) and isinstance(inner, nn.Module)
-            and isinstance(getattr(inner, "layers", None), nn.ModuleList)
-            and isinstance(getattr(inner, "embed_tokens", None), nn.Embedding)
-            and hasattr(inner, "norm") and hasattr(inner, "rotary_emb"))
+    return hf_decoder_layout(module) is not None
 
 
 def supports_tensor_parallel_split(module: nn.Module) -> bool:

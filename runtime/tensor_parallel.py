@@ -172,15 +172,18 @@ def _family_plan(stage: Any) -> tuple[dict[str, str], str, str, dict[str, int]]:
         heads = [m.n_head for m in stage.modules() if isinstance(m, CausalSelfAttention)]
         return dict(GPT_TP_PLAN), "transformer.wte", "lm_head", {"attention heads": heads[0]} if heads else {}
     if isinstance(stage, HFDecoderStage):
-        cfg = stage.model.config
+        lay = stage.layout
+        cfg = stage.base.config
         plan = getattr(cfg, "base_model_tp_plan", None) or {}
         if not plan:
             raise TensorParallelError(
-                f"{type(stage.model).__name__} publishes no tensor-parallel plan (config.base_model_tp_plan); "
+                f"{type(stage.base).__name__} publishes no tensor-parallel plan (config.base_model_tp_plan); "
                 "use tp=1 for this model")
         sizes = {"attention heads": int(cfg.num_attention_heads),
                  "key/value heads": int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)}
-        return ({f"model.{k}": v for k, v in plan.items()}, "model.embed_tokens", "lm_head", sizes)
+        # the token embedding is vocab-parallel whatever the plan calls it (GPT-NeoX: "embedding_rowwise")
+        blocks = {f"{lay.base}.{k}": v for k, v in plan.items() if k != lay.embed}
+        return blocks, f"{lay.base}.{lay.embed}", lay.head, sizes
     if isinstance(stage, HFGPT2Stage):
         cfg = stage.transformer.config
         return dict(HF_GPT2_TP_PLAN), "transformer.wte", "lm_head", {"attention heads": int(cfg.n_head)}
@@ -258,7 +261,7 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
             if tuple(rows) != tuple(sorted(_HF_ROWWISE)):
                 raise TensorParallelError(
                     f"'tp-split' needs decoder layers laid out as Llama's (row-parallel {', '.join(_HF_ROWWISE)} "
-                    f"feeding the residual adds); {type(stage.model).__name__}'s plan has row-parallel {rows}, so "
+                    f"feeding the residual adds); {type(stage.base).__name__}'s plan has row-parallel {rows}, so "
                     "plan it without tp-split")
         for path, role in (HF_SP_PLAN if hf else GPT_SP_PLAN).items():
             found = [n for n in present(path) if not isinstance(stage.get_submodule(n), nn.Identity)]
@@ -274,7 +277,7 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
                                                desired_input_kwarg_layouts={kw: Replicate()})
         if hf and present("model.layers.*") and not present("model.layers.*.input_layernorm"):
             raise TensorParallelError(f"'tp-split' needs decoder layers laid out as Llama's (input_layernorm, "
-                                      f"self_attn, post_attention_layernorm, mlp); {type(stage.model).__name__}'s are "
+                                      f"self_attn, post_attention_layernorm, mlp); {type(stage.base).__name__}'s are "
                                       "not, so plan it without tp-split")
     if _has(stage, embed):
         if sequence_parallel:   # the vocab-parallel lookups reduce-scattered over the sequence

@@ -47,6 +47,12 @@ HF_SPECS: dict[str, tuple[str, str, dict[str, Any], int, str]] = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None), 128,
         "HF Llama, 4 layers, hidden 64, 4 heads / 2 KV heads (GQA), byte vocab 256"),
+    "gpt-neox-tiny": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None), 128,
+        "HF GPT-NeoX (Pythia's architecture), 4 layers, hidden 64, 4 heads, partial rotary, parallel "
+        "residual, fused query/key/value, byte vocab 256"),
     "mixtral-tiny": ("MixtralForCausalLM", "MixtralConfig", dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,

@@ -10,7 +10,9 @@ the traced split (:mod:`runtime.stages.split_policy`) flattens them into graph o
 Three decoder-only families and the two-tower model are supported (:func:`layer_split_family`):
 
 - ``"hf-decoder"``: Hugging Face causal LMs built as ``model.embed_tokens``, ``model.layers``,
-  ``model.norm``, ``model.rotary_emb`` and ``lm_head`` (Llama, Mistral, Qwen2, ...): a stage calls
+  ``model.norm``, ``model.rotary_emb`` and ``lm_head`` (Llama, Mistral, Qwen2, ...), or as
+  GPT-NeoX's ``gpt_neox.embed_in`` / ``gpt_neox.layers`` / ``gpt_neox.final_layer_norm`` / ``lm_head``
+  (:class:`engine.split.DecoderLayout`; below in Llama's names): a stage calls
   the model's own ``model(input_ids=...)`` (first stage) or ``model(inputs_embeds=hidden)`` with
   only its own decoder layers left in ``model.layers`` (their original indices kept, so parameter
   names equal the unsplit model's), ``model.norm`` replaced by ``nn.Identity`` except on the last
@@ -48,7 +50,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from engine.models.gpt import GPT
-from engine.split import is_hf_gpt2, supports_layer_split
+from engine.split import hf_decoder_layout, is_hf_gpt2, supports_layer_split
 from runtime.stages.errors import StageSplitError
 from runtime.stages.types import StageModule
 
@@ -72,7 +74,8 @@ def layer_split_refusal(model: nn.Module, name: str) -> str:
     """The sentence saying why ``model`` (called ``name``) has no layer split."""
     return (f"model {name!r} ({type(model).__name__}) cannot be split into eager decoder stages: the layer "
             "split (needed for tensor parallelism) supports Hugging Face decoder-only LMs laid out as "
-            "model.embed_tokens / model.layers / model.norm / lm_head (Llama, Mistral, Qwen2), GPT-2 and the "
+            "model.embed_tokens / model.layers / model.norm / lm_head (Llama, Mistral, Qwen2) or as GPT-NeoX, "
+            "GPT-2 and the "
             "in-project GPT (tessel-gpt); use tp=1 and no recomputation for this model")
 
 
@@ -92,19 +95,28 @@ class HFDecoderStage(StageModule):
 
     def __init__(self, model: nn.Module, layers: Sequence[int], first: bool, last: bool):
         super().__init__()
+        layout = hf_decoder_layout(model)
+        if layout is None:
+            raise StageSplitError(layer_split_refusal(model, type(model).__name__))
+        self.layout = layout
         m: Any = copy.deepcopy(model)
-        base: Any = m.model
+        base: Any = getattr(m, layout.base)
         _keep_children(base.layers, [str(i) for i in layers])
         if not first:
-            base.embed_tokens = None
+            setattr(base, layout.embed, None)
         if not last:
-            base.norm = nn.Identity()
-        self.model = base
-        self.lm_head: Any = m.lm_head if last else None
+            setattr(base, layout.norm, nn.Identity())
+        setattr(self, layout.base, base)   # the unsplit model's parameter names
+        setattr(self, layout.head, getattr(m, layout.head) if last else None)
         self.first, self.last = first, last
         #: ``tp-split`` (sequence parallelism, :mod:`runtime.tensor_parallel`): the tensor-parallel mesh,
         #: set when the stage is sharded that way; ``None`` otherwise
         self.sequence_mesh: Any = None
+
+    @property
+    def base(self) -> Any:
+        """The (pruned) base model: ``self.model`` for Llama's layout, ``self.gpt_neox`` for GPT-NeoX's."""
+        return getattr(self, self.layout.base)
 
     def forward(self, x: torch.Tensor) -> tuple:
         """``x``: token ids ``[B, T]`` (first stage) or the hidden state ``[B, T, H]``; with ``tp-split``
@@ -116,9 +128,9 @@ class HFDecoderStage(StageModule):
         if mesh is not None and not self.first:
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
         kw = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        h = self.model(**kw, use_cache=False).last_hidden_state
+        h = self.base(**kw, use_cache=False).last_hidden_state
         if self.last:
-            return (self.lm_head(h),)
+            return (getattr(self, self.layout.head)(h),)
         to_local = getattr(h, "to_local", None)
         return (to_local() if mesh is not None and to_local is not None else h,)
 
@@ -351,12 +363,14 @@ def split_layers(model: Any, segment_layers: list[list[str]], name: str, *,
         raise StageSplitError(layer_split_refusal(model, name))
     if family == "two-tower":
         return split_two_towers(model, segment_layers, name, chain=chain)
-    prefix, cls = {"hf-decoder": ("model.layers.", HFDecoderStage), "hf-gpt2": ("transformer.h.", HFGPT2Stage),
+    layout = hf_decoder_layout(model)
+    base = layout.base if layout is not None else "model"
+    prefix, cls = {"hf-decoder": (f"{base}.layers.", HFDecoderStage), "hf-gpt2": ("transformer.h.", HFGPT2Stage),
                    "tessel-gpt": ("transformer.h.", GPTStage)}[family]
     S = len(segment_layers)
     blocks = [[i for i in (_block_index(x, prefix) for x in lays) if i is not None] for lays in segment_layers]
     flat = [i for b in blocks for i in b]
-    n_blocks = len(model.model.layers) if family == "hf-decoder" else len(model.transformer.h)
+    n_blocks = len(getattr(model, base).layers) if family == "hf-decoder" else len(model.transformer.h)
     if flat != list(range(n_blocks)):
         raise StageSplitError(
             f"the layer split of {name!r} needs each segment to hold a contiguous run of its {n_blocks} "

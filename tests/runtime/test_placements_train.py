@@ -43,7 +43,7 @@ def _search_plan(model: str, shape: str, devices: int = 2):
 
 
 @pytest.mark.parametrize("model,shape", [(m, s) for m in ("llama-tiny", "tessel-gpt") for s in ("m", "nn", "x")]
-                         + [("gpt2-tiny", "m")])   # HF GPT-2: Conv1D projections, the derived plan
+                         + [("gpt2-tiny", "m"), ("gpt-neox-tiny", "m")])   # GPT-2: Conv1D, the derived plan
 def test_all_device_placements_train_like_one_process(pool, model, shape):
     from engine.models import task_for_plan
     from runtime.reference import reference_run

@@ -55,7 +55,7 @@ def _batches(plan, dp: int) -> list[tuple]:
     return [tuple(task.train_batch(i, dp * M * MBS)) for i in range(STEPS)]
 
 
-@pytest.mark.parametrize("model", ["llama-tiny", "tessel-gpt", "gpt2-tiny"])
+@pytest.mark.parametrize("model", ["llama-tiny", "tessel-gpt", "gpt2-tiny", "gpt-neox-tiny"])
 @pytest.mark.parametrize("dp,tp,pp,schedule", [(1, 2, 2, "1f1b"), (1, 2, 2, "zb-h1"), (2, 2, 1, "1f1b")],
                          ids=["1x2x2-1f1b", "1x2x2-zbh1", "2x2x1-1f1b"])
 def test_tensor_parallel_plan_trains_like_one_process(pool, model, dp, tp, pp, schedule):
