@@ -88,15 +88,6 @@ def app_url():
 
 
 @pytest.fixture(scope="module")
-def llama_url():
-    """URL of a ``tessel serve`` subprocess opened on llama-tiny (2 CPU devices, 4 micro-batches:
-    a model with the layer split, so its M plan launches); stopped by its process group at the end.
-    Its launches start and stop their own Ray cluster inside that process."""
-    with served_app("--model", "llama-tiny", "--devices", "2", "--micro-batches", "4", "--device-type", "cpu") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def dp_url(tmp_path_factory):
     """URL of a ``tessel serve`` opened on a data-parallel plan file (gpt2-tiny, dp=2 on 2 CPU devices)."""
     from engine.io import save_plan

@@ -1,8 +1,8 @@
 """The served planner in headless Chromium: loads cleanly, draws the plan, edits, searches.
 
 Each test opens a fresh session (its own PlanState) of the app started by the ``app_url``
-fixture (gpt2-tiny, 2 devices, 4 micro-batches, 1F1B); the model-search test opens its own app
-(``llama_url``: llama-tiny on 2 CPU devices), searches the model's M shape and launches it on Ray;
+fixture (gpt2-tiny, 2 devices, 4 micro-batches, 1F1B); the model-search test searches that default
+model's M shape (its embedding and head tensor-parallel over both devices) and launches it on Ray;
 the co-location test opens one on a data-parallel plan file (``dp_url``).
 """
 
@@ -209,9 +209,9 @@ def test_dragging_blocks_on_the_gantt(page, app_url):
 
 
 # ----------------------------------------------------------------------------- a model's searched plan, launched
-# (llama_url: tests/ui/conftest.py)
-def test_searched_model_plan_is_drawn_launched_and_measured(page, llama_url):
-    errors = open_app(page, llama_url)
+# the app's default model, HF GPT-2 (app_url: tests/ui/conftest.py)
+def test_searched_model_plan_is_drawn_launched_and_measured(page, app_url):
+    errors = open_app(page, app_url)
     page.locator(".bk-tab").filter(has_text="Search").first.click()
     page.locator(".tessel-search-panel").first.wait_for(timeout=30_000)
     # the model's shapes: no K for a decoder LM; devices and micro-batches start from the plan's
@@ -226,7 +226,7 @@ def test_searched_model_plan_is_drawn_launched_and_measured(page, llama_url):
     result = page.locator(".tessel-search-result").get_by_text(re.compile("period", re.I)).first
     result.wait_for(timeout=60_000)
     assert "the Launch tab trains it" in shadow_text(page, "tessel-search-result")
-    assert "M shape of llama-tiny on 2 devices" in _message(page, "M shape of llama-tiny")
+    assert "M shape of gpt2-tiny on 2 devices" in _message(page, "M shape of gpt2-tiny")
     # the Gantt shows the searched schedule in ms: the embedding's forward on both devices;
     # per device 4 micro-batches x (2 all-device segments + 1 pipeline segment) x (F + B), + 1 optimizer step
     page.locator(".bk-tab").filter(has_text="Schedule").first.click()
