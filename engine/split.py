@@ -33,8 +33,9 @@ from torch import nn
 
 from engine.models.gpt import GPT
 
-__all__ = ["DecoderLayout", "HF_DECODER_LAYOUTS", "SplitMethod", "SPLIT_METHODS", "choose_split",
-           "hf_decoder_layout", "is_hf_gpt2", "supports_layer_split", "supports_tensor_parallel_split"]
+__all__ = ["DecoderLayout", "EXECUTED_TP_STYLES", "HF_DECODER_LAYOUTS", "SplitMethod", "SPLIT_METHODS",
+           "choose_split", "hf_decoder_layout", "is_hf_gpt2", "supports_layer_split",
+           "supports_tensor_parallel_split", "tensor_parallel_refusal"]
 
 SplitMethod = Literal["tracer", "module", "layers"]
 """How the runtime builds a plan's stages (see the module docstring)."""
@@ -109,6 +110,36 @@ def supports_tensor_parallel_split(module: nn.Module) -> bool:
     ``Conv1D`` projections are sharded by ``runtime.conv1d_parallel`` on a plan derived from its
     graph)."""
     return supports_layer_split(module)
+
+
+#: The styles of transformers' tensor-parallel plans (``config.base_model_tp_plan``) the runtime executes
+#: (``runtime.tensor_parallel``): column- and row-parallel linear layers, the vocab-parallel embedding.
+EXECUTED_TP_STYLES = ("colwise", "rowwise", "embedding_rowwise")
+
+
+def tensor_parallel_refusal(module: nn.Module, name: str) -> str | None:
+    """The sentence refusing tensor parallelism (``tp > 1``, or Tessel's all-device blocks) on a
+    Hugging Face decoder ``module`` (called ``name``) whose published plan the runtime cannot execute,
+    checked from the model alone, before any rank starts: no ``config.base_model_tp_plan``, or an
+    entry in a style outside :data:`EXECUTED_TP_STYLES` (Mixtral's and Qwen2-MoE's packed
+    ``gate_up_proj`` experts, ``moe_tp_experts``). ``None`` for every other model: GPT-2 and the
+    in-project GPT get the runtime's own plans, and models without the layer split are refused where
+    the split is checked."""
+    lay = hf_decoder_layout(module)
+    if lay is None:
+        return None
+    plan = getattr(getattr(getattr(module, lay.base), "config", None), "base_model_tp_plan", None) or {}
+    if not plan:
+        return (f"model {name!r} ({type(module).__name__}) publishes no tensor-parallel plan "
+                "(config.base_model_tp_plan), so its layers cannot be sharded; plan it with --tp 1 and no "
+                "all-device blocks")
+    for key, style in plan.items():
+        if style not in EXECUTED_TP_STYLES:
+            hint = " (its experts can be expert-parallel over --dp instead)" if "experts" in key else ""
+            return (f"model {name!r} shards {key!r} as {style!r} in its tensor-parallel plan "
+                    f"(config.base_model_tp_plan), which the runtime does not execute; plan it with --tp 1 and no "
+                    f"all-device blocks{hint}")
+    return None
 
 
 def is_hf_gpt2(module: nn.Module) -> bool:

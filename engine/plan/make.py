@@ -49,7 +49,7 @@ from engine.plan.metrics import memory_advice, predict_execution
 from engine.precision import get_policy, plan_precision
 from engine.recompute import check_recompute, stage_granularities
 from engine.schedule import Schedule
-from engine.split import choose_split, is_hf_gpt2
+from engine.split import choose_split, is_hf_gpt2, tensor_parallel_refusal
 from engine.timeline import Timeline
 from engine.transform import (
     LOSS_PARALLEL_TASKS,
@@ -481,6 +481,9 @@ def _checked_split(bundle: ModelBundle, moe_layers: list[MoELayer], config: Para
     split = choose_split(bundle.module, config.tp, "full" if recomputes else "none", config.dp_shard)
     check_transforms(config.transforms, dp=config.dp, tp=config.tp, pp=config.pp, optimizer=config.optimizer,
                      split=split, expert_parallel=config.dp > 1 and bool(moe_layers), seq_len=bundle.seq_len)
+    why = tensor_parallel_refusal(bundle.module, bundle.name) if config.tp > 1 and split == "layers" else None
+    if why:
+        raise TransformError(why)
     if config.tp > 1 and is_hf_gpt2(bundle.module):
         for name in ("tp-split", "chunked-overlap"):
             if name in parse_transforms(config.transforms):

@@ -25,7 +25,7 @@ from engine.baselines.generic import gpipe_any
 from engine.config import ModelRef, ParallelConfig
 from engine.cost import CostModel
 from engine.dependency import TiedGroup
-from engine.errors import TesselError
+from engine.errors import TesselError, TransformError
 from engine.graph import capture
 from engine.io.plan import Plan
 from engine.models import build_model
@@ -38,7 +38,12 @@ from engine.precision import get_policy, plan_precision
 from engine.recompute import check_recompute
 from engine.shape_costs import model_shape_placement
 from engine.shapes import SHAPES, UnknownShapeError, find_shape
-from engine.split import choose_split, supports_layer_split, supports_tensor_parallel_split
+from engine.split import (
+    choose_split,
+    supports_layer_split,
+    supports_tensor_parallel_split,
+    tensor_parallel_refusal,
+)
 from engine.tessel import tessel_search
 from engine.tessel.comm import step_tail
 from engine.transform import LOSS_PARALLEL_TASKS, tied_parameter_groups
@@ -151,6 +156,9 @@ class _ModelPlans:
         # planned, and the runtime refuses its launch in one sentence
         needs_layers = multi or replicas
         can = supports_tensor_parallel_split(bundle.module) if multi else supports_layer_split(bundle.module)
+        why = tensor_parallel_refusal(bundle.module, bundle.name) if multi and can else None
+        if why:   # all-device blocks run tensor-parallel: a plan the ranks cannot shard is refused now
+            raise TransformError(why)
         self.split = "layers" if needs_layers and can else choose_split(bundle.module, recompute=recompute)
         self.meta: dict[str, Any] = {"memory_unit": "bytes"}
         if memory_limit is not None:

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
+
+from engine.models.registry import is_user_model, model_spec
+from engine.split import tensor_parallel_refusal
 from runtime.fsdp import fsdp_refusal
 from runtime.precision import plan_policy, precision_refusal
 from runtime.recompute import recompute_refusal
 from runtime.stages.errors import RuntimeNotSupported
 
-__all__ = ["EXECUTED_TRANSFORMS", "check_executable", "check_transforms"]
+__all__ = ["EXECUTED_TRANSFORMS", "check_executable", "check_tensor_parallel_model", "check_transforms"]
 
 #: CoCoNet's transformations (``engine.coconet``) the stage worker executes; a plan with another
 #: one is refused in one sentence (:func:`check_transforms`). ``tp-split`` and ``chunked-overlap``:
@@ -158,3 +162,20 @@ def _check_replicas(plan: Any, chains: list[list[int]]) -> None:
                 f"the placement has {len(chains)} forward chains ({chains}); the runtime executes several chains "
                 "only as replicas of the model (the X shape: segment k of every chain holds the layers of "
                 f"segment k of the first), and segments {chain} do not replicate {first}")
+
+
+def check_tensor_parallel_model(plan: Any) -> None:
+    """Raise :class:`RuntimeNotSupported` when ``plan`` shards its model (``tp > 1`` or a block on
+    several devices, on the layer split) and the model's published tensor-parallel plan has a style
+    the runtime does not execute (:func:`engine.split.tensor_parallel_refusal`; e.g. Mixtral's and
+    Qwen2-MoE's packed experts). The model is built on the meta device (no weights) from its
+    registered name or Hugging Face config path; user code (``module:callable``) is checked by the
+    ranks as they build it."""
+    multi = any(len(b.devices) > 1 for b in plan.schedule.placement.blocks)
+    name = plan.model.name
+    if plan.model.split != "layers" or not (plan.parallel.tp > 1 or multi) or is_user_model(name):
+        return
+    module, _ = model_spec(name).builder(device="meta", dtype=torch.float32)
+    why = tensor_parallel_refusal(module, name)
+    if why:
+        raise RuntimeNotSupported(why)
