@@ -35,6 +35,7 @@ from engine.io.atomic import atomic_write_files, check_output_folder
 from engine.io.torch_csv import schedule_to_csv_text
 from engine.placement import TensorSpec, dtype_bytes
 from engine.precision import get_policy
+from engine.tp_plan import read_tp_plan
 
 HELP = "plan a model on N devices with a predefined schedule and write plan/trace/csv"
 
@@ -99,6 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gradient bucket size of overlap-grad-sync, MiB (default 25, PyTorch DDP's)")
     p.add_argument("--overlap-chunks", type=positive_int, default=4,
                    help="chunks of chunked-overlap (default 4)")
+    p.add_argument("--tp-plan", metavar="FILE", default=None,
+                   help="a JSON tensor-parallel plan for the transformer blocks in transformers' base_model_tp_plan "
+                        "format (e.g. {\"layers.*.self_attn.q_proj\": \"colwise\", ...}; styles colwise, rowwise, "
+                        "packed_colwise:K), replacing the model's own; recorded, costed and executed")
     p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
     add_gnn_arguments(p)
 
@@ -159,7 +164,8 @@ def run(args: argparse.Namespace) -> dict:
         optimizer=args.optimizer, profile=args.profile, task=args.task, link=args.link,
         inter_link=args.inter_link, devices_per_node=args.devices_per_node, transforms=args.transform,
         grad_bucket_bytes=_bucket_bytes(args.bucket_mib),
-        overlap_chunks=args.overlap_chunks, progress=progress,
+        overlap_chunks=args.overlap_chunks, tp_plan=read_tp_plan(args.tp_plan) if args.tp_plan else None,
+        progress=progress,
     )
     written = atomic_write_files(out, plan_files(res))
     plan_path, trace_path, csv_path = (written[n] for n in OUTPUT_FILES)

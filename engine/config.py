@@ -27,6 +27,7 @@ from engine.errors import CoCoNetError, PlanFormatError, TransformError
 from engine.layout import DEFAULT_ORDER, LAYOUTS, LEGACY
 from engine.precision import PRECISIONS
 from engine.recompute import RECOMPUTE
+from engine.tp_plan import check_tp_plan
 
 OptimizerKind = Literal["adam", "adama"]
 """The optimizer memory model of a plan (see :func:`engine.transform.gradient_bytes`)."""
@@ -212,6 +213,9 @@ class ParallelConfig:
         recompute: activation recomputation (:mod:`engine.recompute`): ``none``, ``selective``
             (the attention core) or ``full`` (each layer keeps only its input). A plan file
             without it recomputes nothing.
+        tp_plan: the user's tensor-parallel plan for the transformer blocks (``tessel plan --tp-plan``,
+            :mod:`engine.tp_plan`: transformers' ``base_model_tp_plan`` format), replacing the model's
+            own; ``None`` (the JSON section then has no ``tp_plan`` key): the model's own.
         layout: how the ranks are laid out on the devices (:mod:`engine.layout`): the order of
             the dimensions from the fastest-varying, Megatron-LM's ``tp-dp-pp`` by default
             (device ``t + tp*d + tp*dp*p``: tensor groups inside a node), or another of
@@ -243,6 +247,7 @@ class ParallelConfig:
     precision: str = "32-true"
     recompute: str = "none"
     layout: str = DEFAULT_ORDER
+    tp_plan: dict[str, str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     json_keys: tuple[str, ...] | None = field(default=None, compare=False, repr=False)
     implied: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -307,6 +312,8 @@ class ParallelConfig:
             raise TransformError(f"unknown recomputation {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
         if self.layout not in LAYOUTS:
             raise TransformError(f"unknown rank layout {self.layout!r}; use one of {', '.join(LAYOUTS)}")
+        if self.tp_plan is not None:
+            check_tp_plan(self.tp_plan)
         if tuple(parse_transforms(self.transforms)) != tuple(self.transforms):
             raise TransformError(f"transforms {list(self.transforms)} must be distinct names in the order of "
                                  "engine.coconet.TRANSFORMS; build them with engine.coconet.parse_transforms")
@@ -330,6 +337,8 @@ class ParallelConfig:
         values["precision"] = self.precision
         values["recompute"] = self.recompute
         values["layout"] = self.layout
+        if self.tp_plan is not None:
+            values["tp_plan"] = dict(self.tp_plan)
         return _write(self, values)
 
     @classmethod
@@ -374,6 +383,11 @@ class ParallelConfig:
         for key in ("grad_bucket_bytes", "overlap_chunks", "dp_shard"):
             if key in d:
                 kw[key] = fields.need(d, key, int, f"{path}.{key}")
+        if "tp_plan" in d:
+            try:
+                kw["tp_plan"] = check_tp_plan(d["tp_plan"], f"{path}.tp_plan")
+            except TransformError as e:
+                raise fields.fail(f"{path}.tp_plan", f": {e}") from None
         if "reshard_after_forward" in d:
             kw["reshard_after_forward"] = fields.optional(d, "reshard_after_forward", bool,
                                                           f"{path}.reshard_after_forward")

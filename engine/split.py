@@ -117,14 +117,17 @@ def supports_tensor_parallel_split(module: nn.Module) -> bool:
 EXECUTED_TP_STYLES = ("colwise", "rowwise", "embedding_rowwise")
 
 
-def tensor_parallel_refusal(module: nn.Module, name: str) -> str | None:
+def tensor_parallel_refusal(module: nn.Module, name: str, tp_plan: dict[str, str] | None = None) -> str | None:
     """The sentence refusing tensor parallelism (``tp > 1``, or Tessel's all-device blocks) on a
     Hugging Face decoder ``module`` (called ``name``) whose published plan the runtime cannot execute,
     checked from the model alone, before any rank starts: no ``config.base_model_tp_plan``, or an
     entry in a style outside :data:`EXECUTED_TP_STYLES` (Mixtral's and Qwen2-MoE's packed
     ``gate_up_proj`` experts, ``moe_tp_experts``). ``None`` for every other model: GPT-2 and the
     in-project GPT get the runtime's own plans, and models without the layer split are refused where
-    the split is checked."""
+    the split is checked. ``tp_plan``: the user's plan (:mod:`engine.tp_plan`), which replaces the
+    model's own for every model: accepted as checked by :func:`engine.tp_plan.check_tp_plan`."""
+    if tp_plan is not None:
+        return None
     lay = hf_decoder_layout(module)
     if lay is None:
         return None

@@ -15,7 +15,7 @@ gradients once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from engine.config import ParallelConfig
 from engine.dependency import TiedGroup
@@ -31,6 +31,7 @@ from engine.recompute import (
     stage_granularities,
     working_set_bytes,
 )
+from engine.tp_plan import ShardedSublayers
 
 #: Bytes resident per parameter byte with Adam in the parameter dtype: parameter, gradient,
 #: and Adam's two moments (m, v): 4x the parameter bytes.
@@ -329,7 +330,7 @@ def _vocab_layers(graph, summaries) -> frozenset[str]:
 
 
 def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False, sequence_parallel: bool = False,
-                overlap_chunks: int = 1) -> list[LayerCost]:
+                overlap_chunks: int = 1, tp_plan: Mapping[str, str] | None = None) -> list[LayerCost]:
     """Forward time, FLOPs, parameter and activation bytes of every layer on one TP rank.
 
     Tensor-parallel communication per layer (Megatron-LM, Shoeybi et al. 2019, section 3; its
@@ -352,6 +353,10 @@ def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False, sequen
             row-parallel projection (:data:`_ROW_PARALLEL`) and its all-reduce are pipelined, so of
             ``matmul + all-reduce`` only ``max(matmul, all-reduce) + min(matmul, all-reduce) / k`` is
             on the critical path.
+        tp_plan: a user's tensor-parallel plan for the blocks (:mod:`engine.tp_plan`): a block's op
+            splits ``tp`` ways only inside a sublayer it shards, and the block all-reduces once per
+            row-parallel layer it holds (:class:`~engine.tp_plan.ShardedSublayers`); ``None``: every
+            projection sharded, two all-reduces per block.
 
     Each layer's ``tp_collectives`` lists its forward collectives as ``(kind, bytes, seconds)`` in
     order (what the Gantt draws inside the block; the backward has as many, in reverse).
@@ -359,6 +364,7 @@ def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False, sequen
     out = []
     summaries = graph.layer_summaries()
     vocab = _vocab_layers(graph, summaries)
+    sublayers = ShardedSublayers(tp_plan) if tp_plan is not None and tp > 1 else None
     prev_hidden = 0
     for ls in summaries:
         t = 0.0
@@ -368,7 +374,7 @@ def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False, sequen
         row_matmul = 0.0
         core, interior = attention_core_ops(graph, ls.ops) if is_block_layer(ls.name) else (frozenset(), frozenset())
         core_time = 0.0
-        divisor = _Divisor(graph, tp, vocab, sequence_parallel, core)
+        divisor = _Divisor(graph, tp, vocab, sequence_parallel, core, sublayers)
         for op in ls.ops:
             node = graph.nodes[op]
             k = divisor(op)
@@ -389,6 +395,8 @@ def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False, sequen
         if tp > 1:
             ranks = list(range(tp))
             n_ar = 2 if is_block_layer(ls.name) else (1 if ls.name in vocab else 0)
+            if sublayers is not None and is_block_layer(ls.name):
+                n_ar = sublayers.all_reduces([str(graph.nodes[op].get("module_path", "")) for op in ls.ops])
             # the Megatron all-reduces are of the layer's hidden state (the first boundary tensor);
             # the last layer (the LM head) has none after it: its logits, or its input with loss parallel
             nbytes = hidden if output else (prev_hidden if loss_parallel and prev_hidden else ls.output_bytes)
@@ -419,13 +427,20 @@ class _Divisor:
     tensors computed from the inputs only (attention masks, position ids, rotary tables) are built
     whole on every rank."""
 
-    def __init__(self, graph, tp: int, vocab: frozenset[str], sequence_parallel: bool, core: frozenset[str]):
+    def __init__(self, graph, tp: int, vocab: frozenset[str], sequence_parallel: bool, core: frozenset[str],
+                 sublayers: ShardedSublayers | None = None):
         self.graph, self.tp, self.vocab, self.sp, self.core = graph, tp, vocab, sequence_parallel, core
+        self.sublayers = sublayers
 
     def __call__(self, op: str) -> int:
+        node = self.graph.nodes[op]
+        layer = node.get("layer", None)
+        if self.sublayers is not None and layer is not None and is_block_layer(str(layer)):
+            # a user's plan: inside a block, only the sublayers it shards split (the core included)
+            return self.tp if self.sublayers.covers(str(node.get("module_path", ""))) else 1
         if op in self.core:
             return self.tp
-        return _tp_divisor(self.graph.nodes[op], self.tp, self.vocab, self.sp)
+        return _tp_divisor(node, self.tp, self.vocab, self.sp)
 
     def of_saved(self, op: str) -> int:
         return 1 if self.graph.nodes[op].get("input_only") else self(op)
@@ -596,7 +611,8 @@ def split_segments(graph, cost, config: ParallelConfig, *, memory_limit: float |
     if layers is None:
         layers = layer_costs(graph, cost, config.tp, loss_parallel=loss_parallel,
                              sequence_parallel="tp-split" in config.transforms,
-                             overlap_chunks=config.overlap_chunks if "chunked-overlap" in config.transforms else 1)
+                             overlap_chunks=config.overlap_chunks if "chunked-overlap" in config.transforms else 1,
+                             tp_plan=config.tp_plan)
     k = config.num_segments
     if k > len(layers):
         raise TransformError(

@@ -78,6 +78,7 @@ from torch.distributed.tensor.parallel import (
 
 from engine.errors import TesselError
 from engine.models.gpt import CausalSelfAttention
+from engine.tp_plan import packed_parts
 from runtime.chunked_overlap import ChunkedRowwiseParallel
 from runtime.conv1d_parallel import Conv1DColwiseParallel, Conv1DRowwiseParallel, is_conv1d
 from runtime.stages.layer_split import GPTStage, HFDecoderStage, HFGPT2Stage
@@ -161,13 +162,28 @@ class TensorParallelError(TesselError):
 def has_lm_head(stage: nn.Module) -> bool:
     """Whether an eager decoder stage holds its model's LM head (the last stage)."""
     try:
-        return _has(stage, _family_plan(stage)[2])
+        return _has(stage, _own_plan(stage, True)[2])
     except TensorParallelError:
         return False
 
 
-def _family_plan(stage: Any) -> tuple[dict[str, str], str, str, dict[str, int]]:
-    """(block plan, embedding path, head path, sizes that must divide by tp) of a stage."""
+def _family_plan(stage: Any, tp_plan: dict[str, str] | None = None) -> tuple[dict[str, str], str, str, dict[str, int]]:
+    """(block plan, embedding path, head path, sizes that must divide by tp) of a stage; ``tp_plan``
+    (a user's, :mod:`engine.tp_plan`: paths relative to the base model) replaces the block plan."""
+    block, embed, head, sizes = _own_plan(stage, tp_plan is not None)
+    if tp_plan is not None:
+        base = _BASE_PREFIX.get(type(stage)) or f"{stage.layout.base}."
+        block = {f"{base}{k}": v for k, v in tp_plan.items() if v != "embedding_rowwise"}
+    return block, embed, head, sizes
+
+
+#: The base model's prefix of the stage classes whose parameters live under one fixed name.
+_BASE_PREFIX: dict[type, str] = {GPTStage: "transformer.", HFGPT2Stage: "transformer."}
+
+
+def _own_plan(stage: Any, overridden: bool) -> tuple[dict[str, str], str, str, dict[str, int]]:
+    """:func:`_family_plan` without a user's plan (``overridden``: one replaces the block plan, so a
+    model that publishes none is not refused)."""
     if isinstance(stage, GPTStage):
         heads = [m.n_head for m in stage.modules() if isinstance(m, CausalSelfAttention)]
         return dict(GPT_TP_PLAN), "transformer.wte", "lm_head", {"attention heads": heads[0]} if heads else {}
@@ -175,7 +191,7 @@ def _family_plan(stage: Any) -> tuple[dict[str, str], str, str, dict[str, int]]:
         lay = stage.layout
         cfg = stage.base.config
         plan = getattr(cfg, "base_model_tp_plan", None) or {}
-        if not plan:
+        if not plan and not overridden:
             raise TensorParallelError(
                 f"{type(stage.base).__name__} publishes no tensor-parallel plan (config.base_model_tp_plan); "
                 "use tp=1 for this model")
@@ -196,14 +212,15 @@ def _pattern(path: str) -> re.Pattern:
 
 
 def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, sequence_parallel: bool = False,
-                  overlap_chunks: int = 0) -> dict[str, Any]:
+                  overlap_chunks: int = 0, tp_plan: dict[str, str] | None = None) -> dict[str, Any]:
     """The ``parallelize_module`` plan of one eager decoder stage for ``tp`` ranks: module path
     (``*`` matches one level) -> ``ParallelStyle`` instance. With ``loss_parallel`` the LM head's
     logits stay vocab-sharded; ``sequence_parallel``: CoCoNet's ``tp-split`` (the row-parallel layers
     reduce-scatter over the sequence, norms on the shard, all-gathers before the column-parallel
     layers); ``overlap_chunks > 0``: ``chunked-overlap`` (row-parallel layers as
-    :class:`runtime.chunked_overlap.ChunkedRowwiseParallel` with that many chunks). See the module
-    docstring.
+    :class:`runtime.chunked_overlap.ChunkedRowwiseParallel` with that many chunks); ``tp_plan``: a
+    user's plan for the blocks (:mod:`engine.tp_plan`, the plan's ``parallel.tp_plan``). See the
+    module docstring.
 
     Raises:
         TensorParallelError: the model publishes no plan, its plan uses a style other than
@@ -212,7 +229,7 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
             decoder layers are not laid out as Llama's, or both ``sequence_parallel`` and
             ``overlap_chunks``.
     """
-    block_plan, embed, head, sizes = _family_plan(stage)
+    block_plan, embed, head, sizes = _family_plan(stage, tp_plan)
     for what, n in sizes.items():
         if n % tp:
             raise TensorParallelError(f"the model has {n} {what}, which tp={tp} does not divide; tensor "
@@ -236,7 +253,7 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
 
     out: dict[str, Any] = {}
     for path, style in block_plan.items():
-        packed = _packed(style)
+        packed = packed_parts(style)
         if style not in ("colwise", "rowwise") and not packed:
             raise TensorParallelError(f"the model's tensor-parallel plan shards {path!r} as {style!r}; the runtime "
                                       "executes 'colwise' and 'rowwise' layers only, use tp=1 for this model")
@@ -295,12 +312,6 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
     return out
 
 
-def _packed(style: str) -> int:
-    """The parts of a ``packed_colwise:K`` style (0 for any other style)."""
-    name, _, k = style.partition(":")
-    return int(k) if name == "packed_colwise" and k.isdigit() and int(k) > 1 else 0
-
-
 def _has(module: nn.Module, path: str) -> bool:
     try:
         return module.get_submodule(path) is not None
@@ -309,7 +320,7 @@ def _has(module: nn.Module, path: str) -> bool:
 
 
 def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False, sequence_parallel: bool = False,
-                          overlap_chunks: int = 0) -> dict[str, int]:
+                          overlap_chunks: int = 0, tp_plan: dict[str, str] | None = None) -> dict[str, int]:
     """Shard ``stage`` in place over the 1-D tensor-parallel ``mesh`` (``parallelize_module`` with
     :func:`stage_tp_plan`; ``loss_parallel``: the LM head's logits stay vocab-sharded;
     ``sequence_parallel``: ``tp-split``, a Hugging Face stage then takes and returns the local
@@ -325,7 +336,7 @@ def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False
     """
     tp = mesh.size()
     plan = stage_tp_plan(stage, tp, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel,
-                         overlap_chunks=overlap_chunks)
+                         overlap_chunks=overlap_chunks, tp_plan=tp_plan)
     names: dict[int, list[str]] = {}
     for name, p in stage.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)

@@ -172,6 +172,7 @@ def make_plan(
     transforms: str | Sequence[str] | None = None,
     grad_bucket_bytes: int = DEFAULT_GRAD_BUCKET_BYTES,
     overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS,
+    tp_plan: dict[str, str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> PlanResult:
     """Plan a model end to end.
@@ -229,6 +230,9 @@ def make_plan(
             executed by the runtime.
         grad_bucket_bytes: the bucket size of ``overlap-grad-sync`` (bytes, a multiple of 4).
         overlap_chunks: the chunks of ``chunked-overlap``.
+        tp_plan: a tensor-parallel plan for the transformer blocks replacing the model's own
+            (:mod:`engine.tp_plan`, ``tessel plan --tp-plan``), recorded in ``plan.parallel.tp_plan``,
+            costed (:class:`engine.tp_plan.ShardedSublayers`) and executed by the runtime.
         progress: called with the name of each phase as it starts.
         stage_recompute: per-stage recomputation overriding ``recompute``: one granularity per
             pipeline stage (``pp`` values; an interleaved rank's segments share its value) or per
@@ -254,7 +258,7 @@ def make_plan(
                              virtual_stages=virtual_stages, micro_batch_size=micro_batch_size,
                              memory_limit=memory_limit, optimizer=optimizer, transforms=transforms,
                              grad_bucket_bytes=grad_bucket_bytes, overlap_chunks=overlap_chunks,
-                             precision=precision, recompute=recompute)
+                             precision=precision, recompute=recompute, tp_plan=tp_plan)
 
     grans = stage_granularities(recompute, config.num_segments, config.pp, stage_recompute)
     t0 = time.perf_counter()
@@ -363,7 +367,7 @@ def parallel_config(devices: int, *, micro_batches: int, schedule: str, dp: int 
                     optimizer: str = "adam", transforms: str | Sequence[str] | None = None,
                     grad_bucket_bytes: int = DEFAULT_GRAD_BUCKET_BYTES,
                     overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS, precision: str = "32-true",
-                    recompute: str = "none") -> ParallelConfig:
+                    recompute: str = "none", tp_plan: dict[str, str] | None = None) -> ParallelConfig:
     """:func:`make_plan`'s arguments checked, as the plan's :class:`~engine.config.ParallelConfig`
     (``pp = devices / (dp * tp)``; ``virtual_stages`` default: the schedule's; ``precision`` and
     ``recompute`` recorded as given: :mod:`engine.precision`, :mod:`engine.recompute`).
@@ -393,7 +397,7 @@ def parallel_config(devices: int, *, micro_batches: int, schedule: str, dp: int 
                             reshard_after_forward=reshard_after_forward, transforms=tf,
                             grad_bucket_bytes=grad_bucket_bytes,
                             overlap_chunks=overlap_chunks, optimizer=cast(OptimizerKind, optimizer),
-                            precision=precision, recompute=recompute)
+                            precision=precision, recompute=recompute, tp_plan=tp_plan)
     config.check()
     if micro_batches > MAX_MICRO_BATCHES:
         raise TransformError(f"micro_batches = {micro_batches:,} is more than a plan can hold ({MAX_MICRO_BATCHES:,}: "
@@ -481,7 +485,8 @@ def _checked_split(bundle: ModelBundle, moe_layers: list[MoELayer], config: Para
     split = choose_split(bundle.module, config.tp, "full" if recomputes else "none", config.dp_shard)
     check_transforms(config.transforms, dp=config.dp, tp=config.tp, pp=config.pp, optimizer=config.optimizer,
                      split=split, expert_parallel=config.dp > 1 and bool(moe_layers), seq_len=bundle.seq_len)
-    why = tensor_parallel_refusal(bundle.module, bundle.name) if config.tp > 1 and split == "layers" else None
+    why = (tensor_parallel_refusal(bundle.module, bundle.name, config.tp_plan) if config.tp > 1 and split == "layers"
+           else None)
     if why:
         raise TransformError(why)
     if config.tp > 1 and is_hf_gpt2(bundle.module):

@@ -368,7 +368,8 @@ class StageWorker:
                 tp_mesh = mesh is self.groups.tp_mesh   # CoCoNet's transformations: the plan's TP groups only
                 tp_dims[s] = apply_tensor_parallel(
                     module, mesh, loss_parallel=lp, sequence_parallel=self.sequence_parallel and tp_mesh,
-                    overlap_chunks=self.overlap_chunks if tp_mesh else 0)
+                    overlap_chunks=self.overlap_chunks if tp_mesh else 0,
+                    tp_plan=getattr(self.plan.parallel, "tp_plan", None))
                 if lp:
                     loss_parallel.add(s)
         # per local segment: (this rank's shard index, shards) of its tensor-parallel parameters

@@ -166,3 +166,57 @@ def test_a_model_without_a_tensor_parallel_split_is_refused_in_one_sentence():
     with pytest.raises(RuntimeNotSupported, match=r"tp=2.*'bert-tiny'.*--tp 1") as e:
         check_executable(plan)
     assert "\n" not in str(e.value)
+
+
+def test_a_users_tp_plan_overrides_the_derived_one_and_trains_like_one_process(pool, tmp_path):
+    """``tessel plan --tp-plan FILE`` (transformers' format) replaces GPT-2's derived plan: only the
+    attention sharded, the MLP replicated. The plan records and costs it (more memory per device
+    than the derived plan: the MLP's weights whole on each rank), the ranks execute it (no MLP
+    shards), and 3 Adam steps equal the single process."""
+    import json
+
+    from cli_inprocess import run_cli
+
+    from engine.io import load_plan
+    from runtime.reference import reference_run
+    from runtime.worker import merge_model_state
+
+    attention_only = {"h.*.attn.c_attn": "packed_colwise:3", "h.*.attn.c_proj": "rowwise"}
+    path = tmp_path / "tp_plan.json"
+    path.write_text(json.dumps(attention_only))
+    args = ["plan", "--model", "gpt2-tiny", "--devices", "4", "--tp", "2", "--micro-batches", str(M),
+            "--device-type", "cpu", "--seq-len", str(SEQ), "--micro-batch-size", str(MBS)]
+    assert run_cli(*args, "--tp-plan", str(path), "-o", str(tmp_path / "user")).returncode == 0
+    assert run_cli(*args, "-o", str(tmp_path / "derived")).returncode == 0
+    plan, derived = (load_plan(tmp_path / k / "plan.json") for k in ("user", "derived"))
+    assert plan.parallel.tp_plan == attention_only and derived.parallel.tp_plan is None
+    assert min(plan.metrics["peak_memory"]) > max(derived.metrics["peak_memory"])
+    batches = _batches(plan, 1)
+    out = pool.run_ok("worker_harness:train_task",
+                      {"plan": plan.to_dict(), "batches": batches, "fresh_process": True}, world=4)
+    for p in out.values():
+        sharded = set(p["state"]["tp_shards"])
+        assert any(".attn.c_attn." in k for k in sharded) and not any(".mlp." in k for k in sharded), sharded
+    ref = reference_run(plan, batches, seed=0, lr=1e-3)
+    last = [p for p in out.values() if p["losses"][0]]
+    for p in last:
+        for step, (g, r) in enumerate(zip(p["losses"], ref.losses)):
+            assert torch.allclose(torch.tensor(g), torch.tensor(r), rtol=1e-4, atol=0), f"step {step}: {g} vs {r}"
+    assert_params_match(merge_model_state(p["state"] for p in out.values()), ref.model, "gpt2-tiny attention-only",
+                        beyond_per_10000=2)
+
+
+@pytest.mark.parametrize("content,words", [
+    ("{", "is not JSON"), ('["colwise"]', "must be a non-empty JSON object"),
+    ('{"h.*.mlp.c_fc": "columnwise"}', "shards 'h.*.mlp.c_fc' as 'columnwise'; use one of"),
+    ('{"h..c_fc": "colwise"}', "is not a dotted module path pattern")])
+def test_a_bad_tp_plan_file_is_one_sentence_and_exit_status_2(tmp_path, content, words):
+    from cli_inprocess import run_cli
+
+    path = tmp_path / "tp_plan.json"
+    path.write_text(content)
+    p = run_cli("plan", "--model", "gpt2-tiny", "--devices", "4", "--tp", "2", "--micro-batches", "2",
+                "--device-type", "cpu", "--seq-len", "16", "--tp-plan", str(path), "-o", str(tmp_path / "o"))
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert words in p.stderr.strip().splitlines()[-1], p.stderr
+    assert not (tmp_path / "o" / "plan.json").exists()

@@ -1,0 +1,106 @@
+"""A user's tensor-parallel plan (``tessel plan --tp-plan FILE``): read, checked, costed.
+
+The file is a JSON object in transformers' ``base_model_tp_plan`` format: module path patterns
+relative to the base model (``*`` matches one level: ``"layers.*.self_attn.q_proj"`` for Llama,
+``"h.*.attn.c_attn"`` for GPT-2) -> a style:
+
+- ``"colwise"``: the layer's output features split over the ``tp`` ranks (Megatron-LM's column
+  parallelism), its input replicated;
+- ``"rowwise"``: its input features split, the partial outputs all-reduced;
+- ``"packed_colwise:K"``: column-parallel part by part over ``K`` fused equal parts (GPT-2's
+  ``c_attn``: query, key and value, ``K = 3``), so each rank computes whole heads of each;
+- ``"embedding_rowwise"``: the token embedding vocab-parallel (it always is: the entry is accepted
+  and changes nothing).
+
+It replaces the model's own plan (the one it publishes, or the one the runtime derives for GPT-2 and
+the in-project GPT) for the transformer blocks; the token embedding and the LM head stay
+vocab-parallel. The plan records it (``parallel.tp_plan``), the planner costs it
+(:class:`ShardedSublayers`: a block's ops run on ``1/tp`` of the work only inside a sublayer the
+plan shards, e.g. ``attn``, and each sharded sublayer all-reduces its output once) and the runtime
+executes it (``runtime.tensor_parallel``).
+
+Sources: transformers, "Tensor parallelism" (``base_model_tp_plan``, its style names); Shoeybi et
+al., "Megatron-LM" (2019), section 3.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from engine.errors import TransformError
+
+__all__ = ["ShardedSublayers", "check_tp_plan", "packed_parts", "read_tp_plan", "style_pattern"]
+
+#: Styles without parameters; ``packed_colwise:K`` (K >= 2) is the one with one.
+PLAIN_STYLES = ("colwise", "rowwise", "embedding_rowwise")
+
+
+def packed_parts(style: str) -> int:
+    """The ``K`` of a ``packed_colwise:K`` style, else 0."""
+    name, _, k = style.partition(":")
+    return int(k) if name == "packed_colwise" and k.isdigit() and int(k) > 1 else 0
+
+
+def check_tp_plan(plan: Any, where: str = "the tensor-parallel plan") -> dict[str, str]:
+    """``plan`` as a ``{pattern: style}`` dict, or :class:`TransformError` in one sentence naming
+    the first entry that is not a non-empty dotted module path pattern mapped to a known style."""
+    if not isinstance(plan, dict) or not plan:
+        raise TransformError(f"{where} must be a non-empty JSON object mapping module path patterns to styles "
+                             f"(transformers' base_model_tp_plan format), got {type(plan).__name__}")
+    for key, style in plan.items():
+        if not isinstance(key, str) or not key or any(not part for part in key.split(".")):
+            raise TransformError(f"{where} has the key {key!r}, which is not a dotted module path pattern such as "
+                                 "'layers.*.self_attn.q_proj'")
+        if not isinstance(style, str) or (style not in PLAIN_STYLES and not packed_parts(style)):
+            raise TransformError(f"{where} shards {key!r} as {style!r}; use one of {', '.join(PLAIN_STYLES)} or "
+                                 "packed_colwise:K (K >= 2 fused parts)")
+    return dict(plan)
+
+
+def read_tp_plan(path: str | Path) -> dict[str, str]:
+    """Read and check a tensor-parallel plan file (see the module docstring).
+
+    Raises:
+        TransformError: the file cannot be read, is not JSON, or is not a valid plan (one sentence).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise TransformError(f"cannot read the tensor-parallel plan {str(p)!r}: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TransformError(f"the tensor-parallel plan {str(p)!r} is not JSON: {e.msg} at line {e.lineno}") from None
+    return check_tp_plan(data, f"the tensor-parallel plan {str(p)!r}")
+
+
+def style_pattern(path: str, *, subtree: bool = False) -> re.Pattern:
+    """A regex matching the module paths that end in ``path`` (``*`` matches one level), or, with
+    ``subtree``, anything under such a path."""
+    body = r"\.".join("[^.]+" if t == "*" else re.escape(t) for t in path.split("."))
+    return re.compile(r"^(?:.*\.)?" + body + (r"(?:\..*)?$" if subtree else "$"))
+
+
+class ShardedSublayers:
+    """The sublayers of a transformer block a user's plan shards: the parents of its column- and
+    row-parallel entries (``h.*.attn`` for ``h.*.attn.c_attn``). A block's op splits ``tp`` ways
+    only inside one of them (heads or MLP features split); each holds one row-parallel layer whose
+    output is all-reduced."""
+
+    def __init__(self, tp_plan: Mapping[str, str]):
+        parents = {k.rsplit(".", 1)[0] for k, v in tp_plan.items() if v != "embedding_rowwise" and "." in k}
+        self._patterns = [style_pattern(p, subtree=True) for p in sorted(parents)]
+        self._rows = [style_pattern(k) for k, v in tp_plan.items() if v == "rowwise"]
+
+    def covers(self, module_path: str) -> bool:
+        """Whether an op of ``module_path`` runs on the rank's shard."""
+        return any(p.match(module_path) for p in self._patterns)
+
+    def all_reduces(self, module_paths: list[str]) -> int:
+        """How many row-parallel layers (all-reduces of the hidden state) a block of ops with these
+        module paths holds."""
+        return len({m for m in module_paths if any(r.match(m) for r in self._rows)})
