@@ -32,10 +32,11 @@ from typing import Literal, get_args
 from torch import nn
 
 from engine.models.gpt import GPT
+from engine.tp_plan import GPT2_TP_PLAN, TESSEL_GPT_TP_PLAN
 
 __all__ = ["DecoderLayout", "EXECUTED_TP_STYLES", "HF_DECODER_LAYOUTS", "SplitMethod", "SPLIT_METHODS",
            "choose_split", "hf_decoder_layout", "is_hf_gpt2", "supports_layer_split",
-           "supports_tensor_parallel_split", "tensor_parallel_refusal"]
+           "effective_tp_plan", "record_tp_plan", "supports_tensor_parallel_split", "tensor_parallel_refusal"]
 
 SplitMethod = Literal["tracer", "module", "layers"]
 """How the runtime builds a plan's stages (see the module docstring)."""
@@ -126,23 +127,50 @@ def tensor_parallel_refusal(module: nn.Module, name: str, tp_plan: dict[str, str
     in-project GPT get the runtime's own plans, and models without the layer split are refused where
     the split is checked. ``tp_plan``: the user's plan (:mod:`engine.tp_plan`), which replaces the
     model's own for every model: accepted as checked by :func:`engine.tp_plan.check_tp_plan`."""
-    if tp_plan is not None:
+    if tp_plan is not None or hf_decoder_layout(module) is None:
         return None
-    lay = hf_decoder_layout(module)
-    if lay is None:
-        return None
-    plan = getattr(getattr(getattr(module, lay.base), "config", None), "base_model_tp_plan", None) or {}
-    if not plan:
+    eff = effective_tp_plan(module)
+    if eff is None:
         return (f"model {name!r} ({type(module).__name__}) publishes no tensor-parallel plan "
                 "(config.base_model_tp_plan), so its layers cannot be sharded; plan it with --tp 1 and no "
                 "all-device blocks")
-    for key, style in plan.items():
+    for key, style in eff[1].items():
         if style not in EXECUTED_TP_STYLES:
             hint = " (its experts can be expert-parallel over --dp instead)" if "experts" in key else ""
             return (f"model {name!r} shards {key!r} as {style!r} in its tensor-parallel plan "
                     f"(config.base_model_tp_plan), which the runtime does not execute; plan it with --tp 1 and no "
                     f"all-device blocks{hint}")
     return None
+
+
+def effective_tp_plan(module: nn.Module, user: dict[str, str] | None = None) -> tuple[str, dict[str, str]] | None:
+    """``(source, block plan)`` tensor parallelism shards ``module``'s transformer blocks with
+    (patterns relative to the base model, transformers' ``base_model_tp_plan`` format): ``"user"``
+    (``user``, ``tessel plan --tp-plan``), ``"published"`` (a Hugging Face decoder's
+    ``config.base_model_tp_plan``, its embedding entry left out: the embedding is always
+    vocab-parallel) or ``"derived"`` (GPT-2's and the in-project GPT's, :mod:`engine.tp_plan`);
+    ``None`` for a model without one."""
+    if user is not None:
+        return "user", dict(user)
+    if is_hf_gpt2(module):
+        return "derived", dict(GPT2_TP_PLAN)
+    if isinstance(module, GPT):
+        return "derived", dict(TESSEL_GPT_TP_PLAN)
+    lay = hf_decoder_layout(module)
+    if lay is None:
+        return None
+    plan = getattr(getattr(getattr(module, lay.base), "config", None), "base_model_tp_plan", None)
+    return ("published", {k: v for k, v in plan.items() if k != lay.embed}) if plan else None
+
+
+def record_tp_plan(meta: dict, module: nn.Module, user: dict[str, str] | None, *, sharded: bool) -> None:
+    """Record in a plan's ``meta["tp_plan"]`` the plan its transformer blocks are sharded with
+    (``{"source": "user" | "published" | "derived", "blocks": {pattern: style}}``,
+    :func:`effective_tp_plan`) when the plan shards them (``sharded``): what the model
+    graph view colours by and the user can copy into ``--tp-plan``."""
+    eff = effective_tp_plan(module, user) if sharded else None
+    if eff is not None:
+        meta["tp_plan"] = {"source": eff[0], "blocks": eff[1]}
 
 
 def is_hf_gpt2(module: nn.Module) -> bool:

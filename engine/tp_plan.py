@@ -32,7 +32,22 @@ from typing import Any, Mapping
 
 from engine.errors import TransformError
 
-__all__ = ["ShardedSublayers", "check_tp_plan", "packed_parts", "read_tp_plan", "style_pattern"]
+__all__ = ["GPT2_TP_PLAN", "SHARDING_KINDS", "ShardedSublayers", "TESSEL_GPT_TP_PLAN", "check_tp_plan", "op_sharding",
+           "packed_parts", "read_tp_plan", "style_pattern"]
+
+#: Hugging Face GPT-2's plan, derived from its graph as Megatron-LM pairs its projections (transformers
+#: publishes none: they are ``Conv1D``, sharded by ``runtime.conv1d_parallel``): the fused query/key/value
+#: ``c_attn`` column-parallel in its three parts (each rank computes whole heads of all three), the
+#: attention output and the MLP's down projection row-parallel, the MLP's up projection column-parallel.
+GPT2_TP_PLAN = {"h.*.attn.c_attn": "packed_colwise:3", "h.*.attn.c_proj": "rowwise",
+                "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}
+
+#: The in-project GPT's plan (``engine.models.gpt``: its fused ``c_attn`` holds whole heads per row block).
+TESSEL_GPT_TP_PLAN = {"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise",
+                      "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}
+
+#: How an op runs under tensor parallelism (:func:`op_sharding`), as the model graph view colours it.
+SHARDING_KINDS = ("column-parallel", "row-parallel", "sharded", "vocab-parallel", "replicated")
 
 #: Styles without parameters; ``packed_colwise:K`` (K >= 2) is the one with one.
 PLAIN_STYLES = ("colwise", "rowwise", "embedding_rowwise")
@@ -104,3 +119,19 @@ class ShardedSublayers:
         """How many row-parallel layers (all-reduces of the hidden state) a block of ops with these
         module paths holds."""
         return len({m for m in module_paths if any(r.match(m) for r in self._rows)})
+
+
+def op_sharding(module_path: str, *, in_block: bool, vocab: bool, blocks: Mapping[str, str]) -> str:
+    """How an op of ``module_path`` runs on a tensor-parallel stage (one of :data:`SHARDING_KINDS`):
+    ``vocab``: in the token embedding or LM head (vocab-parallel); in a transformer block
+    (``in_block``), a projection of ``blocks`` (the block plan, base-relative patterns) is column- or
+    row-parallel, another op inside a sublayer the plan shards runs on the rank's heads or features
+    (``sharded``); everything else (norms, residual adds, position embeddings) is replicated."""
+    if vocab:
+        return "vocab-parallel"
+    if not in_block:
+        return "replicated"
+    for key, style in blocks.items():
+        if style != "embedding_rowwise" and style_pattern(key).match(module_path):
+            return "row-parallel" if style == "rowwise" else "column-parallel"
+    return "sharded" if ShardedSublayers(blocks).covers(module_path) else "replicated"

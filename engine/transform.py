@@ -329,6 +329,12 @@ def _vocab_layers(graph, summaries) -> frozenset[str]:
     return frozenset(x for x in out if x is not None)
 
 
+def vocab_layers(graph) -> frozenset[str]:
+    """The layers of ``graph`` (an :class:`~engine.graph.OpGraph`) the runtime shards over the
+    vocabulary under tensor parallelism: the token embedding and the LM head."""
+    return _vocab_layers(graph, graph.layer_summaries())
+
+
 def layer_costs(graph, cost, tp: int = 1, *, loss_parallel: bool = False, sequence_parallel: bool = False,
                 overlap_chunks: int = 1, tp_plan: Mapping[str, str] | None = None) -> list[LayerCost]:
     """Forward time, FLOPs, parameter and activation bytes of every layer on one TP rank.

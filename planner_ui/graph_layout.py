@@ -26,6 +26,8 @@ from typing import Any
 
 import networkx as nx
 
+from engine.tp_plan import op_sharding
+from engine.transform import is_block_layer, vocab_layers
 from planner_ui.sources import PALETTE, segment_color
 
 #: Levels of :func:`collapse`, coarsest last.
@@ -364,9 +366,48 @@ def generations(dag: nx.DiGraph) -> dict[Any, int]:
 
 
 # ---------------------------------------------------------------------------- columns
+#: Node colours by tensor-parallel sharding (``color_by="sharding"``), one per
+#: :data:`engine.tp_plan.SHARDING_KINDS` kind.
+SHARDING_COLORS = {"column-parallel": "#1f77b4", "row-parallel": "#d62728", "sharded": "#9467bd",
+                   "vocab-parallel": "#2ca02c", "replicated": NEUTRAL_COLOR}
+
+
+def annotate_sharding(dag: nx.DiGraph, graph: Any, plan: Any) -> str:
+    """Set each node's ``sharding`` (one of :data:`engine.tp_plan.SHARDING_KINDS`) from ``plan``'s
+    block plan (``plan.meta["tp_plan"]``, :func:`engine.split.record_tp_plan`) and the op graph
+    ``graph``: ops (``level == "ops"``) by :func:`engine.tp_plan.op_sharding`; a layer or segment
+    node as its layer (a transformer block ``sharded``, the embedding and LM head
+    ``vocab-parallel``). A node on one device of a plan with ``tp == 1`` is replicated. Returns one
+    sentence saying which plan that is, or why nothing is sharded."""
+    info = (getattr(plan, "meta", None) or {}).get("tp_plan") if plan is not None else None
+    tp = int(getattr(getattr(plan, "parallel", None), "tp", 1) or 1)
+    blocks = dict(info["blocks"]) if info else {}
+    vocab = vocab_layers(graph) if graph is not None and info else frozenset()
+    level = dag.graph.get("level", "ops")
+    for _n, a in dag.nodes(data=True):
+        layer = str(a.get("layer") or "")
+        split = bool(info) and (tp > 1 or len(a.get("devices") or []) > 1)
+        if not split:
+            kind = "replicated"
+        elif level == "ops":
+            kind = op_sharding(str(a.get("module_path") or ""), in_block=is_block_layer(layer), vocab=layer in vocab,
+                               blocks=blocks)
+        else:
+            kind = "vocab-parallel" if layer in vocab else "sharded" if is_block_layer(layer) else "replicated"
+        a["sharding"] = kind
+    if not info:
+        return "Nothing is tensor-parallel in this plan (tp = 1 and no all-device blocks)."
+    what = {"user": "yours (--tp-plan)", "published": "the one the model publishes (config.base_model_tp_plan)",
+            "derived": "derived from its graph (Megatron-LM's pairing)"}.get(info.get("source"), info.get("source"))
+    return f"Tensor-parallel plan: {what}."
+
+
 def node_color(attrs: Mapping, color_by: str = "segment") -> str:
-    """Fill colour of a node: its segment's palette colour, or its device's (``color_by="device"``;
-    a segment on several devices gets :data:`NEUTRAL_COLOR`)."""
+    """Fill colour of a node: its segment's palette colour, its device's (``color_by="device"``; a
+    segment on several devices gets :data:`NEUTRAL_COLOR`), or its ``sharding``'s
+    (``color_by="sharding"``, :data:`SHARDING_COLORS`; set by :func:`annotate_sharding`)."""
+    if color_by == "sharding":
+        return SHARDING_COLORS.get(str(attrs.get("sharding", "replicated")), NEUTRAL_COLOR)
     if color_by == "device":
         devs = attrs.get("devices") or []
         if len(devs) != 1:
@@ -393,8 +434,8 @@ def node_columns(dag: nx.DiGraph, pos: Mapping[Any, tuple[float, float]] | None 
     FLOPs (aggregated levels); ``*_text`` columns are display strings (GFLOP, MiB, ms or units).
     ``label`` is empty when ``labels`` is false.
     """
-    if color_by not in ("segment", "device"):
-        raise ValueError(f"color_by must be 'segment' or 'device', got {color_by!r}")
+    if color_by not in ("segment", "device", "sharding"):
+        raise ValueError(f"color_by must be 'segment', 'device' or 'sharding', got {color_by!r}")
     pos = layout(dag) if pos is None else pos
     cols: dict[str, list] = {k: [] for k in NODE_COLUMNS}
     level = dag.graph.get("level", "ops")
@@ -492,6 +533,8 @@ __all__ = [
     "LEVELS",
     "NEUTRAL_COLOR",
     "NODE_COLUMNS",
+    "SHARDING_COLORS",
+    "annotate_sharding",
     "collapse",
     "edge_columns",
     "fmt_bytes",

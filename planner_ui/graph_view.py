@@ -34,6 +34,8 @@ from bokeh.plotting import figure
 from planner_ui.background import bokeh_safe
 from planner_ui.graph_layout import (
     LEVELS,
+    SHARDING_COLORS,
+    annotate_sharding,
     collapse,
     edge_columns,
     layout,
@@ -80,7 +82,9 @@ class GraphView(pn.viewable.Viewer):
         state: the shared :class:`~planner_ui.state.PlanState` (reads ``graph``, ``plan``,
             ``revision``, ``selected_segment``; writes ``selected_segment``).
         level: ``"ops"``, ``"layers"`` (default) or ``"segments"``: the level of detail.
-        color_by: ``"segment"`` (default) or ``"device"``.
+        color_by: ``"segment"`` (default), ``"device"`` or ``"sharding"`` (column-, row-,
+            vocab-parallel, sharded or replicated under the plan's tensor parallelism;
+            :func:`planner_ui.graph_layout.annotate_sharding`).
         height: figure height in pixels.
 
     Attributes (for tests and other components):
@@ -96,7 +100,8 @@ class GraphView(pn.viewable.Viewer):
 
     state = param.ClassSelector(class_=PlanState)
     level = param.Selector(default="layers", objects=list(LEVELS), doc="level of detail: ops, layers or segments")
-    color_by = param.Selector(default="segment", objects=["segment", "device"], doc="node colour")
+    color_by = param.Selector(default="segment", objects=["segment", "device", "sharding"],
+                              doc="node colour: segment, device, or tensor-parallel sharding")
     height = param.Integer(default=380, bounds=(120, None), doc="figure height, px")
 
     def __init__(self, **params):
@@ -106,6 +111,8 @@ class GraphView(pn.viewable.Viewer):
         self.dag: nx.DiGraph = nx.DiGraph()
         self.positions: dict = {}
         self.note = ""
+        #: with ``color_by="sharding"``: which tensor-parallel plan the colours show (one sentence)
+        self.sharding_note = ""
         self.abstract = False
         self._key = None
         self._cache_key = None
@@ -180,6 +187,8 @@ class GraphView(pn.viewable.Viewer):
 
     def node_data(self) -> dict[str, list]:
         """Node columns of the current :attr:`dag` (colour, highlight of ``state.selected_segment``)."""
+        if self.color_by == "sharding":
+            self.sharding_note = annotate_sharding(self.dag, self.state.graph, self.state.plan)
         labels = self.dag.graph.get("level") != "ops" or self.dag.number_of_nodes() <= OPS_LABEL_LIMIT
         return node_columns(self.dag, self.positions, color_by=self.color_by,
                             selected_segment=self.state.selected_segment, labels=labels, abstract=self.abstract)
@@ -233,7 +242,7 @@ class GraphView(pn.viewable.Viewer):
             self._pane.object = self._figure()
         else:
             self._restyle()
-        self._legend_pane.object = legend_html(self.legend())
+        self._legend_pane.object = self._legend_object()
 
     # ------------------------------------------------------------------ bokeh
     def _figure(self):
@@ -297,7 +306,14 @@ class GraphView(pn.viewable.Viewer):
     def _on_selection(self, *_events) -> None:
         if self.dag.number_of_nodes():
             self._restyle()
-        self._legend_pane.object = legend_html(self.legend())
+        self._legend_pane.object = self._legend_object()
+
+    def _legend_object(self) -> str:
+        """The legend's HTML; with ``color_by="sharding"`` also which tensor-parallel plan it shows."""
+        out = legend_html(self.legend())
+        if self.color_by == "sharding" and self.sharding_note:
+            out += f'<div class="tessel-graph-sharding-note">{html.escape(self.sharding_note)}</div>'
+        return out
 
     def legend(self) -> list[tuple[str, str]]:
         """``[(colour, meaning)]`` of the node colours drawn now (:func:`legend_items`)."""
@@ -321,6 +337,9 @@ def legend_items(dag: nx.DiGraph, color_by: str = "segment") -> list[tuple[str, 
     """What the node colours of ``dag`` mean: ``[(colour, label)]`` in segment or device order,
     e.g. ``("#1f77b4", "segment 0 (device 0)")``, ``("#9D9D9D", "on several devices")``; the
     colours are :func:`planner_ui.graph_layout.node_color`'s, so the legend matches the nodes."""
+    if color_by == "sharding":
+        kinds = {str(a.get("sharding", "replicated")) for _n, a in dag.nodes(data=True)}
+        return [(c, k) for k, c in SHARDING_COLORS.items() if k in kinds]
     items: dict[str, tuple[tuple, str]] = {}
     for _n, a in dag.nodes(data=True):
         color = node_color(a, color_by)

@@ -78,7 +78,7 @@ from torch.distributed.tensor.parallel import (
 
 from engine.errors import TesselError
 from engine.models.gpt import CausalSelfAttention
-from engine.tp_plan import packed_parts
+from engine.tp_plan import GPT2_TP_PLAN, TESSEL_GPT_TP_PLAN, packed_parts
 from runtime.chunked_overlap import ChunkedRowwiseParallel
 from runtime.conv1d_parallel import Conv1DColwiseParallel, Conv1DRowwiseParallel, is_conv1d
 from runtime.stages.layer_split import GPTStage, HFDecoderStage, HFGPT2Stage
@@ -87,26 +87,14 @@ __all__ = ["GPT_SP_PLAN", "GPT_TP_PLAN", "HF_GPT2_TP_PLAN", "HF_SP_PLAN", "Tenso
            "apply_tensor_parallel", "coconet_tp_refusal", "has_lm_head", "local_grad", "local_tensor", "shard_dims",
            "shard_view", "stage_tp_plan", "to_local_state", "from_local_state"]
 
-#: The in-project GPT's plan: module path pattern -> style name (``engine.models.gpt``).
-GPT_TP_PLAN = {
-    "transformer.h.*.attn.c_attn": "colwise",
-    "transformer.h.*.attn.c_proj": "rowwise",
-    "transformer.h.*.mlp.c_fc": "colwise",
-    "transformer.h.*.mlp.c_proj": "rowwise",
-}
+#: The in-project GPT's plan: module path pattern -> style name (``engine.models.gpt``;
+#: :data:`engine.tp_plan.TESSEL_GPT_TP_PLAN` under the stage's ``transformer``).
+GPT_TP_PLAN = {f"transformer.{k}": v for k, v in TESSEL_GPT_TP_PLAN.items()}
 
 
-#: A Hugging Face GPT-2's plan, derived from its graph as Megatron-LM pairs its projections (transformers
-#: publishes none: its projections are ``Conv1D``, :mod:`runtime.conv1d_parallel`): the fused query/key/value
-#: ``c_attn`` column-parallel in its three parts (``packed_colwise:3``: each rank computes whole heads of all
-#: three), the attention output and the MLP's down projection row-parallel, the MLP's up projection
-#: column-parallel.
-HF_GPT2_TP_PLAN = {
-    "transformer.h.*.attn.c_attn": "packed_colwise:3",
-    "transformer.h.*.attn.c_proj": "rowwise",
-    "transformer.h.*.mlp.c_fc": "colwise",
-    "transformer.h.*.mlp.c_proj": "rowwise",
-}
+#: A Hugging Face GPT-2's plan (:data:`engine.tp_plan.GPT2_TP_PLAN`, derived from its graph as Megatron-LM
+#: pairs its ``Conv1D`` projections, :mod:`runtime.conv1d_parallel`) under the stage's ``transformer``.
+HF_GPT2_TP_PLAN = {f"transformer.{k}": v for k, v in GPT2_TP_PLAN.items()}
 
 
 #: ``tp-split`` (sequence parallelism) in the in-project GPT: module path pattern -> role: ``"sequence"`` (a

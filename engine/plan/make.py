@@ -49,7 +49,7 @@ from engine.plan.metrics import memory_advice, predict_execution
 from engine.precision import get_policy, plan_precision
 from engine.recompute import check_recompute, stage_granularities
 from engine.schedule import Schedule
-from engine.split import choose_split, is_hf_gpt2, tensor_parallel_refusal
+from engine.split import choose_split, is_hf_gpt2, record_tp_plan, tensor_parallel_refusal
 from engine.timeline import Timeline
 from engine.transform import (
     LOSS_PARALLEL_TASKS,
@@ -335,6 +335,8 @@ def plan_from_capture(captured: CapturedModel, config: ParallelConfig, cost: Cos
     plan = build_plan(captured, cut, config, sched, cost, memory_limit=memory_limit)
     if calibration:
         plan.meta["calibration"] = dict(calibration)
+    record_tp_plan(plan.meta, captured.bundle.module, config.tp_plan,
+                   sharded=config.tp > 1 and captured.split == "layers")
 
     t0 = time.perf_counter()
     say("simulate")

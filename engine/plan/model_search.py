@@ -40,6 +40,7 @@ from engine.shape_costs import model_shape_placement
 from engine.shapes import SHAPES, UnknownShapeError, find_shape
 from engine.split import (
     choose_split,
+    record_tp_plan,
     supports_layer_split,
     supports_tensor_parallel_split,
     tensor_parallel_refusal,
@@ -161,6 +162,7 @@ class _ModelPlans:
             raise TransformError(why)
         self.split = "layers" if needs_layers and can else choose_split(bundle.module, recompute=recompute)
         self.meta: dict[str, Any] = {"memory_unit": "bytes"}
+        record_tp_plan(self.meta, bundle.module, None, sharded=multi and self.split == "layers")
         if memory_limit is not None:
             self.meta["memory_limit"] = memory_limit
 

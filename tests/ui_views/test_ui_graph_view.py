@@ -306,3 +306,43 @@ def test_no_plan_is_not_an_error():
     view = GraphView(state=PlanState())
     assert view.dag.number_of_nodes() == 0 and "No plan" in view.note
     pn.panel(view).get_root()
+
+
+def test_colour_by_sharding_shows_the_plans_tensor_parallel_split():
+    """GPT-2 at tp 2 (its derived plan): at the op level the fused query/key/value and the MLP's up
+    projection are column-parallel, both c_proj row-parallel, the token embedding and LM head
+    vocab-parallel, norms replicated; with a user's attention-only plan the MLP is replicated; at
+    tp 1 nothing is sharded. The legend names the kinds and which plan it is."""
+    from planner_ui.graph_layout import SHARDING_COLORS
+
+    res = make_plan("gpt2-tiny", devices=2, tp=2, micro_batches=2, device_type="cpu", seq_len=16)
+    view = GraphView(state=_state(res), level="ops", color_by="sharding")
+    kinds = {n: a["sharding"] for n, a in view.dag.nodes(data=True)}
+    paths = {n: a.get("module_path", "") for n, a in view.dag.nodes(data=True)}
+
+    def kinds_of(suffix: str) -> set[str]:
+        return {kinds[n] for n in kinds if paths[n].endswith(suffix)}
+
+    assert kinds_of("attn.c_attn") == {"column-parallel"} and kinds_of("mlp.c_fc") == {"column-parallel"}
+    assert kinds_of("attn.c_proj") == {"row-parallel"} and kinds_of("mlp.c_proj") == {"row-parallel"}
+    assert kinds_of("transformer.wte") == {"vocab-parallel"} and kinds_of("lm_head") == {"vocab-parallel"}
+    assert kinds_of("ln_1") == {"replicated"} and kinds_of("transformer.wpe") == {"replicated"}
+    data = view.nodes_source.data
+    for n, c in zip(data["id"], data["color"]):
+        assert c == SHARDING_COLORS[kinds[n]]
+    labels = [label for _c, label in view.legend()]
+    assert labels[:2] == ["column-parallel", "row-parallel"] and "replicated" in labels
+    assert "derived from its graph" in view._legend_pane.object
+
+    user = make_plan("gpt2-tiny", devices=2, tp=2, micro_batches=2, device_type="cpu", seq_len=16,
+                     tp_plan={"h.*.attn.c_attn": "packed_colwise:3", "h.*.attn.c_proj": "rowwise"})
+    view = GraphView(state=_state(user), level="ops", color_by="sharding")
+    got = {a.get("module_path", ""): a["sharding"] for _n, a in view.dag.nodes(data=True)}
+    assert {k for p, k in got.items() if p.endswith("mlp.c_fc")} == {"replicated"}
+    assert {k for p, k in got.items() if p.endswith("attn.c_attn")} == {"column-parallel"}
+    assert "yours (--tp-plan)" in view._legend_pane.object
+
+    one = make_plan("gpt2-tiny", devices=2, micro_batches=2, device_type="cpu", seq_len=16)
+    view = GraphView(state=_state(one), color_by="sharding")
+    assert {a["sharding"] for _n, a in view.dag.nodes(data=True)} == {"replicated"}
+    assert "Nothing is tensor-parallel" in view._legend_pane.object
