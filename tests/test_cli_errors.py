@@ -113,6 +113,17 @@ def snapshot(folder) -> dict[str, bytes | None]:
 # ------------------------------------------------------------------------------------------------
 # seen tracebacks, fixed at their root
 # ------------------------------------------------------------------------------------------------
+def test_an_image_model_without_example_images_or_an_image_config_is_one_sentence(capsys, tmp_path, user_models):
+    """A bare image model is given example images from its config's image_size and num_channels
+    (``test_model_families``: a ViT); one whose config states none is refused before any capture."""
+    status, err, out = run_cli(capsys, "plan", "--model", "cli_err_user_models:conv", "--task", "image-classification",
+                               "--devices", "1", "-o", str(tmp_path / "out"), "--json")
+    assert status == 2
+    assert_one_error_line(err, "returned only a module for an image task", "states no image_size and num_channels",
+                          "return (module, example_inputs)")
+    assert not (tmp_path / "out").exists()
+
+
 def test_capture_failure_of_a_model_without_example_inputs_says_how_to_give_them(capsys, tmp_path, user_models):
     status, err, out = run_cli(capsys, "plan", "--model", "cli_err_user_models:conv", "--devices", "1",
                                "-o", str(tmp_path / "out"), "--json")

@@ -142,9 +142,13 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
     made_up = inputs is None
     if inputs is None:
         if task == "image-classification":
-            raise ModelBuildError(f"{name} returned only a module for an image task; return "
-                                  "(module, example_inputs) with example images [batch, C, H, W]")
-        if ":" in task:
+            shape = config_image_shape(module)
+            if shape is None:
+                raise ModelBuildError(f"{name} returned only a module for an image task, and its config states no "
+                                      "image_size and num_channels; return (module, example_inputs) with example "
+                                      "images [batch, C, H, W]")
+            inputs = (torch.zeros((batch_size, *shape), dtype=dtype, device=device),)
+        elif ":" in task:
             ctx = TaskContext(seq_len=seq_len, vocab_size=_vocab(module), model_name=name)
             inputs = tuple(get_task(task, ctx).example_inputs(batch_size))
             if torch.device(device).type == "meta":
@@ -169,6 +173,20 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
         config["config"] = json.loads(json.dumps(cfg.to_dict(), default=str))
     return ModelBundle(module=module, example_inputs=inputs, name=name, source="user",
                        config=config, batch_size=batch_size, seq_len=seq, task=task)
+
+
+def config_image_shape(module: nn.Module) -> tuple[int, int, int] | None:
+    """``(C, H, W)`` of the images a model takes, from its Hugging Face config's ``num_channels`` and
+    ``image_size`` (an int: square; or ``[H, W]``), or ``None`` when the config states neither
+    (e.g. ``ViTConfig``, ``ConvNextConfig`` state both)."""
+    cfg = getattr(module, "config", None)
+    size, channels = getattr(cfg, "image_size", None), getattr(cfg, "num_channels", None)
+    if isinstance(size, int) and not isinstance(size, bool):
+        size = (size, size)
+    if (isinstance(channels, int) and channels > 0 and isinstance(size, (list, tuple)) and len(size) == 2
+            and all(isinstance(x, int) and x > 0 for x in size)):
+        return int(channels), int(size[0]), int(size[1])
+    return None
 
 
 def _vocab(module: nn.Module) -> int | None:

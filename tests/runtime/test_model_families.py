@@ -99,10 +99,13 @@ def test_zb_h1_with_the_head_alone_in_the_last_stage_trains_like_one_process(poo
 
 
 @pytest.mark.parametrize("model,task,schedule", [("user_hf_models:llama", "causal-lm", "1f1b"),
-                                                 ("user_hf_models:bert", "masked-lm", "zb-h1")])
+                                                 ("user_hf_models:bert", "masked-lm", "zb-h1"),
+                                                 ("user_hf_models:vit", "image-classification", "1f1b")])
 def test_a_raw_hf_model_from_user_code_trains(pool, model, task, schedule):
     """A transformers model returned as is by the user's callable: the task is inferred from its
-    class and recorded, and it trains like one process."""
+    class and recorded, and it trains like one process. A ViT gets example images of the shape its
+    config states (``num_channels`` x ``image_size`` x ``image_size``); before, it was refused for want
+    of example images."""
     plan = _plan(model, schedule, 2, 1)
     assert (plan.model.task, plan.model.split, plan.model.source) == (task, "tracer", "user")
     _check_training(pool, plan, 2, 1)

@@ -20,3 +20,14 @@ def bert():
                                   intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0)
     return transformers.BertForMaskedLM(cfg)
+
+
+def vit():
+    """``ViTForImageClassification`` on the digits' images: 8 x 8 pixels, one channel, patches of 4, 2
+    layers, hidden 32, 10 classes (task inferred: image-classification; example images made from the
+    config's ``image_size`` and ``num_channels``)."""
+    import transformers
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=64, num_labels=10,
+                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.ViTForImageClassification(cfg)
