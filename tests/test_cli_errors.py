@@ -36,6 +36,9 @@ USER_MODELS = textwrap.dedent('''
     def conv():
         return Conv()
 
+    def dict_inputs_bad_keys():          # example inputs as a dict whose keys name no argument
+        return Conv(), {"0": torch.zeros(1, 3, 8, 8)}
+
     def returns_int():
         return 42
 
@@ -113,6 +116,13 @@ def snapshot(folder) -> dict[str, bytes | None]:
 # ------------------------------------------------------------------------------------------------
 # seen tracebacks, fixed at their root
 # ------------------------------------------------------------------------------------------------
+def test_dict_example_inputs_whose_keys_name_no_argument_are_one_sentence(capsys, tmp_path, user_models):
+    status, err, _ = run_cli(capsys, "plan", "--model", "cli_err_user_models:dict_inputs_bad_keys", "--devices", "1",
+                             "-o", str(tmp_path / "out"), "--json")
+    assert status == 2
+    assert_one_error_line(err, "returned example inputs as a dict with keys ['0']", "names of its forward's arguments")
+
+
 def test_an_image_model_without_example_images_or_an_image_config_is_one_sentence(capsys, tmp_path, user_models):
     """A bare image model is given example images from its config's image_size and num_channels
     (``test_model_families``: a ViT); one whose config states none is refused before any capture."""

@@ -171,6 +171,8 @@ def _build_user(name: str, *, batch_size: int, seq_len: int | None, device: Any,
     config: dict = {"callable": name, "class": type(module).__name__}
     if hasattr(cfg, "to_dict"):
         config["config"] = json.loads(json.dumps(cfg.to_dict(), default=str))
+    elif task != "image-classification" and _vocab(module):   # a plain LM: the task checks its ids fit
+        config["vocab_size"] = _vocab(module)
     return ModelBundle(module=module, example_inputs=inputs, name=name, source="user",
                        config=config, batch_size=batch_size, seq_len=seq, task=task)
 
@@ -190,8 +192,13 @@ def config_image_shape(module: nn.Module) -> tuple[int, int, int] | None:
 
 
 def _vocab(module: nn.Module) -> int | None:
+    """The vocabulary of a user's model: its config's ``vocab_size``, else the rows of its first
+    ``nn.Embedding`` (the token embedding of a plain PyTorch LM), else ``None``."""
     v = getattr(getattr(module, "config", None), "vocab_size", None)
-    return int(v) if v else None
+    if v:
+        return int(v)
+    first = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    return int(first.num_embeddings) if first is not None else None
 
 
 def model_vocab_size(module: Any, config: dict | None = None) -> int | None:

@@ -326,12 +326,14 @@ def build_user_module(name: str, *, batch_size: int, seq_len: int | None, device
     Returns:
         ``(module, example_inputs)``: the module on ``device`` in ``dtype`` (a Hugging Face model made
         logits-only, without a cache), and its example inputs as a tuple, or ``None`` when the callable
-        returned only a module.
+        returned only a module. Example inputs given as a dict (keyword arguments, e.g. a forward
+        whose inputs are keyword-only) become positional (:func:`_positional`).
 
     Raises:
         ModelNotFoundError: the module cannot be imported or lacks the attribute.
         ModelBuildError: the module raised while importing; the callable is not a Python function or
-            ``nn.Module`` class, needs arguments Tessel cannot give, raised, or returned something else.
+            ``nn.Module`` class, needs arguments Tessel cannot give, raised, or returned something else;
+            dict example inputs whose keys are not argument names.
     """
     fn = user_callable(name)
     offered = {"batch_size": batch_size, "seq_len": seq_len, "device": device, "dtype": dtype}
@@ -359,9 +361,47 @@ def build_user_module(name: str, *, batch_size: int, seq_len: int | None, device
         hf_config: Any = module.config
         if getattr(hf_config, "use_cache", None):
             hf_config.use_cache = False
-    if inputs is not None and not isinstance(inputs, tuple):
+    if isinstance(inputs, dict):
+        module, inputs = _positional(name, module, inputs)
+    elif inputs is not None and not isinstance(inputs, tuple):
         inputs = tuple(inputs) if isinstance(inputs, list) else (inputs,)
     return module, inputs
+
+
+#: The positional adapters made so far: (model class, input names) -> subclass (:func:`_positional`).
+_ADAPTERS: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _positional(name: str, module: nn.Module, inputs: dict) -> tuple[nn.Module, tuple]:
+    """A user's model given with example inputs as a dict (``{"input_ids": ...}``, a tokenizer's
+    output; or a forward whose inputs are keyword-only): the inputs as a tuple in the order the
+    model is called with. A Hugging Face model (already logits-only) takes its own input names
+    positionally; any other model's class is swapped for a transparent subclass whose ``forward``
+    takes the dict's keys positionally and calls the model's with them as keywords (parameter names
+    unchanged; rebuilt the same way on every rank, which calls the same callable).
+
+    Raises:
+        ModelBuildError: a key that is not a string, or a Hugging Face model given inputs other than
+            its own (:func:`engine.models.hf.input_names`).
+    """
+    keys = tuple(inputs)
+    if not keys or not all(isinstance(k, str) and k.isidentifier() for k in keys):
+        raise ModelBuildError(f"{name} returned example inputs as a dict with keys {list(keys)!r}; give the names of "
+                              "its forward's arguments as keys")
+    if _hf.is_hf_model(module):
+        want = _hf.input_names(type(module))
+        if set(keys) != set(want):
+            raise ModelBuildError(f"{name} returned example inputs {list(keys)} for a {type(module).__name__}, which "
+                                  f"Tessel trains on {list(want)}; return those (e.g. a tokenizer's input_ids only)")
+        return module, tuple(inputs[k] for k in want)
+    cls = type(module)
+    if (cls, keys) not in _ADAPTERS:
+        def forward(self: nn.Module, *args: Any) -> Any:
+            return cls.forward(self, **dict(zip(keys, args)))
+        _ADAPTERS[(cls, keys)] = type(f"{cls.__name__}Positional", (cls,),
+                                      {"forward": forward, "__module__": cls.__module__, "_tessel_input_names": keys})
+    module.__class__ = _ADAPTERS[(cls, keys)]
+    return module, tuple(inputs.values())
 
 
 def _first_line(e: BaseException) -> str:

@@ -55,3 +55,27 @@ def make_net() -> nn.Module:
 def make_branchy_net() -> nn.Module:
     """The same module tree with a data-dependent branch in ``blocks.1``."""
     return TinyTokenNet(branchy=True)
+
+
+class KeywordOnlyTokenNet(nn.Module):
+    """A token model whose forward takes its input as a keyword-only argument, as many user models
+    (and anything called with a tokenizer's output) do: ``forward(*, input_ids [B, T]) -> logits
+    [B, T, vocab]``."""
+
+    def __init__(self, vocab: int = 256, hidden: int = 16, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, *, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_keyword_only_net(batch_size: int = 2, seq_len: int | None = 16):
+    """``(KeywordOnlyTokenNet, {"input_ids": ...})``: example inputs as keyword arguments."""
+    torch.manual_seed(0)
+    return KeywordOnlyTokenNet(), {"input_ids": torch.randint(0, 256, (batch_size, seq_len or 16))}

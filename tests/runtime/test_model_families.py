@@ -111,6 +111,15 @@ def test_a_raw_hf_model_from_user_code_trains(pool, model, task, schedule):
     _check_training(pool, plan, 2, 1)
 
 
+def test_a_keyword_only_model_given_dict_example_inputs_trains(pool):
+    """A plain PyTorch LM whose forward takes ``input_ids`` as a keyword-only argument, returned with
+    its example inputs as a dict (as a tokenizer gives them): captured through a positional adapter
+    that keeps its parameter names, it trains like one process on a pipeline of two ranks."""
+    plan = _plan("split_user_models:make_keyword_only_net", "1f1b", 2, 1)
+    assert (plan.model.task, plan.model.source) == ("causal-lm", "user")
+    _check_training(pool, plan, 2, 1)
+
+
 def _check_training(pool, plan, world: int, dp: int) -> None:
     from runtime.worker import merge_model_state
 

@@ -38,7 +38,8 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 CASES = [("gpt2-tiny", 2), ("gpt2-tiny", 4), ("llama-tiny", 2), ("llama-tiny", 4), ("mixtral-tiny", 2),
          ("mixtral-tiny", 4), ("bert-tiny", 2), ("bert-tiny", 4), ("t5-tiny", 2), ("t5-tiny", 4),
-         ("cnn-digits", 2), ("cnn-digits", 3), (USER, 2), (USER, 4)]
+         ("cnn-digits", 2), ("cnn-digits", 3), (USER, 2), (USER, 4),
+         ("split_user_models:make_keyword_only_net", 2)]   # example inputs as a dict, a keyword-only forward
 
 
 @pytest.mark.parametrize("name,S", CASES, ids=[f"{n.split(':')[-1]}-{s}" for n, s in CASES])
