@@ -11,8 +11,8 @@ Three methods cut a model into pipeline stages (``runtime.stages.build_stages``)
   runs them eagerly. It needs a model whose forward is the composition of its layers in order,
   which an ``nn.Sequential`` is by definition (a CNN, an MLP); nothing is traced, so dropout,
   batch norm and any Python in the layers behave exactly as in the unsplit model.
-- ``"layers"``: torchtitan's manual split of a decoder-only LM (Hugging Face Llama-family and
-  GPT-2 models, the in-project GPT): each stage is a copy of the model keeping its embedding
+- ``"layers"``: torchtitan's manual split of a decoder-only LM (Hugging Face Llama-family,
+  GPT-NeoX and GPT-2 models, the in-project GPT): each stage is a copy of the model keeping its embedding
   (first stage), its run of decoder blocks, and its final norm and LM head (last stage), run
   eagerly. Tensor parallelism needs it (``parallelize_module`` shards the blocks' ``nn.Linear``
   projections, and GPT-2's ``Conv1D`` ones, which tracing would flatten into graph ops); plans

@@ -27,10 +27,16 @@ all-reduces the input gradients of the column-parallel layers, so those gradient
 rank. Activations between blocks and across pipeline boundaries are replicated ``[B, T, H]``
 tensors; tensor rank ``t`` of one stage exchanges them with tensor rank ``t`` of the next.
 
-Hugging Face models publish their plan (``config.base_model_tp_plan``, e.g. Llama's
+Hugging Face models publish their plan (``config.base_model_tp_plan``, e.g. Llama's and GPT-NeoX's
 ``{"layers.*.self_attn.q_proj": "colwise", ...}``); it is used as is, with ``"colwise"`` and
-``"rowwise"`` mapped to torch's styles. The in-project GPT's plan is :data:`GPT_TP_PLAN` (its fused
-``c_attn`` holds whole heads per row block, :class:`engine.models.gpt.CausalSelfAttention`).
+``"rowwise"`` mapped to torch's styles (a style the runtime does not execute, e.g. Mixtral's
+``packed_colwise`` experts, is refused before any rank starts: :func:`engine.split.tensor_parallel_refusal`).
+Hugging Face GPT-2 publishes none: its plan is derived as Megatron-LM pairs its ``Conv1D``
+projections (:data:`HF_GPT2_TP_PLAN`, executed by :mod:`runtime.conv1d_parallel`; the fused
+query/key/value sharded part by part). The in-project GPT's plan is :data:`GPT_TP_PLAN` (its fused
+``c_attn`` holds whole heads per row block, :class:`engine.models.gpt.CausalSelfAttention`). A
+user's plan (``tessel plan --tp-plan``, the plan's ``parallel.tp_plan``, :mod:`engine.tp_plan`)
+replaces any of them for the blocks.
 
 CoCoNet's tensor-parallel transformations (``plan.parallel.transforms``, :mod:`engine.coconet`)
 change the plan :func:`stage_tp_plan` builds:
