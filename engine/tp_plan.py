@@ -32,8 +32,8 @@ from typing import Any, Mapping
 
 from engine.errors import TransformError
 
-__all__ = ["GPT2_TP_PLAN", "SHARDING_KINDS", "ShardedSublayers", "TESSEL_GPT_TP_PLAN", "check_tp_plan", "op_sharding",
-           "packed_parts", "read_tp_plan", "style_pattern"]
+__all__ = ["GPT2_TP_PLAN", "SHARDING_KINDS", "ShardedSublayers", "TESSEL_GPT_TP_PLAN", "check_tp_plan",
+           "check_tp_plan_matches", "op_sharding", "packed_parts", "read_tp_plan", "style_pattern"]
 
 #: Hugging Face GPT-2's plan, derived from its graph as Megatron-LM pairs its projections (transformers
 #: publishes none: they are ``Conv1D``, sharded by ``runtime.conv1d_parallel``): the fused query/key/value
@@ -73,6 +73,19 @@ def check_tp_plan(plan: Any, where: str = "the tensor-parallel plan") -> dict[st
             raise TransformError(f"{where} shards {key!r} as {style!r}; use one of {', '.join(PLAIN_STYLES)} or "
                                  "packed_colwise:K (K >= 2 fused parts)")
     return dict(plan)
+
+
+def check_tp_plan_matches(plan: Mapping[str, str], module: Any, name: str) -> None:
+    """Refuse (:class:`TransformError`, one sentence) an entry of ``plan`` that names no submodule
+    of ``module`` (an ``nn.Module`` called ``name``): a misspelt path would otherwise shard
+    nothing without a word."""
+    names = [n for n, _ in module.named_modules() if n]
+    for key in plan:
+        pattern = style_pattern(key)
+        if not any(pattern.match(n) for n in names):
+            raise TransformError(f"the tensor-parallel plan's entry {key!r} names no module of {name!r}; give paths "
+                                 "relative to its base model as transformers' base_model_tp_plan does (e.g. "
+                                 "'layers.*.self_attn.q_proj' for Llama, 'h.*.attn.c_attn' for GPT-2)")
 
 
 def read_tp_plan(path: str | Path) -> dict[str, str]:

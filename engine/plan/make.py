@@ -51,6 +51,7 @@ from engine.recompute import check_recompute, stage_granularities
 from engine.schedule import Schedule
 from engine.split import choose_split, is_hf_gpt2, record_tp_plan, tensor_parallel_refusal
 from engine.timeline import Timeline
+from engine.tp_plan import check_tp_plan_matches
 from engine.transform import (
     LOSS_PARALLEL_TASKS,
     LayerCost,
@@ -487,6 +488,8 @@ def _checked_split(bundle: ModelBundle, moe_layers: list[MoELayer], config: Para
     split = choose_split(bundle.module, config.tp, "full" if recomputes else "none", config.dp_shard)
     check_transforms(config.transforms, dp=config.dp, tp=config.tp, pp=config.pp, optimizer=config.optimizer,
                      split=split, expert_parallel=config.dp > 1 and bool(moe_layers), seq_len=bundle.seq_len)
+    if config.tp_plan is not None:
+        check_tp_plan_matches(config.tp_plan, bundle.module, bundle.name)
     why = (tensor_parallel_refusal(bundle.module, bundle.name, config.tp_plan) if config.tp > 1 and split == "layers"
            else None)
     if why:

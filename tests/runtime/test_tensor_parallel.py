@@ -215,7 +215,8 @@ def test_a_users_tp_plan_overrides_the_derived_one_and_trains_like_one_process(p
 @pytest.mark.parametrize("content,words", [
     ("{", "is not JSON"), ('["colwise"]', "must be a non-empty JSON object"),
     ('{"h.*.mlp.c_fc": "columnwise"}', "shards 'h.*.mlp.c_fc' as 'columnwise'; use one of"),
-    ('{"h..c_fc": "colwise"}', "is not a dotted module path pattern")])
+    ('{"h..c_fc": "colwise"}', "is not a dotted module path pattern"),
+    ('{"h.*.mlp.c_fcc": "colwise"}', "entry 'h.*.mlp.c_fcc' names no module of 'gpt2-tiny'")])
 def test_a_bad_tp_plan_file_is_one_sentence_and_exit_status_2(tmp_path, content, words):
     from cli_inprocess import run_cli
 
