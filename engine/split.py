@@ -36,7 +36,7 @@ from engine.tp_plan import GPT2_TP_PLAN, TESSEL_GPT_TP_PLAN
 
 __all__ = ["DecoderLayout", "EXECUTED_TP_STYLES", "HF_DECODER_LAYOUTS", "SplitMethod", "SPLIT_METHODS",
            "choose_split", "hf_decoder_layout", "is_hf_gpt2", "supports_layer_split",
-           "effective_tp_plan", "record_tp_plan", "supports_tensor_parallel_split", "tensor_parallel_refusal"]
+           "effective_tp_plan", "record_tp_plan", "tensor_parallel_refusal"]
 
 SplitMethod = Literal["tracer", "module", "layers"]
 """How the runtime builds a plan's stages (see the module docstring)."""
@@ -57,7 +57,7 @@ def choose_split(module: nn.Module, tp: int = 1, recompute: str = "none", dp_sha
     if _is_two_tower(module):
         return "layers"
     if tp > 1:   # a family tensor parallelism cannot shard keeps its split, which the runtime refuses for tp > 1
-        return "layers" if supports_tensor_parallel_split(module) else fallback
+        return "layers" if supports_layer_split(module) else fallback
     needs_blocks = recompute != "none" or int(dp_shard) > 1
     return "layers" if needs_blocks and supports_layer_split(module) else fallback
 
@@ -103,14 +103,6 @@ def supports_layer_split(module: nn.Module) -> bool:
     if isinstance(module, GPT) or _is_two_tower(module) or is_hf_gpt2(module):
         return True
     return hf_decoder_layout(module) is not None
-
-
-def supports_tensor_parallel_split(module: nn.Module) -> bool:
-    """Whether the layer split can cut ``module`` into stages tensor parallelism shards
-    (``runtime.tensor_parallel``): :func:`supports_layer_split` (Hugging Face GPT-2 included: its
-    ``Conv1D`` projections are sharded by ``runtime.conv1d_parallel`` on a plan derived from its
-    graph)."""
-    return supports_layer_split(module)
 
 
 #: The styles of transformers' tensor-parallel plans (``config.base_model_tp_plan``) the runtime executes

@@ -122,7 +122,9 @@ class ShardedSublayers:
     def __init__(self, tp_plan: Mapping[str, str]):
         parents = {k.rsplit(".", 1)[0] for k, v in tp_plan.items() if v != "embedding_rowwise" and "." in k}
         self._patterns = [style_pattern(p, subtree=True) for p in sorted(parents)]
-        self._rows = [style_pattern(k) for k, v in tp_plan.items() if v == "rowwise"]
+        #: the row-parallel and column-parallel (packed included) projections' patterns
+        self.rows = [style_pattern(k) for k, v in tp_plan.items() if v == "rowwise"]
+        self.columns = [style_pattern(k) for k, v in tp_plan.items() if v not in ("rowwise", "embedding_rowwise")]
 
     def covers(self, module_path: str) -> bool:
         """Whether an op of ``module_path`` runs on the rank's shard."""
@@ -131,20 +133,21 @@ class ShardedSublayers:
     def all_reduces(self, module_paths: list[str]) -> int:
         """How many row-parallel layers (all-reduces of the hidden state) a block of ops with these
         module paths holds."""
-        return len({m for m in module_paths if any(r.match(m) for r in self._rows)})
+        return len({m for m in module_paths if any(r.match(m) for r in self.rows)})
 
 
-def op_sharding(module_path: str, *, in_block: bool, vocab: bool, blocks: Mapping[str, str]) -> str:
+def op_sharding(module_path: str, *, in_block: bool, vocab: bool, blocks: ShardedSublayers) -> str:
     """How an op of ``module_path`` runs on a tensor-parallel stage (one of :data:`SHARDING_KINDS`):
     ``vocab``: in the token embedding or LM head (vocab-parallel); in a transformer block
-    (``in_block``), a projection of ``blocks`` (the block plan, base-relative patterns) is column- or
+    (``in_block``), a projection of ``blocks`` (the block plan, built once per plan) is column- or
     row-parallel, another op inside a sublayer the plan shards runs on the rank's heads or features
     (``sharded``); everything else (norms, residual adds, position embeddings) is replicated."""
     if vocab:
         return "vocab-parallel"
     if not in_block:
         return "replicated"
-    for key, style in blocks.items():
-        if style != "embedding_rowwise" and style_pattern(key).match(module_path):
-            return "row-parallel" if style == "rowwise" else "column-parallel"
-    return "sharded" if ShardedSublayers(blocks).covers(module_path) else "replicated"
+    if any(r.match(module_path) for r in blocks.rows):
+        return "row-parallel"
+    if any(c.match(module_path) for c in blocks.columns):
+        return "column-parallel"
+    return "sharded" if blocks.covers(module_path) else "replicated"

@@ -26,7 +26,7 @@ from typing import Any
 
 import networkx as nx
 
-from engine.tp_plan import op_sharding
+from engine.tp_plan import ShardedSublayers, op_sharding
 from engine.transform import is_block_layer, vocab_layers
 from planner_ui.sources import PALETTE, segment_color
 
@@ -381,7 +381,7 @@ def annotate_sharding(dag: nx.DiGraph, graph: Any, plan: Any) -> str:
     sentence saying which plan that is, or why nothing is sharded."""
     info = (getattr(plan, "meta", None) or {}).get("tp_plan") if plan is not None else None
     tp = int(getattr(getattr(plan, "parallel", None), "tp", 1) or 1)
-    blocks = dict(info["blocks"]) if info else {}
+    blocks = ShardedSublayers(info["blocks"] if info else {})
     vocab = vocab_layers(graph) if graph is not None and info else frozenset()
     level = dag.graph.get("level", "ops")
     for _n, a in dag.nodes(data=True):

@@ -42,7 +42,6 @@ from engine.split import (
     choose_split,
     record_tp_plan,
     supports_layer_split,
-    supports_tensor_parallel_split,
     tensor_parallel_refusal,
 )
 from engine.tessel import tessel_search
@@ -156,7 +155,7 @@ class _ModelPlans:
         # copy of the first's stages: both on eager decoder stages; a model without them is still
         # planned, and the runtime refuses its launch in one sentence
         needs_layers = multi or replicas
-        can = supports_tensor_parallel_split(bundle.module) if multi else supports_layer_split(bundle.module)
+        can = supports_layer_split(bundle.module)
         why = tensor_parallel_refusal(bundle.module, bundle.name) if multi and can else None
         if why:   # all-device blocks run tensor-parallel: a plan the ranks cannot shard is refused now
             raise TransformError(why)
