@@ -40,6 +40,7 @@ from engine.plan import ScheduleMetrics, compare_baselines, plan_from_search, pr
 from engine.plan.from_search import ABSTRACT_MODEL
 from engine.shapes import SHAPES, make_shape
 from engine.timeline import Timeline
+from engine.tp_plan import read_tp_plan
 
 HELP = ("search a schedule for a placement (V, X, M, NN, K, interleaved, MLLM, finetune, AlphaFold or a JSON file) "
         "with Tessel")
@@ -94,6 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--completion-stall", type=positive_float, default=None, metavar="S",
                    help="stop warmup/cooldown solves after S seconds without improvement (faster, may be a "
                         "little longer; not deterministic when it stops a solve); default: run to the time limit")
+    p.add_argument("--tp-plan", metavar="FILE", default=None,
+                   help="with --model, a JSON tensor-parallel plan for the all-device blocks (M, NN, X) in "
+                        "transformers' base_model_tp_plan format (styles colwise, rowwise, packed_colwise:K), "
+                        "replacing the model's own; recorded, costed and executed")
     p.add_argument("-o", "--output", default="out", help="output folder (default out/)")
 
 
@@ -161,7 +166,8 @@ def _model_search(args, limit: float | None) -> _Searched:
         args.model, args.placement, args.devices or DEFAULT_DEVICES, args.micro_batches,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, device_type=args.device_type,
         memory_limit=limit, link=args.link, split_backward=args.split_backward, forward_only=args.inference,
-        precision=args.precision, recompute=args.recompute, dtype=args.dtype, **_search_options(args))
+        precision=args.precision, recompute=args.recompute, dtype=args.dtype,
+        tp_plan=read_tp_plan(args.tp_plan) if args.tp_plan else None, **_search_options(args))
     return _Searched(sp.result, sp.placement, sp.plan, sp.timeline, sp.variant, sp.cost, sp.predict, model_search=sp)
 
 
@@ -191,6 +197,9 @@ def _search(args) -> _Searched:
     from engine.tessel import InfeasibleMemoryError
 
     use_model = args.model is not None and not _from_file(args)
+    if args.tp_plan and not use_model:
+        raise TesselError("--tp-plan shards a model's all-device blocks; give the model with --model and a shape "
+                          "(--placement m, nn or x)")
     gib = 2**30 if args.model else 1
     unit = "GiB" if args.model else "units"
     mem_scale = 1 if use_model or _from_file(args) else _HALF

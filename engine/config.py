@@ -103,7 +103,8 @@ class ModelRef:
             (``torch.distributed.pipelining.pipeline`` over ``torch.export``) or ``module``
             (torchtitan's manual split: a copy of the model keeping the stage's layers, for
             ``nn.Sequential`` models) or ``layers`` (eager decoder stages for tensor parallelism:
-            Llama-family, GPT-NeoX, GPT-2 and the in-project GPT); ``None`` (older plans): chosen at launch
+            Llama-family, GPT-NeoX, GPT-2, the in-project GPT; BERT masked LM and ViT classifier
+            encoders); ``None`` (older plans): chosen at launch
             (``engine.split.choose_split``).
         extra: keys of the JSON section this version does not know (e.g. ``forward``/``backward``
             time units of ``tessel search`` on an abstract placement), written back unchanged.

@@ -44,7 +44,8 @@ from engine.transform import (
 def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bool = False,
                           forward_only: bool = False, optimizer: str = "adam",
                           loss_parallel: bool = False, tied_module: Any = None,
-                          recompute: str = "none", precision: str = "32-true") -> tuple[Placement, list[dict]]:
+                          recompute: str = "none", precision: str = "32-true",
+                          tp_plan: dict[str, str] | None = None) -> tuple[Placement, list[dict]]:
     """The ``shape`` placement on ``n`` devices with the captured model's costs.
 
     Args:
@@ -68,6 +69,8 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
             (:func:`engine.transform.tied_parameter_groups`, as :func:`engine.plan.make.make_plan`
             counts them with ``add_tied_copies``), so static memory and gradient buffers include
             it. ``None``: parameters are counted once, at first use.
+        tp_plan: a user's tensor-parallel plan for the blocks (:mod:`engine.tp_plan`) by which the
+            all-device parts' ops are costed (:func:`engine.transform.layer_costs`); ``None``: the model's own.
         recompute: activation recomputation (:data:`engine.recompute.RECOMPUTE`): each part keeps
             what the granularity keeps (``activation_bytes``), its backward includes the recomputed
             forward (``recompute_time``; in ``I`` with ``split_backward``), and each device's static
@@ -141,7 +144,7 @@ def model_shape_placement(graph, cost, shape: str, n: int, *, split_backward: bo
     # an all-device part with parameters is tensor-parallel over the n devices (per-rank costs);
     # one without parameters (K's loss head) runs replicated: full time, no collective
     tp_parts = {part_of(s) for s in all_dev if parts[part_of(s)]["param_bytes"]}
-    tp_layers = layer_costs(graph, cost, n, loss_parallel=loss_parallel) if tp_parts else []
+    tp_layers = layer_costs(graph, cost, n, loss_parallel=loss_parallel, tp_plan=tp_plan) if tp_parts else []
     for q in tp_parts:
         chunk = tp_layers[ranges[q][0]:ranges[q][1]]
         comm = sum(lc.tp_comm_time for lc in chunk)

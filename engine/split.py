@@ -18,7 +18,11 @@ Three methods cut a model into pipeline stages (``runtime.stages.build_stages``)
   projections, and GPT-2's ``Conv1D`` ones, which tracing would flatten into graph ops); plans
   with ``tp > 1`` use it where the family can be sharded, and so do plans with activation
   recomputation (``torch.utils.checkpoint`` wraps each decoder block, which an exported graph no
-  longer has).
+  longer has). Two Hugging Face encoders get it too (:class:`EncoderLayout`): BERT's masked LM
+  (``BertForMaskedLM``) and ViT's image classifier (``ViTForImageClassification``), each stage keeping
+  its run of encoder layers, the embeddings on the first and the head on the last; tensor
+  parallelism shards them with a plan derived Megatron-style (:data:`engine.tp_plan.BERT_TP_PLAN`,
+  :data:`engine.tp_plan.VIT_TP_PLAN`).
 
 Source: torch.distributed.pipelining (``pipeline``, ``SplitPoint``); torchtitan
 ``torchtitan/distributed/pipeline.py``.
@@ -32,11 +36,13 @@ from typing import Literal, get_args
 from torch import nn
 
 from engine.models.gpt import GPT
-from engine.tp_plan import GPT2_TP_PLAN, TESSEL_GPT_TP_PLAN
+from engine.tp_plan import BERT_TP_PLAN, GPT2_TP_PLAN, TESSEL_GPT_TP_PLAN, VIT_TP_PLAN
 
-__all__ = ["DecoderLayout", "EXECUTED_TP_STYLES", "HF_DECODER_LAYOUTS", "SplitMethod", "SPLIT_METHODS",
-           "choose_split", "hf_decoder_layout", "is_hf_gpt2", "supports_layer_split",
-           "effective_tp_plan", "record_tp_plan", "tensor_parallel_refusal"]
+__all__ = ["DecoderLayout", "EncoderLayout", "EXECUTED_TP_STYLES", "HF_DECODER_LAYOUTS", "HF_ENCODER_LAYOUTS",
+           "SplitMethod", "SPLIT_METHODS", "choose_split", "hf_decoder_layout", "hf_encoder_layout", "is_hf_gpt2",
+           "supports_layer_split",
+           "effective_tp_plan", "record_tp_plan", "sequence_parallel_refusal", "tensor_parallel_refusal",
+           "LLAMA_ROWWISE"]
 
 SplitMethod = Literal["tracer", "module", "layers"]
 """How the runtime builds a plan's stages (see the module docstring)."""
@@ -47,11 +53,11 @@ SPLIT_METHODS: tuple[str, ...] = get_args(SplitMethod)
 def choose_split(module: nn.Module, tp: int = 1, recompute: str = "none", dp_shard: int = 1) -> SplitMethod:
     """``"layers"`` with tensor parallelism (``tp > 1``), activation recomputation (``recompute`` not
     ``"none"``, :mod:`engine.recompute`) or fully sharded data parallelism (``dp_shard > 1``: FSDP2's
-    ``fully_shard`` wraps each eager transformer block, ``runtime.fsdp``) for a decoder-only LM the
-    layer split supports (the runtime refuses the plan otherwise, naming the model), and always for the
-    in-project two-tower model (its eager stages carry both towers' inputs along a pipeline, which
-    the traced split cannot); else ``"module"`` for an
-    ``nn.Sequential`` model (its layers run in order, so a stage is a slice of them), ``"tracer"``
+    ``fully_shard`` wraps each eager transformer block, ``runtime.fsdp``) for a decoder-only LM or
+    Hugging Face encoder (BERT masked LM, ViT classifier) the layer split supports (the runtime refuses
+    the plan otherwise, naming the model), and always for the in-project two-tower model (its eager
+    stages carry both towers' inputs along a pipeline, which the traced split cannot); else
+    ``"module"`` for an ``nn.Sequential`` model (its layers run in order, so a stage is a slice of them), ``"tracer"``
     for every other model."""
     fallback: SplitMethod = "module" if isinstance(module, nn.Sequential) else "tracer"
     if _is_two_tower(module):
@@ -96,26 +102,82 @@ def hf_decoder_layout(module: nn.Module) -> DecoderLayout | None:
     return None
 
 
+@dataclass(frozen=True)
+class EncoderLayout:
+    """Where a Hugging Face encoder the layer split cuts keeps its parts (paths in the whole model):
+    ``{base}.embeddings`` (first stage), ``{base}.{blocks}.{i}`` (an ``nn.ModuleList`` of encoder
+    layers, each called as ``layer(hidden [B, T, H], None) -> hidden``), the ``head`` modules (last
+    stage), the vocab-parallel ``token_embedding`` and ``vocab_head`` (``None``: no vocabulary)."""
+
+    family: str
+    """``"hf-bert"`` or ``"hf-vit"`` (``runtime.stages.encoder_split``)."""
+    base: str
+    """Attribute of the base model (``"bert"``, ``"vit"``); the derived plan's paths are relative to it."""
+    blocks: str
+    """The encoder layers' ``nn.ModuleList`` under the base model (``"encoder.layer"``; ViT: ``"layers"``)."""
+    head: tuple[str, ...]
+    """The last stage's modules: BERT's ``("cls",)``; ViT's ``("vit.layernorm", "classifier")``."""
+    token_embedding: str | None
+    """The token embedding, sharded over the vocabulary (BERT's ``bert.embeddings.word_embeddings``); ``None``."""
+    vocab_head: str | None
+    """The LM head's ``nn.Linear``, column-parallel over the vocabulary (``cls.predictions.decoder``); ``None``."""
+    tp_plan: tuple[tuple[str, str], ...]
+    """The derived block plan (:data:`engine.tp_plan.BERT_TP_PLAN` / :data:`engine.tp_plan.VIT_TP_PLAN`)."""
+
+
+#: The encoders the layer split knows: BERT's masked LM (``BertForMaskedLM``: ``bert.embeddings``,
+#: ``bert.encoder.layer``, ``cls``) and ViT's classifier (``ViTForImageClassification``, transformers 5:
+#: ``vit.embeddings``, ``vit.layers``, ``vit.layernorm``, ``classifier`` on the CLS token).
+HF_ENCODER_LAYOUTS = (
+    EncoderLayout("hf-bert", "bert", "encoder.layer", ("cls",), "bert.embeddings.word_embeddings",
+                  "cls.predictions.decoder", tuple(BERT_TP_PLAN.items())),
+    EncoderLayout("hf-vit", "vit", "layers", ("vit.layernorm", "classifier"), None, None, tuple(VIT_TP_PLAN.items())),
+)
+
+
+def hf_encoder_layout(module: nn.Module) -> EncoderLayout | None:
+    """The :class:`EncoderLayout` of a Hugging Face BERT masked LM (bidirectional: ``config.is_decoder``
+    false) or ViT image classifier (an ``nn.Linear`` ``classifier``), or ``None``."""
+    base = getattr(module, "bert", None)
+    if isinstance(base, nn.Module):
+        emb = getattr(base, "embeddings", None)
+        dec = getattr(getattr(getattr(module, "cls", None), "predictions", None), "decoder", None)
+        if (isinstance(getattr(emb, "word_embeddings", None), nn.Embedding)
+                and isinstance(getattr(getattr(base, "encoder", None), "layer", None), nn.ModuleList)
+                and isinstance(dec, nn.Linear) and not getattr(getattr(base, "config", None), "is_decoder", False)):
+            return HF_ENCODER_LAYOUTS[0]
+    base = getattr(module, "vit", None)
+    if (isinstance(base, nn.Module) and isinstance(getattr(module, "classifier", None), nn.Linear)
+            and isinstance(getattr(base, "layers", None), nn.ModuleList)
+            and hasattr(getattr(base, "embeddings", None), "patch_embeddings")
+            and isinstance(getattr(base, "layernorm", None), nn.Module)):
+        return HF_ENCODER_LAYOUTS[1]
+    return None
+
+
 def supports_layer_split(module: nn.Module) -> bool:
     """Whether the ``"layers"`` split can cut ``module``: the in-project GPT, the in-project two-tower
-    model, a Hugging Face GPT-2 LM (:func:`is_hf_gpt2`), or a Hugging Face causal LM laid out as
-    one of :data:`HF_DECODER_LAYOUTS` (:func:`hf_decoder_layout`)."""
+    model, a Hugging Face GPT-2 LM (:func:`is_hf_gpt2`), a Hugging Face causal LM laid out as
+    one of :data:`HF_DECODER_LAYOUTS` (:func:`hf_decoder_layout`), or a BERT masked LM or ViT
+    classifier (:func:`hf_encoder_layout`)."""
     if isinstance(module, GPT) or _is_two_tower(module) or is_hf_gpt2(module):
         return True
-    return hf_decoder_layout(module) is not None
+    return hf_decoder_layout(module) is not None or hf_encoder_layout(module) is not None
 
 
 #: The styles of transformers' tensor-parallel plans (``config.base_model_tp_plan``) the runtime executes
-#: (``runtime.tensor_parallel``): column- and row-parallel linear layers, the vocab-parallel embedding.
-EXECUTED_TP_STYLES = ("colwise", "rowwise", "embedding_rowwise")
+#: (``runtime.tensor_parallel``): column- and row-parallel linear layers, the vocab-parallel embedding, and
+#: MoE experts (``moe_tp_experts``, ``runtime.moe_tensor_parallel``) whose 3-D weights are ``packed_colwise``,
+#: ``colwise`` or ``rowwise``.
+EXECUTED_TP_STYLES = ("colwise", "rowwise", "embedding_rowwise", "moe_tp_experts", "packed_colwise")
 
 
 def tensor_parallel_refusal(module: nn.Module, name: str, tp_plan: dict[str, str] | None = None) -> str | None:
     """The sentence refusing tensor parallelism (``tp > 1``, or Tessel's all-device blocks) on a
     Hugging Face decoder ``module`` (called ``name``) whose published plan the runtime cannot execute,
     checked from the model alone, before any rank starts: no ``config.base_model_tp_plan``, or an
-    entry in a style outside :data:`EXECUTED_TP_STYLES` (Mixtral's and Qwen2-MoE's packed
-    ``gate_up_proj`` experts, ``moe_tp_experts``). ``None`` for every other model: GPT-2 and the
+    entry in a style outside :data:`EXECUTED_TP_STYLES` (GLM-4's ``colwise_gather_output``), or
+    ``packed_colwise`` on a layer that is not an MoE expert weight. ``None`` for every other model: GPT-2 and the
     in-project GPT get the runtime's own plans, and models without the layer split are refused where
     the split is checked. ``tp_plan``: the user's plan (:mod:`engine.tp_plan`), which replaces the
     model's own for every model: accepted as checked by :func:`engine.tp_plan.check_tp_plan`."""
@@ -126,13 +188,42 @@ def tensor_parallel_refusal(module: nn.Module, name: str, tp_plan: dict[str, str
         return (f"model {name!r} ({type(module).__name__}) publishes no tensor-parallel plan "
                 "(config.base_model_tp_plan), so its layers cannot be sharded; plan it with --tp 1 and no "
                 "all-device blocks")
+    experts = [k for k, v in eff[1].items() if v == "moe_tp_experts"]
     for key, style in eff[1].items():
-        if style not in EXECUTED_TP_STYLES:
-            hint = " (its experts can be expert-parallel over --dp instead)" if "experts" in key else ""
+        in_experts = any(key.startswith(e + ".") for e in experts)
+        if style not in EXECUTED_TP_STYLES or (style == "packed_colwise" and not in_experts):
+            where = "" if style not in EXECUTED_TP_STYLES else " outside MoE experts"
             return (f"model {name!r} shards {key!r} as {style!r} in its tensor-parallel plan "
-                    f"(config.base_model_tp_plan), which the runtime does not execute; plan it with --tp 1 and no "
-                    f"all-device blocks{hint}")
+                    f"(config.base_model_tp_plan), which the runtime does not execute{where}; plan it with --tp 1 "
+                    "and no all-device blocks")
     return None
+
+
+#: The row-parallel layers of a Hugging Face decoder laid out as Llama's, relative to the base model: the two
+#: whose all-reduces CoCoNet's ``tp-split`` turns into reduce-scatters feeding the residual adds.
+LLAMA_ROWWISE = ("layers.*.self_attn.o_proj", "layers.*.mlp.down_proj")
+
+
+def sequence_parallel_refusal(module: nn.Module, name: str, tp_plan: dict[str, str] | None = None) -> str | None:
+    """The sentence refusing CoCoNet's ``tp-split`` (sequence parallelism, ``runtime.tensor_parallel``)
+    on a Hugging Face decoder ``module`` (called ``name``) whose layers are not laid out as Llama's:
+    row-parallel exactly :data:`LLAMA_ROWWISE` in its block plan (:func:`effective_tp_plan`, ``tp_plan``:
+    the user's) and ``input_layernorm`` / ``post_attention_layernorm`` norms (GPT-NeoX's parallel
+    residual has neither); ``None`` for a model where it runs (and for models that are not Hugging Face
+    decoders: the in-project GPT runs it, GPT-2 is refused where its transformations are checked)."""
+    lay = hf_decoder_layout(module)
+    if lay is None:
+        return None
+    eff = effective_tp_plan(module, tp_plan)
+    rows = sorted(k for k, v in (eff[1] if eff else {}).items() if v == "rowwise")
+    layers = getattr(module, lay.base).layers
+    norms = all(hasattr(layers[0], n) for n in ("input_layernorm", "post_attention_layernorm")) if len(layers) else True
+    if rows == sorted(LLAMA_ROWWISE) and norms:
+        return None
+    return (f"'tp-split' needs decoder layers laid out as Llama's (row-parallel {' and '.join(LLAMA_ROWWISE)} feeding "
+            f"the residual adds after input_layernorm and post_attention_layernorm); {name!r} "
+            f"({type(module).__name__}) has row-parallel {rows}"
+            + ("" if norms else " and other norms") + ", so plan it without tp-split")
 
 
 def effective_tp_plan(module: nn.Module, user: dict[str, str] | None = None) -> tuple[str, dict[str, str]] | None:
@@ -140,7 +231,7 @@ def effective_tp_plan(module: nn.Module, user: dict[str, str] | None = None) -> 
     (patterns relative to the base model, transformers' ``base_model_tp_plan`` format): ``"user"``
     (``user``, ``tessel plan --tp-plan``), ``"published"`` (a Hugging Face decoder's
     ``config.base_model_tp_plan``, its embedding entry left out: the embedding is always
-    vocab-parallel) or ``"derived"`` (GPT-2's and the in-project GPT's, :mod:`engine.tp_plan`);
+    vocab-parallel) or ``"derived"`` (GPT-2's, BERT's, ViT's and the in-project GPT's, :mod:`engine.tp_plan`);
     ``None`` for a model without one."""
     if user is not None:
         return "user", dict(user)
@@ -148,6 +239,9 @@ def effective_tp_plan(module: nn.Module, user: dict[str, str] | None = None) -> 
         return "derived", dict(GPT2_TP_PLAN)
     if isinstance(module, GPT):
         return "derived", dict(TESSEL_GPT_TP_PLAN)
+    enc = hf_encoder_layout(module)
+    if enc is not None:
+        return "derived", dict(enc.tp_plan)
     lay = hf_decoder_layout(module)
     if lay is None:
         return None

@@ -12,8 +12,8 @@ relative to the base model (``*`` matches one level: ``"layers.*.self_attn.q_pro
 - ``"embedding_rowwise"``: the token embedding vocab-parallel (it always is: the entry is accepted
   and changes nothing).
 
-It replaces the model's own plan (the one it publishes, or the one the runtime derives for GPT-2 and
-the in-project GPT) for the transformer blocks; the token embedding and the LM head stay
+It replaces the model's own plan (the one it publishes, or the one the runtime derives for GPT-2,
+BERT, ViT and the in-project GPT) for the transformer blocks; the token embedding and the LM head stay
 vocab-parallel. The plan records it (``parallel.tp_plan``), the planner costs it
 (:class:`ShardedSublayers`: a block's ops run on ``1/tp`` of the work only inside a sublayer the
 plan shards, e.g. ``attn``, and each sharded sublayer all-reduces its output once) and the runtime
@@ -32,8 +32,8 @@ from typing import Any, Mapping
 
 from engine.errors import TransformError
 
-__all__ = ["GPT2_TP_PLAN", "SHARDING_KINDS", "ShardedSublayers", "TESSEL_GPT_TP_PLAN", "check_tp_plan",
-           "check_tp_plan_matches", "op_sharding", "packed_parts", "read_tp_plan", "style_pattern"]
+__all__ = ["BERT_TP_PLAN", "GPT2_TP_PLAN", "SHARDING_KINDS", "ShardedSublayers", "TESSEL_GPT_TP_PLAN", "VIT_TP_PLAN",
+           "check_tp_plan", "check_tp_plan_matches", "op_sharding", "packed_parts", "read_tp_plan", "style_pattern"]
 
 #: Hugging Face GPT-2's plan, derived from its graph as Megatron-LM pairs its projections (transformers
 #: publishes none: they are ``Conv1D``, sharded by ``runtime.conv1d_parallel``): the fused query/key/value
@@ -45,6 +45,21 @@ GPT2_TP_PLAN = {"h.*.attn.c_attn": "packed_colwise:3", "h.*.attn.c_proj": "rowwi
 #: The in-project GPT's plan (``engine.models.gpt``: its fused ``c_attn`` holds whole heads per row block).
 TESSEL_GPT_TP_PLAN = {"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise",
                       "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}
+
+#: Hugging Face BERT's plan (``BertModel``: transformers publishes none), derived as Megatron-LM pairs an
+#: encoder layer's projections: the query, key and value projections and the MLP's ``intermediate.dense``
+#: column-parallel (each rank computes whole heads, ``intermediate_size/tp`` features), the attention output
+#: ``attention.output.dense`` and the MLP's ``output.dense`` row-parallel; the post-residual LayerNorms replicated.
+BERT_TP_PLAN = {"encoder.layer.*.attention.self.query": "colwise", "encoder.layer.*.attention.self.key": "colwise",
+                "encoder.layer.*.attention.self.value": "colwise", "encoder.layer.*.attention.output.dense": "rowwise",
+                "encoder.layer.*.intermediate.dense": "colwise", "encoder.layer.*.output.dense": "rowwise"}
+
+#: Hugging Face ViT's plan (``ViTModel``, transformers 5: ``layers.*.attention.{q,k,v,o}_proj``,
+#: ``layers.*.mlp.fc1/fc2``; it publishes none), derived the same way: query/key/value and ``fc1``
+#: column-parallel, ``o_proj`` and ``fc2`` row-parallel, the pre-norms replicated.
+VIT_TP_PLAN = {"layers.*.attention.q_proj": "colwise", "layers.*.attention.k_proj": "colwise",
+               "layers.*.attention.v_proj": "colwise", "layers.*.attention.o_proj": "rowwise",
+               "layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise"}
 
 #: How an op runs under tensor parallelism (:func:`op_sharding`), as the model graph view colours it.
 SHARDING_KINDS = ("column-parallel", "row-parallel", "sharded", "vocab-parallel", "replicated")

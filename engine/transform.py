@@ -320,11 +320,13 @@ on vocab-sharded logits (``tasks.Task.vocab_parallel_loss``; a test keeps the tw
 def _vocab_layers(graph, summaries) -> frozenset[str]:
     """The layers the runtime shards over the vocabulary: the first non-block layer holding an
     ``Embedding`` (the token embedding, before any position embedding) and a last layer holding a
-    ``Linear`` (the LM head, tied weights included)."""
+    ``Linear`` (the LM head, tied weights included) in a model with such an embedding (a model
+    without one, e.g. ViT's classifier on patch embeddings, has no vocabulary: its head stays
+    replicated, ``runtime.tensor_parallel``)."""
     def has(ls, mt: str) -> bool:
         return any(graph.nodes[o].get("module_type") == mt for o in ls.ops)
     out = [next((ls.name for ls in summaries if not is_block_layer(ls.name) and has(ls, "Embedding")), None)]
-    if summaries and not is_block_layer(summaries[-1].name) and has(summaries[-1], "Linear"):
+    if out[0] is not None and summaries and not is_block_layer(summaries[-1].name) and has(summaries[-1], "Linear"):
         out.append(summaries[-1].name)
     return frozenset(x for x in out if x is not None)
 

@@ -41,6 +41,7 @@ whatever has arrived.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from dataclasses import replace
@@ -70,6 +71,7 @@ from engine.tessel import (
     SearchResult,
     tessel_search,
 )
+from engine.tp_plan import check_tp_plan
 from planner_ui.background import bokeh_safe
 from planner_ui.state import PlanState
 
@@ -128,7 +130,7 @@ class _Job:
     """What one search needs, prepared (and validated) on the UI thread."""
 
     def __init__(self, placement, m, limit, time_limit, seed, *, base_plan, cost, variant, abstract, max_window=3,
-                 model_shape=None, devices=None, current=None):
+                 model_shape=None, devices=None, current=None, tp_plan=None):
         self.placement = placement        # the searched placement (None until a model shape's search builds it)
         self.m = m
         self.limit = limit                # in the placement's internal units (bytes or units)
@@ -142,6 +144,7 @@ class _Job:
         self.model_shape = model_shape    # a shape of base_plan's model (model_search_plan), else None
         self.devices = devices            # devices of the model shape
         self.current = current            # the loaded plan whose own placement is searched (CURRENT), else None
+        self.tp_plan = tp_plan            # the user's tensor-parallel plan for the all-device blocks, else None
         self.time_factor, self.time_unit = (1.0, "units") if abstract else (1e3, "ms")
         self.mem_factor, self.mem_unit = (1.0, "units") if abstract else (float(_GIB), "GiB")
 
@@ -197,6 +200,9 @@ class SearchPanel(pn.viewable.Viewer):
                                 doc="per-device limit: GiB (a model plan) or abstract units; None = no limit")
     time_limit = param.Number(default=10.0, bounds=(0.1, 3600), doc="search time limit, seconds")
     seed = param.Integer(default=0, bounds=(0, None), doc="CP-SAT seed")
+    tp_plan = param.String(default="", doc="a model shape's tensor-parallel plan for its all-device blocks (M, NN, "
+                                           "X) as JSON in transformers' base_model_tp_plan format (engine.tp_plan); "
+                                           "blank: the model's own")
     max_window = param.Integer(default=3, bounds=(1, 8),
                                doc="most micro-batches per repetend window the search refines (the 1F1B policy's "
                                    "steady state, up to 3, always competes); 3-4 can shorten the period on M-like "
@@ -258,6 +264,10 @@ class SearchPanel(pn.viewable.Viewer):
                                                   css_classes=["tessel-search-window"])
         self.units_input = w.Checkbox.from_param(self.param.abstract_units, name="Abstract units (no model)",
                                                  css_classes=["tessel-search-units"])
+        self.tp_plan_input = w.TextAreaInput.from_param(
+            self.param.tp_plan, name="Tensor-parallel plan (JSON; blank: the model's own)", height=70,
+            placeholder='{"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}',
+            sizing_mode="stretch_width", css_classes=["tessel-search-tp-plan"])
         self.run_button = w.Button(label="Run Tessel", color="primary", css_classes=["tessel-search-run"])
         self.cancel_button = w.Button(label="Cancel", color="warning", disabled=True,
                                       css_classes=["tessel-search-cancel"])
@@ -360,6 +370,7 @@ class SearchPanel(pn.viewable.Viewer):
             pn.Row(self.shape_input, self.devices_input, self.mb_input, self.units_input),
             self.note_pane,
             pn.Row(self.memory_input, self.time_input, self.seed_input, self.window_input),
+            self.tp_plan_input,
             pn.Row(self.run_button, self.cancel_button),
             self.progress_bar, self.progress_pane, self.result_pane,
             css_classes=["tessel-search-panel"],
@@ -391,7 +402,10 @@ class SearchPanel(pn.viewable.Viewer):
             limit = None if limit_units is None else limit_units * _GIB
             return _Job(None, m, limit, float(self.time_limit), int(self.seed), base_plan=model_plan,
                         cost=CostModel.from_dict(model_plan.cost), variant=None, abstract=False, max_window=max_window,
-                        model_shape=self.shape, devices=int(self.devices))
+                        model_shape=self.shape, devices=int(self.devices), tp_plan=self._tp_plan())
+        if self.tp_plan.strip():
+            raise TesselError("a tensor-parallel plan shards a model's all-device blocks; load a model plan and pick "
+                              "its M, NN or X shape, or clear the tensor-parallel plan")
         else:
             placement = make_shape(self.shape, int(self.devices))  # PlacementError: n < 2, odd n for NN/K
             abstract, cost, base = True, None, None
@@ -400,6 +414,22 @@ class SearchPanel(pn.viewable.Viewer):
         return _Job(placement, m, limit, float(self.time_limit), int(self.seed), base_plan=base, cost=cost,
                     variant=variant, abstract=abstract, max_window=max_window,
                     current=self._st.plan if self.shape == CURRENT else None)
+
+    def _tp_plan(self) -> dict[str, str] | None:
+        """The tensor-parallel plan field as a checked plan (:func:`engine.tp_plan.check_tp_plan`), ``None`` when blank.
+
+        Raises:
+            TesselError: not JSON, or not a valid plan (one sentence).
+        """
+        text = self.tp_plan.strip()
+        if not text:
+            return None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TesselError(f"the tensor-parallel plan is not JSON: {e.msg} at line {e.lineno} column {e.colno}") \
+                from None
+        return check_tp_plan(data)
 
     # ------------------------------------------------------------------ running
     def start(self) -> bool:
@@ -467,7 +497,7 @@ class SearchPanel(pn.viewable.Viewer):
                                micro_batch_size=bp.model.micro_batch_size, seq_len=bp.model.seq_len,
                                task=bp.model.task, cost=job.cost, memory_limit=job.limit, time_limit=job.time_limit,
                                precision=bp.parallel.precision, recompute=bp.parallel.recompute,
-                               seed=job.seed, progress=self._on_progress, control=control,
+                               tp_plan=job.tp_plan, seed=job.seed, progress=self._on_progress, control=control,
                                max_window_micro_batches=job.max_window, fallback_baselines=True)
         job.placement = sp.placement
         res = sp.result

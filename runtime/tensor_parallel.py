@@ -1,6 +1,6 @@
 """Tensor parallelism inside a pipeline stage, with ``torch.distributed.tensor`` (DTensor).
 
-A stage of a ``tp > 1`` plan is an eager decoder stage (:mod:`runtime.stages.layer_split`) run by the
+A stage of a ``tp > 1`` plan is an eager decoder or encoder stage (:mod:`runtime.stages.layer_split`) run by the
 ``tp`` ranks of its tensor-parallel group; :func:`apply_tensor_parallel` shards it over their
 1-D :class:`~torch.distributed.device_mesh.DeviceMesh` with
 ``torch.distributed.tensor.parallel.parallelize_module``, Megatron-LM style, as torchtitan's
@@ -29,14 +29,23 @@ tensors; tensor rank ``t`` of one stage exchanges them with tensor rank ``t`` of
 
 Hugging Face models publish their plan (``config.base_model_tp_plan``, e.g. Llama's and GPT-NeoX's
 ``{"layers.*.self_attn.q_proj": "colwise", ...}``); it is used as is, with ``"colwise"`` and
-``"rowwise"`` mapped to torch's styles (a style the runtime does not execute, e.g. Mixtral's
-``packed_colwise`` experts, is refused before any rank starts: :func:`engine.split.tensor_parallel_refusal`).
+``"rowwise"`` mapped to torch's styles, and MoE experts (Mixtral's and Qwen2-MoE's ``moe_tp_experts``
+with ``packed_colwise`` / ``rowwise`` expert weights) sharded by
+:class:`runtime.moe_tensor_parallel.ExpertsTensorParallel`; a style the runtime does not execute (e.g.
+GLM-4's ``colwise_gather_output``) is refused before any rank starts
+(:func:`engine.split.tensor_parallel_refusal`).
 Hugging Face GPT-2 publishes none: its plan is derived as Megatron-LM pairs its ``Conv1D``
 projections (:data:`HF_GPT2_TP_PLAN`, executed by :mod:`runtime.conv1d_parallel`; the fused
 query/key/value sharded part by part). The in-project GPT's plan is :data:`GPT_TP_PLAN` (its fused
-``c_attn`` holds whole heads per row block, :class:`engine.models.gpt.CausalSelfAttention`). A
-user's plan (``tessel plan --tp-plan``, the plan's ``parallel.tp_plan``, :mod:`engine.tp_plan`)
-replaces any of them for the blocks.
+``c_attn`` holds whole heads per row block, :class:`engine.models.gpt.CausalSelfAttention`).
+Hugging Face BERT (masked LM) and ViT (image classifier) publish none either; their plans are derived
+the Megatron-LM way (:data:`engine.tp_plan.BERT_TP_PLAN`, :data:`engine.tp_plan.VIT_TP_PLAN`: query,
+key, value and the MLP's up projection column-parallel, the attention output and the MLP's down
+projection row-parallel) on their encoder stages (:mod:`runtime.stages.encoder_split`). BERT's word
+embedding is vocab-parallel and its MLM ``decoder`` (weight tied to it, with a bias) column-parallel
+over the vocabulary; ViT has no vocabulary: its patch embedding and classifier stay replicated, and
+its loss is never vocab-parallel. A user's plan (``tessel plan --tp-plan``, the plan's
+``parallel.tp_plan``, :mod:`engine.tp_plan`) replaces any of them for the blocks.
 
 CoCoNet's tensor-parallel transformations (``plan.parallel.transforms``, :mod:`engine.coconet`)
 change the plan :func:`stage_tp_plan` builds:
@@ -87,6 +96,8 @@ from engine.models.gpt import CausalSelfAttention
 from engine.tp_plan import GPT2_TP_PLAN, TESSEL_GPT_TP_PLAN, packed_parts
 from runtime.chunked_overlap import ChunkedRowwiseParallel
 from runtime.conv1d_parallel import Conv1DColwiseParallel, Conv1DRowwiseParallel, is_conv1d
+from runtime.moe_tensor_parallel import ExpertsTensorParallel, experts_shard_spec
+from runtime.stages.encoder_split import HFEncoderStage
 from runtime.stages.layer_split import GPTStage, HFDecoderStage, HFGPT2Stage
 
 __all__ = ["GPT_SP_PLAN", "GPT_TP_PLAN", "HF_GPT2_TP_PLAN", "HF_SP_PLAN", "TensorParallelError",
@@ -197,6 +208,11 @@ def _own_plan(stage: Any, overridden: bool) -> tuple[dict[str, str], str, str, d
     if isinstance(stage, HFGPT2Stage):
         cfg = stage.transformer.config
         return dict(HF_GPT2_TP_PLAN), "transformer.wte", "lm_head", {"attention heads": int(cfg.n_head)}
+    if isinstance(stage, HFEncoderStage):   # BERT / ViT: the derived plan; ViT has no vocabulary ("": none)
+        enc = stage.layout
+        blocks = {f"{enc.base}.{k}": v for k, v in enc.tp_plan}
+        sizes = {"attention heads": int(stage.base.config.num_attention_heads)}
+        return blocks, enc.token_embedding or "", enc.vocab_head or "", sizes
     raise TensorParallelError(f"a {type(stage).__name__} stage cannot be tensor-parallel: build the plan's stages "
                               "with the layer split (plan.model.split = 'layers')")
 
@@ -218,7 +234,8 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
 
     Raises:
         TensorParallelError: the model publishes no plan, its plan uses a style other than
-            ``colwise``/``rowwise`` (e.g. Mixtral's ``packed_colwise`` experts; the entry is named),
+            ``colwise``/``rowwise`` and the experts' ``moe_tp_experts`` (e.g. GLM-4's
+            ``colwise_gather_output``; the entry is named), MoE experts with ``tp-split`` or ``chunked-overlap``,
             its heads do not divide by ``tp``, ``sequence_parallel`` on a Hugging Face model whose
             decoder layers are not laid out as Llama's, or both ``sequence_parallel`` and
             ``overlap_chunks``.
@@ -231,6 +248,10 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
     if sequence_parallel and overlap_chunks:
         raise TensorParallelError("'chunked-overlap' pipelines the row-parallel all-reduce that 'tp-split' turns "
                                   "into a reduce-scatter; plan with one of the two")
+    if isinstance(stage, HFEncoderStage) and (sequence_parallel or overlap_chunks):
+        raise TensorParallelError(f"'tp-split' and 'chunked-overlap' rewrite decoder blocks only, and "
+                                  f"{type(stage).__name__} is an encoder's; plan it without CoCoNet's tensor-parallel "
+                                  "transformations")
     hf = isinstance(stage, HFDecoderStage)
     names = [n for n, _ in stage.named_modules()]
 
@@ -246,7 +267,25 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
         return RowwiseParallel()
 
     out: dict[str, Any] = {}
+    experts = [p for p, v in block_plan.items() if v == "moe_tp_experts"]
+    for path in experts:   # transformers' moe_tp_experts: the experts' 3-D weights (runtime.moe_tensor_parallel)
+        found = present(path)
+        if not found:
+            continue
+        if sequence_parallel or overlap_chunks:
+            raise TensorParallelError(f"the plan shards the MoE experts {path!r} as 'moe_tp_experts', which "
+                                      "'tp-split' and 'chunked-overlap' do not rewrite; plan it without CoCoNet's "
+                                      "tensor-parallel transformations")
+        entries = {k[len(path) + 1:]: v for k, v in block_plan.items() if k.startswith(path + ".")}
+        try:
+            spec = experts_shard_spec(entries, transposed=bool(getattr(stage.get_submodule(found[0]),
+                                                                        "is_transposed", False)))
+        except ValueError as e:
+            raise TensorParallelError(f"{e}; use tp=1 for this model") from None
+        out[path] = ExpertsTensorParallel(spec)
     for path, style in block_plan.items():
+        if path in experts or any(path.startswith(e + ".") for e in experts):
+            continue
         packed = packed_parts(style)
         if style not in ("colwise", "rowwise") and not packed:
             raise TensorParallelError(f"the model's tensor-parallel plan shards {path!r} as {style!r}; the runtime "
@@ -307,6 +346,9 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
 
 
 def _has(module: nn.Module, path: str) -> bool:
+    """Whether ``module`` holds a submodule at ``path`` (``""``: the model has no such part)."""
+    if not path:
+        return False
     try:
         return module.get_submodule(path) is not None
     except AttributeError:
@@ -320,7 +362,9 @@ def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False
     ``sequence_parallel``: ``tp-split``, a Hugging Face stage then takes and returns the local
     ``[B, T/tp, H]`` shard, ``HFDecoderStage.sequence_mesh``; ``overlap_chunks``: ``chunked-overlap``);
     re-ties parameters the stage shared before (GPT's ``wte``/``lm_head`` in a one-stage plan: both become
-    ``Shard(0)`` over the vocabulary, so one DTensor serves both).
+    ``Shard(0)`` over the vocabulary, so one DTensor serves both; a name whose module the plan leaves
+    whole, BERT's ``cls.predictions.bias`` beside the sharded ``cls.predictions.decoder.bias``, gets the
+    sharded tensor).
 
     Returns:
         ``{parameter name: sharded dim}`` of every sharded parameter (:func:`shard_dims`).
@@ -339,13 +383,14 @@ def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False
     if isinstance(stage, HFGPT2Stage):
         _localize_gpt2_attention(stage, tp)
     for group in shared:
-        keep = stage.get_parameter(group[0])
-        for name in group[1:]:
+        first = next((n for n in group if isinstance(stage.get_parameter(n), DTensor)), group[0])
+        keep = stage.get_parameter(first)
+        for name in (n for n in group if n != first):
             owner_path, _, leaf = name.rpartition(".")
             owner = stage.get_submodule(owner_path) if owner_path else stage
             other = owner._parameters[leaf]
-            if getattr(other, "placements", None) != getattr(keep, "placements", None):
-                raise TensorParallelError(f"parameters {group[0]} and {name} are one tied tensor but tensor "
+            if isinstance(other, DTensor) and other.placements != getattr(keep, "placements", None):
+                raise TensorParallelError(f"parameters {first} and {name} are one tied tensor but tensor "
                                           "parallelism shards them differently; place them on different stages")
             owner._parameters[leaf] = keep
     if sequence_parallel and hasattr(stage, "sequence_mesh"):

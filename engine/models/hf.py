@@ -60,6 +60,13 @@ HF_SPECS: dict[str, tuple[str, str, dict[str, Any], int, str]] = {
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None), 128,
         "HF Mixtral, 4 layers, hidden 64, 4 heads / 2 KV heads, 4 experts top-2 (sparse MoE in every "
         "layer), byte vocab 256"),
+    "qwen2-moe-tiny": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None), 128,
+        "HF Qwen2-MoE, 4 layers, hidden 64, 4 heads / 2 KV heads, 4 experts top-2 plus a gated shared expert in "
+        "every layer, byte vocab 256"),
     "bert-tiny": ("BertForMaskedLM", "BertConfig", dict(
         vocab_size=260, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
         intermediate_size=128, max_position_embeddings=128, hidden_dropout_prob=0.0,

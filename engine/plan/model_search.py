@@ -46,6 +46,7 @@ from engine.split import (
 )
 from engine.tessel import tessel_search
 from engine.tessel.comm import step_tail
+from engine.tp_plan import check_tp_plan_matches
 from engine.transform import LOSS_PARALLEL_TASKS, tied_parameter_groups
 
 __all__ = ["SearchPlan", "model_search_plan"]
@@ -140,14 +141,15 @@ class _ModelPlans:
 
     def __init__(self, bundle: Any, graph: Any, cost: Any, shape: str, devices: int, *, split_backward: bool,
                  forward_only: bool, micro_batch_size: int, memory_limit: float | None,
-                 precision: str = "32-true", recompute: str = "none") -> None:
+                 precision: str = "32-true", recompute: str = "none", tp_plan: dict[str, str] | None = None) -> None:
         self.bundle, self.graph, self.cost = bundle, graph, cost
+        self.tp_plan = tp_plan
         self.precision, self.recompute = precision, recompute
         self.devices, self.forward_only, self.micro_batch_size = devices, forward_only, micro_batch_size
         self.placement, self.parts = model_shape_placement(
             graph, cost, shape, devices, split_backward=split_backward, forward_only=forward_only,
             loss_parallel=bundle.task in LOSS_PARALLEL_TASKS, tied_module=bundle.module, precision=precision,
-            recompute=recompute)
+            recompute=recompute, tp_plan=tp_plan)
         self.variants: dict[str, tuple[Any, list[dict]]] = {}
         multi = any(len(b.devices) > 1 for b in self.placement.blocks)
         replicas = self.placement.data_per_instance > 1
@@ -156,12 +158,19 @@ class _ModelPlans:
         # planned, and the runtime refuses its launch in one sentence
         needs_layers = multi or replicas
         can = supports_layer_split(bundle.module)
-        why = tensor_parallel_refusal(bundle.module, bundle.name) if multi and can else None
+        if tp_plan is not None:
+            check_tp_plan_matches(tp_plan, bundle.module, bundle.name)
+            if not multi:
+                raise TransformError(f"a tensor-parallel plan shards the all-device blocks of M, NN or X, and the "
+                                     f"{self.placement.name} placement has none; search one of those shapes, or "
+                                     "drop the tensor-parallel plan")
+        why = tensor_parallel_refusal(bundle.module, bundle.name, tp_plan) if multi and can else None
         if why:   # all-device blocks run tensor-parallel: a plan the ranks cannot shard is refused now
             raise TransformError(why)
         self.split = "layers" if needs_layers and can else choose_split(bundle.module, recompute=recompute)
         self.meta: dict[str, Any] = {"memory_unit": "bytes"}
-        record_tp_plan(self.meta, bundle.module, None, sharded=multi and self.split == "layers")
+        self.sharded = multi and self.split == "layers"
+        record_tp_plan(self.meta, bundle.module, tp_plan, sharded=self.sharded)
         if memory_limit is not None:
             self.meta["memory_limit"] = memory_limit
 
@@ -197,12 +206,15 @@ class _ModelPlans:
                        micro_batch_size=self.micro_batch_size, batch_size=batch, seq_len=bundle.seq_len,
                        dtype=self.graph.graph.get("dtype", "float32"), num_params=self.graph.graph.get("num_params"),
                        task=bundle.task, split=split)
-        parallel = ParallelConfig.from_dict({"dp": 1, "tp": 1, "pp": placement.num_devices,
-                                             "micro_batches": schedule.num_micro_batches,
-                                             "devices": placement.num_devices, "optimizer": "adam",
-                                             "precision": self.precision, "recompute": self.recompute})
-        return Plan(model=ref, parallel=parallel, segments=segments, schedule=schedule, cost=self.cost.to_dict(),
-                    metrics={}, meta=dict(self.meta), tied_weights=[g.to_dict() for g in tied])
+        searched = placement is self.placement
+        par = {"dp": 1, "tp": 1, "pp": placement.num_devices, "micro_batches": schedule.num_micro_batches,
+               "devices": placement.num_devices, "optimizer": "adam", "precision": self.precision,
+               "recompute": self.recompute}
+        if searched and self.sharded and self.tp_plan is not None:   # the all-device blocks run the user's plan
+            par["tp_plan"] = dict(self.tp_plan)
+        meta = dict(self.meta) if searched else {k: v for k, v in self.meta.items() if k != "tp_plan"}
+        return Plan(model=ref, parallel=ParallelConfig.from_dict(par), segments=segments, schedule=schedule,
+                    cost=self.cost.to_dict(), metrics={}, meta=meta, tied_weights=[g.to_dict() for g in tied])
 
     def plan_for(self, schedule: Any) -> Plan:
         """The plan of ``schedule`` on the searched placement or one of its variants (matched by identity).
@@ -222,7 +234,8 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
                       seq_len: int | None = None, task: str | None = None, device_type: str = "h100",
                       memory_limit: float | None = None, split_backward: bool = False, forward_only: bool = False,
                       cost: Any = None, link: str | None = None, precision: str | None = None,
-                      recompute: str = "none", dtype: str | None = None, **search_kw: Any) -> SearchPlan:
+                      recompute: str = "none", dtype: str | None = None, tp_plan: dict[str, str] | None = None,
+                      **search_kw: Any) -> SearchPlan:
     """Search ``shape`` on ``devices`` devices for ``model`` and return the plan.
 
     Args:
@@ -249,6 +262,9 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
             ``plan.parallel.recompute``.
         dtype: the old way to say the precision (``float32``, ``bfloat16``, ``float16``); with
             ``precision`` it must be the policy's compute dtype.
+        tp_plan: a tensor-parallel plan for the transformer blocks (:mod:`engine.tp_plan`, ``tessel
+            search --tp-plan``) replacing the model's own in the all-device blocks (M, NN, X): costed,
+            recorded in ``plan.parallel.tp_plan`` and executed by the runtime.
         search_kw: passed to :func:`engine.tessel.tessel_search` (``time_limit``, ``seed``, ...).
 
     Raises:
@@ -280,7 +296,7 @@ def model_search_plan(model: str, shape: str, devices: int, micro_batches: int, 
     cost = cost if cost is not None else CostModel.for_device(device_type, link=link, inter_link=link, dtype=compute)
     plans = _ModelPlans(bundle, graph, cost, shape, devices, split_backward=split_backward, forward_only=forward_only,
                         micro_batch_size=micro_batch_size, memory_limit=memory_limit, precision=precision,
-                        recompute=recompute)
+                        recompute=recompute, tp_plan=tp_plan)
     pl = plans.placement
     # the search sees what the plan's simulation will time: the transfers between devices (cost
     # model links), each rank's optimizer step and tied-weight all-reduce after its last block, and

@@ -10,8 +10,9 @@ from typing import Any, Sequence
 
 import torch
 
+from engine.coconet import parse_transforms
 from engine.models.registry import is_user_model, model_spec
-from engine.split import tensor_parallel_refusal
+from engine.split import sequence_parallel_refusal, tensor_parallel_refusal
 from runtime.fsdp import fsdp_refusal
 from runtime.precision import plan_policy, precision_refusal
 from runtime.recompute import recompute_refusal
@@ -45,10 +46,11 @@ def check_executable(plan: Any) -> None:
     placements, Tessel's M and NN shapes (all-device blocks in a chain: each runs as a tensor-parallel
     group over its device set) and any Tessel schedule over them. Tensor parallelism (``tp > 1``: every pipeline
     rank is a group of ``tp`` ranks sharding its stages with DTensor, :mod:`runtime.tensor_parallel`)
-    needs the layer split (``plan.model.split == "layers"``: a Llama-family or in-project GPT
-    decoder, :mod:`runtime.stages.layer_split`). The precision policy must be one the runtime runs
-    with the plan's optimizer and transformations (:func:`runtime.precision.precision_refusal`), and
-    activation recomputation needs the layer split (which GPT-2 also has; :func:`runtime.recompute.recompute_refusal`).
+    needs the layer split (``plan.model.split == "layers"``: a Llama-family, GPT-2 or in-project GPT
+    decoder, or a BERT masked LM or ViT classifier encoder, :mod:`runtime.stages.layer_split`). The
+    precision policy must be one the runtime runs with the plan's optimizer and transformations
+    (:func:`runtime.precision.precision_refusal`), and activation recomputation needs the layer split
+    (:func:`runtime.recompute.recompute_refusal`).
     Fully sharded data parallelism (``dp_shard > 1``, :mod:`runtime.fsdp`) needs the layer split, Adam
     or SGD, no data-parallel CoCoNet transformation, no ``16-mixed`` (:func:`runtime.fsdp.fsdp_refusal`)
     and blocks on one device each.
@@ -62,7 +64,8 @@ def check_executable(plan: Any) -> None:
         raise RuntimeNotSupported(
             f"the plan uses tensor parallelism (tp={tp}) but its stages are built with the "
             f"{plan.model.split or 'default'!r} split; tensor parallelism runs on eager decoder stages (split "
-            "'layers'), which `tessel plan --tp` records for Llama-family models, GPT-2 and tessel-gpt; "
+            "'layers'), which `tessel plan --tp` records for Llama-family models, GPT-2, tessel-gpt and the BERT "
+            "masked LM and ViT classifier encoders; "
             f"{plan.model.name!r} is not one of them, so plan it with --tp 1")
     why = recompute_refusal(plan)
     if why:
@@ -167,15 +170,19 @@ def _check_replicas(plan: Any, chains: list[list[int]]) -> None:
 def check_tensor_parallel_model(plan: Any) -> None:
     """Raise :class:`RuntimeNotSupported` when ``plan`` shards its model (``tp > 1`` or a block on
     several devices, on the layer split) and the model's published tensor-parallel plan has a style
-    the runtime does not execute (:func:`engine.split.tensor_parallel_refusal`; e.g. Mixtral's and
-    Qwen2-MoE's packed experts). The model is built on the meta device (no weights) from its
-    registered name or Hugging Face config path; user code (``module:callable``) is checked by the
-    ranks as they build it."""
+    the runtime does not execute (:func:`engine.split.tensor_parallel_refusal`; e.g. GLM-4's
+    ``colwise_gather_output``), or ``tp-split`` on a decoder not laid out as Llama's
+    (:func:`engine.split.sequence_parallel_refusal`; e.g. GPT-NeoX). The model is built on the meta
+    device (no weights) from its registered name or Hugging Face config path; user code
+    (``module:callable``) is checked by the ranks as they build it."""
     multi = any(len(b.devices) > 1 for b in plan.schedule.placement.blocks)
     name = plan.model.name
     if plan.model.split != "layers" or not (plan.parallel.tp > 1 or multi) or is_user_model(name):
         return
     module, _ = model_spec(name).builder(device="meta", dtype=torch.float32)
-    why = tensor_parallel_refusal(module, name)
+    user = getattr(plan.parallel, "tp_plan", None)
+    why = tensor_parallel_refusal(module, name, user)
+    if why is None and plan.parallel.tp > 1 and "tp-split" in parse_transforms(plan.parallel.transforms):
+        why = sequence_parallel_refusal(module, name, user)
     if why:
         raise RuntimeNotSupported(why)

@@ -7,7 +7,8 @@ traced, so each transformer block stays an ``nn.Module`` whose ``nn.Linear`` pro
 ``torch.distributed.tensor.parallel.parallelize_module`` can shard (:mod:`runtime.tensor_parallel`);
 the traced split (:mod:`runtime.stages.split_policy`) flattens them into graph ops with frozen head counts.
 
-Three decoder-only families and the two-tower model are supported (:func:`layer_split_family`):
+Three decoder-only families, two Hugging Face encoders and the two-tower model are supported
+(:func:`layer_split_family`):
 
 - ``"hf-decoder"``: Hugging Face causal LMs built as ``model.embed_tokens``, ``model.layers``,
   ``model.norm``, ``model.rotary_emb`` and ``lm_head`` (Llama, Mistral, Qwen2, ...), or as
@@ -25,6 +26,8 @@ Three decoder-only families and the two-tower model are supported (:func:`layer_
   run on it (its ``Conv1D`` projections: :mod:`runtime.conv1d_parallel`).
 - ``"tessel-gpt"``: the in-project :class:`engine.models.gpt.GPT` (``transformer.wte``, ``wpe``,
   ``h``, ``ln_f``, ``lm_head``).
+- ``"hf-bert"``, ``"hf-vit"``: BERT's masked LM and ViT's image classifier, encoder stages built in
+  :mod:`runtime.stages.encoder_split` (tensor parallelism shards them with plans derived Megatron-style).
 - ``"two-tower"``: the in-project two-tower model (``text`` and ``code`` towers, then ``head``).
   On Tessel's K shape each stage is a run of one tower, or the join, and the stages form a DAG:
   the join takes both towers' embeddings (:class:`TowerStage`, :class:`JoinStage`). On a chain
@@ -50,7 +53,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from engine.models.gpt import GPT
-from engine.split import hf_decoder_layout, is_hf_gpt2, supports_layer_split
+from engine.split import hf_decoder_layout, hf_encoder_layout, is_hf_gpt2, supports_layer_split
+from runtime.stages.encoder_split import split_encoder
 from runtime.stages.errors import StageSplitError
 from runtime.stages.types import StageModule
 
@@ -59,12 +63,15 @@ __all__ = ["HFDecoderStage", "HFGPT2Stage", "GPTStage", "JoinStage", "TowerStage
 
 
 def layer_split_family(model: nn.Module) -> str | None:
-    """``"hf-decoder"``, ``"hf-gpt2"``, ``"tessel-gpt"``, ``"two-tower"``, or ``None`` when the layer
-    split cannot cut ``model`` (:func:`engine.split.supports_layer_split`)."""
+    """``"hf-decoder"``, ``"hf-gpt2"``, ``"hf-bert"``, ``"hf-vit"``, ``"tessel-gpt"``, ``"two-tower"``, or
+    ``None`` when the layer split cannot cut ``model`` (:func:`engine.split.supports_layer_split`)."""
     if not supports_layer_split(model):
         return None
     if isinstance(model, GPT):
         return "tessel-gpt"
+    encoder = hf_encoder_layout(model)
+    if encoder is not None:
+        return encoder.family
     if is_hf_gpt2(model):
         return "hf-gpt2"
     return "two-tower" if hasattr(model, "text") and hasattr(model, "code") else "hf-decoder"
@@ -72,11 +79,11 @@ def layer_split_family(model: nn.Module) -> str | None:
 
 def layer_split_refusal(model: nn.Module, name: str) -> str:
     """The sentence saying why ``model`` (called ``name``) has no layer split."""
-    return (f"model {name!r} ({type(model).__name__}) cannot be split into eager decoder stages: the layer "
-            "split (needed for tensor parallelism) supports Hugging Face decoder-only LMs laid out as "
+    return (f"model {name!r} ({type(model).__name__}) cannot be split into eager stages: the layer split "
+            "(needed for tensor parallelism) supports Hugging Face decoder-only LMs laid out as "
             "model.embed_tokens / model.layers / model.norm / lm_head (Llama, Mistral, Qwen2) or as GPT-NeoX, "
-            "GPT-2 and the "
-            "in-project GPT (tessel-gpt); use tp=1 and no recomputation for this model")
+            "GPT-2, the Hugging Face BERT masked LM and ViT image classifier, and the in-project GPT "
+            "(tessel-gpt); use tp=1 and no recomputation for this model")
 
 
 def _keep_children(container: Any, keep: Sequence[str]) -> None:
@@ -363,6 +370,8 @@ def split_layers(model: Any, segment_layers: list[list[str]], name: str, *,
         raise StageSplitError(layer_split_refusal(model, name))
     if family == "two-tower":
         return split_two_towers(model, segment_layers, name, chain=chain)
+    if family in ("hf-bert", "hf-vit"):
+        return split_encoder(model, segment_layers, name)
     layout = hf_decoder_layout(model)
     base = layout.base if layout is not None else "model"
     prefix, cls = {"hf-decoder": (f"{base}.layers.", HFDecoderStage), "hf-gpt2": ("transformer.h.", HFGPT2Stage),

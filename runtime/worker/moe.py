@@ -7,7 +7,9 @@ the project's :class:`~engine.models.moe.layer.MoEFeedForward` (replaced whole b
 ``experts`` child is replaced by :class:`~runtime.expert_parallel_hf.HFExpertParallel` (the block
 and its router stay). Both mark their expert parameters with
 :func:`~runtime.expert_parallel.is_expert_param` and share the gradient convention: no DP
-all-reduce, the optimizer divides their gradient by ``ep = dp``.
+all-reduce, the optimizer divides their gradient by ``ep = dp``. With tensor parallelism the experts
+arrive sharded over the tensor group (:mod:`runtime.moe_tensor_parallel`); each replica keeps its
+experts of this rank's shards, and the EP group holds the same tensor rank of every replica.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from engine.models.moe.hf_moe import is_hf_moe_block
 from engine.models.moe.layer import MoEFeedForward
 from runtime.expert_parallel import ExpertParallelMoE
 from runtime.expert_parallel_hf import HFExpertParallel, HFExpertParallelError
+from runtime.moe_tensor_parallel import expert_parallel_shards, is_tensor_parallel_experts, local_parameters
 from runtime.worker.errors import WorkerError
 
 __all__ = ["expert_parallel_layers", "expert_parallelize", "has_moe"]
@@ -81,6 +84,10 @@ def expert_parallelize(modules: Mapping[int, torch.nn.Module], dp: int, ep_group
             if e % dp:
                 raise _split_error(name, e, dp)
             try:
-                block.experts = HFExpertParallel.from_experts(experts, ep_group, where=name)
+                with local_parameters(experts):   # tensor-parallel experts: this rank's features of them
+                    hf_ep = HFExpertParallel.from_experts(experts, ep_group, where=name)
             except HFExpertParallelError as err:
                 raise WorkerError(str(err)) from err
+            if is_tensor_parallel_experts(experts):
+                expert_parallel_shards(experts, hf_ep)
+            block.experts = hf_ep

@@ -135,13 +135,14 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
         full ``[E, ...]`` tensor. Tensor-parallel entries (a state's ``tp_shards``: ``[dim, tp_rank,
         tp]``) are concatenated along ``dim`` in tensor-rank order (DTensor's ``Shard(dim)`` layout,
         even shards); ``[dim, tp_rank, tp, parts]`` entries were sharded part by part (GPT-2's fused
-        query/key/value, :func:`runtime.conv1d_parallel.unpack` restores the unsplit
-        layout). Fully sharded entries (``fsdp_shards``: ``[0, shard index, dp_shard]``) are first
-        concatenated along dim 0 in shard order, per tensor rank (FSDP2 shards each tensor-parallel
-        shard; replicas of HSDP hold the same shards, the lowest rank's are taken). A parameter the
-        unsplit model shares under several names (a state's ``aliases``: T5's ``shared.weight`` and
-        its embeddings, BERT's head bias) appears under every one of them, so
-        ``model.load_state_dict(state)`` (strict) loads it into the plan's model.
+        query/key/value, :func:`runtime.conv1d_parallel.unpack` restores the unsplit layout); an
+        expert-sliced entry that is also tensor-parallel (MoE experts under dp and tp,
+        :mod:`runtime.moe_tensor_parallel`) is merged over the tensor ranks per replica first. Fully sharded
+        entries (``fsdp_shards``: ``[0, shard index, dp_shard]``) are first concatenated along dim 0 in
+        shard order, per tensor rank (FSDP2 shards each tensor-parallel shard; replicas of HSDP hold the
+        same shards, the lowest rank's are taken). A parameter the unsplit model shares under several names
+        (a state's ``aliases``: T5's ``shared.weight`` and its embeddings, BERT's head bias) appears under
+        every one of them, so ``model.load_state_dict(state)`` (strict) loads it into the plan's model.
 
     Raises:
         WorkerError: the states miss some rows of an expert-sliced entry (not every replica given)
@@ -151,7 +152,8 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     pieces: dict[str, dict[int, tuple[int, int, torch.Tensor]]] = {}
     alias_groups: list[list[str]] = []
-    shards: dict[str, tuple[int, int, dict[int, torch.Tensor]]] = {}
+    # (name, first expert of a replica's expert slice or -1) -> (dim, tp, tensor rank -> shard)
+    shards: dict[tuple[str, int], tuple[int, int, dict[int, torch.Tensor]]] = {}
     fsdp: dict[str, tuple[int, dict[tuple[int, int], torch.Tensor]]] = {}
     packed: dict[str, int] = {}
     for sd in sorted(states, key=lambda d: int(d.get("rank", 0))):
@@ -166,12 +168,13 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
                     _, i, count = (int(x) for x in fully[k])
                     t = int(tp_sharded[k][1]) if k in tp_sharded else 0
                     fsdp.setdefault(k, (count, {}))[1].setdefault((t, i), v)
+                lo = -1
                 if k in sliced:
                     lo, hi, e = (int(x) for x in sliced[k])
                     pieces.setdefault(k, {}).setdefault(lo, (hi, e, v))
-                if k in tp_sharded:
+                if k in tp_sharded:   # MoE experts under both: each replica's slice is sharded over the tensor ranks
                     dim, t, tp = (int(x) for x in tp_sharded[k][:3])
-                    shards.setdefault(k, (dim, tp, {}))[2].setdefault(t, v)
+                    shards.setdefault((k, lo), (dim, tp, {}))[2].setdefault(t, v)
                     if len(tp_sharded[k]) > 3:   # sharded part by part (runtime.conv1d_parallel.pack)
                         packed[k] = int(tp_sharded[k][3])
     for k, (count, pieces_of) in fsdp.items():   # FSDP's dim-0 shards first: each tensor rank's local tensor
@@ -181,16 +184,21 @@ def merge_model_state(states: Iterable[dict]) -> dict[str, torch.Tensor]:
                                   f"{sorted(i for tt, i in pieces_of if tt == t)} of {count}; pass the states of "
                                   "every rank of the shard group")
             whole = torch.cat([pieces_of[(t, i)] for i in range(count)], dim=0)
-            if k in shards:
-                shards[k][2][t] = whole
+            if (k, -1) in shards:
+                shards[(k, -1)][2][t] = whole
             else:
                 out[k] = whole
-    for k, (dim, tp, by_rank) in shards.items():
+    for (k, lo), (dim, tp, by_rank) in shards.items():
         if sorted(by_rank) != list(range(tp)):
             raise WorkerError(f"cannot merge {k}: the states hold tensor-parallel shards {sorted(by_rank)} of "
                               f"{tp}; pass the states of every tensor rank")
         ordered = [by_rank[t] for t in range(tp)]
-        out[k] = unpack(ordered, packed[k], dim) if k in packed else torch.cat(ordered, dim=dim)
+        whole = unpack(ordered, packed[k], dim) if k in packed else torch.cat(ordered, dim=dim)
+        if lo >= 0:   # this replica's experts, whole: joined with the other replicas' below
+            hi, e, _ = pieces[k][lo]
+            pieces[k][lo] = (hi, e, whole)
+        else:
+            out[k] = whole
     for k, by_lo in pieces.items():
         e = next(iter(by_lo.values()))[1]
         at, parts = 0, []

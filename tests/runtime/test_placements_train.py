@@ -35,21 +35,42 @@ def pool():
     p.close()
 
 
-def _search_plan(model: str, shape: str, devices: int = 2):
+def _search_plan(model: str, shape: str, devices: int = 2, tp_plan: dict | None = None):
     from engine.plan import model_search_plan
 
     return model_search_plan(model, shape, devices, M, micro_batch_size=MBS, seq_len=SEQ, device_type="cpu",
-                             time_limit=10).plan
+                             time_limit=10, tp_plan=tp_plan).plan
 
 
 @pytest.mark.parametrize("model,shape", [(m, s) for m in ("llama-tiny", "tessel-gpt") for s in ("m", "nn", "x")]
                          + [("gpt2-tiny", "m"), ("gpt-neox-tiny", "m")])   # GPT-2: Conv1D, the derived plan
 def test_all_device_placements_train_like_one_process(pool, model, shape):
+    _train_like_one_process(pool, model, shape, _search_plan(model, shape))
+
+
+#: A user's plan (``tessel search --tp-plan``) sharding Llama's attention only: its MLPs stay replicated.
+ATTENTION_ONLY = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                  "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+
+
+def test_a_users_tp_plan_shards_the_nn_blocks_as_it_says(pool):
+    """``model_search_plan(tp_plan=...)`` (``tessel search --tp-plan``): NN's all-device blocks are sharded by
+    the user's plan, which the plan records, and train like one process."""
+    plan = _search_plan("llama-tiny", "nn", tp_plan=ATTENTION_ONLY)
+    assert plan.parallel.tp_plan == ATTENTION_ONLY and plan.meta["tp_plan"]["source"] == "user"
+    out = _train_like_one_process(pool, "llama-tiny", "nn", plan)
+    for p in out.values():
+        sharded = p["state"]["tp_shards"]
+        assert any(k.endswith("self_attn.q_proj.weight") for k in sharded)
+        assert not any(".mlp." in k for k in sharded), sorted(sharded)
+
+
+def _train_like_one_process(pool, model: str, shape: str, plan) -> dict:
+    """Train ``plan`` on 2 ranks and check it against the single process; returns the ranks' outputs."""
     from engine.models import task_for_plan
     from runtime.reference import reference_run
     from runtime.worker import merge_model_state
 
-    plan = _search_plan(model, shape)
     pl = plan.schedule.placement
     assert pl.name == shape.upper()
     multi = sorted(b.segment for b in pl.blocks if b.kind == "F" and len(b.devices) > 1)
@@ -75,6 +96,7 @@ def test_all_device_placements_train_like_one_process(pool, model, shape):
                               rtol=1e-4, atol=0), f"{model} {shape} step {step}"
     merged = merge_model_state(p["state"] for p in out.values())
     assert_params_match(merged, ref.model, f"{model} {shape}")
+    return out
 
 
 def test_two_towers_on_the_k_placement_train_like_one_process(pool):

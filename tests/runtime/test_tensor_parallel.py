@@ -56,9 +56,11 @@ def _batches(plan, dp: int) -> list[tuple]:
 
 
 _DEGREES = {"1x2x2-1f1b": (1, 2, 2, "1f1b"), "1x2x2-zbh1": (1, 2, 2, "zb-h1"), "2x2x1-1f1b": (2, 2, 1, "1f1b")}
-# Hugging Face GPT-2 (Conv1D, the derived plan) and GPT-NeoX (its published plan): tp 2 and dp 2 x tp 2 on
-# 1F1B; the schedules' interplay with tensor parallelism is the other two models' ZB-H1 cases
-_CASES = [(name, m) for m in ("llama-tiny", "tessel-gpt", "gpt2-tiny", "gpt-neox-tiny") for name in _DEGREES
+# Hugging Face GPT-2 (Conv1D, the derived plan), GPT-NeoX and Qwen2-MoE (their published plans; Qwen2-MoE's
+# experts moe_tp_experts, under dp 2 also expert-parallel over the replicas): tp 2 and dp 2 x tp 2 on 1F1B;
+# the schedules' interplay with tensor parallelism is the other two models' ZB-H1 cases
+_CASES = [(name, m) for m in ("llama-tiny", "tessel-gpt", "gpt2-tiny", "gpt-neox-tiny", "qwen2-moe-tiny")
+          for name in _DEGREES
           if m in ("llama-tiny", "tessel-gpt") or name != "1x2x2-zbh1"]
 
 
@@ -93,6 +95,15 @@ def test_tensor_parallel_plan_trains_like_one_process(pool, model, degrees):
         for seg in p["state"]["segments"].values():
             for name, (dim, *_) in ((k, shards[k]) for k in seg if k in shards):
                 assert seg[name].shape[dim] * tp == ref.model.state_dict()[name].shape[dim]
+    if model == "qwen2-moe-tiny":   # the experts: features over the tensor ranks, experts over the replicas
+        for p in out.values():
+            state = p["state"]
+            experts = [k for k in state["tp_shards"] if k.endswith("experts.gate_up_proj")]
+            assert experts and all(state["tp_shards"][k][3] == 2 for k in experts)   # gate and up, part by part
+            assert all(k.endswith("experts.down_proj") for k in state["tp_shards"] if "experts." in k
+                       and k not in experts)
+            assert all(state["expert_slices"][k][1] - state["expert_slices"][k][0] == 4 // dp for k in experts) \
+                if dp > 1 else not state["expert_slices"]
     merged = merge_model_state(p["state"] for p in out.values())
     # GPT-2's MLP (16,384 weights per c_fc, GELU): seen 2 elements beyond atol 1e-5 with dp 2 x tp 2
     assert_params_match(merged, ref.model, f"{model} {schedule} {dp}x{tp}x{pp}",
@@ -131,24 +142,27 @@ def _resume_task(task: dict) -> dict:
         if task.get("state") is not None:
             w.load_state_dict(task["state"])
         losses = [w.step(i, task["batches"][i])["losses"] for i in task["steps"]]
-        return {"losses": losses, "state": w.state_dict(), "tp_rank": w.tp_rank}
+        return {"losses": losses, "state": w.state_dict(), "tp_rank": w.tp_rank, "dp_index": w.dp_index}
     finally:
         w.shutdown()
 
 
-def test_a_tensor_parallel_checkpoint_resumes_exactly(pool):
+@pytest.mark.parametrize("model,dp,pp", [("llama-tiny", 1, 2), ("qwen2-moe-tiny", 2, 1)])
+def test_a_tensor_parallel_checkpoint_resumes_exactly(pool, model, dp, pp):
     """Each rank saves its local shards (parameters and Adam's states) and loads them back into
-    DTensors: 2 steps, a checkpoint, a fresh world, 1 more step equals 3 uninterrupted steps."""
+    DTensors: 2 steps, a checkpoint, a fresh world, 1 more step equals 3 uninterrupted steps. Qwen2-MoE
+    under dp 2 x tp 2: each rank's experts are a replica's slice of its tensor shard."""
     from runtime.reference import reference_run
 
-    plan = _plan("llama-tiny", "1f1b", 1, 2, 2)
-    batches = _batches(plan, 1)
+    plan = _plan(model, "1f1b", dp, 2, pp)
+    batches = _batches(plan, dp)
     common = {"plan": plan.to_dict(), "batches": batches, "fresh_process": True}
     first = pool.run_ok("test_tensor_parallel:_resume_task", dict(common, steps=[0, 1], state=None), world=4)
     second = pool.run_ok("test_tensor_parallel:_resume_task", dict(common, steps=[2]), world=4,
                          per_rank={r: {"state": first[r]["state"]} for r in range(4)})
     ref = reference_run(plan, batches, seed=0, lr=1e-3)
-    last = next(p["losses"][0] for p in second.values() if p["losses"][0] and p["tp_rank"] == 0)
+    holders = sorted((p["dp_index"], r) for r, p in second.items() if p["losses"][0] and p["tp_rank"] == 0)
+    last = sum((second[r]["losses"][0] for _, r in holders), [])
     assert torch.allclose(torch.tensor(last), torch.tensor(ref.losses[2]), rtol=1e-4, atol=0)
     assert first[0]["state"]["optimizer"]["state"], "Adam's states are in the checkpoint"
 
@@ -163,13 +177,13 @@ def _without_key_bias(name: str, t: torch.Tensor, model) -> torch.Tensor:
 
 
 def test_a_model_without_a_tensor_parallel_split_is_refused_in_one_sentence():
-    """An encoder (BERT) has no layer split yet: the plan records the tracer split and the runtime
+    """An encoder-decoder (T5) has no layer split yet: the plan records the tracer split and the runtime
     refuses ``tp > 1`` before any process starts, naming the model and the fix."""
     from runtime.stages import RuntimeNotSupported, check_executable
 
-    plan = _plan("bert-tiny", "1f1b", 1, 2, 2)
+    plan = _plan("t5-tiny", "1f1b", 1, 2, 2)
     assert plan.model.split == "tracer"
-    with pytest.raises(RuntimeNotSupported, match=r"tp=2.*'bert-tiny'.*--tp 1") as e:
+    with pytest.raises(RuntimeNotSupported, match=r"tp=2.*'t5-tiny'.*--tp 1") as e:
         check_executable(plan)
     assert "\n" not in str(e.value)
 

@@ -9,6 +9,8 @@ on local Ray (gloo, 2 CPU ranks) through the Launch panel and checks the measure
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.plan import make_plan
@@ -145,6 +147,24 @@ def test_v_search_compares_with_the_models_interleaved_and_zb_h1(llama):
     # SearchPlan.variant builds the same model's interleaved and split-backward V placements
     assert rows["interleaved"].makespan is not None and rows["zb-h1"].makespan is not None
     assert st.plan.placement.name == "V" and st.plan.model.name == "llama-tiny"
+
+
+def test_a_tensor_parallel_plan_typed_in_the_form_shards_the_nn_blocks(llama):
+    """The form's tensor-parallel plan (JSON, ``tessel search --tp-plan``'s file) reaches the searched plan;
+    one that is not JSON, or names no module of the model, is refused in one sentence and nothing is loaded."""
+    attention = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+    st = _loaded(llama)
+    panel = SearchPanel(state=st, shape="nn", time_limit=5)
+    panel.tp_plan = "{not json"
+    assert panel.run_search(wait=True) is None
+    assert st.message_kind == "error" and "the tensor-parallel plan is not JSON" in st.message, st.message
+    panel.tp_plan = '{"layers.*.attn.c_attn": "colwise"}'
+    assert panel.run_search(wait=True) is None
+    assert "names no module of 'llama-tiny'" in st.message and st.plan.placement == llama.plan.placement
+    panel.tp_plan = json.dumps(attention)
+    assert panel.run_search(wait=True) is not None, st.message
+    assert st.plan.placement.name == "NN" and st.plan.parallel.tp_plan == attention
+    assert st.plan.meta["tp_plan"] == {"source": "user", "blocks": attention}
 
 
 def test_abstract_units_keep_the_abstract_shapes(llama):
