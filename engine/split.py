@@ -22,7 +22,9 @@ Three methods cut a model into pipeline stages (``runtime.stages.build_stages``)
   (``BertForMaskedLM``) and ViT's image classifier (``ViTForImageClassification``), each stage keeping
   its run of encoder layers, the embeddings on the first and the head on the last; tensor
   parallelism shards them with a plan derived Megatron-style (:data:`engine.tp_plan.BERT_TP_PLAN`,
-  :data:`engine.tp_plan.VIT_TP_PLAN`).
+  :data:`engine.tp_plan.VIT_TP_PLAN`). So does T5, the encoder-decoder (:func:`is_hf_t5`): a stage is
+  a contiguous run of :func:`t5_layer_order` carrying the encoder output, the decoder state and each
+  stack's relative position bias (``runtime.stages.seq2seq_split``; :data:`engine.tp_plan.T5_TP_PLAN`).
 
 Source: torch.distributed.pipelining (``pipeline``, ``SplitPoint``); torchtitan
 ``torchtitan/distributed/pipeline.py``.
@@ -31,18 +33,17 @@ Source: torch.distributed.pipelining (``pipeline``, ``SplitPoint``); torchtitan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from torch import nn
 
 from engine.models.gpt import GPT
-from engine.tp_plan import BERT_TP_PLAN, GPT2_TP_PLAN, TESSEL_GPT_TP_PLAN, VIT_TP_PLAN
+from engine.tp_plan import BERT_TP_PLAN, GPT2_TP_PLAN, T5_TP_PLAN, TESSEL_GPT_TP_PLAN, VIT_TP_PLAN
 
 __all__ = ["DecoderLayout", "EncoderLayout", "EXECUTED_TP_STYLES", "HF_DECODER_LAYOUTS", "HF_ENCODER_LAYOUTS",
-           "SplitMethod", "SPLIT_METHODS", "choose_split", "hf_decoder_layout", "hf_encoder_layout", "is_hf_gpt2",
-           "supports_layer_split",
-           "effective_tp_plan", "record_tp_plan", "sequence_parallel_refusal", "tensor_parallel_refusal",
-           "LLAMA_ROWWISE"]
+           "LLAMA_ROWWISE", "SPLIT_METHODS", "SplitMethod", "choose_split", "effective_tp_plan", "hf_decoder_layout",
+           "hf_encoder_layout", "is_hf_gpt2", "is_hf_t5", "record_tp_plan", "sequence_parallel_refusal",
+           "supports_layer_split", "t5_layer_order", "tensor_parallel_refusal"]
 
 SplitMethod = Literal["tracer", "module", "layers"]
 """How the runtime builds a plan's stages (see the module docstring)."""
@@ -58,12 +59,15 @@ def choose_split(module: nn.Module, tp: int = 1, recompute: str = "none", dp_sha
     the plan otherwise, naming the model), and always for the in-project two-tower model (its eager
     stages carry both towers' inputs along a pipeline, which the traced split cannot); else
     ``"module"`` for an ``nn.Sequential`` model (its layers run in order, so a stage is a slice of them), ``"tracer"``
-    for every other model."""
+    for every other model. T5 (:func:`is_hf_t5`) takes the layer split for tensor parallelism and
+    recomputation, not for FSDP alone (its eager stages are not run under ``fully_shard``)."""
     fallback: SplitMethod = "module" if isinstance(module, nn.Sequential) else "tracer"
     if _is_two_tower(module):
         return "layers"
     if tp > 1:   # a family tensor parallelism cannot shard keeps its split, which the runtime refuses for tp > 1
         return "layers" if supports_layer_split(module) else fallback
+    if int(dp_shard) > 1 and is_hf_t5(module):   # FSDP2 is not run on T5's eager stages: refused on the traced split
+        return fallback
     needs_blocks = recompute != "none" or int(dp_shard) > 1
     return "layers" if needs_blocks and supports_layer_split(module) else fallback
 
@@ -158,9 +162,9 @@ def hf_encoder_layout(module: nn.Module) -> EncoderLayout | None:
 def supports_layer_split(module: nn.Module) -> bool:
     """Whether the ``"layers"`` split can cut ``module``: the in-project GPT, the in-project two-tower
     model, a Hugging Face GPT-2 LM (:func:`is_hf_gpt2`), a Hugging Face causal LM laid out as
-    one of :data:`HF_DECODER_LAYOUTS` (:func:`hf_decoder_layout`), or a BERT masked LM or ViT
-    classifier (:func:`hf_encoder_layout`)."""
-    if isinstance(module, GPT) or _is_two_tower(module) or is_hf_gpt2(module):
+    one of :data:`HF_DECODER_LAYOUTS` (:func:`hf_decoder_layout`), a BERT masked LM or ViT
+    classifier (:func:`hf_encoder_layout`), or a T5 encoder-decoder (:func:`is_hf_t5`)."""
+    if isinstance(module, GPT) or _is_two_tower(module) or is_hf_gpt2(module) or is_hf_t5(module):
         return True
     return hf_decoder_layout(module) is not None or hf_encoder_layout(module) is not None
 
@@ -231,7 +235,8 @@ def effective_tp_plan(module: nn.Module, user: dict[str, str] | None = None) -> 
     (patterns relative to the base model, transformers' ``base_model_tp_plan`` format): ``"user"``
     (``user``, ``tessel plan --tp-plan``), ``"published"`` (a Hugging Face decoder's
     ``config.base_model_tp_plan``, its embedding entry left out: the embedding is always
-    vocab-parallel) or ``"derived"`` (GPT-2's, BERT's, ViT's and the in-project GPT's, :mod:`engine.tp_plan`);
+    vocab-parallel) or ``"derived"`` (GPT-2's, BERT's, ViT's, T5's and the in-project GPT's,
+    :mod:`engine.tp_plan`; T5's paths are from the model root);
     ``None`` for a model without one."""
     if user is not None:
         return "user", dict(user)
@@ -242,6 +247,8 @@ def effective_tp_plan(module: nn.Module, user: dict[str, str] | None = None) -> 
     enc = hf_encoder_layout(module)
     if enc is not None:
         return "derived", dict(enc.tp_plan)
+    if is_hf_t5(module):
+        return "derived", dict(T5_TP_PLAN)
     lay = hf_decoder_layout(module)
     if lay is None:
         return None
@@ -269,6 +276,30 @@ def is_hf_gpt2(module: nn.Module) -> bool:
             and isinstance(tr, nn.Module) and isinstance(getattr(tr, "h", None), nn.ModuleList)
             and all(isinstance(getattr(tr, e, None), nn.Embedding) for e in ("wte", "wpe"))
             and hasattr(tr, "ln_f"))
+
+
+def is_hf_t5(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face T5 encoder-decoder LM (``T5ForConditionalGeneration``: an
+    ``nn.Embedding`` ``shared``, ``encoder`` and ``decoder`` stacks each with ``embed_tokens``, a
+    ``block`` ``nn.ModuleList`` and ``final_layer_norm``, the decoder's config ``is_decoder``, an
+    ``nn.Linear`` ``lm_head``)."""
+    stacks = [getattr(module, s, None) for s in ("encoder", "decoder")]
+    return (isinstance(getattr(module, "lm_head", None), nn.Linear)
+            and isinstance(getattr(module, "shared", None), nn.Embedding)
+            and all(isinstance(getattr(s, "block", None), nn.ModuleList)
+                    and isinstance(getattr(s, "embed_tokens", None), nn.Embedding)
+                    and hasattr(s, "final_layer_norm") for s in stacks)
+            and bool(getattr(getattr(stacks[1], "config", None), "is_decoder", False)))
+
+
+def t5_layer_order(module: nn.Module) -> list[str]:
+    """The layers of a T5 (:func:`is_hf_t5`) in forward order, as the layer split cuts them:
+    ``encoder.embed_tokens``, ``encoder.block.{i}``, ``encoder.final_layer_norm``, ``decoder.embed_tokens``,
+    ``decoder.block.{j}``, ``decoder.final_layer_norm``, ``lm_head``."""
+    m: Any = module
+    return (["encoder.embed_tokens"] + [f"encoder.block.{i}" for i in range(len(m.encoder.block))]
+            + ["encoder.final_layer_norm", "decoder.embed_tokens"]
+            + [f"decoder.block.{i}" for i in range(len(m.decoder.block))] + ["decoder.final_layer_norm", "lm_head"])
 
 
 def _is_two_tower(module: nn.Module) -> bool:

@@ -32,8 +32,9 @@ from typing import Any, Mapping
 
 from engine.errors import TransformError
 
-__all__ = ["BERT_TP_PLAN", "GPT2_TP_PLAN", "SHARDING_KINDS", "ShardedSublayers", "TESSEL_GPT_TP_PLAN", "VIT_TP_PLAN",
-           "check_tp_plan", "check_tp_plan_matches", "op_sharding", "packed_parts", "read_tp_plan", "style_pattern"]
+__all__ = ["BERT_TP_PLAN", "GPT2_TP_PLAN", "SHARDING_KINDS", "ShardedSublayers", "T5_TP_PLAN", "TESSEL_GPT_TP_PLAN",
+           "VIT_TP_PLAN", "check_tp_plan", "check_tp_plan_matches", "op_sharding", "packed_parts", "read_tp_plan",
+           "style_pattern"]
 
 #: Hugging Face GPT-2's plan, derived from its graph as Megatron-LM pairs its projections (transformers
 #: publishes none: they are ``Conv1D``, sharded by ``runtime.conv1d_parallel``): the fused query/key/value
@@ -60,6 +61,20 @@ BERT_TP_PLAN = {"encoder.layer.*.attention.self.query": "colwise", "encoder.laye
 VIT_TP_PLAN = {"layers.*.attention.q_proj": "colwise", "layers.*.attention.k_proj": "colwise",
                "layers.*.attention.v_proj": "colwise", "layers.*.attention.o_proj": "rowwise",
                "layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise"}
+
+#: Hugging Face T5's plan (``T5ForConditionalGeneration``; it publishes none; paths from the model root, which
+#: has no base model), derived the same way in both stacks: the self- and cross-attention's ``q``, ``k``, ``v``
+#: and the feed-forward's ``wi`` (gated: ``wi_0``, ``wi_1``) column-parallel, ``o`` and ``wo`` row-parallel; the
+#: relative position bias (``relative_attention_bias``, ``heads`` columns) stays replicated and each rank adds
+#: its heads' slice (``runtime.stages.seq2seq_split``).
+T5_TP_PLAN = {
+    **{f"*.block.*.layer.0.SelfAttention.{p}": "colwise" for p in ("q", "k", "v")},
+    "*.block.*.layer.0.SelfAttention.o": "rowwise",
+    **{f"decoder.block.*.layer.1.EncDecAttention.{p}": "colwise" for p in ("q", "k", "v")},
+    "decoder.block.*.layer.1.EncDecAttention.o": "rowwise",
+    **{f"*.block.*.layer.*.DenseReluDense.{p}": "colwise" for p in ("wi", "wi_0", "wi_1")},
+    "*.block.*.layer.*.DenseReluDense.wo": "rowwise",
+}
 
 #: How an op runs under tensor parallelism (:func:`op_sharding`), as the model graph view colours it.
 SHARDING_KINDS = ("column-parallel", "row-parallel", "sharded", "vocab-parallel", "replicated")

@@ -93,12 +93,13 @@ from torch.distributed.tensor.parallel import (
 
 from engine.errors import TesselError
 from engine.models.gpt import CausalSelfAttention
-from engine.tp_plan import GPT2_TP_PLAN, TESSEL_GPT_TP_PLAN, packed_parts
+from engine.tp_plan import GPT2_TP_PLAN, T5_TP_PLAN, TESSEL_GPT_TP_PLAN, packed_parts
 from runtime.chunked_overlap import ChunkedRowwiseParallel
 from runtime.conv1d_parallel import Conv1DColwiseParallel, Conv1DRowwiseParallel, is_conv1d
 from runtime.moe_tensor_parallel import ExpertsTensorParallel, experts_shard_spec
 from runtime.stages.encoder_split import HFEncoderStage
 from runtime.stages.layer_split import GPTStage, HFDecoderStage, HFGPT2Stage
+from runtime.stages.seq2seq_split import T5Stage, shard_heads
 
 __all__ = ["GPT_SP_PLAN", "GPT_TP_PLAN", "HF_GPT2_TP_PLAN", "HF_SP_PLAN", "TensorParallelError",
            "apply_tensor_parallel", "coconet_tp_refusal", "has_lm_head", "local_grad", "local_tensor", "shard_dims",
@@ -177,13 +178,16 @@ def _family_plan(stage: Any, tp_plan: dict[str, str] | None = None) -> tuple[dic
     (a user's, :mod:`engine.tp_plan`: paths relative to the base model) replaces the block plan."""
     block, embed, head, sizes = _own_plan(stage, tp_plan is not None)
     if tp_plan is not None:
-        base = _BASE_PREFIX.get(type(stage)) or f"{stage.layout.base}."
+        base = _BASE_PREFIX[type(stage)] if type(stage) in _BASE_PREFIX else f"{stage.layout.base}."
         block = {f"{base}{k}": v for k, v in tp_plan.items() if v != "embedding_rowwise"}
     return block, embed, head, sizes
 
 
 #: The base model's prefix of the stage classes whose parameters live under one fixed name.
-_BASE_PREFIX: dict[type, str] = {GPTStage: "transformer.", HFGPT2Stage: "transformer."}
+_BASE_PREFIX: dict[type, str] = {GPTStage: "transformer.", HFGPT2Stage: "transformer.", T5Stage: ""}
+
+#: Token embeddings besides :func:`_own_plan`'s, vocab-parallel the same way (T5's decoder has its own, tied).
+_MORE_EMBEDDINGS: dict[type, tuple[str, ...]] = {T5Stage: ("decoder.embed_tokens",)}
 
 
 def _own_plan(stage: Any, overridden: bool) -> tuple[dict[str, str], str, str, dict[str, int]]:
@@ -213,6 +217,10 @@ def _own_plan(stage: Any, overridden: bool) -> tuple[dict[str, str], str, str, d
         blocks = {f"{enc.base}.{k}": v for k, v in enc.tp_plan}
         sizes = {"attention heads": int(stage.base.config.num_attention_heads)}
         return blocks, enc.token_embedding or "", enc.vocab_head or "", sizes
+    if isinstance(stage, T5Stage):   # T5: the derived plan from the model root, both stacks' embeddings
+        attns: list[Any] = [m for m in stage.modules() if type(m).__name__ == "T5Attention"]
+        heads = [int(a.n_heads) for a in attns]
+        return dict(T5_TP_PLAN), "encoder.embed_tokens", "lm_head", {"attention heads": heads[0]} if heads else {}
     raise TensorParallelError(f"a {type(stage).__name__} stage cannot be tensor-parallel: build the plan's stages "
                               "with the layer split (plan.model.split = 'layers')")
 
@@ -248,10 +256,10 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
     if sequence_parallel and overlap_chunks:
         raise TensorParallelError("'chunked-overlap' pipelines the row-parallel all-reduce that 'tp-split' turns "
                                   "into a reduce-scatter; plan with one of the two")
-    if isinstance(stage, HFEncoderStage) and (sequence_parallel or overlap_chunks):
-        raise TensorParallelError(f"'tp-split' and 'chunked-overlap' rewrite decoder blocks only, and "
-                                  f"{type(stage).__name__} is an encoder's; plan it without CoCoNet's tensor-parallel "
-                                  "transformations")
+    if isinstance(stage, (HFEncoderStage, T5Stage)) and (sequence_parallel or overlap_chunks):
+        raise TensorParallelError(f"'tp-split' and 'chunked-overlap' rewrite decoder-only blocks, and "
+                                  f"{type(stage).__name__} is an encoder's or encoder-decoder's; plan it without "
+                                  "CoCoNet's tensor-parallel transformations")
     hf = isinstance(stage, HFDecoderStage)
     names = [n for n, _ in stage.named_modules()]
 
@@ -336,6 +344,9 @@ def stage_tp_plan(stage: nn.Module, tp: int, *, loss_parallel: bool = False, seq
                 out["transformer.wpe"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
         else:
             out[embed] = RowwiseParallel(input_layouts=Replicate())
+    for more in _MORE_EMBEDDINGS.get(type(stage), ()):
+        if _has(stage, more):
+            out[more] = RowwiseParallel(input_layouts=Replicate())
     if _has(stage, head):
         head_in = Shard(1) if sequence_parallel else Replicate()
         if loss_parallel:
@@ -382,6 +393,8 @@ def apply_tensor_parallel(stage: nn.Module, mesh, *, loss_parallel: bool = False
     parallelize_module(stage, mesh, plan)
     if isinstance(stage, HFGPT2Stage):
         _localize_gpt2_attention(stage, tp)
+    if isinstance(stage, T5Stage):   # heads/tp heads per rank, each adding its slice of the position biases
+        shard_heads(stage, mesh.get_local_rank(), tp, mesh.get_group())
     for group in shared:
         first = next((n for n in group if isinstance(stage.get_parameter(n), DTensor)), group[0])
         keep = stage.get_parameter(first)

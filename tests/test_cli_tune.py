@@ -11,6 +11,7 @@ import shlex
 import pytest
 import tomllib
 from cli_inprocess import run_cli
+from unsplit_model import opt_model
 
 from engine.io import load_plan
 from engine.plan import predicted_metrics
@@ -140,8 +141,8 @@ def test_a_calibration_plan_without_a_calibration_is_refused(tuned, tmp_path):
 
 
 def test_a_best_plan_the_runtime_cannot_run_is_written_with_a_warning(tmp_path):
-    """t5-tiny's stages are exported graphs: full recomputation plans but does not launch here."""
-    p = run_cli("tune", "--model", "t5-tiny", "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
+    """OPT's stages are exported graphs (no layer split): full recomputation plans but does not launch here."""
+    p = run_cli("tune", "--model", opt_model(tmp_path / "m"), "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
                 "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "full", "--max-tp", "1",
                 "-o", str(tmp_path), "--json")
     assert p.returncode == 0, p.stderr
@@ -212,10 +213,10 @@ def test_one_layouts_whole_and_split_backward_calibrations_each_predict_their_ow
 
 
 def test_launchable_ranks_only_what_tessel_launch_runs_here(tmp_path):
-    """t5-tiny's stages are exported graphs: full recomputation and fully sharded data parallelism
-    plan but do not launch here, so with --launchable the best is neither and the others are
+    """OPT's stages are exported graphs (no layer split): full recomputation and fully sharded data
+    parallelism plan but do not launch here, so with --launchable the best is neither and the others are
     refused rows."""
-    p = run_cli("tune", "--model", "t5-tiny", "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
+    p = run_cli("tune", "--model", opt_model(tmp_path / "m"), "--gpus", "2", "--global-batch", "4", "--seq-len", "32",
                 "--micro-batch-sizes", "1", "--schedules", "1f1b", "--recompute", "none,full", "--max-tp", "1",
                 "--launchable", "-o", str(tmp_path), "--json")
     assert p.returncode == 0, p.stderr

@@ -53,6 +53,7 @@ from engine.split import (
     choose_split,
     hf_encoder_layout,
     is_hf_gpt2,
+    is_hf_t5,
     record_tp_plan,
     sequence_parallel_refusal,
     tensor_parallel_refusal,
@@ -510,12 +511,21 @@ def _checked_split(bundle: ModelBundle, moe_layers: list[MoELayer], config: Para
                                    f"{bundle.name!r} {what}, which tensor parallelism shards without it; plan it "
                                    f"without {name!r}")
     encoder = hf_encoder_layout(bundle.module)
+    t5 = is_hf_t5(bundle.module)
     for name in ("tp-split", "chunked-overlap"):
-        if config.tp > 1 and encoder is not None and name in parse_transforms(config.transforms):
-            kind = "BERT" if encoder.family == "hf-bert" else "ViT"
+        if config.tp > 1 and (encoder is not None or t5) and name in parse_transforms(config.transforms):
+            kind = "T5 encoder-decoder" if encoder is None else "BERT encoder" if encoder.family == "hf-bert" \
+                else "ViT encoder"
             raise CoCoNetError(f"transformation {name!r} rewrites the row-parallel layers of decoder blocks, but "
-                               f"{bundle.name!r} is a {kind} encoder, whose layers tensor parallelism shards without "
+                               f"{bundle.name!r} is a {kind}, whose layers tensor parallelism shards without "
                                f"it; plan it without {name!r}")
+    if t5 and config.dp_shard > 1 and split == "layers":
+        raise TransformError(f"{bundle.name!r} is a T5, whose eager stages (needed here for tensor parallelism or "
+                             "recomputation) the runtime does not shard with FSDP2; plan it with dp_shard 1")
+    if config.tp > 1 and t5 and "scatter-send" in parse_transforms(config.transforms):
+        raise CoCoNetError(f"transformation 'scatter-send' slices each boundary tensor over the tensor ranks, but "
+                           f"{bundle.name!r} is a T5 whose boundaries also carry token ids and position biases; "
+                           "plan it without 'scatter-send'")
     if (config.tp > 1 and encoder is not None and encoder.family == "hf-vit"
             and "scatter-send" in parse_transforms(config.transforms)):
         patches = bundle.module.get_submodule(f"{encoder.base}.embeddings.patch_embeddings")

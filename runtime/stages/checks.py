@@ -12,7 +12,7 @@ import torch
 
 from engine.coconet import parse_transforms
 from engine.models.registry import is_user_model, model_spec
-from engine.split import sequence_parallel_refusal, tensor_parallel_refusal
+from engine.split import is_hf_t5, sequence_parallel_refusal, tensor_parallel_refusal
 from runtime.fsdp import fsdp_refusal
 from runtime.precision import plan_policy, precision_refusal
 from runtime.recompute import recompute_refusal
@@ -64,8 +64,8 @@ def check_executable(plan: Any) -> None:
         raise RuntimeNotSupported(
             f"the plan uses tensor parallelism (tp={tp}) but its stages are built with the "
             f"{plan.model.split or 'default'!r} split; tensor parallelism runs on eager decoder stages (split "
-            "'layers'), which `tessel plan --tp` records for Llama-family models, GPT-2, tessel-gpt and the BERT "
-            "masked LM and ViT classifier encoders; "
+            "'layers'), which `tessel plan --tp` records for Llama-family models, GPT-2, tessel-gpt, the BERT "
+            "masked LM and ViT classifier encoders and T5; "
             f"{plan.model.name!r} is not one of them, so plan it with --tp 1")
     why = recompute_refusal(plan)
     if why:
@@ -74,6 +74,11 @@ def check_executable(plan: Any) -> None:
     if dp_shard > 1:
         why = fsdp_refusal(precision=plan_policy(plan).name, optimizer=getattr(plan.parallel, "optimizer", None)
                            or "adam", transforms=plan.parallel.transforms, split=plan.model.split)
+        if why is None and plan.model.split == "layers" and not is_user_model(plan.model.name):
+            module, _ = model_spec(plan.model.name).builder(device="meta", dtype=torch.float32)
+            if is_hf_t5(module):
+                why = (f"{plan.model.name!r} is a T5, whose eager stages the runtime does not shard with FSDP2; "
+                       "plan it with dp_shard 1")
         if why:
             raise RuntimeNotSupported(why)
     pl = plan.schedule.placement

@@ -28,6 +28,7 @@ Three decoder-only families, two Hugging Face encoders and the two-tower model a
   ``h``, ``ln_f``, ``lm_head``).
 - ``"hf-bert"``, ``"hf-vit"``: BERT's masked LM and ViT's image classifier, encoder stages built in
   :mod:`runtime.stages.encoder_split` (tensor parallelism shards them with plans derived Megatron-style).
+- ``"hf-t5"``: T5 (encoder-decoder), stages built in :mod:`runtime.stages.seq2seq_split`.
 - ``"two-tower"``: the in-project two-tower model (``text`` and ``code`` towers, then ``head``).
   On Tessel's K shape each stage is a run of one tower, or the join, and the stages form a DAG:
   the join takes both towers' embeddings (:class:`TowerStage`, :class:`JoinStage`). On a chain
@@ -53,9 +54,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from engine.models.gpt import GPT
-from engine.split import hf_decoder_layout, hf_encoder_layout, is_hf_gpt2, supports_layer_split
+from engine.split import hf_decoder_layout, hf_encoder_layout, is_hf_gpt2, is_hf_t5, supports_layer_split
 from runtime.stages.encoder_split import split_encoder
 from runtime.stages.errors import StageSplitError
+from runtime.stages.seq2seq_split import split_t5
 from runtime.stages.types import StageModule
 
 __all__ = ["HFDecoderStage", "HFGPT2Stage", "GPTStage", "JoinStage", "TowerStage", "TwoTowerRunStage",
@@ -63,7 +65,7 @@ __all__ = ["HFDecoderStage", "HFGPT2Stage", "GPTStage", "JoinStage", "TowerStage
 
 
 def layer_split_family(model: nn.Module) -> str | None:
-    """``"hf-decoder"``, ``"hf-gpt2"``, ``"hf-bert"``, ``"hf-vit"``, ``"tessel-gpt"``, ``"two-tower"``, or
+    """``"hf-decoder"``, ``"hf-gpt2"``, ``"hf-bert"``, ``"hf-vit"``, ``"hf-t5"``, ``"tessel-gpt"``, ``"two-tower"``, or
     ``None`` when the layer split cannot cut ``model`` (:func:`engine.split.supports_layer_split`)."""
     if not supports_layer_split(model):
         return None
@@ -72,6 +74,8 @@ def layer_split_family(model: nn.Module) -> str | None:
     encoder = hf_encoder_layout(model)
     if encoder is not None:
         return encoder.family
+    if is_hf_t5(model):
+        return "hf-t5"
     if is_hf_gpt2(model):
         return "hf-gpt2"
     return "two-tower" if hasattr(model, "text") and hasattr(model, "code") else "hf-decoder"
@@ -82,7 +86,7 @@ def layer_split_refusal(model: nn.Module, name: str) -> str:
     return (f"model {name!r} ({type(model).__name__}) cannot be split into eager stages: the layer split "
             "(needed for tensor parallelism) supports Hugging Face decoder-only LMs laid out as "
             "model.embed_tokens / model.layers / model.norm / lm_head (Llama, Mistral, Qwen2) or as GPT-NeoX, "
-            "GPT-2, the Hugging Face BERT masked LM and ViT image classifier, and the in-project GPT "
+            "GPT-2, the Hugging Face BERT masked LM, ViT image classifier and T5, and the in-project GPT "
             "(tessel-gpt); use tp=1 and no recomputation for this model")
 
 
@@ -372,6 +376,8 @@ def split_layers(model: Any, segment_layers: list[list[str]], name: str, *,
         return split_two_towers(model, segment_layers, name, chain=chain)
     if family in ("hf-bert", "hf-vit"):
         return split_encoder(model, segment_layers, name)
+    if family == "hf-t5":
+        return split_t5(model, segment_layers, name)
     layout = hf_decoder_layout(model)
     base = layout.base if layout is not None else "model"
     prefix, cls = {"hf-decoder": (f"{base}.layers.", HFDecoderStage), "hf-gpt2": ("transformer.h.", HFGPT2Stage),

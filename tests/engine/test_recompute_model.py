@@ -226,16 +226,21 @@ def test_a_recomputing_plan_takes_the_layer_split_the_runtime_needs():
         check_executable(full)
 
 
-def test_a_model_without_the_layer_split_under_tensor_parallelism_is_refused_in_one_sentence():
-    """An encoder-decoder (T5) has no layer split: even when it recomputes, a tp=2 plan keeps the
-    tracer split, and the runtime refuses it naming the model and --tp 1."""
+def test_a_model_without_the_layer_split_under_tensor_parallelism_is_refused_in_one_sentence(tmp_path):
+    """A model whose layout the layer split does not know (OPT) keeps the tracer split even when it
+    recomputes with tp=2, and the runtime refuses it naming the model and --tp 1."""
+    import re
+
+    from unsplit_model import opt_model
+
     from engine.plan import make_plan
     from runtime.stages import RuntimeNotSupported
     from runtime.stages.checks import check_executable
 
-    plan = make_plan("t5-tiny", device_type="cpu", devices=2, tp=2, micro_batches=2, schedule="1f1b",
+    name = opt_model(tmp_path)
+    plan = make_plan(name, device_type="cpu", devices=2, tp=2, micro_batches=2, schedule="1f1b",
                      recompute="full").plan
     assert plan.model.split == "tracer"
-    with pytest.raises(RuntimeNotSupported, match=r"tp=2.*'t5-tiny'.*--tp 1") as e:
+    with pytest.raises(RuntimeNotSupported, match=rf"tp=2.*'{re.escape(name)}'.*--tp 1") as e:
         check_executable(plan)
     assert "\n" not in str(e.value)

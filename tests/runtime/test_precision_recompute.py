@@ -204,27 +204,29 @@ def test_recomputation_trains_bit_identically(pool, recompute, schedule, shape):
     assert_params_match(merged, ref.model, f"{recompute} {schedule} {shape}")
 
 
-@pytest.mark.parametrize("recompute,schedule", [("full", "zb-h1"), ("selective", "1f1b")])
-def test_gpt2_recomputes_on_its_layer_split_like_no_recomputation_and_one_process(pool, recompute, schedule):
-    """Hugging Face GPT-2 (``gpt2-tiny``) is planned with the layer split when it recomputes, and its
-    eager stages (``HFGPT2Stage``) train on 2 pipeline ranks bit-identically to no recomputation and
-    like the unsplit model in one process."""
+@pytest.mark.parametrize("model,recompute,schedule", [("gpt2-tiny", "full", "zb-h1"),
+                                                      ("gpt2-tiny", "selective", "1f1b"), ("t5-tiny", "full", "1f1b")])
+def test_hf_models_recompute_on_their_layer_split_like_no_recomputation_and_one_process(pool, model, recompute,
+                                                                                        schedule):
+    """Hugging Face GPT-2 (``gpt2-tiny``) and T5 (``t5-tiny``, encoder-decoder) are planned with the layer
+    split when they recompute, and their eager stages (``HFGPT2Stage``, ``T5Stage``) train on 2 pipeline
+    ranks bit-identically to no recomputation and like the unsplit model in one process."""
     from engine.plan import make_plan
     from runtime.reference import reference_run
     from runtime.worker import merge_model_state
 
-    planned = make_plan("gpt2-tiny", devices=2, micro_batches=M, schedule=schedule, device_type="cpu",
+    planned = make_plan(model, devices=2, micro_batches=M, schedule=schedule, device_type="cpu",
                         micro_batch_size=MBS, seq_len=SEQ, recompute=recompute).plan
     assert planned.model.split == "layers"
-    plan, batches, out = _run(pool, schedule, "pp2", "32-true", recompute, model="gpt2-tiny")
-    _, _, base = _run(pool, schedule, "pp2", "32-true", "none", model="gpt2-tiny")
+    plan, batches, out = _run(pool, schedule, "pp2", "32-true", recompute, model=model)
+    _, _, base = _run(pool, schedule, "pp2", "32-true", "none", model=model)
     assert _losses(out, plan) == _losses(base, plan), "recomputation changed a loss"
     merged = merge_model_state(p["state"] for p in out.values())
     for k, v in merge_model_state(p["state"] for p in base.values()).items():
-        assert torch.equal(merged[k], v), f"gpt2-tiny {recompute} {schedule}: {k} differs from no recomputation"
+        assert torch.equal(merged[k], v), f"{model} {recompute} {schedule}: {k} differs from no recomputation"
     ref = reference_run(plan, batches, seed=0, lr=LR)
     assert _max_rel(_losses(out, plan), ref.losses) <= 1e-4
-    assert_params_match(merged, ref.model, f"gpt2-tiny {recompute} {schedule}")
+    assert_params_match(merged, ref.model, f"{model} {recompute} {schedule}")
 
 
 def test_selective_recomputation_with_a_split_backward_is_refused_in_one_sentence():

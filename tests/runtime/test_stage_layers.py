@@ -1,6 +1,6 @@
 """The layer split (``runtime.stages.layer_split``): eager decoder stages equal the unsplit model.
 
-For a Llama-style HF model, HF GPT-2 and the in-project GPT, at 2 and 4 segments: the stage chain's logits
+For a Llama-style HF model, HF GPT-2, the in-project GPT and T5, at 2 and 4 segments: the stage chain's logits
 and every parameter gradient equal the unsplit model's (they run the same eager modules, so
 exactly), the stages' state-dict keys are the unsplit model's, only the hidden state crosses a
 boundary, and a plan whose segments are not contiguous runs of blocks is refused in one sentence.
@@ -54,6 +54,49 @@ def test_layer_stages_equal_the_unsplit_model(model, devices):
         grads.update({n: total for _, n in group})
     for n, p in ref.named_parameters(remove_duplicate=False):
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_t5_stages_equal_the_unsplit_model(devices):
+    """T5 (encoder-decoder, ``runtime.stages.seq2seq_split``): the chain carries the encoder output, the
+    decoder's ids or hidden state and each stack's relative position bias; logits and every gradient equal
+    the unsplit model's (the tied embeddings' and LM head's copies summed)."""
+    from engine.models import build_model
+    from runtime.stages import build_stages
+
+    plan = _plan("t5-tiny", devices)
+    st = build_stages(plan, seed=0)
+    assert st.split == "layers" and len(st.modules) == devices
+    shapes = [[tuple(m.shape) for m in b] for b in st.boundaries]
+    # 2 stages: the encoder output and the decoder's hidden state; 4: each stack's bias [1, heads, q, k] crosses too
+    assert shapes == ([[(2, 16, 64), (2, 4, 64)]] if devices == 2 else
+                      [[(2, 16, 64), (2, 4), (1, 4, 16, 16)], [(2, 16, 64), (2, 4, 64)],
+                       [(2, 16, 64), (2, 4, 64), (1, 4, 4, 4)]]), shapes
+    torch.manual_seed(0)
+    ref = build_model("t5-tiny", batch_size=2, seq_len=16, device="cpu", dtype=torch.float32).module.float().train()
+    g = torch.Generator().manual_seed(1)
+    ids, dec = torch.randint(0, 290, (2, 16), generator=g), torch.randint(0, 290, (2, 4), generator=g)
+    want = ref(ids, dec)
+    want.square().mean().backward()
+    vals, records = (ids, dec), []
+    for i in range(devices):
+        ins = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in vals)
+        vals = st.modules[i](*ins)
+        records.append((ins, vals))
+    assert torch.equal(vals[0], want)
+    vals[0].square().mean().backward()
+    for i in range(devices - 1, 0, -1):
+        outs, grads_in = records[i - 1][1], [x.grad for x in records[i][0]]
+        pairs = [(o, g) for o, g in zip(outs, grads_in) if g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    grads = {n: p.grad for m in st.modules.values() for n, p in m.named_parameters()}
+    for group in st.tied:
+        total = sum(grads[n] for _, n in group)
+        grads.update({n: total for _, n in group})
+    for n, p in ref.named_parameters():   # shared.weight: held as the stacks' embeddings and the LM head
+        if n in grads:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+    assert "encoder.block.1.layer.0.SelfAttention.q.weight" in grads
 
 
 def test_segments_that_are_not_runs_of_blocks_are_refused():

@@ -57,9 +57,10 @@ def _batches(plan, dp: int) -> list[tuple]:
 
 _DEGREES = {"1x2x2-1f1b": (1, 2, 2, "1f1b"), "1x2x2-zbh1": (1, 2, 2, "zb-h1"), "2x2x1-1f1b": (2, 2, 1, "1f1b")}
 # Hugging Face GPT-2 (Conv1D, the derived plan), GPT-NeoX and Qwen2-MoE (their published plans; Qwen2-MoE's
-# experts moe_tp_experts, under dp 2 also expert-parallel over the replicas): tp 2 and dp 2 x tp 2 on 1F1B;
+# experts moe_tp_experts, under dp 2 also expert-parallel over the replicas) and T5 (encoder-decoder, the derived
+# plan; its relative position biases cross the stage boundary): tp 2 and dp 2 x tp 2 on 1F1B;
 # the schedules' interplay with tensor parallelism is the other two models' ZB-H1 cases
-_CASES = [(name, m) for m in ("llama-tiny", "tessel-gpt", "gpt2-tiny", "gpt-neox-tiny", "qwen2-moe-tiny")
+_CASES = [(name, m) for m in ("llama-tiny", "tessel-gpt", "gpt2-tiny", "gpt-neox-tiny", "qwen2-moe-tiny", "t5-tiny")
           for name in _DEGREES
           if m in ("llama-tiny", "tessel-gpt") or name != "1x2x2-zbh1"]
 
@@ -176,14 +177,19 @@ def _without_key_bias(name: str, t: torch.Tensor, model) -> torch.Tensor:
     return per_head[:, [0, 2], :].reshape(-1)
 
 
-def test_a_model_without_a_tensor_parallel_split_is_refused_in_one_sentence():
-    """An encoder-decoder (T5) has no layer split yet: the plan records the tracer split and the runtime
+def test_a_model_without_a_tensor_parallel_split_is_refused_in_one_sentence(tmp_path):
+    """A model whose layout the layer split does not know (OPT) keeps the tracer split: the runtime
     refuses ``tp > 1`` before any process starts, naming the model and the fix."""
+    import re
+
+    from unsplit_model import opt_model
+
     from runtime.stages import RuntimeNotSupported, check_executable
 
-    plan = _plan("t5-tiny", "1f1b", 1, 2, 2)
+    name = opt_model(tmp_path)
+    plan = _plan(name, "1f1b", 1, 2, 2)
     assert plan.model.split == "tracer"
-    with pytest.raises(RuntimeNotSupported, match=r"tp=2.*'t5-tiny'.*--tp 1") as e:
+    with pytest.raises(RuntimeNotSupported, match=rf"tp=2.*'{re.escape(name)}'.*--tp 1") as e:
         check_executable(plan)
     assert "\n" not in str(e.value)
 

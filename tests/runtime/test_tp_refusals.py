@@ -111,3 +111,15 @@ def test_search_tp_plan_needs_a_model_and_all_device_blocks(tmp_path):
                                  "--time-limit", "3", *COMMON, "-o", str(tmp_path / "v")))
     assert "the V placement has none" in line, line
     assert not (tmp_path / "a" / "plan.json").exists() and not (tmp_path / "v" / "plan.json").exists()
+
+
+def test_t5_refuses_what_its_eager_stages_do_not_run(tmp_path):
+    """T5 trains under tensor parallelism and recomputation on its eager stages; CoCoNet's tp-split and
+    FSDP2 on those stages are refused by ``tessel plan`` in one sentence instead of failing in a rank."""
+    common = ["--device-type", "cpu", "--seq-len", "16", "--micro-batches", "2"]
+    line = _one_sentence(run_cli("plan", "--model", "t5-tiny", "--devices", "2", "--tp", "2", "--transform", "tp-split",
+                                 *common, "-o", str(tmp_path / "a")))
+    assert "'tp-split'" in line and "T5 encoder-decoder" in line, line
+    line = _one_sentence(run_cli("plan", "--model", "t5-tiny", "--devices", "4", "--tp", "2", "--dp", "2",
+                                 "--dp-shard", "2", *common, "-o", str(tmp_path / "b")))
+    assert "T5" in line and "dp_shard 1" in line, line

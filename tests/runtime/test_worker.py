@@ -182,13 +182,15 @@ def test_stage_modules_compose_to_the_full_model():
     assert "transformer.h.0.attn.c_attn.weight" in names      # original FQNs
 
 
-def test_tensor_parallel_plans_of_models_without_the_layer_split_are_refused():
-    """An encoder-decoder (T5, no layer split) keeps the tracer split under ``--tp 2``; building its
-    stages refuses the plan (tensor-parallel training itself: ``test_tensor_parallel.py``)."""
+def test_tensor_parallel_plans_of_models_without_the_layer_split_are_refused(tmp_path):
+    """A model whose layout the layer split does not know (OPT) keeps the tracer split under ``--tp 2``;
+    building its stages refuses the plan (tensor-parallel training itself: ``test_tensor_parallel.py``)."""
+    from unsplit_model import opt_model
+
     from engine.plan import make_plan
     from runtime.stages import RuntimeNotSupported, build_stages
 
-    plan = make_plan("t5-tiny", devices=4, tp=2, micro_batches=M, schedule="1f1b", device_type="cpu",
+    plan = make_plan(opt_model(tmp_path), devices=4, tp=2, micro_batches=M, schedule="1f1b", device_type="cpu",
                      micro_batch_size=MBS, seq_len=SEQ).plan
     with pytest.raises(RuntimeNotSupported, match="tensor parallelism runs on eager decoder stages"):
         build_stages(plan)
