@@ -67,6 +67,10 @@ def check_executable(plan: Any) -> None:
             "'layers'), which `tessel plan --tp` records for Llama-family models, GPT-2, tessel-gpt, the BERT "
             "masked LM and ViT classifier encoders and T5; "
             f"{plan.model.name!r} is not one of them, so plan it with --tp 1")
+    if tp > 1 and (getattr(plan.parallel, "optimizer", None) or "adam") == "adama":   # as the ranks refuse it
+        raise RuntimeNotSupported("optimizer 'adama' with tensor parallelism (tp > 1) is not supported: AdamA folds "
+                                  "each micro-batch's gradient of every whole parameter; use optimizer 'adam' or "
+                                  "'sgd', or tp 1")
     why = recompute_refusal(plan)
     if why:
         raise RuntimeNotSupported(why)

@@ -123,3 +123,16 @@ def test_t5_refuses_what_its_eager_stages_do_not_run(tmp_path):
     line = _one_sentence(run_cli("plan", "--model", "t5-tiny", "--devices", "4", "--tp", "2", "--dp", "2",
                                  "--dp-shard", "2", *common, "-o", str(tmp_path / "b")))
     assert "T5" in line and "dp_shard 1" in line, line
+
+
+def test_launch_refuses_adama_under_tensor_parallelism_before_ray(tmp_path):
+    """AdamA with tp > 1 was refused by every rank in its setup, after Ray had started."""
+    from engine.io import save_plan
+    from engine.plan import make_plan
+
+    plan = make_plan("llama-tiny", devices=2, tp=2, micro_batches=2, device_type="cpu", seq_len=16,
+                     optimizer="adama").plan
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    line = _one_sentence(run_cli("launch", str(path), "--steps", "1"))
+    assert "optimizer 'adama' with tensor parallelism" in line and "tp 1" in line, line
