@@ -384,6 +384,9 @@ class SearchPanel(pn.viewable.Viewer):
             raise TesselError(f"micro-batches must be at least 1, got {m}")
         limit_units = None if self.memory_limit is None else check_memory_limit(self.memory_limit)
         max_window = int(self.max_window)
+        if self.tp_plan.strip() and (self.shape == CURRENT or not self.model_mode):
+            raise TesselError("a tensor-parallel plan shards a model's all-device blocks; load a model plan and pick "
+                              "its M, NN or X shape, or clear the tensor-parallel plan")
         if self.shape == CURRENT:
             plan = self._st.plan
             if plan is None:
@@ -403,9 +406,6 @@ class SearchPanel(pn.viewable.Viewer):
             return _Job(None, m, limit, float(self.time_limit), int(self.seed), base_plan=model_plan,
                         cost=CostModel.from_dict(model_plan.cost), variant=None, abstract=False, max_window=max_window,
                         model_shape=self.shape, devices=int(self.devices), tp_plan=self._tp_plan())
-        if self.tp_plan.strip():
-            raise TesselError("a tensor-parallel plan shards a model's all-device blocks; load a model plan and pick "
-                              "its M, NN or X shape, or clear the tensor-parallel plan")
         else:
             placement = make_shape(self.shape, int(self.devices))  # PlacementError: n < 2, odd n for NN/K
             abstract, cost, base = True, None, None

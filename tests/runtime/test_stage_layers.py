@@ -22,6 +22,22 @@ def _plan(model: str, devices: int):
     return dataclasses.replace(plan, model=dataclasses.replace(plan.model, split="layers"))
 
 
+def _chain(modules: dict, inputs: tuple) -> torch.Tensor:
+    """Run the stages in order on ``inputs`` as the pipeline does (each stage's inputs detached leaves),
+    then the backward of ``logits.square().mean()`` stage by stage, every boundary tensor with a gradient
+    passing it back; returns the logits."""
+    vals, records = inputs, []
+    for i in range(len(modules)):
+        ins = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in vals)
+        vals = modules[i](*ins)
+        records.append((ins, vals))
+    vals[0].square().mean().backward()
+    for i in range(len(modules) - 1, 0, -1):
+        pairs = [(o, x.grad) for o, x in zip(records[i - 1][1], records[i][0]) if x.grad is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return vals[0]
+
+
 @pytest.mark.parametrize("devices", [2, 4])
 @pytest.mark.parametrize("model", ["llama-tiny", "gpt2-tiny", "tessel-gpt"])
 def test_layer_stages_equal_the_unsplit_model(model, devices):
@@ -39,15 +55,7 @@ def test_layer_stages_equal_the_unsplit_model(model, devices):
     ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
     want = ref(ids)
     want.square().mean().backward()
-    vals, records = (ids,), []
-    for i in range(devices):
-        ins = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in vals)
-        vals = st.modules[i](*ins)
-        records.append((ins, vals))
-    assert torch.equal(vals[0], want)
-    vals[0].square().mean().backward()
-    for i in range(devices - 1, 0, -1):
-        records[i - 1][1][0].backward(records[i][0][0].grad)
+    assert torch.equal(_chain(st.modules, (ids,)), want)
     grads = {n: p.grad for m in st.modules.values() for n, p in m.named_parameters()}
     for group in st.tied:   # tied copies (GPT's wte / lm_head): the unsplit model's gradient is their sum
         total = sum(grads[n] for _, n in group)
@@ -78,17 +86,7 @@ def test_t5_stages_equal_the_unsplit_model(devices):
     ids, dec = torch.randint(0, 290, (2, 16), generator=g), torch.randint(0, 290, (2, 4), generator=g)
     want = ref(ids, dec)
     want.square().mean().backward()
-    vals, records = (ids, dec), []
-    for i in range(devices):
-        ins = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in vals)
-        vals = st.modules[i](*ins)
-        records.append((ins, vals))
-    assert torch.equal(vals[0], want)
-    vals[0].square().mean().backward()
-    for i in range(devices - 1, 0, -1):
-        outs, grads_in = records[i - 1][1], [x.grad for x in records[i][0]]
-        pairs = [(o, g) for o, g in zip(outs, grads_in) if g is not None]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    assert torch.equal(_chain(st.modules, (ids, dec)), want)
     grads = {n: p.grad for m in st.modules.values() for n, p in m.named_parameters()}
     for group in st.tied:
         total = sum(grads[n] for _, n in group)

@@ -83,12 +83,7 @@ def test_tensor_parallel_plan_trains_like_one_process(pool, model, degrees):
     assert sorted(holders) == [(d, t) for d in range(dp) for t in range(tp)]
     for r in holders.values():   # loss parallel: the LM head's logits stay vocab-sharded on the last stage
         assert out[r]["info"]["loss_parallel"] == [pp - 1]
-    for t in range(tp):   # both tensor ranks of the last stage compute the same (replicated) loss
-        got = [sum((out[holders[(d, t)]]["losses"][i] for d in range(dp)), []) for i in range(STEPS)]
-        for step, (g, r) in enumerate(zip(got, ref.losses)):
-            assert torch.allclose(torch.tensor(g), torch.tensor(r), rtol=1e-4, atol=0), \
-                f"{model} {schedule} tp rank {t} step {step}: {g} vs reference {r}"
-        assert got[-1] != got[0], "the model must actually train"
+    assert_losses_match(out, holders, ref.losses, dp, tp, f"{model} {schedule}")
     # the projections are sharded: every rank holds half of each column/row-parallel weight
     for p in out.values():
         shards = p["state"]["tp_shards"]
@@ -109,6 +104,18 @@ def test_tensor_parallel_plan_trains_like_one_process(pool, model, degrees):
     # GPT-2's MLP (16,384 weights per c_fc, GELU): seen 2 elements beyond atol 1e-5 with dp 2 x tp 2
     assert_params_match(merged, ref.model, f"{model} {schedule} {dp}x{tp}x{pp}",
                         beyond_per_10000=2 if model == "gpt2-tiny" else 1)
+
+
+def assert_losses_match(out: dict, holders: dict, want: list, dp: int, tp: int, label: str) -> None:
+    """Every tensor rank of the last stage computed the reference's losses (rtol 1e-4): per step, the
+    replicas' micro-batch losses in replica order (``holders``: ``(dp index, tp rank) -> rank``), and the
+    model trained (the last step's losses differ from the first's)."""
+    for t in range(tp):   # both tensor ranks of the last stage compute the same (replicated) loss
+        got = [sum((out[holders[(d, t)]]["losses"][i] for d in range(dp)), []) for i in range(STEPS)]
+        for step, (g, r) in enumerate(zip(got, want)):
+            assert torch.allclose(torch.tensor(g), torch.tensor(r), rtol=1e-4, atol=0), \
+                f"{label} tp rank {t} step {step}: {g} vs reference {r}"
+        assert got[-1] != got[0], "the model must actually train"
 
 
 def assert_params_match(merged: dict, model, label: str, *, beyond_per_10000: int = 1) -> None:

@@ -165,6 +165,8 @@ def test_a_tensor_parallel_plan_typed_in_the_form_shards_the_nn_blocks(llama):
     assert panel.run_search(wait=True) is not None, st.message
     assert st.plan.placement.name == "NN" and st.plan.parallel.tp_plan == attention
     assert st.plan.meta["tp_plan"] == {"source": "user", "blocks": attention}
+    panel.shape = CURRENT   # a placement already planned is searched as it is: the plan would shard nothing
+    assert panel.run_search(wait=True) is None and "clear the tensor-parallel plan" in st.message, st.message
 
 
 def test_abstract_units_keep_the_abstract_shapes(llama):
