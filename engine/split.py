@@ -33,7 +33,7 @@ Source: torch.distributed.pipelining (``pipeline``, ``SplitPoint``); torchtitan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Sequence, get_args
 
 from torch import nn
 
@@ -43,7 +43,7 @@ from engine.tp_plan import BERT_TP_PLAN, GPT2_TP_PLAN, T5_TP_PLAN, TESSEL_GPT_TP
 __all__ = ["DecoderLayout", "EncoderLayout", "EXECUTED_TP_STYLES", "HF_DECODER_LAYOUTS", "HF_ENCODER_LAYOUTS",
            "LLAMA_ROWWISE", "SPLIT_METHODS", "SplitMethod", "choose_split", "effective_tp_plan", "hf_decoder_layout",
            "hf_encoder_layout", "is_hf_gpt2", "is_hf_t5", "record_tp_plan", "sequence_parallel_refusal",
-           "supports_layer_split", "t5_layer_order", "tensor_parallel_refusal"]
+           "supports_layer_split", "t5_layer_order", "tensor_parallel_refusal", "tp_transform_refusal"]
 
 SplitMethod = Literal["tracer", "module", "layers"]
 """How the runtime builds a plan's stages (see the module docstring)."""
@@ -228,6 +228,47 @@ def sequence_parallel_refusal(module: nn.Module, name: str, tp_plan: dict[str, s
             f"the residual adds after input_layernorm and post_attention_layernorm); {name!r} "
             f"({type(module).__name__}) has row-parallel {rows}"
             + ("" if norms else " and other norms") + ", so plan it without tp-split")
+
+
+def tp_transform_refusal(module: nn.Module, name: str, transforms: Sequence[str], *, tp: int,
+                         tp_plan: dict[str, str] | None = None, moe: bool = False) -> str | None:
+    """The sentence refusing a CoCoNet transformation (``transforms``, parsed names) that the runtime
+    does not execute on the tensor-parallel stages (``tp > 1``) of ``module`` (called ``name``), or
+    ``None``: ``tp-split`` and ``chunked-overlap`` rewrite row-parallel ``nn.Linear`` layers of decoder
+    blocks, so not GPT-2's ``Conv1D``, MoE experts' 3-D weights (``moe``), BERT's, ViT's or T5's layers;
+    ``scatter-send`` cuts each boundary tensor over the tensor ranks, so not T5's (ids and position
+    biases cross) nor a ViT whose patches + 1 tokens ``tp`` does not divide; ``tp-split`` also needs
+    decoder layers laid out as Llama's (:func:`sequence_parallel_refusal`, with the user's ``tp_plan``).
+    Checked from the model alone, by ``tessel plan`` / ``tessel search`` and again by ``tessel launch``."""
+    tf = set(transforms)
+    if tp <= 1 or not tf:
+        return None
+    encoder = hf_encoder_layout(module)
+    t5 = is_hf_t5(module)
+    for t in ("tp-split", "chunked-overlap"):
+        if t not in tf:
+            continue
+        if is_hf_gpt2(module) or moe:
+            what = ("is a GPT-2, whose projections are transformers' Conv1D" if is_hf_gpt2(module)
+                    else "has MoE experts, whose 3-D weights")
+            return (f"transformation {t!r} rewrites row-parallel nn.Linear layers, but {name!r} {what}, which "
+                    f"tensor parallelism shards without it; plan it without {t!r}")
+        if encoder is not None or t5:
+            kind = "T5 encoder-decoder" if encoder is None else "BERT encoder" if encoder.family == "hf-bert" \
+                else "ViT encoder"
+            return (f"transformation {t!r} rewrites the row-parallel layers of decoder blocks, but {name!r} is a "
+                    f"{kind}, whose layers tensor parallelism shards without it; plan it without {t!r}")
+    if "scatter-send" in tf and t5:
+        return (f"transformation 'scatter-send' slices each boundary tensor over the tensor ranks, but {name!r} is a "
+                "T5 whose boundaries also carry token ids and position biases; plan it without 'scatter-send'")
+    if "scatter-send" in tf and encoder is not None and encoder.family == "hf-vit":
+        patches: Any = module.get_submodule(f"{encoder.base}.embeddings.patch_embeddings")
+        tokens = int(patches.num_patches) + 1   # the boundary's sequence: the patches and the CLS token
+        if tokens % tp:
+            return (f"transformation 'scatter-send' cuts each boundary's {tokens} tokens (the image's patches and "
+                    f"its CLS token) into tp={tp} equal shards, which {tp} does not divide; plan it without "
+                    "'scatter-send'")
+    return sequence_parallel_refusal(module, name, tp_plan) if "tp-split" in tf else None
 
 
 def effective_tp_plan(module: nn.Module, user: dict[str, str] | None = None) -> tuple[str, dict[str, str]] | None:

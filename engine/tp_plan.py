@@ -33,8 +33,8 @@ from typing import Any, Mapping
 from engine.errors import TransformError
 
 __all__ = ["BERT_TP_PLAN", "GPT2_TP_PLAN", "SHARDING_KINDS", "ShardedSublayers", "T5_TP_PLAN", "TESSEL_GPT_TP_PLAN",
-           "VIT_TP_PLAN", "check_tp_plan", "check_tp_plan_matches", "op_sharding", "packed_parts", "read_tp_plan",
-           "style_pattern"]
+           "VIT_TP_PLAN", "check_tp_plan", "check_tp_plan_matches", "op_sharding", "packed_parts", "parse_tp_plan",
+           "read_tp_plan", "style_pattern"]
 
 #: Hugging Face GPT-2's plan, derived from its graph as Megatron-LM pairs its projections (transformers
 #: publishes none: they are ``Conv1D``, sharded by ``runtime.conv1d_parallel``): the fused query/key/value
@@ -118,6 +118,19 @@ def check_tp_plan_matches(plan: Mapping[str, str], module: Any, name: str) -> No
                                  "'layers.*.self_attn.q_proj' for Llama, 'h.*.attn.c_attn' for GPT-2)")
 
 
+def parse_tp_plan(text: str, where: str = "the tensor-parallel plan") -> dict[str, str]:
+    """A tensor-parallel plan from its JSON ``text`` (see the module docstring), checked.
+
+    Raises:
+        TransformError: not JSON, or not a valid plan (one sentence naming ``where`` it came from).
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TransformError(f"{where} is not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    return check_tp_plan(data, where)
+
+
 def read_tp_plan(path: str | Path) -> dict[str, str]:
     """Read and check a tensor-parallel plan file (see the module docstring).
 
@@ -129,11 +142,7 @@ def read_tp_plan(path: str | Path) -> dict[str, str]:
         text = p.read_text()
     except OSError as e:
         raise TransformError(f"cannot read the tensor-parallel plan {str(p)!r}: {e.strerror or e}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise TransformError(f"the tensor-parallel plan {str(p)!r} is not JSON: {e.msg} at line {e.lineno}") from None
-    return check_tp_plan(data, f"the tensor-parallel plan {str(p)!r}")
+    return parse_tp_plan(text, f"the tensor-parallel plan {str(p)!r}")
 
 
 def style_pattern(path: str, *, subtree: bool = False) -> re.Pattern:

@@ -41,7 +41,6 @@ whatever has arrived.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from dataclasses import replace
@@ -71,7 +70,7 @@ from engine.tessel import (
     SearchResult,
     tessel_search,
 )
-from engine.tp_plan import check_tp_plan
+from engine.tp_plan import parse_tp_plan
 from planner_ui.background import bokeh_safe
 from planner_ui.state import PlanState
 
@@ -416,20 +415,14 @@ class SearchPanel(pn.viewable.Viewer):
                     current=self._st.plan if self.shape == CURRENT else None)
 
     def _tp_plan(self) -> dict[str, str] | None:
-        """The tensor-parallel plan field as a checked plan (:func:`engine.tp_plan.check_tp_plan`), ``None`` when blank.
+        """The tensor-parallel plan field as a checked plan (:func:`engine.tp_plan.parse_tp_plan`), ``None``
+        when blank.
 
         Raises:
             TesselError: not JSON, or not a valid plan (one sentence).
         """
         text = self.tp_plan.strip()
-        if not text:
-            return None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TesselError(f"the tensor-parallel plan is not JSON: {e.msg} at line {e.lineno} column {e.colno}") \
-                from None
-        return check_tp_plan(data)
+        return parse_tp_plan(text) if text else None
 
     # ------------------------------------------------------------------ running
     def start(self) -> bool:

@@ -34,7 +34,8 @@ from torch import nn
 from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-__all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "is_conv1d", "pack", "packed_parts", "unpack"]
+__all__ = ["Conv1DColwiseParallel", "Conv1DRowwiseParallel", "distribute_parameter", "is_conv1d", "pack",
+           "packed_parts", "unpack"]
 
 #: Attribute set on a parameter sharded part by part: the number of parts.
 PACKED_ATTR = "_tessel_packed_parts"
@@ -65,7 +66,10 @@ def packed_parts(module: nn.Module) -> dict[str, int]:
             if getattr(v, PACKED_ATTR, 1) > 1}
 
 
-def _distribute(param: torch.Tensor, mesh: DeviceMesh, placement, parts: int = 1) -> nn.Parameter:
+def distribute_parameter(param: torch.Tensor, mesh: DeviceMesh, placement, parts: int = 1) -> nn.Parameter:
+    """``param`` as an ``nn.Parameter`` DTensor over ``mesh`` placed as ``placement``
+    (``distribute_tensor``); with ``parts > 1`` (a ``Shard``) cut part by part (:func:`pack`) and marked
+    with :data:`PACKED_ATTR`, so :func:`unpack` restores it from the ranks' shards."""
     if parts > 1:
         full = pack(param.detach(), parts, mesh.size(), placement.dim)
         out = nn.Parameter(distribute_tensor(full, mesh, [placement]), requires_grad=param.requires_grad)
@@ -84,9 +88,9 @@ class Conv1DColwiseParallel(ColwiseParallel):
         self.packed = packed
 
     def _partition_conv1d_fn(self, name, module, device_mesh) -> None:
-        module.register_parameter("weight", _distribute(module.weight, device_mesh, Shard(1), self.packed))
+        module.register_parameter("weight", distribute_parameter(module.weight, device_mesh, Shard(1), self.packed))
         if module.bias is not None:
-            module.register_parameter("bias", _distribute(module.bias, device_mesh, Shard(0), self.packed))
+            module.register_parameter("bias", distribute_parameter(module.bias, device_mesh, Shard(0), self.packed))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
@@ -106,9 +110,9 @@ class Conv1DRowwiseParallel(RowwiseParallel):
     """``RowwiseParallel`` for a ``Conv1D`` (see the module docstring)."""
 
     def _partition_conv1d_fn(self, name, module, device_mesh) -> None:
-        module.register_parameter("weight", _distribute(module.weight, device_mesh, Shard(0)))
+        module.register_parameter("weight", distribute_parameter(module.weight, device_mesh, Shard(0)))
         if module.bias is not None:
-            module.register_parameter("bias", _distribute(module.bias, device_mesh, Replicate()))
+            module.register_parameter("bias", distribute_parameter(module.bias, device_mesh, Replicate()))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):

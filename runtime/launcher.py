@@ -98,7 +98,7 @@ from runtime.node_placement import ranks_by_node_text
 from runtime.runner import LaunchError, LaunchFailure, LaunchInterrupted, Runner, as_plan
 from runtime.session import StepReport, TrainingCallback, TrainingSession, restore_checkpoint, resume_point
 from runtime.stages import check_executable, check_transforms
-from runtime.stages.checks import check_tensor_parallel_model
+from runtime.stages.checks import check_model_parallelism
 from runtime.user_code import user_code_runtime_env
 from runtime.worker.config import OptimizerName, WorkerConfig
 
@@ -375,7 +375,7 @@ def launch(
     if worker_cls is None:
         worker_cls = _worker.StageWorker   # looked up now: tests substitute runtime.worker.StageWorker
     check_model_name(plan.model.name)   # a model no rank could build: one sentence now, not one per rank in Ray
-    check_tensor_parallel_model(plan)   # a model whose tensor-parallel plan no rank could execute, likewise
+    check_model_parallelism(plan)   # a model whose tensor-parallel plan no rank could execute, likewise
     shared = shared_cores_warning(ws, config)
     if shared:
         logger.warning(shared)

@@ -7,15 +7,14 @@ transformers 5 stores all ``E`` experts of a sparse MoE block in two 3-D paramet
 them Megatron-style, every expert at once:
 
 - ``experts.gate_up_proj: packed_colwise``: each rank holds ``I/tp`` features of the gate and
-  ``I/tp`` of the up projection of every expert (:func:`runtime.conv1d_parallel.pack` with two parts,
-  so the local ``[E, 2I/tp, H]`` still splits into gate and up with ``chunk(2, -1)``);
+  ``I/tp`` of the up projection of every expert (:func:`runtime.conv1d_parallel.distribute_parameter`
+  with two parts, so the local ``[E, 2I/tp, H]`` still splits into gate and up with ``chunk(2, -1)``);
 - ``experts.down_proj: rowwise``: each rank holds the matching ``I/tp`` input features, ``[E, H, I/tp]``;
 - ``experts: moe_tp_experts``: the experts' forward runs on the local shards (the model's own code,
   any of its experts implementations), so each rank computes a partial ``[N, H]`` output over its
-  features; the partials are all-reduced (:class:`ReduceFromTensorParallel`, Megatron's ``g``). The
-  hidden states and the routing weights enter through :class:`CopyToTensorParallel` (Megatron's
-  ``f``: identity forward, gradient all-reduced), since each rank's features give a partial
-  gradient of both.
+  features; the partials are all-reduced (Megatron's ``g``, :mod:`runtime.tensor_parallel_regions`). The
+  hidden states and the routing weights enter through Megatron's ``f`` (identity forward, gradient
+  all-reduced), since each rank's features give a partial gradient of both.
 
 The router (``block.gate``), Qwen2-MoE's shared expert and its gate stay replicated. With expert
 parallelism over the data-parallel replicas as well (``dp > 1``, :mod:`runtime.expert_parallel_hf`),
@@ -37,47 +36,18 @@ import contextlib
 from typing import Any, Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from runtime.conv1d_parallel import PACKED_ATTR, pack
+from runtime.conv1d_parallel import PACKED_ATTR, distribute_parameter
+from runtime.tensor_parallel_regions import CopyToTensorParallel, ReduceFromTensorParallel
 
-__all__ = ["CopyToTensorParallel", "ExpertsTensorParallel", "ReduceFromTensorParallel", "expert_parallel_shards",
-           "experts_shard_spec", "is_tensor_parallel_experts", "local_parameters"]
+__all__ = ["ExpertsTensorParallel", "expert_parallel_shards", "experts_shard_spec", "is_tensor_parallel_experts",
+           "local_parameters"]
 
 #: Attribute set on an experts module sharded by :class:`ExpertsTensorParallel`: ``(mesh, spec)``.
 TP_EXPERTS_ATTR = "_tessel_experts_tp"
-
-
-class CopyToTensorParallel(torch.autograd.Function):
-    """Megatron's ``f``: identity forward; backward all-reduces (sums) the gradient over ``group``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class ReduceFromTensorParallel(torch.autograd.Function):
-    """Megatron's ``g``: forward all-reduces (sums) the partial outputs over ``group``; identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None
 
 
 def experts_shard_spec(entries: Mapping[str, str], *, transposed: bool = False) -> dict[str, tuple[int, int]]:
@@ -165,13 +135,7 @@ class ExpertsTensorParallel(ParallelStyle):
             if p.shape[dim] % (tp * parts):
                 raise ValueError(f"{type(module).__name__}.{name} {tuple(p.shape)} cannot be cut into {parts} part(s) "
                                  f"of {tp} equal slices along dim {dim}")
-            full = pack(p.detach(), parts, tp, dim) if parts > 1 else p.detach()
-            d = nn.Parameter(DTensor.from_local(full.chunk(tp, dim)[device_mesh.get_local_rank()].clone(),
-                                                device_mesh, [Shard(dim)], run_check=False),
-                             requires_grad=p.requires_grad)
-            if parts > 1:
-                setattr(d, PACKED_ATTR, parts)
-            module.register_parameter(name, d)
+            module.register_parameter(name, distribute_parameter(p, device_mesh, Shard(dim), parts))
         _install_forward(module, device_mesh, self.spec)
         return module
 

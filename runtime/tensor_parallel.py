@@ -218,9 +218,7 @@ def _own_plan(stage: Any, overridden: bool) -> tuple[dict[str, str], str, str, d
         sizes = {"attention heads": int(stage.base.config.num_attention_heads)}
         return blocks, enc.token_embedding or "", enc.vocab_head or "", sizes
     if isinstance(stage, T5Stage):   # T5: the derived plan from the model root, both stacks' embeddings
-        attns: list[Any] = [m for m in stage.modules() if type(m).__name__ == "T5Attention"]
-        heads = [int(a.n_heads) for a in attns]
-        return dict(T5_TP_PLAN), "encoder.embed_tokens", "lm_head", {"attention heads": heads[0]} if heads else {}
+        return dict(T5_TP_PLAN), "encoder.embed_tokens", "lm_head", {"attention heads": stage.num_heads}
     raise TensorParallelError(f"a {type(stage).__name__} stage cannot be tensor-parallel: build the plan's stages "
                               "with the layer split (plan.model.split = 'layers')")
 

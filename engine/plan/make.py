@@ -49,15 +49,7 @@ from engine.plan.metrics import memory_advice, predict_execution
 from engine.precision import get_policy, plan_precision
 from engine.recompute import check_recompute, stage_granularities
 from engine.schedule import Schedule
-from engine.split import (
-    choose_split,
-    hf_encoder_layout,
-    is_hf_gpt2,
-    is_hf_t5,
-    record_tp_plan,
-    sequence_parallel_refusal,
-    tensor_parallel_refusal,
-)
+from engine.split import choose_split, is_hf_t5, record_tp_plan, tensor_parallel_refusal, tp_transform_refusal
 from engine.timeline import Timeline
 from engine.tp_plan import check_tp_plan_matches
 from engine.transform import (
@@ -502,42 +494,13 @@ def _checked_split(bundle: ModelBundle, moe_layers: list[MoELayer], config: Para
            else None)
     if why:
         raise TransformError(why)
-    if config.tp > 1 and (is_hf_gpt2(bundle.module) or moe_layers):
-        what = ("is a GPT-2, whose projections are transformers' Conv1D" if is_hf_gpt2(bundle.module)
-                else "has MoE experts, whose 3-D weights")
-        for name in ("tp-split", "chunked-overlap"):
-            if name in parse_transforms(config.transforms):
-                raise CoCoNetError(f"transformation {name!r} rewrites row-parallel nn.Linear layers, but "
-                                   f"{bundle.name!r} {what}, which tensor parallelism shards without it; plan it "
-                                   f"without {name!r}")
-    encoder = hf_encoder_layout(bundle.module)
-    t5 = is_hf_t5(bundle.module)
-    for name in ("tp-split", "chunked-overlap"):
-        if config.tp > 1 and (encoder is not None or t5) and name in parse_transforms(config.transforms):
-            kind = "T5 encoder-decoder" if encoder is None else "BERT encoder" if encoder.family == "hf-bert" \
-                else "ViT encoder"
-            raise CoCoNetError(f"transformation {name!r} rewrites the row-parallel layers of decoder blocks, but "
-                               f"{bundle.name!r} is a {kind}, whose layers tensor parallelism shards without "
-                               f"it; plan it without {name!r}")
-    if t5 and config.dp_shard > 1 and split == "layers":
+    why = tp_transform_refusal(bundle.module, bundle.name, parse_transforms(config.transforms), tp=config.tp,
+                               tp_plan=config.tp_plan, moe=bool(moe_layers))
+    if why:
+        raise CoCoNetError(why)
+    if is_hf_t5(bundle.module) and config.dp_shard > 1 and split == "layers":
         raise TransformError(f"{bundle.name!r} is a T5, whose eager stages (needed here for tensor parallelism or "
                              "recomputation) the runtime does not shard with FSDP2; plan it with dp_shard 1")
-    if config.tp > 1 and t5 and "scatter-send" in parse_transforms(config.transforms):
-        raise CoCoNetError(f"transformation 'scatter-send' slices each boundary tensor over the tensor ranks, but "
-                           f"{bundle.name!r} is a T5 whose boundaries also carry token ids and position biases; "
-                           "plan it without 'scatter-send'")
-    if (config.tp > 1 and encoder is not None and encoder.family == "hf-vit"
-            and "scatter-send" in parse_transforms(config.transforms)):
-        patches = bundle.module.get_submodule(f"{encoder.base}.embeddings.patch_embeddings")
-        tokens = cast(int, patches.num_patches) + 1   # the boundary's sequence: the patches and the CLS token
-        if tokens % config.tp:
-            raise CoCoNetError(f"transformation 'scatter-send' cuts each boundary's {tokens} tokens (the image's "
-                               f"patches and its CLS token) into tp={config.tp} equal shards, which {config.tp} does "
-                               "not divide; plan it without 'scatter-send'")
-    if config.tp > 1 and "tp-split" in parse_transforms(config.transforms):
-        why = sequence_parallel_refusal(bundle.module, bundle.name, config.tp_plan)
-        if why:
-            raise CoCoNetError(why)
     return split
 
 

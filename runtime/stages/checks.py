@@ -11,14 +11,16 @@ from typing import Any, Sequence
 import torch
 
 from engine.coconet import parse_transforms
+from engine.models.moe.hf_moe import is_hf_moe_block
+from engine.models.moe.layer import MoEFeedForward
 from engine.models.registry import is_user_model, model_spec
-from engine.split import is_hf_t5, sequence_parallel_refusal, tensor_parallel_refusal
+from engine.split import is_hf_t5, tensor_parallel_refusal, tp_transform_refusal
 from runtime.fsdp import fsdp_refusal
 from runtime.precision import plan_policy, precision_refusal
 from runtime.recompute import recompute_refusal
 from runtime.stages.errors import RuntimeNotSupported
 
-__all__ = ["EXECUTED_TRANSFORMS", "check_executable", "check_tensor_parallel_model", "check_transforms"]
+__all__ = ["EXECUTED_TRANSFORMS", "check_executable", "check_model_parallelism", "check_transforms"]
 
 #: CoCoNet's transformations (``engine.coconet``) the stage worker executes; a plan with another
 #: one is refused in one sentence (:func:`check_transforms`). ``tp-split`` and ``chunked-overlap``:
@@ -78,11 +80,6 @@ def check_executable(plan: Any) -> None:
     if dp_shard > 1:
         why = fsdp_refusal(precision=plan_policy(plan).name, optimizer=getattr(plan.parallel, "optimizer", None)
                            or "adam", transforms=plan.parallel.transforms, split=plan.model.split)
-        if why is None and plan.model.split == "layers" and not is_user_model(plan.model.name):
-            module, _ = model_spec(plan.model.name).builder(device="meta", dtype=torch.float32)
-            if is_hf_t5(module):
-                why = (f"{plan.model.name!r} is a T5, whose eager stages the runtime does not shard with FSDP2; "
-                       "plan it with dp_shard 1")
         if why:
             raise RuntimeNotSupported(why)
     pl = plan.schedule.placement
@@ -176,22 +173,31 @@ def _check_replicas(plan: Any, chains: list[list[int]]) -> None:
                 f"segment k of the first), and segments {chain} do not replicate {first}")
 
 
-def check_tensor_parallel_model(plan: Any) -> None:
-    """Raise :class:`RuntimeNotSupported` when ``plan`` shards its model (``tp > 1`` or a block on
-    several devices, on the layer split) and the model's published tensor-parallel plan has a style
-    the runtime does not execute (:func:`engine.split.tensor_parallel_refusal`; e.g. GLM-4's
-    ``colwise_gather_output``), or ``tp-split`` on a decoder not laid out as Llama's
-    (:func:`engine.split.sequence_parallel_refusal`; e.g. GPT-NeoX). The model is built on the meta
-    device (no weights) from its registered name or Hugging Face config path; user code
-    (``module:callable``) is checked by the ranks as they build it."""
+def check_model_parallelism(plan: Any) -> None:
+    """Raise :class:`RuntimeNotSupported` for what a plan on the layer split asks of its model that the
+    ranks could not run, checked from the model built on the meta device (no weights) from its
+    registered name or Hugging Face config path (user code, ``module:callable``, is checked by the
+    ranks as they build it): when it shards the model (``tp > 1`` or a block on several devices), a
+    published tensor-parallel style the runtime does not execute
+    (:func:`engine.split.tensor_parallel_refusal`; e.g. GLM-4's ``colwise_gather_output``) or a CoCoNet
+    transformation it does not run there (:func:`engine.split.tp_transform_refusal`; e.g. ``tp-split`` on
+    GPT-NeoX); with ``dp_shard > 1``, FSDP2 on T5's eager stages."""
     multi = any(len(b.devices) > 1 for b in plan.schedule.placement.blocks)
     name = plan.model.name
-    if plan.model.split != "layers" or not (plan.parallel.tp > 1 or multi) or is_user_model(name):
+    sharded = plan.parallel.tp > 1 or multi
+    fsdp = int(getattr(plan.parallel, "dp_shard", 1) or 1) > 1
+    if plan.model.split != "layers" or not (sharded or fsdp) or is_user_model(name):
         return
     module, _ = model_spec(name).builder(device="meta", dtype=torch.float32)
+    if fsdp and is_hf_t5(module):
+        raise RuntimeNotSupported(f"{name!r} is a T5, whose eager stages the runtime does not shard with FSDP2; "
+                                  "plan it with dp_shard 1")
+    if not sharded:
+        return
     user = getattr(plan.parallel, "tp_plan", None)
-    why = tensor_parallel_refusal(module, name, user)
-    if why is None and plan.parallel.tp > 1 and "tp-split" in parse_transforms(plan.parallel.transforms):
-        why = sequence_parallel_refusal(module, name, user)
+    moe = any(is_hf_moe_block(m) or isinstance(m, MoEFeedForward) for m in module.modules())
+    why = (tensor_parallel_refusal(module, name, user)
+           or tp_transform_refusal(module, name, parse_transforms(plan.parallel.transforms), tp=plan.parallel.tp,
+                                   tp_plan=user, moe=moe))
     if why:
         raise RuntimeNotSupported(why)

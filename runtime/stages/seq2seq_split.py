@@ -28,7 +28,7 @@ bias (zeros, made by each block).
 Tensor parallelism (:func:`shard_heads`): the projections are sharded Megatron-style
 (:data:`engine.tp_plan.T5_TP_PLAN`), so each tensor rank runs ``heads/tp`` heads. The position bias
 crosses boundaries whole (replicated, ``heads``); each rank adds its heads' slice, entering through
-Megatron's ``f`` (:class:`runtime.moe_tensor_parallel.CopyToTensorParallel`: identity forward, the
+Megatron's ``f`` (:class:`runtime.tensor_parallel_regions.CopyToTensorParallel`: identity forward, the
 gradient summed over the tensor ranks), so ``relative_attention_bias`` (replicated) gets the whole
 gradient on every rank.
 
@@ -47,9 +47,9 @@ import torch
 from torch import nn
 
 from engine.split import t5_layer_order
-from runtime.moe_tensor_parallel import CopyToTensorParallel
 from runtime.stages.errors import StageSplitError
 from runtime.stages.types import StageModule
+from runtime.tensor_parallel_regions import CopyToTensorParallel
 
 __all__ = ["T5Stage", "shard_heads", "split_t5"]
 
@@ -88,6 +88,8 @@ class T5Stage(StageModule):
         self.encoder, self.decoder = m.encoder, m.decoder
         self.lm_head: Any = m.lm_head if "lm_head" in layers else None
         self.model_dim = int(m.model_dim)
+        #: attention heads of every attention module (``config.num_heads``), before tensor parallelism
+        self.num_heads = int(m.config.num_heads)
         self.scale_decoder_outputs = bool(getattr(m.config, "scale_decoder_outputs", False))
         #: (tensor rank, tensor-parallel degree, process group) once the stage is sharded (:func:`shard_heads`)
         self.head_shard: tuple[int, int, Any] | None = None
