@@ -136,3 +136,19 @@ def test_launch_refuses_adama_under_tensor_parallelism_before_ray(tmp_path):
     save_plan(plan, path)
     line = _one_sentence(run_cli("launch", str(path), "--steps", "1"))
     assert "optimizer 'adama' with tensor parallelism" in line and "tp 1" in line, line
+
+
+def test_launch_refuses_tp_split_on_an_encoder_plan_written_elsewhere(tmp_path):
+    """``tessel launch`` runs the planner's CoCoNet-under-TP predicate too: a tp-split plan naming BERT
+    (edited, or written by another version) is refused before Ray, not by every rank in its setup."""
+    from engine.io import save_plan
+    from engine.plan import make_plan
+
+    plan = make_plan("llama-tiny", devices=2, tp=2, micro_batches=2, device_type="cpu", seq_len=16,
+                     transforms=("tp-split",)).plan
+    d = plan.to_dict()
+    d["model"]["name"] = "bert-tiny"
+    path = tmp_path / "plan.json"
+    save_plan(type(plan).from_dict(d), path)
+    line = _one_sentence(run_cli("launch", str(path), "--steps", "1"))
+    assert "'tp-split'" in line and "'bert-tiny' is a BERT encoder" in line, line
